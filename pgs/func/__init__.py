@@ -1,0 +1,54 @@
+"""pgs.func — pure gradient transforms, chains, schedules and losses on torch.
+
+Everything here is a pure function of tensors: ``init(params) -> state`` and
+``update(updates, state, params) -> (updates, state)``; no I/O, no process groups, no
+mutation of the caller's inputs (unless ``pf.compile(..., donate=True)`` is asked for).
+
+    import torch, pgs.func as pf
+    opt = pf.chain(
+        pf.clip_by_global_norm(1.0),
+        pf.scale_by_adam(b1=0.9, b2=0.95, eps=1e-8),
+        pf.add_decayed_weights(0.1, mask=lambda path, p: p.ndim >= 2),
+        pf.scale_by_learning_rate(pf.cosine_schedule(peak=3e-4, warmup=100, total=10_000)),
+    )
+    state = opt.init(params)
+    updates, state = opt.update(grads, state, params)
+    params = pf.apply_updates(params, updates)
+"""
+
+from pgs.func.accumulate import AccumulateState, accumulate
+from pgs.func.adam import ScaleByAdamState, scale_by_adam
+from pgs.func.alias import adamw, lion, sgd
+from pgs.func.apply import apply_updates, stochastic_round_to_bf16
+from pgs.func.base import (
+    ELEMENTWISE,
+    GLOBAL,
+    MATRIX,
+    PER_TENSOR,
+    EmptyState,
+    Transform,
+    chain,
+    identity,
+    named_chain,
+)
+from pgs.func.clip import clip_by_global_norm, clip_by_norm_per_tensor, global_norm
+from pgs.func.combine import masked, partition
+from pgs.func.compile import FlatChain, compile
+from pgs.func.hyperparams import InjectHyperparamsState, inject_hyperparams
+from pgs.func.layout import Layout, per_tensor_apply, per_tensor_dot, per_tensor_sumsq
+from pgs.func.learning_rate import ScaleByLearningRateState, scale_by_learning_rate
+from pgs.func.lion import ScaleByLionState, scale_by_lion
+from pgs.func.schedules import (
+    constant_schedule,
+    cosine_schedule,
+    join_schedules,
+    linear_warmup,
+    power_decay_schedule,
+    wsd_schedule,
+)
+from pgs.func.sgd import scale_by_sgd_momentum
+from pgs.func.state_io import state_from_dict, state_to_dict
+from pgs.func.weight_decay import add_decayed_weights
+from pgs.func.tree import leaves_with_paths, tree_map
+
+__all__ = [name for name in dir() if not name.startswith("_")]

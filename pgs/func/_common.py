@@ -1,0 +1,36 @@
+"""Small pieces the building blocks share (step counters, dtype casts)."""
+
+from __future__ import annotations
+
+import torch
+
+from pgs.func import tree as T
+
+_INT32_MAX = 2**31 - 1
+
+
+def device_of(tree) -> torch.device:
+    for x in T.leaves(tree):
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
+
+
+def zero_count(tree) -> torch.Tensor:
+    """A 0-d int32 step counter on the tree's device."""
+    return torch.zeros((), dtype=torch.int32, device=device_of(tree))
+
+
+def increment(count: torch.Tensor) -> torch.Tensor:
+    """count + 1, saturating at int32 max instead of overflowing (as optax does)."""
+    return torch.where(count < _INT32_MAX, count + 1, count)
+
+
+def zeros_state(tree, dtype: torch.dtype | None):
+    """A zero moment buffer per leaf, in ``dtype`` (or the leaf's own dtype)."""
+    return T.tree_map(lambda x: torch.zeros_like(x, dtype=dtype or x.dtype), tree)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for half types, the tensor's own dtype for fp32/fp64."""
+    return torch.promote_types(x.dtype, torch.float32)

@@ -1,0 +1,193 @@
+"""The transform: a pair of pure functions, and the ways to compose them.
+
+A ``Transform`` is ``init(params, **extra) -> state`` and
+``update(updates, state, params=None, **extra) -> (updates, state)``.  Neither mutates its
+inputs.  ``extra`` carries call-time context: the loss (``loss=...``) for transforms that
+want it, and ``layout=`` when the chain runs on the flat execution layer (see
+``pgs.func.layout``), in which case the trees hold one flat buffer per group instead of one
+tensor per parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import attrs
+import torch
+
+from pgs.errors import InvalidArgument
+from pgs.func import tree as T
+from pgs.func.layout import call_init, call_update
+
+#: How far a transform looks across the tree; the runtime uses it to decide what may run
+#: inside backward (gradient release) and what must be all-reduced under FSDP2.
+ELEMENTWISE = "elementwise"  # each element depends only on itself
+PER_TENSOR = "per_tensor"  # needs reductions over whole tensors (norms)
+MATRIX = "matrix"  # needs whole matrices in their shape (Newton-Schulz, SAGE columns)
+GLOBAL = "global"  # needs a reduction over the whole tree (global-norm clip)
+_LOCALITY_ORDER = {ELEMENTWISE: 0, PER_TENSOR: 1, MATRIX: 2, GLOBAL: 3}
+
+
+def widest_locality(*localities: str) -> str:
+    if not localities:
+        return ELEMENTWISE
+    return max(localities, key=lambda s: _LOCALITY_ORDER[s])
+
+
+@attrs.frozen
+class Transform:
+    """A pure gradient transformation.
+
+    Attributes:
+        init: ``init(params, **extra) -> state``.
+        update: ``update(updates, state, params=None, **extra) -> (updates, state)``.
+        name: a short name used as the key of its state inside a chain.
+        locality: one of ``elementwise``, ``per_tensor``, ``matrix``, ``global``.
+        flat_ok: True when ``update`` works on the flat layout (one buffer per group, with
+            ``layout`` in ``extra``); False makes the flat executor hand it per-parameter
+            views instead (zero-copy).
+        group_by: functions ``(path, param) -> hashable`` whose values must be equal inside
+            one flat group (masks, partition labels, 8-bit eligibility).
+        align: element alignment this transform needs for each tensor's start in a flat
+            buffer (block-wise quantization needs its block size).
+        children: the transforms this one wraps (for introspection).
+    """
+
+    init: Callable[..., Any]
+    update: Callable[..., tuple[Any, Any]]
+    name: str = "transform"
+    locality: str = ELEMENTWISE
+    flat_ok: bool = True
+    group_by: tuple = ()
+    align: int = 1
+    children: tuple = ()
+
+    def all_group_by(self) -> tuple:
+        out = list(self.group_by)
+        for c in self.children:
+            out.extend(c.all_group_by())
+        return tuple(out)
+
+    def max_align(self) -> int:
+        a = self.align
+        for c in self.children:
+            a = math.lcm(a, c.max_align())
+        return a
+
+    def all_flat_ok(self) -> bool:
+        return self.flat_ok and all(c.all_flat_ok() for c in self.children)
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless transform."""
+
+
+def identity() -> Transform:
+    """The identity transform: ``u ← u``."""
+
+    def init(params, **extra):
+        return EmptyState()
+
+    def update(updates, state, params=None, **extra):
+        return updates, state
+
+    return Transform(init, update, name="identity")
+
+
+def _check_transforms(transforms, who: str):
+    for i, t in enumerate(transforms):
+        if not isinstance(t, Transform):
+            raise InvalidArgument(f"{who}: argument {i} is a {type(t).__name__}, expected a pgs.func.Transform")
+
+
+def named_chain(*named: tuple[str, Transform]) -> Transform:
+    """Compose transforms in order; the state is a dict keyed by the given names.
+
+    ``u ← t_k(…t_2(t_1(u)))``; each ``t_i`` keeps its own state under ``names[i]``.
+    """
+    names = [n for n, _ in named]
+    transforms = [t for _, t in named]
+    _check_transforms(transforms, "named_chain")
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"named_chain: names must be unique, got {names}")
+
+    def init(params, **extra):
+        return {n: call_init(t, params, extra) for n, t in named}
+
+    def update(updates, state, params=None, **extra):
+        if not isinstance(state, dict) or list(state) != names:
+            raise InvalidArgument(f"chain state keys {list(state) if isinstance(state, dict) else type(state).__name__} "
+                                  f"do not match the chain's transforms {names}")
+        new_state = {}
+        for n, t in named:
+            updates, new_state[n] = call_update(t, updates, state[n], params, extra)
+        return updates, new_state
+
+    return Transform(
+        init,
+        update,
+        name="chain",
+        locality=widest_locality(*(t.locality for t in transforms)),
+        children=tuple(transforms),
+    )
+
+
+def chain(*transforms: Transform) -> Transform:
+    """Compose transforms in order (optax's ``chain``); state keys are ``"{i}_{name}"``.
+
+    Example::
+
+        opt = pf.chain(pf.clip_by_global_norm(1.0), pf.scale_by_adam(), pf.scale_by_learning_rate(1e-3))
+    """
+    _check_transforms(transforms, "chain")
+    return named_chain(*((f"{i}_{t.name}", t) for i, t in enumerate(transforms)))
+
+
+# ----------------------------------------------------------------------------------------
+# hyperparameter handling shared by the building blocks
+
+
+def hp_value(x) -> float | None:
+    """The Python value of a number hyperparameter; None for tensors and schedules.
+
+    Tensor hyperparameters come from ``inject_hyperparams``, which validated the Python value
+    they were made from; reading them back would synchronise the device every step.
+    """
+    if isinstance(x, bool):
+        return float(x)
+    if isinstance(x, (int, float)):
+        return float(x)
+    return None
+
+
+def check_range(name: str, value, lo=None, hi=None, *, lo_open=False, hi_open=False, who: str = "") -> None:
+    """Validate a numeric hyperparameter (floats or 0-d tensors); schedules are not checked here."""
+    if callable(value) and not isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise InvalidArgument(f"{who}: {name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        return
+    v = hp_value(value)
+    if v is None:
+        raise InvalidArgument(f"{who}: {name} must be a number, got {type(value).__name__}")
+    if math.isnan(v):
+        raise InvalidArgument(f"{who}: {name} is NaN")
+    bad = False
+    if lo is not None and (v < lo or (lo_open and v == lo)):
+        bad = True
+    if hi is not None and (v > hi or (hi_open and v == hi)):
+        bad = True
+    if bad:
+        lo_s = "-inf" if lo is None else repr(lo)
+        hi_s = "inf" if hi is None else repr(hi)
+        rng = ("(" if lo_open else "[") + f"{lo_s}, {hi_s}" + (")" if hi_open else "]")
+        raise InvalidArgument(f"{who}: {name}={v!r} is outside {rng}")
+
+
+def as_tensor_like(x, ref: torch.Tensor) -> Any:
+    """A hyperparameter ready to combine with ``ref``: tensors move to ref's device, floats stay."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device=ref.device)
+    return x

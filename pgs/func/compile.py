@@ -1,0 +1,196 @@
+"""The execution layer: run a chain on the flat layout, fused and optionally in place.
+
+``pf.compile(opt)`` returns a ``FlatChain`` with the same ``init``/``update`` contract as
+``opt`` (same results), plus ``step`` (update and apply in one pass).  What it does:
+
+1. Builds a ``Layout`` from the parameters once: one buffer per (dtype, device, labels)
+   group, every tensor aligned to ``align`` elements.
+2. Keeps the chain's state on that layout (one buffer per group per moment).
+3. Runs ``opt.update`` on the flat trees — every elementwise stage sees one leaf per group;
+   per-tensor reductions are segmented; transforms that need matrices get views.
+4. With ``jit=True`` the whole update is one ``torch.compile`` graph: the elementwise stages
+   fuse into a few kernels over the flat buffers, and hyperparameters are tensors in state,
+   so nothing recompiles when the learning rate changes.
+5. With ``donate=True`` the state (and, in ``step``, the parameters) are updated in place:
+   the caller gives up the old buffers and no second copy of the state is ever allocated.
+
+Gradients that already are views of the layout's buffers (the runtime arranges this with
+``FlatChain.bind_buffers``) are read with no copy; otherwise they are gathered once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from pgs.errors import InvalidArgument
+from pgs.func import tree as T
+from pgs.func.apply import stochastic_round_to_bf16
+from pgs.func.base import Transform
+from pgs.func.layout import Layout, call_init, call_update
+
+
+class FlatChain:
+    """A transform run on the flat layout.  See the module docstring."""
+
+    def __init__(self, opt: Transform, *, jit: bool = True, donate: bool = False, align: int = 256,
+                 stochastic_rounding: bool = False, compile_options: dict | None = None):
+        if not isinstance(opt, Transform):
+            raise InvalidArgument(f"compile: expected a pgs.func.Transform, got {type(opt).__name__}")
+        self.opt = opt
+        self.jit = jit
+        self.donate = donate
+        self.stochastic_rounding = stochastic_rounding
+        import math
+
+        self.align = math.lcm(int(align), opt.max_align())
+        self.group_by = opt.all_group_by()
+        self.layout: Layout | None = None
+        self._compile_options = compile_options or {}
+        self._update_fn = None
+        self._step_fn = None
+
+    # -- layout ------------------------------------------------------------------------
+    def layout_for(self, params) -> Layout:
+        if self.layout is None or not self.layout.matches(params):
+            self.layout = Layout(params, align=self.align, group_by=self.group_by)
+            self._update_fn = self._step_fn = None
+        return self.layout
+
+    def flatten(self, tree, dtype=None, what="tree"):
+        if self.layout is None:
+            raise InvalidArgument("compile: call init(params) before update()")
+        return self.layout.flatten(tree, dtype, what=what)
+
+    def unflatten(self, flat):
+        return self.layout.unflatten(flat)
+
+    # -- the Transform contract --------------------------------------------------------
+    def init(self, params, **extra):
+        layout = self.layout_for(params)
+        flat_p = layout.flatten(params, what="params")
+        return call_init(self.opt, flat_p, {**extra, "layout": layout})
+
+    def update(self, updates, state, params=None, **extra):
+        """Same contract and results as ``opt.update`` on the per-parameter tree."""
+        layout = self.layout
+        if layout is None:
+            raise InvalidArgument("compile: call init(params) before update()")
+        fu = layout.flatten(updates, what="updates")
+        fp = None if params is None else layout.flatten(params, what="params")
+        if self._update_fn is None:
+            self._update_fn = self._build(self._flat_update)
+        u, s = self._update_fn(fu, state, fp, extra)
+        return layout.unflatten(u), s
+
+    def update_flat(self, flat_updates: dict, state, flat_params: dict | None = None, **extra):
+        """``update`` on trees already in flat form (what the runtime calls)."""
+        if self._update_fn is None:
+            self._update_fn = self._build(self._flat_update)
+        return self._update_fn(flat_updates, state, flat_params, extra)
+
+    def step(self, grads, state, params, **extra):
+        """Update and apply in one pass: returns ``(new_params, new_state)``.
+
+        With ``donate=True`` the parameters' and the state's buffers are overwritten in place
+        (when ``params`` are views of one flat buffer per group, e.g. after ``bind_buffers``,
+        the caller's tensors see the new values with no copy at all).
+        """
+        layout = self.layout
+        if layout is None:
+            raise InvalidArgument("compile: call init(params) before step()")
+        fg = layout.flatten(grads, what="grads")
+        fp = layout.flatten(params, what="params")
+        new_p, new_s = self.step_flat(fg, state, fp, **extra)
+        if self.donate:
+            leaves, _ = T.flatten(params)
+            views = T.leaves(layout.unflatten(new_p))
+            for p, v in zip(leaves, views):
+                if p is not None and p.data_ptr() != v.data_ptr():
+                    p.copy_(v)
+            return params, new_s
+        return layout.unflatten(new_p), new_s
+
+    def step_flat(self, flat_grads: dict, state, flat_params: dict, **extra):
+        if self._step_fn is None:
+            self._step_fn = self._build(self._flat_step)
+        return self._step_fn(flat_grads, state, flat_params, extra)
+
+    # -- internals ---------------------------------------------------------------------
+    def _flat_update(self, fu, state, fp, extra):
+        u, s = call_update(self.opt, fu, state, fp, {**extra, "layout": self.layout})
+        if self.donate:
+            s = _donate(state, s)
+        return u, s
+
+    def _flat_step(self, fg, state, fp, extra):
+        u, s = call_update(self.opt, fg, state, fp, {**extra, "layout": self.layout})
+        new_p = {}
+        for k, p in fp.items():
+            cd = torch.promote_types(p.dtype, torch.float32)
+            x = p.to(cd) + u[k].to(cd)
+            x = stochastic_round_to_bf16(x) if (self.stochastic_rounding and p.dtype == torch.bfloat16) else x.to(p.dtype)
+            if self.donate:
+                p.copy_(x)
+                x = p
+            new_p[k] = x
+        if self.donate:
+            s = _donate(state, s)
+        return new_p, s
+
+    def _build(self, fn: Callable):
+        if not self.jit:
+            return fn
+        opts = {"fullgraph": False, "dynamic": False, **self._compile_options}
+        return torch.compile(fn, **opts)
+
+    def bind_buffers(self, params) -> dict[str, torch.Tensor]:
+        """Re-home ``params`` (leaf tensors) into the layout's flat buffers; returns the buffers.
+
+        Afterwards every parameter is a view of its group's buffer, so ``flatten`` is free.
+        Used by the runtime for parameters and for gradient buffers.
+        """
+        layout = self.layout_for(params)
+        flat = layout.flatten(params, what="params")
+        views = T.leaves(layout.unflatten(flat))
+        for p, v in zip(T.leaves(params), views):
+            if p is not None and p.data_ptr() != v.data_ptr():
+                p.data = v
+        return flat
+
+
+def _donate(old_state, new_state):
+    """Write ``new_state`` into ``old_state``'s buffers (same shapes) and return the old ones."""
+    olds, spec = T.flatten(old_state)
+    news = T.leaves(new_state)
+    out = []
+    for o, n in zip(olds, news):
+        if isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o.shape == n.shape and o.dtype == n.dtype and o is not n:
+            o.copy_(n)
+            out.append(o)
+        else:
+            out.append(n)
+    return T.unflatten(out, spec)
+
+
+def compile(opt: Transform, *, jit: bool = True, donate: bool = False, align: int = 256,
+            stochastic_rounding: bool = False, compile_options: dict | None = None) -> FlatChain:
+    """Run ``opt`` on the flat layout (see ``pgs.func.compile`` module docs).
+
+    Args:
+        opt: any transform or chain.
+        jit: wrap the flat update in ``torch.compile`` (False: the same flat code, eager).
+        donate: update state (and parameters in ``step``) in place.
+        align: element alignment of each tensor inside its group (a multiple of every
+            transform's own ``align``, e.g. the 8-bit block size).
+        stochastic_rounding: ``step`` rounds bf16 parameters stochastically.
+
+    Example::
+
+        fast = pf.compile(pf.adamw(1e-3), donate=True)
+        state = fast.init(params)
+        params, state = fast.step(grads, state, params)
+    """
+    return FlatChain(opt, jit=jit, donate=donate, align=align, stochastic_rounding=stochastic_rounding,
+                     compile_options=compile_options)

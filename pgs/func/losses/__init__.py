@@ -1,0 +1,61 @@
+"""Token losses of the output head, reported as sums (pure: no I/O, no process groups).
+
+Backends (same signature, chosen by ``token_loss(..., backend=...)``):
+``chunked`` (default, O(chunk·V) memory), ``dense`` (reference), ``liger`` and ``cce``
+(CUDA fused kernels, cross-entropy only).  Objectives: ``ce``, ``deft``, ``deft_cayley``,
+``dft``, ``infosft``, ``cadft`` (EQUATIONS.md C1-C4).  Embedding noise: ``neftune``,
+``symnoise`` (C7).  See docs/losses.md.
+"""
+
+from pgs.func.losses.chunked import (
+    ChunkedTokenLoss,
+    chunked_cross_entropy,
+    chunked_token_loss,
+    target_logprobs,
+)
+from pgs.func.losses.dense import cross_entropy, dense_token_loss
+from pgs.func.losses.fused import fused_cross_entropy
+from pgs.func.losses.noise import neftune, symnoise
+from pgs.func.losses.objectives import (
+    CADFT,
+    CE,
+    DEFT,
+    DFT,
+    OBJECTIVES,
+    DEFTCayley,
+    InfoSFT,
+    Objective,
+    cadft_compatibility,
+    cayley_alpha,
+    infosft_weight,
+    resolve_objective,
+)
+from pgs.func.losses.result import TokenLossResult
+from pgs.func.losses.token_loss import BACKENDS, token_loss
+
+__all__ = [
+    "BACKENDS",
+    "CADFT",
+    "CE",
+    "DEFT",
+    "DEFTCayley",
+    "DFT",
+    "ChunkedTokenLoss",
+    "InfoSFT",
+    "OBJECTIVES",
+    "Objective",
+    "TokenLossResult",
+    "cadft_compatibility",
+    "cayley_alpha",
+    "chunked_cross_entropy",
+    "chunked_token_loss",
+    "cross_entropy",
+    "dense_token_loss",
+    "fused_cross_entropy",
+    "infosft_weight",
+    "neftune",
+    "resolve_objective",
+    "symnoise",
+    "target_logprobs",
+    "token_loss",
+]

@@ -1,0 +1,151 @@
+"""Pytree helpers with readable leaf paths.
+
+pgs trees are any nesting of dicts, lists, tuples and NamedTuples with ``torch.Tensor``
+leaves (``None`` marks an absent leaf).  Every leaf has a *path*: the keys from the root
+joined by ``.`` (``"model.layers.0.weight"`` for ``dict(model.named_parameters())``).  Paths
+are what masks and partition labels see, what errors name, and what state checkpoints use as
+keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as _pt
+
+from pgs.errors import InvalidArgument, TreeMismatch
+
+Tree = Any
+
+
+def _key_name(k) -> str:
+    if isinstance(k, _pt.MappingKey):
+        return str(k.key)
+    if isinstance(k, _pt.SequenceKey):
+        return str(k.idx)
+    if isinstance(k, _pt.GetAttrKey):
+        return str(k.name)
+    return str(k)
+
+
+def path_str(keypath) -> str:
+    return ".".join(_key_name(k) for k in keypath)
+
+
+def leaves_with_paths(tree: Tree) -> list[tuple[str, Any]]:
+    """``[(path, leaf), ...]`` in flattening order."""
+    flat, _ = _pt.tree_flatten_with_path(tree)
+    return [(path_str(kp), leaf) for kp, leaf in flat]
+
+
+def flatten(tree: Tree):
+    return _pt.tree_flatten(tree)
+
+
+def unflatten(leaves, spec):
+    return _pt.tree_unflatten(leaves, spec)
+
+
+def leaves(tree: Tree) -> list:
+    return _pt.tree_leaves(tree)
+
+
+def paths(tree: Tree) -> list[str]:
+    return [p for p, _ in leaves_with_paths(tree)]
+
+
+def check_tensor_leaves(tree: Tree, what: str = "tree") -> None:
+    """Every leaf is a tensor or None; otherwise name the first offending path."""
+    for path, leaf in leaves_with_paths(tree):
+        if leaf is not None and not isinstance(leaf, torch.Tensor):
+            raise InvalidArgument(
+                f"{what} leaf {path or '<root>'!r} is a {type(leaf).__name__}, expected a torch.Tensor"
+            )
+
+
+def check_same_structure(a: Tree, b: Tree, a_name: str, b_name: str, *, shapes: bool = True) -> None:
+    """Raise one clear ``TreeMismatch`` naming the first leaf path where ``a`` and ``b`` differ."""
+    la = leaves_with_paths(a)
+    lb = leaves_with_paths(b)
+    pa = [p for p, _ in la]
+    pb = [p for p, _ in lb]
+    if pa != pb:
+        sa, sb = set(pa), set(pb)
+        only_a = [p for p in pa if p not in sb]
+        only_b = [p for p in pb if p not in sa]
+        if only_a:
+            raise TreeMismatch(f"{a_name} has leaf {only_a[0]!r} that {b_name} lacks")
+        if only_b:
+            raise TreeMismatch(f"{b_name} has leaf {only_b[0]!r} that {a_name} lacks")
+        raise TreeMismatch(f"{a_name} and {b_name} list the same leaves in a different order")
+    if shapes:
+        for (path, x), (_, y) in zip(la, lb):
+            if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape != y.shape:
+                raise TreeMismatch(
+                    f"leaf {path!r}: {a_name} has shape {tuple(x.shape)} but {b_name} has {tuple(y.shape)}"
+                )
+            if (x is None) != (y is None):
+                raise TreeMismatch(f"leaf {path!r}: present in one of {a_name}/{b_name} only")
+            if x is not None and not isinstance(x, torch.Tensor):
+                raise InvalidArgument(f"{a_name} leaf {path!r} is a {type(x).__name__}, expected a torch.Tensor")
+            if y is not None and not isinstance(y, torch.Tensor):
+                raise InvalidArgument(f"{b_name} leaf {path!r} is a {type(y).__name__}, expected a torch.Tensor")
+
+
+def tree_map(fn: Callable, tree: Tree, *rest: Tree) -> Tree:
+    """Map ``fn`` over tensor leaves; ``None`` leaves stay ``None``."""
+
+    def f(x, *ys):
+        if x is None:
+            return None
+        return fn(x, *ys)
+
+    return _pt.tree_map(f, tree, *rest, is_leaf=lambda x: x is None)
+
+
+def tree_map_with_path(fn: Callable, tree: Tree, *rest: Tree) -> Tree:
+    """Map ``fn(path, leaf, *other_leaves)`` over leaves; ``None`` leaves stay ``None``."""
+
+    def f(kp, x, *ys):
+        if x is None:
+            return None
+        return fn(path_str(kp), x, *ys)
+
+    return _pt.tree_map_with_path(f, tree, *rest, is_leaf=lambda x: x is None)
+
+
+def zeros_like(tree: Tree, dtype: torch.dtype | None = None) -> Tree:
+    return tree_map(lambda x: torch.zeros_like(x, dtype=dtype or x.dtype), tree)
+
+
+def tree_sum(values) -> torch.Tensor:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return torch.zeros(())
+    out = vals[0]
+    for v in vals[1:]:
+        out = out + v
+    return out
+
+
+def tree_map_n(fn: Callable, n: int, tree: Tree, *rest: Tree) -> tuple:
+    """Map ``fn`` returning an ``n``-tuple per leaf; returns ``n`` trees shaped like ``tree``.
+
+    ``None`` leaves of ``tree`` stay ``None`` in every output.
+    """
+    leaves, spec = _pt.tree_flatten(tree)
+    others = [_pt.tree_flatten(r)[0] for r in rest]
+    for r, o in zip(rest, others):
+        if len(o) != len(leaves):
+            raise TreeMismatch("tree_map_n: trees have different numbers of leaves")
+    outs: list[list] = [[] for _ in range(n)]
+    for i, x in enumerate(leaves):
+        if x is None:
+            for o in outs:
+                o.append(None)
+            continue
+        res = fn(x, *(o[i] for o in others))
+        for o, r in zip(outs, res):
+            o.append(r)
+    return tuple(_pt.tree_unflatten(o, spec) for o in outs)

@@ -1,0 +1,263 @@
+"""Synthetic chat tasks for the quickstart, their checker, and the quickstart's tokenizer.
+
+Two tasks, each with a short answer that can be checked exactly, small enough that a tiny
+model learns them in a couple of minutes on a CPU:
+
+* ``add``: "What is 347 + 58?" -> "405" (two- and three-digit operands);
+* ``weather``: a one-tool conversation.  The user asks for the weather in a city, the
+  assistant calls ``get_weather`` with that city, the tool answers, the assistant reports.
+
+:func:`eval_prompt` gives the messages up to the first assistant turn; :func:`is_correct`
+checks a generated continuation against that turn (the sum, or the tool call's name and
+arguments).  Regenerate the quickstart assets with::
+
+    python -m pgs.runtime.data.synthetic --out pgs/assets/quickstart
+
+Everything is deterministic given ``--seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+from typing import Any
+
+CITIES = (
+    "Oslo", "Paris", "Lima", "Cairo", "Tokyo", "Quito", "Dakar", "Hanoi", "Perth", "Bern",
+    "Rome", "Seoul", "Delhi", "Accra", "Porto", "Riga", "Minsk", "Sofia", "Doha", "Baku",
+)
+CONDITIONS = ("sunny", "cloudy", "rainy", "windy", "snowy", "foggy")
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+#: ChatML-like, with ``{% generation %}`` markers around each whole assistant turn (content,
+#: tool calls and ``<|im_end|>``), so that the assistant mask comes from the template itself.
+QUICKSTART_CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\nTools:\\n' }}"
+    "{%- for tool in tools %}{{- (tool.function if tool.function is defined else tool) | tojson }}"
+    "{{- '\\n' }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- generation %}"
+    "{{- message.content or '' }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '<tool_call>' }}{{- {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
+    "{{- '</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' }}"
+    "{%- endgeneration %}"
+    "{{- '\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+PAD_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (PAD_TOKEN, "<|im_start|>", "<|im_end|>")
+TOOL_TAGS = ("<tool_call>", "</tool_call>")
+EOS_TOKEN = "<|im_end|>"
+
+
+def make_addition(rng: random.Random) -> dict[str, Any]:
+    a = rng.randint(10, 999)
+    b = rng.randint(10, 999)
+    return {
+        "task": "add",
+        "messages": [
+            {"role": "user", "content": f"What is {a} + {b}?"},
+            {"role": "assistant", "content": str(a + b)},
+        ],
+    }
+
+
+def make_weather(rng: random.Random) -> dict[str, Any]:
+    city = rng.choice(CITIES)
+    degrees = rng.randint(-9, 35)
+    condition = rng.choice(CONDITIONS)
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
+    return {
+        "task": "weather",
+        "messages": [
+            {"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": f"{degrees}C {condition}"},
+            {"role": "assistant", "content": f"{city}: {degrees}C, {condition}."},
+        ],
+        "tools": [WEATHER_TOOL],
+    }
+
+
+def generate(n: int, seed: int, weather_share: float = 0.25, exclude: set[str] | None = None) -> list[dict]:
+    """``n`` samples, deterministic in ``seed``; prompts in ``exclude`` are not repeated."""
+    rng = random.Random(seed)
+    exclude = set() if exclude is None else exclude
+    samples: list[dict] = []
+    seen_weather = 0
+    while len(samples) < n:
+        sample = make_weather(rng) if rng.random() < weather_share else make_addition(rng)
+        prompt = sample["messages"][0]["content"]
+        # Twenty cities make only twenty weather prompts; they may repeat (the answers differ).
+        if sample["task"] == "add" and prompt in exclude:
+            continue
+        if sample["task"] == "weather":
+            seen_weather += 1
+        exclude.add(prompt)
+        samples.append(sample)
+    return samples
+
+
+def eval_prompt(sample: dict) -> tuple[list[dict], list[dict] | None]:
+    """The messages before the first assistant turn (what to generate from), and the tools."""
+    messages = sample["messages"]
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return messages[:first], sample.get("tools")
+
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+def is_correct(sample: dict, generated_text: str) -> bool:
+    """Whether ``generated_text`` (the reply to :func:`eval_prompt`) is the expected answer.
+
+    A plain answer must match exactly once surrounding whitespace and the end-of-turn token
+    are stripped; a tool call must name the same function with the same arguments.
+    """
+    expected = next(m for m in sample["messages"] if m["role"] == "assistant")
+    text = generated_text.split(EOS_TOKEN)[0].strip()
+    if expected.get("tool_calls"):
+        calls = []
+        for body in _TOOL_CALL.findall(text):
+            try:
+                call = json.loads(body)
+            except json.JSONDecodeError:
+                return False
+            calls.append(call)
+        want = [
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            for c in expected["tool_calls"]
+        ]
+        return calls == want
+    return text == expected["content"].strip()
+
+
+def write_jsonl(path: str, samples: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        for sample in samples:
+            handle.write(json.dumps(sample, separators=(",", ":")) + "\n")
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = 768):
+    """A byte-level BPE (digits split one by one) with the quickstart chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(
+                pattern=_tokenizers_regex(), behavior="isolated"
+            ),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(texts, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=None
+    )
+    tokenizer.add_tokens(list(TOOL_TAGS))
+    tokenizer.chat_template = QUICKSTART_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _tokenizers_regex():
+    from tokenizers import Regex
+
+    # Keep the tool tags and special tokens out of BPE merges' way: split on them first.
+    return Regex(r"<\|[a-z_]+\|>|</?tool_call>")
+
+
+def save_tokenizer(tokenizer, folder: str) -> None:
+    """Save as a HF tokenizer folder with the chat template inside tokenizer_config.json."""
+    os.makedirs(folder, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    config["chat_template"] = QUICKSTART_CHAT_TEMPLATE
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(config_path, "w", encoding="utf-8") as handle:
+        json.dump(config, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.exists(jinja):
+        os.remove(jinja)
+    with open(os.path.join(folder, "special_tokens_map.json"), "w", encoding="utf-8") as handle:
+        json.dump({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+
+
+def write_quickstart(out: str, seed: int = 0, n_train: int = 3000, n_eval: int = 200, vocab_size: int = 768):
+    """Write train.jsonl, eval.jsonl and tokenizer/ under ``out``; returns the tokenizer."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    os.makedirs(out, exist_ok=True)
+    train = generate(n_train, seed)
+    seen = {s["messages"][0]["content"] for s in train}
+    evaluation = generate(n_eval, seed + 1, exclude=seen)
+    write_jsonl(os.path.join(out, "train.jsonl"), train)
+    write_jsonl(os.path.join(out, "eval.jsonl"), evaluation)
+    texts = []
+    for sample in train:
+        rendered, _ = render_jinja_template(
+            conversations=[sample["messages"]], tools=sample.get("tools"),
+            chat_template=QUICKSTART_CHAT_TEMPLATE,
+        )
+        texts.append(rendered[0])
+    tokenizer = train_tokenizer(texts, vocab_size)
+    save_tokenizer(tokenizer, os.path.join(out, "tokenizer"))
+    return tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Regenerate the pgs quickstart data and tokenizer.")
+    parser.add_argument("--out", default="pgs/assets/quickstart")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train", type=int, default=3000)
+    parser.add_argument("--eval", type=int, default=200)
+    parser.add_argument("--vocab-size", type=int, default=768)
+    args = parser.parse_args(argv)
+    write_quickstart(args.out, args.seed, args.train, args.eval, args.vocab_size)
+    total = sum(
+        os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(args.out) for f in files
+    )
+    print(f"wrote {args.out} ({total / 1024:.0f} KiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
