@@ -8,7 +8,7 @@ import torch
 
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count, zeros_state
-from pgs.func.base import ELEMENTWISE, Transform, check_range
+from pgs.func.base import ELEMENTWISE, Transform, check_range, hp_cache
 
 
 class ScaleByAdamState(NamedTuple):
@@ -60,16 +60,22 @@ def scale_by_adam(
         bc1 = 1.0 - b1**t
         bc2 = 1.0 - b2**t
 
+        hps = hp_cache(1.0 - b1, 1.0 - b2, b2, eps_root, eps)
+
         def one(g, m, v):
             cd = compute_dtype(g)
+            w1, w2, d2, er, ep = hps(cd, g.device)
             g32 = g.to(cd)
-            m_new = m.to(cd).lerp(g32, 1.0 - b1)
-            v_new = v.to(cd).mul(b2).addcmul(g32, g32, value=1.0 - b2)
-            u = (m_new / bc1.to(cd)) / ((v_new / bc2.to(cd) + eps_root).sqrt() + eps)
+            m_new = m.to(cd).lerp(g32, w1)
+            v_new = v.to(cd).mul(d2)
+            # addcmul computes v + (w·g)·g; a tensor w goes into the product, not into value=
+            v_new = v_new.addcmul(g32 * w2, g32) if isinstance(w2, torch.Tensor) else v_new.addcmul(g32, g32, value=w2)
+            u = (m_new / bc1.to(cd)) / ((v_new / bc2.to(cd) + er).sqrt() + ep)
             return u.to(g.dtype), m_new.to(m.dtype), v_new.to(v.dtype)
 
         u, mu, nu = T.tree_map_n(one, 3, updates, state.mu, state.nu)
         return u, ScaleByAdamState(count, mu, nu)
 
-    return Transform(init, update, name="scale_by_adam", locality=ELEMENTWISE)
+    return Transform(init, update, name="scale_by_adam", locality=ELEMENTWISE,
+                     fused=("adam", dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root)))
 

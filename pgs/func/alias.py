@@ -59,7 +59,7 @@ def sgd(learning_rate=1e-2, momentum: float = 0.0, nesterov: bool = False, weigh
     """
     return chain(
         add_decayed_weights(weight_decay, mask) if _nonzero(weight_decay) else identity(),
-        scale_by_sgd_momentum(momentum, nesterov) if _nonzero(momentum) else identity(),
+        scale_by_sgd_momentum(momentum, nesterov) if (_nonzero(momentum) or nesterov) else identity(),
         scale_by_learning_rate(learning_rate),
     )
 

@@ -10,10 +10,10 @@ tensor per parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, NamedTuple
 
-import attrs
 import torch
 
 from pgs.errors import InvalidArgument
@@ -35,7 +35,10 @@ def widest_locality(*localities: str) -> str:
     return max(localities, key=lambda s: _LOCALITY_ORDER[s])
 
 
-@attrs.frozen
+# A frozen dataclass, not attrs: inject_hyperparams builds transforms inside the update that
+# pf.compile traces, and dynamo cannot trace the cached ``object.__setattr__`` that attrs'
+# frozen __init__ uses (a graph break, then a crash on resume).
+@dataclasses.dataclass(frozen=True)
 class Transform:
     """A pure gradient transformation.
 
@@ -52,6 +55,8 @@ class Transform:
         align: element alignment this transform needs for each tensor's start in a flat
             buffer (block-wise quantization needs its block size).
         children: the transforms this one wraps (for introspection).
+        fused: ``(kind, hyperparameters)`` for building blocks that a fused kernel of the
+            execution layer can replace (``pgs.func.fused``); None for the rest.
     """
 
     init: Callable[..., Any]
@@ -62,6 +67,7 @@ class Transform:
     group_by: tuple = ()
     align: int = 1
     children: tuple = ()
+    fused: Any = None
 
     def all_group_by(self) -> tuple:
         out = list(self.group_by)
@@ -92,7 +98,7 @@ def identity() -> Transform:
     def update(updates, state, params=None, **extra):
         return updates, state
 
-    return Transform(init, update, name="identity")
+    return Transform(init, update, name="identity", fused=("identity", {}))
 
 
 def _check_transforms(transforms, who: str):
@@ -119,6 +125,10 @@ def named_chain(*named: tuple[str, Transform]) -> Transform:
         if not isinstance(state, dict) or list(state) != names:
             raise InvalidArgument(f"chain state keys {list(state) if isinstance(state, dict) else type(state).__name__} "
                                   f"do not match the chain's transforms {names}")
+        if params is not None and "layout" not in extra:
+            # once per call, so that a mismatch names its leaf instead of failing inside a
+            # kernel (the flat path has checked against its layout already)
+            T.check_like(updates, params, "updates", "params")
         new_state = {}
         for n, t in named:
             updates, new_state[n] = call_update(t, updates, state[n], params, extra)
@@ -184,6 +194,33 @@ def check_range(name: str, value, lo=None, hi=None, *, lo_open=False, hi_open=Fa
         hi_s = "inf" if hi is None else repr(hi)
         rng = ("(" if lo_open else "[") + f"{lo_s}, {hi_s}" + (")" if hi_open else "]")
         raise InvalidArgument(f"{who}: {name}={v!r} is outside {rng}")
+
+
+def hp_in(x, dtype: torch.dtype, device: torch.device) -> Any:
+    """A hyperparameter ready for arithmetic in ``dtype``: numbers pass through, tensors are cast.
+
+    Injected hyperparameters are fp64 0-d tensors.  Used as they are, they would promote a
+    0-d leaf's arithmetic to fp64 (0-d with 0-d follows the wider dtype) and, as the
+    ``value=`` of ``addcmul``, force a host sync.  Cast derived quantities (``1 - b1``) in
+    fp64 first and then cast, so that the injected path rounds exactly like a Python float.
+    """
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=dtype)
+    return x
+
+
+def hp_cache(*hps) -> Callable[[torch.dtype, torch.device], tuple]:
+    """``get(dtype, device)``: ``hp_in`` of every hyperparameter, cast once per dtype and device
+    (call it inside one update, so that a tree of many leaves does not cast per leaf)."""
+    cache: dict = {}
+
+    def get(dtype, device):
+        key = (dtype, device)
+        if key not in cache:
+            cache[key] = tuple(hp_in(h, dtype, device) for h in hps)
+        return cache[key]
+
+    return get
 
 
 def as_tensor_like(x, ref: torch.Tensor) -> Any:

@@ -16,9 +16,9 @@ class ClipByGlobalNormState(NamedTuple):
     norm: torch.Tensor  # fp32: the global norm of the last incoming updates (before clipping)
 
 
-def global_norm(tree, layout=None) -> torch.Tensor:
-    """sqrt(Σ_i ‖g_i‖²) over every leaf, in fp32."""
-    sq = per_tensor_sumsq(tree, layout)
+def global_norm(tree, layout=None, reduce_sum=None) -> torch.Tensor:
+    """sqrt(Σ_i ‖g_i‖²) over every leaf, in fp32 (``reduce_sum``: the sharding hook, see ``layout.reduced``)."""
+    sq = per_tensor_sumsq(tree, layout, reduce_sum)
     total = None
     for x in T.leaves(sq):
         if x is None:
@@ -45,7 +45,7 @@ def clip_by_global_norm(max_norm: float) -> Transform:
         return ClipByGlobalNormState(torch.zeros((), dtype=torch.float32, device=device_of(params)))
 
     def update(updates, state, params=None, **extra):
-        norm = global_norm(updates, extra.get("layout"))
+        norm = global_norm(updates, extra.get("layout"), extra.get("reduce_sum"))
         scale = max_norm / torch.clamp(norm, min=max_norm)
         def one(g):
             cd = torch.promote_types(g.dtype, torch.float32)
@@ -67,11 +67,11 @@ def clip_by_norm_per_tensor(max_norm: float) -> Transform:
 
     def init(params, **extra):
         layout = extra.get("layout")
-        return ClipByNormPerTensorState(T.tree_map(torch.zeros_like, per_tensor_sumsq(params, layout)))
+        return ClipByNormPerTensorState(T.tree_map(torch.zeros_like, per_tensor_sumsq(params, layout, extra.get("reduce_sum"))))
 
     def update(updates, state, params=None, **extra):
         layout = extra.get("layout")
-        norms = T.tree_map(torch.sqrt, per_tensor_sumsq(updates, layout))
+        norms = T.tree_map(torch.sqrt, per_tensor_sumsq(updates, layout, extra.get("reduce_sum")))
         scales = T.tree_map(lambda n: max_norm / torch.clamp(n, min=max_norm), norms)
 
         def one(g, s):

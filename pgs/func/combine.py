@@ -81,6 +81,8 @@ def partition(transforms: dict, labels) -> Transform:
 
     def update(updates, state, params=None, **extra):
         layout = extra.get("layout")
+        if params is not None and layout is None:
+            T.check_like(updates, params, "updates", "params")  # name a mismatched leaf up front
         labs = checked_labels(updates, layout)
         parts, new_state = {}, {}
         for k, t in transforms.items():

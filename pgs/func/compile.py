@@ -35,7 +35,7 @@ class FlatChain:
     """A transform run on the flat layout.  See the module docstring."""
 
     def __init__(self, opt: Transform, *, jit: bool = True, donate: bool = False, align: int = 256,
-                 stochastic_rounding: bool = False, compile_options: dict | None = None):
+                 stochastic_rounding: bool = False, compile_options: dict | None = None, fused: bool = True):
         if not isinstance(opt, Transform):
             raise InvalidArgument(f"compile: expected a pgs.func.Transform, got {type(opt).__name__}")
         self.opt = opt
@@ -50,6 +50,9 @@ class FlatChain:
         self._compile_options = compile_options or {}
         self._update_fn = None
         self._step_fn = None
+        from pgs.func import fused as _fused
+
+        self.fused_plan = _fused.match(opt) if fused else None
 
     # -- layout ------------------------------------------------------------------------
     def layout_for(self, params) -> Layout:
@@ -113,9 +116,26 @@ class FlatChain:
         return layout.unflatten(new_p), new_s
 
     def step_flat(self, flat_grads: dict, state, flat_params: dict, **extra):
+        # -- hook (issue 4, 8-bit optimizers): a chain may offer a fused update-and-apply
+        # (pgs.func.kernels.fused.FusedTransform); it returns None where it cannot fuse.
+        fused = getattr(self.opt, "fused_step", None)
+        if fused is not None:
+            out = fused(flat_grads, state, flat_params, layout=self.layout, donate=self.donate,
+                        stochastic_rounding=self.stochastic_rounding, extra=extra)
+            if out is not None:
+                return out
+        # -- end hook
         if self._step_fn is None:
             self._step_fn = self._build(self._flat_step)
         return self._step_fn(flat_grads, state, flat_params, extra)
+
+    def uses_fused_kernel(self) -> bool:
+        """True when ``step`` runs a hand-written fused kernel (see ``pgs.func.fused``)."""
+        if self.fused_plan is None or self.stochastic_rounding or self.layout is None:
+            return False
+        from pgs.func import fused as _fused
+
+        return _fused.available(self.layout)
 
     # -- internals ---------------------------------------------------------------------
     def _flat_update(self, fu, state, fp, extra):
@@ -161,12 +181,17 @@ class FlatChain:
 
 
 def _donate(old_state, new_state):
-    """Write ``new_state`` into ``old_state``'s buffers (same shapes) and return the old ones."""
+    """Write ``new_state`` into ``old_state``'s buffers (same shapes) and return the old ones.
+
+    Only buffers (numel > 1) are donated: scalars (counters, the current lr) are returned as
+    new tensors — donating 0-d inputs gains nothing and inductor mis-handles some of them.
+    """
     olds, spec = T.flatten(old_state)
     news = T.leaves(new_state)
     out = []
     for o, n in zip(olds, news):
-        if isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o.shape == n.shape and o.dtype == n.dtype and o is not n:
+        if (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o.numel() > 1
+                and o.shape == n.shape and o.dtype == n.dtype and o is not n):
             o.copy_(n)
             out.append(o)
         else:
@@ -175,7 +200,7 @@ def _donate(old_state, new_state):
 
 
 def compile(opt: Transform, *, jit: bool = True, donate: bool = False, align: int = 256,
-            stochastic_rounding: bool = False, compile_options: dict | None = None) -> FlatChain:
+            stochastic_rounding: bool = False, compile_options: dict | None = None, fused: bool = True) -> FlatChain:
     """Run ``opt`` on the flat layout (see ``pgs.func.compile`` module docs).
 
     Args:
@@ -185,6 +210,8 @@ def compile(opt: Transform, *, jit: bool = True, donate: bool = False, align: in
         align: element alignment of each tensor inside its group (a multiple of every
             transform's own ``align``, e.g. the 8-bit block size).
         stochastic_rounding: ``step`` rounds bf16 parameters stochastically.
+        fused: let ``step`` use a hand-written kernel when the chain is one it implements
+            exactly (AdamW, Lion; see ``pgs.func.fused``) and the device supports it.
 
     Example::
 
@@ -193,4 +220,4 @@ def compile(opt: Transform, *, jit: bool = True, donate: bool = False, align: in
         params, state = fast.step(grads, state, params)
     """
     return FlatChain(opt, jit=jit, donate=donate, align=align, stochastic_rounding=stochastic_rounding,
-                     compile_options=compile_options)
+                     compile_options=compile_options, fused=fused)

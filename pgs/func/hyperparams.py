@@ -84,4 +84,14 @@ def inject_hyperparams(factory: Callable[..., Transform], static_args: tuple[str
 
 
 def _is_schedule(v) -> bool:
-    return callable(v) and not isinstance(v, Transform)
+    """A schedule is a callable of one step argument; masks/label functions take (path, param)."""
+    if not callable(v) or isinstance(v, Transform):
+        return False
+    try:
+        sig = inspect.signature(v)
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    has_var = any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values())
+    return len(required) <= 1 and (len(positional) >= 1 or has_var)

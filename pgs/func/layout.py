@@ -228,10 +228,13 @@ def group_label(layout: Layout | None, tree, fn: Callable[[str, torch.Tensor], H
     return out
 
 
-def per_tensor_sumsq(tree, layout: Layout | None = None):
-    """Per-tensor sums of squares in fp32: a 0-d tensor per leaf, or ``[num_tensors]`` per group."""
+def per_tensor_sumsq(tree, layout: Layout | None = None, reduce_sum: Callable | None = None):
+    """Per-tensor sums of squares in fp32: a 0-d tensor per leaf, or ``[num_tensors]`` per group.
+
+    ``reduce_sum``: the sharding hook (see ``reduced``); pass ``extra.get("reduce_sum")``.
+    """
     if layout is None:
-        return T.tree_map(lambda x: x.float().pow(2).sum(), tree)
+        return reduced(T.tree_map(lambda x: x.float().pow(2).sum(), tree), reduce_sum)
     out = {}
     for k, x in tree.items():
         if x is None:
@@ -240,13 +243,13 @@ def per_tensor_sumsq(tree, layout: Layout | None = None):
         g = layout.groups[k]
         blocks = x.float().view(g.num_blocks, g.align).pow(2).sum(1)
         out[k] = torch.zeros(g.num_tensors, dtype=torch.float32, device=x.device).index_add_(0, g.block_seg, blocks)
-    return out
+    return reduced(out, reduce_sum)
 
 
-def per_tensor_dot(a, b, layout: Layout | None = None):
+def per_tensor_dot(a, b, layout: Layout | None = None, reduce_sum: Callable | None = None):
     """Per-tensor inner products ⟨a, b⟩ in fp32, shaped like ``per_tensor_sumsq``'s result."""
     if layout is None:
-        return T.tree_map(lambda x, y: (x.float() * y.float()).sum(), a, b)
+        return reduced(T.tree_map(lambda x, y: (x.float() * y.float()).sum(), a, b), reduce_sum)
     out = {}
     for k, x in a.items():
         if x is None:
@@ -255,7 +258,20 @@ def per_tensor_dot(a, b, layout: Layout | None = None):
         g = layout.groups[k]
         blocks = (x.float() * b[k].float()).view(g.num_blocks, g.align).sum(1)
         out[k] = torch.zeros(g.num_tensors, dtype=torch.float32, device=x.device).index_add_(0, g.block_seg, blocks)
-    return out
+    return reduced(out, reduce_sum)
+
+
+def reduced(sums, reduce_sum: Callable | None):
+    """``sums`` completed across shards: ``reduce_sum(sums)`` when a hook is given, else ``sums``.
+
+    Under FSDP2 a transform sees each parameter's local shard only, so a per-tensor sum is a
+    partial sum.  The sharded binding (``pgs.runtime.sharded_bind``) passes
+    ``extra["reduce_sum"]``: a function that sums a pytree of tensors over the ranks (one
+    all-reduce for the whole tree) and returns it.  Transforms that reduce over whole
+    tensors forward ``extra.get("reduce_sum")`` to ``per_tensor_sumsq`` / ``per_tensor_dot``
+    / ``global_norm``; on one process the hook is absent and nothing changes.
+    """
+    return sums if reduce_sum is None else reduce_sum(sums)
 
 
 def per_tensor_apply(fn: Callable, tree, *scalar_trees, layout: Layout | None = None):

@@ -16,7 +16,8 @@ class ScaleByLearningRateState(NamedTuple):
     lr: torch.Tensor  # float64: the learning rate used by the last update (readable for logging)
 
 
-def _value(lr, count):
+def lr_value(lr, count):
+    """The learning rate at ``count`` as a float64 0-d tensor on count's device."""
     if callable(lr) and not isinstance(lr, torch.Tensor):
         return lr(count).to(dtype=torch.float64, device=count.device)
     if isinstance(lr, torch.Tensor):
@@ -39,10 +40,10 @@ def scale_by_learning_rate(learning_rate, flip_sign: bool = True) -> Transform:
 
     def init(params, **extra):
         count = zero_count(params)
-        return ScaleByLearningRateState(count, _value(learning_rate, count))
+        return ScaleByLearningRateState(count, lr_value(learning_rate, count))
 
     def update(updates, state, params=None, **extra):
-        lr = _value(learning_rate, state.count)
+        lr = lr_value(learning_rate, state.count)
         scale = sign * lr
 
         def one(g):
@@ -51,4 +52,5 @@ def scale_by_learning_rate(learning_rate, flip_sign: bool = True) -> Transform:
 
         return T.tree_map(one, updates), ScaleByLearningRateState(increment(state.count), lr)
 
-    return Transform(init, update, name="scale_by_learning_rate", locality=ELEMENTWISE)
+    return Transform(init, update, name="scale_by_learning_rate", locality=ELEMENTWISE,
+                     fused=("lr", dict(learning_rate=learning_rate, flip_sign=flip_sign)))

@@ -8,7 +8,7 @@ import torch
 
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count, zeros_state
-from pgs.func.base import ELEMENTWISE, Transform, check_range
+from pgs.func.base import ELEMENTWISE, Transform, check_range, hp_cache
 
 
 class ScaleByLionState(NamedTuple):
@@ -38,13 +38,16 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | Non
         return ScaleByLionState(zero_count(params), zeros_state(params, mu_dtype))
 
     def update(updates, state, params=None, **extra):
+        hps = hp_cache(1.0 - b1, 1.0 - b2)
+
         def one(g, m):
             cd = compute_dtype(g)
+            w1, w2 = hps(cd, g.device)
             g32, m32 = g.to(cd), m.to(cd)
-            u = m32.lerp(g32, 1.0 - b1).sign()
-            return u.to(g.dtype), m32.lerp(g32, 1.0 - b2).to(m.dtype)
+            u = m32.lerp(g32, w1).sign()
+            return u.to(g.dtype), m32.lerp(g32, w2).to(m.dtype)
 
         u, mu = T.tree_map_n(one, 2, updates, state.mu)
         return u, ScaleByLionState(increment(state.count), mu)
 
-    return Transform(init, update, name="scale_by_lion", locality=ELEMENTWISE)
+    return Transform(init, update, name="scale_by_lion", locality=ELEMENTWISE, fused=("lion", dict(b1=b1, b2=b2)))

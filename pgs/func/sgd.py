@@ -8,7 +8,7 @@ import torch
 
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count, zeros_state
-from pgs.func.base import ELEMENTWISE, Transform, check_range
+from pgs.func.base import ELEMENTWISE, Transform, check_range, hp_cache
 
 
 class ScaleBySgdMomentumState(NamedTuple):
@@ -35,11 +35,15 @@ def scale_by_sgd_momentum(momentum: float = 0.9, nesterov: bool = False, mu_dtyp
         return ScaleBySgdMomentumState(zero_count(params), zeros_state(params, mu_dtype))
 
     def update(updates, state, params=None, **extra):
+        hps = hp_cache(momentum)
+
         def one(g, b):
             cd = compute_dtype(g)
+            (mu,) = hps(cd, g.device)
             g32 = g.to(cd)
-            b_new = b.to(cd).mul(momentum).add(g32)
-            u = g32.add(b_new, alpha=momentum) if nesterov else b_new
+            b_new = b.to(cd).mul(mu).add(g32)
+            # one expression for numbers and injected tensors alike (add(alpha=) may fuse to an FMA)
+            u = g32 + b_new * mu if nesterov else b_new
             return u.to(g.dtype), b_new.to(b.dtype)
 
         u, mom = T.tree_map_n(one, 2, updates, state.momentum)

@@ -93,6 +93,37 @@ def check_same_structure(a: Tree, b: Tree, a_name: str, b_name: str, *, shapes: 
                 raise InvalidArgument(f"{b_name} leaf {path!r} is a {type(y).__name__}, expected a torch.Tensor")
 
 
+def check_like(tree: Tree, ref: Tree, what: str = "updates", ref_what: str = "params") -> None:
+    """Cheap check that ``tree`` has ``ref``'s structure, tensor leaves and leaf shapes.
+
+    One flatten of each tree and a shape comparison per leaf; the slow path that finds the
+    offending leaf path only runs when something differs.
+    """
+    la, sa = _pt.tree_flatten(tree)
+    lb, sb = _pt.tree_flatten(ref)
+    ok = sa == sb
+    if ok:
+        for x, y in zip(la, lb):
+            if x is None and y is None:
+                continue
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape):
+                ok = False
+                break
+    if not ok:
+        check_tensor_leaves(tree, what)
+        check_tensor_leaves(ref, ref_what)
+        check_same_structure(tree, ref, what, ref_what)
+        raise TreeMismatch(f"{what} does not have the tree structure of {ref_what}")
+
+
+def _diagnose(tree: Tree, rest: tuple) -> None:
+    """After a failed map: raise a clear error if the trees do not match (else return)."""
+    check_tensor_leaves(tree, "pytree")
+    for r in rest:
+        check_tensor_leaves(r, "pytree")
+        check_same_structure(tree, r, "first tree", "other tree")
+
+
 def tree_map(fn: Callable, tree: Tree, *rest: Tree) -> Tree:
     """Map ``fn`` over tensor leaves; ``None`` leaves stay ``None``."""
 
@@ -101,7 +132,11 @@ def tree_map(fn: Callable, tree: Tree, *rest: Tree) -> Tree:
             return None
         return fn(x, *ys)
 
-    return _pt.tree_map(f, tree, *rest, is_leaf=lambda x: x is None)
+    try:
+        return _pt.tree_map(f, tree, *rest, is_leaf=lambda x: x is None)
+    except (ValueError, TypeError, AttributeError, RuntimeError):
+        _diagnose(tree, rest)  # zero cost on success; names the leaf when the trees differ
+        raise
 
 
 def tree_map_with_path(fn: Callable, tree: Tree, *rest: Tree) -> Tree:
@@ -112,7 +147,11 @@ def tree_map_with_path(fn: Callable, tree: Tree, *rest: Tree) -> Tree:
             return None
         return fn(path_str(kp), x, *ys)
 
-    return _pt.tree_map_with_path(f, tree, *rest, is_leaf=lambda x: x is None)
+    try:
+        return _pt.tree_map_with_path(f, tree, *rest, is_leaf=lambda x: x is None)
+    except (ValueError, TypeError, AttributeError, RuntimeError):
+        _diagnose(tree, rest)
+        raise
 
 
 def zeros_like(tree: Tree, dtype: torch.dtype | None = None) -> Tree:
@@ -135,16 +174,23 @@ def tree_map_n(fn: Callable, n: int, tree: Tree, *rest: Tree) -> tuple:
     ``None`` leaves of ``tree`` stay ``None`` in every output.
     """
     leaves, spec = _pt.tree_flatten(tree)
-    others = [_pt.tree_flatten(r)[0] for r in rest]
-    for r, o in zip(rest, others):
-        if len(o) != len(leaves):
-            raise TreeMismatch("tree_map_n: trees have different numbers of leaves")
+    others = []
+    for r in rest:
+        o, r_spec = _pt.tree_flatten(r)
+        if r_spec != spec:
+            check_same_structure(tree, r, "updates", "state")
+            raise TreeMismatch("updates do not have the tree structure of the optimizer state")
+        others.append(o)
     outs: list[list] = [[] for _ in range(n)]
     for i, x in enumerate(leaves):
         if x is None:
             for o in outs:
                 o.append(None)
             continue
+        if not isinstance(x, torch.Tensor) or any(o[i] is not None and o[i].shape != x.shape for o in others):
+            for r in rest:  # slow path, only on a mismatch: name the leaf
+                check_same_structure(tree, r, "updates", "state")
+            check_tensor_leaves(tree, "updates")
         res = fn(x, *(o[i] for o in others))
         for o, r in zip(outs, res):
             o.append(r)

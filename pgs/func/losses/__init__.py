@@ -3,7 +3,7 @@
 Backends (same signature, chosen by ``token_loss(..., backend=...)``):
 ``chunked`` (default, O(chunk·V) memory), ``dense`` (reference), ``liger`` and ``cce``
 (CUDA fused kernels, cross-entropy only).  Objectives: ``ce``, ``deft``, ``deft_cayley``,
-``dft``, ``infosft``, ``cadft`` (EQUATIONS.md C1-C4).  Embedding noise: ``neftune``,
+``dft``, ``infosft``, ``cadft``, ``deformed_log`` (EQUATIONS.md C1-C4).  Embedding noise: ``neftune``,
 ``symnoise`` (C7).  See docs/losses.md.
 """
 
@@ -22,9 +22,12 @@ from pgs.func.losses.objectives import (
     DEFT,
     DFT,
     OBJECTIVES,
+    DeformedLog,
     DEFTCayley,
     InfoSFT,
     Objective,
+    TokenInputs,
+    TokenObjective,
     cadft_compatibility,
     cayley_alpha,
     infosft_weight,
@@ -39,12 +42,15 @@ __all__ = [
     "CE",
     "DEFT",
     "DEFTCayley",
+    "DeformedLog",
     "DFT",
     "ChunkedTokenLoss",
     "InfoSFT",
     "OBJECTIVES",
     "Objective",
+    "TokenInputs",
     "TokenLossResult",
+    "TokenObjective",
     "cadft_compatibility",
     "cayley_alpha",
     "chunked_cross_entropy",

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pgs.func.losses.head import check_options, compute_dtype, flatten_inputs, head_logits
-from pgs.func.losses.objectives import CE, Objective, TokenInputs, resolve_objective
+from pgs.func.losses.head import check_options, compute_dtype, flatten_inputs
+from pgs.func.losses.objectives import CE, TokenObjective, TokenInputs, resolve_objective
 from pgs.func.losses.result import TokenLossResult
 
 
@@ -82,6 +82,16 @@ class ChunkedTokenLoss(torch.autograd.Function):
         return out[0], out[1], out[2], None, None
 
 
+def _chunk_logits(hc: Tensor, W: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
+    """``head_logits`` without its temporaries: the epilogue runs in place (no autograd here)."""
+    z = (hc @ W.t()).to(compute_dtype(hc))
+    if bias is not None:
+        z.add_(bias)
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    return z
+
+
 def _forward_and_grads(h, W, bias, labels, plan: _Plan):
     cdtype = compute_dtype(h)
     V, D = W.shape
@@ -95,10 +105,10 @@ def _forward_and_grads(h, W, bias, labels, plan: _Plan):
         rows = rows_all[start : start + plan.chunk_size]
         hc = h.index_select(0, rows)
         y = labels.index_select(0, rows)
-        z = head_logits(hc, W, bias, plan.softcap)
+        z = _chunk_logits(hc, W, bias, plan.softcap)
         lse = torch.logsumexp(z, dim=-1)
         logp_y = z.gather(1, y[:, None]).squeeze(1) - lse
-        p = torch.exp(z - lse[:, None])
+        p = (z - lse[:, None]).exp_()
         entropy = lse - torch.linalg.vecdot(p, z)
         collision = torch.linalg.vecdot(p, p) if obj.needs_collision else None
         loss, gate = obj.terms(logp_y, collision, plan.inputs.rows(rows))
@@ -140,7 +150,9 @@ def target_logprobs(
     ignore_index: int = -100,
     chunk_size: int = 1024,
 ) -> Tensor:
-    """log p_{i,y} for every token (0 at ignored ones), detached, fp32, in O(chunk · V) memory.
+    """log p_{i,y} for every token (0 at ignored ones), detached, in O(chunk · V) memory.
+
+    fp32 (fp64 for fp64 h).
 
     The pre-pass for objectives that need a statistic of the whole call before any gradient
     (Cayley's p̄, CADFT's sample likelihoods); also how a runtime scores targets with a frozen
@@ -149,15 +161,15 @@ def target_logprobs(
     check_options(softcap, 0.0, chunk_size)
     shape = labels.shape
     h, labels, _ = flatten_inputs(h, W, labels, bias)
-    out = torch.zeros(labels.shape, dtype=torch.float32, device=h.device)
+    out = torch.zeros(labels.shape, dtype=compute_dtype(h), device=h.device)
     rows_all = (labels != ignore_index).nonzero().squeeze(1)
     with torch.no_grad():
         for start in range(0, rows_all.numel(), chunk_size):
             rows = rows_all[start : start + chunk_size]
-            z = head_logits(h.index_select(0, rows), W, bias, softcap)
+            z = _chunk_logits(h.index_select(0, rows), W, bias, softcap)
             y = labels.index_select(0, rows)
             logp = z.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)
-            out.index_copy_(0, rows, logp.float())
+            out.index_copy_(0, rows, logp)
     return out.reshape(shape)
 
 
@@ -166,7 +178,7 @@ def chunked_token_loss(
     W: Tensor,
     labels: Tensor,
     *,
-    objective: str | Objective = "ce",
+    objective: str | TokenObjective = "ce",
     bias: Tensor | None = None,
     softcap: float | None = None,
     ignore_index: int = -100,

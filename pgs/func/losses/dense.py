@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from pgs.func.losses.head import check_options, flatten_inputs, head_logits
-from pgs.func.losses.objectives import CE, Objective, resolve_objective
+from pgs.func.losses.objectives import CE, TokenObjective, resolve_objective
 from pgs.func.losses.result import TokenLossResult
 
 
@@ -19,7 +19,7 @@ def dense_token_loss(
     W: Tensor,
     labels: Tensor,
     *,
-    objective: str | Objective = "ce",
+    objective: str | TokenObjective = "ce",
     bias: Tensor | None = None,
     softcap: float | None = None,
     ignore_index: int = -100,

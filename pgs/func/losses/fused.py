@@ -38,7 +38,10 @@ def _import_backend(backend: str):
 def _fused_loss_sum(backend, h, W, labels, bias, softcap, ignore_index) -> Tensor:
     fn = _import_backend(backend)
     if backend == "liger":
-        loss = fn(ignore_index=ignore_index, reduction="sum", softcap=softcap)(W, h, labels, bias)
+        options = {"ignore_index": ignore_index, "reduction": "sum"}
+        if softcap is not None:  # older Liger versions lack the argument
+            options["softcap"] = softcap
+        loss = fn(**options)(W, h, labels, bias)
         # Newer Liger versions may return (loss, z_loss) or an output object.
         if isinstance(loss, tuple):
             loss = loss[0]

@@ -56,7 +56,7 @@ def check_options(softcap: float | None, z_loss: float, chunk_size: int | None =
 def head_logits(h: Tensor, W: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
     """z = s·tanh((h Wᵀ + b)/s) in the compute dtype (the matmul runs in h's dtype, then upcasts).
 
-    Differentiable; the chunked backend calls it under no_grad and may modify the result in place.
+    Differentiable (the dense backend); the chunked backend has an in-place twin.
     """
     z = (h @ W.t()).to(compute_dtype(h))
     if bias is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -28,6 +29,23 @@ from pgs.errors import InvalidArgument
 # A lazy source of the detached target log-probabilities log p_{i,y}, shape [N]; backends
 # that already hold the logits return them, the chunked backend runs a no-grad pre-pass.
 TargetLogprobs = Callable[[], Tensor]
+
+
+@runtime_checkable
+class TokenObjective(Protocol):
+    """What a backend needs from an objective; new objectives implement this, nothing else.
+
+    ``prepare`` resolves per-call data (it may call ``target_logprobs()`` once, a pre-pass);
+    ``terms`` maps a chunk's ``log p_y`` [n] (and Σ_v p² [n] when ``needs_collision``) to
+    ``(loss [n], gate [n])`` with gate = −∂loss/∂log p_y, detached.
+    """
+
+    name: str
+    needs_collision: bool
+
+    def prepare(self, target_logprobs: TargetLogprobs, valid: Tensor, **data) -> TokenInputs: ...
+
+    def terms(self, logp_y: Tensor, collision: Tensor | None, inputs: TokenInputs): ...
 
 
 @attrs.frozen
@@ -88,6 +106,32 @@ class DEFT:
         return _deformed_log_terms(logp_y, collision, 1e-6)
 
 
+@attrs.frozen
+class DeformedLog:
+    """The deformed-log family at a fixed focus index α ∈ (0, 1] (C1, "GeneralFamily-q").
+
+    ℓ_i = −(p_{i,y}^α − 1)/α: α → 0 is the NLL, α = 1 is 1 − p_y (DFT's gradient).
+    A baseline in DEFT's code, and the handle the property tests use for those limits.  No
+    eps in the denominator: α is a fixed positive hyperparameter.  (DEFT keeps the official
+    +1e−6, which scales its gradient by α/(α + 1e−6): ≈ 0.87 for a uniform p at V = 151,936,
+    and makes the α → 0 limit 0, not the NLL; the NLL limit holds for α ≫ 1e−6.)
+    """
+
+    alpha: float = 1.0
+    name = "deformed_log"
+    needs_collision = False
+
+    def __attrs_post_init__(self):
+        if not 0.0 < self.alpha <= 1.0:
+            raise InvalidArgument(f"deformed_log alpha must lie in (0, 1], got {self.alpha}")
+
+    def prepare(self, target_logprobs, valid, **_) -> TokenInputs:
+        return TokenInputs()
+
+    def terms(self, logp_y: Tensor, collision: Tensor | None, inputs: TokenInputs):
+        return _deformed_log_terms(logp_y, torch.full_like(logp_y, self.alpha), 0.0)
+
+
 def cayley_alpha(p_y: Tensor, p_bar: Tensor) -> Tensor:
     """Cayley focus index (C1): α = clamp(0.5 p̄ + (1 − 0.5 p̄)·(1 − d)/(1 + d), 0.001, 1).
 
@@ -120,7 +164,7 @@ class DEFTCayley:
             logp = target_logprobs()
             count = valid.sum().clamp(min=1)
             p_bar = torch.where(valid, logp.exp(), 0).sum() / count
-        return TokenInputs(p_bar=torch.as_tensor(p_bar, dtype=torch.float32).detach())
+        return TokenInputs(p_bar=torch.as_tensor(p_bar).detach())
 
     def terms(self, logp_y: Tensor, collision: Tensor | None, inputs: TokenInputs):
         p_bar = inputs.p_bar.to(device=logp_y.device, dtype=logp_y.dtype)
@@ -144,12 +188,15 @@ class DFT:
 
 
 def infosft_weight(log_q: Tensor, p_bar: float, eps: float = 1e-6) -> Tensor:
-    """InfoSFT token weight (C3): w = q · [logit(p̄) − logit(q)]_+, with q clamped to [ε, 1 − ε].
+    """InfoSFT token weight (C3): w = q · [logit(p̄) − logit(q)]_+.
 
-    logit(q) is taken in the log domain, log q − log1p(−q), so q = 1 gives 0 rather than NaN.
+    Inside the logit q is clamped to [ε, 1 − ε] and logit(q) is taken in the log domain,
+    log q − log1p(−q), so q = 1 gives 0 rather than inf·0 = NaN; the leading factor q is not
+    clamped, so w → 0 as q → 0.
     """
-    q = log_q.exp().clamp(eps, 1 - eps)
-    logit_q = q.log() - torch.log1p(-q)
+    q = log_q.exp()
+    qc = q.clamp(eps, 1 - eps)
+    logit_q = qc.log() - torch.log1p(-qc)
     return q * torch.relu(math.log(p_bar / (1 - p_bar)) - logit_q)
 
 
@@ -187,7 +234,7 @@ class InfoSFT:
             raise InvalidArgument(
                 f"ref_logprobs has shape {tuple(ref_logprobs.shape)}, expected {tuple(valid.shape)}"
             )
-        return TokenInputs(ref_logprobs=ref_logprobs.detach().float())
+        return TokenInputs(ref_logprobs=ref_logprobs.detach())
 
     def terms(self, logp_y: Tensor, collision: Tensor | None, inputs: TokenInputs):
         log_q = logp_y.detach() if inputs.ref_logprobs is None else inputs.ref_logprobs
@@ -205,23 +252,26 @@ def cadft_compatibility(
 ) -> Tensor:
     """Per-token copy of its sample's compatibility c (C4, pgs's definition, see CADFT).
 
-    c_s = max(floor, exp(ℓ̄_s / τ)), ℓ̄_s = mean_{i∈s∩M} log p_{i,y} (≤ 0), so c ∈ (0, 1] is
-    increasing in the sample's length-normalized log-likelihood; τ = inf gives c ≡ 1.
+    c_s = max(floor, exp(ℓ̄_s / τ)), ℓ̄_s = mean_{i∈s∩M} log p_{i,y} (≤ 0), so c ∈ [0, 1] is
+    non-decreasing in the sample's length-normalized log-likelihood (exp underflows to 0 for
+    very unlikely samples at small τ); τ = inf gives c ≡ 1.
 
     Args:
         token_logprobs: [N] detached log p_{i,y}.
         doc_ids: [N] integer sample id of each token (any values; equal id = same sample).
         valid: [N] bool, the tokens in M.
     Returns:
-        [N] fp32 weights (detached); tokens of a sample with no valid token get 1.
+        [N] weights, fp32 or fp64 as ``token_logprobs`` (detached); tokens of a sample with
+        no valid token get 1.
     """
     _, inverse = torch.unique(doc_ids, return_inverse=True)
     n_docs = int(inverse.max()) + 1 if inverse.numel() else 0
-    logp = torch.where(valid, token_logprobs.detach().float(), 0.0)
-    logp = logp.clamp(min=torch.finfo(torch.float32).min)  # −inf / inf would give NaN
-    totals = torch.zeros(n_docs, dtype=torch.float32, device=logp.device)
+    dtype = torch.promote_types(token_logprobs.dtype, torch.float32)
+    logp = torch.where(valid, token_logprobs.detach().to(dtype), 0.0)
+    logp = logp.clamp(min=torch.finfo(dtype).min)  # −inf / inf would give NaN
+    totals = torch.zeros(n_docs, dtype=dtype, device=logp.device)
     totals.index_add_(0, inverse, logp)
-    counts = torch.zeros_like(totals).index_add_(0, inverse, valid.float())
+    counts = torch.zeros_like(totals).index_add_(0, inverse, valid.to(dtype))
     mean = totals / counts.clamp(min=1)
     c = torch.exp(mean / temperature).clamp(min=floor, max=1.0)
     return c.index_select(0, inverse)
@@ -267,26 +317,27 @@ class CADFT:
             raise InvalidArgument(
                 f"compat has shape {tuple(compat.shape)}, expected {tuple(valid.shape)}"
             )
-        return TokenInputs(weight=compat.detach().float())
+        return TokenInputs(weight=compat.detach())
 
     def terms(self, logp_y: Tensor, collision: Tensor | None, inputs: TokenInputs):
         weight = (inputs.weight.to(logp_y.dtype) * logp_y.detach().exp()).detach()
         return -weight * logp_y, weight
 
 
-Objective = CE | DEFT | DEFTCayley | DFT | InfoSFT | CADFT
+Objective = CE | DEFT | DeformedLog | DEFTCayley | DFT | InfoSFT | CADFT
 
 OBJECTIVES = {
     "ce": CE,
     "deft": DEFT,
     "deft_cayley": DEFTCayley,
+    "deformed_log": DeformedLog,
     "dft": DFT,
     "infosft": InfoSFT,
     "cadft": CADFT,
 }
 
 
-def resolve_objective(objective: str | Objective) -> Objective:
+def resolve_objective(objective: str | TokenObjective) -> TokenObjective:
     """An objective instance from its name (default settings) or an instance itself."""
     if isinstance(objective, str):
         if objective not in OBJECTIVES:
@@ -294,6 +345,8 @@ def resolve_objective(objective: str | Objective) -> Objective:
                 f"unknown loss objective {objective!r}; expected one of {sorted(OBJECTIVES)}"
             )
         return OBJECTIVES[objective]()
-    if not isinstance(objective, tuple(OBJECTIVES.values())):
-        raise InvalidArgument(f"objective must be a name or an objective, got {objective!r}")
+    if not isinstance(objective, TokenObjective):
+        raise InvalidArgument(
+            f"objective must be one of {sorted(OBJECTIVES)} or implement TokenObjective, got {objective!r}"
+        )
     return objective

@@ -9,7 +9,7 @@ from pgs.errors import InvalidArgument
 from pgs.func.losses.chunked import chunked_token_loss
 from pgs.func.losses.dense import dense_token_loss
 from pgs.func.losses.fused import fused_cross_entropy
-from pgs.func.losses.objectives import CE, Objective, resolve_objective
+from pgs.func.losses.objectives import CE, TokenObjective, resolve_objective
 from pgs.func.losses.result import TokenLossResult
 
 BACKENDS = ("chunked", "dense", "liger", "cce")
@@ -21,7 +21,7 @@ def token_loss(
     labels: Tensor,
     *,
     backend: str = "chunked",
-    objective: str | Objective = "ce",
+    objective: str | TokenObjective = "ce",
     bias: Tensor | None = None,
     softcap: float | None = None,
     ignore_index: int = -100,
@@ -38,7 +38,8 @@ def token_loss(
 
     loss_sum = Σ_{i∈M} ℓ_i + z_loss · Σ_{i∈M} LSE(z_i)², with ℓ_i given by ``objective``
     (EQUATIONS.md C1-C4): ``"ce"``, ``"deft"``, ``"deft_cayley"``, ``"dft"``, ``"infosft"``,
-    ``"cadft"``, or an instance (``InfoSFT(p_bar=0.9, q_source="reference")``, ...).  The
+    ``"cadft"``, ``"deformed_log"`` (fixed α), or an instance (``InfoSFT(p_bar=0.9,
+    q_source="reference")``, ``DeformedLog(0.5)``, any ``TokenObjective``).  The
     caller divides by the global valid-token count.
 
     Args:

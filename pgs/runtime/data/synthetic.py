@@ -109,15 +109,12 @@ def generate(n: int, seed: int, weather_share: float = 0.25, exclude: set[str] |
     rng = random.Random(seed)
     exclude = set() if exclude is None else exclude
     samples: list[dict] = []
-    seen_weather = 0
     while len(samples) < n:
         sample = make_weather(rng) if rng.random() < weather_share else make_addition(rng)
         prompt = sample["messages"][0]["content"]
         # Twenty cities make only twenty weather prompts; they may repeat (the answers differ).
         if sample["task"] == "add" and prompt in exclude:
             continue
-        if sample["task"] == "weather":
-            seen_weather += 1
         exclude.add(prompt)
         samples.append(sample)
     return samples
@@ -221,7 +218,7 @@ def save_tokenizer(tokenizer, folder: str) -> None:
         handle.write("\n")
 
 
-def write_quickstart(out: str, seed: int = 0, n_train: int = 3000, n_eval: int = 200, vocab_size: int = 768):
+def write_quickstart(out: str, seed: int = 0, n_train: int = 2500, n_eval: int = 200, vocab_size: int = 768):
     """Write train.jsonl, eval.jsonl and tokenizer/ under ``out``; returns the tokenizer."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -247,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Regenerate the pgs quickstart data and tokenizer.")
     parser.add_argument("--out", default="pgs/assets/quickstart")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--train", type=int, default=3000)
+    parser.add_argument("--train", type=int, default=2500)
     parser.add_argument("--eval", type=int, default=200)
     parser.add_argument("--vocab-size", type=int, default=768)
     args = parser.parse_args(argv)

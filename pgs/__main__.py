@@ -1,0 +1,5 @@
+"""``python -m pgs`` is the ``pgs`` command."""
+
+from pgs.cli import main
+
+raise SystemExit(main())

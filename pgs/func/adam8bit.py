@@ -1,0 +1,192 @@
+"""Adam with block-wise 8-bit moments (EQUATIONS.md A13 + A5).
+
+Kingma & Ba, arXiv 1412.6980; Loshchilov & Hutter, arXiv 1711.05101;
+Dettmers et al., "8-bit Optimizers via Block-wise Quantization", arXiv 2110.02861.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pgs.func import kernels as K
+from pgs.func import tree as T
+from pgs.func._common import compute_dtype, increment, zero_count
+from pgs.func.base import ELEMENTWISE, EmptyState, Transform, chain, check_range, identity
+from pgs.func.kernels.fused import FusedTransform, apply_fp32, hp_tensor, learning_rate_value, one_minus, sr_seed
+from pgs.func.layout import group_label
+from pgs.func.learning_rate import ScaleByLearningRateState, scale_by_learning_rate
+from pgs.func.lion8bit import _nonzero, check_8bit_args, check_layout
+from pgs.func.quant8 import Quantized8bit, init_moment, is_8bit_eligible, load_moment, moment_leaves, store_moment
+from pgs.func.weight_decay import add_decayed_weights, mask_fn
+
+
+class ScaleByAdam8bitState(NamedTuple):
+    count: torch.Tensor  # int32, updates applied so far
+    mu: object  # per leaf: Quantized8bit (signed map) or fp32 tensor
+    nu: object  # per leaf: Quantized8bit (unsigned map) or fp32 tensor
+
+
+def _bias_corrections(count: torch.Tensor, b1, b2):
+    t = count.to(torch.float64)
+    return 1.0 - b1**t, 1.0 - b2**t
+
+
+def adam_leaf(g, m, v, b1, b2, eps, eps_root, bc1, bc2, block_size: int):
+    """Reference Adam on one leaf, the same operations as ``scale_by_adam``."""
+    cd = compute_dtype(g)
+    g32 = g.to(cd)
+    m32 = load_moment(m, block_size, signed=True).to(cd)
+    v32 = load_moment(v, block_size, signed=False).to(cd)
+    # the same operations as scale_by_adam, so quantize=False equals it bit for bit
+    m_new = m32.lerp(g32, 1.0 - b1)
+    v_new = v32.mul(b2).addcmul(g32, g32, value=1.0 - b2)
+    u = (m_new / bc1.to(cd)) / ((v_new / bc2.to(cd) + eps_root).sqrt() + eps)
+    return u, store_moment(m_new, m, block_size, True), store_moment(v_new, v, block_size, False)
+
+
+def _adam_hp(device, b1, b2, eps, eps_root, bc1, bc2, *tail):
+    return hp_tensor(device, one_minus(b1), b2, one_minus(b2), eps, eps_root, bc1, bc2, *tail)
+
+
+def scale_by_adam8bit(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    block_size: int = 256,
+    min_8bit_size: int = 4096,
+    quantize: bool = True,
+    backend: str = "auto",
+) -> Transform:
+    """Adam's bias-corrected direction with both moments stored block-wise in 8 bits.
+
+    m_t = β1 m_{t−1} + (1−β1) g_t ;  v_t = β2 v_{t−1} + (1−β2) g_t²
+    u_t = (m_t / (1−β1^t)) / (sqrt(v_t / (1−β2^t) + ε_root) + ε)
+    m uses the signed dynamic map, v the unsigned one, one fp32 absmax per block (A5).
+    Leaves with fewer than ``min_8bit_size`` elements keep fp32 moments.
+
+    Args:
+        b1, b2: decay rates in [0, 1).
+        eps, eps_root: stabilisers (≥ 0).
+        block_size, min_8bit_size, quantize, backend: as in ``scale_by_lion8bit``.
+
+    Example::
+
+        opt = pf.chain(pf.scale_by_adam8bit(b2=0.95), pf.scale_by_learning_rate(1e-3))
+
+    Papers: arXiv 1412.6980 (Adam), arXiv 2110.02861 (8-bit state).
+    """
+    who = "scale_by_adam8bit"
+    check_range("b1", b1, 0.0, 1.0, hi_open=True, who=who)
+    check_range("b2", b2, 0.0, 1.0, hi_open=True, who=who)
+    check_range("eps", eps, 0.0, None, who=who)
+    check_range("eps_root", eps_root, 0.0, None, who=who)
+    check_8bit_args(who, block_size, min_8bit_size, backend)
+    eligible = is_8bit_eligible(min_8bit_size)
+
+    def init(params, **extra):
+        layout = extra.get("layout")
+        check_layout(layout, block_size, who)
+        labels = group_label(layout, params, eligible)
+
+        def moments(signed):
+            return T.tree_map_with_path(lambda path, x: init_moment(x, quantize and labels[path], block_size, signed),
+                                        params)
+
+        return ScaleByAdam8bitState(zero_count(params), moments(True), moments(False))
+
+    def update(updates, state, params=None, **extra):
+        check_layout(extra.get("layout"), block_size, who)
+        m_leaves = moment_leaves(updates, state.mu, who)
+        v_leaves = moment_leaves(updates, state.nu, who)
+        u_leaves, spec = T.flatten(updates)
+        count = increment(state.count)
+        bc1, bc2 = _bias_corrections(count, b1, b2)
+        out_u, out_m, out_v = [], [], []
+        for g, m, v in zip(u_leaves, m_leaves, v_leaves):
+            if g is None:
+                out_u.append(None), out_m.append(None), out_v.append(None)
+                continue
+            if isinstance(m, Quantized8bit) and K.use_triton(backend, g, block_size):
+                hp = _adam_hp(g.device, b1, b2, eps, eps_root, bc1, bc2)
+                u, m_new, v_new = K.adam8bit(g.contiguous(), m, v, hp, block_size)
+            else:
+                u, m_new, v_new = adam_leaf(g, m, v, b1, b2, eps, eps_root, bc1, bc2, block_size)
+            out_u.append(u.to(g.dtype)), out_m.append(m_new), out_v.append(v_new)
+        return T.unflatten(out_u, spec), ScaleByAdam8bitState(count, T.unflatten(out_m, spec), T.unflatten(out_v, spec))
+
+    # ``fused`` names this block for the execution layer's chain matcher (pgs.func.fused);
+    # the 8-bit fused kernels are reached through ``adamw8bit``'s FusedTransform.
+    return Transform(init, update, name="scale_by_adam8bit", locality=ELEMENTWISE,
+                     group_by=(eligible,), align=block_size,
+                     fused=("adam8bit", dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, block_size=block_size, min_8bit_size=min_8bit_size)) if quantize else None)
+
+
+def adamw8bit(
+    learning_rate=1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    mask=None,
+    block_size: int = 256,
+    min_8bit_size: int = 4096,
+    quantize: bool = True,
+    backend: str = "auto",
+) -> Transform:
+    """AdamW8bit = chain(scale_by_adam8bit, add_decayed_weights, scale_by_learning_rate).
+
+    θ ← θ − η_t (m̂/(sqrt(v̂)+ε) + λθ), m and v kept in 8 bits.  Fused under
+    ``pf.compile(...).step`` on CUDA, as ``lion8bit`` is.
+
+    Example::
+
+        fast = pf.compile(pf.adamw8bit(1e-4, weight_decay=0.1), donate=True)
+    """
+    direction = scale_by_adam8bit(b1, b2, eps, 0.0, block_size, min_8bit_size, quantize, backend)
+    decay = add_decayed_weights(weight_decay, mask) if _nonzero(weight_decay) else identity()
+    base = chain(direction, decay, scale_by_learning_rate(learning_rate))
+    fn = mask_fn(mask, "adamw8bit")
+
+    def fused_step(fg, state, fp, *, layout, donate, stochastic_rounding, extra):
+        if not quantize or layout is None or any(
+            not K.use_triton(backend, g, block_size) for g in fg.values() if g is not None
+        ):
+            return None
+        n_dir, n_dec, n_lr = list(state)
+        s_dir, s_lr = state[n_dir], state[n_lr]
+        lr = learning_rate_value(learning_rate, s_lr.count)
+        count = increment(s_dir.count)
+        bc1, bc2 = _bias_corrections(count, b1, b2)
+        labels = group_label(layout, fg, fn) if fn is not None else None
+        new_p, new_mu, new_nu = {}, {}, {}
+        for i, (k, g) in enumerate(fg.items()):
+            p, m, v = fp[k], s_dir.mu[k], s_dir.nu[k]
+            if g is None:
+                new_p[k], new_mu[k], new_nu[k] = p, m, v
+                continue
+            wd = weight_decay if (_nonzero(weight_decay) and (labels is None or labels[k])) else 0.0
+            if isinstance(m, Quantized8bit):
+                seed = sr_seed(count, i) if (stochastic_rounding and p.dtype == torch.bfloat16) else None
+                hp = _adam_hp(g.device, b1, b2, eps, 0.0, bc1, bc2, lr, wd)
+                new_p[k], new_mu[k], new_nu[k] = K.adam8bit(
+                    g, m, v, hp, block_size, p=p, out=p if donate else torch.empty_like(p),
+                    m_out=m if donate else None, v_out=v if donate else None, seed=seed)
+            else:
+                u, m_new, v_new = adam_leaf(g, m, v, b1, b2, eps, 0.0, bc1, bc2, block_size)
+                x = apply_fp32(p, u.float(), lr, wd, stochastic_rounding)
+                if donate:
+                    p.copy_(x), m.copy_(m_new), v.copy_(v_new)
+                    x, m_new, v_new = p, m, v
+                new_p[k], new_mu[k], new_nu[k] = x, m_new, v_new
+        new_state = {
+            n_dir: ScaleByAdam8bitState(count, new_mu, new_nu),
+            n_dec: state[n_dec] if isinstance(state[n_dec], EmptyState) else EmptyState(),
+            n_lr: ScaleByLearningRateState(increment(s_lr.count), lr),
+        }
+        return new_p, new_state
+
+    return FusedTransform(base.init, base.update, name=base.name, locality=base.locality,
+                          children=base.children, fused_step=fused_step)

@@ -1,0 +1,211 @@
+"""Lion with a block-wise 8-bit momentum (EQUATIONS.md A4 + A5).
+
+Chen et al., "Symbolic Discovery of Optimization Algorithms", arXiv 2302.06675;
+Dettmers et al., "8-bit Optimizers via Block-wise Quantization", arXiv 2110.02861.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pgs.errors import InvalidArgument
+from pgs.func import kernels as K
+from pgs.func import tree as T
+from pgs.func._common import compute_dtype, increment, zero_count
+from pgs.func.base import ELEMENTWISE, EmptyState, Transform, chain, check_range, identity
+from pgs.func.kernels.fused import FusedTransform, apply_fp32, hp_tensor, learning_rate_value, one_minus, sr_seed
+from pgs.func.layout import group_label
+from pgs.func.learning_rate import ScaleByLearningRateState, scale_by_learning_rate
+from pgs.func.quant8 import (
+    Quantized8bit,
+    init_moment,
+    is_8bit_eligible,
+    load_moment,
+    moment_leaves,
+    store_moment,
+)
+from pgs.func.weight_decay import add_decayed_weights, mask_fn
+
+
+class ScaleByLion8bitState(NamedTuple):
+    count: torch.Tensor  # int32, updates applied so far
+    mu: object  # per leaf: Quantized8bit(codes uint8, absmax fp32) or an fp32 tensor (small leaves)
+
+
+def check_8bit_args(who: str, block_size, min_8bit_size, backend) -> None:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise InvalidArgument(f"{who}: block_size must be a positive int, got {block_size!r}")
+    if not isinstance(min_8bit_size, int) or isinstance(min_8bit_size, bool) or min_8bit_size < 0:
+        raise InvalidArgument(f"{who}: min_8bit_size must be an int >= 0, got {min_8bit_size!r}")
+    if backend not in K.BACKENDS:
+        raise InvalidArgument(f"{who}: backend must be one of {K.BACKENDS}, got {backend!r}")
+
+
+def check_layout(layout, block_size: int, who: str) -> None:
+    if layout is not None and layout.align % block_size:
+        raise InvalidArgument(f"{who}: the flat layout's align={layout.align} is not a multiple of "
+                              f"block_size={block_size}; build it with pf.compile (which uses the lcm)")
+
+
+def _weight(w, like: torch.Tensor):
+    return w.to(device=like.device, dtype=like.dtype) if isinstance(w, torch.Tensor) else w
+
+
+def lion_leaf(g: torch.Tensor, m, w1, w2, block_size: int):
+    """Reference Lion on one leaf: ``(sign(lerp(m, g, 1−β1)), stored lerp(m, g, 1−β2))``."""
+    cd = compute_dtype(g)
+    g32 = g.to(cd)
+    m32 = load_moment(m, block_size, signed=True).to(cd)
+    u = m32.lerp(g32, _weight(w1, g32)).sign()
+    return u, store_moment(m32.lerp(g32, _weight(w2, g32)), m, block_size, signed=True)
+
+
+def scale_by_lion8bit(
+    b1: float = 0.9,
+    b2: float = 0.99,
+    block_size: int = 256,
+    min_8bit_size: int = 4096,
+    quantize: bool = True,
+    backend: str = "auto",
+) -> Transform:
+    """Lion's sign direction with its momentum stored block-wise in 8 bits (no learning rate).
+
+    c_t = β1 m_{t−1} + (1−β1) g_t ;  u_t = sign(c_t) ;  m_t = β2 m_{t−1} + (1−β2) g_t
+    with m dequantized to fp32 before and requantized after each step (signed dynamic map,
+    one fp32 absmax per ``block_size`` elements; A5).  Leaves with fewer than
+    ``min_8bit_size`` elements keep an fp32 momentum (bitsandbytes does the same).
+
+    Args:
+        b1, b2: Lion's rates in [0, 1].
+        block_size: elements per quantization block (bitsandbytes uses 256).
+        min_8bit_size: smaller leaves keep fp32 state.
+        quantize: False stores every momentum in fp32 (then this equals ``scale_by_lion``
+            for fp32 parameters, bit for bit).
+        backend: ``"auto"`` (Triton on CUDA), ``"torch"`` or ``"triton"``.
+
+    Returns:
+        A ``Transform`` with ``ScaleByLion8bitState(count, mu)``.
+
+    Example::
+
+        opt = pf.chain(pf.scale_by_lion8bit(), pf.scale_by_learning_rate(1e-4))
+
+    Papers: arXiv 2302.06675 (Lion), arXiv 2110.02861 (8-bit state).
+    """
+    who = "scale_by_lion8bit"
+    check_range("b1", b1, 0.0, 1.0, who=who)
+    check_range("b2", b2, 0.0, 1.0, who=who)
+    check_8bit_args(who, block_size, min_8bit_size, backend)
+    eligible = is_8bit_eligible(min_8bit_size)
+
+    def init(params, **extra):
+        layout = extra.get("layout")
+        check_layout(layout, block_size, who)
+        labels = group_label(layout, params, eligible)
+        return ScaleByLion8bitState(
+            zero_count(params),
+            T.tree_map_with_path(lambda path, x: init_moment(x, quantize and labels[path], block_size, True), params),
+        )
+
+    def update(updates, state, params=None, **extra):
+        check_layout(extra.get("layout"), block_size, who)
+        m_leaves = moment_leaves(updates, state.mu, who)
+        u_leaves, spec = T.flatten(updates)
+        w1, w2 = one_minus(b1), one_minus(b2)
+        out_u, out_m = [], []
+        for g, m in zip(u_leaves, m_leaves):
+            if g is None:
+                out_u.append(None)
+                out_m.append(None)
+                continue
+            if isinstance(m, Quantized8bit) and K.use_triton(backend, g, block_size):
+                u, m_new = K.lion8bit(g.contiguous(), m, hp_tensor(g.device, w1, w2), block_size)
+            else:
+                u, m_new = lion_leaf(g, m, w1, w2, block_size)
+            out_u.append(u.to(g.dtype))
+            out_m.append(m_new)
+        mu = T.unflatten(out_m, spec)
+        return T.unflatten(out_u, spec), ScaleByLion8bitState(increment(state.count), mu)
+
+    # ``fused`` names this block for the execution layer's chain matcher (pgs.func.fused);
+    # the 8-bit fused kernels are reached through ``lion8bit``'s FusedTransform.
+    return Transform(init, update, name="scale_by_lion8bit", locality=ELEMENTWISE,
+                     group_by=(eligible,), align=block_size,
+                     fused=("lion8bit", dict(b1=b1, b2=b2, block_size=block_size, min_8bit_size=min_8bit_size)) if quantize else None)
+
+
+def lion8bit(
+    learning_rate=1e-4,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    weight_decay: float = 0.0,
+    mask=None,
+    block_size: int = 256,
+    min_8bit_size: int = 4096,
+    quantize: bool = True,
+    backend: str = "auto",
+) -> Transform:
+    """Lion8bit = chain(scale_by_lion8bit, add_decayed_weights, scale_by_learning_rate).
+
+    θ ← θ − η_t (sign(β1 m + (1−β1) g) + λθ), m kept in 8 bits.  Under
+    ``pf.compile(...).step`` on CUDA the whole chain plus the apply runs as one fused kernel
+    per flat group (``pgs.func.kernels.fused``); elsewhere it is the plain chain.
+
+    Example::
+
+        fast = pf.compile(pf.lion8bit(3e-5, weight_decay=0.1), donate=True)
+        state = fast.init(params)
+        params, state = fast.step(grads, state, params)
+    """
+    direction = scale_by_lion8bit(b1, b2, block_size, min_8bit_size, quantize, backend)
+    decay = add_decayed_weights(weight_decay, mask) if _nonzero(weight_decay) else identity()
+    base = chain(direction, decay, scale_by_learning_rate(learning_rate))
+    fn = mask_fn(mask, "lion8bit")
+
+    def fused_step(fg, state, fp, *, layout, donate, stochastic_rounding, extra):
+        if not quantize or layout is None or any(
+            not K.use_triton(backend, g, block_size) for g in fg.values() if g is not None
+        ):
+            return None
+        n_dir, n_dec, n_lr = list(state)
+        s_dir, s_lr = state[n_dir], state[n_lr]
+        count = s_lr.count
+        lr = learning_rate_value(learning_rate, count)
+        labels = group_label(layout, fg, fn) if fn is not None else None
+        w1, w2 = one_minus(b1), one_minus(b2)
+        new_p, new_mu = {}, {}
+        for i, (k, g) in enumerate(fg.items()):
+            p, m = fp[k], s_dir.mu[k]
+            if g is None:
+                new_p[k], new_mu[k] = p, m
+                continue
+            wd = weight_decay if (_nonzero(weight_decay) and (labels is None or labels[k])) else 0.0
+            if isinstance(m, Quantized8bit):
+                out = p if donate else torch.empty_like(p)
+                m_out = m if donate else None
+                seed = sr_seed(count, i) if (stochastic_rounding and p.dtype == torch.bfloat16) else None
+                new_p[k], new_mu[k] = K.lion8bit(g, m, hp_tensor(g.device, w1, w2, lr, wd), block_size,
+                                                 p=p, out=out, m_out=m_out, seed=seed)
+            else:  # small leaves: fp32 momentum, a few tiny kernels
+                u, m_new = lion_leaf(g, m, w1, w2, block_size)
+                x = apply_fp32(p, u.float(), lr, wd, stochastic_rounding)
+                if donate:
+                    p.copy_(x)
+                    m.copy_(m_new)
+                    x, m_new = p, m
+                new_p[k], new_mu[k] = x, m_new
+        new_state = {
+            n_dir: ScaleByLion8bitState(increment(s_dir.count), new_mu),
+            n_dec: state[n_dec] if isinstance(state[n_dec], EmptyState) else EmptyState(),
+            n_lr: ScaleByLearningRateState(increment(count), lr),
+        }
+        return new_p, new_state
+
+    return FusedTransform(base.init, base.update, name=base.name, locality=base.locality,
+                          children=base.children, fused_step=fused_step)
+
+
+def _nonzero(x) -> bool:
+    return isinstance(x, torch.Tensor) or x != 0

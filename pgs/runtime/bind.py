@@ -1,0 +1,194 @@
+"""Binding a pure chain to a module's parameters: ``bind(chain, module)``.
+
+The runtime side of the two-layer design.  A ``BoundOptimizer`` owns the chain's state and
+applies ``chain.update`` to the module's gradients in place of ``torch.optim``:
+
+    opt = pgs.runtime.bind(pf.adamw(3e-4, weight_decay=0.1), model, compile=True)
+    for batch in loader:
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+With ``compile=True`` the parameters are moved into the flat layout's buffers (every
+parameter becomes a view of one buffer per group) and every ``.grad`` is a view of a flat
+gradient buffer, so the step reads and writes whole buffers: no gathering, no Python loop
+over tensors, state and parameters updated in place (donated).  ``jit=True`` additionally
+compiles the flat step with ``torch.compile``.  Without ``compile`` the chain runs on the
+per-parameter tree (the reference path) and the result is written back into the parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+import pgs.func as pf
+from pgs.errors import InvalidArgument, TreeMismatch
+from pgs.func import tree as T
+
+_LAYOUT_KEY = "__pgs_layout__"
+
+
+class BoundOptimizer:
+    """A pure chain bound to live parameters.  See the module docstring."""
+
+    def __init__(
+        self,
+        chain: pf.Transform,
+        module_or_params,
+        *,
+        compile: bool = False,
+        jit: bool = False,
+        donate: bool = True,
+        stochastic_rounding: bool = False,
+        align: int = 256,
+    ):
+        if not isinstance(chain, pf.Transform):
+            raise InvalidArgument(f"bind: expected a pgs.func.Transform, got {type(chain).__name__}")
+        if isinstance(module_or_params, torch.nn.Module):
+            params = {n: p for n, p in module_or_params.named_parameters() if p.requires_grad}
+        elif isinstance(module_or_params, dict):
+            params = {n: p for n, p in module_or_params.items() if p.requires_grad}
+        else:
+            raise InvalidArgument("bind: expected an nn.Module or a dict name -> Parameter")
+        if not params:
+            raise InvalidArgument("bind: the module has no trainable parameters")
+        self.chain = chain
+        self.params = params
+        self.compiled = bool(compile)
+        self.stochastic_rounding = stochastic_rounding
+        self._last_grads = None
+        if self.compiled:
+            self.flat = pf.compile(chain, jit=jit, donate=donate, align=align, stochastic_rounding=stochastic_rounding)
+            with torch.no_grad():
+                self.param_bufs = self.flat.bind_buffers(params)
+            self.grad_bufs = {k: torch.zeros_like(b) for k, b in self.param_bufs.items()}
+            self._attach_grads()
+            self.state = self.flat.init(self.param_bufs_tree())
+        else:
+            self.flat = None
+            self.state = chain.init(self._detached())
+
+    # -- helpers -------------------------------------------------------------------------
+    def _detached(self):
+        return {n: p.detach() for n, p in self.params.items()}
+
+    def param_bufs_tree(self):
+        return self._detached()
+
+    def _attach_grads(self):
+        self._grad_views = T.leaves(self.flat.unflatten(self.grad_bufs))
+        for p, v in zip(self.params.values(), self._grad_views):
+            p.grad = v
+
+    def _grads_tree(self):
+        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
+
+    # -- the torch.optim-like surface -------------------------------------------------
+    @torch.no_grad()
+    def step(self, **extra) -> None:
+        """Apply the chain to the current gradients and update the parameters in place."""
+        if self.compiled:
+            for p, v in zip(self.params.values(), self._grad_views):
+                if p.grad is not v:
+                    # someone replaced .grad (e.g. module.zero_grad() set it to None, and
+                    # backward allocated a new one): bring it back into the flat buffer
+                    if p.grad is None:
+                        v.zero_()
+                    else:
+                        v.copy_(p.grad)
+                    p.grad = v
+            new_p, self.state = self.flat.step_flat(self.grad_bufs, self.state, self.param_bufs, **extra)
+            if new_p is not self.param_bufs:
+                for k, buf in self.param_bufs.items():
+                    if new_p[k].data_ptr() != buf.data_ptr():
+                        buf.copy_(new_p[k])
+            return
+        grads = self._grads_tree()
+        params = self._detached()
+        updates, self.state = self.chain.update(grads, self.state, params, **extra)
+        new = pf.apply_updates(params, updates, stochastic_rounding=self.stochastic_rounding)
+        for n, p in self.params.items():
+            p.copy_(new[n])
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients (the flat path zeroes its gradient buffers and keeps the views)."""
+        if self.compiled:
+            for b in self.grad_bufs.values():
+                b.zero_()
+            self._attach_grads()
+            return
+        for p in self.params.values():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # -- state --------------------------------------------------------------------------
+    def _layout_fingerprint(self) -> torch.Tensor:
+        if self.compiled:
+            desc = {k: list(g.paths) for k, g in self.flat.layout.groups.items()}
+        else:
+            desc = {"tree": list(self.params)}
+        return torch.frombuffer(bytearray(json.dumps(desc, sort_keys=True).encode()), dtype=torch.uint8).clone()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The chain's state as ``{path: tensor}`` (safetensors-ready), plus a layout fingerprint."""
+        d = pf.state_to_dict(self.state)
+        d[_LAYOUT_KEY] = self._layout_fingerprint()
+        return d
+
+    def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
+        """Restore state written by ``state_dict``; refuses a different parameter layout."""
+        fp = d.get(_LAYOUT_KEY)
+        if fp is None or not torch.equal(fp.to(torch.uint8), self._layout_fingerprint()):
+            raise TreeMismatch(
+                "optimizer state was saved for a different set of trainable parameters "
+                "(freeze policy, model or compile setting changed)"
+            )
+        rest = {k: v for k, v in d.items() if k != _LAYOUT_KEY}
+        new = pf.state_from_dict(self.state, rest)
+        if self.compiled:
+            # keep the donated buffers: copy into them
+            olds, news = T.leaves(self.state), T.leaves(new)
+            for o, n in zip(olds, news):
+                if isinstance(o, torch.Tensor):
+                    o.copy_(n)
+        else:
+            self.state = new
+
+    # -- what the runtime logs ----------------------------------------------------------
+    def last_metrics(self) -> dict[str, Any]:
+        """lr (the one used by the last step), grad_norm (if a clip or zclip recorded it), spike flags."""
+        out: dict[str, Any] = {}
+        for path, x in T.leaves_with_paths(self.state):
+            if not isinstance(x, torch.Tensor) or x.numel() != 1:
+                continue
+            leaf = path.rsplit(".", 1)[-1]
+            if leaf == "lr" and "lr" not in out:
+                out["lr"] = float(x)
+            elif leaf == "learning_rate" and "lr" not in out:
+                out["lr"] = float(x)
+            elif leaf == "norm" and "grad_norm" not in out:
+                out["grad_norm"] = float(x)
+            elif leaf == "spike":
+                out["spike"] = bool(x)
+            elif leaf == "skipped":
+                out["spikes_skipped"] = int(x)
+        return out
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """The global norm of the current gradients (fp32)."""
+        if self.compiled:
+            return float(pf.global_norm(self.grad_bufs))
+        return float(pf.global_norm(self._grads_tree()))
+
+
+def bind(chain: pf.Transform, module_or_params, **kwargs) -> BoundOptimizer:
+    """Bind ``chain`` to ``module``'s trainable parameters.  See ``BoundOptimizer``."""
+    return BoundOptimizer(chain, module_or_params, **kwargs)

@@ -1,0 +1,317 @@
+"""Checkpoints: durable step folders, a completion marker, resume, keep-N, the best copy.
+
+A checkpoint is ``<run_dir>/step_<N>/``::
+
+    model.safetensors      every parameter and persistent buffer (tied copies once)
+    optimizer.safetensors  the bound chain's state (``BoundOptimizer.state_dict()``)
+    rng.safetensors        torch generator states as uint8 tensors (CPU, each CUDA device, noise)
+    trainer.json           counters, data-stream position, skip counters, best-so-far
+    spec.resolved.toml     the spec the run was started with
+    COMPLETE               manifest: size and sha256 of every file above; written last
+
+It is written into ``.step_<N>.tmp-<pid>/``; each file is fsynced, then the folder, then
+it is renamed to ``step_<N>`` and the run folder is fsynced (a rename that reaches the
+journal before the data would leave zero-length files in a folder that looks complete).
+Only a folder whose ``COMPLETE`` manifest matches its files is ever resumed from; nothing
+here reads a pickle (safetensors and JSON only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+from typing import Any, Callable
+
+import attrs
+import torch
+from safetensors.torch import load_file, save_file
+
+from pgs.errors import PgsError
+from pgs.runtime.control import fsync_dir
+
+FORMAT_VERSION = 1
+COMPLETE = "COMPLETE"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+RNG_FILE = "rng.safetensors"
+TRAINER_FILE = "trainer.json"
+SPEC_FILE = "spec.resolved.toml"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+TMP_DIR = re.compile(r"^\.(step_\d+|best|final)\.tmp-\d+$")
+
+
+class CheckpointError(PgsError):
+    """A checkpoint that cannot be resumed from (names the folder and what is wrong)."""
+
+
+@attrs.frozen
+class Checkpoint:
+    """What a step folder holds, loaded (tensors on the CPU)."""
+
+    path: str
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    rng: dict[str, torch.Tensor]
+    trainer: dict[str, Any]
+
+
+# -- writing ----------------------------------------------------------------------------
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def model_tensors(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """CPU copies of the model's state, each storage once, and ``{alias: stored_name}`` for tied ones.
+
+    Copies, because parameters bound with ``compile=True`` are views of one flat buffer and
+    safetensors refuses shared storage.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in model.state_dict(keep_vars=False).items():
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = t.detach().to("cpu", copy=True).contiguous()
+    return tensors, aliases
+
+
+def capture_rng(noise_generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """Every torch generator a step can draw from, as uint8 tensors."""
+    out = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"torch_cuda_{i}"] = state
+    if noise_generator is not None:
+        out["noise"] = noise_generator.get_state()
+    return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+
+
+def restore_rng(states: dict[str, torch.Tensor], noise_generator: torch.Generator | None = None) -> None:
+    torch.set_rng_state(states["torch_cpu"])
+    cuda = sorted((k for k in states if k.startswith("torch_cuda_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+    if cuda and torch.cuda.is_available():
+        for k in cuda:
+            i = int(k.rsplit("_", 1)[1])
+            if i < torch.cuda.device_count():
+                torch.cuda.set_rng_state(states[k], i)
+    if noise_generator is not None and "noise" in states:
+        noise_generator.set_state(states["noise"])
+
+
+def write_manifest(folder: str, step: int, files: list[str]) -> None:
+    """The ``COMPLETE`` marker: sizes and sha256 of ``files``, fsynced.  Written last."""
+    manifest = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "files": {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
+                         "sha256": _sha256(os.path.join(folder, name))} for name in files},
+    }
+    path = os.path.join(folder, COMPLETE)
+    _write_text(path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _fsync_file(path)
+
+
+def publish(tmp: str, final: str) -> None:
+    """fsync ``tmp``'s files and ``tmp``, rename it to ``final`` (replacing one), fsync the parent."""
+    for root, dirs, files in os.walk(tmp):
+        for name in files:
+            _fsync_file(os.path.join(root, name))
+        fsync_dir(root)
+    parent = os.path.dirname(os.path.abspath(final))
+    old = None
+    if os.path.exists(final):
+        old = f"{final}.old-{os.getpid()}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save(
+    run_dir: str,
+    step: int,
+    *,
+    model,
+    optimizer_state: dict[str, torch.Tensor],
+    rng: dict[str, torch.Tensor],
+    trainer: dict[str, Any],
+    spec_toml: str,
+    crash_hook: Callable[[str], None] | None = None,
+) -> str:
+    """Write ``<run_dir>/step_<step>`` durably; returns its path.
+
+    ``crash_hook(stage)`` is called between files (tests kill the process there).
+    """
+    final = os.path.join(run_dir, f"step_{step}")
+    tmp = os.path.join(run_dir, f".step_{step}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    hook = crash_hook or (lambda stage: None)
+    tensors, aliases = model_tensors(model)
+    save_file(tensors, os.path.join(tmp, MODEL_FILE), metadata={"format": "pt", "pgs": "model"})
+    hook("model")
+    save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in optimizer_state.items()},
+              os.path.join(tmp, OPTIMIZER_FILE), metadata={"pgs": "optimizer"})
+    hook("optimizer")
+    save_file(rng, os.path.join(tmp, RNG_FILE), metadata={"pgs": "rng"})
+    payload = {"format": FORMAT_VERSION, "step": step, "aliases": aliases, **trainer}
+    _write_text(os.path.join(tmp, TRAINER_FILE), json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    _write_text(os.path.join(tmp, SPEC_FILE), spec_toml)
+    hook("manifest")
+    write_manifest(tmp, step, [MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, TRAINER_FILE, SPEC_FILE])
+    publish(tmp, final)
+    return final
+
+
+# -- finding and verifying ----------------------------------------------------------------
+def problem(folder: str, *, hashes: bool = True) -> str | None:
+    """Why ``folder`` is not a complete checkpoint, or None when its manifest matches its files."""
+    marker = os.path.join(folder, COMPLETE)
+    if not os.path.isfile(marker):
+        return "no COMPLETE marker (the write did not finish)"
+    try:
+        with open(marker, encoding="utf-8") as handle:
+            manifest = json.load(handle)
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"unreadable COMPLETE manifest ({err})"
+    if manifest.get("format") != FORMAT_VERSION:
+        return f"checkpoint format {manifest.get('format')!r}, expected {FORMAT_VERSION}"
+    for name, entry in files.items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        size = os.path.getsize(path)
+        if size != entry["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {entry['bytes']}"
+        if hashes and _sha256(path) != entry["sha256"]:
+            return f"{name} does not match its sha256 in the manifest"
+    return None
+
+
+def step_folders(run_dir: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every ``step_<N>`` folder, newest first (complete or not)."""
+    if not os.path.isdir(run_dir):
+        return []
+    found = []
+    for name in os.listdir(run_dir):
+        match = STEP_DIR.match(name)
+        if match and os.path.isdir(os.path.join(run_dir, name)):
+            found.append((int(match.group(1)), os.path.join(run_dir, name)))
+    return sorted(found, reverse=True)
+
+
+def latest(run_dir: str, *, report: Callable[[str], None] | None = None) -> str | None:
+    """The newest step folder whose manifest verifies; incomplete ones are reported and skipped."""
+    report = report or (lambda line: print(line, file=sys.stderr))
+    for step, path in step_folders(run_dir):
+        why = problem(path)
+        if why is None:
+            return path
+        report(f"pgs: skipping checkpoint {path}: {why}")
+    return None
+
+
+def resolve(run_dir: str, resume: str | None, *, report: Callable[[str], None] | None = None) -> str | None:
+    """The folder ``--resume`` names: None (fresh), ``"auto"`` (newest complete, or fresh), or a path."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        return latest(run_dir, report=report)
+    why = problem(resume)
+    if why is not None:
+        raise CheckpointError(f"--resume {resume}: not a complete checkpoint: {why}")
+    return resume
+
+
+def load(folder: str) -> Checkpoint:
+    """Read a verified step folder (call ``problem`` first, or use ``resolve``)."""
+    with open(os.path.join(folder, TRAINER_FILE), encoding="utf-8") as handle:
+        trainer = json.load(handle)
+    if trainer.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{folder}: trainer.json format {trainer.get('format')!r}, expected {FORMAT_VERSION}")
+    return Checkpoint(
+        path=folder,
+        step=int(trainer["step"]),
+        model=load_file(os.path.join(folder, MODEL_FILE)),
+        optimizer=load_file(os.path.join(folder, OPTIMIZER_FILE)),
+        rng=load_file(os.path.join(folder, RNG_FILE)),
+        trainer=trainer,
+    )
+
+
+@torch.no_grad()
+def load_model_state(model, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
+    """Copy ``tensors`` into the model's own storage (parameters keep their identity)."""
+    state = model.state_dict(keep_vars=True)
+    missing = [n for n in state if n not in tensors and n not in aliases]
+    unexpected = [n for n in tensors if n not in state]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"model weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    for name, target in state.items():
+        if name in tensors:
+            source = tensors[name]
+            if source.shape != target.shape:
+                raise CheckpointError(f"model weight {name}: shape {tuple(source.shape)}, expected {tuple(target.shape)}")
+            target.copy_(source.to(dtype=target.dtype, device=target.device))
+
+
+# -- housekeeping --------------------------------------------------------------------------
+def remove_stale_temporaries(run_dir: str) -> list[str]:
+    """Delete ``.step_N.tmp-<pid>`` (and best/final temporaries) left by a killed process."""
+    removed = []
+    if not os.path.isdir(run_dir):
+        return removed
+    for name in os.listdir(run_dir):
+        if TMP_DIR.match(name) or re.match(r"^(step_\d+|best|final)\.old-\d+$", name):
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def purge(run_dir: str, keep: int | None) -> list[str]:
+    """Keep the newest ``keep`` complete step folders; delete older ones (never ``best/``).
+
+    Incomplete step folders older than the newest complete one are deleted too; ``keep``
+    None or <= 0 keeps everything.
+    """
+    if not keep or keep <= 0:
+        return []
+    removed = []
+    complete = 0
+    for step, path in step_folders(run_dir):
+        if problem(path, hashes=False) is None:
+            complete += 1
+            if complete <= keep:
+                continue
+        elif complete == 0:
+            continue  # an incomplete folder newer than every complete one: leave it for inspection
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed

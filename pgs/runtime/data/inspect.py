@@ -1,0 +1,78 @@
+"""``pgs data inspect``: show samples with their trained tokens highlighted, and statistics.
+
+The CLI command is wired by the lead; this module gives it :func:`inspect_dataset`.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from pgs.runtime.data.config import DataConfig
+from pgs.runtime.data.packing import Document
+from pgs.runtime.data.records import read_conversations
+from pgs.runtime.data.stats import DataStats
+from pgs.runtime.data.stream import encode_document, pack_documents
+
+TRAINED_STYLE = "bold green on grey15"
+CONTEXT_STYLE = "dim"
+
+
+def render_document(document: Document, tokenizer) -> Text:
+    """The document's text, trained tokens highlighted, context dimmed."""
+    text = Text()
+    for token, trained in zip(document.input_ids, document.train_mask):
+        text.append(tokenizer.decode([token]), style=TRAINED_STYLE if trained else CONTEXT_STYLE)
+    return text
+
+
+def dataset_stats(config: DataConfig, tokenizer, max_records: int | None = None,
+                  shown: list[Document] | None = None, n_shown: int = 0, pack_window: int = 512) -> DataStats:
+    """Tokenize every source (or its first ``max_records``) and pack as training would."""
+    stats = DataStats()
+    for source in config.sources:
+        skipped: list[str] = []
+        window: list[Document] = []
+        conversations = read_conversations(source.path, source.format, config.on_bad_record, skipped)
+        for count, conversation in enumerate(conversations):
+            if max_records is not None and count >= max_records:
+                break
+            document = encode_document(conversation, tokenizer, config, stats)
+            if document is None:
+                continue
+            if shown is not None and len(shown) < n_shown:
+                shown.append(document)
+            window.append(document)
+            if len(window) == pack_window:
+                _count_packing(window, config, stats)
+                window = []
+        _count_packing(window, config, stats)
+        stats.bad_records += len(skipped)
+    return stats
+
+
+def _count_packing(window: list[Document], config: DataConfig, stats: DataStats) -> None:
+    if window:
+        sequences = pack_documents(window, config)
+        stats.sequences += len(sequences)
+        stats.sequence_capacity += len(sequences) * config.max_seq_len
+
+
+def inspect_dataset(config: DataConfig, tokenizer, n: int = 5, console: Console | None = None,
+                    max_records: int | None = None) -> DataStats:
+    """Print the first ``n`` samples (trained tokens highlighted) and the dataset statistics."""
+    console = console or Console()
+    shown: list[Document] = []
+    stats = dataset_stats(config, tokenizer, max_records, shown, n)
+    for document in shown:
+        trained = document.num_trained
+        console.rule(f"{document.origin}  ({len(document)} tokens, {trained} trained)")
+        console.print(render_document(document, tokenizer))
+    table = Table(title="data statistics", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for name, value in stats.summary():
+        table.add_row(name, value)
+    console.print(table)
+    return stats

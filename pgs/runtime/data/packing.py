@@ -1,0 +1,124 @@
+"""Documents, best-fit-decreasing packing, and the batches the training loop consumes.
+
+A *document* is one tokenized conversation.  Packing places whole documents into sequences
+of ``max_seq_len`` tokens; inside a sequence each document keeps its own positions
+(``position_ids`` restart at 0) and its own labels, so that no label crosses a document
+boundary.  How the model is then kept from attending across documents is in ``isolation``.
+
+Labels are already shifted: ``labels[i]`` is the target of position ``i``, that is the next
+token of the same document when that token is trained, else -100.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+import attrs
+import torch
+
+IGNORE_INDEX = -100
+
+
+@attrs.frozen
+class Document:
+    """One tokenized sample: token ids, which tokens are trained, and ``file:line``."""
+
+    input_ids: tuple[int, ...]
+    train_mask: tuple[bool, ...]
+    origin: str = ""
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def labels(self) -> list[int]:
+        """Shifted targets: token ``j+1`` where it is trained, -100 elsewhere and at the end."""
+        ids, mask = self.input_ids, self.train_mask
+        return [ids[j + 1] if mask[j + 1] else IGNORE_INDEX for j in range(len(ids) - 1)] + [IGNORE_INDEX]
+
+    @property
+    def num_trained(self) -> int:
+        """Trained targets (a trained first token has no position that predicts it)."""
+        return sum(self.train_mask[1:])
+
+
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Pack items into bins of ``capacity``: longest first, each into the fullest bin it fits.
+
+    Returns the item indices of each bin, bins in the order they were opened.  Items longer
+    than ``capacity`` are a caller error (truncate or drop them first).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, bin index), sorted
+    for i in order:
+        size = lengths[i]
+        if size > capacity:
+            raise ValueError(f"item {i} of length {size} exceeds the bin capacity {capacity}")
+        at = bisect.bisect_left(free, (size, -1))
+        if at < len(free):
+            room, b = free.pop(at)
+        else:
+            room, b = capacity, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        bisect.insort(free, (room - size, b))
+    return bins
+
+
+@attrs.frozen
+class PackedBatch:
+    """A batch of packed sequences, ready for a HF causal LM.
+
+    ``input_ids``, ``labels``, ``position_ids``: ``[B, S]`` long.  Padding: pad token,
+    label -100, position 0 (each padding token is then its own one-token "document").
+    ``cu_seqlens``: per row, an int32 tensor of document boundaries ``[0, l1, l1+l2, ...]``
+    (padding not included).  ``num_trained_tokens`` counts labels != -100; it can be 0 for an
+    all-padding batch (eval on a rank with fewer samples), which the loss must divide safely.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: list[torch.Tensor]
+    num_docs: int
+    num_trained_tokens: int
+    num_tokens: int  # non-padding tokens
+
+    def forward_kwargs(self) -> dict:
+        """What to pass to a HF model so that packed documents stay isolated (see ``isolation``)."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+
+
+def collate(rows: Sequence[Sequence[Document]], pad_id: int, seq_len: int | None = None) -> PackedBatch:
+    """Lay out rows of documents as a ``PackedBatch``, padded to ``seq_len`` or the longest row."""
+    used = [sum(len(d) for d in row) for row in rows]
+    width = max([seq_len or 0, *used, 1])
+    batch = len(rows)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    labels = torch.full((batch, width), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((batch, width), dtype=torch.long)
+    cu_seqlens = []
+    num_docs = trained = 0
+    for r, row in enumerate(rows):
+        at = 0
+        bounds = [0]
+        for doc in row:
+            n = len(doc)
+            input_ids[r, at:at + n] = torch.tensor(doc.input_ids, dtype=torch.long)
+            labels[r, at:at + n] = torch.tensor(doc.labels(), dtype=torch.long)
+            position_ids[r, at:at + n] = torch.arange(n)
+            at += n
+            bounds.append(at)
+            trained += doc.num_trained
+        num_docs += len(row)
+        cu_seqlens.append(torch.tensor(bounds, dtype=torch.int32))
+    return PackedBatch(
+        input_ids=input_ids,
+        labels=labels,
+        position_ids=position_ids,
+        cu_seqlens=cu_seqlens,
+        num_docs=num_docs,
+        num_trained_tokens=trained,
+        num_tokens=sum(used),
+    )

@@ -1,0 +1,131 @@
+"""Sources on disk and the deterministic order in which their records are drawn.
+
+Each source is indexed once (one streaming pass that validates every record and keeps the
+byte offsets of the good ones); records are then read one at a time by offset, never all at
+once.  The mixed order is a pure function of the seed and a few counters:
+
+* which source the ``k``-th draw comes from: a hash of ``(seed, k)`` turned into a uniform
+  number and compared with the cumulative weights, so proportions converge to the weights;
+* which record: each source walks its own permutation, reshuffled every epoch of that
+  source from ``(seed, source, epoch)``.
+
+The counters (draws, and per source its epoch and cursor) are the whole state: plain ints.
+"""
+
+from __future__ import annotations
+
+import bisect
+from array import array
+
+import numpy as np
+
+from pgs.errors import DataError
+from pgs.runtime.data.config import DataSource
+from pgs.runtime.data.records import Conversation, iter_lines, parse_line
+from pgs.runtime.data.stats import DataStats
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, k: int) -> float:
+    """A uniform number in [0, 1) determined by ``(seed, k)`` alone."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ k) >> 11) / float(1 << 53)
+
+
+class SourceIndex:
+    """The valid records of one JSONL file, by byte offset (bad ones raise or are counted)."""
+
+    def __init__(self, source: DataSource, on_bad_record: str = "error", stats: DataStats | None = None):
+        self.source = source
+        self.path = source.path
+        self.offsets = array("q")
+        self.lines = array("q")
+        self.skipped: list[str] = []
+        for number, offset, raw in iter_lines(self.path):
+            try:
+                parse_line(raw, f"{self.path}:{number}", source.format)
+            except DataError as err:
+                if on_bad_record != "skip":
+                    raise
+                self.skipped.append(str(err))
+                continue
+            self.offsets.append(offset)
+            self.lines.append(number)
+        if stats is not None:
+            stats.bad_records += len(self.skipped)
+        if not self.offsets:
+            raise DataError(f"{self.path}: no valid records")
+        self._handle = None
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def read(self, i: int) -> Conversation:
+        if self._handle is None:
+            self._handle = open(self.path, "rb")
+        self._handle.seek(self.offsets[i])
+        raw = self._handle.readline()
+        return parse_line(raw, f"{self.path}:{self.lines[i]}", self.source.format)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+class MixedOrder:
+    """The infinite, deterministic sequence of ``(source, record)`` draws of a weighted mix."""
+
+    def __init__(self, sizes: list[int], weights: list[float], seed: int):
+        self.sizes = list(sizes)
+        self.seed = int(seed)
+        total = float(sum(weights))
+        self._cumulative = list(np.cumsum([w / total for w in weights]))
+        self._cumulative[-1] = 1.0
+        self.draws = 0
+        self.epochs = [0] * len(sizes)
+        self.cursors = [0] * len(sizes)
+        self._perms: dict[int, tuple[int, np.ndarray]] = {}
+
+    def _permutation(self, s: int) -> np.ndarray:
+        cached = self._perms.get(s)
+        if cached is None or cached[0] != self.epochs[s]:
+            rng = np.random.default_rng([self.seed, s, self.epochs[s]])
+            cached = (self.epochs[s], rng.permutation(self.sizes[s]))
+            self._perms[s] = cached
+        return cached[1]
+
+    def pick_source(self, k: int) -> int:
+        if len(self.sizes) == 1:
+            return 0
+        return min(bisect.bisect_right(self._cumulative, uniform(self.seed, k)), len(self.sizes) - 1)
+
+    def next(self) -> tuple[int, int]:
+        s = self.pick_source(self.draws)
+        self.draws += 1
+        record = int(self._permutation(s)[self.cursors[s]])
+        self.cursors[s] += 1
+        if self.cursors[s] == self.sizes[s]:
+            self.cursors[s] = 0
+            self.epochs[s] += 1
+        return s, record
+
+    @property
+    def epoch(self) -> int:
+        """Complete passes over the whole mix: every source seen that many times at least."""
+        return min(self.epochs)
+
+    def state_dict(self) -> dict:
+        return {"draws": self.draws, "epochs": list(self.epochs), "cursors": list(self.cursors)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.draws = int(state["draws"])
+        self.epochs = [int(e) for e in state["epochs"]]
+        self.cursors = [int(c) for c in state["cursors"]]

@@ -1,0 +1,258 @@
+"""The training stream (mixed, packed, resumable) and the eval stream.
+
+The training data is one deterministic stream of packed sequences.  It is built a *window*
+at a time: ``pack_window`` documents are drawn from the mixed order (``sources``), tokenized,
+packed best-fit-decreasing into sequences of ``max_seq_len``, and the sequences shuffled by
+``(seed, window)``.  A batch is the next ``batch_size * world_size`` sequences of that global
+stream; rank ``r`` keeps the ``r``-th slice of ``batch_size``.
+
+The position in the stream is: the window number, the mixed order's counters at that
+window's start, and how many of its sequences were taken.  Restoring rebuilds the window
+from those counters (same draws, same packing) and skips the sequences already taken, so
+the next batch after a resume is the one that would have come next, for any world size.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Iterator
+
+from pgs.errors import DataError
+from pgs.runtime.data.chat import encode_chat
+from pgs.runtime.data.config import DataConfig, DataSource
+from pgs.runtime.data.packing import Document, PackedBatch, best_fit_decreasing, collate
+from pgs.runtime.data.records import Conversation, read_conversations
+from pgs.runtime.data.sources import MixedOrder, SourceIndex
+from pgs.runtime.data.stats import DataStats
+
+STATE_VERSION = 1
+
+
+def encode_document(conversation: Conversation, tokenizer, config: DataConfig, stats: DataStats) -> Document | None:
+    """Tokenize one conversation and apply the length policy; ``None`` when it is dropped.
+
+    Every outcome is counted in ``stats``: kept, truncated, dropped as too long, dropped for
+    keeping no trained token, or (``on_bad_record="skip"``) a template that refused it.
+    """
+    try:
+        ids, mask = encode_chat(
+            tokenizer,
+            conversation.messages,
+            conversation.tools,
+            last_turn_only=config.last_turn_only,
+            supervise_empty_think=config.supervise_empty_think,
+        )
+    except DataError as err:
+        if config.on_bad_record != "skip":
+            raise DataError(f"{conversation.origin}: {err}") from None
+        stats.bad_records += 1
+        return None
+    stats.records += 1
+    if len(ids) > config.max_seq_len:
+        if config.truncation == "drop":
+            stats.dropped_too_long += 1
+            return None
+        ids, mask = ids[: config.max_seq_len], mask[: config.max_seq_len]
+        stats.truncated += 1
+    document = Document(tuple(ids), tuple(mask), conversation.origin)
+    if document.num_trained == 0:
+        stats.dropped_no_trained += 1
+        return None
+    stats.samples += 1
+    stats.tokens += len(document)
+    stats.trained_tokens += document.num_trained
+    return document
+
+
+def pack_documents(documents: list[Document], config: DataConfig) -> list[list[Document]]:
+    """Sequences of documents: best-fit-decreasing when packing, else one document each."""
+    if not config.packing:
+        return [[d] for d in documents]
+    bins = best_fit_decreasing([len(d) for d in documents], config.max_seq_len)
+    return [[documents[i] for i in b] for b in bins]
+
+
+def _pad_id(tokenizer) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    if pad is None:
+        raise DataError("the tokenizer has neither a pad nor an eos token to pad batches with")
+    return int(pad)
+
+
+class TrainStream:
+    """Batches of packed sequences from a weighted mix of sources, resumable exactly.
+
+    ``next_batch(batch_size)`` returns this rank's ``PackedBatch``; ``state_dict()`` is
+    JSON-serialisable (plain ints and strings) and ``load_state_dict()`` restores it.
+    """
+
+    def __init__(
+        self,
+        config: DataConfig,
+        tokenizer,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        pack_window: int = 512,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.rank = rank
+        self.world_size = world_size
+        self.pack_window = int(pack_window)
+        self.stats = DataStats()
+        self._sources = [SourceIndex(s, config.on_bad_record, self.stats) for s in config.sources]
+        self._order = MixedOrder([len(s) for s in self._sources], [s.weight for s in config.sources], config.seed)
+        self._pad_id = _pad_id(tokenizer)
+        self._window = 0
+        self._window_start = self._order.state_dict()
+        self._sequences: list[list[Document]] | None = None
+        self._taken = 0
+
+    # -- the global stream -------------------------------------------------------------
+    def _build_window(self, stats: DataStats) -> list[list[Document]]:
+        documents: list[Document] = []
+        misses = 0
+        records = sum(len(s) for s in self._sources)
+        while len(documents) < self.pack_window:
+            s, i = self._order.next()
+            document = encode_document(self._sources[s].read(i), self.tokenizer, self.config, stats)
+            if document is None:
+                misses += 1
+                if misses > records and not documents:
+                    raise DataError(
+                        f"{self.config.sources[s].path}: no record fits data.max_seq_len="
+                        f"{self.config.max_seq_len} with a trained token ({stats.dropped} dropped)"
+                    )
+                continue
+            documents.append(document)
+        sequences = pack_documents(documents, self.config)
+        random.Random(f"{self.config.seed}:{self._window}").shuffle(sequences)
+        stats.sequences += len(sequences)
+        stats.sequence_capacity += len(sequences) * self.config.max_seq_len
+        return sequences
+
+    def _next_sequence(self) -> list[Document]:
+        while self._sequences is None or self._taken >= len(self._sequences):
+            if self._sequences is not None:
+                self._window += 1
+                self._taken = 0
+                self._window_start = self._order.state_dict()
+            self._sequences = self._build_window(self.stats)
+        sequence = self._sequences[self._taken]
+        self._taken += 1
+        return sequence
+
+    # -- public ------------------------------------------------------------------------
+    def next_batch(self, batch_size: int) -> PackedBatch:
+        """This rank's share of the next ``batch_size * world_size`` packed sequences."""
+        rows = [self._next_sequence() for _ in range(batch_size * self.world_size)]
+        mine = rows[self.rank * batch_size:(self.rank + 1) * batch_size]
+        return collate(mine, self._pad_id)
+
+    def __iter__(self) -> Iterator[list[Document]]:
+        """The global stream of packed sequences (each a list of documents), endless."""
+        while True:
+            yield self._next_sequence()
+
+    @property
+    def epoch(self) -> int:
+        """Complete passes over every source, counted in documents drawn for packing."""
+        return self._order.epoch
+
+    def _fingerprint(self) -> dict:
+        c = self.config
+        return {
+            "sources": [f"{s.path}|{s.format}|{s.weight!r}|{len(i)}" for s, i in zip(c.sources, self._sources)],
+            "seed": c.seed,
+            "max_seq_len": c.max_seq_len,
+            "packing": c.packing,
+            "truncation": c.truncation,
+            "last_turn_only": c.last_turn_only,
+            "supervise_empty_think": c.supervise_empty_think,
+            "pack_window": self.pack_window,
+        }
+
+    def state_dict(self) -> dict:
+        """The stream position: plain ints and strings (JSON-serialisable)."""
+        return {
+            "version": STATE_VERSION,
+            "fingerprint": self._fingerprint(),
+            "window": self._window,
+            "window_start": dict(self._window_start),
+            "taken": self._taken if self._sequences is not None else 0,
+            "built": self._sequences is not None,
+            "stats": self.stats.as_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Return to a saved position; the next batch is the one that would have come next."""
+        if state.get("version") != STATE_VERSION:
+            raise DataError(f"data state: version {state.get('version')!r}, expected {STATE_VERSION}")
+        saved, current = state["fingerprint"], self._fingerprint()
+        changed = sorted(k for k in current if saved.get(k) != current[k])
+        if changed:
+            raise DataError(
+                "data state: the data changed since the checkpoint (" + ", ".join(changed) + "); "
+                "a resume would not continue the same stream"
+            )
+        self._window = int(state["window"])
+        self._window_start = dict(state["window_start"])
+        self._order.load_state_dict(self._window_start)
+        self._sequences = None
+        self._taken = 0
+        if state["built"]:
+            self._sequences = self._build_window(DataStats())
+            self._taken = int(state["taken"])
+        self.stats.load(state["stats"])
+
+
+class EvalStream:
+    """Batches of eval samples in file order, one document per row, one pass.
+
+    With ``world_size > 1`` every rank gets the same number of batches (a rank short of
+    samples gets all-padding rows), so that no rank leaves an eval loop its peers are in.
+    """
+
+    def __init__(self, config: DataConfig, tokenizer, batch_size: int, *, path: str | None = None,
+                 rank: int = 0, world_size: int = 1):
+        path = path or config.eval
+        if path is None:
+            raise DataError("data.eval: no eval file is configured")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.path = path
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.stats = DataStats()
+        self._pad_id = _pad_id(tokenizer)
+
+    def documents(self) -> Iterator[Document]:
+        source = DataSource(self.path)
+        skipped: list[str] = []
+        for conversation in read_conversations(source.path, source.format, self.config.on_bad_record, skipped):
+            document = encode_document(conversation, self.tokenizer, self.config, self.stats)
+            if document is not None:
+                yield document
+        self.stats.bad_records += len(skipped)
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        step = self.batch_size * self.world_size
+        pending: list[Document] = []
+        for document in self.documents():
+            pending.append(document)
+            if len(pending) == step:
+                yield self._share(pending)
+                pending = []
+        if pending:
+            yield self._share(pending)
+
+    def _share(self, documents: list[Document]) -> PackedBatch:
+        mine = documents[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+        rows = [[d] for d in mine] + [[] for _ in range(self.batch_size - len(mine))]
+        return collate(rows, self._pad_id)

@@ -1,0 +1,265 @@
+"""Data parallelism with FSDP2: the process group, the mesh, and how a model is sharded.
+
+One process per device, started by ``torchrun`` (or ``pgs run --nproc N``, which re-executes
+itself under it, see ``pgs.runtime.launch``).  :func:`init` reads the launcher's
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and
+opens the default process group with a timeout that is ours to choose; :func:`shard_model`
+wraps every decoder layer and the root in ``fully_shard``.
+
+The batch is global.  Each rank's loss is ``Σ token losses / N`` where ``N`` is the number
+of valid tokens of the *whole* step, summed over the ranks (:func:`global_count`), so the
+gradient of the step is the sum over ranks of the per-rank gradients.  FSDP2 averages
+gradients by default (divides the reduce-scatter by the world size); :func:`shard_model`
+sets the divide factor to 1 and asks for plain SUM collectives (``set_gradient_divide_factor``
+and ``set_force_sum_reduction_for_comms``), instead of multiplying the loss by the world
+size, so that the loss a rank logs is its true share of the global mean.
+
+Sharding layout (``shard_model``):
+
+- every decoder layer is its own unit (all-gathered just before it runs, freed after);
+- the last decoder layer keeps its parameters after forward (``reshard_after_forward=False``):
+  backward needs them at once, so freeing them would only cost one more all-gather;
+- the root unit (embeddings, final norm, output head, tied or not) also stays gathered after
+  forward: the chunked loss applies the head *outside* the model's forward, to the hidden
+  states that :func:`final_hidden` returns, so the head's weight must still be the gathered
+  parameter then.  Its gradient is reduce-scattered by FSDP's end-of-backward callback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import types
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from pgs.errors import SpecError
+
+#: Environment variable with the process-group timeout in seconds (default below).
+TIMEOUT_ENV = "PGS_PG_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 1800.0
+#: Name of the method :func:`shard_model` registers as an FSDP forward on the root.
+HIDDEN_METHOD = "pgs_final_hidden"
+
+
+@attrs.frozen
+class DistContext:
+    """Where this process stands: rank, world size, its device and the data-parallel mesh."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: Any  # torch.distributed.device_mesh.DeviceMesh, or None on one process
+    backend: str | None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+
+def launched() -> bool:
+    """True when a launcher (torchrun) started this process as one of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def timeout_seconds(value: float | None = None) -> float:
+    """The process-group timeout: ``value``, else ``$PGS_PG_TIMEOUT_S``, else 1800 s."""
+    if value is None:
+        raw = os.environ.get(TIMEOUT_ENV, "")
+        try:
+            value = float(raw) if raw else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise SpecError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise SpecError(f"process-group timeout must be > 0 seconds, got {value!r}")
+    return float(value)
+
+
+def init(*, timeout_s: float | None = None, backend: str | None = None, device: str = "auto") -> DistContext:
+    """Open the default process group from the launcher's environment (idempotent).
+
+    On one process (no ``WORLD_SIZE`` > 1) nothing is opened and the context has no mesh.
+    ``backend``: ``"nccl"`` on CUDA, ``"gloo"`` on the CPU by default.  ``timeout_s``: how
+    long a collective may wait for its peers before the job fails (instead of hanging):
+    ``$PGS_PG_TIMEOUT_S`` or 1800 s unless given.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    if world <= 1 and not dist.is_initialized():
+        return DistContext(0, 1, 0, dev, None, None)
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout_seconds(timeout_s)))
+        if use_cuda:
+            kwargs["device_id"] = dev  # binds NCCL to this device at once (no lazy init)
+        dist.init_process_group(**kwargs)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    return DistContext(dist.get_rank(), dist.get_world_size(), local, dev, mesh, dist.get_backend())
+
+
+def shutdown() -> None:
+    """Close the default process group (every rank, at the end of a run)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def collective_device() -> torch.device:
+    """The device a tensor must live on for the default group's collectives."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x`` summed over the ranks (a new tensor on ``x``'s device; ``x`` itself on one process)."""
+    if not is_distributed():
+        return x
+    y = x.detach().to(collective_device(), copy=True)
+    dist.all_reduce(y, op=dist.ReduceOp.SUM)
+    return y.to(x.device)
+
+
+def global_count(n: int) -> int:
+    """An integer (valid tokens of this rank's micro-batches) summed over the ranks.
+
+    The denominator of the loss: every rank divides its summed token loss by this same
+    global count, so that the summed gradients are the gradient of the global token mean.
+    """
+    if not is_distributed():
+        return int(n)
+    t = torch.tensor([int(n)], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return int(t.item())
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------
+# sharding
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's repeated blocks: ``base_model.layers`` (HF decoders), else the modules
+    whose class is in ``model._no_split_modules``."""
+    base = getattr(model, "base_model", model)
+    layers = getattr(base, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers):
+        return list(layers)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if not found:
+        raise SpecError(f"shard_model: cannot find the decoder layers of {type(model).__name__} "
+                        "(no base_model.layers and no _no_split_modules); pass layers= explicitly")
+    return found
+
+
+def mixed_precision_policy(mixed_precision: str | None):
+    """``None``/``"fp32"``: parameters as stored.  ``"bf16"``: bf16 compute, fp32 gradient reduce."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mixed_precision in (None, "fp32", "float32", "no"):
+        return MixedPrecisionPolicy()
+    if mixed_precision in ("bf16", "bfloat16"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    raise SpecError(f"mixed_precision: {mixed_precision!r}, expected null, \"fp32\" or \"bf16\"")
+
+
+def _final_hidden(self, input_ids, position_ids, *, embed_noise=None):
+    from pgs.runtime.model import final_hidden
+
+    return final_hidden(self, input_ids, position_ids, embed_noise=embed_noise)
+
+
+def shard_model(model, mesh=None, *, mixed_precision: str | None = None, layers: list | None = None,
+                reshard_layers: bool = True):
+    """Shard ``model`` in place with FSDP2 and return it.  Call it on every rank.
+
+    ``fully_shard`` on each decoder layer (the last one keeps its parameters after forward),
+    then on the root (kept gathered through the chunked loss).  Gradients are SUMMED over the
+    ranks (divide factor 1, see the module docstring).  A method :data:`HIDDEN_METHOD`
+    (``model.pgs_final_hidden(input_ids, position_ids, embed_noise=None)``) is registered as
+    an FSDP forward: it all-gathers the root and returns the final hidden states, which is
+    what :func:`final_hidden` calls.
+
+    Args:
+        model: a HF causal LM (or any module whose blocks ``layers`` lists).
+        mesh: the 1-D data-parallel mesh (``DistContext.mesh``; default: all ranks).
+        mixed_precision: None / "fp32" or "bf16" (bf16 parameters in compute, fp32 reduce).
+        layers: the blocks to shard one by one (default :func:`decoder_layers`).
+        reshard_layers: free each layer's parameters after forward (False trades memory for
+            one all-gather less per layer in backward).
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+    policy = mixed_precision_policy(mixed_precision)
+    blocks = list(layers) if layers is not None else decoder_layers(model)
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_layers and not last)
+    setattr(model, HIDDEN_METHOD, types.MethodType(_final_hidden, model))
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    register_fsdp_forward_method(model, HIDDEN_METHOD)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # SUM collectives only: gloo has no PREMUL_SUM, NCCL is zero-copy only for SUM
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def final_hidden(model, input_ids, position_ids, *, embed_noise=None):
+    """Final hidden states [B, S, D]; under FSDP2 through the root's registered forward.
+
+    Use it (not ``model.base_model(...)`` directly) when the model may be sharded: a call
+    that bypasses the root's forward never all-gathers the embeddings and the head.
+    """
+    method = getattr(model, HIDDEN_METHOD, None)
+    if method is not None:
+        return method(input_ids, position_ids, embed_noise=embed_noise)
+    return _final_hidden(model, input_ids, position_ids, embed_noise=embed_noise)
+
+
+def reshard(model) -> None:
+    """Free every gathered parameter (after an eval forward: the root and the last layer keep
+    theirs after forward, and an optimizer step must see sharded parameters only)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

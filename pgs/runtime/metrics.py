@@ -1,0 +1,150 @@
+"""Per-step metrics: ``metrics.jsonl`` always, a console view, wandb/trackio when asked.
+
+Every record is one JSON object on one line of ``<run_dir>/metrics.jsonl``: training steps
+(``{"step": 12, "loss": ..., "lr": ...}``), evals (``{"step": 20, "eval_loss": ...}``) and
+events (``{"step": 7, "event": "skip", ...}``).  On a terminal the console shows a rich
+progress bar; otherwise (logs, CI) a plain line every ``print_every`` steps.  A resumed run
+first drops the records of steps after its checkpoint, so that the file reads as one run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+METRICS_FILE = "metrics.jsonl"
+
+#: Keys shown on the console, in this order, when present.
+CONSOLE_KEYS = ("loss", "lr", "grad_norm", "entropy", "tokens_per_s", "eval_loss", "eval_accuracy")
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them readable
+    return value
+
+
+class MetricsLog:
+    """Append-only metrics of one run; see the module docstring."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        total_steps: int,
+        print_every: int = 10,
+        trackers: Sequence[str] = (),
+        project: str | None = None,
+        run_name: str | None = None,
+        config: dict | None = None,
+        stream=None,
+    ):
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        self.total_steps = total_steps
+        self.print_every = max(1, int(print_every))
+        self.stream = stream or sys.stderr
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._progress = None
+        self._task = None
+        self._trackers = self._open_trackers(trackers, project, run_name, config)
+
+    # -- files --------------------------------------------------------------------------
+    @staticmethod
+    def truncate_after(run_dir: str, step: int) -> None:
+        """Drop records of steps > ``step`` (a resumed run redoes them)."""
+        path = os.path.join(run_dir, METRICS_FILE)
+        if not os.path.exists(path):
+            return
+        kept = []
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a kill
+                if int(record.get("step", 0)) <= step:
+                    kept.append(json.dumps(record, separators=(",", ":")) + "\n")
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.writelines(kept)
+        os.replace(tmp, path)
+
+    def write(self, record: dict) -> None:
+        """One line of metrics.jsonl (and the trackers), flushed."""
+        record = {"time": round(time.time(), 3), **{k: _clean(v) for k, v in record.items()}}
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()
+        for tracker in self._trackers:
+            numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+            try:
+                tracker.log(numbers, step=record.get("step"))
+            except Exception as err:  # a tracker must never stop training
+                self.say(f"pgs: {type(tracker).__name__} logging failed: {err}")
+
+    # -- console ------------------------------------------------------------------------
+    def say(self, line: str) -> None:
+        """A message for the person watching (above the progress bar on a terminal)."""
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def start(self, step: int) -> None:
+        if not self.stream.isatty():
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"), transient=False,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=self.total_steps, completed=step, info="")
+
+    def step(self, record: dict) -> None:
+        """Log a training step: the file always, the console as its mode says."""
+        self.write(record)
+        info = "  ".join(_fmt(k, record[k]) for k in CONSOLE_KEYS if k in record)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=record["step"], info=info)
+        elif record["step"] % self.print_every == 0 or record["step"] == self.total_steps:
+            print(f"step {record['step']}/{self.total_steps}  {info}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        for tracker in self._trackers:
+            try:
+                tracker.finish()
+            except Exception:
+                pass
+        self._trackers = []
+        self._file.close()
+
+    # -- optional trackers ---------------------------------------------------------------
+    def _open_trackers(self, names, project, run_name, config) -> list:
+        opened = []
+        for name in names:
+            if importlib.util.find_spec(name) is None:
+                print(f"pgs: log.{name} asked for but {name} is not installed; logging to metrics.jsonl only",
+                      file=self.stream, flush=True)
+                continue
+            module = __import__(name)
+            opened.append(module.init(project=project or "pgs", name=run_name, config=config or {}))
+        return opened
+
+
+def _fmt(key: str, value: Any) -> str:
+    if isinstance(value, float):
+        if key == "lr":
+            return f"{key} {value:.2e}"
+        if key == "tokens_per_s":
+            return f"tok/s {value:,.0f}"
+        return f"{key} {value:.4g}"
+    return f"{key} {value}"

@@ -1,0 +1,187 @@
+"""The model side of a run: build a HF causal LM, freeze what the spec says, feed the loss.
+
+A model comes from a local folder (``model.path``, weights and config) or from an
+architecture config (``model.config``, a table with ``model_type`` and sizes) with a
+random init seeded by ``model.init_seed``.  No hub downloads: both are local.
+
+The loss never sees logits.  :func:`final_hidden` runs the base model (``model.model``) on
+a packed batch with restarted ``position_ids``, ``use_cache=False`` and no attention mask
+(what keeps packed documents apart, see ``pgs.runtime.data.isolation``), and
+:func:`output_head` hands the head's weight to the chunked loss, which builds logits one
+chunk of rows at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from pgs.errors import SpecError
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+#: Layer types that form the attention pathway (``freeze = "non_attention"`` keeps these).
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+
+
+def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; names the field when the name is unknown."""
+    if name is None:
+        return torch.float32
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[str(name).lower()]
+    except KeyError:
+        raise SpecError(f"model.dtype: {name!r} is not one of {sorted(set(DTYPES))}") from None
+
+
+def build_config(config: dict[str, Any]):
+    """A ``transformers`` config from a table such as ``{model_type = "qwen3", hidden_size = 64}``."""
+    from transformers import AutoConfig
+
+    table = dict(config)
+    model_type = table.pop("model_type", None)
+    if not model_type:
+        raise SpecError("model.config: needs a model_type (e.g. \"qwen3\") to pick the architecture")
+    try:
+        return AutoConfig.for_model(str(model_type), **table)
+    except ValueError as err:
+        raise SpecError(f"model.config.model_type: {err}") from None
+
+
+def build_model(
+    *,
+    path: str | None = None,
+    config: dict[str, Any] | None = None,
+    dtype: str | torch.dtype | None = "float32",
+    attn_implementation: str | None = "sdpa",
+    init_seed: int = 0,
+    vocab_size: int | None = None,
+):
+    """A ``transformers`` causal LM in training mode, on the CPU, in ``dtype``.
+
+    ``path``: a local HF folder (weights + config.json).  ``config``: an architecture table
+    (random init under ``torch.manual_seed(init_seed)``; ``vocab_size`` fills in the
+    tokenizer's size when the table has none).  Exactly one of the two.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = resolve_dtype(dtype)
+    if (path is None) == (config is None):
+        raise SpecError("model: give exactly one of model.path (a local folder) or model.config (an architecture)")
+    if path is not None:
+        if not os.path.isdir(path):
+            raise SpecError(f"model.path: {path!r} is not a folder (pgs loads local models only)")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True
+        )
+    else:
+        table = dict(config)
+        if vocab_size is not None:
+            table.setdefault("vocab_size", int(vocab_size))
+        hf_config = build_config(table)
+        hf_config._attn_implementation = attn_implementation
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        with torch.random.fork_rng(devices=list(range(devices))):
+            torch.manual_seed(int(init_seed))
+            model = AutoModelForCausalLM.from_config(
+                hf_config, dtype=torch_dtype, attn_implementation=attn_implementation
+            )
+    model.train()
+    return model
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of a local folder (``model.tokenizer``, or the model folder itself)."""
+    from transformers import AutoTokenizer
+
+    if not path or not os.path.isdir(path):
+        raise SpecError(f"model.tokenizer: {path!r} is not a tokenizer folder")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _layer_index(name: str) -> int | None:
+    match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+def freeze(model, policy: str | Sequence[str] | None) -> list[str]:
+    """Set ``requires_grad=False`` on the parameters ``policy`` names; returns their names.
+
+    ``"none"`` (or None / empty): train everything.  ``"non_attention"``: freeze every
+    decoder layer whose ``config.layer_types`` entry is not attention (the linear-attention
+    or recurrent layers of a hybrid model), keeping the attention pathway, embeddings and
+    head trainable.  A list of regular expressions: freeze each parameter whose name
+    matches one (``re.search``).
+    """
+    if policy is None or policy == "none" or (not isinstance(policy, str) and len(policy) == 0):
+        return []
+    names: list[str] = []
+    if policy == "non_attention":
+        config = getattr(model.config, "text_config", None) or model.config
+        layer_types = list(getattr(config, "layer_types", None) or [])
+        frozen_layers = {i for i, t in enumerate(layer_types) if t not in ATTENTION_LAYER_TYPES}
+        for name, p in model.named_parameters():
+            if _layer_index(name) in frozen_layers:
+                p.requires_grad_(False)
+                names.append(name)
+        return names
+    if isinstance(policy, str):
+        raise SpecError(
+            f"model.freeze: {policy!r} is not \"none\", \"non_attention\" or a list of regular expressions"
+        )
+    try:
+        patterns = [re.compile(p) for p in policy]
+    except re.error as err:
+        raise SpecError(f"model.freeze: bad regular expression: {err}") from None
+    for name, p in model.named_parameters():
+        if any(pattern.search(name) for pattern in patterns):
+            p.requires_grad_(False)
+            names.append(name)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise SpecError("model.freeze: these patterns freeze every parameter; nothing would train")
+    return names
+
+
+def output_head(model) -> tuple[Tensor, Tensor | None, float | None]:
+    """The head's weight [V, D], bias [V] or None, and the final logit softcap (or None)."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise SpecError(f"model: {type(model).__name__} has no output head (not a causal LM)")
+    config = getattr(model.config, "text_config", None) or model.config
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return head.weight, getattr(head, "bias", None), softcap
+
+
+def final_hidden(model, input_ids: Tensor, position_ids: Tensor, *, embed_noise=None) -> Tensor:
+    """Final hidden states [B, S, D] of the base model for a packed batch (no logits).
+
+    ``position_ids`` restart at each document; no attention mask and no cache, so that
+    transformers isolates the documents.  ``embed_noise(embeds) -> embeds`` (NEFTune) is
+    applied to the input embeddings when given.
+    """
+    base = model.base_model
+    kwargs = dict(position_ids=position_ids, use_cache=False)
+    if embed_noise is None:
+        out = base(input_ids=input_ids, **kwargs)
+    else:
+        embeds = model.get_input_embeddings()(input_ids)
+        out = base(inputs_embeds=embed_noise(embeds), **kwargs)
+    return out.last_hidden_state
+
+
+def parameter_bytes(model) -> int:
+    """Bytes of all parameters (for the preflight's disk estimate)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,0 +1,413 @@
+"""``pgs profile``: predict where a run's GPU memory goes, and (on CUDA) measure it.
+
+``predict_memory(config, ...)`` returns bytes per category (docs/memory.md):
+
+- ``weights``: every parameter and buffer of the model, counted from a model built on the
+  meta device (exact: tied weights once, buffers such as rotary frequencies included).
+- ``master_weights``: fp32 copies of low-precision trainable parameters (4 B each) when asked.
+- ``optimizer_state``: the chain's real state, built by ``chain.init`` on meta parameters
+  (one state per release group under gradient release, as ``GradientRelease`` builds it),
+  or ``state_bytes_per_param × trainable parameters`` when no chain is given.
+- ``gradients``: all trainable gradients (``bind``); under gradient release, the largest
+  group's gradients (one decoder layer's, or the embedding's).
+- ``activations``: what backward keeps, per decoder layer and token (``activation_bytes``
+  has the formula), for checkpointing ``none`` / ``full`` / ``selective``.
+- ``loss``: chunked loss: chunk × V × 4 B × 3 (fp32 logits, softmax, logit gradient) plus
+  the head-gradient buffer V × D and grad_h N × D it holds from forward to backward; dense
+  loss: N × V × (dtype + 4 + 4) B (logits, fp32 upcast, their gradient).
+- ``temporaries``: fp32 temporaries of one update (4 × 4 B × the largest group's or
+  tensor's elements).
+
+``total`` is their sum: an upper estimate of the peak, without allocator slack (0.15-0.5 GiB
+on an H200, ANCHORS.md) and without CUDA/NCCL context.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+import pgs.func as pf
+from pgs.errors import InvalidArgument
+
+CATEGORIES = ("weights", "master_weights", "optimizer_state", "gradients", "activations", "loss", "temporaries")
+GiB = 1024**3
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+# ----------------------------------------------------------------------------- model shapes
+
+
+def _dtype(d) -> torch.dtype:
+    if isinstance(d, torch.dtype):
+        return d
+    try:
+        return _DTYPE_NAMES[str(d).lower()]
+    except KeyError:
+        raise InvalidArgument(f"predict_memory: dtype {d!r} is not one of {sorted(_DTYPE_NAMES)}") from None
+
+
+def _hf_config(model_config):
+    if isinstance(model_config, dict):
+        from pgs.runtime.model import build_config
+
+        return build_config(model_config)
+    return model_config
+
+
+def _text_config(cfg):
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def meta_model(model_config, dtype=torch.bfloat16):
+    """The HF causal LM of ``model_config`` (a config or a ``{model_type = ...}`` table) on the
+    meta device: shapes and dtypes, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _hf_config(model_config)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg, dtype=_dtype(dtype))
+
+
+def model_bytes(model) -> int:
+    """Bytes of every parameter (tied ones once) and buffer of ``model`` (meta or real)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def activation_bytes(
+    cfg,
+    tokens: int,
+    *,
+    dtype=torch.bfloat16,
+    policy: str = "none",
+    every: int = 1,
+    gqa_native: bool = True,
+) -> int:
+    """Bytes that backward keeps for ``tokens`` tokens of a HF Qwen3/Llama-style decoder.
+
+    Per token and layer, with b the activation dtype's bytes, h hidden, I intermediate,
+    q = n_q·d and k = n_kv·d (k' = k with native GQA in SDPA, q when keys are repeated):
+
+        norm(x)      = 4h + 4 + b·h            (fp32 copy of x, 1/rms, normed x before ·w)
+        qk_norm      = 4(q + k) + 4(n_q + n_kv) + b(q + k)
+        A_none       = 2·norm + 2·b·h           (inputs of the q/k/v and gate/up matmuls)
+                       + qk_norm + b(q + 2k')   (rotated q, k and v, saved by attention)
+                       + b·q + 4·n_q            (attention output, also o_proj's input, and
+                                                 its log-sum-exp)
+                       + 4·b·I                  (gate, SiLU(gate), up, their product)
+        A_full       = b·h                      (only the layer input is kept)
+        A_selective  = b·h + b(q + 2k) + b·q + 4·n_q + 2·b·h + 2·b·I
+                                                (matmul and attention outputs)
+
+    A checkpointed model also holds one layer's A_none while that layer is recomputed in
+    backward.  Layers that ``every`` skips keep A_none.  Outside the layers: the final norm
+    and its output (the hidden state the loss reads), ``norm(x) + b·h``, and the rotary
+    tables cos and sin, shared by all layers (2·b·d per token).  Without checkpointing the
+    formula equals the bytes autograd saves for a HF Qwen3 in fp32 and bf16 exactly
+    (tests/test_profile.py); the working set of backward itself (activation gradients,
+    ≈ one layer's A_none) is not included.
+    """
+    if policy not in ("none", "full", "selective"):
+        raise InvalidArgument(f"activation_bytes: policy={policy!r} is not none, full or selective")
+    c = _text_config(cfg)
+    b = torch.empty((), dtype=_dtype(dtype)).element_size()
+    h = c.hidden_size
+    inter = c.intermediate_size
+    n_layers = c.num_hidden_layers
+    n_q = c.num_attention_heads
+    n_kv = getattr(c, "num_key_value_heads", None) or n_q
+    d = getattr(c, "head_dim", None) or h // n_q
+    q, k = n_q * d, n_kv * d
+    k_att = k if (gqa_native or n_kv == n_q) else q
+    norm = 4 * h + 4 + b * h
+    qk_norm = 4 * (q + k) + 4 * (n_q + n_kv) + b * (q + k) if _has_qk_norm(c) else 0
+    a_none = 2 * norm + 2 * b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q + 4 * b * inter
+    a_kept = {"none": a_none, "full": b * h,
+              "selective": b * h + b * (q + 2 * k) + b * q + 4 * n_q + 2 * b * h + 2 * b * inter}[policy]
+    checkpointed = 0 if policy == "none" else len(range(0, n_layers, every))
+    per_token = checkpointed * a_kept + (n_layers - checkpointed) * a_none
+    if checkpointed:
+        per_token += a_none  # the layer being recomputed in backward
+    per_token += norm + b * h  # final norm and its output
+    return per_token * tokens + 2 * b * d * tokens
+
+
+def _has_qk_norm(c) -> bool:
+    return getattr(c, "model_type", "") in ("qwen3", "qwen3_moe", "qwen3_next", "olmo2", "gemma3", "gemma3_text")
+
+
+# ----------------------------------------------------------------------------- prediction
+
+
+def _trainable(model, trainable: Callable[[str], bool] | None) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad and (trainable is None or trainable(n)):
+            out[n] = p.detach()
+    return out
+
+
+def predict_memory(
+    model_config,
+    *,
+    dtype=torch.bfloat16,
+    chain: pf.Transform | None = None,
+    state_bytes_per_param: float | None = None,
+    gradient_release: bool = False,
+    release_groups: str = "layer",
+    master_weights: str | None = None,
+    activation_checkpointing: str = "none",
+    checkpoint_every: int = 1,
+    micro_batch_tokens: int = 4096,
+    loss: str = "chunked",
+    loss_chunk: int = 1024,
+    vocab: int | None = None,
+    trainable: Callable[[str], bool] | None = None,
+    gqa_native: bool = True,
+    model=None,
+) -> dict[str, int]:
+    """Bytes per category (``CATEGORIES``) plus ``total``.  See the module docstring.
+
+    Args:
+        model_config: a ``transformers`` config or a ``{model_type = ..., ...}`` table.
+        dtype: the parameters' (and activations') dtype.
+        chain: the optimizer chain (its real state is sized on meta tensors); or give
+            ``state_bytes_per_param`` (e.g. 8 for fp32 AdamW, 1.02 for Lion8bit).
+        gradient_release: size gradients and state as ``GradientRelease`` holds them.
+        master_weights: ``"fp32"`` adds 4 B per low-precision trainable parameter.
+        activation_checkpointing, checkpoint_every: as ``apply_activation_checkpointing``.
+        micro_batch_tokens: tokens in one forward (micro-batch × sequence length).
+        loss: ``"chunked"`` (any backend that never holds [N, V]) or ``"dense"``.
+        loss_chunk: rows per chunk of the chunked loss.
+        vocab: overrides the config's vocabulary size.
+        trainable: ``name -> bool``; None trains every parameter.
+        model: a (meta or real) model to size instead of building one from the config.
+
+    Example::
+
+        predict_memory({"model_type": "qwen3", "hidden_size": 2560, ...},
+                       chain=pf.lion8bit(1e-5), gradient_release=True,
+                       activation_checkpointing="full", micro_batch_tokens=4096)
+    """
+    from pgs.runtime.release import group_parameters
+
+    cfg = _hf_config(model_config)
+    if vocab is not None:
+        cfg.vocab_size = int(vocab)
+    dt = _dtype(dtype)
+    if model is None:
+        model = meta_model(cfg, dt)
+    params = _trainable(model, trainable)
+    n_train = sum(p.numel() for p in params.values())
+    out = dict.fromkeys(CATEGORIES, 0)
+    out["weights"] = model_bytes(model)
+    if master_weights == "fp32":
+        out["master_weights"] = sum(4 * p.numel() for p in params.values() if p.dtype in (torch.bfloat16, torch.float16))
+    elif master_weights is not None:
+        raise InvalidArgument(f"predict_memory: master_weights={master_weights!r} is not None or \"fp32\"")
+
+    groups = group_parameters(list(params), release_groups) if gradient_release else {"all": list(params)}
+
+    def as_state_param(p):  # the chain sees fp32 masters when they exist
+        return p.float() if (master_weights == "fp32" and p.dtype in (torch.bfloat16, torch.float16)) else p
+
+    if chain is not None:
+        out["optimizer_state"] = sum(
+            pf.state_bytes(chain.init({n: as_state_param(params[n]) for n in names})) for names in groups.values()
+        )
+    elif state_bytes_per_param is not None:
+        out["optimizer_state"] = int(round(state_bytes_per_param * n_train))
+    else:
+        raise InvalidArgument("predict_memory: give chain= (sized exactly) or state_bytes_per_param=")
+
+    group_bytes = {g: sum(params[n].numel() * params[n].element_size() for n in names) for g, names in groups.items()}
+    out["gradients"] = max(group_bytes.values(), default=0)
+
+    out["activations"] = activation_bytes(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
+                                          every=checkpoint_every, gqa_native=gqa_native)
+    c = _text_config(cfg)
+    v, h = c.vocab_size, c.hidden_size
+    b = torch.empty((), dtype=dt).element_size()
+    n = int(micro_batch_tokens)
+    if loss == "chunked":
+        out["loss"] = min(loss_chunk, n) * v * 4 * 3 + v * h * b + n * h * b
+    elif loss == "dense":
+        out["loss"] = n * v * (b + 4 + 4)
+    else:
+        raise InvalidArgument(f"predict_memory: loss={loss!r} is not \"chunked\" or \"dense\"")
+    biggest = max((sum(params[nm].numel() for nm in names) if gradient_release else
+                   max((params[nm].numel() for nm in names), default=0)) for names in groups.values()) if params else 0
+    out["temporaries"] = 4 * 4 * biggest
+    out["total"] = sum(out[k] for k in CATEGORIES)
+    return out
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def memory_options(spec) -> dict[str, Any]:
+    """Gradient release and checkpointing settings of a spec (defaults where it has none).
+
+    Looked up in ``[memory]`` (when the spec has that section), then ``[train]``:
+    ``gradient_release``, ``activation_checkpointing``, ``checkpoint_every``, ``master_weights``.
+    """
+    opts = {"gradient_release": False, "activation_checkpointing": "none", "checkpoint_every": 1,
+            "master_weights": None}
+    for section in (getattr(spec, "train", None), getattr(spec, "memory", None)):
+        for key in opts:
+            value = getattr(section, key, None) if section is not None else None
+            if value is not None:
+                opts[key] = value
+    return opts
+
+
+def _spec_model_config(spec):
+    m = spec.model
+    if m.config is not None:
+        return _hf_config(dict(m.config))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(m.path, local_files_only=True, trust_remote_code=m.trust_remote_code)
+
+
+def plan_from_spec(spec, **overrides) -> dict[str, Any]:
+    """Everything ``predict_memory`` needs, read from a checked spec (plus ``overrides``)."""
+    from pgs.runtime.model import freeze
+    from pgs.runtime.release import refusal
+
+    opts = {**memory_options(spec), **{k: v for k, v in overrides.items() if v is not None}}
+    cfg = _spec_model_config(spec)
+    dt = _dtype(spec.model.dtype)
+    model = meta_model(cfg, dt)
+    freeze(model, spec.model.freeze)
+    total = spec.train.steps or 1000
+    chain = spec.build_chain(total_steps=total)
+    notes = []
+    if opts["gradient_release"]:
+        why = refusal(chain, spec.train.grad_accum)
+        if why:
+            notes.append(f"gradient release would be refused: {why}")
+    micro = max(1, spec.train.batch_size // spec.train.grad_accum)
+    tokens = micro * spec.data.max_seq_len
+    kwargs = dict(dtype=dt, chain=chain, gradient_release=bool(opts["gradient_release"]),
+                  master_weights=opts["master_weights"],
+                  activation_checkpointing=opts["activation_checkpointing"],
+                  checkpoint_every=int(opts["checkpoint_every"]), micro_batch_tokens=tokens,
+                  loss="dense" if spec.loss.backend == "dense" else "chunked", loss_chunk=spec.loss.chunk_size,
+                  model=model)
+    return {"config": cfg, "kwargs": kwargs, "notes": notes, "micro_batch": micro,
+            "seq_len": spec.data.max_seq_len, "options": opts}
+
+
+def profile(spec, measure: bool = False, spec_path: str | None = None, *, console=None, **overrides) -> int:
+    """``pgs profile SPEC [--measure]``: print the predicted memory (and measured peaks on CUDA)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    plan = plan_from_spec(spec, **overrides)
+    pred = predict_memory(plan["config"], **plan["kwargs"])
+    opts = plan["options"]
+    title = (f"predicted memory: {plan['micro_batch']}×{plan['seq_len']} tokens, "
+             f"release={'on' if opts['gradient_release'] else 'off'}, "
+             f"checkpointing={opts['activation_checkpointing']}")
+    measured = None
+    if measure:
+        if torch.cuda.is_available():
+            measured = measure_memory(spec, plan)
+        else:
+            plan["notes"].append("--measure needs a CUDA device; showing the prediction only")
+    table = Table(title=title)
+    table.add_column("category")
+    table.add_column("predicted GiB", justify="right")
+    for k in (*CATEGORIES, "total"):
+        table.add_row(k, f"{pred[k] / GiB:.3f}")
+    console.print(table)
+    if measured is not None:
+        mt = Table(title="measured on " + torch.cuda.get_device_name())
+        mt.add_column("phase")
+        mt.add_column("peak allocated GiB", justify="right")
+        for k, val in measured.items():
+            mt.add_row(k, f"{val / GiB:.3f}")
+        mt.add_row("predicted total", f"{pred['total'] / GiB:.3f}")
+        console.print(mt)
+    for note in plan["notes"]:
+        console.print(f"note: {note}")
+    return 0
+
+
+def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
+    """Run ``steps`` training steps of ``spec`` on CUDA with random tokens; peak bytes per phase.
+
+    Phases: ``static`` (model + optimizer state), and the peaks of ``forward``,
+    ``backward`` (which includes the update under gradient release) and ``step``.
+    """
+    from pgs.func.losses import chunked_cross_entropy, cross_entropy
+    from pgs.runtime.bind import bind
+    from pgs.runtime.checkpointing import apply_activation_checkpointing
+    from pgs.runtime.model import build_model, final_hidden, freeze, output_head
+    from pgs.runtime.release import GradientRelease
+
+    opts = plan["options"]
+    dev = torch.device("cuda")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    m = spec.model
+    model = build_model(path=m.path, config=m.config, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                        init_seed=m.init_seed).to(dev)
+    freeze(model, m.freeze)
+    apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]))
+    chain = plan["kwargs"]["chain"]
+    if opts["gradient_release"]:
+        opt = GradientRelease(chain, model, master_weights=opts["master_weights"],
+                              stochastic_rounding=spec.model.dtype == "bfloat16")
+    else:
+        opt = bind(chain, model, compile=spec.optimizer.compile, jit=spec.optimizer.jit)
+    torch.cuda.synchronize()
+    out = {"static": torch.cuda.memory_allocated()}
+    peaks = {"forward": 0, "backward": 0, "step": 0}
+    vocab = _text_config(model.config).vocab_size
+    shape = (plan["micro_batch"], plan["seq_len"])
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, shape, device=dev)
+        pos = torch.arange(shape[1], device=dev).expand(shape)
+        torch.cuda.reset_peak_memory_stats()
+        h = final_hidden(model, ids, pos)
+        W, bias, softcap = output_head(model)
+        fn = cross_entropy if spec.loss.backend == "dense" else chunked_cross_entropy
+        kw = {} if spec.loss.backend == "dense" else {"chunk_size": spec.loss.chunk_size}
+        r = fn(h, W, ids, bias=bias, softcap=softcap, **kw)
+        loss = r.loss_sum / r.num_valid
+        torch.cuda.synchronize()
+        peaks["forward"] = max(peaks["forward"], torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        loss.backward()
+        del h, r, loss
+        torch.cuda.synchronize()
+        peaks["backward"] = max(peaks["backward"], torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        peaks["step"] = max(peaks["step"], torch.cuda.max_memory_allocated())
+    out.update(peaks)
+    del model, opt
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(spec, measure: bool = False) -> int:
+    """Entry point for the CLI (``pgs profile SPEC [--measure]``)."""
+    return profile(spec, measure=measure)

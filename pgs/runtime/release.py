@@ -1,0 +1,314 @@
+"""Gradient release: the bound chain runs inside backward, and each gradient is freed at once.
+
+``GradientRelease(chain, model)`` is the memory-lean sibling of ``bind(chain, model)``
+(EQUATIONS.md A12).  It registers ``register_post_accumulate_grad_hook`` on every trainable
+parameter.  Parameters are split into *groups* (by default one per decoder layer, one per
+parameter outside the layers); the hook counts arrivals per group and, when the last
+parameter of a group has its gradient, runs ``chain.update`` on that group's sub-tree,
+writes the new values into the parameters and sets every ``p.grad`` of the group to None.
+So at most one layer's gradients exist at a time, instead of the whole gradient set:
+
+    release = GradientRelease(pf.adamw(3e-4), model)
+    for batch in loader:
+        loss = model(**batch).loss
+        loss.backward()          # the parameters are updated during this call
+        release.finish()         # optional: backward already did it (see below)
+
+Why it is exact.  A parameter's post-accumulate hook fires after the autograd node that
+produced its gradient has run, and that node has also produced the gradient of its input,
+so the updated value is never read again by the same backward (a tied weight's hook fires
+once, after both of its uses).  The chain's maths per tensor is the same as ``bind``'s, so
+for any chain without a ``global`` transform the parameters after N steps equal the normal
+path's bit for bit in fp32 (tests/test_release.py).
+
+State.  Each group has its own chain state (``chain.init(group_params)``), so each has its
+own step ``count``; every group steps exactly once per backward, so the counts (and the
+learning-rate schedules read from them) advance in lockstep, once per optimizer step.
+
+End of backward.  The first hook of a backward queues a callback on the autograd engine that
+runs when backward returns: it steps any group that received no gradient at all or only part
+of its gradients (as ``bind`` does, with zeros in place of missing gradients), so that every
+group's count still advances once.  ``finish()`` does the same by hand and is a no-op after
+a normal backward.
+
+Refused (``InvalidArgument``): a chain with a ``global`` transform (global-norm clipping,
+ZClip, AdaGC's global phase), because the global norm is unknown while backward is still
+running; ``accumulate(...)`` or ``grad_accum > 1``, because the step happens at every
+backward.  Per-tensor and matrix transforms (per-tensor clipping, Muon per layer) are fine.
+
+Precision.  ``stochastic_rounding=True`` rounds bf16 parameters stochastically in the update
+(no fp32 master copy).  ``master_weights="fp32"`` instead keeps an fp32 copy of every
+low-precision parameter in the optimizer (4 more bytes per parameter); the chain sees fp32
+parameters and gradients, and the model's bf16 weights are the rounded masters.
+
+Non-finite losses: the update happens inside backward, so a step cannot be skipped after
+the fact; check the loss before calling ``backward``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Callable
+
+import torch
+
+import pgs.func as pf
+from pgs.errors import InvalidArgument, TreeMismatch
+from pgs.func import tree as T
+from pgs.func.base import GLOBAL
+
+_LAYOUT_KEY = "__pgs_release_groups__"
+_MASTER_PREFIX = "__master__."
+_LAYER_RE = re.compile(r"^(.*?(?:^|\.)layers\.\d+)\.")
+MASTER_DTYPES = ("fp32",)
+
+
+def group_of(name: str) -> str:
+    """The ``"layer"`` group of a parameter: ``"model.layers.3"`` for ``model.layers.3.mlp.up_proj.weight``,
+    the name itself for parameters outside the decoder layers (embedding, final norm, head)."""
+    m = _LAYER_RE.match(name)
+    return m.group(1) if m else name
+
+
+def group_parameters(names, groups: str | Callable[[str], str] = "layer") -> dict[str, list[str]]:
+    """``{group: [parameter names]}`` in the parameters' order.
+
+    ``groups``: ``"layer"`` (a decoder layer's parameters step together; the others alone),
+    ``"parameter"`` (every parameter alone), or a function ``name -> group key``.
+    """
+    if groups == "layer":
+        key = group_of
+    elif groups == "parameter":
+        key = lambda n: n  # noqa: E731
+    elif callable(groups):
+        key = groups
+    else:
+        raise InvalidArgument(f"GradientRelease: groups={groups!r} is not \"layer\", \"parameter\" or a function name -> group")
+    out: dict[str, list[str]] = {}
+    for n in names:
+        out.setdefault(str(key(n)), []).append(n)
+    return out
+
+
+def refusal(chain: pf.Transform, grad_accum: int = 1) -> str | None:
+    """Why ``chain`` cannot run inside backward (a sentence), or None when it can."""
+    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+        return f"grad_accum={grad_accum!r} must be an int >= 1"
+    if grad_accum > 1:
+        return (f"gradient accumulation (grad_accum={grad_accum}) needs whole gradients summed over "
+                "micro-batches, but gradient release steps at every backward; use grad_accum = 1 "
+                "(a larger micro-batch) or bind(...) without gradient release")
+
+    def walk(t: pf.Transform, where: str) -> str | None:
+        if t.name == "accumulate":
+            return (f"{where} is accumulate(...): gradient accumulation cannot run inside backward "
+                    "(the step happens at every backward)")
+        for i, c in enumerate(t.children):
+            found = walk(c, f"{where}[{i}] ({c.name})" if t.name == "chain" else f"{where} > {c.name}")
+            if found:
+                return found
+        if t.locality == GLOBAL:
+            return (f"{where} is global (it reduces over every gradient, e.g. a global-norm clip), "
+                    "and the global norm is unknown while backward is still running; use a "
+                    "per-tensor rule (clip_by_norm_per_tensor) or bind(...) without gradient release")
+        return None
+
+    return walk(chain, f"the chain ({chain.name})" if chain.name != "chain" else "chain")
+
+
+class GradientRelease:
+    """A pure chain applied inside backward, group by group.  See the module docstring.
+
+    Args:
+        chain: any ``pgs.func.Transform`` without ``global`` parts.
+        model: an ``nn.Module`` (its trainable parameters) or a dict ``name -> Parameter``.
+        groups: ``"layer"`` (default), ``"parameter"``, or a function ``name -> group``.
+        stochastic_rounding: round bf16 parameters stochastically in the update.
+        master_weights: None, or ``"fp32"`` to keep fp32 masters of low-precision parameters.
+        grad_accum: must be 1 (refused otherwise, with the reason).
+        track_grad_norm: accumulate Σ‖g‖² as gradients stream by, for ``last_metrics``.
+    """
+
+    def __init__(
+        self,
+        chain: pf.Transform,
+        model,
+        *,
+        groups: str | Callable[[str], str] = "layer",
+        stochastic_rounding: bool = False,
+        master_weights: str | None = None,
+        grad_accum: int = 1,
+        track_grad_norm: bool = True,
+    ):
+        if not isinstance(chain, pf.Transform):
+            raise InvalidArgument(f"GradientRelease: expected a pgs.func.Transform, got {type(chain).__name__}")
+        if isinstance(chain, pf.FlatChain):
+            raise InvalidArgument("GradientRelease: pass the plain chain, not pf.compile(chain)")
+        why = refusal(chain, grad_accum)
+        if why:
+            raise InvalidArgument(f"GradientRelease: {why}")
+        if master_weights not in (None, *MASTER_DTYPES):
+            raise InvalidArgument(f"GradientRelease: master_weights={master_weights!r} is not None or \"fp32\"")
+        if isinstance(model, torch.nn.Module):
+            params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        elif isinstance(model, dict):
+            params = {n: p for n, p in model.items() if p.requires_grad}
+        else:
+            raise InvalidArgument("GradientRelease: expected an nn.Module or a dict name -> Parameter")
+        if not params:
+            raise InvalidArgument("GradientRelease: the module has no trainable parameters")
+        for n, p in params.items():
+            if not p.is_leaf:
+                raise InvalidArgument(f"GradientRelease: parameter {n!r} is not a leaf tensor")
+        self.chain = chain
+        self.params = params
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.master_weights = master_weights
+        self.track_grad_norm = track_grad_norm
+        self.groups = group_parameters(list(params), groups)
+        self._group_of = {n: g for g, names in self.groups.items() for n in names}
+        self.masters: dict[str, torch.Tensor] = {}
+        if master_weights == "fp32":
+            with torch.no_grad():
+                self.masters = {n: p.detach().float().clone() for n, p in params.items()
+                                if p.dtype in (torch.bfloat16, torch.float16)}
+        self.states = {g: chain.init(self._param_tree(g)) for g in self.groups}
+        self.steps = 0  # completed optimizer steps (backward passes)
+        self._arrived = dict.fromkeys(self.groups, 0)
+        self._done: set[str] = set()
+        self._in_backward = False
+        self._sumsq: torch.Tensor | None = None
+        self._last_sumsq: torch.Tensor | None = None
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(n)) for n, p in params.items()]
+
+    # -- the hooks --------------------------------------------------------------------------
+    def _hook_for(self, name: str):
+        group = self._group_of[name]
+
+        def hook(p: torch.Tensor) -> None:
+            if not self._in_backward:
+                self._in_backward = True
+                self._sumsq = None
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._arrived[group] += 1
+            if self._arrived[group] == len(self.groups[group]) and group not in self._done:
+                self._step_group(group)
+
+        return hook
+
+    def _end_of_backward(self) -> None:
+        self.finish()
+
+    def _param_tree(self, group: str) -> dict[str, torch.Tensor]:
+        return {n: self.masters.get(n, self.params[n]).detach() for n in self.groups[group]}
+
+    @torch.no_grad()
+    def _step_group(self, group: str) -> None:
+        names = self.groups[group]
+        params = self._param_tree(group)
+        grads = {}
+        for n in names:
+            p = self.params[n]
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            grads[n] = g.to(params[n].dtype) if g.dtype != params[n].dtype else g
+        if self.track_grad_norm:
+            s = sum(g.float().pow(2).sum() for g in grads.values())
+            self._sumsq = s if self._sumsq is None else self._sumsq + s.to(self._sumsq.device)
+        updates, self.states[group] = self.chain.update(grads, self.states[group], params)
+        new = pf.apply_updates(params, updates, stochastic_rounding=self.stochastic_rounding)
+        for n in names:
+            if n in self.masters:
+                self.masters[n].copy_(new[n])
+            self.params[n].copy_(new[n])
+            self.params[n].grad = None
+        self._done.add(group)
+
+    # -- the public surface -----------------------------------------------------------------
+    def finish(self) -> None:
+        """Step the groups that this backward has not stepped (zeros for missing gradients).
+
+        Runs by itself at the end of every backward; calling it again is a no-op.
+        """
+        if not self._in_backward:
+            return
+        for g in self.groups:
+            if g not in self._done:
+                self._step_group(g)
+        self._arrived = dict.fromkeys(self.groups, 0)
+        self._done = set()
+        self._in_backward = False
+        self._last_sumsq = self._sumsq
+        self.steps += 1
+
+    def step(self, **extra) -> None:
+        """For loops written for ``bind``: the update already ran inside backward (``finish``)."""
+        if extra:
+            raise InvalidArgument(f"GradientRelease.step: call-time extras {sorted(extra)} cannot reach "
+                                  "a chain that runs inside backward")
+        self.finish()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are already None after a backward; clears any left by other code."""
+        for p in self.params.values():
+            p.grad = None
+
+    def remove(self) -> None:
+        """Unregister the hooks (the parameters then train only through another optimizer)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- state ------------------------------------------------------------------------------
+    def _fingerprint(self) -> torch.Tensor:
+        desc = {"groups": self.groups, "masters": sorted(self.masters)}
+        return torch.frombuffer(bytearray(json.dumps(desc, sort_keys=True).encode()), dtype=torch.uint8).clone()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every group's chain state as ``{group.path: tensor}`` (safetensors-ready), the fp32
+        masters under ``__master__.{name}``, and a fingerprint of the grouping."""
+        d = pf.state_to_dict(self.states)
+        for n, m in self.masters.items():
+            d[_MASTER_PREFIX + n] = m.detach().contiguous().clone()
+        d[_LAYOUT_KEY] = self._fingerprint()
+        return d
+
+    @torch.no_grad()
+    def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
+        """Restore ``state_dict``'s output; refuses another grouping or parameter set."""
+        fp = d.get(_LAYOUT_KEY)
+        if fp is None or not torch.equal(fp.to(torch.uint8), self._fingerprint()):
+            raise TreeMismatch("optimizer state was saved for different trainable parameters, groups or "
+                               "master weights (freeze policy, model, or gradient-release settings changed)")
+        masters = {k[len(_MASTER_PREFIX):]: v for k, v in d.items() if k.startswith(_MASTER_PREFIX)}
+        rest = {k: v for k, v in d.items() if k != _LAYOUT_KEY and not k.startswith(_MASTER_PREFIX)}
+        self.states = pf.state_from_dict(self.states, rest)
+        for n, m in self.masters.items():
+            m.copy_(masters[n])
+            self.params[n].copy_(m)
+
+    def counts(self) -> set[int]:
+        """The distinct step counts found in the groups' states (one value when in lockstep)."""
+        out = set()
+        for state in self.states.values():
+            for path, x in T.leaves_with_paths(state):
+                if path.rsplit(".", 1)[-1] in ("count", "mini_step") and isinstance(x, torch.Tensor):
+                    out.add(int(x))
+        return out
+
+    def last_metrics(self) -> dict[str, Any]:
+        """lr (used by the last step), grad_norm (‖g‖ over all gradients of the last backward,
+        if tracked), and ``release_steps``."""
+        out: dict[str, Any] = {"release_steps": self.steps}
+        first = next(iter(self.states.values()))
+        for path, x in T.leaves_with_paths(first):
+            if isinstance(x, torch.Tensor) and x.numel() == 1 and path.rsplit(".", 1)[-1] in ("lr", "learning_rate"):
+                out["lr"] = float(x)
+                break
+        if self._last_sumsq is not None:
+            out["grad_norm"] = float(self._last_sumsq.sqrt())
+        return out
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's state (chain states plus fp32 masters)."""
+        return pf.state_bytes(self.states) + sum(m.numel() * m.element_size() for m in self.masters.values())

@@ -1,0 +1,205 @@
+"""``pgs report RUN_DIR``: plots and a summary table from a run's ``metrics.jsonl``.
+
+The reader is tolerant: a record may carry any subset of the keys (``step``, ``loss``,
+``lr``, ``grad_norm``, ``entropy``, ``tokens_per_s``, ``eval_loss``, ``eval_accuracy``,
+``skipped``, ...), non-numeric and non-finite values are ignored, and a line that is not
+JSON (a run killed mid-write leaves a torn last line) is counted, not fatal.  A plot is
+drawn only for series that have points.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Iterable
+
+import attrs
+
+from pgs.errors import PgsError
+
+#: One PNG per entry: file name -> (title, y label, metric keys drawn on it, log scale).
+PLOTS: dict[str, tuple[str, str, tuple[str, ...], bool]] = {
+    "loss.png": ("loss", "loss", ("loss", "eval_loss"), False),
+    "lr.png": ("learning rate", "lr", ("lr",), False),
+    "grad_norm.png": ("gradient norm (before clipping)", "grad norm", ("grad_norm",), True),
+    "entropy.png": ("mean next-token entropy", "nats", ("entropy",), False),
+    "tokens_per_s.png": ("throughput", "tokens / s", ("tokens_per_s",), False),
+    "eval_accuracy.png": ("eval accuracy", "accuracy", ("eval_accuracy",), False),
+}
+
+
+class ReportError(PgsError):
+    """The run folder has nothing to report (exit 2)."""
+
+
+@attrs.define
+class Metrics:
+    """Series read from ``metrics.jsonl``: ``series[key] = [(step, value), ...]`` in file order."""
+
+    series: dict[str, list[tuple[float, float]]] = attrs.field(factory=dict)
+    records: int = 0
+    bad_lines: int = 0
+
+    def last(self, key: str) -> float | None:
+        points = self.series.get(key)
+        return points[-1][1] if points else None
+
+    def best(self, key: str, lowest: bool = True) -> tuple[float, float] | None:
+        points = self.series.get(key)
+        if not points:
+            return None
+        return (min if lowest else max)(points, key=lambda p: p[1])
+
+    def mean(self, key: str) -> float | None:
+        points = self.series.get(key)
+        return sum(v for _, v in points) / len(points) if points else None
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def read_metrics(path: str) -> Metrics:
+    """Parse ``metrics.jsonl`` into per-key series; ``step`` (or the record index) is the x axis."""
+    metrics = Metrics()
+    try:
+        handle = open(path, encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        raise ReportError(f"{path}: no such file (is this a run folder? it has no metrics.jsonl)") from None
+    with handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                metrics.bad_lines += 1
+                continue
+            if not isinstance(record, dict):
+                metrics.bad_lines += 1
+                continue
+            step = _number(record.get("step"))
+            x = step if step is not None else float(metrics.records)
+            metrics.records += 1
+            for key, value in record.items():
+                v = _number(value)
+                if v is not None and key != "step":
+                    metrics.series.setdefault(key, []).append((x, v))
+    return metrics
+
+
+def summary_rows(metrics: Metrics) -> list[tuple[str, str]]:
+    """``(what, value)`` rows of the summary table."""
+    rows: list[tuple[str, str]] = [("records", f"{metrics.records}")]
+    if metrics.bad_lines:
+        rows.append(("unreadable lines", f"{metrics.bad_lines}"))
+    steps = [x for points in metrics.series.values() for x, _ in points]
+    if steps:
+        rows.append(("last step", f"{int(max(steps))}"))
+
+    def add(label: str, value: float | None, fmt: str = ".4g") -> None:
+        if value is not None:
+            rows.append((label, format(value, fmt)))
+
+    add("first train loss", metrics.series["loss"][0][1] if metrics.series.get("loss") else None)
+    add("last train loss", metrics.last("loss"))
+    for key, lowest in (("eval_loss", True), ("eval_accuracy", False)):
+        best = metrics.best(key, lowest)
+        if best is not None:
+            add(f"last {key}", metrics.last(key))
+            rows.append((f"best {key}", f"{best[1]:.4g} (step {int(best[0])})"))
+    add("last lr", metrics.last("lr"))
+    add("max grad norm", metrics.best("grad_norm", lowest=False)[1] if metrics.series.get("grad_norm") else None)
+    add("last entropy", metrics.last("entropy"))
+    add("min entropy", metrics.best("entropy")[1] if metrics.series.get("entropy") else None)
+    add("mean tokens/s", metrics.mean("tokens_per_s"), ",.0f")
+    if metrics.series.get("skipped"):
+        rows.append(("skipped steps", f"{int(metrics.last('skipped'))} (last value)"))
+    return rows
+
+
+def _markdown(rows: Iterable[tuple[str, str]], run_dir: str, plots: list[str]) -> str:
+    lines = [f"# pgs report: {run_dir}", "", "| what | value |", "|---|---|"]
+    lines += [f"| {a} | {b} |" for a, b in rows]
+    if plots:
+        lines += ["", *[f"![{p[:-4]}]({p})" for p in plots]]
+    return "\n".join(lines) + "\n"
+
+
+def _entropy_floor(run_dir: str) -> float | None:
+    """``train.entropy_warn`` from the run's resolved spec, to draw on the entropy plot."""
+    import tomllib
+
+    path = os.path.join(run_dir, "spec.resolved.toml")
+    try:
+        with open(path, "rb") as f:
+            value = tomllib.load(f).get("train", {}).get("entropy_warn")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    return _number(value) or None
+
+
+def draw_plots(metrics: Metrics, out_dir: str, entropy_warn: float | None = None) -> list[str]:
+    """Write one PNG per plot that has data; returns the file names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for filename, (title, ylabel, keys, log) in PLOTS.items():
+        present = [k for k in keys if metrics.series.get(k)]
+        if not present:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key in present:
+            xs, ys = zip(*metrics.series[key])
+            style = {"marker": "o", "markersize": 3} if key.startswith("eval") else {"linewidth": 1.2}
+            ax.plot(xs, ys, label=key, **style)
+        if filename == "entropy.png" and entropy_warn:
+            ax.axhline(entropy_warn, color="red", linestyle="--", linewidth=1, label="entropy_warn")
+        if log and all(v > 0 for k in present for _, v in metrics.series[k]):
+            ax.set_yscale("log")
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        if len(present) > 1 or (filename == "entropy.png" and entropy_warn):
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, filename), dpi=110)
+        plt.close(fig)
+        written.append(filename)
+    return written
+
+
+def write_report(run_dir: str, console=None) -> list[tuple[str, str]]:
+    """Read ``RUN_DIR/metrics.jsonl``; write ``RUN_DIR/report/`` (PNGs, ``summary.md``); print the table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    if not os.path.isdir(run_dir):
+        raise ReportError(f"{run_dir}: no such run folder")
+    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    if metrics.records == 0:
+        raise ReportError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no metrics records yet")
+    out_dir = os.path.join(run_dir, "report")
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        plots = draw_plots(metrics, out_dir, _entropy_floor(run_dir))
+    except ImportError:
+        plots = []
+        console.print("[yellow]warning:[/] matplotlib is not installed (pip install 'pgs[plot]'); no plots drawn")
+    rows = summary_rows(metrics)
+    with open(os.path.join(out_dir, "summary.md"), "w", encoding="utf-8") as f:
+        f.write(_markdown(rows, run_dir, plots))
+    table = Table(title=f"pgs report: {run_dir}", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    for what, value in rows:
+        table.add_row(what, value)
+    console.print(table)
+    console.print(f"wrote {out_dir}/summary.md" + (f" and {len(plots)} plots" if plots else ""))
+    return rows

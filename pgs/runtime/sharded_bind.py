@@ -1,0 +1,298 @@
+"""Binding a pure chain to FSDP2-sharded parameters: ``bind_sharded(chain, model)``.
+
+Under ``fully_shard`` every parameter is a DTensor whose rank-local part (``p.to_local()``)
+holds some rows of the tensor.  The chain runs on those local shards, as if they were the
+parameters:
+
+- elementwise stages (Adam, Lion, weight decay, learning rate) need nothing else: each
+  element's update depends only on itself, so running them on shards is exact;
+- per-tensor and global reductions (norms for clipping, Hyperball, AdaGC) see partial sums.
+  The binding hands the chain ``extra["reduce_sum"]``, a function that sums a pytree of
+  tensors over the ranks in ONE all-reduce; ``pgs.func.layout.per_tensor_sumsq`` /
+  ``per_tensor_dot`` and ``pgs.func.clip.global_norm`` apply it when a transform forwards it
+  (``layout.reduced`` documents the contract);
+- transforms that need whole matrices (Muon's Newton–Schulz) get
+  ``extra["whole_tensors"](op, paths, tensors)``: each listed shard-local tensor is gathered
+  to an owner rank (round-robin over the list), ``op`` maps the owner's list of full tensors
+  to full tensors of the same shapes (each independently), and the results are scattered
+  back to shards, cast to each input's dtype.  On one process a transform calls ``op``
+  directly.
+
+Which transforms may run sharded is checked when binding: every leaf transform whose
+``locality`` is not elementwise must be known to forward these hooks (``SHARD_AWARE``) or
+be named in ``trust=``; otherwise binding refuses (a shard-local norm is a silent bug).
+
+State leaves keep the shard-local shapes.  ``checkpoint_state()`` hands ``pgs.runtime.dcp``
+the state with every leaf that mirrors a parameter wrapped as a DTensor of that parameter's
+placement (so DCP can reshard it), scalars as replicated tensors, and any other leaf (for
+example block-wise 8-bit codes of a shard) under a per-rank key.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+import pgs.func as pf
+from pgs.errors import InvalidArgument, TreeMismatch
+from pgs.func import tree as T
+from pgs.func.base import ELEMENTWISE
+from pgs.runtime.distributed import reshard
+
+#: Leaf transforms (by name) that are not elementwise and forward ``reduce_sum`` /
+#: ``whole_tensors`` (see the module docstring).  A transform joins by forwarding them.
+SHARD_AWARE = frozenset({"clip_by_global_norm", "clip_by_norm_per_tensor"})
+#: Prefix of per-rank state keys in a checkpoint.
+RANK_KEY = "__rank{rank}__"
+
+
+def _is_dtensor(x) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+def local(x: torch.Tensor) -> torch.Tensor:
+    """The rank-local part of a DTensor (a view of its storage), or ``x`` itself."""
+    return x.to_local() if _is_dtensor(x) else x
+
+
+def unaware_transforms(chain: pf.Transform, trust: Sequence[str] = ()) -> list[str]:
+    """Names of the leaf transforms of ``chain`` that cannot run on shards."""
+    bad: list[str] = []
+
+    def walk(t):
+        if t.children:
+            for c in t.children:
+                walk(c)
+        elif t.locality != ELEMENTWISE and t.name not in SHARD_AWARE and t.name not in trust:
+            bad.append(f"{t.name} ({t.locality})")
+
+    walk(chain)
+    return bad
+
+
+class ShardedBoundOptimizer:
+    """A pure chain bound to the local shards of FSDP2 parameters.  See the module docstring.
+
+    Args:
+        chain: the pure transform.
+        model: a module after ``pgs.runtime.distributed.shard_model`` (its trainable
+            parameters are DTensors); on one process a plain module also works.
+        trust: names of non-elementwise leaf transforms to run although they are not in
+            ``SHARD_AWARE`` (you have checked that they forward the hooks).
+        stochastic_rounding: as ``pf.apply_updates``.
+    """
+
+    def __init__(self, chain: pf.Transform, model: torch.nn.Module, *, trust: Sequence[str] = (),
+                 stochastic_rounding: bool = False):
+        if not isinstance(chain, pf.Transform):
+            raise InvalidArgument(f"bind_sharded: expected a pgs.func.Transform, got {type(chain).__name__}")
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if not params:
+            raise InvalidArgument("bind_sharded: the module has no trainable parameters")
+        self.group = None
+        sharded = [n for n, p in params.items() if _is_dtensor(p)]
+        if sharded:
+            plain = [n for n in params if n not in set(sharded)]
+            if plain:
+                raise InvalidArgument(f"bind_sharded: parameter {plain[0]!r} is not sharded while others are; "
+                                      "its gradient would never be reduced (shard the whole model)")
+            mesh = params[sharded[0]].device_mesh
+            if mesh.ndim != 1:
+                raise InvalidArgument("bind_sharded: only a 1-D data-parallel mesh is supported")
+            self.group = mesh.get_group()
+            for n, p in params.items():
+                if p.device_mesh != mesh or [type(pl).__name__ for pl in p.placements] != ["Shard"] \
+                        or p.placements[0].dim != 0:
+                    raise InvalidArgument(f"bind_sharded: parameter {n!r} has placements {p.placements}; "
+                                          "expected Shard(0) on the data-parallel mesh (FSDP2's default)")
+        elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise InvalidArgument("bind_sharded: several processes but no parameter is sharded; "
+                                  "call pgs.runtime.distributed.shard_model(model) first")
+        bad = unaware_transforms(chain, trust)
+        if self.group is not None and bad:
+            raise InvalidArgument(
+                f"bind_sharded: transform {bad[0]} reduces over whole tensors but does not declare "
+                "sharded reductions; on shards it would see partial norms. Make it forward "
+                "extra['reduce_sum'] (or extra['whole_tensors']) and list it in trust= "
+                "(docs/distributed.md)")
+        self.chain = chain
+        self.model = model
+        self.params = params
+        self.stochastic_rounding = stochastic_rounding
+        self.world = dist.get_world_size(self.group) if self.group is not None else 1
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        with torch.no_grad():
+            self.state = chain.init(self._local_params(), **self.hooks())
+
+    # -- the hooks the pure side calls --------------------------------------------------
+    def hooks(self) -> dict[str, Callable]:
+        """``extra`` entries for ``chain.init`` / ``chain.update`` (empty on one process)."""
+        if self.group is None:
+            return {}
+        return {"reduce_sum": self.reduce_sum, "whole_tensors": self.whole_tensors}
+
+    def reduce_sum(self, tree):
+        """Every tensor leaf of ``tree`` summed over the ranks: one all-reduce per dtype."""
+        leaves, spec = T.flatten(tree)
+        out = list(leaves)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                by_dtype.setdefault(x.dtype, []).append(i)
+        for dtype, idx in by_dtype.items():
+            flat = torch.cat([leaves[i].reshape(-1) for i in idx])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            off = 0
+            for i in idx:
+                n = leaves[i].numel()
+                out[i] = flat[off:off + n].view(leaves[i].shape)
+                off += n
+        return T.unflatten(out, spec)
+
+    def whole_tensors(self, op: Callable[[list[torch.Tensor]], list[torch.Tensor]], paths: Sequence[str],
+                      tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``op`` on the full tensors of ``paths``, each computed on one owner rank, re-sharded.
+
+        ``tensors[i]`` is shaped like the local shard of parameter ``paths[i]``.  Owner of
+        item ``i`` is rank ``i % world``; the collectives run in list order on every rank.
+        """
+        if len(paths) != len(tensors):
+            raise InvalidArgument("whole_tensors: paths and tensors differ in length")
+        fulls: list[torch.Tensor | None] = []
+        for i, (path, x) in enumerate(zip(paths, tensors)):
+            fulls.append(self._gather(path, x, owner=i % self.world))
+        mine = [i for i in range(len(paths)) if i % self.world == self.rank]
+        results = op([fulls[i] for i in mine]) if mine else []
+        if len(results) != len(mine):
+            raise InvalidArgument(f"whole_tensors: op returned {len(results)} tensors for {len(mine)}")
+        full_out: dict[int, torch.Tensor] = {}
+        for i, r in zip(mine, results):
+            if r.shape != fulls[i].shape:
+                raise InvalidArgument(f"whole_tensors: op changed the shape of {paths[i]!r} "
+                                      f"from {tuple(fulls[i].shape)} to {tuple(r.shape)}")
+            full_out[i] = r.to(tensors[i].dtype)
+        return [self._scatter(path, x, full_out.get(i), owner=i % self.world)
+                for i, (path, x) in enumerate(zip(paths, tensors))]
+
+    def _rows(self, path: str) -> tuple[int, int]:
+        """(rows of the full tensor, rows per rank before padding): torch.chunk's split."""
+        p = self.params.get(path)
+        if p is None:
+            raise InvalidArgument(f"whole_tensors: {path!r} is not a trainable parameter of the bound model")
+        rows = p.shape[0]
+        return rows, math.ceil(rows / self.world)
+
+    def _gather(self, path: str, x: torch.Tensor, owner: int) -> torch.Tensor | None:
+        rows, chunk = self._rows(path)
+        padded = x.new_zeros((chunk, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        if self.rank == owner:
+            parts = [torch.empty_like(padded) for _ in range(self.world)]
+            dist.gather(padded, parts, dst=dist.get_global_rank(self.group, owner), group=self.group)
+            return torch.cat(parts)[:rows]
+        dist.gather(padded, None, dst=dist.get_global_rank(self.group, owner), group=self.group)
+        return None
+
+    def _scatter(self, path: str, x: torch.Tensor, full: torch.Tensor | None, owner: int) -> torch.Tensor:
+        rows, chunk = self._rows(path)
+        recv = x.new_empty((chunk, *x.shape[1:]))
+        parts = None
+        if self.rank == owner:
+            padded = full.new_zeros((chunk * self.world, *full.shape[1:]))
+            padded[:rows] = full
+            parts = list(padded.contiguous().split(chunk))
+        dist.scatter(recv, parts, src=dist.get_global_rank(self.group, owner), group=self.group)
+        return recv[: x.shape[0]].clone()
+
+    # -- parameters and gradients -------------------------------------------------------
+    def _local_params(self):
+        return {n: local(p).detach() for n, p in self.params.items()}
+
+    def _local_grads(self):
+        return {n: (local(p.grad) if p.grad is not None else torch.zeros_like(local(p)))
+                for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def step(self, **extra) -> None:
+        """Apply the chain to the current gradients (shard by shard) and update in place."""
+        if self.group is not None:
+            reshard(self.model)  # an eval forward may have left the root gathered
+        params = self._local_params()
+        updates, self.state = self.chain.update(self._local_grads(), self.state, params, **self.hooks(), **extra)
+        new = pf.apply_updates(params, updates, stochastic_rounding=self.stochastic_rounding)
+        for n, p in self.params.items():
+            local(p).copy_(new[n])
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """The global norm of the current gradients over all shards (fp32)."""
+        return float(pf.global_norm(self._local_grads(), None, self.hooks().get("reduce_sum")))
+
+    def last_metrics(self) -> dict[str, Any]:
+        """As ``BoundOptimizer.last_metrics`` (0-d state leaves are the same on every rank)."""
+        from pgs.runtime.bind import BoundOptimizer
+
+        return BoundOptimizer.last_metrics(self)  # reads only self.state
+
+    # -- state for checkpoints ----------------------------------------------------------
+    def _mirror(self, path: str, x: torch.Tensor) -> str | None:
+        """The parameter whose shard ``x`` mirrors (the longest name that ends ``path``), or None."""
+        parts = path.split(".")
+        for i in range(len(parts)):
+            name = ".".join(parts[i:])
+            p = self.params.get(name)
+            if p is not None:
+                return name if x.shape == local(p).shape else None
+        return None
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """The state for DCP: DTensors for leaves that mirror a parameter, replicated
+        tensors for scalars, per-rank keys for anything else.  Values share storage with
+        the live state (DCP loads in place)."""
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, torch.Tensor] = {}
+        for path, x in pf.state_to_dict(self.state).items():
+            out.update(self._entry(path, x, DTensor))
+        return out
+
+    def _entry(self, path: str, x: torch.Tensor, DTensor) -> dict[str, torch.Tensor]:
+        if self.group is None or x.ndim == 0:
+            return {path: x}
+        name = self._mirror(path, x)
+        if name is not None:
+            p = self.params[name]
+            return {path: DTensor.from_local(x, p.device_mesh, p.placements, run_check=False,
+                                             shape=p.shape, stride=p.stride())}
+        return {f"{RANK_KEY.format(rank=self.rank)}.{path}": x}
+
+    def per_rank_keys(self) -> list[str]:
+        """State paths saved per rank (cannot be resharded to another world size)."""
+        return [k for k in self.checkpoint_state() if k.startswith(RANK_KEY.format(rank=self.rank))]
+
+    def load_checkpoint_state(self, loaded: dict[str, torch.Tensor]) -> None:
+        """Restore the state from what ``checkpoint_state()`` returned after a DCP load."""
+        prefix = RANK_KEY.format(rank=self.rank) + "."
+        flat = {}
+        for k, v in loaded.items():
+            k = k[len(prefix):] if k.startswith(prefix) else k
+            flat[k] = local(v).detach().clone()
+        try:
+            self.state = pf.state_from_dict(self.state, flat)
+        except TreeMismatch as err:
+            raise TreeMismatch(f"optimizer state in the checkpoint does not fit this chain: {err}") from None
+
+
+def bind_sharded(chain: pf.Transform, model: torch.nn.Module, **kwargs) -> ShardedBoundOptimizer:
+    """Bind ``chain`` to the (FSDP2-sharded) trainable parameters of ``model``."""
+    return ShardedBoundOptimizer(chain, model, **kwargs)

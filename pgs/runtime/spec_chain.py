@@ -1,0 +1,263 @@
+"""From a spec's ``[optimizer]``, ``[schedule]`` and ``[loss]`` to ``pgs.func`` objects.
+
+Transforms are looked up by name in ``pgs.func`` at call time, so a transform added there
+(``muon``, ``lion8bit``, ...) is usable from a spec without touching this file:
+
+* a *chain entry* is any public ``pgs.func`` factory annotated ``-> Transform`` that does
+  not wrap other transforms (``chain``, ``masked``, ``accumulate``, ... cannot be written
+  in TOML);
+* an *alias* is such a factory with a ``learning_rate`` argument (``adamw``, ``lion``,
+  ``sgd``, ...), other than ``scale_by_learning_rate`` itself.
+
+Arguments are checked against ``inspect.signature`` before the factory is called.  A factory
+with a ``learning_rate`` argument that the spec leaves out gets the ``[schedule]``.  Strings
+given to ``mask`` arguments are compiled from a small vocabulary (:func:`compile_mask`), and
+strings given to ``*_dtype`` arguments become torch dtypes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Callable
+
+from pgs.errors import PgsError, SpecError
+from pgs.runtime.spec import Spec, suggest
+
+#: Parameter names of factories that wrap other transforms (not expressible as a chain entry).
+_WRAPPER_ARGS = {"opt", "inner", "transforms", "named", "factory"}
+
+#: Mask strings: what each keeps (``(path, param) -> True`` means the transform applies).
+MASKS: dict[str, str] = {
+    "all": "every parameter",
+    "ndim>=2": "matrices and higher (not biases, norm scales or other vectors)",
+    "no_bias_no_norm": "every parameter except biases and normalisation weights",
+    "re:PATTERN": "parameters whose path matches the regular expression (re.search)",
+    "!MASK": "the complement of another mask, e.g. \"!re:embed\"",
+}
+
+_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+_NORM_PART = re.compile(r"(norm|^ln(_|$))", re.IGNORECASE)
+
+
+def compile_mask(text: str) -> Callable:
+    """A mask string (see :data:`MASKS`) as a function ``(path, param) -> bool``."""
+    if text.startswith("!"):
+        inner = compile_mask(text[1:])
+        return lambda path, p: not inner(path, p)
+    if text == "all":
+        return lambda path, p: True
+    if text == "ndim>=2":
+        return lambda path, p: p.ndim >= 2
+    if text == "no_bias_no_norm":
+        def keep(path, p):
+            parts = str(path).split(".")
+            return parts[-1] != "bias" and not any(_NORM_PART.search(part) for part in parts)
+
+        return keep
+    if text.startswith("re:"):
+        try:
+            pattern = re.compile(text[3:])
+        except re.error as err:
+            raise SpecError(f"bad regular expression {text[3:]!r} ({err})") from None
+        return lambda path, p: pattern.search(str(path)) is not None
+    raise SpecError(f"unknown mask {text!r}; expected one of {', '.join(MASKS)}{suggest(text, MASKS)}")
+
+
+# --------------------------------------------------------------------------- lookup
+
+
+def _factories() -> dict[str, Callable]:
+    import pgs.func as pf
+
+    out = {}
+    for name in getattr(pf, "__all__", dir(pf)):
+        obj = getattr(pf, name, None)
+        if name.startswith("_") or not inspect.isfunction(obj):
+            continue
+        try:
+            sig = inspect.signature(obj)
+        except (TypeError, ValueError):
+            continue
+        if "Transform" not in str(sig.return_annotation) or _WRAPPER_ARGS & set(sig.parameters):
+            continue
+        out[name] = obj
+    return out
+
+
+def transform_names() -> list[str]:
+    """The names a chain entry may use (every transform factory in ``pgs.func``)."""
+    return sorted(_factories())
+
+
+def alias_names() -> list[str]:
+    """The names ``optimizer.alias`` may use (factories with a ``learning_rate`` argument)."""
+    return sorted(
+        name for name, f in _factories().items()
+        if name != "scale_by_learning_rate" and "learning_rate" in inspect.signature(f).parameters
+    )
+
+
+def _lookup(name: str, where: str, aliases: bool):
+    table = _factories()
+    names = alias_names() if aliases else sorted(table)
+    if name not in names:
+        what = "optimizer alias" if aliases else "pgs.func transform"
+        hint = suggest(name, names) or f" (one of {', '.join(names)})"
+        raise SpecError(f"{where}: unknown {what} {name!r}{hint}")
+    return table[name]
+
+
+def _convert(name: str, value, where: str):
+    if isinstance(value, str) and "mask" in name:
+        try:
+            return compile_mask(value)
+        except SpecError as err:
+            raise SpecError(f"{where}: {err}") from None
+    if isinstance(value, str) and name.endswith("dtype"):
+        import torch
+
+        if value not in _DTYPE_NAMES:
+            raise SpecError(f"{where}: {value!r} is not one of {', '.join(_DTYPE_NAMES)}{suggest(value, _DTYPE_NAMES)}")
+        return getattr(torch, value)
+    return value
+
+
+def make_transform(name: str, args: dict, *, where: str, schedule=None, alias: bool = False):
+    """Call the ``pgs.func`` factory ``name`` with checked ``args``; errors name ``where``.
+
+    ``where`` is the dotted field of the entry (``optimizer.chain[1]``); an unknown argument is
+    reported as ``{where}.{arg}`` (or ``{where}.args.{arg}`` for an alias).
+    """
+    import pgs.func as pf
+
+    factory = _lookup(name, f"{where}.name" if not alias else "optimizer.alias", alias)
+    params = inspect.signature(factory).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    arg_where = "optimizer.args" if alias else where
+    kwargs = {}
+    for key, value in args.items():
+        if key not in params and not takes_any:
+            raise SpecError(f"{arg_where}.{key}: unknown argument of {name}{suggest(key, list(params))}")
+        kwargs[key] = _convert(key, value, f"{arg_where}.{key}")
+    if "learning_rate" in params and "learning_rate" not in kwargs and schedule is not None:
+        kwargs["learning_rate"] = schedule
+    missing = [
+        p.name for p in params.values()
+        if p.default is inspect.Parameter.empty and p.name not in kwargs
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+    if missing:
+        raise SpecError(f"{where}: {name} needs {', '.join(missing)}")
+    try:
+        transform = factory(**kwargs)
+    except (PgsError, TypeError, ValueError) as err:
+        raise SpecError(f"{where}: {err}") from None
+    if not isinstance(transform, pf.Transform):
+        raise SpecError(f"{where}: {name} did not build a transform (got {type(transform).__name__})")
+    return transform
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def _schedule_total(spec: Spec, total_steps: int | None) -> int | None:
+    return spec.schedule.total or total_steps or spec.train.steps
+
+
+def build_schedule(spec: Spec, total_steps: int | None = None):
+    """The ``[schedule]`` as a ``pgs.func`` schedule (``step -> 0-d tensor``)."""
+    import pgs.func as pf
+
+    s = spec.schedule
+    total = _schedule_total(spec, total_steps)
+    if total is None and s.name not in ("constant", "linear_warmup"):
+        raise SpecError(f"schedule.total: the {s.name} schedule needs the run length; set schedule.total "
+                        "or pass the number of steps once the data is counted")
+    if total is not None and s.name != "constant" and s.warmup > total:
+        raise SpecError(f"schedule.warmup: {s.warmup} steps is more than the run's {total} steps")
+    try:
+        if s.name == "constant":
+            return pf.constant_schedule(s.peak)
+        if s.name == "linear_warmup":
+            return pf.linear_warmup(s.peak, s.warmup, init=s.init)
+        if s.name == "cosine":
+            return pf.cosine_schedule(s.peak, s.warmup, total, final=s.final, init=s.init)
+        if s.name == "power_decay":
+            if total <= s.warmup:
+                raise SpecError(f"schedule.warmup: power_decay needs warmup ({s.warmup}) < total ({total})")
+            return pf.power_decay_schedule(s.peak, total, gamma=s.gamma, warmup=s.warmup, init=s.init)
+        decay = s.decay or max(1, round(0.2 * (total - s.warmup)))
+        stable = s.stable or total - s.warmup - decay
+        if stable < 0:
+            raise SpecError(f"schedule: warmup ({s.warmup}) + decay ({decay}) is more than total ({total})")
+        return pf.wsd_schedule(s.peak, s.warmup, stable, decay, shape=s.shape, final=s.final, init=s.init)
+    except PgsError as err:
+        if isinstance(err, SpecError):
+            raise
+        raise SpecError(f"schedule: {err}") from None
+
+
+def build_chain(spec: Spec, total_steps: int | None = None, schedule=None):
+    """The ``[optimizer]`` as one ``pgs.func.Transform``; the learning rate is ``schedule``."""
+    import pgs.func as pf
+
+    if schedule is None:
+        schedule = build_schedule(spec, total_steps)
+    opt = spec.optimizer
+    if opt.chain is not None:
+        parts = [
+            make_transform(e.name, e.args, where=f"optimizer.chain[{i}]", schedule=schedule)
+            for i, e in enumerate(opt.chain)
+        ]
+        return pf.chain(*parts)
+    alias = make_transform(opt.alias, opt.args, where="optimizer", schedule=schedule, alias=True)
+    if opt.clip > 0:
+        return pf.chain(pf.clip_by_global_norm(opt.clip), alias)
+    return alias
+
+
+def build_objective(loss):
+    """The ``[loss]`` objective instance, with ``loss.args`` checked against its class."""
+    from pgs.func.losses import OBJECTIVES
+
+    if loss.objective not in OBJECTIVES:
+        names = sorted(OBJECTIVES)
+        raise SpecError(f"loss.objective: {loss.objective!r} is not one of {', '.join(names)}"
+                        f"{suggest(loss.objective, names)}")
+    cls = OBJECTIVES[loss.objective]
+    params = inspect.signature(cls).parameters
+    for key in loss.args:
+        if key not in params:
+            hint = suggest(key, list(params)) or (f" (it takes {', '.join(params)})" if params else " (it takes none)")
+            raise SpecError(f"loss.args.{key}: unknown argument of the {loss.objective} objective{hint}")
+    try:
+        return cls(**loss.args)
+    except (PgsError, TypeError, ValueError) as err:
+        raise SpecError(f"loss.args: {err}") from None
+
+
+def check_loss(loss) -> None:
+    """Names and combinations of ``[loss]`` that cannot work."""
+    from pgs.func.losses import BACKENDS
+
+    if loss.backend not in BACKENDS:
+        raise SpecError(f"loss.backend: {loss.backend!r} is not one of {', '.join(BACKENDS)}"
+                        f"{suggest(loss.backend, BACKENDS)}")
+    build_objective(loss)
+    if loss.backend in ("liger", "cce"):
+        if loss.objective != "ce":
+            raise SpecError(f"loss.backend: {loss.backend} computes cross-entropy only; "
+                            f"objective {loss.objective!r} needs the chunked or dense backend")
+        if loss.z_loss:
+            raise SpecError(f"loss.z_loss: the {loss.backend} backend has no z-loss; use chunked or dense")
+
+
+def check_spec(spec: Spec) -> None:
+    """Everything that can be checked without a model or data: loss, schedule, chain."""
+    check_loss(spec.loss)
+    total = _schedule_total(spec, None)
+    if total is None:  # epochs: the length is known later; check the arguments on a stand-in
+        s = spec.schedule
+        total = s.warmup + s.stable + s.decay + 100
+    build_chain(spec, total_steps=total)

@@ -1,0 +1,68 @@
+"""The quickstart assets: generator, checker, shipped files and tokenizer, inspect output."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+from rich.console import Console
+from transformers import AutoTokenizer
+
+from pgs.runtime.data import DataConfig, encode_chat
+from pgs.runtime.data.inspect import inspect_dataset
+from pgs.runtime.data.synthetic import eval_prompt, generate, is_correct
+
+ASSETS = "pgs/assets/quickstart"
+
+
+def test_generator_is_deterministic_and_checkable():
+    assert generate(50, seed=3) == generate(50, seed=3)
+    assert generate(50, seed=3) != generate(50, seed=4)
+    for sample in generate(40, seed=0):
+        prompt, _ = eval_prompt(sample)
+        assert prompt[-1]["role"] == "user"
+        answer = next(m for m in sample["messages"] if m["role"] == "assistant")
+        if answer.get("tool_calls"):
+            f = answer["tool_calls"][0]["function"]
+            good = "<tool_call>" + json.dumps({"name": f["name"], "arguments": f["arguments"]}) + "</tool_call>"
+            assert is_correct(sample, good + "<|im_end|>")
+            assert not is_correct(sample, good.replace(f["arguments"]["city"], "Nowhere"))
+        else:
+            assert is_correct(sample, f" {answer['content']}<|im_end|>")
+            assert not is_correct(sample, answer["content"] + "0")
+
+
+def test_shipped_assets_are_small_and_load_offline():
+    total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(ASSETS) for f in fs)
+    assert total < 1_000_000
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert os.path.exists(os.path.join(ASSETS, "tokenizer", name))
+    assert "{% generation %}" in json.load(open(os.path.join(ASSETS, "tokenizer", "tokenizer_config.json")))[
+        "chat_template"
+    ].replace("{%- generation %}", "{% generation %}")
+    tok = AutoTokenizer.from_pretrained(os.path.join(ASSETS, "tokenizer"))
+    assert 400 <= len(tok) <= 1024 and tok.pad_token and tok.eos_token == "<|im_end|>"
+    train = [json.loads(line) for line in open(os.path.join(ASSETS, "train.jsonl"))]
+    evaluation = [json.loads(line) for line in open(os.path.join(ASSETS, "eval.jsonl"))]
+    assert 2000 <= len(train) <= 4000 and len(evaluation) == 200
+    ids, mask = encode_chat(tok, train[0]["messages"])
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == train[0]["messages"][1]["content"] + "<|im_end|>"
+
+
+def test_regenerating_reproduces_the_shipped_assets(tmp_path):
+    from pgs.runtime.data.synthetic import main
+
+    assert main(["--out", str(tmp_path), "--train", "2500", "--eval", "200"]) == 0
+    for name in ("train.jsonl", "eval.jsonl", "tokenizer/tokenizer.json"):
+        assert (tmp_path / name).read_bytes() == open(os.path.join(ASSETS, name), "rb").read()
+
+
+def test_inspect_prints_samples_and_statistics():
+    out = io.StringIO()
+    config = DataConfig(sources=[os.path.join(ASSETS, "eval.jsonl")], max_seq_len=256)
+    tok = AutoTokenizer.from_pretrained(os.path.join(ASSETS, "tokenizer"))
+    stats = inspect_dataset(config, tok, 2, Console(file=out, width=120))
+    text = out.getvalue()
+    assert "eval.jsonl:1" in text and "packing efficiency" in text
+    assert stats.samples == 200 and stats.dropped == 0 and 0 < stats.trained_fraction < 1
