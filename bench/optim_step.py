@@ -97,10 +97,10 @@ def main():
     dtype = torch.bfloat16
     bf16 = torch.bfloat16
 
-    def pgs_variant(chain, jit=True):
+    def pgs_variant(chain, jit=True, fused=True):
         def build():
             params = make_model(shapes, device, dtype)
-            opt = bind(chain, dict(params), compile=True, jit=jit and device.type == "cuda" or (jit and args.small), donate=True)
+            opt = bind(chain, dict(params), compile=True, jit=jit, donate=True, fused=fused)
             fill_grads(params)
             return params, opt
         return build
@@ -126,6 +126,8 @@ def main():
         "pgs_adamw_bf16_state": (pgs_variant(pf.adamw(1e-4, 0.9, 0.95, 1e-8, 0.1, mu_dtype=bf16, nu_dtype=bf16)), 14),
         "pgs_adamw_fp32_state": (pgs_variant(pf.adamw(1e-4, 0.9, 0.95, 1e-8, 0.1, mu_dtype=torch.float32, nu_dtype=torch.float32)), 22),
         "pgs_lion_bf16_state": (pgs_variant(pf.lion(1e-5, 0.9, 0.99, 0.1, mu_dtype=bf16)), 10),
+        "pgs_adamw_bf16_generic_compile": (pgs_variant(pf.adamw(1e-4, 0.9, 0.95, 1e-8, 0.1, mu_dtype=bf16, nu_dtype=bf16), fused=False), 14),
+        "pgs_lion_bf16_generic_compile": (pgs_variant(pf.lion(1e-5, 0.9, 0.99, 0.1, mu_dtype=bf16), fused=False), 10),
         "pgs_adamw_clip_cosine": (pgs_variant(pf.chain(pf.clip_by_global_norm(1.0), pf.scale_by_adam(0.9, 0.95, mu_dtype=bf16, nu_dtype=bf16), pf.add_decayed_weights(0.1, mask=lambda p, x: x.ndim >= 2), pf.scale_by_learning_rate(pf.cosine_schedule(1e-4, 100, 10_000)))), 16),
     }
     only = [v for v in args.only.split(",") if v]
@@ -142,10 +144,11 @@ def main():
         compile_s = time.perf_counter() - t0
         ms = run(opt.step, iters, warm)
         floor_ms = n * bpp / bw * 1e3
-        r = {"median_ms": ms, "bytes_per_param": bpp, "floor_ms": floor_ms, "fraction_of_copy_bw": floor_ms / ms,
+        fusedk = bool(getattr(getattr(opt, "flat", None), "uses_fused_kernel", lambda: False)())
+        r = {"fused_kernel": fusedk, "median_ms": ms, "bytes_per_param": bpp, "floor_ms": floor_ms, "fraction_of_copy_bw": floor_ms / ms,
              "first_step_s": compile_s}
         results["variants"][name] = r
-        print(f"{name:28s} {ms:8.2f} ms  floor {floor_ms:6.2f} ms  frac {floor_ms/ms:5.2f}  first {compile_s:6.1f}s", flush=True)
+        print(f"{name:32s} {ms:8.2f} ms  floor {floor_ms:6.2f} ms  frac {floor_ms/ms:5.2f}  first {compile_s:6.1f}s", flush=True)
         del params, opt
         if device.type == "cuda":
             torch.cuda.empty_cache()

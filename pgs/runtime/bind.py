@@ -45,6 +45,7 @@ class BoundOptimizer:
         donate: bool = True,
         stochastic_rounding: bool = False,
         align: int = 256,
+        fused: bool = True,
     ):
         if not isinstance(chain, pf.Transform):
             raise InvalidArgument(f"bind: expected a pgs.func.Transform, got {type(chain).__name__}")
@@ -62,7 +63,8 @@ class BoundOptimizer:
         self.stochastic_rounding = stochastic_rounding
         self._last_grads = None
         if self.compiled:
-            self.flat = pf.compile(chain, jit=jit, donate=donate, align=align, stochastic_rounding=stochastic_rounding)
+            self.flat = pf.compile(chain, jit=jit, donate=donate, align=align, stochastic_rounding=stochastic_rounding,
+                                   fused=fused)
             with torch.no_grad():
                 self.param_bufs = self.flat.bind_buffers(params)
             self.grad_bufs = {k: torch.zeros_like(b) for k, b in self.param_bufs.items()}

@@ -15,11 +15,14 @@
 - ``loss``: chunked loss: chunk × V × 4 B × 3 (fp32 logits, softmax, logit gradient) plus
   the head-gradient buffer V × D and grad_h N × D it holds from forward to backward; dense
   loss: N × V × (dtype + 4 + 4) B (logits, fp32 upcast, their gradient).
-- ``temporaries``: fp32 temporaries of one update (4 × 4 B × the largest group's or
-  tensor's elements).
+- ``temporaries``: two fp32 temporaries of the largest tensor's update (2 × 4 B × numel;
+  the roughest category: it depends on the chain and on whether a fused kernel runs).
 
-``total`` is their sum: an upper estimate of the peak, without allocator slack (0.15-0.5 GiB
-on an H200, ANCHORS.md) and without CUDA/NCCL context.
+``total`` is their sum (an upper bound).  ``peak`` takes phases into account: static
+(weights, masters, state) plus the largest of (end of forward: kept activations + the
+loss's chunk + the loss's held buffers), (backward of a recomputed layer: kept + recompute
++ held buffers + gradients) and (the last update: gradients + temporaries).  Neither counts
+allocator slack (0.15-0.5 GiB on an H200, ANCHORS.md) or the CUDA/NCCL context.
 """
 
 from __future__ import annotations
@@ -86,7 +89,13 @@ def model_bytes(model) -> int:
 # ----------------------------------------------------------------------------- activations
 
 
-def activation_bytes(
+def activation_bytes(cfg, tokens: int, **kwargs) -> int:
+    """``kept + recompute`` of ``activation_parts``: what backward holds at its fullest."""
+    kept, recompute = activation_parts(cfg, tokens, **kwargs)
+    return kept + recompute
+
+
+def activation_parts(
     cfg,
     tokens: int,
     *,
@@ -94,8 +103,9 @@ def activation_bytes(
     policy: str = "none",
     every: int = 1,
     gqa_native: bool = True,
-) -> int:
-    """Bytes that backward keeps for ``tokens`` tokens of a HF Qwen3/Llama-style decoder.
+) -> tuple[int, int]:
+    """``(kept, recompute)``: bytes that forward leaves for backward for ``tokens`` tokens of a
+    HF Qwen3/Llama-style decoder, and the extra bytes of one layer recomputed in backward.
 
     Per token and layer, with b the activation dtype's bytes, h hidden, I intermediate,
     q = n_q·d and k = n_kv·d (k' = k with native GQA in SDPA, q when keys are repeated):
@@ -111,8 +121,8 @@ def activation_bytes(
         A_selective  = b·h + b(q + 2k) + b·q + 4·n_q + 2·b·h + 2·b·I
                                                 (matmul and attention outputs)
 
-    A checkpointed model also holds one layer's A_none while that layer is recomputed in
-    backward.  Layers that ``every`` skips keep A_none.  Outside the layers: the final norm
+    ``recompute``: a checkpointed layer rebuilds its A_none in backward (A_none − A_kept more
+    than it kept).  Layers that ``every`` skips keep A_none.  Outside the layers: the final norm
     and its output (the hidden state the loss reads), ``norm(x) + b·h``, and the rotary
     tables cos and sin, shared by all layers (2·b·d per token).  Without checkpointing the
     formula equals the bytes autograd saves for a HF Qwen3 in fp32 and bf16 exactly
@@ -138,10 +148,9 @@ def activation_bytes(
               "selective": b * h + b * (q + 2 * k) + b * q + 4 * n_q + 2 * b * h + 2 * b * inter}[policy]
     checkpointed = 0 if policy == "none" else len(range(0, n_layers, every))
     per_token = checkpointed * a_kept + (n_layers - checkpointed) * a_none
-    if checkpointed:
-        per_token += a_none  # the layer being recomputed in backward
-    per_token += norm + b * h  # final norm and its output
-    return per_token * tokens + 2 * b * d * tokens
+    per_token += norm + b * h + 2 * b * d  # final norm and its output; rotary cos and sin
+    recompute = (a_none - a_kept) * tokens if checkpointed else 0
+    return per_token * tokens, recompute
 
 
 def _has_qk_norm(c) -> bool:
@@ -178,7 +187,7 @@ def predict_memory(
     gqa_native: bool = True,
     model=None,
 ) -> dict[str, int]:
-    """Bytes per category (``CATEGORIES``) plus ``total``.  See the module docstring.
+    """Bytes per category (``CATEGORIES``) plus ``total`` and ``peak``.  See the module docstring.
 
     Args:
         model_config: a ``transformers`` config or a ``{model_type = ..., ...}`` table.
@@ -235,22 +244,33 @@ def predict_memory(
     group_bytes = {g: sum(params[n].numel() * params[n].element_size() for n in names) for g, names in groups.items()}
     out["gradients"] = max(group_bytes.values(), default=0)
 
-    out["activations"] = activation_bytes(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
-                                          every=checkpoint_every, gqa_native=gqa_native)
+    kept, recompute = activation_parts(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
+                                       every=checkpoint_every, gqa_native=gqa_native)
+    out["activations"] = kept + recompute
     c = _text_config(cfg)
     v, h = c.vocab_size, c.hidden_size
     b = torch.empty((), dtype=dt).element_size()
     n = int(micro_batch_tokens)
     if loss == "chunked":
-        out["loss"] = min(loss_chunk, n) * v * 4 * 3 + v * h * b + n * h * b
+        loss_work = min(loss_chunk, n) * v * 4 * 3
+        loss_held = v * h * b + n * h * b  # grad_W and grad_h, from the loss's forward into backward
     elif loss == "dense":
-        out["loss"] = n * v * (b + 4 + 4)
+        loss_work, loss_held = n * v * (b + 4 + 4), 0
     else:
         raise InvalidArgument(f"predict_memory: loss={loss!r} is not \"chunked\" or \"dense\"")
-    biggest = max((sum(params[nm].numel() for nm in names) if gradient_release else
-                   max((params[nm].numel() for nm in names), default=0)) for names in groups.values()) if params else 0
-    out["temporaries"] = 4 * 4 * biggest
+    out["loss"] = loss_work + loss_held
+    biggest = max((p.numel() for p in params.values()), default=0)
+    out["temporaries"] = 2 * 4 * biggest
     out["total"] = sum(out[k] for k in CATEGORIES)
+    static = out["weights"] + out["master_weights"] + out["optimizer_state"]
+    grads = out["gradients"]
+    if gradient_release:
+        phases = (kept + loss_work + loss_held,  # end of forward: the loss's chunk
+                  kept + recompute + loss_held + grads,  # backward of a recomputed layer
+                  loss_held + grads + out["temporaries"])  # last group's update (the embedding)
+    else:
+        phases = (kept + loss_work + loss_held, kept + recompute + loss_held + grads, grads + out["temporaries"])
+    out["peak"] = static + max(phases)
     return out
 
 
@@ -332,7 +352,7 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
     table = Table(title=title)
     table.add_column("category")
     table.add_column("predicted GiB", justify="right")
-    for k in (*CATEGORIES, "total"):
+    for k in (*CATEGORIES, "total", "peak"):
         table.add_row(k, f"{pred[k] / GiB:.3f}")
     console.print(table)
     if measured is not None:
@@ -341,7 +361,7 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
         mt.add_column("peak allocated GiB", justify="right")
         for k, val in measured.items():
             mt.add_row(k, f"{val / GiB:.3f}")
-        mt.add_row("predicted total", f"{pred['total'] / GiB:.3f}")
+        mt.add_row("predicted peak", f"{pred['peak'] / GiB:.3f}")
         console.print(mt)
     for note in plan["notes"]:
         console.print(f"note: {note}")

@@ -128,6 +128,7 @@ class GradientRelease:
         master_weights: None, or ``"fp32"`` to keep fp32 masters of low-precision parameters.
         grad_accum: must be 1 (refused otherwise, with the reason).
         track_grad_norm: accumulate Σ‖g‖² as gradients stream by, for ``last_metrics``.
+        apply_chunk: elements per slab when writing θ + u back (bounds the fp32 temporaries).
     """
 
     def __init__(
@@ -140,6 +141,7 @@ class GradientRelease:
         master_weights: str | None = None,
         grad_accum: int = 1,
         track_grad_norm: bool = True,
+        apply_chunk: int = 1 << 24,
     ):
         if not isinstance(chain, pf.Transform):
             raise InvalidArgument(f"GradientRelease: expected a pgs.func.Transform, got {type(chain).__name__}")
@@ -166,6 +168,9 @@ class GradientRelease:
         self.stochastic_rounding = bool(stochastic_rounding)
         self.master_weights = master_weights
         self.track_grad_norm = track_grad_norm
+        if not isinstance(apply_chunk, int) or apply_chunk < 1:
+            raise InvalidArgument(f"GradientRelease: apply_chunk={apply_chunk!r} must be an int >= 1")
+        self.apply_chunk = apply_chunk
         self.groups = group_parameters(list(params), groups)
         self._group_of = {n: g for g, names in self.groups.items() for n in names}
         self.masters: dict[str, torch.Tensor] = {}
@@ -216,13 +221,32 @@ class GradientRelease:
             s = sum(g.float().pow(2).sum() for g in grads.values())
             self._sumsq = s if self._sumsq is None else self._sumsq + s.to(self._sumsq.device)
         updates, self.states[group] = self.chain.update(grads, self.states[group], params)
-        new = pf.apply_updates(params, updates, stochastic_rounding=self.stochastic_rounding)
+        del grads
         for n in names:
-            if n in self.masters:
-                self.masters[n].copy_(new[n])
-            self.params[n].copy_(new[n])
             self.params[n].grad = None
+            self._apply(n, params[n], updates[n])
         self._done.add(group)
+
+    def _apply(self, name: str, param: torch.Tensor, update: torch.Tensor) -> None:
+        """θ ← θ + u (``pf.apply_updates``), slab by slab, so that the fp32 temporaries of a
+        large tensor (the embedding: V·D) stay ``apply_chunk`` elements; elementwise, so the
+        result equals one whole-tensor call (stochastic rounding draws other random bits)."""
+        target = self.masters.get(name)
+        live = self.params[name]
+        if not (live.is_contiguous() and (target is None or target.is_contiguous())):
+            new = pf.apply_updates(param, update, stochastic_rounding=self.stochastic_rounding)
+            if target is not None:
+                target.copy_(new)
+            live.copy_(new)
+            return
+        flat_p, flat_u = param.reshape(-1), update.reshape(-1)
+        step = self.apply_chunk
+        for lo in range(0, flat_p.numel(), step):
+            piece = pf.apply_updates({"p": flat_p[lo:lo + step]}, {"p": flat_u[lo:lo + step]},
+                                     stochastic_rounding=self.stochastic_rounding)["p"]
+            if target is not None:
+                target.view(-1)[lo:lo + step].copy_(piece)
+            live.view(-1)[lo:lo + step].copy_(piece)
 
     # -- the public surface -----------------------------------------------------------------
     def finish(self) -> None:

@@ -22,7 +22,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pgs.func.quant8 import MIN_SCALE
+from pgs.func.quant8 import MIN_SCALE as _MIN_SCALE
+
+MIN_SCALE = tl.constexpr(_MIN_SCALE)
 
 
 @triton.jit

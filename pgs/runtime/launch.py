@@ -1,0 +1,93 @@
+"""``pgs run --nproc N``: re-run the same command under ``torch.distributed.run`` (torchrun).
+
+The launcher process starts ``python -m torch.distributed.run --standalone
+--nproc-per-node N -m pgs <same arguments>`` and waits.  Each worker finds torchrun's
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...) and runs the distributed path
+(``pgs.runtime.distributed.init``); it does not relaunch because ``LOCAL_RANK`` is set.
+
+Signals: SIGTERM / SIGINT sent to the launcher are passed on to torchrun, which passes them
+to every worker; the workers stop together at the next step boundary, checkpoint and exit
+128+signum (the control plane).  torchrun waits ``--shutdown-timeout`` seconds for them
+before SIGKILL (its default, 30 s, is shorter than a large checkpoint): this launcher asks
+for ``grace_s`` (default 900 s, ``$PGS_SHUTDOWN_GRACE_S``).
+
+Exit code: torchrun reports 1 for any failed worker.  The launcher returns, in order: the
+``exit_code`` of a ``HALT.json`` written in ``run_dir`` during this launch (81, 80, ...);
+128+signum when it passed a signal on; torchrun's own code otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+GRACE_ENV = "PGS_SHUTDOWN_GRACE_S"
+DEFAULT_GRACE_S = 900
+HALT_FILE = "HALT.json"
+
+
+def under_launcher() -> bool:
+    """True inside a torchrun worker (do not relaunch)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_command(nproc: int, args: Sequence[str], *, grace_s: int | None = None,
+                     python: str | None = None) -> list[str]:
+    """The command that runs ``pgs <args>`` as ``nproc`` workers on this machine."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    grace = int(grace_s if grace_s is not None else os.environ.get(GRACE_ENV, DEFAULT_GRACE_S))
+    return [python or sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", f"--shutdown-timeout={grace}", "-m", "pgs", *args]
+
+
+def halt_code(run_dir: str | None, since: float) -> int | None:
+    """The exit code named by a ``HALT.json`` in ``run_dir`` written at or after ``since``."""
+    if not run_dir:
+        return None
+    marker = os.path.join(run_dir, HALT_FILE)
+    try:
+        if os.path.getmtime(marker) < since:
+            return None
+        with open(marker, encoding="utf-8") as handle:
+            code = json.load(handle).get("exit_code")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
+def relaunch(nproc: int, args: Sequence[str], *, run_dir: str | None = None, grace_s: int | None = None) -> int:
+    """Run ``pgs <args>`` under torchrun with ``nproc`` workers; return the run's verdict.
+
+    ``args``: the command line without ``--nproc`` (e.g. ``["run", "spec.toml", "--resume",
+    "auto"]``).  ``run_dir``: where the run writes ``HALT.json`` (the spec's checkpoint dir).
+    """
+    started = time.time()
+    child = subprocess.Popen(torchrun_command(nproc, args, grace_s=grace_s))
+    forwarded: list[int] = []
+
+    def forward(signum, frame):
+        if not forwarded:
+            forwarded.append(int(signum))
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    halted = halt_code(run_dir, started)
+    if halted is not None:
+        return halted
+    if forwarded and code != 0:
+        return 128 + forwarded[0]
+    return code

@@ -1,0 +1,155 @@
+"""The control plane: agreed flags, skips and the skip cap, HALT.json, wall budget, preflight."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pgs.errors import EXIT_PREFLIGHT, EXIT_SKIP_CAP, EXIT_WALL_BUDGET, HaltError, PreflightRefused
+from pgs.runtime import control
+
+from test_train import assert_same_checkpoint, launch, records, step_records, tiny_spec
+
+
+# -- units ------------------------------------------------------------------------------
+def test_agree_is_identity_on_one_process():
+    assert control.agree([0, 1, 0, 3]) == [0, 1, 0, 3]
+
+
+def _agree_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        flags = [15 if rank == 1 else 0, 0, int(rank == 0), 0]
+        result = control.agree(flags)
+        with open(f"{out}.{rank}", "w") as handle:
+            json.dump(result, handle)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_agree_is_a_max_all_reduce_under_torch_distributed(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "agreed")
+    mp.spawn(_agree_worker, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert json.loads(open(f"{out}.{rank}").read()) == [15, 0, 1, 0]
+
+
+def test_skip_counter_consecutive_cap():
+    skips = control.SkipCounter(max_consecutive=3, max_fraction=0.05)
+    for _ in range(3):
+        skips.record(True)
+    assert skips.verdict() is None
+    skips.record(True)
+    assert "4 consecutive" in skips.verdict()
+    skips.record(False)
+    assert skips.consecutive == 0 and skips.skipped == 4
+
+
+def test_skip_counter_fraction_counts_only_after_min_steps():
+    skips = control.SkipCounter(max_consecutive=3, max_fraction=0.05, min_steps=100)
+    for i in range(99):
+        skips.record(i % 10 == 0)  # 10% skipped, never consecutive
+    assert skips.verdict() is None
+    skips.record(False)
+    assert "10 of 100" in skips.verdict()
+    state = skips.state_dict()
+    again = control.SkipCounter()
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+
+
+def test_stop_signals_record_the_first_signal_and_restore_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    with control.StopSignals() as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert signals.received == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_wall_clock():
+    assert not control.WallClock(None).spent()
+    assert control.WallClock(10.0, start=0.0).spent()
+
+
+def test_halt_writes_the_marker_atomically(tmp_path):
+    err = control.halt(str(tmp_path), "too many skips", step=7, details={"skipped": 4})
+    assert isinstance(err, HaltError) and err.exit_code == EXIT_SKIP_CAP
+    marker = json.loads((tmp_path / "HALT.json").read_text())
+    assert marker["reason"] == "too many skips" and marker["step"] == 7 and marker["exit_code"] == 81
+    assert os.listdir(tmp_path) == ["HALT.json"]
+
+
+def test_preflight_refuses_an_unwritable_dir_and_a_full_disk(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(PreflightRefused, match="not writable") as err:
+        control.preflight(str(blocker / "run"), 1)
+    assert err.value.exit_code == EXIT_PREFLIGHT
+    control.preflight(str(tmp_path / "ok"), 1)
+    monkeypatch.setattr(control.shutil, "disk_usage", lambda p: type("U", (), {"free": 10 * 2**20})())
+    with pytest.raises(PreflightRefused, match="GiB free"):
+        control.preflight(str(tmp_path / "ok"), 2**30)
+
+
+# -- the loop, as subprocesses -----------------------------------------------------------
+def test_nan_steps_are_skipped_without_touching_params_or_state(tmp_path):
+    spec = tiny_spec(tmp_path, "run", steps=8, every=2)
+    done = launch(spec, PGS_TEST_NAN_STEPS="5,6")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    rows = step_records(run_dir)
+    assert [r["step"] for r in rows if r["skipped"]] == [5, 6]
+    assert rows[-1]["skipped_total"] == 2
+    assert [r["step"] for r in records(run_dir) if r.get("event") == "skip"] == [5, 6]
+    # Steps 5 and 6 changed nothing: the weights and the optimizer state at 6 are those at 4.
+    a, b = run_dir / "step_4", run_dir / "step_6"
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        ta, tb = load_file(a / name), load_file(b / name)
+        assert all(torch.equal(ta[k], tb[k]) for k in ta), name
+    trainer = json.loads((run_dir / "step_8" / "trainer.json").read_text())
+    assert trainer["skips"] == {"steps": 8, "skipped": 2, "consecutive": 0}
+    assert not (run_dir / "HALT.json").exists()
+
+
+def test_skip_cap_writes_halt_and_exits_81(tmp_path):
+    spec = tiny_spec(tmp_path, "run", steps=12, every=0, max_skips=2)
+    done = launch(spec, PGS_TEST_NAN_STEPS="3,4,5,6")
+    assert done.returncode == EXIT_SKIP_CAP, done.stderr[-3000:]
+    marker = json.loads((tmp_path / "run" / "HALT.json").read_text())
+    assert marker["exit_code"] == 81 and marker["step"] == 5 and "3 consecutive" in marker["reason"]
+    assert "halted at step 5" in done.stderr
+    assert max(r["step"] for r in step_records(tmp_path / "run")) == 5
+
+
+def test_wall_budget_checkpoints_exits_82_and_resumes(tmp_path):
+    spec = tiny_spec(tmp_path, "run", steps=6, every=0, wall=0.001)
+    done = launch(spec)
+    assert done.returncode == EXIT_WALL_BUDGET, done.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    assert (run_dir / "step_1" / "COMPLETE").exists()
+    stop = [r for r in records(run_dir) if r.get("event") == "stop"]
+    assert stop[0]["exit_code"] == 82 and "max_wall_seconds" in stop[0]["reason"]
+    # Without a budget the same run resumes and matches an uninterrupted one.
+    free = tiny_spec(tmp_path, "run", steps=6, every=0)
+    assert launch(free, "auto").returncode == 0
+    reference = tiny_spec(tmp_path, "ref", steps=6, every=0)
+    assert launch(reference).returncode == 0
+    assert_same_checkpoint(run_dir / "step_6", tmp_path / "ref" / "step_6")
+
+
+def test_preflight_refusal_exits_83(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the run folder should go")
+    spec = tiny_spec(tmp_path, "run", steps=4)
+    spec.write_text(spec.read_text().replace(str(tmp_path / "run"), str(blocker / "run")))
+    done = launch(spec)
+    assert done.returncode == EXIT_PREFLIGHT, done.stderr[-3000:]
+    assert "not writable" in done.stderr
