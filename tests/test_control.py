@@ -69,8 +69,10 @@ def test_stop_signals_record_the_first_signal_and_restore_handlers():
     before = signal.getsignal(signal.SIGTERM)
     with control.StopSignals() as signals:
         os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
         assert signals.received == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C while stopping: give up at once
+            os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is before
 
 
@@ -137,6 +139,8 @@ def test_wall_budget_checkpoints_exits_82_and_resumes(tmp_path):
     assert (run_dir / "step_1" / "COMPLETE").exists()
     stop = [r for r in records(run_dir) if r.get("event") == "stop"]
     assert stop[0]["exit_code"] == 82 and "max_wall_seconds" in stop[0]["reason"]
+    marker = json.loads((run_dir / "HALT.json").read_text())  # a verdict: supervisors must not relaunch
+    assert marker["exit_code"] == 82 and marker["checkpoint"].endswith("step_1")
     # Without a budget the same run resumes and matches an uninterrupted one.
     free = tiny_spec(tmp_path, "run", steps=6, every=0)
     assert launch(free, "auto").returncode == 0

@@ -241,3 +241,86 @@ def test_wsd_matches_direct_transcription(shape, warmup, stable, decay):
     sched = pf.wsd_schedule(**kw)
     steps = _steps(warmup + stable + decay + 10)
     _assert_values(_ours(sched, steps), [_wsd_direct(s, **kw) for s in steps], rtol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------
+# closed forms: the invariants of EQUATIONS.md A4 (Lion) and A13 (AdamW)
+
+
+def _updates(opt, params, grads):
+    state = opt.init(params)
+    out = []
+    for g in grads:
+        u, state = opt.update(g, state, params)
+        params = pf.apply_updates(params, u)
+        out.append(u)
+    return out, params, state
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lion_moves_each_coordinate_by_exactly_lr_or_zero(seed):
+    params, grads = _problem(10 + seed, steps=10)
+    grads[0]["w"][0, :] = 0.0  # c = 0 on the first step: those coordinates must not move
+    lr = 3e-4
+    us, _, state = _updates(pf.lion(lr, b1=0.9, b2=0.99), params, grads)
+    for u in us:
+        for k, x in u.items():
+            assert torch.all((x.abs() == lr) | (x == 0)), k
+    assert torch.all(us[0]["w"][0] == 0) and torch.all(us[0]["w"][1:].abs() == lr)
+    inner = state["0_scale_by_lion"]
+    assert inner._fields == ("count", "mu"), "Lion keeps one state tensor per parameter"
+
+
+def test_lion_is_invariant_to_gradient_scale():
+    params, grads = _problem(12, steps=20)
+    base, _, _ = _updates(pf.lion(1e-3, weight_decay=0.1), params, grads)
+    for k in (0.25, 8.0, 1024.0):  # powers of two: the scaled run is exact, not just close
+        scaled = [{n: g * k for n, g in gs.items()} for gs in grads]
+        us, _, _ = _updates(pf.lion(1e-3, weight_decay=0.1), params, scaled)
+        for a, b in zip(us, base):
+            for n in a:
+                assert torch.equal(a[n], b[n]), (k, n)
+
+
+def test_lion_without_momentum_is_sign_sgd():
+    params, grads = _problem(13, steps=5)
+    us, _, _ = _updates(pf.lion(1e-3, b1=0.0, b2=0.0), params, grads)
+    for u, g in zip(us, grads):
+        for n in u:
+            assert torch.equal(u[n], -1e-3 * torch.sign(g[n])), n
+
+
+def test_adamw_without_decay_is_adam():
+    params, grads = _problem(14, steps=20)
+    a, _, _ = _updates(pf.adamw(1e-3, weight_decay=0.0), params, grads)
+    b, _, _ = _updates(pf.chain(pf.scale_by_adam(), pf.scale_by_learning_rate(1e-3)), params, grads)
+    for x, y in zip(a, b):
+        for n in x:
+            assert torch.equal(x[n], y[n]), n
+
+
+def test_adamw_first_step_is_bounded_by_lr():
+    params, grads = _problem(15, steps=1)
+    lr, eps = 1e-2, 1e-8
+    (u,), _, _ = _updates(pf.adamw(lr, eps=eps, weight_decay=0.0), params, grads)
+    for n, g in grads[0].items():
+        torch.testing.assert_close(u[n].abs(), lr * g.abs() / (g.abs() + eps), rtol=1e-12, atol=0)
+        assert torch.all(u[n].abs() <= lr)
+
+
+def test_adamw_with_zero_gradients_decays_geometrically():
+    params, _ = _problem(16, steps=0)
+    lr, wd, steps = 1e-2, 0.1, 30
+    zeros = [{n: torch.zeros_like(p) for n, p in params.items()} for _ in range(steps)]
+    _, final, _ = _updates(pf.adamw(lr, weight_decay=wd), params, zeros)
+    for n, p in params.items():
+        torch.testing.assert_close(final[n], (1 - lr * wd) ** steps * p, rtol=1e-12, atol=0)
+
+
+def test_adamw_decay_does_not_depend_on_the_gradient():
+    params, grads = _problem(17, steps=3)
+    lr, wd = 1e-2, 0.1
+    with_wd, _, _ = _updates(pf.adamw(lr, weight_decay=wd), params, grads[:1])
+    without, _, _ = _updates(pf.adamw(lr, weight_decay=0.0), params, grads[:1])
+    for n, p in params.items():
+        torch.testing.assert_close(with_wd[0][n] - without[0][n], -lr * wd * p, rtol=1e-9, atol=1e-15)

@@ -26,7 +26,14 @@ import pgs.func as pf  # noqa: E402
 from pgs.func import kernels as K  # noqa: E402
 from pgs.func.adam8bit import _adam_hp, adam_leaf  # noqa: E402
 from pgs.func.lion8bit import lion_leaf  # noqa: E402
-from pgs.func.quant8 import dynamic_map, quantize_blockwise  # noqa: E402
+from pgs.func.quant8 import (  # noqa: E402
+    MIN_SCALE,
+    Quantized8bit,
+    dequantize_blockwise,
+    dynamic_map,
+    midpoints,
+    quantize_blockwise,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 B = 64
@@ -120,6 +127,111 @@ def test_stochastic_rounding_is_unbiased():
     ulp = 2.0**-8  # below 1.0 the bf16 ulp is 2^-8
     assert abs(mean - want) < 4 * ulp / (n * draws) ** 0.5 * 0.5 + 1e-4
     assert set(out.float().unique().tolist()) <= {1.0, 1.0 - ulp}
+
+
+# ----------------------------------------------------------------------------------------
+# the gather-free quantizer / decoder against the reference, bit for bit
+
+
+def _nan_equal(a, b):
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def _check_exact(x, signed, block=B):
+    """Triton quantize → codes/absmax equal to the reference; Triton dequantize equal too."""
+    q = dynamic_map(signed)
+    got = K.quantize(x.to(DEV), signed, block)
+    ref = quantize_blockwise(x, q, block)
+    bad = (got.codes.cpu() != ref.codes).nonzero().flatten()
+    assert bad.numel() == 0, (x[bad[:8]].tolist(), got.codes.cpu()[bad[:8]].tolist(), ref.codes[bad[:8]].tolist())
+    assert _nan_equal(got.absmax.cpu(), ref.absmax)
+    want = dequantize_blockwise(ref, q, block)
+    for table in (False, True):
+        assert _nan_equal(K.dequantize(_to(ref, DEV), signed, block, table=table).cpu(), want)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("table", [False, True])
+def test_decode_every_code_exactly(signed, table):
+    """The arithmetic decode rebuilds all 256 fp32 map entries bit for bit."""
+    codes = torch.arange(256, dtype=torch.uint8, device=DEV)
+    got = K.dequantize(Quantized8bit(codes, torch.ones(4, device=DEV)), signed, B, table=table).cpu()
+    want = dynamic_map(signed)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def _adversarial(signed):
+    """Normalised values where rounding is decided: every midpoint and map entry, their fp32
+    neighbours, decade boundaries 10^-k and neighbours, zeros, ±1, tiny and subnormal."""
+    q = dynamic_map(signed)
+    mids = midpoints(q)
+    up, down = torch.tensor(2.0), torch.tensor(-2.0)
+    dec = torch.tensor([10.0**-k for k in range(0, 10)], dtype=torch.float32)
+    vals = [mids, torch.nextafter(mids, up), torch.nextafter(mids, down),
+            torch.nextafter(torch.nextafter(mids, up), up), torch.nextafter(torch.nextafter(mids, down), down),
+            q, torch.nextafter(q, up), torch.nextafter(q, down),
+            dec, torch.nextafter(dec, up), torch.nextafter(dec, down),
+            dec * 1.000001, dec * 0.999999,
+            torch.tensor([0.0, -0.0, 1.0, 1e-30, 1e-38, 1e-45, 1.4e-45, 3e-8, 2.75e-7, 0.99296875, 0.996])]
+    s = torch.cat(vals).clamp(-1.0, 1.0)
+    return torch.cat([s, -s]).unique()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("lead", [1.0, -1.0])
+def test_quantize_adversarial_values_exactly(signed, lead):
+    """Blocks whose absmax element is ±1 (so the normalised value is the value itself)
+    filled with every adversarial value: codes equal the reference's bucketize."""
+    s = _adversarial(signed)
+    per = B - 1
+    nb = -(-s.numel() // per)
+    body = torch.zeros(nb * per)
+    body[: s.numel()] = s
+    x = torch.cat([torch.full((nb, 1), lead), body.view(nb, per)], dim=1).reshape(-1)
+    _check_exact(x, signed)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf · 0, as torch
+@pytest.mark.parametrize("signed", [True, False])
+def test_quantize_random_blocks_exactly(signed):
+    """Wide-range random blocks, plus zero, NaN, ±inf, sub-MIN_SCALE, subnormal blocks and a
+    negative absmax element: codes, absmax and dequantized values equal the reference."""
+    g = torch.Generator().manual_seed(3)
+    nb = 96
+    x = torch.randn(nb * B, generator=g) * 10.0 ** torch.empty(nb).uniform_(-30, 3, generator=g).repeat_interleave(B)
+    x[::5] *= 10.0 ** torch.empty(x[::5].numel()).uniform_(-9, 0, generator=g)
+    x[1 * B:2 * B] = 0.0
+    x[2 * B + 7] = float("nan")
+    x[3 * B + 1] = float("inf")
+    x[4 * B + 2] = -float("inf")
+    x[5 * B:6 * B] = torch.randn(B, generator=g) * MIN_SCALE * 0.3
+    x[6 * B:7 * B] = torch.randn(B, generator=g) * 1e-44
+    x[7 * B + 9] = -4.0 * float(x[7 * B:8 * B].abs().max())
+    x[8 * B:9 * B] = x[8 * B] * dynamic_map(signed)[torch.randint(0, 256, (B,), generator=g)]  # on codes
+    if not signed:
+        x = x.abs()
+    _check_exact(x, signed)
+    _check_exact(x[: 5 * B + 13], signed)  # a partial last block
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_midpoints_sit_where_the_arithmetic_puts_them(signed):
+    """Every fp32 midpoint lies within 1e-5 bins of the position the kernel assumes for it
+    (0.2 / Y0 below a level's first code, 1..F−1 inside, F − 0.25 below 1.0), far inside the
+    NEAR window: so device approximations of log2/exp2 (≤ ~1e-4 bins) never flip a code."""
+    from pgs.func.kernels import blockwise8 as bw
+
+    pm = midpoints(dynamic_map(signed)).double()
+    pm = pm[pm > 0]
+    k, worst = 0, 0.0
+    for lev in range(7):
+        f = 2**lev if signed else 2 ** (lev + 1)
+        ylo = (bw.Y0_S if signed else bw.Y0_U).value if lev == 0 else 0.2
+        for yk in [ylo, *range(1, f), *([f - 0.25] if lev == 6 else [])]:
+            worst = max(worst, abs((float(pm[k]) * 10.0 ** (6 - lev) - 0.1) * f / 0.9 - yk))
+            k += 1
+    assert k == pm.numel()
+    assert worst < 1e-5 < bw.NEAR.value / 40
 
 
 @pytest.mark.cuda

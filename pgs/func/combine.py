@@ -87,6 +87,11 @@ def partition(transforms: dict, labels) -> Transform:
         parts, new_state = {}, {}
         for k, t in transforms.items():
             sub_u = _select(updates, labs, k, layout)
+            if sub_u is None:
+                # a bare-tensor tree labelled for another branch: this one owns nothing (and
+                # its params would be None, which a transform needing params would reject)
+                parts[k], new_state[str(k)] = None, state[str(k)]
+                continue
             sub_p = None if params is None else _select(params, labs, k, layout)
             parts[k], new_state[str(k)] = call_update(t, sub_u, state[str(k)], sub_p, extra)
         return _merge(updates, parts, labs, layout), new_state

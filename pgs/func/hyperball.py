@@ -18,7 +18,7 @@ from pgs.func.base import PER_TENSOR, Transform, chain, check_range
 from pgs.func.combine import partition
 from pgs.func.layout import group_label, per_tensor_apply, per_tensor_sumsq
 from pgs.func.learning_rate import lr_value as _lr_value
-from pgs.func.muon import NS_COEFFICIENTS, is_embedding_or_head, muon_route, scale_by_muon
+from pgs.func.muon import NS_COEFFICIENTS, muon_route, scale_by_muon
 from pgs.func.weight_decay import mask_fn
 
 

@@ -51,8 +51,9 @@ def agree(flags: list[int]) -> list[int]:
 class StopSignals:
     """Catch SIGTERM/SIGINT and remember the first one, so the loop can stop at a boundary.
 
-    Use as a context manager; the previous handlers come back on exit.  A second signal of
-    the same kind while stopping is still only recorded: the checkpoint is in progress.
+    Use as a context manager; the previous handlers come back on exit.  Further SIGTERMs
+    are ignored (the checkpoint is on its way); a second SIGINT (Ctrl-C pressed twice) raises
+    ``KeyboardInterrupt`` at once, leaving the last complete checkpoint as it is.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -64,6 +65,8 @@ class StopSignals:
     def _handle(self, signum, frame):
         if not self.received:
             self.received = int(signum)
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
 
     def __enter__(self) -> StopSignals:
         for sig in self.SIGNALS:

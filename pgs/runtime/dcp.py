@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from typing import Any
 
 import torch
@@ -121,21 +122,33 @@ def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], 
     dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
     per_rank = sorted(k for k in opt_state if k.startswith("__rank"))
     per_rank_any = _broadcast_any(bool(per_rank))
+    failure = None
     if _rank() == 0:
-        info = {"format": DCP_FORMAT, "step": step, "world_size": _world(), "per_rank_state": per_rank_any,
-                "per_rank_example": per_rank[0] if per_rank else None}
-        _write_json(os.path.join(tmp, DCP_INFO), info)
-        _write_json(os.path.join(tmp, ckpt.TRAINER_FILE), {"format": ckpt.FORMAT_VERSION, "step": step, **trainer})
-        files = [DCP_INFO, ckpt.TRAINER_FILE]
-        if spec_toml is not None:
-            with open(os.path.join(tmp, ckpt.SPEC_FILE), "w", encoding="utf-8") as handle:
-                handle.write(spec_toml)
-            files.append(ckpt.SPEC_FILE)
-        files += sorted(n for n in os.listdir(tmp) if n.endswith(".distcp") or n == METADATA)
-        ckpt.write_manifest(tmp, step, files)
-        ckpt.publish(tmp, final)
-    _barrier()
+        try:
+            _publish(tmp, final, step, trainer, spec_toml, per_rank_any, per_rank)
+        except Exception as err:  # every rank must hear of it, not wait in a barrier
+            failure = f"{type(err).__name__}: {_first_line(err)}"
+    failure = _broadcast(failure)
+    if failure is not None:
+        raise CheckpointError(f"writing {final} failed on rank 0: {failure}")
     return final
+
+
+def _publish(tmp: str, final: str, step: int, trainer: dict, spec_toml: str | None, per_rank_any: bool,
+             per_rank: list[str]) -> None:
+    """Rank 0: the small files, the manifest, the rename."""
+    info = {"format": DCP_FORMAT, "step": step, "world_size": _world(), "per_rank_state": per_rank_any,
+            "per_rank_example": per_rank[0] if per_rank else None}
+    _write_json(os.path.join(tmp, DCP_INFO), info)
+    _write_json(os.path.join(tmp, ckpt.TRAINER_FILE), {"format": ckpt.FORMAT_VERSION, "step": step, **trainer})
+    files = [DCP_INFO, ckpt.TRAINER_FILE]
+    if spec_toml is not None:
+        with open(os.path.join(tmp, ckpt.SPEC_FILE), "w", encoding="utf-8") as handle:
+            handle.write(spec_toml)
+        files.append(ckpt.SPEC_FILE)
+    files += sorted(n for n in os.listdir(tmp) if n.endswith(".distcp") or n == METADATA)
+    ckpt.write_manifest(tmp, step, files)
+    ckpt.publish(tmp, final)
 
 
 def _broadcast_any(flag: bool) -> bool:
@@ -216,7 +229,9 @@ def load(folder: str, *, model, optimizer, noise_generator: torch.Generator | No
     if same_world:
         state["rng"] = {_rng_key(_rank()): ckpt.capture_rng(noise_generator)}
     try:
-        dcp.load(state, storage_reader=FileSystemReader(folder), no_dist=not _dist())
+        with warnings.catch_warnings():  # one process loading a sharded checkpoint is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=FileSystemReader(folder), no_dist=not _dist())
     except Exception as err:  # DCP raises a CheckpointException carrying every rank's failure
         raise CheckpointError(f"{folder}: cannot load into this model/optimizer: {_first_line(err)}") from err
     set_model_state_dict(model, state["model"])
@@ -280,10 +295,16 @@ def export_hf(model, tokenizer, out_dir: str, *, info: dict | None = None) -> st
     from pgs.runtime.export import export_hf as write_hf
 
     tensors = gathered_state_dict(model)
+    failure = None
     if _rank() == 0:
-        tied = _tied_output_key(model)
-        if tied is not None and len(tensors) > 1:
-            tensors.pop(tied, None)
-        write_hf(_Gathered(model, tensors), tokenizer, out_dir, info=info)
-    _barrier()
+        try:
+            tied = _tied_output_key(model)
+            if tied is not None and len(tensors) > 1:
+                tensors.pop(tied, None)
+            write_hf(_Gathered(model, tensors), tokenizer, out_dir, info=info)
+        except Exception as err:
+            failure = f"{type(err).__name__}: {_first_line(err)}"
+    failure = _broadcast(failure)
+    if failure is not None:
+        raise CheckpointError(f"export to {out_dir} failed on rank 0: {failure}")
     return out_dir

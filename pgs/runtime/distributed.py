@@ -83,13 +83,15 @@ def timeout_seconds(value: float | None = None) -> float:
     return float(value)
 
 
-def init(*, timeout_s: float | None = None, backend: str | None = None, device: str = "auto") -> DistContext:
+def init(*, timeout_s: float | None = None, backend: str | None = None, device: str = "auto",
+         single: bool = False) -> DistContext:
     """Open the default process group from the launcher's environment (idempotent).
 
     On one process (no ``WORLD_SIZE`` > 1) nothing is opened and the context has no mesh.
     ``backend``: ``"nccl"`` on CUDA, ``"gloo"`` on the CPU by default.  ``timeout_s``: how
     long a collective may wait for its peers before the job fails (instead of hanging):
-    ``$PGS_PG_TIMEOUT_S`` or 1800 s unless given.
+    ``$PGS_PG_TIMEOUT_S`` or 1800 s unless given.  ``single``: open a group and a mesh even
+    for one process (under torchrun with one worker: the same FSDP2 path as with several).
     """
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -98,7 +100,7 @@ def init(*, timeout_s: float | None = None, backend: str | None = None, device: 
     dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
-    if world <= 1 and not dist.is_initialized():
+    if world <= 1 and not single and not dist.is_initialized():
         return DistContext(0, 1, 0, dev, None, None)
     backend = backend or ("nccl" if use_cuda else "gloo")
     if not dist.is_initialized():

@@ -69,6 +69,8 @@ def task_accuracy(
 ) -> dict:
     """``{"eval_accuracy": correct / n, "eval_correct": correct}``: greedy replies, checked.
 
+    Records with a ``"task"`` field also get ``eval_accuracy_<task>`` per task.
+
     ``prompt(sample) -> (messages, tools)``; the chat template renders them with the
     generation prompt, prompts are left-padded in batches, and generation stops at eos.
     """
@@ -80,6 +82,7 @@ def task_accuracy(
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     correct = 0
+    per_task: dict[str, list[int]] = {}
     try:
         for start in range(0, len(samples), batch_size):
             chunk = samples[start:start + batch_size]
@@ -100,11 +103,16 @@ def task_accuracy(
             replies = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=False)
             for sample, reply in zip(chunk, replies):
                 pad = tokenizer.pad_token
-                correct += bool(is_correct(sample, reply.replace(pad, "") if pad else reply))
+                ok = bool(is_correct(sample, reply.replace(pad, "") if pad else reply))
+                correct += ok
+                if isinstance(sample.get("task"), str):
+                    per_task.setdefault(sample["task"], []).append(ok)
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
-    return {"eval_accuracy": correct / len(samples), "eval_correct": correct}
+    out = {"eval_accuracy": correct / len(samples), "eval_correct": correct}
+    out.update({f"eval_accuracy_{task}": sum(oks) / len(oks) for task, oks in sorted(per_task.items())})
+    return out
 
 
 def task_checker(samples: list[dict]):

@@ -385,8 +385,9 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     m = spec.model
-    model = build_model(path=m.path, config=m.config, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                        init_seed=m.init_seed).to(dev)
+    with dev:  # random init on the GPU: minutes faster than on the host at 4B
+        model = build_model(path=m.path, config=m.config, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                            init_seed=m.init_seed).to(dev)
     freeze(model, m.freeze)
     apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]))
     chain = plan["kwargs"]["chain"]

@@ -143,10 +143,11 @@ class GradientRelease:
         track_grad_norm: bool = True,
         apply_chunk: int = 1 << 24,
     ):
+        if isinstance(chain, pf.FlatChain):
+            raise InvalidArgument("GradientRelease: pass the plain chain, not pf.compile(chain) "
+                                  "(each group's update runs on its own sub-tree)")
         if not isinstance(chain, pf.Transform):
             raise InvalidArgument(f"GradientRelease: expected a pgs.func.Transform, got {type(chain).__name__}")
-        if isinstance(chain, pf.FlatChain):
-            raise InvalidArgument("GradientRelease: pass the plain chain, not pf.compile(chain)")
         why = refusal(chain, grad_accum)
         if why:
             raise InvalidArgument(f"GradientRelease: {why}")

@@ -61,6 +61,7 @@ class Run:
     micro_batch: int
     noise: torch.Generator | None
     skips: control.SkipCounter
+    chain_has_norm: bool = False
     step: int = 0
     trained_tokens: int = 0
     best: float | None = None
@@ -125,6 +126,7 @@ def setup(spec) -> Run:
         stream=stream, objective=spec.build_objective(), total_steps=total,
         micro_batch=spec.train.batch_size // spec.train.grad_accum, noise=noise,
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
+        chain_has_norm="grad_norm" in bound.last_metrics(),
     )
 
 
@@ -168,12 +170,10 @@ def _loss(run: Run, batch, n_valid_global: int, poison: bool):
     loss = run.spec.loss
     result = token_loss(h, weight, labels, backend=loss.backend, objective=run.objective, bias=bias,
                         softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size)
-    scaled = result.loss_sum / max(n_valid_global, 1)
-    if poison:
-        scaled = scaled * float("nan")
-    scaled.backward()
+    loss_sum = result.loss_sum * float("nan") if poison else result.loss_sum
+    (loss_sum / max(n_valid_global, 1)).backward()
     entropy = result.entropy_sum if result.entropy_sum is not None else torch.zeros(())
-    return float(scaled.detach()) * max(n_valid_global, 1), float(entropy), int(result.num_valid)
+    return float(loss_sum.detach()), float(entropy), int(result.num_valid)
 
 
 def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) -> tuple[dict, list[int]]:
@@ -192,7 +192,8 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     if flags[control.NONFINITE]:
         run.bound.zero_grad()
     else:
-        grad_norm = run.bound.grad_norm()
+        # The chain's clip keeps the pre-clip norm in its state; measure it only when it does not.
+        grad_norm = None if run.chain_has_norm else run.bound.grad_norm()
         run.bound.step()
         run.bound.zero_grad()
         opt = run.bound.last_metrics()
@@ -326,6 +327,7 @@ def _train(spec, resume: str | None, wall: control.WallClock) -> int:
                             why = f"signal {code - 128}"
                         else:
                             code, why = EXIT_WALL_BUDGET, f"train.max_wall_seconds = {spec.train.max_wall_seconds:g} spent"
+                            control.halt(run_dir, why, step=r.step, exit_code=code, details={"checkpoint": path})
                         r.log.write({"step": r.step, "event": "stop", "reason": why, "exit_code": code})
                         r.log.say(f"pgs: stopped at step {r.step} ({why}); checkpoint {path}")
                         return code

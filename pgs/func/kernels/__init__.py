@@ -15,13 +15,24 @@ Launchers take and return plain tensors; hyperparameters go in as one fp32 devic
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from pgs.func.quant8 import Quantized8bit, dynamic_map, midpoints
 
-#: Quantization blocks per program: 4 × 256 elements keeps 4 warps busy with 16-byte loads.
+#: Quantization blocks per program, and warps per program: one warp per 256-element block,
+#: so each block's absmax is a warp-shuffle reduction (no shared memory, no barrier), and
+#: each thread owns 8 contiguous elements (16-byte bf16 loads, 8-byte code loads/stores).
+#: 4 blocks per program: small enough for many resident programs (latency hiding for a
+#: memory-bound kernel), large enough to amortise the per-program scalar loads.
 ROWS = 4
+NUM_WARPS = 4
+#: Dequantize by one gather per element from the 256-entry map instead of the exact
+#: arithmetic decode (``blockwise8._decode``); both give identical values.  An A/B knob for
+#: device benchmarks (the arithmetic decode costs ~40 ALU instructions, the gather an L1
+#: wavefront per distinct 128-byte line a warp touches).
+DEQ_TABLE = os.environ.get("PGS_DEQ_TABLE", "0") == "1"
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -103,7 +114,8 @@ def lion8bit(g, m: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None, 
         _flat(g), _flat(p) if apply else _flat(g), _flat(out),
         _flat(m.codes), m.absmax, _flat(m_out.codes), m_out.absmax,
         code, mids, hp, seed if seed is not None else _no_seed(dev), n,
-        BLOCK=block_size, ROWS=ROWS, APPLY=apply, SR=seed is not None, num_warps=4,
+        BLOCK=block_size, ROWS=ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
+        num_warps=NUM_WARPS,
     )
     return out, m_out
 
@@ -132,6 +144,37 @@ def adam8bit(g, m: Quantized8bit, v: Quantized8bit, hp: torch.Tensor, block_size
         _flat(m.codes), m.absmax, _flat(m_out.codes), m_out.absmax,
         _flat(v.codes), v.absmax, _flat(v_out.codes), v_out.absmax,
         code_m, mids_m, code_v, mids_v, hp, seed if seed is not None else _no_seed(dev), n,
-        BLOCK=block_size, ROWS=ROWS, APPLY=apply, SR=seed is not None, num_warps=4,
+        BLOCK=block_size, ROWS=ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
+        num_warps=NUM_WARPS,
     )
     return out, m_out, v_out
+
+
+def quantize(x: torch.Tensor, signed: bool, block_size: int) -> Quantized8bit:
+    """``quantize_blockwise(x, dynamic_map(signed), block_size)`` in one Triton kernel."""
+    k = _module()
+    code, mids = _maps(bool(signed), x.device)
+    x = x.contiguous()
+    n = x.numel()
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(max(1, -(-n // block_size)), dtype=torch.float32, device=x.device)
+    k.quantize_kernel[_grid(n, block_size)](
+        _flat(x), _flat(codes), absmax, mids, n,
+        BLOCK=block_size, ROWS=ROWS, SIGNED=bool(signed), num_warps=NUM_WARPS,
+    )
+    return Quantized8bit(codes, absmax)
+
+
+def dequantize(q: Quantized8bit, signed: bool, block_size: int, *, table: bool | None = None) -> torch.Tensor:
+    """``dequantize_blockwise(q, dynamic_map(signed), block_size)`` in one Triton kernel (fp32)."""
+    k = _module()
+    codes = q.codes.contiguous()
+    code, _ = _maps(bool(signed), codes.device)
+    n = codes.numel()
+    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    k.dequantize_kernel[_grid(n, block_size)](
+        _flat(codes), q.absmax, _flat(out), code, n,
+        BLOCK=block_size, ROWS=ROWS, SIGNED=bool(signed),
+        DEQ_TABLE=DEQ_TABLE if table is None else bool(table), num_warps=NUM_WARPS,
+    )
+    return out

@@ -1,0 +1,238 @@
+"""One SFT training step, HF baselines against pgs, at Qwen3-4B and Qwen3-0.6B shapes.
+
+Run on one GPU (written for an H200; not a test):
+
+    python bench/sft_step.py --out bench/results/sft_step.json
+    python bench/sft_step.py --only pgs_release,hf_compiled_ac --shapes qwen3-4b
+    python bench/sft_step.py --small --out /tmp/sft_small.json      # CPU smoke, tiny shapes
+
+Variants (every one with random-init weights from the config, bf16, activation checkpointing
+of every decoder layer):
+
+- ``hf_eager_ac``: transformers' model and loss (full logits) + ``torch.optim.AdamW(fused=True)``.
+- ``hf_compiled_ac``: the same, each decoder layer ``torch.compile``'d.
+- ``hf_liger_ac``: the same as eager with Liger's kernels (fused linear CE), if importable.
+- ``pgs_release``: ``GradientRelease`` (the update inside backward, gradients freed at once)
+  with ``pf.lion8bit`` (``pf.lion`` with bf16 momentum when absent), stochastic rounding
+  into the bf16 weights, the chunked loss (``pgs.func.losses``, never [N, V] logits),
+  compiled layers.
+- ``pgs_release_eager``: the same without compiled layers (where the host time goes).
+
+Reported per variant and shape: tok/s, MFU = (6N + 6·L·n_q·d_head·S)·tok/s / 790e12 (N: all
+parameters, the tied head once), peak allocated GiB (timed steps, and including warm-up),
+the final loss; an error string instead when a variant fails (OOM included), after which
+memory is freed and the next variant runs.  JSON goes to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+
+H200_BF16_FLOPS = 790e12
+
+SHAPES = {
+    # name: (config table, batch, seq)
+    "qwen3-4b": (dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                      tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1_000_000.0), 1, 4096),
+    "qwen3-0.6b": (dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                        tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1_000_000.0), 8, 4096),
+}
+SMALL_SHAPES = {
+    "tiny": (dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                  tie_word_embeddings=True), 2, 64),
+}
+VARIANTS = ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "pgs_release", "pgs_release_eager")
+
+
+def build(table: dict, device: torch.device):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg_table = dict(table)
+    cfg = AutoConfig.for_model(cfg_table.pop("model_type"), **cfg_table)
+    cfg.use_cache = False
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.train()
+
+
+def make_batch(vocab: int, batch: int, seq: int, device, packed: bool, gen: torch.Generator):
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    if packed:  # documents of random length, positions restarting at each (what packing feeds)
+        pos = torch.empty(batch, seq, dtype=torch.long)
+        for r in range(batch):
+            at = 0
+            while at < seq:
+                n = min(seq - at, int(torch.randint(256, 2048, (1,), generator=gen)))
+                pos[r, at:at + n] = torch.arange(n)
+                at += n
+    else:
+        pos = torch.arange(seq).expand(batch, seq).clone()
+    return ids.to(device), pos.to(device)
+
+
+def flops_per_token(model, seq: int) -> float:
+    c = model.config
+    n = sum(p.numel() for p in model.parameters())
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 6 * n + 6 * c.num_hidden_layers * c.num_attention_heads * d * seq
+
+
+def variant_setup(name: str, model, args):
+    """``step(ids, pos) -> loss`` for one variant (builds its optimizer and patches the model)."""
+    import pgs.func as pf
+    from pgs.runtime.checkpointing import apply_activation_checkpointing, apply_liger, compile_layers
+
+    compile_kw = {"backend": args.compile_backend} if args.compile_backend else {}
+    apply_activation_checkpointing(model, "full")
+    if name.startswith("hf_"):
+        if name == "hf_liger_ac":
+            apply_liger(model)
+        if name == "hf_compiled_ac":
+            compile_layers(model, **compile_kw)
+        fused = model.device.type == "cuda"
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=fused)
+
+        def step(ids, pos):
+            loss = model(input_ids=ids, position_ids=pos, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step, opt
+
+    from pgs.func.losses import chunked_cross_entropy
+    from pgs.runtime.model import final_hidden, output_head
+    from pgs.runtime.release import GradientRelease
+
+    if name == "pgs_release":
+        compile_layers(model, **compile_kw)
+    chain = pf.lion8bit(1e-5) if hasattr(pf, "lion8bit") else pf.lion(1e-5, mu_dtype=torch.bfloat16)
+    release = GradientRelease(chain, model, stochastic_rounding=True, track_grad_norm=False)
+
+    def step(ids, pos):
+        h = final_hidden(model, ids, pos)
+        W, bias, softcap = output_head(model)
+        labels = torch.roll(ids, -1, dims=1)
+        labels[:, -1] = -100  # as HF's shifted loss: the last position has no target
+        r = chunked_cross_entropy(h, W, labels, bias=bias, softcap=softcap, chunk_size=args.loss_chunk)
+        loss = r.loss_sum / r.num_valid
+        loss.backward()  # the update runs inside
+        return loss.detach()
+
+    return step, release
+
+
+def run_variant(name: str, shape: str, args, device) -> dict:
+    table, batch, seq = (SMALL_SHAPES if args.small else SHAPES)[shape]
+    out: dict = {"variant": name, "shape": shape, "batch": batch, "seq": seq}
+    model = opt = step = None
+    cuda = device.type == "cuda"
+    try:
+        model = build(table, device)
+        out["params"] = sum(p.numel() for p in model.parameters())
+        step, opt = variant_setup(name, model, args)
+        gen = torch.Generator().manual_seed(1)
+        vocab = model.config.vocab_size
+        packed = shape == "qwen3-0.6b"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        loss = None
+        for _ in range(args.warmup):
+            loss = step(*make_batch(vocab, batch, seq, device, packed, gen))
+        if cuda:
+            torch.cuda.synchronize()
+            out["peak_with_warmup_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+        data = [make_batch(vocab, batch, seq, device, packed, gen) for _ in range(args.steps)]
+        t0 = time.perf_counter()
+        for ids, pos in data:
+            loss = step(ids, pos)
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        tokens = batch * seq * args.steps
+        out["tok_s"] = tokens / elapsed
+        out["step_s"] = elapsed / args.steps
+        out["mfu"] = flops_per_token(model, seq) * out["tok_s"] / H200_BF16_FLOPS
+        out["loss"] = float(loss)
+        if cuda:
+            out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if not math.isfinite(out["loss"]):
+            out["warning"] = "non-finite loss"
+    except torch.OutOfMemoryError as err:
+        out["error"] = f"OOM: {str(err).splitlines()[0]}"
+    except Exception as err:  # noqa: BLE001 - a bench reports every failure and goes on
+        out["error"] = f"{type(err).__name__}: {err}"
+        out["traceback"] = traceback.format_exc(limit=6)
+    finally:
+        del model, opt, step
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        try:
+            torch._dynamo.reset()
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results/sft_step.json")
+    p.add_argument("--only", default="", help=f"comma-separated variants of {', '.join(VARIANTS)}")
+    p.add_argument("--shapes", default="", help="comma-separated shapes (default: all)")
+    p.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 8; 2 with --small)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; 1 with --small)")
+    p.add_argument("--loss-chunk", type=int, default=1024)
+    p.add_argument("--compile-backend", default=None,
+                   help="torch.compile backend (default inductor; eager on CPU with --small)")
+    args = p.parse_args(argv)
+    args.steps = args.steps or (2 if args.small else 8)
+    args.warmup = args.warmup or (1 if args.small else 3)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.small and device.type == "cpu" and args.compile_backend is None:
+        args.compile_backend = "eager"
+    variants = [v for v in args.only.split(",") if v] or list(VARIANTS)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    shapes_table = SMALL_SHAPES if args.small else SHAPES
+    shapes = [s for s in args.shapes.split(",") if s] or list(shapes_table)
+    results = []
+    for shape in shapes:
+        if shape not in shapes_table:
+            p.error(f"unknown shape {shape!r}; choose from {', '.join(shapes_table)}")
+        for name in variants:
+            r = run_variant(name, shape, args, device)
+            results.append(r)
+            summary = r.get("error") or (f"{r['tok_s']:.0f} tok/s, MFU {r['mfu']:.3f}, "
+                                         f"peak {r.get('peak_gib', float('nan')):.2f} GiB, loss {r['loss']:.3f}")
+            print(f"{shape:>11} {name:<18} {summary}", flush=True)
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "python": sys.version.split()[0], "argv": sys.argv[1:],
+            "steps": args.steps, "warmup": args.warmup, "peak_flops": H200_BF16_FLOPS}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Memory prediction: weights, optimizer state and gradients exactly against real tensors;
+the activation formula exactly against what autograd saves, and its monotonic properties."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import pgs.func as pf
+from pgs.errors import InvalidArgument
+from pgs.runtime.bind import bind
+from pgs.runtime.profile import activation_bytes, activation_parts, model_bytes, predict_memory
+from pgs.runtime.release import GradientRelease
+
+VOCAB = 96
+
+
+def config(tied=True, layers=2, hidden=32, inter=64):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, tie_word_embeddings=tied,
+                       use_cache=False, attn_implementation="sdpa")
+
+
+def real_model(cfg, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).train()  # as pgs.runtime.model builds it
+
+
+CHAINS = {
+    "adamw": lambda: pf.adamw(1e-3, weight_decay=0.1),
+    "lion_bf16_state": lambda: pf.lion(1e-4, mu_dtype=torch.bfloat16),
+    "lion8bit": lambda: pf.lion8bit(1e-4, min_8bit_size=256),
+    "clip_per_tensor+adam": lambda: pf.chain(pf.clip_by_norm_per_tensor(1.0), pf.scale_by_adam(),
+                                             pf.scale_by_learning_rate(1e-3)),
+}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_exact(tied, dtype):
+    cfg = config(tied)
+    model = real_model(cfg, dtype)
+    real = sum(t.numel() * t.element_size() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+    pred = predict_memory(cfg, dtype=dtype, state_bytes_per_param=0)
+    assert pred["weights"] == real == model_bytes(model)
+
+
+@pytest.mark.parametrize("name", sorted(CHAINS))
+@pytest.mark.parametrize("release", [False, True])
+def test_optimizer_state_exact(name, release):
+    cfg = config()
+    model = real_model(cfg)
+    opt = GradientRelease(CHAINS[name](), model) if release else bind(CHAINS[name](), model)
+    real = opt.state_bytes() if release else pf.state_bytes(opt.state)
+    pred = predict_memory(cfg, dtype=torch.float32, chain=CHAINS[name](), gradient_release=release)
+    assert pred["optimizer_state"] == real
+
+
+def test_master_weights_and_state_bytes_per_param():
+    cfg = config()
+    model = real_model(cfg, torch.bfloat16)
+    rel = GradientRelease(pf.adamw(1e-3), model, master_weights="fp32")
+    pred = predict_memory(cfg, dtype=torch.bfloat16, chain=pf.adamw(1e-3), gradient_release=True,
+                          master_weights="fp32")
+    n = sum(p.numel() for p in model.parameters())
+    assert pred["master_weights"] == 4 * n
+    assert pred["optimizer_state"] + pred["master_weights"] == rel.state_bytes()
+    assert predict_memory(cfg, state_bytes_per_param=2.0)["optimizer_state"] == 2 * n
+    with pytest.raises(InvalidArgument, match="chain="):
+        predict_memory(cfg)
+
+
+def test_gradients_exact():
+    cfg = config()
+    model = real_model(cfg)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    real = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    pred = predict_memory(cfg, dtype=torch.float32, chain=pf.sgd(1e-2))
+    assert pred["gradients"] == real
+    # under release: the largest group, here the embedding (V·D) or one layer
+    rel = GradientRelease(pf.sgd(1e-2), real_model(cfg))
+    biggest = max(sum(rel.params[n].numel() * 4 for n in names) for names in rel.groups.values())
+    pred = predict_memory(cfg, dtype=torch.float32, chain=pf.sgd(1e-2), gradient_release=True)
+    assert pred["gradients"] == biggest < real
+
+
+def test_frozen_parameters_hold_no_state_or_gradient():
+    cfg = config()
+    everything = predict_memory(cfg, chain=pf.adamw(1e-3))
+    no_embed = predict_memory(cfg, chain=pf.adamw(1e-3), trainable=lambda n: "embed" not in n)
+    emb = VOCAB * 32
+    assert everything["gradients"] - no_embed["gradients"] == emb * 2  # bf16
+    assert everything["optimizer_state"] - no_embed["optimizer_state"] == emb * 2 * 2  # mu and nu in the parameters' dtype (bf16)
+    assert everything["weights"] == no_embed["weights"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layers", [1, 3])
+def test_activation_formula_equals_saved_tensors(dtype, layers):
+    cfg = config(layers=layers, hidden=64, inter=160)
+    model = real_model(cfg, dtype)
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if t.dtype != torch.long and key not in param_storages:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    B, S = 2, 16
+    ids = torch.randint(0, VOCAB, (B, S))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        h = model.model(input_ids=ids, position_ids=torch.arange(S).expand(B, S), use_cache=False).last_hidden_state
+    measured = sum(saved.values()) + h.numel() * h.element_size()  # + the hidden state the loss reads
+    assert activation_bytes(cfg, B * S, dtype=dtype, policy="none") == measured
+
+
+def test_activation_formula_is_monotonic():
+    cfg = config(layers=8, hidden=256, inter=768)
+    a = {p: activation_bytes(cfg, 4096, policy=p) for p in ("none", "selective", "full")}
+    assert a["none"] > a["selective"] > a["full"] > 0
+    for p in a:
+        assert activation_bytes(cfg, 8192, policy=p) > a[p]
+        assert activation_bytes(config(layers=9, hidden=256, inter=768), 4096, policy=p) > a[p]
+    every = [activation_parts(cfg, 4096, policy="full", every=k)[0] for k in (1, 2, 4, 8)]
+    assert every == sorted(every) and len(set(every)) == 4 and every[-1] < a["none"]
+    # one checkpointed layer of eight: what it saves, its recompute gives back at the peak
+    assert activation_bytes(cfg, 4096, policy="full", every=8) == a["none"]
+    kept, recompute = activation_parts(cfg, 4096, policy="full")
+    assert recompute > 0 and activation_parts(cfg, 4096, policy="none")[1] == 0
+    assert activation_bytes(cfg, 4096, gqa_native=False) > a["none"]
+
+
+def test_release_and_checkpointing_lower_the_peak():
+    cfg = config(layers=8, hidden=256, inter=768)
+    kw = dict(chain=pf.adamw(1e-3), micro_batch_tokens=4096)
+    plain = predict_memory(cfg, **kw)
+    lean = predict_memory(cfg, gradient_release=True, activation_checkpointing="full", **kw)
+    assert lean["gradients"] < plain["gradients"] and lean["activations"] < plain["activations"]
+    assert lean["peak"] < plain["peak"] <= plain["total"]
+    dense = predict_memory(cfg, loss="dense", **kw)
+    assert dense["loss"] > plain["loss"]
+
+
+def test_profile_spec_on_cpu(tmp_path):
+    from rich.console import Console
+
+    from pgs.runtime.profile import profile
+    from pgs.runtime.spec import load_spec
+
+    spec_file = tmp_path / "spec.toml"
+    spec_file.write_text("""
+[model]
+config = { model_type = "qwen3", hidden_size = 32, intermediate_size = 64, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8, vocab_size = 96 }
+tokenizer = "pgs:quickstart/tokenizer"
+dtype = "bfloat16"
+
+[data]
+max_seq_len = 64
+sources = [{ path = "pgs:quickstart/train.jsonl", weight = 1.0 }]
+
+[optimizer]
+alias = "lion"
+
+[train]
+steps = 10
+batch_size = 2
+""")
+    spec = load_spec(spec_file)
+    buf = io.StringIO()
+    console = Console(file=buf, width=120)
+    assert profile(spec, measure=not torch.cuda.is_available(), console=console, gradient_release=True) == 0
+    text = buf.getvalue()
+    assert "optimizer_state" in text and "peak" in text
+    assert "gradient release would be refused" in text and "clip_by_global_norm" in text
+    if not torch.cuda.is_available():
+        assert "needs a CUDA device" in text
