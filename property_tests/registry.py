@@ -194,11 +194,12 @@ ENTRIES: list[Entry] = [
     Entry(
         "partition",
         lambda: pf.partition(
-            {"matrix": pf.adamw(1e-2, weight_decay=0.1), "other": pf.lion(1e-3)}, _by_ndim
+            {"matrix": pf.adamw(1e-2, weight_decay=0.1), "other": pf.lion(1e-3, weight_decay=0.1)}, _by_ndim
         ),
         needs_params=True,
         jit_check=True,
-        notes="labels split the flat groups; each branch keeps its own state",
+        notes="labels split the flat groups; each branch keeps its own state (both decay, so "
+              "params are needed whichever branch a tree falls into)",
     ),
     Entry(
         "accumulate",

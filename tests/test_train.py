@@ -227,7 +227,6 @@ def test_final_export_loads_with_transformers_and_generates(tmp_path):
 
 def test_micro_batches_divide_by_the_steps_valid_tokens(tmp_path):
     """grad_accum = 2 x batch 2 gives the gradient of one token-mean over all 4 sequences."""
-    sys.path.insert(0, str(ROOT))
     from pgs.runtime.spec import load_spec
     from pgs.runtime.train import setup, train_step
     from pgs.runtime import control
@@ -266,3 +265,36 @@ def test_micro_batches_divide_by_the_steps_valid_tokens(tmp_path):
     assert record["valid_tokens"] == total
     for n, g in expected.items():
         torch.testing.assert_close(captured[n], g, rtol=1e-5, atol=1e-7)
+
+
+def test_an_all_masked_micro_batch_adds_nothing_and_no_nan(tmp_path):
+    """A micro-batch with no trained token contributes 0 (not 0/0) and leaves the gradient alone."""
+    import attrs
+
+    from pgs.runtime import control
+    from pgs.runtime.spec import load_spec
+    from pgs.runtime.train import setup, train_step
+
+    spec = load_spec(tiny_spec(tmp_path, "masked", steps=4))
+    grads = []
+    for with_masked in (False, True):
+        run = setup(spec)
+        batch = run.stream.next_batch(2)
+        masked = attrs.evolve(batch, labels=torch.full_like(batch.labels, -100), num_trained_tokens=0)
+        # [batch, batch] has the same token-mean gradient as [batch, all-masked].
+        queue = [batch, masked] if with_masked else [batch, batch]
+        run.stream.next_batch = lambda size, q=queue: q.pop(0)
+        captured = {}
+        original = run.bound.step
+
+        def spy(**extra):
+            captured.update({n: p.grad.clone() for n, p in run.model.named_parameters()})
+            return original(**extra)
+
+        run.bound.step = spy
+        with control.StopSignals() as signals:
+            record, _ = train_step(run, signals, control.WallClock(None))
+        assert record["skipped"] == 0 and torch.isfinite(torch.tensor(record["loss"]))
+        grads.append(captured)
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7)

@@ -32,7 +32,7 @@ NUM_WARPS = 4
 #: arithmetic decode (``blockwise8._decode``); both give identical values.  An A/B knob for
 #: device benchmarks (the arithmetic decode costs ~40 ALU instructions, the gather an L1
 #: wavefront per distinct 128-byte line a warp touches).
-DEQ_TABLE = os.environ.get("PGS_DEQ_TABLE", "0") == "1"
+DEQ_TABLE = os.environ.get("PGS_DEQ_TABLE", "1") == "1"
 BACKENDS = ("auto", "torch", "triton")
 
 
