@@ -86,7 +86,8 @@ def available(layout: Layout) -> bool:
     devs = {g.device.type for g in layout.groups.values()}
     if devs == {"cuda"}:
         return True
-    return devs == {"cpu"} and os.environ.get("TRITON_INTERPRET") == "1"
+    # On CPU only in Triton's interpreter, and only when asked (tests): it is slow.
+    return devs == {"cpu"} and os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("PGS_TRITON_ON_CPU") == "1"
 
 
 def step(plan: FusedPlan, layout: Layout, grads: dict, state: dict, params: dict, *, donate: bool):
