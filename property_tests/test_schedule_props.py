@@ -186,3 +186,14 @@ def test_wsd_stable_value_does_not_depend_on_decay_length(cfg, other_decay):
     b = pf.wsd_schedule(**{**cfg, "decay": other_decay})
     z = grid(0, cfg["warmup"] + cfg["stable"])
     assert torch.equal(values(a, z), values(b, z))
+
+
+def test_wsd_stable_phase_is_exact_for_many_peak_final_pairs():
+    """A dense deterministic sweep next to the properties above: ``final + (peak − final)·1``
+    differs from ``peak`` by an ulp for many pairs, so the stable phase must not compute it."""
+    gen = torch.Generator().manual_seed(0)
+    peaks_, fracs = torch.rand(300, generator=gen, dtype=F64) * 10, torch.rand(300, generator=gen, dtype=F64)
+    for peak, frac in zip(peaks_.tolist(), fracs.tolist()):
+        for shape in ("linear", "cosine", "1-sqrt", "power"):
+            s = pf.wsd_schedule(peak, warmup=3, stable=4, decay=5, shape=shape, final=peak * frac)
+            assert torch.all(values(s, [3.0, 5.5, 7.0]) == peak), (peak, frac, shape)

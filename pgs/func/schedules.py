@@ -116,17 +116,21 @@ def wsd_schedule(
         z = ((s - start) / max(decay, 1)).clamp(0.0, 1.0)
         if decay == 0:
             z = (s > start).to(s.dtype)
-        if shape == "linear":
-            f = 1.0 - z
-        elif shape == "cosine":
-            f = 0.5 * (1.0 + torch.cos(math.pi * z))
-        elif shape == "1-sqrt":
-            f = 1.0 - torch.sqrt(z)
-        elif shape == "power":
-            f = (1.0 - z) ** power
+        if shape == "exponential":
+            decayed = peak * (final / peak) ** z
         else:
-            return torch.where(s < warmup, w, peak * (final / peak) ** z)
-        return torch.where(s < warmup, w, final + (peak - final) * f)
+            if shape == "linear":
+                f = 1.0 - z
+            elif shape == "cosine":
+                f = 0.5 * (1.0 + torch.cos(math.pi * z))
+            elif shape == "1-sqrt":
+                f = 1.0 - torch.sqrt(z)
+            else:  # power
+                f = (1.0 - z) ** power
+            decayed = final + (peak - final) * f
+        # the stable phase is exactly ``peak``: final + (peak − final)·1 can be off by an ulp
+        stable_or_decay = torch.where(s <= start, torch.full_like(s, float(peak)), decayed)
+        return torch.where(s < warmup, w, stable_or_decay)
 
     return schedule
 

@@ -19,7 +19,6 @@ import os
 import shutil
 import signal
 import time
-from typing import Iterable
 
 import attrs
 import torch
@@ -223,7 +222,3 @@ def crash_point(where: str, step: int) -> None:
 
 def exit_code_for_signal(signum: int) -> int:
     return 128 + int(signum)
-
-
-def any_set(flags: Iterable[int]) -> bool:
-    return any(int(f) for f in flags)
