@@ -290,6 +290,8 @@ def memory_options(spec) -> dict[str, Any]:
             value = getattr(section, key, None) if section is not None else None
             if value is not None:
                 opts[key] = value
+    if opts["master_weights"] == "none":  # [memory] spells "no masters" as "none"
+        opts["master_weights"] = None
     return opts
 
 

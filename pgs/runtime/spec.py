@@ -35,6 +35,8 @@ FREEZE_POLICIES = ("none", "non_attention")
 SCHEDULES = ("constant", "linear_warmup", "cosine", "wsd", "power_decay")
 WSD_SHAPES = ("linear", "cosine", "1-sqrt", "power", "exponential")
 DEVICES = ("auto", "cpu", "cuda")
+CHECKPOINT_POLICIES = ("none", "full", "selective")
+MASTER_WEIGHTS = ("none", "fp32")
 
 
 # --------------------------------------------------------------------------- field checks
@@ -267,6 +269,30 @@ class LogSpec:
     trackio: bool = attrs.field(default=False, validator=_bool)
 
 
+@attrs.frozen
+class MemorySpec:
+    """``[memory]``: trading compute or precision for memory (docs/memory.md).
+
+    ``gradient_release`` runs the chain inside backward, one decoder layer at a time
+    (``pgs.runtime.release``); it needs ``train.grad_accum = 1``, ``optimizer.clip = 0`` and
+    a chain without global transforms.  ``activation_checkpointing`` (``"none"``, ``"full"``,
+    ``"selective"``) applies to layers ``0, k, 2k, …`` with ``k = checkpoint_every``.
+    ``compile_layers`` compiles each decoder layer; ``liger`` patches in Liger's kernels.
+    ``master_weights = "fp32"`` and ``stochastic_rounding`` are for low-precision weights;
+    ``master_weights`` needs ``gradient_release``.
+    """
+
+    section: ClassVar[str] = "memory"
+
+    gradient_release: bool = attrs.field(default=False, validator=_bool)
+    activation_checkpointing: str = attrs.field(default="none", validator=_one_of(CHECKPOINT_POLICIES))
+    checkpoint_every: int = attrs.field(default=1, validator=_int_at_least(1))
+    compile_layers: bool = attrs.field(default=False, validator=_bool)
+    liger: bool = attrs.field(default=False, validator=_bool)
+    master_weights: str = attrs.field(default="none", validator=_one_of(MASTER_WEIGHTS))
+    stochastic_rounding: bool = attrs.field(default=False, validator=_bool)
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSpec,
     "data": DataConfig,
@@ -276,6 +302,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainSpec,
     "checkpoint": CheckpointSpec,
     "log": LogSpec,
+    "memory": MemorySpec,
 }
 
 
@@ -291,6 +318,7 @@ class Spec:
     train: TrainSpec = attrs.field(factory=TrainSpec)
     checkpoint: CheckpointSpec = attrs.field(factory=CheckpointSpec)
     log: LogSpec = attrs.field(factory=LogSpec)
+    memory: MemorySpec = attrs.field(factory=MemorySpec)
     source: str | None = attrs.field(default=None, eq=False)
 
     @property
@@ -610,7 +638,7 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         "data": _data(raw["data"], base),
         "optimizer": _optimizer(raw.get("optimizer", {})),
     }
-    for name in ("schedule", "loss", "train", "checkpoint", "log"):
+    for name in ("schedule", "loss", "train", "checkpoint", "log", "memory"):
         sections[name] = _section(name, raw.get(name, {}))
     train = sections["train"]
     if train.steps is not None and train.epochs is not None:
@@ -619,6 +647,9 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         raise SpecError("train.steps: needed (or train.epochs = N)")
     if train.batch_size % train.grad_accum:
         raise SpecError(f"train.grad_accum: {train.grad_accum} does not divide train.batch_size = {train.batch_size}")
+    world = launch_world_size()
+    if world > 1:
+        check_world_size(train, world)
     ckpt = sections["checkpoint"]
     sections["checkpoint"] = attrs.evolve(ckpt, dir=resolve_path(ckpt.dir, base))
     _check_schedule_fields(sections["schedule"], raw.get("schedule", {}))
@@ -628,6 +659,23 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
 
     check_spec(spec)
     return spec
+
+
+def launch_world_size() -> int:
+    """The number of processes a launcher started (``$WORLD_SIZE`` under torchrun), else 1."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def check_world_size(train: TrainSpec, world: int) -> None:
+    """The global ``train.batch_size`` must split into ``grad_accum`` micro-batches on each of ``world`` ranks."""
+    if world > 1 and train.batch_size % (train.grad_accum * world):
+        raise SpecError(
+            f"train.batch_size: {train.batch_size} sequences per step do not split evenly over "
+            f"{world} processes x train.grad_accum = {train.grad_accum} micro-batches; use a multiple of "
+            f"{train.grad_accum * world} (batch_size is global: each rank gets batch_size / (grad_accum x processes) rows)")
 
 
 def _check_schedule_fields(schedule: ScheduleSpec, table: dict) -> None:

@@ -253,11 +253,48 @@ def check_loss(loss) -> None:
             raise SpecError(f"loss.z_loss: the {loss.backend} backend has no z-loss; use chunked or dense")
 
 
-def check_spec(spec: Spec) -> None:
-    """Everything that can be checked without a model or data: loss, schedule, chain."""
-    check_loss(spec.loss)
+def check_memory(spec: Spec, chain) -> None:
+    """``[memory]`` against the rest of the spec: what gradient release cannot run."""
+    mem = spec.memory
+    if not mem.gradient_release:
+        if mem.master_weights != "none":
+            raise SpecError(f"memory.master_weights: {mem.master_weights!r} is kept by gradient release only; "
+                            "set memory.gradient_release = true or master_weights = \"none\"")
+        return
+    if spec.train.grad_accum > 1:
+        raise SpecError(f"memory.gradient_release: train.grad_accum = {spec.train.grad_accum} needs whole gradients "
+                        "summed over micro-batches, but gradient release updates at every backward; set "
+                        "train.grad_accum = 1 (a larger micro-batch) or memory.gradient_release = false")
+    opt = spec.optimizer
+    if opt.chain is None and opt.clip > 0:
+        raise SpecError(f"memory.gradient_release: optimizer.clip = {opt.clip:g} is a global-norm clip, which "
+                        "cannot run inside backward (the global norm is unknown until backward ends); set "
+                        "optimizer.clip = 0, or write an optimizer.chain with a per-tensor clip "
+                        "({ name = \"clip_by_norm_per_tensor\", ... })")
+    from pgs.runtime.release import refusal
+
+    why = refusal(chain, 1)
+    if why:
+        where = "optimizer.chain" if opt.chain is not None else "optimizer.alias"
+        for i, entry in enumerate(opt.chain or ()):
+            if refusal(make_transform(entry.name, entry.args, where=f"optimizer.chain[{i}]",
+                                      schedule=build_schedule(spec, _stand_in_total(spec))), 1):
+                where = f"optimizer.chain[{i}] ({entry.name})"
+                break
+        raise SpecError(f"memory.gradient_release: {where} cannot run inside backward: {why}; "
+                        "remove it or set memory.gradient_release = false")
+
+
+def _stand_in_total(spec: Spec) -> int:
     total = _schedule_total(spec, None)
     if total is None:  # epochs: the length is known later; check the arguments on a stand-in
         s = spec.schedule
         total = s.warmup + s.stable + s.decay + 100
-    build_chain(spec, total_steps=total)
+    return total
+
+
+def check_spec(spec: Spec) -> None:
+    """Everything that can be checked without a model or data: loss, schedule, chain, memory."""
+    check_loss(spec.loss)
+    chain = build_chain(spec, total_steps=_stand_in_total(spec))
+    check_memory(spec, chain)

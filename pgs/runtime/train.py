@@ -12,6 +12,17 @@ of the *whole* optimizer step (known from the labels before any forward), so the
 gradient is the gradient of one token-mean over all its micro-batches, and a micro-batch
 whose labels are all masked adds 0, not 0/0.
 
+Memory (``[memory]``, docs/memory.md): Liger kernels, activation checkpointing and
+per-layer ``torch.compile`` are applied to the model in :func:`setup`; with
+``gradient_release`` the chain is bound by ``GradientRelease`` and runs inside backward, so a
+step's loss is computed and its finiteness agreed on *before* backward, and a non-finite
+step never calls backward (no state changes).
+
+Several processes (``WORLD_SIZE > 1``, started by torchrun or ``pgs run --nproc N``,
+docs/distributed.md): the model is sharded with FSDP2, the chain is bound to the shards,
+each rank reads its share of the global batch, the loss divides by the global valid-token
+count, checkpoints are DCP folders written by every rank, and only rank 0 logs.
+
 Test hooks (environment): ``PGS_TEST_NAN_STEPS=5,6`` makes those steps' losses NaN;
 ``PGS_TEST_CRASH_AT=checkpoint_write:<step>`` SIGKILLs the process halfway through writing
 that step's checkpoint, ``PGS_TEST_CRASH_AT=step:<step>`` right after that step's update; ``PGS_TEST_SLOW_STEP=<seconds>`` sleeps after each step.
@@ -30,16 +41,17 @@ import attrs
 import numpy as np
 import torch
 
-from pgs.errors import EXIT_OK, EXIT_WALL_BUDGET, HaltError, PreflightRefused
+from pgs.errors import EXIT_OK, EXIT_WALL_BUDGET, HaltError, PreflightRefused, SpecError
 from pgs.func.losses import neftune, token_loss
 from pgs.runtime import checkpoint as ckpt
 from pgs.runtime import control
+from pgs.runtime import distributed as D
 from pgs.runtime.bind import BoundOptimizer, bind
 from pgs.runtime.data import EvalStream, TrainStream, require_packing_isolation
 from pgs.runtime.evaluate import eval_loss, read_samples, task_accuracy, task_checker
 from pgs.runtime.export import export_hf
 from pgs.runtime.metrics import MetricsLog
-from pgs.runtime.model import build_model, final_hidden, freeze, load_tokenizer, output_head, parameter_bytes
+from pgs.runtime.model import build_model, freeze, load_tokenizer, output_head, parameter_bytes
 
 #: Eval prompts answered by greedy generation when the eval data has a known checker.
 ACCURACY_SAMPLES = 48
@@ -54,7 +66,7 @@ class Run:
     device: torch.device
     model: Any
     tokenizer: Any
-    bound: BoundOptimizer
+    bound: Any  # BoundOptimizer, GradientRelease or ShardedBoundOptimizer
     stream: TrainStream
     objective: Any
     total_steps: int
@@ -62,6 +74,8 @@ class Run:
     noise: torch.Generator | None
     skips: control.SkipCounter
     chain_has_norm: bool = False
+    release: bool = False
+    ctx: Any = None  # distributed.DistContext when several processes train together
     step: int = 0
     trained_tokens: int = 0
     best: float | None = None
@@ -92,6 +106,29 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
+class _NullLog:
+    """What ranks other than 0 log to: nothing (rank 0 writes metrics, console and events)."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def is_main(run: Run) -> bool:
+    return run.ctx is None or run.ctx.is_main
+
+
+def apply_memory(model, memory) -> None:
+    """Liger kernels, activation checkpointing and per-layer compile from ``[memory]``, in place."""
+    from pgs.runtime import checkpointing
+
+    if memory.liger:
+        checkpointing.apply_liger(model)
+    if memory.activation_checkpointing != "none":
+        checkpointing.apply_activation_checkpointing(model, memory.activation_checkpointing, memory.checkpoint_every)
+    if memory.compile_layers:
+        checkpointing.compile_layers(model)
+
+
 def _steps_per_epoch(spec, tokenizer) -> int:
     from pgs.runtime.data.inspect import dataset_stats
 
@@ -99,47 +136,89 @@ def _steps_per_epoch(spec, tokenizer) -> int:
     return max(1, math.ceil(sequences / spec.train.batch_size))
 
 
-def setup(spec) -> Run:
-    """Model, tokenizer, bound optimizer and data stream of a fresh run (nothing restored)."""
+def setup(spec, ctx: D.DistContext | None = None) -> Run:
+    """Model, tokenizer, bound optimizer and data stream of a fresh run (nothing restored).
+
+    ``ctx``: the distributed context (``distributed.init()``) when several processes train
+    together; the model is then sharded (FSDP2) and the chain bound to the shards.
+    """
+    from pgs.runtime.spec import check_world_size
+
+    sharded = ctx is not None and ctx.distributed
+    world = ctx.world_size if sharded else 1
+    mem = spec.memory
+    if sharded:
+        check_world_size(spec.train, world)
+        if mem.gradient_release:
+            raise SpecError("memory.gradient_release: not available with several processes (FSDP2 reduces "
+                            "gradients after backward); set memory.gradient_release = false or run one process")
     seed_everything(spec.train.seed)
-    device = _device(spec.train.device)
+    device = ctx.device if sharded else _device(spec.train.device)
     m = spec.model
     tokenizer = load_tokenizer(m.tokenizer or m.path)
     config = None
     if m.config is not None:
         config = {k: v for k, v in m.config.items() if not (k == "vocab_size" and not v)}
-    model = build_model(path=m.path, config=config, dtype=m.dtype, attn_implementation=m.attn_implementation,
+    # FSDP2 keeps fp32 sharded masters and computes in bf16 (mixed precision) for a bf16 model
+    mixed = "bf16" if sharded and m.dtype == "bfloat16" else None
+    dtype = "float32" if mixed else m.dtype
+    model = build_model(path=m.path, config=config, dtype=dtype, attn_implementation=m.attn_implementation,
                         init_seed=m.init_seed, vocab_size=len(tokenizer)).to(device)
     if spec.data.packing:
         verdict = require_packing_isolation(model, spec.data.allow_packing_leakage)
-        if not verdict.isolates:
+        if not verdict.isolates and (not sharded or ctx.is_main):
             print(f"pgs: warning: {verdict.reason}; packed documents will see each other", file=sys.stderr)
     freeze(model, m.freeze if isinstance(m.freeze, str) else list(m.freeze))
+    apply_memory(model, mem)
     total = spec.total_steps(None if spec.train.steps is not None else _steps_per_epoch(spec, tokenizer))
-    bound = bind(spec.build_chain(total), model, compile=spec.optimizer.compile, jit=spec.optimizer.jit)
-    stream = TrainStream(spec.data, tokenizer)
+    chain = spec.build_chain(total)
+    if sharded:
+        from pgs.runtime.sharded_bind import bind_sharded
+
+        D.shard_model(model, ctx.mesh, mixed_precision=mixed)
+        bound = bind_sharded(chain, model, stochastic_rounding=mem.stochastic_rounding)
+    elif mem.gradient_release:
+        from pgs.runtime.release import GradientRelease
+
+        bound = GradientRelease(chain, model, stochastic_rounding=mem.stochastic_rounding,
+                                master_weights=None if mem.master_weights == "none" else mem.master_weights,
+                                grad_accum=spec.train.grad_accum)
+    else:
+        bound = bind(chain, model, compile=spec.optimizer.compile, jit=spec.optimizer.jit,
+                     stochastic_rounding=mem.stochastic_rounding)
+    stream = TrainStream(spec.data, tokenizer, rank=ctx.rank if sharded else 0, world_size=world)
     noise = None
     if spec.loss.neftune_alpha > 0:
         noise = torch.Generator(device=device).manual_seed(spec.train.seed)
     return Run(
         spec=spec, run_dir=spec.checkpoint.dir, device=device, model=model, tokenizer=tokenizer, bound=bound,
         stream=stream, objective=spec.build_objective(), total_steps=total,
-        micro_batch=spec.train.batch_size // spec.train.grad_accum, noise=noise,
+        micro_batch=spec.train.batch_size // (spec.train.grad_accum * world), noise=noise,
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
-        chain_has_norm="grad_norm" in bound.last_metrics(),
+        chain_has_norm="grad_norm" in bound.last_metrics(), release=bool(mem.gradient_release and not sharded),
+        ctx=ctx if sharded else None,
     )
 
 
 def restore(run: Run, folder: str) -> None:
-    """Continue from a verified checkpoint folder: weights, chain state, RNG, data, counters."""
-    saved = ckpt.load(folder)
-    ckpt.load_model_state(run.model, saved.model, saved.trainer.get("aliases", {}))
-    run.bound.load_state_dict(saved.optimizer)
-    ckpt.restore_rng(saved.rng, run.noise)
-    t = saved.trainer
+    """Continue from a verified checkpoint folder: weights, chain state, RNG, data, counters.
+
+    A DCP folder (several processes) is loaded by every rank through ``dcp.load``.
+    """
+    from pgs.runtime import dcp
+
+    if run.ctx is not None or dcp.is_dcp(folder):
+        t = dcp.load(folder, model=run.model, optimizer=run.bound, noise_generator=run.noise)
+        step = int(t["step"])
+    else:
+        saved = ckpt.load(folder)
+        ckpt.load_model_state(run.model, saved.model, saved.trainer.get("aliases", {}))
+        run.bound.load_state_dict(saved.optimizer)
+        ckpt.restore_rng(saved.rng, run.noise)
+        t, step = saved.trainer, saved.step
     run.stream.load_state_dict(t["data"])
     run.skips.load_state_dict(t["skips"])
-    run.step = saved.step
+    run.step = step
     run.trained_tokens = int(t["trained_tokens"])
     run.best, run.best_step, run.entropy_low = t["best"], t["best_step"], bool(t["entropy_low"])
 
@@ -147,6 +226,15 @@ def restore(run: Run, folder: str) -> None:
 def save(run: Run) -> str:
     """Write ``step_<N>`` (durably), then purge old ones beyond ``checkpoint.keep``."""
     step = run.step
+    if run.ctx is not None:
+        from pgs.runtime import dcp
+
+        folder = dcp.save(run.run_dir, step, model=run.model, optimizer=run.bound, trainer=run.counters(),
+                          spec_toml=run.spec.to_toml(), noise_generator=run.noise)
+        if run.ctx.is_main:
+            ckpt.purge(run.run_dir, run.spec.checkpoint.keep)
+        D.barrier()
+        return folder
     folder = ckpt.save(
         run.run_dir, step, model=run.model, optimizer_state=run.bound.state_dict(),
         rng=ckpt.capture_rng(run.noise), trainer=run.counters(), spec_toml=run.spec.to_toml(),
@@ -156,8 +244,8 @@ def save(run: Run) -> str:
     return folder
 
 
-def _loss(run: Run, batch, n_valid_global: int, poison: bool):
-    """Forward + backward of one micro-batch; returns its detached (loss_sum, entropy_sum, valid)."""
+def _forward(run: Run, batch, poison: bool):
+    """Forward of one micro-batch; returns (loss_sum tensor with its graph, entropy_sum, valid)."""
     dev = run.device
     ids, pos, labels = batch.input_ids.to(dev), batch.position_ids.to(dev), batch.labels.to(dev)
     embed_noise = None
@@ -165,31 +253,52 @@ def _loss(run: Run, batch, n_valid_global: int, poison: bool):
         lengths = torch.tensor([int(c[-1]) for c in batch.cu_seqlens], device=dev)
         embed_noise = lambda e: neftune(e, run.spec.loss.neftune_alpha, generator=run.noise,  # noqa: E731
                                         training=True, lengths=lengths)
-    h = final_hidden(run.model, ids, pos, embed_noise=embed_noise)
+    h = D.final_hidden(run.model, ids, pos, embed_noise=embed_noise)
     weight, bias, softcap = output_head(run.model)
     loss = run.spec.loss
     result = token_loss(h, weight, labels, backend=loss.backend, objective=run.objective, bias=bias,
                         softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size)
     loss_sum = result.loss_sum * float("nan") if poison else result.loss_sum
-    (loss_sum / max(n_valid_global, 1)).backward()
     entropy = result.entropy_sum if result.entropy_sum is not None else torch.zeros(())
-    return float(loss_sum.detach()), float(entropy), int(result.num_valid)
+    return loss_sum, float(entropy), int(result.num_valid)
+
+
+def _loss(run: Run, batch, n_valid_global: int, poison: bool):
+    """Forward + backward of one micro-batch; returns its detached (loss_sum, entropy_sum, valid)."""
+    loss_sum, entropy, valid = _forward(run, batch, poison)
+    (loss_sum / max(n_valid_global, 1)).backward()
+    return float(loss_sum.detach()), entropy, valid
 
 
 def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) -> tuple[dict, list[int]]:
     """One optimizer step (or a skipped one); returns its metrics and the agreed flags."""
     started = time.perf_counter()
     batches = [run.stream.next_batch(run.micro_batch) for _ in range(run.spec.train.grad_accum)]
-    n_valid = sum(b.num_trained_tokens for b in batches)
+    # the loss's denominator: valid tokens of the whole step, on every rank (before any forward)
+    n_valid = D.global_count(sum(b.num_trained_tokens for b in batches))
     poison = (run.step + 1) in control.hook_steps("PGS_TEST_NAN_STEPS")
     loss_sum = entropy_sum = 0.0
+    pending = None
     for batch in batches:
-        l, e, _ = _loss(run, batch, n_valid, poison)
+        if run.release:  # the update runs inside backward: agree on the loss before it
+            pending, e, _ = _forward(run, batch, poison)
+            l = float(pending.detach())
+        else:
+            l, e, _ = _loss(run, batch, n_valid, poison)
         loss_sum, entropy_sum = loss_sum + l, entropy_sum + e
     nonfinite = not math.isfinite(loss_sum) or n_valid == 0
     flags = control.agree([signals.received, wall.spent(), nonfinite, 0])
     record: dict[str, Any] = {}
-    if flags[control.NONFINITE]:
+    if run.release:
+        if flags[control.NONFINITE]:
+            del pending  # no backward: the chain state and the weights stay as they were
+            run.bound.zero_grad()
+        else:
+            (pending / max(n_valid, 1)).backward()  # every group steps inside this call
+            run.bound.finish()
+            opt = run.bound.last_metrics()
+            record.update(lr=opt.get("lr"), grad_norm=opt.get("grad_norm"))
+    elif flags[control.NONFINITE]:
         run.bound.zero_grad()
     else:
         # The chain's clip keeps the pre-clip norm in its state; measure it only when it does not.
@@ -205,6 +314,9 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     run.trained_tokens += 0 if flags[control.NONFINITE] else n_valid
     elapsed = time.perf_counter() - started
     tokens = sum(b.num_tokens for b in batches)
+    if run.ctx is not None:  # the logged loss and throughput are the whole step's
+        sums = D.all_reduce_sum(torch.tensor([loss_sum, entropy_sum, float(tokens)], dtype=torch.float64))
+        loss_sum, entropy_sum, tokens = float(sums[0]), float(sums[1]), int(sums[2])
     record = {
         "step": run.step,
         "loss": loss_sum / max(n_valid, 1),
@@ -224,6 +336,9 @@ def evaluate(run: Run) -> dict:
     """Eval loss (and task accuracy where a checker knows the data) at the current step."""
     spec = run.spec
     out: dict[str, Any] = {"step": run.step}
+    if run.ctx is not None:  # every rank, the same number of forwards; no task accuracy
+        out.update(_sharded_eval_loss(run))
+        return out
     batches = EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch))
     out.update(eval_loss(run.model, batches, backend="chunked", chunk_size=spec.loss.chunk_size))
     samples = read_samples(spec.data.eval, ACCURACY_SAMPLES)
@@ -232,6 +347,42 @@ def evaluate(run: Run) -> dict:
         prompt, is_correct = checker
         out.update(task_accuracy(run.model, run.tokenizer, samples, prompt=prompt, is_correct=is_correct))
     return out
+
+
+@torch.no_grad()
+def _sharded_eval_loss(run: Run) -> dict:
+    """Eval loss with several processes: each rank its share of every eval batch (all-padding
+    rows when it has none; a forward anyway, FSDP's all-gathers are collectives), sums
+    all-reduced.  The head is read after the forward, when the root is gathered."""
+    spec, ctx = run.spec, run.ctx
+    batches = EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch), rank=ctx.rank,
+                         world_size=ctx.world_size)
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    run.model.eval()
+    try:
+        for batch in batches:
+            dev = run.device
+            h = D.final_hidden(run.model, batch.input_ids.to(dev), batch.position_ids.to(dev))
+            weight, bias, softcap = output_head(run.model)
+            result = token_loss(h, weight, batch.labels.to(dev), backend="chunked", bias=bias, softcap=softcap,
+                                chunk_size=spec.loss.chunk_size)
+            total += result.loss_sum.double().cpu()
+            count += int(result.num_valid)
+    finally:
+        run.model.train()
+    sums = D.all_reduce_sum(torch.tensor([float(total), float(count)], dtype=torch.float64))
+    total, count = float(sums[0]), int(sums[1])
+    return {"eval_loss": total / max(count, 1), "eval_tokens": count}
+
+
+def _export(run: Run, out_dir: str, info: dict) -> None:
+    if run.ctx is not None:
+        from pgs.runtime import dcp
+
+        dcp.export_hf(run.model, run.tokenizer, out_dir, info=info)
+    else:
+        export_hf(run.model, run.tokenizer, out_dir, info=info)
 
 
 def _improves(metric: str, value: float, best: float | None) -> bool:
@@ -248,8 +399,7 @@ def eval_and_keep_best(run: Run) -> None:
     metric = run.spec.checkpoint.best_metric
     if metric and metric in result and _improves(metric, result[metric], run.best):
         run.best, run.best_step = float(result[metric]), run.step
-        export_hf(run.model, run.tokenizer, os.path.join(run.run_dir, "best"),
-                  info={"step": run.step, metric: run.best})
+        _export(run, os.path.join(run.run_dir, "best"), {"step": run.step, metric: run.best})
 
 
 def watch_entropy(run: Run, record: dict) -> None:
@@ -273,27 +423,55 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None) -> int
     82 wall budget (both after a checkpoint), 81 skip cap (``HALT.json``), 83 preflight.
     """
     wall = control.WallClock(spec.train.max_wall_seconds or None)
+    ctx = D.init(device=spec.train.device) if D.launched() else None
     try:
-        return _train(spec, resume, wall)
+        return _train(spec, resume, wall, ctx)
     except (HaltError, PreflightRefused) as err:
         print(f"pgs: {err}", file=sys.stderr, flush=True)
         return err.exit_code
+    finally:
+        if ctx is not None and ctx.distributed:
+            D.shutdown()
 
 
-def _train(spec, resume: str | None, wall: control.WallClock) -> int:
+def _state_bytes(bound) -> int:
+    if hasattr(bound, "state_bytes"):
+        return int(bound.state_bytes())
+    if hasattr(bound, "state_dict"):
+        return sum(t.numel() * t.element_size() for t in bound.state_dict().values())
+    import pgs.func as pf
+
+    return int(pf.state_bytes(bound.state))
+
+
+def _resolve(r: Run, resume: str | None) -> str | None:
+    if r.ctx is None or resume is None:
+        return ckpt.resolve(r.run_dir, resume)
+    from pgs.runtime import dcp
+
+    return dcp.latest(r.run_dir) if resume == "auto" else resume  # dcp.load verifies it
+
+
+def _train(spec, resume: str | None, wall: control.WallClock, ctx: D.DistContext | None = None) -> int:
     run_dir = spec.checkpoint.dir
-    r = setup(spec)
-    state_bytes = sum(t.numel() * t.element_size() for t in r.bound.state_dict().values())
-    control.preflight(run_dir, parameter_bytes(r.model) + state_bytes)
-    ckpt.remove_stale_temporaries(run_dir)
-    folder = ckpt.resolve(run_dir, resume)
+    r = setup(spec, ctx)
+    main = is_main(r)
+    control.preflight(run_dir, parameter_bytes(r.model) + _state_bytes(r.bound))
+    if main:
+        ckpt.remove_stale_temporaries(run_dir)
+    D.barrier()
+    folder = _resolve(r, resume)
     if folder is not None:
         restore(r, folder)
-        MetricsLog.truncate_after(run_dir, r.step)
-    spec.to_toml(os.path.join(run_dir, "spec.resolved.toml"))
-    trackers = [name for name in ("wandb", "trackio") if getattr(spec.log, name, False)]
-    r.log = MetricsLog(run_dir, total_steps=r.total_steps, print_every=spec.train.log_every, trackers=trackers,
-                       config=spec.to_dict())
+        if main:
+            MetricsLog.truncate_after(run_dir, r.step)
+    if main:
+        spec.to_toml(os.path.join(run_dir, "spec.resolved.toml"))
+        trackers = [name for name in ("wandb", "trackio") if getattr(spec.log, name, False)]
+        r.log = MetricsLog(run_dir, total_steps=r.total_steps, print_every=spec.train.log_every, trackers=trackers,
+                           config=spec.to_dict())
+    else:
+        r.log = _NullLog()
     if folder is not None:
         r.log.say(f"pgs: resumed from {folder} at step {r.step}")
         r.log.write({"step": r.step, "event": "resume", "from": folder})
@@ -334,7 +512,7 @@ def _train(spec, resume: str | None, wall: control.WallClock) -> int:
                 if slow:
                     time.sleep(slow)
             if spec.checkpoint.export:
-                export_hf(r.model, r.tokenizer, os.path.join(run_dir, "final"), info={"step": r.step})
+                _export(r, os.path.join(run_dir, "final"), {"step": r.step})
             r.log.write({"step": r.step, "event": "done"})
     finally:
         r.log.close()
