@@ -12,7 +12,6 @@ import argparse
 import importlib
 import os
 import sys
-import time
 
 from pgs.errors import EXIT_BAD_INPUT, DataError, PgsError, SpecError
 
@@ -216,31 +215,21 @@ def cmd_profile(args) -> int:
 def _launch_torchrun(args, spec) -> int:
     """Relaunch ``pgs run`` under torchrun with ``--nproc`` processes; return the run's verdict.
 
-    torchrun collapses every worker's exit code to 1, so a HALT marker (``HALT.json`` in the
-    run folder) written during this launch decides the exit code when it names one.
+    ``launch.relaunch``: signals to this process are passed on to the workers (which
+    checkpoint and stop together); torchrun collapses every worker's exit code to 1, so a
+    ``HALT.json`` written during this launch decides the code, else 128+signum after a
+    forwarded signal, else torchrun's.
     """
-    import json
-    import subprocess
+    from pgs.runtime.launch import relaunch
+    from pgs.runtime.spec import check_world_size
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.nproc}", "-m", "pgs", "run", os.path.abspath(args.spec)]
+    check_world_size(spec.train, args.nproc)  # refuse before starting N processes
+    forwarded = ["run", os.path.abspath(args.spec)]
     for assignment in args.overrides:
-        command += ["--set", assignment]
+        forwarded += ["--set", assignment]
     if args.resume:
-        command += ["--resume", args.resume]
-    started = time.time()
-    code = subprocess.call(command)
-    marker = os.path.join(spec.run_dir, "HALT.json")
-    if code != 0 and os.path.exists(marker) and os.path.getmtime(marker) >= started:
-        try:
-            with open(marker, encoding="utf-8") as f:
-                verdict = json.load(f)
-            named = verdict.get("exit_code", verdict.get("code"))
-            if isinstance(named, int) and not isinstance(named, bool):
-                return named
-        except (OSError, ValueError, AttributeError):
-            pass
-    return code
+        forwarded += ["--resume", args.resume]
+    return relaunch(args.nproc, forwarded, run_dir=spec.run_dir)
 
 
 # --------------------------------------------------------------------------- pgs validate

@@ -13,7 +13,7 @@ import torch
 from pgs.func import kernels as K
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count
-from pgs.func.base import ELEMENTWISE, EmptyState, Transform, chain, check_range, identity
+from pgs.func.base import ELEMENTWISE, EmptyState, Transform, chain, check_range, hp_in, identity
 from pgs.func.kernels.fused import FusedTransform, apply_fp32, hp_tensor, learning_rate_value, one_minus, sr_seed
 from pgs.func.layout import group_label
 from pgs.func.learning_rate import ScaleByLearningRateState, scale_by_learning_rate
@@ -40,9 +40,12 @@ def adam_leaf(g, m, v, b1, b2, eps, eps_root, bc1, bc2, block_size: int):
     m32 = load_moment(m, block_size, signed=True).to(cd)
     v32 = load_moment(v, block_size, signed=False).to(cd)
     # the same operations as scale_by_adam, so quantize=False equals it bit for bit
-    m_new = m32.lerp(g32, 1.0 - b1)
-    v_new = v32.mul(b2).addcmul(g32, g32, value=1.0 - b2)
-    u = (m_new / bc1.to(cd)) / ((v_new / bc2.to(cd) + eps_root).sqrt() + eps)
+    # injected (tensor) hyperparameters: derive 1 − β in fp64, then cast, exactly as scale_by_adam
+    w1, w2, d2, er, ep = (hp_in(x, cd, g.device) for x in (1.0 - b1, 1.0 - b2, b2, eps_root, eps))
+    m_new = m32.lerp(g32, w1)
+    v_new = v32.mul(d2)
+    v_new = v_new.addcmul(g32 * w2, g32) if isinstance(w2, torch.Tensor) else v_new.addcmul(g32, g32, value=w2)
+    u = (m_new / bc1.to(cd)) / ((v_new / bc2.to(cd) + er).sqrt() + ep)
     return u, store_moment(m_new, m, block_size, True), store_moment(v_new, v, block_size, False)
 
 

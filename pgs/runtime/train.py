@@ -424,13 +424,19 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None) -> int
     """
     wall = control.WallClock(spec.train.max_wall_seconds or None)
     ctx = D.init(device=spec.train.device) if D.launched() else None
+    together = False  # every rank reached the same exit (then they leave the group together)
     try:
-        return _train(spec, resume, wall, ctx)
+        code = _train(spec, resume, wall, ctx)
+        together = True
+        return code
     except (HaltError, PreflightRefused) as err:
         print(f"pgs: {err}", file=sys.stderr, flush=True)
+        together = isinstance(err, HaltError)  # halts are decided on agreed flags
         return err.exit_code
     finally:
         if ctx is not None and ctx.distributed:
+            if together:
+                D.barrier()
             D.shutdown()
 
 

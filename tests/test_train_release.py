@@ -1,0 +1,188 @@
+"""``[memory] gradient_release = true`` in the real loop (``pgs run``), on the CPU.
+
+A tiny Qwen3 (tests/test_train.py's spec, ``grad_accum = 1``, ``optimizer.clip = 0``) trains
+with the chain inside backward.  Expected, and checked:
+
+- the weights equal the same run without gradient release **bit for bit** (fp32 AdamW): each
+  parameter's update is the same per-tensor arithmetic on the same gradient (the gradient of
+  a parameter is complete when its post-accumulate hook fires, tied head included), so the
+  only thing that changes is *when* it runs (tests/test_release.py shows the same for the
+  bare component);
+- a non-finite loss is seen before backward: no backward, no update, no state change;
+- SIGKILL after a step and ``--resume auto`` give the uninterrupted run's checkpoint bits
+  (weights and every group's chain state);
+- what gradient release cannot run is refused by ``pgs validate`` (exit 2), naming the field.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_train import ROOT, assert_same_checkpoint, child_env, command, step_records, tiny_spec
+
+RELEASE = "\n[memory]\ngradient_release = {release}\n"
+
+
+def release_spec(tmp_path: Path, name: str, *, release: bool = True, **fields) -> Path:
+    """tests/test_train.py's tiny spec with grad_accum = 1, clip = 0 and a [memory] section."""
+    fields.setdefault("steps", 6)
+    fields.setdefault("every", 3)
+    path = tiny_spec(tmp_path, name, **fields)
+    text = path.read_text().replace("grad_accum = 2", "grad_accum = 1")
+    text = text.replace('alias = "adamw"', 'alias = "adamw"\nclip = 0')
+    path.write_text(text + RELEASE.format(release="true" if release else "false"))
+    return path
+
+
+def _run_in_process(spec_path: Path) -> int:
+    from pgs.runtime.spec import load_spec
+    from pgs.runtime.train import run
+
+    return run(load_spec(spec_path))
+
+
+def test_release_run_equals_the_bound_run_bit_for_bit(tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, release in (("bound", False), ("released", True)):
+            assert _run_in_process(release_spec(tmp_path, name, release=release, every=0)) == 0
+    finally:
+        torch.set_num_threads(threads)
+    a = load_file(tmp_path / "bound" / "step_6" / "model.safetensors")
+    b = load_file(tmp_path / "released" / "step_6" / "model.safetensors")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k}: max |diff| {(a[k] - b[k]).abs().max().item():.3g}"
+    # the logged losses are the same too (same weights at every step)
+    la = [r["loss"] for r in step_records(tmp_path / "bound")]
+    lb = [r["loss"] for r in step_records(tmp_path / "released")]
+    assert la == lb and len(la) == 6
+    # the release run reports the learning rate and the gradient norm it streamed
+    assert all("lr" in r and "grad_norm" in r for r in step_records(tmp_path / "released"))
+
+
+def test_nonfinite_loss_is_skipped_before_backward(tmp_path, monkeypatch):
+    from pgs.runtime import control
+    from pgs.runtime.release import GradientRelease
+    from pgs.runtime.spec import load_spec
+    from pgs.runtime.train import setup, train_step
+
+    run = setup(load_spec(release_spec(tmp_path, "nan", steps=4)))
+    assert isinstance(run.bound, GradientRelease) and run.release
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    state = {k: v.clone() for k, v in run.bound.state_dict().items()}
+    monkeypatch.setenv("PGS_TEST_NAN_STEPS", "1")
+    with control.StopSignals() as signals:
+        record, flags = train_step(run, signals, control.WallClock(None))
+        assert record["skipped"] == 1 and flags[control.NONFINITE]
+        for n, p in run.model.named_parameters():
+            assert torch.equal(p, before[n]), n
+            assert p.grad is None, n
+        after = run.bound.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in state.items())
+        assert run.bound.steps == 0
+        record, _ = train_step(run, signals, control.WallClock(None))  # step 2 is finite: it trains
+        assert record["skipped"] == 0 and run.bound.steps == 1 and run.bound.counts() == {1}
+        # (warmup from lr 0: the first update moves the moments, the second the weights)
+        record, _ = train_step(run, signals, control.WallClock(None))
+    assert record["skipped"] == 0 and run.bound.counts() == {2}
+    assert any(not torch.equal(p, before[n]) for n, p in run.model.named_parameters())
+
+
+def test_sigkill_then_resume_with_release_is_bit_exact(tmp_path):
+    ref = release_spec(tmp_path, "ref")
+    done = subprocess.run(command(ref), cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    spec = release_spec(tmp_path, "run")
+    first = subprocess.run(command(spec), cwd=ROOT, env=child_env(PGS_TEST_CRASH_AT="step:5"),
+                           capture_output=True, text=True, timeout=240)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    assert (tmp_path / "run" / "step_3" / "COMPLETE").exists()
+    resumed = subprocess.run(command(spec, "auto"), cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                             timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "step_3" in resumed.stderr
+    # weights and the release state (every group's moments and count, the layout fingerprint)
+    assert_same_checkpoint(tmp_path / "run" / "step_6", tmp_path / "ref" / "step_6")
+    state = load_file(tmp_path / "run" / "step_6" / "optimizer.safetensors")
+    assert "__pgs_release_groups__" in state
+
+
+REFUSALS = [
+    ({"train.grad_accum": 2}, "memory.gradient_release: train.grad_accum = 2"),
+    ({"optimizer.clip": 1.0}, "memory.gradient_release: optimizer.clip = 1 is a global-norm clip"),
+    ({"chain": '[{ name = "zclip" }, { name = "adamw" }]'}, "memory.gradient_release: optimizer.chain[0] (zclip)"),
+    ({"memory.gradient_release": "false", "memory.master_weights": '"fp32"'}, "memory.master_weights"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", REFUSALS)
+def test_refusals_name_the_field(tmp_path, overrides, message):
+    from pgs.errors import SpecError
+    from pgs.runtime.spec import load_spec
+
+    path = release_spec(tmp_path, "bad")
+    if "chain" in overrides:  # a chain replaces the alias, its args and its clip
+        text = path.read_text()
+        start, end = text.index("[optimizer]"), text.index("[schedule]")
+        path.write_text(text[:start] + f"[optimizer]\nchain = {overrides.pop('chain')}\n\n" + text[end:])
+    sets = [f"{k}={v}" for k, v in overrides.items()]
+    with pytest.raises(SpecError) as err:
+        load_spec(path, sets)
+    assert str(err.value).startswith(message), str(err.value)
+    assert "set " in str(err.value) or "remove" in str(err.value)  # says the fix
+
+
+def test_pgs_validate_exits_2_on_a_refused_spec(tmp_path):
+    path = release_spec(tmp_path, "bad")
+    done = subprocess.run([sys.executable, "-m", "pgs", "validate", str(path), "--set", "optimizer.clip=1.0"],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "memory.gradient_release: optimizer.clip = 1 is a global-norm clip" in done.stderr
+    assert "optimizer.clip = 0" in done.stderr
+
+
+def test_memory_section_round_trips_and_profile_reads_it(tmp_path):
+    from pgs.runtime.profile import memory_options
+    from pgs.runtime.spec import load_spec
+
+    spec = load_spec(release_spec(tmp_path, "mem"), ["memory.activation_checkpointing=\"selective\"",
+                                                      "memory.checkpoint_every=2"])
+    again = tmp_path / "again.toml"
+    spec.to_toml(again)
+    assert load_spec(again).memory == spec.memory
+    opts = memory_options(spec)
+    assert opts == {"gradient_release": True, "activation_checkpointing": "selective", "checkpoint_every": 2,
+                    "master_weights": None}
+    from pgs.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"memory.activation_checkpointing: 'fulll' is not one of .*did you mean"):
+        load_spec(release_spec(tmp_path, "typo"), ['memory.activation_checkpointing="fulll"'])
+    with pytest.raises(SpecError, match=r"memory.gradient_releas: unknown key \(did you mean gradient_release"):
+        load_spec(release_spec(tmp_path, "typo2"), ["memory.gradient_releas=true"])
+
+
+def test_activation_checkpointing_from_the_spec_keeps_the_loss(tmp_path):
+    """[memory] activation_checkpointing reaches the model; the first step's loss is unchanged."""
+    from pgs.runtime import control
+    from pgs.runtime.spec import load_spec
+    from pgs.runtime.train import setup, train_step
+
+    losses = []
+    for policy in ("none", "full"):
+        run = setup(load_spec(release_spec(tmp_path, f"ac_{policy}"), [f'memory.activation_checkpointing="{policy}"']))
+        layers = run.model.model.layers
+        assert all(("_pgs_forward_before_checkpointing" in layer.__dict__) == (policy == "full") for layer in layers)
+        with control.StopSignals() as signals:
+            losses.append([train_step(run, signals, control.WallClock(None))[0]["loss"] for _ in range(2)])
+    assert losses[0][0] == losses[1][0]
+    assert losses[0][1] == pytest.approx(losses[1][1], rel=1e-5)
