@@ -34,3 +34,17 @@ def zeros_state(tree, dtype: torch.dtype | None):
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """fp32 for half types, the tensor's own dtype for fp32/fp64."""
     return torch.promote_types(x.dtype, torch.float32)
+
+
+def realize_scalar(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (a 0-d per-step scalar), computed once instead of once per element when compiled.
+
+    Inductor inlines 0-d pointwise producers into their consumers: a bias correction
+    ``1 − β^t`` or a cosine schedule would be recomputed (fp64 ``pow``/``cos``) for every
+    element of a 1.7-billion-element flat buffer.  A reduction is always materialised, so
+    ``max`` over two copies of ``x`` (exactly ``x``) makes it a buffer the big kernel reads.
+    In eager mode this is the identity.
+    """
+    if not torch.compiler.is_compiling():
+        return x
+    return x.reshape(1).expand(2).amax()

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from pgs.func import tree as T
-from pgs.func._common import compute_dtype, increment, zero_count, zeros_state
+from pgs.func._common import compute_dtype, increment, realize_scalar, zero_count, zeros_state
 from pgs.func.base import ELEMENTWISE, Transform, check_range, hp_cache
 
 
@@ -57,8 +57,8 @@ def scale_by_adam(
     def update(updates, state, params=None, **extra):
         count = increment(state.count)
         t = count.to(torch.float64)
-        bc1 = 1.0 - b1**t
-        bc2 = 1.0 - b2**t
+        bc1 = realize_scalar(1.0 - b1**t)
+        bc2 = realize_scalar(1.0 - b2**t)
 
         hps = hp_cache(1.0 - b1, 1.0 - b2, b2, eps_root, eps)
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from pgs.func import tree as T
-from pgs.func._common import increment, zero_count
+from pgs.func._common import increment, realize_scalar, zero_count
 from pgs.func.base import ELEMENTWISE, Transform, check_range
 
 
@@ -43,7 +43,7 @@ def scale_by_learning_rate(learning_rate, flip_sign: bool = True) -> Transform:
         return ScaleByLearningRateState(count, lr_value(learning_rate, count))
 
     def update(updates, state, params=None, **extra):
-        lr = lr_value(learning_rate, state.count)
+        lr = realize_scalar(lr_value(learning_rate, state.count))
         scale = sign * lr
 
         def one(g):
