@@ -1,5 +1,17 @@
 """``python -m pgs`` is the ``pgs`` command."""
 
+import os
+import sys
+
 from pgs.cli import main
 
-raise SystemExit(main())
+code = main()
+if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    # Under torchrun, leave without running C++ static destructors: a gloo/NCCL worker thread
+    # still winding down can abort the process ("terminate called without an active
+    # exception") after the run has finished and written everything, turning exit 0/143 into
+    # SIGABRT.  Everything the run writes is flushed and fsynced before this point.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+raise SystemExit(code)

@@ -273,4 +273,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # os._exit: skip C++ static destructors, which can abort a gloo worker at exit under load
+    # ("terminate called without an active exception") after its result is written.
+    _code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_code)
