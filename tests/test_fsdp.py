@@ -124,6 +124,29 @@ def test_global_norm_clip_equal_to_rounding(equivalence):
     assert _equal(torch.load(out / "adamw_clip.pt"), refs["adamw_clip"]) <= 1e-6
 
 
+def test_muon_on_whole_matrices_under_sharding(equivalence):
+    """pf.muon on shards (owner-rank Newton-Schulz of each whole matrix, round-robin) equals one
+    process up to batched-matmul rounding (the owner batches fewer matrices per shape)."""
+    out, refs, _ = equivalence
+    sharded = torch.load(out / "muon.pt")
+    assert _equal(sharded, refs["muon"]) <= 1e-5
+    assert _equal(sharded, H.full_params(H.tiny_model(H.CHAINS["muon"][1]))) > 1e-3
+
+
+def test_hyperball_and_adagc_under_sharding(equivalence):
+    """adagc → adam → hyperball on shards: the same weights as one process (to all-reduce
+    rounding: shard sums are added in another order), and every matrix keeps its initial norm R."""
+    out, refs, _ = equivalence
+    sharded = torch.load(out / "hyperball.pt")
+    assert _equal(sharded, refs["hyperball"]) <= 1e-5
+    init = H.full_params(H.tiny_model(H.CHAINS["hyperball"][1]))
+    for name, w in sharded.items():
+        if w.ndim >= 2:
+            r0, r1 = init[name].norm().item(), w.norm().item()
+            assert abs(r1 - r0) <= 1e-5 * r0, (name, r0, r1)
+    assert _equal(sharded, init) > 1e-3  # it trained
+
+
 def test_sharded_per_tensor_norms(equivalence):
     _, _, (r0, r1) = equivalence
     for r in (r0, r1):
@@ -238,8 +261,10 @@ def test_unaware_transforms_are_named():
 
     assert unaware_transforms(pf.adamw(1e-3)) == []
     assert unaware_transforms(pf.chain(pf.clip_by_global_norm(1.0), pf.lion(1e-4))) == []
-    assert unaware_transforms(pf.adamh(1e-2)) == ["hyperball (per_tensor)"]
-    assert unaware_transforms(pf.adamh(1e-2), trust=("hyperball",)) == []
+    assert unaware_transforms(pf.adamh(1e-2)) == []  # hyperball forwards reduce_sum
+    assert unaware_transforms(pf.muon(1e-3)) == []  # Newton-Schulz on whole matrices via whole_tensors
+    assert unaware_transforms(pf.chain(pf.scale_by_sage(), pf.scale_by_learning_rate(1e-3))) == ["scale_by_sage (matrix)"]
+    assert unaware_transforms(pf.chain(pf.scale_by_sage(), pf.scale_by_learning_rate(1e-3)), trust=("scale_by_sage",)) == []
 
 
 def test_reduce_hook_is_applied_once_per_tree():

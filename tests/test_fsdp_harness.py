@@ -91,6 +91,9 @@ CHAINS = {
     "lion": (lambda: pf.lion(1e-3, weight_decay=0.1), False),  # untied head
     "adamw_clip": (lambda: pf.chain(pf.clip_by_global_norm(0.05), pf.adamw(3e-3, weight_decay=0.1)), True),
     "matrix": (lambda: pf.chain(whole_matrix_transform(), pf.scale_by_learning_rate(1e-2)), True),
+    # per-tensor norms from shard-local sums + all-reduce (adagc's clip, hyperball's sphere)
+    "hyperball": (lambda: pf.chain(pf.adagc(warmup_steps=3), pf.scale_by_adam(b2=0.95), pf.hyperball(1e-2)), True),
+    "muon": (lambda: pf.muon(1e-2, ns_dtype=torch.float32, weight_decay=0.1), False),
 }
 TRUST = ("whole_matrix_ns",)
 

@@ -62,7 +62,7 @@ def adagc(lambda_rel: float = 1.05, beta: float = 0.98, lambda_abs: float = 1.0,
     check_range("eps", eps, 0.0, None, who=who)
 
     def init(params, **extra):
-        sq = per_tensor_sumsq(params, extra.get("layout"))
+        sq = per_tensor_sumsq(params, extra.get("layout"), extra.get("reduce_sum"))
         return AdaGCState(zero_count(params), T.tree_map(torch.zeros_like, sq))
 
     def update(updates, state, params=None, **extra):
@@ -70,7 +70,7 @@ def adagc(lambda_rel: float = 1.05, beta: float = 0.98, lambda_abs: float = 1.0,
         count = increment(state.count)
         first = count == 1
         warm = (count < warmup_steps) | first
-        sq = per_tensor_sumsq(updates, layout)
+        sq = per_tensor_sumsq(updates, layout, extra.get("reduce_sum"))  # sharded: all-reduced
         norms = T.tree_map(torch.sqrt, sq)
         total = None
         for x in T.leaves(sq):

@@ -64,7 +64,7 @@ def hyperball(learning_rate, mask=None, eps: float = 1e-12) -> Transform:
     def init(params, **extra):
         layout = extra.get("layout")
         count = zero_count(params)
-        radius = T.tree_map(torch.sqrt, per_tensor_sumsq(params, layout))
+        radius = T.tree_map(torch.sqrt, per_tensor_sumsq(params, layout, extra.get("reduce_sum")))
         return HyperballState(count, _lr_value(learning_rate, count), radius)
 
     def update(updates, state, params=None, **extra):
@@ -73,7 +73,8 @@ def hyperball(learning_rate, mask=None, eps: float = 1e-12) -> Transform:
         layout = extra.get("layout")
         lr = _lr_value(learning_rate, state.count)
         labels = group_label(layout, updates, constrained)
-        u_norm = T.tree_map(torch.sqrt, per_tensor_sumsq(updates, layout))
+        rsum = extra.get("reduce_sum")  # sharded: shard-local sums, all-reduced
+        u_norm = T.tree_map(torch.sqrt, per_tensor_sumsq(updates, layout, rsum))
 
         # W̃ = W − (η R/‖u‖) u, in fp32 (on unconstrained leaves the result is discarded)
         coef = T.tree_map(lambda r, n: lr.to(torch.float32) * r / n.clamp(min=eps), state.radius, u_norm)
@@ -82,7 +83,7 @@ def hyperball(learning_rate, mask=None, eps: float = 1e-12) -> Transform:
         tilde = T.tree_map(lambda p, s: p.to(s.dtype) - s, params, step)
         # W' = R W̃/‖W̃‖ ; emit W' − W
         shrink = T.tree_map(lambda r, n: r / n.clamp(min=eps), state.radius,
-                            T.tree_map(torch.sqrt, per_tensor_sumsq(tilde, layout)))
+                            T.tree_map(torch.sqrt, per_tensor_sumsq(tilde, layout, rsum)))
         proj = per_tensor_apply(lambda w, s: w * s.to(w.dtype), tilde, shrink, layout=layout)
         on_sphere = T.tree_map(lambda w, p, u: (w - p.to(w.dtype)).to(u.dtype), proj, params, updates)
 

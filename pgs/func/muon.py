@@ -180,6 +180,7 @@ def scale_by_muon(
         m_leaves = T.leaves(state.mu)
         if len(m_leaves) != len(g_leaves):
             raise TreeMismatch(f"scale_by_muon: {len(g_leaves)} updates but {len(m_leaves)} momentum buffers")
+        paths = T.paths(updates)
         new_m, mats, where = [], [], []
         for g, m in zip(g_leaves, m_leaves):
             if g is None:
@@ -191,14 +192,22 @@ def scale_by_muon(
             m32 = m.to(cd).lerp(g32, one_minus)
             u = g32.lerp(m32, mom) if nesterov else m32
             new_m.append(m32.to(m.dtype))
-            mats.append(as_matrix(u))
+            mats.append(u)
             where.append(len(new_m) - 1)
-        orth = orthogonalize(mats, ns_steps, ns_coefficients, eps, ns_dtype)
+
+        def op(whole: list[torch.Tensor]) -> list[torch.Tensor]:
+            # r(A, B)·NS(U) of whole tensors: under FSDP2 the shape factor is the full matrix's
+            as_mats = [as_matrix(t) for t in whole]
+            orth = orthogonalize(as_mats, ns_steps, ns_coefficients, eps, ns_dtype)
+            return [(o.to(t.dtype) * adjust_ratio(a.shape[0], a.shape[1], adjust_lr)).reshape(t.shape)
+                    for o, a, t in zip(orth, as_mats, whole)]
+
+        # sharded: each matrix is gathered to an owner rank, orthogonalized, re-sharded
+        hook = extra.get("whole_tensors")
+        done = op(mats) if hook is None else hook(op, [paths[i] for i in where], mats)
         out = [None] * len(g_leaves)
         for k, i in enumerate(where):
-            g = g_leaves[i]
-            r = adjust_ratio(mats[k].shape[0], mats[k].shape[1], adjust_lr)
-            out[i] = (orth[k].to(compute_dtype(g)) * r).reshape(g.shape).to(g.dtype)
+            out[i] = done[k].to(g_leaves[i].dtype)
         mu_tree = T.unflatten(new_m, spec)
         return T.unflatten(out, spec), ScaleByMuonState(increment(state.count), mu_tree)
 

@@ -79,7 +79,7 @@ def zclip(alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 25, mo
 
     def update(updates, state, params=None, **extra):
         count = increment(state.count)
-        g = global_norm(updates, extra.get("layout"))
+        g = global_norm(updates, extra.get("layout"), extra.get("reduce_sum"))
         alpha_, z_thr, eps_, cf = (_f32(v, g) for v in (alpha, z_thresh, eps, clip_factor))
         cap = None if max_grad_norm is None else _f32(max_grad_norm, g)
         finite = torch.isfinite(g)

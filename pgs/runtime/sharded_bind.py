@@ -44,7 +44,8 @@ from pgs.runtime.distributed import reshard
 
 #: Leaf transforms (by name) that are not elementwise and forward ``reduce_sum`` /
 #: ``whole_tensors`` (see the module docstring).  A transform joins by forwarding them.
-SHARD_AWARE = frozenset({"clip_by_global_norm", "clip_by_norm_per_tensor"})
+SHARD_AWARE = frozenset({"clip_by_global_norm", "clip_by_norm_per_tensor", "hyperball", "adagc", "zclip",
+                         "scale_by_muon"})
 #: Prefix of per-rank state keys in a checkpoint.
 RANK_KEY = "__rank{rank}__"
 
