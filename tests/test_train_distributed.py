@@ -166,16 +166,5 @@ def test_the_global_batch_must_split_over_the_processes(tmp_path, monkeypatch):
     assert not (tmp_path / "odd").exists()
 
 
-def test_gradient_release_is_refused_with_several_processes(tmp_path, monkeypatch):
-    import attrs
-
-    from pgs.errors import SpecError
-    from pgs.runtime.distributed import DistContext
-    from pgs.runtime.spec import load_spec
-    from pgs.runtime.train import setup
-
-    spec = load_spec(spec_for(tmp_path, "rel", ranks=2), ["optimizer.clip=0"])
-    spec = attrs.evolve(spec, memory=attrs.evolve(spec.memory, gradient_release=True))
-    ctx = DistContext(0, 2, 0, torch.device("cpu"), object(), "gloo")  # a stand-in: refused before any use
-    with pytest.raises(SpecError, match="memory.gradient_release: not available with several processes"):
-        setup(spec, ctx)
+# memory.gradient_release with several processes is no longer refused: it runs per FSDP unit
+# (pgs.runtime.sharded_release), checked end to end in tests/test_fsdp_release.py.

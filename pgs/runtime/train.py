@@ -14,7 +14,8 @@ whose labels are all masked adds 0, not 0/0.
 
 Memory (``[memory]``, docs/memory.md): Liger kernels, activation checkpointing and
 per-layer ``torch.compile`` are applied to the model in :func:`setup`; with
-``gradient_release`` the chain is bound by ``GradientRelease`` and runs inside backward, so a
+``gradient_release`` the chain is bound by ``GradientRelease`` (with several processes
+``ShardedGradientRelease``, one FSDP unit after its reduce-scatter) and runs inside backward, so a
 step's loss is computed and its finiteness agreed on *before* backward, and a non-finite
 step never calls backward (no state changes).
 
@@ -66,7 +67,7 @@ class Run:
     device: torch.device
     model: Any
     tokenizer: Any
-    bound: Any  # BoundOptimizer, GradientRelease or ShardedBoundOptimizer
+    bound: Any  # BoundOptimizer, GradientRelease, ShardedBoundOptimizer or ShardedGradientRelease
     stream: TrainStream
     objective: Any
     total_steps: int
@@ -149,9 +150,6 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
     mem = spec.memory
     if sharded:
         check_world_size(spec.train, world)
-        if mem.gradient_release:
-            raise SpecError("memory.gradient_release: not available with several processes (FSDP2 reduces "
-                            "gradients after backward); set memory.gradient_release = false or run one process")
     seed_everything(spec.train.seed)
     device = ctx.device if sharded else _device(spec.train.device)
     m = spec.model
@@ -176,7 +174,15 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
         from pgs.runtime.sharded_bind import bind_sharded
 
         D.shard_model(model, ctx.mesh, mixed_precision=mixed)
-        bound = bind_sharded(chain, model, stochastic_rounding=mem.stochastic_rounding)
+        if mem.gradient_release:
+            # each FSDP unit's chain runs right after its reduce-scatter, inside backward; a bf16
+            # model already has fp32 sharded masters (mixed precision), so master_weights adds nothing
+            from pgs.runtime.sharded_release import ShardedGradientRelease
+
+            bound = ShardedGradientRelease(chain, model, stochastic_rounding=mem.stochastic_rounding,
+                                           grad_accum=spec.train.grad_accum)
+        else:
+            bound = bind_sharded(chain, model, stochastic_rounding=mem.stochastic_rounding)
     elif mem.gradient_release:
         from pgs.runtime.release import GradientRelease
 
@@ -195,7 +201,7 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
         stream=stream, objective=spec.build_objective(), total_steps=total,
         micro_batch=spec.train.batch_size // (spec.train.grad_accum * world), noise=noise,
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
-        chain_has_norm="grad_norm" in bound.last_metrics(), release=bool(mem.gradient_release and not sharded),
+        chain_has_norm="grad_norm" in bound.last_metrics(), release=bool(mem.gradient_release),
         ctx=ctx if sharded else None,
     )
 
