@@ -38,6 +38,9 @@ CHAINS = {
     # collectives inside the hooks: reduce_sum (per-tensor norms), whole_tensors (Newton-Schulz)
     "clip_pt": (lambda: pf.chain(pf.clip_by_norm_per_tensor(0.05), pf.adamw(3e-3)), True),
     "muon": (lambda: pf.muon(1e-2, ns_dtype=torch.float32, weight_decay=0.1), False),
+    # layer 0 holds a parameter that forward never uses: no gradient, so that unit steps at the
+    # end of backward (zeros for the missing gradient, as bind_sharded)
+    "adamw_unused": H.CHAINS["adamw"],
 }
 
 
@@ -46,7 +49,10 @@ def build(name: str, ctx, *, release: bool):
     from pgs.runtime.sharded_release import ShardedGradientRelease
 
     factory, tied = CHAINS[name]
-    model = D.shard_model(H.tiny_model(tied), ctx.mesh)
+    model = H.tiny_model(tied)
+    if name.endswith("_unused"):
+        model.model.layers[0].register_parameter("pgs_unused", torch.nn.Parameter(torch.ones(8, 4)))
+    model = D.shard_model(model, ctx.mesh)
     opt = ShardedGradientRelease(factory(), model) if release else bind_sharded(factory(), model)
     return model, opt
 
