@@ -14,9 +14,9 @@ from pgs.func import kernels as K
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count
 from pgs.func.base import ELEMENTWISE, EmptyState, Transform, chain, check_range, hp_in, identity
-from pgs.func.kernels.fused import FusedTransform, apply_fp32, hp_tensor, learning_rate_value, one_minus, sr_seed
+from pgs.func.kernels.fused import FusedTransform, apply_fp32, hp_tensor, one_minus, sr_seed
 from pgs.func.layout import group_label
-from pgs.func.learning_rate import ScaleByLearningRateState, scale_by_learning_rate
+from pgs.func.learning_rate import ScaleByLearningRateState, lr_value, scale_by_learning_rate
 from pgs.func.lion8bit import _nonzero, check_8bit_args, check_layout
 from pgs.func.quant8 import Quantized8bit, init_moment, is_8bit_eligible, load_moment, moment_leaves, store_moment
 from pgs.func.weight_decay import add_decayed_weights, mask_fn
@@ -160,7 +160,7 @@ def adamw8bit(
             return None
         n_dir, n_dec, n_lr = list(state)
         s_dir, s_lr = state[n_dir], state[n_lr]
-        lr = learning_rate_value(learning_rate, s_lr.count)
+        lr = lr_value(learning_rate, s_lr.count)
         count = increment(s_dir.count)
         bc1, bc2 = _bias_corrections(count, b1, b2)
         labels = group_label(layout, fg, fn) if fn is not None else None

@@ -15,9 +15,9 @@ from pgs.func import kernels as K
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count
 from pgs.func.base import ELEMENTWISE, EmptyState, Transform, chain, check_range, identity
-from pgs.func.kernels.fused import FusedTransform, apply_fp32, hp_tensor, learning_rate_value, one_minus, sr_seed
+from pgs.func.kernels.fused import FusedTransform, apply_fp32, hp_tensor, one_minus, sr_seed
 from pgs.func.layout import group_label
-from pgs.func.learning_rate import ScaleByLearningRateState, scale_by_learning_rate
+from pgs.func.learning_rate import ScaleByLearningRateState, lr_value, scale_by_learning_rate
 from pgs.func.quant8 import (
     Quantized8bit,
     init_moment,
@@ -172,7 +172,7 @@ def lion8bit(
         n_dir, n_dec, n_lr = list(state)
         s_dir, s_lr = state[n_dir], state[n_lr]
         count = s_lr.count
-        lr = learning_rate_value(learning_rate, count)
+        lr = lr_value(learning_rate, count)
         labels = group_label(layout, fg, fn) if fn is not None else None
         w1, w2 = one_minus(b1), one_minus(b2)
         new_p, new_mu = {}, {}

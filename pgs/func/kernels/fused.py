@@ -53,15 +53,6 @@ def one_minus(x):
     return 1.0 - x
 
 
-def learning_rate_value(lr, count: torch.Tensor) -> torch.Tensor:
-    """η_t as a float64 0-d tensor on count's device (as ``scale_by_learning_rate`` computes it)."""
-    if callable(lr) and not isinstance(lr, torch.Tensor):
-        return lr(count).to(dtype=torch.float64, device=count.device)
-    if isinstance(lr, torch.Tensor):
-        return lr.to(dtype=torch.float64, device=count.device)
-    return torch.full((), float(lr), dtype=torch.float64, device=count.device)
-
-
 def sr_seed(count: torch.Tensor, group_index: int) -> torch.Tensor:
     """A per-step, per-group Philox seed as an int64 device tensor (no host sync)."""
     return (count.to(torch.int64) * 1_000_003 + (group_index + 1) * 7919).reshape(1)
