@@ -16,7 +16,6 @@ import difflib
 import math
 import os
 import re
-import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, Iterable
 
@@ -24,6 +23,7 @@ import attrs
 
 from pgs.errors import SpecError
 from pgs.runtime.data.config import DataConfig, DataSource
+from pgs.runtime.spec_toml import dumps, parse_value, read_toml  # noqa: F401  (re-exported)
 
 #: ``"pgs:quickstart/train.jsonl"`` names a file bundled with the package.
 ASSET_PREFIX = "pgs:"
@@ -401,27 +401,6 @@ def _section_dict(section) -> dict:
 # --------------------------------------------------------------------------- loading
 
 
-def read_toml(path: str | os.PathLike) -> dict:
-    """Parse a TOML file; a syntax error becomes ``SpecError('file:line: ...')``."""
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such spec file") from None
-    except IsADirectoryError:
-        raise SpecError(f"{path}: is a folder, expected a spec file (.toml)") from None
-    except UnicodeDecodeError as err:
-        raise SpecError(f"{path}: not UTF-8 text ({err.reason})") from None
-    except tomllib.TOMLDecodeError as err:
-        text = str(err)
-        m = re.search(r"\(at line (\d+), column (\d+)\)", text)
-        msg = text[: m.start()].strip() if m else text
-        where = f"{path}:{m.group(1)}:{m.group(2)}" if m else f"{path}"
-        if not m and "end of document" in text:
-            where = f"{path}:end"
-        raise SpecError(f"{where}: invalid TOML: {msg}") from None
-
-
 _SEGMENT = re.compile(r"^([A-Za-z0-9_\-]+)(?:\[(\d+)\])?$")
 
 #: Setting one of these on the command line drops the other from the file (the command line wins);
@@ -434,16 +413,6 @@ _EXCLUSIVE = {
     ("model", "path"): ("model", "config"),
     ("model", "config"): ("model", "path"),
 }
-
-
-def parse_value(text: str):
-    """A ``--set`` value as TOML (``20``, ``"lion"``, ``[1, 2]``, ``{a = 1}``); a bare word is a string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        if text and not any(c in text for c in "[]{}\"'=\n"):
-            return text
-        raise SpecError(f"--set: cannot read {text!r} as a TOML value (quote strings: 'key=\"text\"')") from None
 
 
 def apply_override(raw: dict, assignment: str) -> None:
@@ -692,60 +661,3 @@ def load_spec(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Spec:
     for assignment in overrides:
         apply_override(raw, assignment)
     return spec_from_dict(raw, Path(path).resolve().parent, source=str(Path(path).resolve()))
-
-
-# --------------------------------------------------------------------------- TOML writer
-
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
-
-
-def _key(k: str) -> str:
-    return k if _BARE_KEY.match(k) else _string(k)
-
-
-def _string(s: str) -> str:
-    out = []
-    for ch in s:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def _value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)
-    if isinstance(v, str):
-        return _string(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        if not v:
-            return "{}"
-        return "{ " + ", ".join(f"{_key(str(k))} = {_value(x)}" for k, x in v.items() if x is not None) + " }"
-    raise SpecError(f"cannot write {type(v).__name__} {v!r} as TOML")
-
-
-def dumps(tables: dict[str, dict]) -> str:
-    """TOML text for ``{section: {key: value}}``: one ``[section]`` each, inline nested values."""
-    lines: list[str] = []
-    for name, table in tables.items():
-        lines.append(f"[{_key(name)}]")
-        lines.extend(f"{_key(k)} = {_value(v)}" for k, v in table.items() if v is not None)
-        lines.append("")
-    return "\n".join(lines)
