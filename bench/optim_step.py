@@ -64,7 +64,6 @@ def copy_bandwidth(device, numel, run):
 
 def make_model(shapes, device, dtype):
     params = torch.nn.ParameterDict()
-    mods = {}
     for name, shape in shapes.items():
         key = name.replace(".", "_")
         p = torch.nn.Parameter(torch.randn(shape, device=device, dtype=dtype) * 0.02)

@@ -437,7 +437,7 @@ def print_summary(spec, facts: dict) -> None:
     table = Table(title=f"pgs validate: {spec.source}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
-    m, t, s, o = spec.model, spec.train, spec.schedule, spec.optimizer
+    m, t, s = spec.model, spec.train, spec.schedule
     table.add_row("model", (m.path or "random init") + f"  [{facts.get('model', '')}]")
     table.add_row("parameters", facts.get("parameters", "?") + (f", frozen {facts['frozen']}" if "frozen" in facts else ""))
     table.add_row("dtype / attention", f"{m.dtype} / {m.attn_implementation}")

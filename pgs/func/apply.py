@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from pgs.errors import InvalidArgument
 from pgs.func import tree as T
 
 

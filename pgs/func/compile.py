@@ -20,7 +20,7 @@ Gradients that already are views of the layout's buffers (the runtime arranges t
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 

@@ -17,7 +17,6 @@ Everything else falls back to the generic ``torch.compile`` graph.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import attrs
 import torch
@@ -54,7 +53,6 @@ def match(opt) -> FusedPlan | None:
     kinds = [f[0] for _, f in items]
     if kinds not in (["adam", "lr"], ["adam", "decay", "lr"], ["lion", "lr"], ["lion", "decay", "lr"]):
         return None
-    d = dict(items)
     direction = items[0][1][1]
     if not all(_is_number(v) for v in direction.values()):
         return None

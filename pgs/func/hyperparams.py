@@ -7,7 +7,6 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from pgs.errors import InvalidArgument
 from pgs.func._common import device_of, increment, zero_count
 from pgs.func.base import Transform
 from pgs.func.layout import call_init, call_update

@@ -42,12 +42,12 @@ import attrs
 import numpy as np
 import torch
 
-from pgs.errors import EXIT_OK, EXIT_WALL_BUDGET, HaltError, PreflightRefused, SpecError
+from pgs.errors import EXIT_OK, EXIT_WALL_BUDGET, HaltError, PreflightRefused
 from pgs.func.losses import neftune, token_loss
 from pgs.runtime import checkpoint as ckpt
 from pgs.runtime import control
 from pgs.runtime import distributed as D
-from pgs.runtime.bind import BoundOptimizer, bind
+from pgs.runtime.bind import bind
 from pgs.runtime.data import EvalStream, TrainStream, require_packing_isolation
 from pgs.runtime.evaluate import eval_loss, read_samples, task_accuracy, task_checker
 from pgs.runtime.export import export_hf
