@@ -38,6 +38,8 @@ def clip_by_global_norm(max_norm: float) -> Transform:
     The incoming norm is kept in state (``state.norm``): it is the "grad norm" that the
     runtime logs.  A zero gradient is left unchanged.  Global: needs the whole tree, so it
     cannot run inside backward with gradient release.
+
+    Paper: Pascanu, Mikolov & Bengio, "On the difficulty of training RNNs", arXiv 1211.5063.
     """
     check_range("max_norm", max_norm, 0.0, None, lo_open=True, who="clip_by_global_norm")
 
@@ -62,7 +64,11 @@ class ClipByNormPerTensorState(NamedTuple):
 
 
 def clip_by_norm_per_tensor(max_norm: float) -> Transform:
-    """Scale each tensor so that its own norm is at most ``max_norm``: ĝ_i = g_i·c/max(‖g_i‖, c)."""
+    """Scale each tensor so that its own norm is at most ``max_norm``: ĝ_i = g_i·c/max(‖g_i‖, c).
+
+    Per-tensor, so it can run inside backward (gradient release) and on FSDP2 shards (the norm
+    is all-reduced through ``extra["reduce_sum"]``).  Paper: arXiv 1211.5063 (norm clipping).
+    """
     check_range("max_norm", max_norm, 0.0, None, lo_open=True, who="clip_by_norm_per_tensor")
 
     def init(params, **extra):

@@ -63,6 +63,7 @@ def cosine_schedule(peak: float, warmup: int, total: int, final: float = 0.0, in
     η(t) = final + (peak − final)·½(1 + cos(π·min(t − W, D)/D))      for t ≥ W, D = total − W
 
     Same values as ``optax.warmup_cosine_decay_schedule(init, peak, W, total, final)``.
+    Paper: Loshchilov & Hutter, "SGDR", arXiv 1608.03983 (cosine annealing).
     """
     _nonneg("cosine_schedule", peak=peak, warmup=warmup, total=total, final=final, init=init)
     if total < warmup:
