@@ -117,6 +117,42 @@ def refusal(chain: pf.Transform, grad_accum: int = 1) -> str | None:
     return walk(chain, f"the chain ({chain.name})" if chain.name != "chain" else "chain")
 
 
+class Arrivals:
+    """Per-backward bookkeeping of gradient release: which groups have all their gradients.
+
+    ``hook_for(group)`` makes a post-accumulate-grad hook.  The first hook of a backward
+    calls ``on_start()`` and queues ``on_end`` on the autograd engine (it runs once the whole
+    backward is over); when the last parameter of a group arrives, ``on_complete(group)``
+    runs.  ``pending()`` lists the groups not stepped yet; ``reset()`` ends the backward.
+    """
+
+    def __init__(self, groups: dict[str, list[str]], *, on_complete: Callable[[str], None],
+                 on_start: Callable[[], None], on_end: Callable[[], None]):
+        self.sizes = {g: len(names) for g, names in groups.items()}
+        self.on_complete, self.on_start, self.on_end = on_complete, on_start, on_end
+        self.reset()
+
+    def reset(self) -> None:
+        self.arrived = dict.fromkeys(self.sizes, 0)
+        self.done: set[str] = set()
+        self.active = False  # inside a backward that has released something
+
+    def hook_for(self, group: str):
+        def hook(p: torch.Tensor) -> None:
+            if not self.active:
+                self.active = True
+                self.on_start()
+                torch.autograd.Variable._execution_engine.queue_callback(self.on_end)
+            self.arrived[group] += 1
+            if self.arrived[group] == self.sizes[group] and group not in self.done:
+                self.on_complete(group)
+
+        return hook
+
+    def pending(self) -> list[str]:
+        return [g for g in self.sizes if g not in self.done]
+
+
 class GradientRelease:
     """A pure chain applied inside backward, group by group.  See the module docstring.
 
@@ -181,30 +217,15 @@ class GradientRelease:
                                 if p.dtype in (torch.bfloat16, torch.float16)}
         self.states = {g: chain.init(self._param_tree(g)) for g in self.groups}
         self.steps = 0  # completed optimizer steps (backward passes)
-        self._arrived = dict.fromkeys(self.groups, 0)
-        self._done: set[str] = set()
-        self._in_backward = False
         self._sumsq: torch.Tensor | None = None
         self._last_sumsq: torch.Tensor | None = None
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(n)) for n, p in params.items()]
+        self._arrivals = Arrivals(self.groups, on_complete=self._step_group, on_start=self._begin, on_end=self.finish)
+        self._handles = [p.register_post_accumulate_grad_hook(self._arrivals.hook_for(self._group_of[n]))
+                         for n, p in params.items()]
 
     # -- the hooks --------------------------------------------------------------------------
-    def _hook_for(self, name: str):
-        group = self._group_of[name]
-
-        def hook(p: torch.Tensor) -> None:
-            if not self._in_backward:
-                self._in_backward = True
-                self._sumsq = None
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._arrived[group] += 1
-            if self._arrived[group] == len(self.groups[group]) and group not in self._done:
-                self._step_group(group)
-
-        return hook
-
-    def _end_of_backward(self) -> None:
-        self.finish()
+    def _begin(self) -> None:
+        self._sumsq = None
 
     def _param_tree(self, group: str) -> dict[str, torch.Tensor]:
         return {n: self.masters.get(n, self.params[n]).detach() for n in self.groups[group]}
@@ -226,7 +247,7 @@ class GradientRelease:
         for n in names:
             self.params[n].grad = None
             self._apply(n, params[n], updates[n])
-        self._done.add(group)
+        self._arrivals.done.add(group)
 
     def _apply(self, name: str, param: torch.Tensor, update: torch.Tensor) -> None:
         """θ ← θ + u (``pf.apply_updates``), slab by slab, so that the fp32 temporaries of a
@@ -255,14 +276,11 @@ class GradientRelease:
 
         Runs by itself at the end of every backward; calling it again is a no-op.
         """
-        if not self._in_backward:
+        if not self._arrivals.active:
             return
-        for g in self.groups:
-            if g not in self._done:
-                self._step_group(g)
-        self._arrived = dict.fromkeys(self.groups, 0)
-        self._done = set()
-        self._in_backward = False
+        for g in self._arrivals.pending():
+            self._step_group(g)
+        self._arrivals.reset()
         self._last_sumsq = self._sumsq
         self.steps += 1
 

@@ -57,7 +57,7 @@ import torch.distributed as dist
 import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
-from pgs.runtime.release import refusal
+from pgs.runtime.release import Arrivals, refusal
 from pgs.runtime.sharded_bind import RANK_KEY, ShardedBoundOptimizer, _is_dtensor, local, unaware_transforms
 
 #: Group key of the parameters that the root FSDP unit manages (embeddings, final norm, head).
@@ -157,9 +157,6 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         with torch.no_grad():
             self.states = {u: chain.init(self._unit_params(u), **self.hooks()) for u in self.units}
         self.steps = 0  # completed optimizer steps (backward passes)
-        self._arrived = dict.fromkeys(self.units, 0)
-        self._done: set[str] = set()
-        self._in_backward = False
         self._finishing = False
         self._streamed = 0
         #: units stepped by the hooks (as their reduce-scatter finished) in the last backward;
@@ -167,7 +164,11 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         self.last_streamed = 0
         self._sumsq: torch.Tensor | None = None
         self._last_sumsq: torch.Tensor | None = None
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(n)) for n, p in params.items()]
+        # on_end is queued after FSDP2's root final callback (queued at the root's pre-backward),
+        # so the root unit's reduce-scatter and hooks have run when finish() runs
+        self._arrivals = Arrivals(self.units, on_complete=self._step_unit, on_start=self._begin, on_end=self.finish)
+        self._handles = [p.register_post_accumulate_grad_hook(self._arrivals.hook_for(self._unit_of[n]))
+                         for n, p in params.items()]
 
     # ``ShardedBoundOptimizer`` keeps one state; here it is one per unit.
     @property
@@ -179,21 +180,8 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         self.states = value
 
     # -- the hooks --------------------------------------------------------------------------
-    def _hook_for(self, name: str):
-        unit = self._unit_of[name]
-
-        def hook(p: torch.Tensor) -> None:
-            if not self._in_backward:
-                self._in_backward = True
-                self._sumsq = None
-                # queued after FSDP2's root final callback (queued at the root's pre-backward),
-                # so the root unit's reduce-scatter and hooks have run when it runs
-                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-            self._arrived[unit] += 1
-            if self._arrived[unit] == len(self.units[unit]) and unit not in self._done:
-                self._step_unit(unit)
-
-        return hook
+    def _begin(self) -> None:
+        self._sumsq = None
 
     def _unit_params(self, unit: str) -> dict[str, torch.Tensor]:
         return {n: local(self.params[n]).detach() for n in self.units[unit]}
@@ -216,8 +204,8 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         new = pf.apply_updates(params, updates, stochastic_rounding=self.stochastic_rounding)
         for n in names:
             params[n].copy_(new[n])
-        self._done.add(unit)
-        if self._in_backward and not self._finishing:
+        self._arrivals.done.add(unit)
+        if self._arrivals.active and not self._finishing:
             self._streamed += 1
 
     # -- the public surface -----------------------------------------------------------------
@@ -225,19 +213,16 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         """Step the units that this backward has not stepped (zeros for missing gradients),
         and all-reduce the step's Σ‖g‖².  Runs by itself at the end of every backward; a no-op
         otherwise.  Collective: every rank runs the same backwards."""
-        if not self._in_backward:
+        if not self._arrivals.active:
             return
         self._finishing = True
         try:
-            for u in self.units:
-                if u not in self._done:
-                    self._step_unit(u)
+            for u in self._arrivals.pending():
+                self._step_unit(u)
         finally:
             self._finishing = False
         self.last_streamed, self._streamed = self._streamed, 0
-        self._arrived = dict.fromkeys(self.units, 0)
-        self._done = set()
-        self._in_backward = False
+        self._arrivals.reset()
         if self._sumsq is not None:
             self._last_sumsq = self.reduce_sum({"s": self._sumsq.reshape(1)})["s"][0]
         self.steps += 1
