@@ -32,6 +32,20 @@ from pgs.func import tree as T
 _LAYOUT_KEY = "__pgs_layout__"
 
 
+def trainable_parameters(module_or_params, who: str) -> dict[str, torch.Tensor]:
+    """``{name: parameter}`` of the trainable parameters of a module or a name -> Parameter dict
+    (tied weights once); an empty set or another type is refused, naming ``who``."""
+    if isinstance(module_or_params, torch.nn.Module):
+        params = {n: p for n, p in module_or_params.named_parameters() if p.requires_grad}
+    elif isinstance(module_or_params, dict):
+        params = {n: p for n, p in module_or_params.items() if p.requires_grad}
+    else:
+        raise InvalidArgument(f"{who}: expected an nn.Module or a dict name -> Parameter")
+    if not params:
+        raise InvalidArgument(f"{who}: the module has no trainable parameters")
+    return params
+
+
 class BoundOptimizer:
     """A pure chain bound to live parameters.  See the module docstring."""
 
@@ -49,14 +63,7 @@ class BoundOptimizer:
     ):
         if not isinstance(chain, pf.Transform):
             raise InvalidArgument(f"bind: expected a pgs.func.Transform, got {type(chain).__name__}")
-        if isinstance(module_or_params, torch.nn.Module):
-            params = {n: p for n, p in module_or_params.named_parameters() if p.requires_grad}
-        elif isinstance(module_or_params, dict):
-            params = {n: p for n, p in module_or_params.items() if p.requires_grad}
-        else:
-            raise InvalidArgument("bind: expected an nn.Module or a dict name -> Parameter")
-        if not params:
-            raise InvalidArgument("bind: the module has no trainable parameters")
+        params = trainable_parameters(module_or_params, "bind")
         self.chain = chain
         self.params = params
         self.compiled = bool(compile)

@@ -57,6 +57,7 @@ import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import GLOBAL
+from pgs.runtime.bind import trainable_parameters
 
 _LAYOUT_KEY = "__pgs_release_groups__"
 _MASTER_PREFIX = "__master__."
@@ -115,6 +116,19 @@ def refusal(chain: pf.Transform, grad_accum: int = 1) -> str | None:
         return None
 
     return walk(chain, f"the chain ({chain.name})" if chain.name != "chain" else "chain")
+
+
+def release_metrics(states: dict, steps: int, last_sumsq: torch.Tensor | None) -> dict[str, Any]:
+    """What a release logs: the lr of the last step (read from the first group's state — every
+    group steps once per backward with the same schedule), ‖g‖ of the last backward, steps."""
+    out: dict[str, Any] = {"release_steps": steps}
+    for path, x in T.leaves_with_paths(next(iter(states.values()))):
+        if isinstance(x, torch.Tensor) and x.numel() == 1 and path.rsplit(".", 1)[-1] in ("lr", "learning_rate"):
+            out["lr"] = float(x)
+            break
+    if last_sumsq is not None:
+        out["grad_norm"] = float(last_sumsq.sqrt())
+    return out
 
 
 class Arrivals:
@@ -189,14 +203,7 @@ class GradientRelease:
             raise InvalidArgument(f"GradientRelease: {why}")
         if master_weights not in (None, *MASTER_DTYPES):
             raise InvalidArgument(f"GradientRelease: master_weights={master_weights!r} is not None or \"fp32\"")
-        if isinstance(model, torch.nn.Module):
-            params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        elif isinstance(model, dict):
-            params = {n: p for n, p in model.items() if p.requires_grad}
-        else:
-            raise InvalidArgument("GradientRelease: expected an nn.Module or a dict name -> Parameter")
-        if not params:
-            raise InvalidArgument("GradientRelease: the module has no trainable parameters")
+        params = trainable_parameters(model, "GradientRelease")
         for n, p in params.items():
             if not p.is_leaf:
                 raise InvalidArgument(f"GradientRelease: parameter {n!r} is not a leaf tensor")
@@ -342,15 +349,7 @@ class GradientRelease:
     def last_metrics(self) -> dict[str, Any]:
         """lr (used by the last step), grad_norm (‖g‖ over all gradients of the last backward,
         if tracked), and ``release_steps``."""
-        out: dict[str, Any] = {"release_steps": self.steps}
-        first = next(iter(self.states.values()))
-        for path, x in T.leaves_with_paths(first):
-            if isinstance(x, torch.Tensor) and x.numel() == 1 and path.rsplit(".", 1)[-1] in ("lr", "learning_rate"):
-                out["lr"] = float(x)
-                break
-        if self._last_sumsq is not None:
-            out["grad_norm"] = float(self._last_sumsq.sqrt())
-        return out
+        return release_metrics(self.states, self.steps, self._last_sumsq)
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer's state (chain states plus fp32 masters)."""

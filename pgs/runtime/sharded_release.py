@@ -57,7 +57,7 @@ import torch.distributed as dist
 import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
-from pgs.runtime.release import Arrivals, refusal
+from pgs.runtime.release import Arrivals, refusal, release_metrics
 from pgs.runtime.sharded_bind import RANK_KEY, ShardedBoundOptimizer, _is_dtensor, local, unaware_transforms
 
 #: Group key of the parameters that the root FSDP unit manages (embeddings, final norm, head).
@@ -252,15 +252,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
 
     def last_metrics(self) -> dict[str, Any]:
         """lr (used by the last step), grad_norm (of the last backward), ``release_steps``."""
-        out: dict[str, Any] = {"release_steps": self.steps}
-        first = next(iter(self.states.values()))
-        for path, x in T.leaves_with_paths(first):
-            if isinstance(x, torch.Tensor) and x.numel() == 1 and path.rsplit(".", 1)[-1] in ("lr", "learning_rate"):
-                out["lr"] = float(x)
-                break
-        if self._last_sumsq is not None:
-            out["grad_norm"] = float(self._last_sumsq.sqrt())
-        return out
+        return release_metrics(self.states, self.steps, self._last_sumsq)
 
     # -- state for checkpoints (as ShardedBoundOptimizer's, keys prefixed by the unit) ------
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
