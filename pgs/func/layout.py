@@ -241,8 +241,7 @@ def per_tensor_sumsq(tree, layout: Layout | None = None, reduce_sum: Callable | 
             out[k] = None
             continue
         g = layout.groups[k]
-        blocks = x.float().view(g.num_blocks, g.align).pow(2).sum(1)
-        out[k] = torch.zeros(g.num_tensors, dtype=torch.float32, device=x.device).index_add_(0, g.block_seg, blocks)
+        out[k] = _segment_sum(x.float().view(g.num_blocks, g.align).pow(2).sum(1), g)
     return reduced(out, reduce_sum)
 
 
@@ -256,9 +255,26 @@ def per_tensor_dot(a, b, layout: Layout | None = None, reduce_sum: Callable | No
             out[k] = None
             continue
         g = layout.groups[k]
-        blocks = (x.float() * b[k].float()).view(g.num_blocks, g.align).sum(1)
-        out[k] = torch.zeros(g.num_tensors, dtype=torch.float32, device=x.device).index_add_(0, g.block_seg, blocks)
+        out[k] = _segment_sum((x.float() * b[k].float()).view(g.num_blocks, g.align).sum(1), g)
     return reduced(out, reduce_sum)
+
+
+#: Partial sums per tensor in ``_segment_sum``: consecutive blocks go to different slots.
+SEGMENT_LANES = 64
+
+
+def _segment_sum(blocks: torch.Tensor, g: Group) -> torch.Tensor:
+    """``[num_blocks]`` block results summed per tensor: ``[num_tensors]`` fp32.
+
+    A tensor's blocks are consecutive, so a plain ``index_add`` over ``block_seg`` sends
+    thousands of atomic adds in a row to one address (compiled for the GPU: one atomic per
+    block), which the GPU serialises.  Block ``b`` adds into slot ``b % SEGMENT_LANES`` of its
+    tensor instead, and the slots are summed afterwards.
+    """
+    lanes = SEGMENT_LANES
+    idx = g.block_seg * lanes + torch.arange(g.num_blocks, device=blocks.device) % lanes
+    part = torch.zeros(g.num_tensors * lanes, dtype=torch.float32, device=blocks.device).index_add_(0, idx, blocks)
+    return part.view(g.num_tensors, lanes).sum(1)
 
 
 def reduced(sums, reduce_sum: Callable | None):
