@@ -6,6 +6,8 @@ Not a test.  Times one optimizer step over the 28 layers' hidden matrices
 - ``pgs``: ``pf.muon``'s Muon branch (momentum, one batched bf16 Newton–Schulz per oriented
   shape, decoupled decay, lr), update + apply;
 - ``torch``: ``torch.optim.Muon.step()`` (one matrix at a time);
+- ``fast[K]``: ``muon_fused_step`` (pre pass, batched NS with kernel K = cublas or a symmetric
+  Triton config, post pass), and pure NS per shape group with each kernel (TFLOP/s);
 
 and reports milliseconds and the ratio to the Newton–Schulz matmul floor:
 FLOPs(NS5 over all matrices) / peak (789 TFLOP/s dense bf16 by default, ``--peak-tflops``).
@@ -60,6 +62,19 @@ def timed(fn, device, warmup: int, iters: int) -> float:
     return (time.perf_counter() - t0) / iters * 1e3
 
 
+def group_flops(m: int, n: int, batch: int, steps: int = 5, symmetric: bool = False) -> float:
+    m, n = min(m, n), max(m, n)
+    per = (2 * m * m * n + m**3 + 2 * m * m * n) if symmetric else (4 * m * m * n + 2 * m**3)
+    return steps * per * batch
+
+
+def attempt(fn):
+    try:
+        return fn(), None
+    except Exception as e:  # a config that does not compile or fit is reported, not fatal
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", help="path of the JSON report")
@@ -68,7 +83,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--peak-tflops", type=float, default=789.0, help="dense bf16 peak used for the floor")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
+    ap.add_argument("--configs", default="all", help="symmetric-kernel configs, comma-separated, 'all' or 'none'")
     args = ap.parse_args()
+
+    import importlib
+
+    M = importlib.import_module("pgs.func.muon")  # the module (pgs.func.muon is also a function name)
+    from pgs.func.kernels import ns as NS
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     dtype = getattr(torch, args.dtype)
@@ -77,46 +98,155 @@ def main() -> None:
     params = {k: torch.randn(s, generator=gen).to(device=device, dtype=dtype) * 0.02 for k, s in smap.items()}
     grads = {k: torch.randn(s, generator=gen).to(device=device, dtype=dtype) for k, s in smap.items()}
     lr, wd = 0.02, 0.1
+    if args.configs == "all":
+        configs = list(NS.CONFIGS) if NS.HAVE_TRITON else []
+    elif args.configs == "none":
+        configs = []
+    else:
+        configs = args.configs.split(",")
+    if device.type != "cuda":
+        # CPU smoke: Triton runs only in the interpreter there (slow): one config, tiny sizes
+        configs = configs[:1] if NS.HAVE_TRITON and M._interpreting() else []
+    flops = ns_flops(smap)
+    floor_ms = flops / (args.peak_tflops * 1e12) * 1e3
+    results: dict[str, dict] = {}
+    t_start = time.perf_counter()
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "small": args.small, "param_dtype": args.dtype, "num_matrices": len(smap),
+            "ns_flops": flops, "peak_tflops": args.peak_tflops, "floor_ms": floor_ms, "iters": args.iters}
 
-    # pgs: the Muon branch of pf.muon (all matrices route to Muon), update + apply
-    opt = pf.chain(pf.scale_by_muon(), pf.add_decayed_weights(wd), pf.scale_by_learning_rate(lr))
-    state = {"s": opt.init(params), "p": params}
+    def dump(extra=None):  # written after every measurement: a crash keeps what was measured
+        with open(args.out, "w") as f:
+            json.dump({**meta, "results": results, **(extra or {})}, f, indent=2)
 
-    def pgs_step():
-        u, state["s"] = opt.update(grads, state["s"], state["p"])
-        state["p"] = pf.apply_updates(state["p"], u)
+    def record(name, ms, err=None, **more):
+        row = {"ms": ms, "over_floor": None if ms is None else ms / floor_ms, **more}
+        if err:
+            row["error"] = err
+        results[name] = row
+        shown = "failed: " + err if err else f"{ms:8.2f} ms  {ms / floor_ms:5.2f}x floor"
+        print(f"{name:34s} {shown}", flush=True)
+        dump()
 
+    # torch.optim.Muon (one matrix at a time)
     tparams = [torch.nn.Parameter(p.clone()) for p in params.values()]
     for tp, g in zip(tparams, grads.values()):
         tp.grad = g.clone()
     topt = torch.optim.Muon(tparams, lr=lr, weight_decay=wd)
+    record("torch.optim.Muon", timed(topt.step, device, args.warmup, args.iters))
+    del topt, tparams
 
-    ms_pgs = timed(pgs_step, device, args.warmup, args.iters)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    ms_torch = timed(topt.step, device, args.warmup, args.iters)
+    # the reference path: chain(scale_by_muon, add_decayed_weights, scale_by_learning_rate) + apply
+    opt = pf.chain(pf.scale_by_muon(), pf.add_decayed_weights(wd), pf.scale_by_learning_rate(lr))
+    state = {"s": opt.init(params), "p": {k: v.clone() for k, v in params.items()}}
 
-    flops = ns_flops(smap)
-    floor_ms = flops / (args.peak_tflops * 1e12) * 1e3
+    def ref_step():
+        u, state["s"] = opt.update(grads, state["s"], state["p"])
+        state["p"] = pf.apply_updates(state["p"], u)
+
+    record("reference (chain + apply)", timed(ref_step, device, args.warmup, args.iters))
+    state.clear()  # frees the reference's momenta and parameters
+
+    # the fast path: pre pass -> batched NS -> post pass, in place
+    fp = [p.clone() for p in params.values()]
+    fm = [torch.zeros_like(p) for p in params.values()]
+    gl = list(grads.values())
+    lr_t = torch.tensor(lr, dtype=torch.float64, device=device)  # as a schedule gives it: no recompiles
+
+    variants = [("cublas", False), ("cublas", True)] + [(c, True) for c in configs]
+
+    def vname(kernel, fold):
+        return kernel + ("" if fold else ",nofold")
+
+    for kernel, fold in variants:
+        def fast_step(kernel=kernel, fold=fold):
+            M.muon_fused_step(fp, gl, fm, learning_rate=lr_t, weight_decay=wd, ns_kernel=kernel, fold=fold)
+
+        ms, err = attempt(lambda: timed(fast_step, device, args.warmup, args.iters))
+        record(f"fast[{vname(kernel, fold)}]", ms, err)
+
+    # the same through the execution layer: pf.compile(muon_matrices(...), donate=True).step on
+    # parameters and gradients re-homed into the flat layout's buffers (as pgs.runtime.bind does)
+    best_kernel = min(((v["ms"], k) for k, v in results.items() if k.startswith("fast[") and v["ms"] is not None
+                       and "nofold" not in k), default=(None, "fast[cublas]"))[1][5:-1]
+
+    def compiled():
+        fast = pf.compile(M.muon_matrices(lr, weight_decay=wd, ns_kernel=best_kernel), donate=True)
+        cp = {k: v.clone() for k, v in params.items()}
+        cg = {k: v.clone() for k, v in grads.items()}
+        fast.bind_buffers(cp)
+        fast.bind_buffers(cg)
+        st = {"s": fast.init(cp)}
+
+        def step():
+            _, st["s"] = fast.step(cg, st["s"], cp)
+
+        return timed(step, device, args.warmup, args.iters)
+
+    ms, err = attempt(compiled)
+    record(f"pf.compile(muon_matrices).step[{best_kernel}]", ms, err)
+
+    # correctness of the fast path against the reference, one step from the same state
+    p0 = {k: v.clone() for k, v in params.items()}
+    u, _ = opt.update(grads, opt.init(p0), p0)
+    ref1 = pf.apply_updates(p0, u)
+    check = {}
+    for kernel, fold in variants:
+        if results[f"fast[{vname(kernel, fold)}]"].get("error"):
+            continue
+        p1 = [v.clone() for v in params.values()]
+        M.muon_fused_step(p1, gl, [torch.zeros_like(v) for v in p1], learning_rate=lr, weight_decay=wd,
+                          ns_kernel=kernel, fold=fold)
+        d = max(((a.float() - b.float()).norm() / (b.float() - p.float()).norm().clamp(min=1e-30)).item()
+                for a, b, p in zip(p1, ref1.values(), params.values()))
+        check[vname(kernel, fold)] = d
+    print("max over tensors of |fast - reference| / |reference step| (Frobenius):", check, flush=True)
+
+    # pure Newton-Schulz per oriented-shape group (no elementwise work): achieved TFLOP/s
+    per_group = {}
+    groups: dict[tuple, int] = {}
+    for s in smap.values():
+        groups[s] = groups.get(s, 0) + 1
+    for (r, c), b in groups.items():
+        x0 = torch.randn((b, r, c), generator=gen).to(device=device, dtype=torch.bfloat16)
+        x0 /= torch.linalg.vector_norm(x0.float(), dim=(-2, -1), keepdim=True).to(torch.bfloat16)
+        row = {"batch": b, "shape": [r, c], "flops": group_flops(r, c, b)}
+        ref_o = M.newton_schulz_batched(x0.clone(), 5, kernel="cublas", fold=False)
+        for kernel, fold in variants:
+            xs = [x0.clone() for _ in range(2)]  # the iteration overwrites its input: no clone timed
+
+            def run(kernel=kernel, fold=fold):
+                M.newton_schulz_batched(xs[0], 5, kernel=kernel, fold=fold)
+
+            ms, err = attempt(lambda: timed(run, device, 2, max(3, args.iters // 2)))
+            name = vname(kernel, fold)
+            if err:
+                row[name] = {"error": err}
+                continue
+            o = M.newton_schulz_batched(xs[1], 5, kernel=kernel, fold=fold)
+            row[name] = {"ms": ms, "tflops_nominal": row["flops"] / ms / 1e9,
+                           "tflops_executed": group_flops(r, c, b, symmetric=kernel != "cublas") / ms / 1e9,
+                           "max_abs_diff_vs_cublas": (o.float() - ref_o.float()).abs().max().item()}
+        per_group[f"{b}x{r}x{c}"] = row
+        dump({"ns_per_group": per_group})
+        print(f"NS {b}x{r}x{c}: " + ", ".join(
+            f"{k} {v['ms']:.2f} ms {v['tflops_nominal']:.0f} TF/s" if "ms" in v else f"{k} {v['error'][:60]}"
+            for k, v in row.items() if isinstance(v, dict)), flush=True)
+
+    best = min((v["ms"], k) for k, v in results.items() if k.startswith("fast") and v["ms"] is not None)
     report = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "small": args.small,
-        "param_dtype": args.dtype,
-        "num_matrices": len(smap),
-        "ns_flops": flops,
-        "peak_tflops": args.peak_tflops,
-        "floor_ms": floor_ms,
-        "pgs_ms": ms_pgs,
-        "torch_ms": ms_torch,
-        "pgs_over_floor": ms_pgs / floor_ms,
-        "torch_over_floor": ms_torch / floor_ms,
-        "speedup_vs_torch": ms_torch / ms_pgs,
-        "iters": args.iters,
+        **meta,
+        "results": results,
+        "best_fast": {"name": best[1], "ms": best[0], "over_floor": best[0] / floor_ms},
+        "fast_vs_reference_rel_err": check,
+        "ns_per_group": per_group,
+        "pgs_ms": results["reference (chain + apply)"]["ms"],
+        "torch_ms": results["torch.optim.Muon"]["ms"],
+        "wall_s": time.perf_counter() - t_start,
     }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(json.dumps(report, indent=2))
+    print(json.dumps({k: report[k] for k in ("floor_ms", "best_fast", "fast_vs_reference_rel_err", "wall_s")}, indent=2))
 
 
 if __name__ == "__main__":

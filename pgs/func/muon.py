@@ -113,6 +113,198 @@ def orthogonalize(mats: list[torch.Tensor], steps: int, coefficients, eps, dtype
     return out
 
 
+#: Newton–Schulz product kernels of the fast path: "cublas" (torch bmm/baddbmm) or a
+#: symmetric Triton tile configuration (pgs.func.kernels.ns.CONFIGS).
+NS_KERNEL_ENV = "PGS_MUON_NS_KERNEL"
+
+
+def ns_kernels() -> tuple[str, ...]:
+    from pgs.func.kernels import ns
+
+    return ("cublas",) + tuple(ns.CONFIGS) if ns.HAVE_TRITON else ("cublas",)
+
+
+def newton_schulz_batched(x: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS,
+                          kernel: str = "cublas", fold: bool = True) -> torch.Tensor:
+    """NS_k of an already normalised batch ``x`` = [B, m, n] (the fast path's iteration).
+
+    Same maths as ``newton_schulz`` after its normalisation, with no copies: a tall batch
+    (m > n) is iterated in place of its transpose (A = XᵀX, X ← aX + X·Bᵀ, the transposes
+    of the wide products), and the buffers are reused.  ``kernel="cublas"`` uses
+    bmm/baddbmm; a name from ``pgs.func.kernels.ns.CONFIGS`` computes A = X Xᵀ and
+    B = bA + cA·A with the symmetric Triton kernel (upper tiles only, mirrored).
+
+    ``fold=True`` writes aX + BX as (B + aI)·X: one plain product instead of a ``baddbmm``
+    whose ``out=`` first receives a copy of X (a full pass over the batch per iteration).
+    B + aI is rounded to bf16 once in the symmetric kernel's epilogue (with cuBLAS, B is
+    rounded and then B_ii + a, in fp32), an error of the same order as the output's own rounding (tests/test_muon_fast.py measures
+    both against fp64).  ``x`` may be overwritten; returns the result (``x`` or a buffer of
+    the same shape).
+    """
+    a, b, c = (float(v) for v in coefficients)
+    if steps == 0:
+        return x
+    tall = x.shape[-2] > x.shape[-1]
+    nb, k = x.shape[0], min(x.shape[-2], x.shape[-1])
+    A = torch.empty((nb, k, k), dtype=x.dtype, device=x.device)
+    Bm = torch.empty_like(A)
+    y = torch.empty_like(x)
+    sym = kernel != "cublas"
+    if sym:
+        from pgs.func.kernels import ns
+    for _ in range(steps):
+        w = x.mT if tall else x  # the wide orientation (a view)
+        if sym:
+            ns.sym_mm(w, out=A, config=kernel)
+            ns.sym_mm(A, A, alpha=c, beta=b, out=Bm, config=kernel, diag=a if fold else 0.0)
+        else:
+            torch.bmm(w, w.mT, out=A)
+            torch.baddbmm(A, A, A, beta=b, alpha=c, out=Bm)
+            if fold:  # in fp32: a bf16 add_ may round the scalar a itself to bf16 (CPU does)
+                d = Bm.diagonal(dim1=-2, dim2=-1)
+                d.copy_(d.float() + a)
+        if fold:
+            torch.bmm(x, Bm.mT, out=y) if tall else torch.bmm(Bm, x, out=y)
+        elif tall:
+            torch.baddbmm(x, x, Bm.mT, beta=a, out=y)  # (aW + BW)ᵀ = aX + X Bᵀ
+        else:
+            torch.baddbmm(x, Bm, x, beta=a, out=y)
+        x, y = y, x
+    return x
+
+
+def _use_triton(elementwise: str, tensors) -> bool:
+    from pgs.func.kernels import ns
+
+    if elementwise == "torch":
+        return False
+    ok = ns.HAVE_TRITON and all(t.is_contiguous() for t in tensors)
+    if elementwise == "triton":
+        if not ok:
+            raise InvalidArgument("muon_fused_step: elementwise='triton' needs triton and contiguous tensors")
+        return True
+    return ok and all(t.is_cuda for t in tensors)
+
+
+def _pick_kernel(ns_kernel: str, x: torch.Tensor) -> str:
+    import os
+
+    kernel = os.environ.get(NS_KERNEL_ENV, "") or ns_kernel if ns_kernel == "auto" else ns_kernel
+    if kernel == "auto":
+        kernel = "cublas"  # the symmetric kernel becomes the default once H200 numbers are in
+    if kernel not in ns_kernels():
+        raise InvalidArgument(f"muon: ns_kernel={kernel!r}, expected 'auto' or one of {ns_kernels()}")
+    if kernel != "cublas" and (x.dtype != torch.bfloat16 or not (x.is_cuda or _interpreting())):
+        return "cublas"  # tf32 would change fp32 maths; on CPU only the interpreter runs Triton
+    return kernel
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def muon_fused_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    mus: list[torch.Tensor],
+    *,
+    learning_rate,
+    weight_decay=0.0,
+    momentum=0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coefficients=NS_COEFFICIENTS,
+    eps: float = 1e-7,
+    adjust_lr: str = "original",
+    ns_dtype: torch.dtype = torch.bfloat16,
+    ns_kernel: str = "auto",
+    fold: bool | None = None,
+    elementwise: str = "auto",
+    stochastic_rounding: bool = False,
+    step: torch.Tensor | None = None,
+    out: list[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """One Muon step, update and apply, in three passes per same-shape group (the fast path).
+
+    The maths of ``chain(scale_by_muon(...), add_decayed_weights(λ), scale_by_learning_rate(η))``
+    followed by ``apply_updates``:
+
+        B ← lerp(B, g, 1−μ) ;  U = lerp(g, B, μ) (nesterov) or B
+        θ ← θ + (r·NS_k(U) + λθ)·(−η)
+
+    1. one elementwise pass per tensor updates B in place and writes U, in ``ns_dtype``,
+       straight into its slot of the group's [B, m, n] batch, with per-block sums of squares
+       (the Frobenius norm needs no second read);
+    2. the batch is normalised and iterated (``newton_schulz_batched``: cuBLAS or the
+       symmetric Triton kernel, ``ns_kernel``; env ``PGS_MUON_NS_KERNEL`` overrides "auto";
+       ``fold`` (default: on for a bf16 iteration) writes aX + BX as (B + aI)X);
+    3. one elementwise pass per tensor writes θ (into ``out[i]``, default ``params[i]``, in
+       place), in fp32 arithmetic, cast or stochastically rounded (bf16 parameters; the Triton
+       pass seeds Philox from ``step``, the step counter, and the group's index).
+
+    ``mus`` are updated in place.  Hyperparameters may be numbers or 0-d tensors (the
+    learning rate of a schedule): they are read from a device tensor, so nothing recompiles and
+    the host never waits.  ``elementwise``: "triton" (CUDA default), "torch" (elsewhere).
+    Differences from the reference are rounding only: the direction is never rounded to the
+    gradient's dtype, and ‖U‖ sums in another order.
+    """
+    from pgs.func.apply import stochastic_round_to_bf16
+    from pgs.func.kernels import ns
+    from pgs.func.kernels.fused import hp_tensor, one_minus, sr_seed
+
+    out = params if out is None else out
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(grads):
+        mat = as_matrix(g)
+        groups.setdefault((tuple(mat.shape), str(g.device)), []).append(i)
+    for gi, ((shape, _), idx) in enumerate(groups.items()):
+        dev = grads[idx[0]].device
+        members = [t for i in idx for t in (grads[i], mus[i], params[i], out[i])]
+        tri = _use_triton(elementwise, members)
+        hp = hp_tensor(dev, momentum, one_minus(momentum), learning_rate, weight_decay)
+        x = torch.empty((len(idx), *shape), dtype=ns_dtype, device=dev)
+        numel = x[0].numel()
+        sq = torch.empty((len(idx), ns.num_blocks(numel) if tri else 1), dtype=torch.float32, device=dev)
+        for j, i in enumerate(idx):
+            g, m = grads[i], mus[i]
+            if tri:
+                ns.muon_pre(g, m, x[j], sq[j], hp, nesterov)
+                continue
+            cd = compute_dtype(g)
+            w_mom, w_one = (hp_in(v, cd, dev) for v in (momentum, one_minus(momentum)))
+            g32 = g.to(cd)
+            m32 = m.to(cd).lerp(g32, w_one)
+            m.copy_(m32)
+            u = g32.lerp(m32, w_mom) if nesterov else m32
+            x[j].copy_(as_matrix(u))
+            sq[j, 0] = x[j].to(torch.float32).square().sum()
+        eps_t = eps.to(device=dev, dtype=torch.float32) if isinstance(eps, torch.Tensor) else eps
+        norm = sq.sum(dim=1).sqrt().clamp(min=eps_t).to(ns_dtype)
+        x.div_(norm[:, None, None])
+        o = newton_schulz_batched(x, ns_steps, ns_coefficients, _pick_kernel(ns_kernel, x),
+                                  fold=(ns_dtype == torch.bfloat16) if fold is None else fold)
+        ratio = adjust_ratio(shape[0], shape[1], adjust_lr)
+        seed = None
+        for j, i in enumerate(idx):
+            p, dst = params[i], out[i]
+            sr = stochastic_rounding and p.dtype == torch.bfloat16
+            if tri:
+                if sr and seed is None:
+                    seed = sr_seed(step if step is not None else torch.zeros((), device=dev), gi)
+                ns.muon_post(p, o[j], dst, hp, ratio, seed, salt=j)
+                continue
+            cd = compute_dtype(p)
+            lr_c = learning_rate.to(device=dev, dtype=cd) if isinstance(learning_rate, torch.Tensor) else learning_rate
+            wd_c = weight_decay.to(device=dev, dtype=cd) if isinstance(weight_decay, torch.Tensor) else weight_decay
+            p32 = p.to(cd)
+            v = o[j].to(cd).reshape(p.shape) * ratio + wd_c * p32
+            new = p32 + v * (-lr_c)
+            dst.copy_(stochastic_round_to_bf16(new) if sr else new)
+    return out
+
+
 class ScaleByMuonState(NamedTuple):
     count: torch.Tensor  # int32
     mu: object  # momentum buffer B_t, mu_dtype
@@ -256,15 +448,142 @@ def muon(
 
     if fallback not in ("adamw", "lion"):
         raise InvalidArgument(f"muon: fallback={fallback!r}, expected 'adamw' or 'lion'")
-    inner = scale_by_muon(momentum, nesterov, ns_steps, ns_coefficients, eps, adjust_lr, ns_dtype, mu_dtype)
     check_range("weight_decay", weight_decay, 0.0, None, who="muon")
-    decay = [add_decayed_weights(weight_decay)] if _nonzero(weight_decay) else []
-    branch = chain(inner, *decay, scale_by_learning_rate(learning_rate))
+    branch = muon_matrices(learning_rate, momentum, nesterov, ns_steps, ns_coefficients, eps, adjust_lr,
+                           weight_decay, ns_dtype, mu_dtype)
     if fallback == "adamw":
         other = adamw(adam_lr, adam_b1, adam_b2, adam_eps, adam_weight_decay)
     else:
         other = lion(adam_lr, adam_b1, adam_b2, adam_weight_decay)
-    return partition({"muon": branch, "fallback": other}, route or muon_route)
+    route = route or muon_route
+    part = partition({"muon": branch, "fallback": other}, route)
+    # pf.compile(pf.muon(...)).step: Muon groups fused (muon_matrices), the fallback as usual
+    return _with_fused_step(part, _muon_partition_step(branch, other, route))
+
+
+def muon_matrices(
+    learning_rate=1e-3,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = 1e-7,
+    adjust_lr: str = "original",
+    weight_decay: float = 0.1,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    mu_dtype: torch.dtype | None = None,
+    ns_kernel: str = "auto",
+) -> Transform:
+    """Muon for matrices: ``chain(scale_by_muon, add_decayed_weights(λ), scale_by_learning_rate(η))``.
+
+    θ ← θ(1 − ηλ) − η r(A,B) NS5(U_t) (torch.optim.Muon), the branch ``pf.muon`` routes hidden
+    matrices to (the decay stage is left out when λ = 0).  Its ``update`` is the chain's; under
+    ``pf.compile(...).step`` it runs fused (``muon_fused_step``: one elementwise pass before
+    and one after the batched Newton–Schulz per shape group, no stacking copy, no separate
+    decay / lr / apply passes), except under FSDP2 (``whole_tensors``), where the chain's
+    gather-to-owner path runs.
+
+    Example::
+
+        fast = pf.compile(muon_matrices(0.02, weight_decay=0.1), donate=True)
+        state = fast.init(params)
+        params, state = fast.step(grads, state, params)
+    """
+    from pgs.func.base import EmptyState
+    from pgs.func.learning_rate import ScaleByLearningRateState, lr_value
+
+    inner = scale_by_muon(momentum, nesterov, ns_steps, ns_coefficients, eps, adjust_lr, ns_dtype, mu_dtype)
+    check_range("weight_decay", weight_decay, 0.0, None, who="muon")
+    decay = [add_decayed_weights(weight_decay)] if _nonzero(weight_decay) else []
+    base = chain(inner, *decay, scale_by_learning_rate(learning_rate))
+
+    def fused_step(fg, state, fp, *, layout, donate, stochastic_rounding, extra):
+        if layout is None or extra.get("whole_tensors") is not None:
+            return None
+        names = list(state)
+        s_dir, s_lr = state[names[0]], state[names[-1]]
+        count = s_lr.count
+        lr = lr_value(learning_rate, count)
+        mu = s_dir.mu  # scale_by_muon is not flat: its momentum is a per-parameter tree
+        keys = [k for k, g in fg.items() if g is not None]
+        if not donate:
+            fp = {k: v.clone() for k, v in fp.items()}
+            mu = T.tree_map(lambda t: t.clone(), mu)
+        g_map = dict(T.leaves_with_paths(layout.unflatten({k: fg[k] for k in keys})))
+        p_map = dict(T.leaves_with_paths(layout.unflatten({k: fp[k] for k in keys})))
+        m_map = dict(T.leaves_with_paths(mu))
+        trip = [(p_map[path], g, m_map[path]) for path, g in g_map.items() if g is not None]
+        if trip:
+            ps, gs, ms = (list(z) for z in zip(*trip))
+            muon_fused_step(ps, gs, ms, learning_rate=lr, weight_decay=weight_decay, momentum=momentum,
+                            nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
+                            adjust_lr=adjust_lr, ns_dtype=ns_dtype, ns_kernel=ns_kernel,
+                            stochastic_rounding=stochastic_rounding, step=count)
+        new_state = {names[0]: ScaleByMuonState(increment(s_dir.count), mu)}
+        for n in names[1:-1]:
+            new_state[n] = state[n] if isinstance(state[n], EmptyState) else EmptyState()
+        new_state[names[-1]] = ScaleByLearningRateState(increment(count), lr)
+        return fp, new_state
+
+    return _with_fused_step(base, fused_step)
+
+
+def _with_fused_step(t: Transform, fused_step) -> Transform:
+    """``t`` as a FusedTransform (every field kept) offering ``fused_step`` to ``pf.compile``."""
+    import dataclasses
+
+    from pgs.func.kernels.fused import FusedTransform
+
+    return FusedTransform(**{f.name: getattr(t, f.name) for f in dataclasses.fields(Transform)},
+                          fused_step=fused_step)
+
+
+def _muon_partition_step(branch: Transform, other: Transform, route):
+    """``fused_step`` of ``pf.muon``: its Muon groups fused, the fallback's through its update.
+
+    On the flat layout the groups are split by label (partition groups by ``route``): the Muon
+    groups go to ``muon_matrices``'s fused step, the fallback groups through the fallback
+    chain's ``update`` and an fp32 apply (the generic flat step, eager).
+    """
+
+    def fused_step(fg, state, fp, *, layout, donate, stochastic_rounding, extra):
+        from pgs.func.apply import stochastic_round_to_bf16
+        from pgs.func.compile import _donate
+        from pgs.func.layout import call_update, group_label
+
+        if layout is None or extra.get("whole_tensors") is not None:
+            return None
+        labs = group_label(layout, fp, route)
+
+        def part(tree, want):
+            return {k: v for k, v in tree.items() if labs.get(k) == want}
+
+        got = branch.fused_step(part(fg, "muon"), state["muon"], part(fp, "muon"), layout=layout,
+                                donate=donate, stochastic_rounding=stochastic_rounding, extra=extra)
+        if got is None:
+            return None
+        new_p, s_muon = dict(got[0]), got[1]
+        fg_f, fp_f = part(fg, "fallback"), part(fp, "fallback")
+        s_fb = state["fallback"]
+        if fp_f:
+            u, s_new = call_update(other, fg_f, s_fb, fp_f, {**extra, "layout": layout})
+            for k, p in fp_f.items():
+                if u.get(k) is None:
+                    new_p[k] = p
+                    continue
+                cd = torch.promote_types(p.dtype, torch.float32)
+                x = p.to(cd) + u[k].to(cd)
+                x = stochastic_round_to_bf16(x) if (stochastic_rounding and p.dtype == torch.bfloat16) else x.to(p.dtype)
+                if donate:
+                    p.copy_(x)
+                    x = p
+                new_p[k] = x
+            s_fb = _donate(s_fb, s_new) if donate else s_new
+        for k, p in fp.items():
+            new_p.setdefault(k, p)
+        return new_p, {"muon": s_muon, "fallback": s_fb}
+
+    return fused_step
 
 
 def _nonzero(x) -> bool:
