@@ -312,8 +312,14 @@ def test_chunked_matches_dense_on_cuda_bf16():
     h, W, labels = (t.detach().cuda().requires_grad_(t.requires_grad) for t in (h, W, labels))
     dense, chunked = cross_entropy(h, W, labels), chunked_cross_entropy(h, W, labels, chunk_size=64)
     torch.testing.assert_close(chunked.loss_sum, dense.loss_sum, rtol=1e-4, atol=1e-3)
-    for a, e in zip(grads(chunked, h, W), grads(dense, h, W)):
-        torch.testing.assert_close(a.float(), e.float(), rtol=2e-2, atol=2e-3)
+    # bf16 gradients differ by a rounding or two between any two summation orders (the first
+    # H200 run saw 1 bf16 ulp on 19 of 16,384 elements): compare each against fp64 instead.
+    h64, W64 = (t.detach().double().requires_grad_() for t in (h, W))
+    exact = grads(cross_entropy(h64, W64, labels), h64, W64)
+    for a, e, x in zip(grads(chunked, h, W), grads(dense, h, W), exact):
+        err_chunked = (a.double() - x).abs().max().item()
+        err_dense = (e.double() - x).abs().max().item()
+        assert err_chunked <= 2 * err_dense + 1e-6, (err_chunked, err_dense)
 
 
 @pytest.mark.cuda

@@ -9,6 +9,7 @@ Backends (same signature, chosen by ``token_loss(..., backend=...)``):
 
 from pgs.func.losses.chunked import (
     ChunkedTokenLoss,
+    DeferredHeadGrad,
     chunked_cross_entropy,
     chunked_token_loss,
     target_logprobs,
@@ -45,6 +46,7 @@ __all__ = [
     "DeformedLog",
     "DFT",
     "ChunkedTokenLoss",
+    "DeferredHeadGrad",
     "InfoSFT",
     "OBJECTIVES",
     "Objective",

@@ -13,12 +13,25 @@ autograd, so no second head-gradient buffer ever exists (a per-chunk
 ``torch.utils.checkpoint`` design holds two).  Peak extra memory: O(chunk · V) for the
 chunk plus grad_h [N, D] and grad_W [V, D].
 
+Deferred head gradient (``defer_head_grad=True``).  With tied embeddings the head weight is
+also the embedding, whose own gradient arrives at the very end of backward; holding grad_W
+from the loss's forward until then costs a V·D buffer through the whole backward (0.72 GiB at
+Qwen3-4B).  Deferred, the forward keeps only what rebuilds G per chunk — the valid rows'
+indices, gates and LSEs (a few bytes per token) and h — and backward hands autograd no
+gradient for W; instead ``result.head_grad.add_to(W.grad)`` adds s·Σ_k Gₖᵀ H_k into the
+gradient buffer the weight already has (from the embedding) when the caller decides, e.g.
+in the tied weight's post-accumulate-grad hook (``GradientRelease.add_before_step``).  Cost:
+one more head matmul per chunk (the logits are rebuilt); one V·D gradient buffer, and only at
+the end of backward.  Gradients equal the plain path's up to summation order.
+
 Masked rows are dropped before chunking (one host sync for the count), so prompt tokens cost
 nothing and a fully masked chunk never exists.  Gradients equal the dense backend's up to
 floating-point summation order.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -32,7 +45,7 @@ class _Plan:
     """Everything the autograd function needs besides the differentiable tensors."""
 
     def __init__(self, objective, inputs, ignore_index, softcap, z_loss, chunk_size,
-                 accum_dtype, need_h, need_w, need_b, scale_in_place):
+                 accum_dtype, need_h, need_w, need_b, scale_in_place, deferred=None):
         self.objective = objective
         self.inputs = inputs
         self.ignore_index = ignore_index
@@ -42,6 +55,58 @@ class _Plan:
         self.accum_dtype = accum_dtype
         self.need_h, self.need_w, self.need_b = need_h, need_w, need_b
         self.scale_in_place = scale_in_place
+        self.deferred = deferred  # a DeferredHeadGrad: grad_W is left to it, not to autograd
+
+
+class DeferredHeadGrad:
+    """The head's gradient s·Σ_k Gₖᵀ H_k, not yet computed (see the module docstring).
+
+    Filled by the loss's forward (rows, gates, LSEs, h, W) and backward (the scale s: the
+    gradient reaching ``loss_sum``).  ``add_to(out)`` adds it into ``out`` [V, D] (any float
+    dtype; the chunk products are formed in W's dtype, as the plain path's), chunk by chunk,
+    and then drops everything it holds; it may run once.  ``ready`` says whether backward has
+    reached the loss.
+    """
+
+    def __init__(self):
+        self._saved = None
+        self.scale: torch.Tensor | None = None
+        self.done = False
+
+    @property
+    def ready(self) -> bool:
+        return self._saved is not None and self.scale is not None
+
+    def save(self, h, W, bias, labels, rows_all, gates, lses, plan) -> None:
+        self._saved = (h.detach(), W.detach(), None if bias is None else bias.detach(), labels, rows_all,
+                       gates, lses, plan)
+
+    @torch.no_grad()
+    def add_to(self, out: Tensor) -> Tensor:
+        if self.done or self._saved is None:
+            raise RuntimeError("deferred head gradient: nothing to add (not saved, or already added)")
+        if self.scale is None:
+            raise RuntimeError("deferred head gradient: backward has not reached the loss yet")
+        h, W, bias, labels, rows_all, gates, lses, plan = self._saved
+        scale = self.scale
+        for start in range(0, rows_all.numel(), plan.chunk_size):
+            rows = rows_all[start : start + plan.chunk_size]
+            hc = h.index_select(0, rows)
+            y = labels.index_select(0, rows)
+            gate, lse = gates[start : start + rows.numel()], lses[start : start + rows.numel()]
+            g = _logit_grad(_chunk_logits(hc, W, bias, plan.softcap), lse, y, gate, plan)
+            g.mul_(scale.to(g.dtype))
+            if out.dtype == W.dtype:
+                out.addmm_(g.to(W.dtype).t(), hc.to(W.dtype))
+            else:
+                out.addmm_(g.to(out.dtype).t(), hc.to(out.dtype))
+            del g
+        self._saved, self.scale, self.done = None, None, True
+        return out
+
+    def discard(self) -> None:
+        """Drop what is held (a step that will not run backward)."""
+        self._saved, self.scale, self.done = None, None, True
 
 
 class ChunkedTokenLoss(torch.autograd.Function):
@@ -58,6 +123,7 @@ class ChunkedTokenLoss(torch.autograd.Function):
         stats, grads = _forward_and_grads(h, W, bias, labels, plan)
         ctx.grads = grads
         ctx.scale_in_place = plan.scale_in_place
+        ctx.deferred = plan.deferred
         ctx.mark_non_differentiable(*stats[1:])
         return stats
 
@@ -70,6 +136,8 @@ class ChunkedTokenLoss(torch.autograd.Function):
             )
         grads = ctx.grads
         ctx.grads = None if ctx.scale_in_place else grads  # drop our reference: autograd may steal
+        if ctx.deferred is not None:
+            ctx.deferred.scale = grad_loss.detach().clone()
         out = []
         for g in grads:
             if g is None:
@@ -92,6 +160,54 @@ def _chunk_logits(hc: Tensor, W: Tensor, bias: Tensor | None, softcap: float | N
     return z
 
 
+def _use_kernels(h: Tensor, W: Tensor, plan: _Plan, grad_w: Tensor | None) -> bool:
+    """Whether the two-pass Triton kernels (``triton_ce``) serve this call.
+
+    On CUDA for fp32/bf16/fp16 logits, unless a bias gradient is needed (the kernels do not
+    reduce over rows) or grad_W accumulates in another dtype than W (the kernels round the
+    logit gradient to the logits' dtype).  On the CPU only under the Triton interpreter with
+    ``PGS_TRITON_ON_CPU=1`` (tests).  ``PGS_CE_KERNELS=0`` turns them off.
+    """
+    if os.environ.get("PGS_CE_KERNELS", "1") == "0" or plan.need_b:
+        return False
+    if W.dtype not in (torch.float32, torch.bfloat16, torch.float16) or h.dtype != W.dtype:
+        return False
+    if grad_w is not None and grad_w.dtype != W.dtype:
+        return False
+    if not W.is_cuda and not (os.environ.get("TRITON_INTERPRET") == "1"
+                              and os.environ.get("PGS_TRITON_ON_CPU") == "1"):
+        return False
+    try:
+        import pgs.func.losses.triton_ce  # noqa: F401
+    except ImportError:  # pragma: no cover - triton is a dependency
+        return False
+    return True
+
+
+def _kernel_chunk(hc, W, bias, y, rows, plan: _Plan, sums, grad_h, grad_w):
+    """One chunk through ``triton_ce``: the logits stay in W's dtype and are read twice.
+
+    Adds the chunk's statistics into ``sums`` and its gradients into ``grad_h``/``grad_w``;
+    returns the rows' (gate, LSE)."""
+    from pgs.func.losses import triton_ce
+
+    z = hc @ W.t()
+    lse, entropy, collision, logp_y = triton_ce.row_stats(z, y, bias, plan.softcap)
+    obj = plan.objective
+    loss, gate = obj.terms(logp_y, collision if obj.needs_collision else None, plan.inputs.rows(rows))
+    if plan.z_loss:
+        loss = loss + plan.z_loss * lse.square()
+    sums += torch.stack([loss.sum(), entropy.sum(), logp_y.exp().sum(), lse.square().sum()]).to(sums.dtype)
+    if plan.need_h or plan.need_w:
+        gates = torch.as_tensor(gate, dtype=lse.dtype, device=lse.device).expand(lse.shape)
+        g = triton_ce.grad_in_place(z, y, bias, plan.softcap, lse, gates + 2 * plan.z_loss * lse, gates)
+        if plan.need_h:
+            grad_h.index_copy_(0, rows, (g @ W).to(grad_h.dtype))
+        if plan.need_w:
+            grad_w.addmm_(g.t(), hc)
+    return gate, lse
+
+
 def _forward_and_grads(h, W, bias, labels, plan: _Plan):
     cdtype = compute_dtype(h)
     V, D = W.shape
@@ -100,11 +216,20 @@ def _forward_and_grads(h, W, bias, labels, plan: _Plan):
     grad_w = torch.zeros(V, D, dtype=plan.accum_dtype or W.dtype, device=W.device) if plan.need_w else None
     grad_b = torch.zeros(V, dtype=cdtype, device=W.device) if plan.need_b else None
     sums = torch.zeros(4, dtype=cdtype, device=h.device)  # loss, entropy, p_y, LSE²
+    gates: list[Tensor] = []
+    lses: list[Tensor] = []
     obj = plan.objective
+    kernels = _use_kernels(h, W, plan, grad_w)
     for start in range(0, rows_all.numel(), plan.chunk_size):
         rows = rows_all[start : start + plan.chunk_size]
         hc = h.index_select(0, rows)
         y = labels.index_select(0, rows)
+        if kernels:
+            gate, lse = _kernel_chunk(hc, W, bias, y, rows, plan, sums, grad_h, grad_w)
+            if plan.deferred is not None:
+                gates.append(torch.as_tensor(gate, dtype=cdtype, device=h.device).expand(rows.numel()).detach())
+                lses.append(lse)
+            continue
         z = _chunk_logits(hc, W, bias, plan.softcap)
         lse = torch.logsumexp(z, dim=-1)
         logp_y = z.gather(1, y[:, None]).squeeze(1) - lse
@@ -115,13 +240,12 @@ def _forward_and_grads(h, W, bias, labels, plan: _Plan):
         if plan.z_loss:
             loss = loss + plan.z_loss * lse.square()
         sums += torch.stack([loss.sum(), entropy.sum(), logp_y.exp().sum(), lse.square().sum()])
+        if plan.deferred is not None:
+            gates.append(torch.as_tensor(gate, dtype=cdtype, device=h.device).expand(rows.numel()).detach())
+            lses.append(lse)
         if not (plan.need_h or plan.need_w or plan.need_b):
             continue
-        # G = (g + 2 z_loss LSE) p − g e_y, built in place in p's storage.
-        g = p.mul_((gate + 2 * plan.z_loss * lse)[:, None])
-        g[torch.arange(rows.numel(), device=g.device), y] -= gate
-        if plan.softcap is not None:
-            g.mul_(z.div_(plan.softcap).square_().neg_().add_(1))  # dz/dz_raw = 1 − tanh²
+        g = _logit_grad(z, lse, y, gate, plan, p=p)
         del z
         if plan.need_b:
             grad_b += g.sum(0)
@@ -137,7 +261,25 @@ def _forward_and_grads(h, W, bias, labels, plan: _Plan):
     stats = (sums[0].clone(), *(s.float().clone() for s in sums[1:].unbind()))
     if grad_b is not None:
         grad_b = grad_b.to(bias.dtype)
+    if plan.deferred is not None:
+        empty = torch.zeros(0, dtype=cdtype, device=h.device)
+        plan.deferred.save(h, W, bias, labels, rows_all, torch.cat(gates) if gates else empty,
+                           torch.cat(lses) if lses else empty, plan)
     return stats, (grad_h, grad_w, grad_b)
+
+
+def _logit_grad(z: Tensor, lse: Tensor, y: Tensor, gate, plan: _Plan, p: Tensor | None = None) -> Tensor:
+    """G = ((g + 2 z_loss LSE) p − g e_y) · softcap′ for one chunk, in place in p's (or z's) storage.
+
+    ``z`` is the chunk's softcapped logits (overwritten when a softcap is on), ``p`` its
+    softmax (rebuilt from ``z`` and ``lse`` when not given)."""
+    if p is None:
+        p = (z - lse[:, None]).exp_()
+    g = p.mul_((gate + 2 * plan.z_loss * lse)[:, None])
+    g[torch.arange(y.numel(), device=g.device), y] -= gate
+    if plan.softcap is not None:
+        g.mul_(z.div_(plan.softcap).square_().neg_().add_(1))  # dz/dz_raw = 1 − tanh²
+    return g
 
 
 def target_logprobs(
@@ -189,13 +331,15 @@ def chunked_token_loss(
     ref_logprobs: Tensor | None = None,
     doc_ids: Tensor | None = None,
     compat: Tensor | None = None,
+    defer_head_grad: bool = False,
     _scale_in_place: bool = True,
 ) -> TokenLossResult:
     """Σ_{i∈M} ℓ_i for any objective in O(chunk_size · V) extra memory (C6).
 
     Arguments as ``token_loss``; ``accum_dtype`` is the dtype of the grad_W buffer (default
     W's dtype, as Liger does; ``torch.float32`` trades V·D·2 more bytes for exact accumulation
-    of bf16 chunks).
+    of bf16 chunks).  ``defer_head_grad``: autograd gets no gradient for W;
+    ``result.head_grad.add_to(buffer)`` adds it later (see the module docstring).
     """
     check_options(softcap, z_loss, chunk_size)
     obj = resolve_objective(objective)
@@ -221,6 +365,9 @@ def chunked_token_loss(
         need_b=grad_on and bias is not None and bias.requires_grad,
         scale_in_place=_scale_in_place,
     )
+    if defer_head_grad and plan.need_w:
+        plan.need_w = False
+        plan.deferred = DeferredHeadGrad()
     loss_sum, entropy_sum, p_sum, lse_sq_sum = ChunkedTokenLoss.apply(h, W, bias, labels, plan)
     return TokenLossResult(
         loss_sum=loss_sum,
@@ -228,6 +375,7 @@ def chunked_token_loss(
         entropy_sum=entropy_sum,
         target_prob_sum=p_sum,
         z_loss_sum=lse_sq_sum,
+        head_grad=plan.deferred,
     )
 
 

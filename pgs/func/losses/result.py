@@ -23,6 +23,8 @@ class TokenLossResult(NamedTuple):
         entropy_sum: 0-d fp32, detached: Σ_{i∈M} H(p_i) in nats, or None when not computed.
         target_prob_sum: 0-d fp32, detached: Σ_{i∈M} p_{i,y}, or None when not computed.
         z_loss_sum: 0-d fp32, detached: Σ_{i∈M} LSE_i² (before the coefficient), or None.
+        head_grad: the chunked loss's ``DeferredHeadGrad`` when asked to defer the head's
+            gradient (``defer_head_grad=True``), else None.
     """
 
     loss_sum: Tensor
@@ -30,6 +32,7 @@ class TokenLossResult(NamedTuple):
     entropy_sum: Tensor | None = None
     target_prob_sum: Tensor | None = None
     z_loss_sum: Tensor | None = None
+    head_grad: object | None = None
 
     def mean_loss(self) -> Tensor:
         """``loss_sum / max(num_valid, 1)``: the token-mean for one micro-batch on its own.
@@ -45,5 +48,6 @@ class TokenLossResult(NamedTuple):
         def add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
             return None if a is None or b is None else a + b
 
-        return TokenLossResult(*(add(a, b) for a, b in zip(self, other)))
+        merged = [add(a, b) for a, b in zip(self[:5], other[:5])]
+        return TokenLossResult(*merged)
 
