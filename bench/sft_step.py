@@ -2,21 +2,32 @@
 
 Run on one GPU (written for an H200; not a test):
 
-    python bench/sft_step.py --out bench/results/sft_step.json
+    python bench/sft_step.py --shapes qwen3-4b --out bench/results/sft_step_4b.json
+    python bench/sft_step.py --shapes qwen3-0.6b --out bench/results/sft_step_06b.json
     python bench/sft_step.py --only pgs_release,hf_compiled_ac --shapes qwen3-4b
     python bench/sft_step.py --small --out /tmp/sft_small.json      # CPU smoke, tiny shapes
 
-Variants (every one with random-init weights from the config, bf16, activation checkpointing
-of every decoder layer):
+Variants (every one with random-init weights from the config, bf16; ``_ac``: activation
+checkpointing of every decoder layer):
 
 - ``hf_eager_ac``: transformers' model and loss (full logits) + ``torch.optim.AdamW(fused=True)``.
 - ``hf_compiled_ac``: the same, each decoder layer ``torch.compile``'d.
 - ``hf_liger_ac``: the same as eager with Liger's kernels (fused linear CE), if importable.
+- ``hf_compiled``, ``hf_liger``: the same without checkpointing (the fastest HF setups when
+  memory allows, e.g. Qwen3-0.6B 8×4096 on an H200).
 - ``pgs_release``: ``GradientRelease`` (the update inside backward, gradients freed at once)
-  with ``pf.lion8bit`` (``pf.lion`` with bf16 momentum when absent), stochastic rounding
-  into the bf16 weights, the chunked loss (``pgs.func.losses``, never [N, V] logits),
-  compiled layers.
-- ``pgs_release_eager``: the same without compiled layers (where the host time goes).
+  with ``pf.lion8bit``, stochastic rounding into the bf16 weights, each group stepped by the
+  fused in-place kernel (one per tensor), the chunked loss (``pgs.func.losses``, never [N, V]
+  logits) with the tied head's gradient deferred into the embedding's, compiled layers.
+- ``pgs_release_unfused``: the same through the chain's plain update and θ + u in slabs,
+  without the deferral (the path before the fused release; for comparison).
+- ``pgs_release_eager``: ``pgs_release`` without compiled layers (where the host time goes).
+- ``pgs_release_noac``: ``pgs_release`` without checkpointing.
+
+Default variants per shape (``SHAPE_VARIANTS``); ``--only`` picks any.  The chunked loss's
+chunk is per shape (``LOSS_CHUNK``: 256 rows at 4B, where its fp32 chunk is the largest
+transient; 2048 at 0.6B) unless ``--loss-chunk`` is given.  For pgs variants the
+``pgs profile`` prediction (``predict_memory``) is recorded beside the measurement.
 
 Reported per variant and shape: tok/s, MFU = (6N + 6·L·n_q·d_head·S)·tok/s / 790e12 (N: all
 parameters, the tied head once), peak allocated GiB (timed steps, and including warm-up),
@@ -54,7 +65,15 @@ SMALL_SHAPES = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
                   tie_word_embeddings=True), 2, 64),
 }
-VARIANTS = ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "pgs_release", "pgs_release_eager")
+VARIANTS = ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "hf_compiled", "hf_liger",
+            "pgs_release", "pgs_release_unfused", "pgs_release_eager", "pgs_release_noac")
+SHAPE_VARIANTS = {
+    "qwen3-4b": ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "pgs_release", "pgs_release_unfused"),
+    "qwen3-0.6b": ("hf_compiled", "hf_liger", "hf_compiled_ac", "pgs_release_noac", "pgs_release"),
+    "tiny": VARIANTS,
+}
+LOSS_CHUNK = {"qwen3-4b": 256, "qwen3-0.6b": 2048, "tiny": 32}
+PACKED = {"qwen3-0.6b", "tiny"}
 
 
 def build(table: dict, device: torch.device):
@@ -91,17 +110,22 @@ def flops_per_token(model, seq: int) -> float:
     return 6 * n + 6 * c.num_hidden_layers * c.num_attention_heads * d * seq
 
 
-def variant_setup(name: str, model, args):
+def uses_ac(name: str) -> bool:
+    return name.endswith("_ac") or name in ("pgs_release", "pgs_release_unfused", "pgs_release_eager")
+
+
+def variant_setup(name: str, model, args, loss_chunk: int):
     """``step(ids, pos) -> loss`` for one variant (builds its optimizer and patches the model)."""
     import pgs.func as pf
     from pgs.runtime.checkpointing import apply_activation_checkpointing, apply_liger, compile_layers
 
     compile_kw = {"backend": args.compile_backend} if args.compile_backend else {}
-    apply_activation_checkpointing(model, "full")
+    if name.startswith("hf_liger"):
+        apply_liger(model)  # before checkpointing wraps the layers' forwards
+    if uses_ac(name):
+        apply_activation_checkpointing(model, "full")
     if name.startswith("hf_"):
-        if name == "hf_liger_ac":
-            apply_liger(model)
-        if name == "hf_compiled_ac":
+        if name.startswith("hf_compiled"):
             compile_layers(model, **compile_kw)
         fused = model.device.type == "cuda"
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=fused)
@@ -115,21 +139,27 @@ def variant_setup(name: str, model, args):
 
         return step, opt
 
-    from pgs.func.losses import chunked_cross_entropy
+    from pgs.func.losses import token_loss
     from pgs.runtime.model import final_hidden, output_head
     from pgs.runtime.release import GradientRelease
 
-    if name == "pgs_release":
+    if name != "pgs_release_eager":
         compile_layers(model, **compile_kw)
-    chain = pf.lion8bit(1e-5) if hasattr(pf, "lion8bit") else pf.lion(1e-5, mu_dtype=torch.bfloat16)
-    release = GradientRelease(chain, model, stochastic_rounding=True, track_grad_norm=False)
+    new_path = name != "pgs_release_unfused"
+    backend = "triton" if (args.small and args.triton_on_cpu) else "auto"
+    release = GradientRelease(pf.lion8bit(1e-5, backend=backend), model, stochastic_rounding=True,
+                              track_grad_norm=False, fused=new_path)
+    W0 = output_head(model)[0]
+    defer = new_path and W0 is model.get_input_embeddings().weight
 
     def step(ids, pos):
         h = final_hidden(model, ids, pos)
         W, bias, softcap = output_head(model)
         labels = torch.roll(ids, -1, dims=1)
         labels[:, -1] = -100  # as HF's shifted loss: the last position has no target
-        r = chunked_cross_entropy(h, W, labels, bias=bias, softcap=softcap, chunk_size=args.loss_chunk)
+        r = token_loss(h, W, labels, bias=bias, softcap=softcap, chunk_size=loss_chunk, defer_head_grad=defer)
+        if defer:
+            release.add_before_step(W, r.head_grad.add_to)
         loss = r.loss_sum / r.num_valid
         loss.backward()  # the update runs inside
         return loss.detach()
@@ -137,18 +167,41 @@ def variant_setup(name: str, model, args):
     return step, release
 
 
+def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk: int) -> float | None:
+    """``pgs profile``'s prediction for a pgs variant (None for HF variants, or when it fails)."""
+    if not name.startswith("pgs_"):
+        return None
+    try:
+        import pgs.func as pf
+        from pgs.runtime.profile import GiB, predict_memory
+
+        new_path = name != "pgs_release_unfused"
+        pred = predict_memory(dict(table), dtype=torch.bfloat16, chain=pf.lion8bit(1e-5), gradient_release=True,
+                              activation_checkpointing="full" if uses_ac(name) else "none",
+                              micro_batch_tokens=batch * seq, loss_chunk=loss_chunk,
+                              fused_update=new_path, defer_head_grad=None if new_path else False)
+        return pred["peak"] / GiB
+    except Exception:  # noqa: BLE001 - a prediction is a bonus
+        return None
+
+
 def run_variant(name: str, shape: str, args, device) -> dict:
     table, batch, seq = (SMALL_SHAPES if args.small else SHAPES)[shape]
-    out: dict = {"variant": name, "shape": shape, "batch": batch, "seq": seq}
+    loss_chunk = args.loss_chunk or LOSS_CHUNK[shape]
+    packed = shape in PACKED
+    out: dict = {"variant": name, "shape": shape, "batch": batch, "seq": seq, "packed": packed,
+                 "activation_checkpointing": uses_ac(name)}
+    if name.startswith("pgs_"):
+        out["loss_chunk"] = loss_chunk
+        out["predicted_peak_gib"] = predicted_peak_gib(name, table, batch, seq, loss_chunk)
     model = opt = step = None
     cuda = device.type == "cuda"
     try:
         model = build(table, device)
         out["params"] = sum(p.numel() for p in model.parameters())
-        step, opt = variant_setup(name, model, args)
+        step, opt = variant_setup(name, model, args, loss_chunk)
         gen = torch.Generator().manual_seed(1)
         vocab = model.config.vocab_size
-        packed = shape == "qwen3-0.6b"
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         loss = None
@@ -174,6 +227,8 @@ def run_variant(name: str, shape: str, args, device) -> dict:
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if not math.isfinite(out["loss"]):
             out["warning"] = "non-finite loss"
+        if hasattr(opt, "fused_group_steps"):
+            out["fused_group_steps"], out["plain_group_steps"] = opt.fused_group_steps, opt.plain_group_steps
     except torch.OutOfMemoryError as err:
         out["error"] = f"OOM: {str(err).splitlines()[0]}"
     except Exception as err:  # noqa: BLE001 - a bench reports every failure and goes on
@@ -199,7 +254,9 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 8; 2 with --small)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; 1 with --small)")
-    p.add_argument("--loss-chunk", type=int, default=1024)
+    p.add_argument("--loss-chunk", type=int, default=None, help="rows per loss chunk (default: per shape)")
+    p.add_argument("--triton-on-cpu", action="store_true",
+                   help="with --small on CPU: run the 8-bit kernels in Triton's interpreter (TRITON_INTERPRET=1)")
     p.add_argument("--compile-backend", default=None,
                    help="torch.compile backend (default inductor; eager on CPU with --small)")
     args = p.parse_args(argv)
@@ -208,8 +265,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.small and device.type == "cpu" and args.compile_backend is None:
         args.compile_backend = "eager"
-    variants = [v for v in args.only.split(",") if v] or list(VARIANTS)
-    unknown = [v for v in variants if v not in VARIANTS]
+    only = [v for v in args.only.split(",") if v]
+    unknown = [v for v in only if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     shapes_table = SMALL_SHAPES if args.small else SHAPES
@@ -218,12 +275,15 @@ def main(argv=None) -> int:
     for shape in shapes:
         if shape not in shapes_table:
             p.error(f"unknown shape {shape!r}; choose from {', '.join(shapes_table)}")
-        for name in variants:
+        for name in only or SHAPE_VARIANTS[shape]:
             r = run_variant(name, shape, args, device)
             results.append(r)
             summary = r.get("error") or (f"{r['tok_s']:.0f} tok/s, MFU {r['mfu']:.3f}, "
                                          f"peak {r.get('peak_gib', float('nan')):.2f} GiB, loss {r['loss']:.3f}")
-            print(f"{shape:>11} {name:<18} {summary}", flush=True)
+            pred = r.get("predicted_peak_gib")
+            if pred is not None and "error" not in r:
+                summary += f", predicted {pred:.2f} GiB"
+            print(f"{shape:>11} {name:<20} {summary}", flush=True)
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "python": sys.version.split()[0], "argv": sys.argv[1:],
             "steps": args.steps, "warmup": args.warmup, "peak_flops": H200_BF16_FLOPS}

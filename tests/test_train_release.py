@@ -27,17 +27,18 @@ from safetensors.torch import load_file
 
 from test_train import ROOT, assert_same_checkpoint, child_env, command, step_records, tiny_spec
 
-RELEASE = "\n[memory]\ngradient_release = {release}\n"
+RELEASE = "\n[memory]\ngradient_release = {release}\ndefer_head_grad = {defer}\n"
 
 
-def release_spec(tmp_path: Path, name: str, *, release: bool = True, **fields) -> Path:
+def release_spec(tmp_path: Path, name: str, *, release: bool = True, defer: bool = False, **fields) -> Path:
     """tests/test_train.py's tiny spec with grad_accum = 1, clip = 0 and a [memory] section."""
     fields.setdefault("steps", 6)
     fields.setdefault("every", 3)
     path = tiny_spec(tmp_path, name, **fields)
     text = path.read_text().replace("grad_accum = 2", "grad_accum = 1")
     text = text.replace('alias = "adamw"', 'alias = "adamw"\nclip = 0')
-    path.write_text(text + RELEASE.format(release="true" if release else "false"))
+    path.write_text(text + RELEASE.format(release="true" if release else "false",
+                                          defer="true" if defer else "false"))
     return path
 
 
@@ -186,3 +187,30 @@ def test_activation_checkpointing_from_the_spec_keeps_the_loss(tmp_path):
             losses.append([train_step(run, signals, control.WallClock(None))[0]["loss"] for _ in range(2)])
     assert losses[0][0] == losses[1][0]
     assert losses[0][1] == pytest.approx(losses[1][1], rel=1e-5)
+
+
+def test_deferred_head_grad_run_matches_the_bound_run(tmp_path):
+    """``memory.defer_head_grad`` (the default): the tied head's gradient joins the embedding's
+    in its hook; the same run up to summation order."""
+    for name, release, defer in (("bound_d", False, False), ("deferred", True, True)):
+        assert _run_in_process(release_spec(tmp_path, name, release=release, defer=defer, every=0, steps=3)) == 0
+    a = load_file(tmp_path / "bound_d" / "step_3" / "model.safetensors")
+    b = load_file(tmp_path / "deferred" / "step_3" / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    la = [r["loss"] for r in step_records(tmp_path / "bound_d")]
+    lb = [r["loss"] for r in step_records(tmp_path / "deferred")]
+    assert lb == pytest.approx(la, rel=1e-5)
+
+
+def test_the_loop_defers_the_tied_head_gradient(tmp_path):
+    from pgs.runtime.spec import load_spec
+    from pgs.runtime.train import _forward, setup
+
+    run = setup(load_spec(release_spec(tmp_path, "chk", defer=True)))
+    embed = run.model.get_input_embeddings().weight
+    assert run.model.get_output_embeddings().weight is embed
+    loss_sum, _, _ = _forward(run, run.stream.next_batch(run.micro_batch), False)
+    assert list(run.bound._before) == [n for n, p in run.bound.params.items() if p is embed]
+    loss_sum.backward()
+    assert run.bound._before == {} and all(p.grad is None for p in run.model.parameters())

@@ -154,10 +154,13 @@ def adamw8bit(
     fn = mask_fn(mask, "adamw8bit")
 
     def fused_step(fg, state, fp, *, layout, donate, stochastic_rounding, extra):
-        if not quantize or layout is None or any(
+        # ``layout`` None: ``fg`` is a per-parameter tree (gradient release steps one group of
+        # whole tensors; each tensor is its own run of quantization blocks, as ``init`` made it)
+        if not quantize or any(
             not K.use_triton(backend, g, block_size) for g in fg.values() if g is not None
         ):
             return None
+        sr_base = int(extra.get("sr_offset", 0)) if extra else 0  # distinct seeds across release groups
         n_dir, n_dec, n_lr = list(state)
         s_dir, s_lr = state[n_dir], state[n_lr]
         lr = lr_value(learning_rate, s_lr.count)
@@ -172,7 +175,7 @@ def adamw8bit(
                 continue
             wd = weight_decay if (_nonzero(weight_decay) and (labels is None or labels[k])) else 0.0
             if isinstance(m, Quantized8bit):
-                seed = sr_seed(count, i) if (stochastic_rounding and p.dtype == torch.bfloat16) else None
+                seed = sr_seed(count, sr_base + i) if (stochastic_rounding and p.dtype == torch.bfloat16) else None
                 hp = _adam_hp(g.device, b1, b2, eps, 0.0, bc1, bc2, lr, wd)
                 new_p[k], new_mu[k], new_nu[k] = K.adam8bit(
                     g, m, v, hp, block_size, p=p, out=p if donate else torch.empty_like(p),

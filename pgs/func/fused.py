@@ -77,11 +77,15 @@ def match(opt) -> FusedPlan | None:
 
 def available(layout: Layout) -> bool:
     """Whether the fused kernels can run on this layout's devices."""
+    return available_on({g.device.type for g in layout.groups.values()})
+
+
+def available_on(devs: set[str]) -> bool:
+    """Whether the fused kernels can run on tensors of these device types (``{"cuda"}``, ...)."""
     from pgs.func.kernels import elementwise as K
 
     if not K.HAVE_TRITON:
         return False
-    devs = {g.device.type for g in layout.groups.values()}
     if devs == {"cuda"}:
         return True
     # On CPU only in Triton's interpreter, and only when asked (tests): it is slow.

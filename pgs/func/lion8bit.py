@@ -165,10 +165,13 @@ def lion8bit(
     fn = mask_fn(mask, "lion8bit")
 
     def fused_step(fg, state, fp, *, layout, donate, stochastic_rounding, extra):
-        if not quantize or layout is None or any(
+        # ``layout`` None: ``fg`` is a per-parameter tree (gradient release steps one group of
+        # whole tensors; each tensor is its own run of quantization blocks, as ``init`` made it)
+        if not quantize or any(
             not K.use_triton(backend, g, block_size) for g in fg.values() if g is not None
         ):
             return None
+        sr_base = int(extra.get("sr_offset", 0)) if extra else 0  # distinct seeds across release groups
         n_dir, n_dec, n_lr = list(state)
         s_dir, s_lr = state[n_dir], state[n_lr]
         count = s_lr.count
@@ -185,7 +188,7 @@ def lion8bit(
             if isinstance(m, Quantized8bit):
                 out = p if donate else torch.empty_like(p)
                 m_out = m if donate else None
-                seed = sr_seed(count, i) if (stochastic_rounding and p.dtype == torch.bfloat16) else None
+                seed = sr_seed(count, sr_base + i) if (stochastic_rounding and p.dtype == torch.bfloat16) else None
                 new_p[k], new_mu[k] = K.lion8bit(g, m, hp_tensor(g.device, w1, w2, lr, wd), block_size,
                                                  p=p, out=out, m_out=m_out, seed=seed)
             else:  # small leaves: fp32 momentum, a few tiny kernels

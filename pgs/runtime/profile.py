@@ -16,7 +16,12 @@
   the head-gradient buffer V × D and grad_h N × D it holds from forward to backward; dense
   loss: N × V × (dtype + 4 + 4) B (logits, fp32 upcast, their gradient).
 - ``temporaries``: two fp32 temporaries of the largest tensor's update (2 × 4 B × numel;
-  the roughest category: it depends on the chain and on whether a fused kernel runs).
+  the roughest category: it depends on the chain and on whether a fused kernel runs); 0 when
+  gradient release steps with a fused in-place kernel (``fused_update``; 4 B × numel for the
+  fp32 cast of the gradient with fp32 masters).
+- With ``defer_head_grad`` (release, tied head, chunked loss) the loss holds grad_h, h and
+  16 B per token instead of the V × D buffer; the head's gradient is rebuilt into the
+  embedding's gradient at the end of backward (one chunk's work then).
 
 ``total`` is their sum (an upper bound).  ``peak`` takes phases into account: static
 (weights, masters, state) plus the largest of (end of forward: kept activations + the
@@ -186,6 +191,8 @@ def predict_memory(
     trainable: Callable[[str], bool] | None = None,
     gqa_native: bool = True,
     model=None,
+    fused_update: bool | None = None,
+    defer_head_grad: bool | None = None,
 ) -> dict[str, int]:
     """Bytes per category (``CATEGORIES``) plus ``total`` and ``peak``.  See the module docstring.
 
@@ -203,6 +210,10 @@ def predict_memory(
         vocab: overrides the config's vocabulary size.
         trainable: ``name -> bool``; None trains every parameter.
         model: a (meta or real) model to size instead of building one from the config.
+        fused_update: release steps with an in-place fused kernel (None: when the chain has
+            one — ``lion8bit``/``adamw8bit``'s ``fused_step``, or an AdamW/Lion plan).
+        defer_head_grad: the tied head's gradient joins the embedding's at the end of
+            backward (None: with release, a chunked loss and a tied head, as ``pgs run``).
 
     Example::
 
@@ -251,9 +262,22 @@ def predict_memory(
     v, h = c.vocab_size, c.hidden_size
     b = torch.empty((), dtype=dt).element_size()
     n = int(micro_batch_tokens)
+    if defer_head_grad is None:
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+        tied = head is not None and embed is not None and head.weight is embed.weight
+        defer_head_grad = bool(gradient_release and loss == "chunked" and tied and head.weight.requires_grad)
+    if fused_update is None:
+        from pgs.func import fused as _fused
+
+        fused_update = bool(gradient_release and chain is not None
+                            and (getattr(chain, "fused_step", None) is not None or _fused.match(chain) is not None))
+    deferred = loss == "chunked" and defer_head_grad
     if loss == "chunked":
         loss_work = min(loss_chunk, n) * v * 4 * 3
-        loss_held = v * h * b + n * h * b  # grad_W and grad_h, from the loss's forward into backward
+        if deferred:  # grad_h, the saved h, and rows/gates/LSEs (8 B index + 2 × 4 B per token)
+            loss_held = 2 * n * h * b + 16 * n
+        else:
+            loss_held = v * h * b + n * h * b  # grad_W and grad_h, from the loss's forward into backward
     elif loss == "dense":
         loss_work, loss_held = n * v * (b + 4 + 4), 0
     else:
@@ -261,13 +285,22 @@ def predict_memory(
     out["loss"] = loss_work + loss_held
     biggest = max((p.numel() for p in params.values()), default=0)
     out["temporaries"] = 2 * 4 * biggest
+    if gradient_release and fused_update:
+        out["temporaries"] = 4 * biggest if master_weights == "fp32" else 0
     out["total"] = sum(out[k] for k in CATEGORIES)
     static = out["weights"] + out["master_weights"] + out["optimizer_state"]
     grads = out["gradients"]
     if gradient_release:
+        # inside the layers' backward only a layer's gradients exist; the embedding's (often the
+        # largest group) comes last, when the kept activations are gone
+        embed = model.get_input_embeddings()
+        embed_names = {n for n, p in model.named_parameters() if embed is not None and p is embed.weight}
+        late = {g for g, names in groups.items() if embed_names & set(names)}
+        grads_mid = max((v for g, v in group_bytes.items() if g not in late), default=0)
+        last = grads + out["temporaries"] + (loss_held + loss_work if deferred else loss_held)
         phases = (kept + loss_work + loss_held,  # end of forward: the loss's chunk
-                  kept + recompute + loss_held + grads,  # backward of a recomputed layer
-                  loss_held + grads + out["temporaries"])  # last group's update (the embedding)
+                  kept + recompute + loss_held + grads_mid,  # backward of a recomputed layer
+                  last)  # last group's update (the embedding; with deferral the head's rebuilt chunk)
     else:
         phases = (kept + loss_work + loss_held, kept + recompute + loss_held + grads, grads + out["temporaries"])
     out["peak"] = static + max(phases)
@@ -328,7 +361,11 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   activation_checkpointing=opts["activation_checkpointing"],
                   checkpoint_every=int(opts["checkpoint_every"]), micro_batch_tokens=tokens,
                   loss="dense" if spec.loss.backend == "dense" else "chunked", loss_chunk=spec.loss.chunk_size,
-                  model=model)
+                  model=model,
+                  # pgs run defers a tied head's gradient only with the chunked backend and when asked
+                  defer_head_grad=(None if (spec.loss.backend == "chunked"
+                                            and getattr(getattr(spec, "memory", None), "defer_head_grad", True))
+                                   else False))
     return {"config": cfg, "kwargs": kwargs, "notes": notes, "micro_batch": micro,
             "seq_len": spec.data.max_seq_len, "options": opts}
 

@@ -41,6 +41,19 @@ Precision.  ``stochastic_rounding=True`` rounds bf16 parameters stochastically i
 low-precision parameter in the optimizer (4 more bytes per parameter); the chain sees fp32
 parameters and gradients, and the model's bf16 weights are the rounded masters.
 
+Fused update.  Where the chain has a fused update-and-apply (``lion8bit``/``adamw8bit``'s
+``fused_step``, called on the group's per-parameter tree with ``layout=None``; or a plain
+AdamW/Lion chain that ``pgs.func.fused.match`` recognises) and the device runs it, a group
+steps with one kernel per tensor that writes parameter and state in place (stochastic
+rounding inside the 8-bit kernels) — no update tensor, no fp32 temporaries.  The state is
+the chain's own, so the fused and the plain path share checkpoints; ``fused=False`` forces
+the plain path.
+
+Deferred contributions.  ``add_before_step(param, fn)`` runs ``fn(param.grad)`` right before
+``param``'s group steps in the coming backward: how the chunked loss's deferred head gradient
+(``token_loss(..., defer_head_grad=True)``) joins a tied embedding's own gradient, so that one
+V×D gradient buffer exists, and only at the end of backward (docs/memory.md).
+
 Non-finite losses: the update happens inside backward, so a step cannot be skipped after
 the fact; check the loss before calling ``backward``.
 """
@@ -179,6 +192,9 @@ class GradientRelease:
         grad_accum: must be 1 (refused otherwise, with the reason).
         track_grad_norm: accumulate Σ‖g‖² as gradients stream by, for ``last_metrics``.
         apply_chunk: elements per slab when writing θ + u back (bounds the fp32 temporaries).
+        fused: step a group with the chain's fused update-and-apply kernel where it has one
+            (``lion8bit``, ``adamw8bit``: their ``fused_step``; ``adamw``/``lion``: the kernels of
+            ``pgs.func.fused``) and the device runs it; False always takes the plain path.
     """
 
     def __init__(
@@ -192,6 +208,7 @@ class GradientRelease:
         grad_accum: int = 1,
         track_grad_norm: bool = True,
         apply_chunk: int = 1 << 24,
+        fused: bool = True,
     ):
         if isinstance(chain, pf.FlatChain):
             raise InvalidArgument("GradientRelease: pass the plain chain, not pf.compile(chain) "
@@ -223,6 +240,22 @@ class GradientRelease:
                 self.masters = {n: p.detach().float().clone() for n, p in params.items()
                                 if p.dtype in (torch.bfloat16, torch.float16)}
         self.states = {g: chain.init(self._param_tree(g)) for g in self.groups}
+        # the fused path: a chain's own fused_step (8-bit), else a plain AdamW/Lion plan
+        self._fused_step = getattr(chain, "fused_step", None) if fused else None
+        self._fused_plan = None
+        if fused and self._fused_step is None:
+            from pgs.func import fused as _fused
+
+            self._fused_plan = _fused.match(chain)
+        # tensors before each group: distinct stochastic-rounding seeds for every tensor of a step
+        self._sr_offset, at = {}, 0
+        for g, names in self.groups.items():
+            self._sr_offset[g] = at
+            at += len(names)
+        self.fused_group_steps = 0  # group steps that ran the fused path (for benchmarks and tests)
+        self.plain_group_steps = 0
+        self._name_of = {id(p): n for n, p in params.items()}
+        self._before: dict[str, list[Callable[[torch.Tensor], Any]]] = {}
         self.steps = 0  # completed optimizer steps (backward passes)
         self._sumsq: torch.Tensor | None = None
         self._last_sumsq: torch.Tensor | None = None
@@ -240,21 +273,62 @@ class GradientRelease:
     @torch.no_grad()
     def _step_group(self, group: str) -> None:
         names = self.groups[group]
+        for n in names:  # contributions added into the gradient buffer right before the step
+            fns = self._before.pop(n, None)
+            if fns:
+                p = self.params[n]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                for fn in fns:
+                    fn(p.grad)
         params = self._param_tree(group)
         grads = {}
         for n in names:
             p = self.params[n]
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             grads[n] = g.to(params[n].dtype) if g.dtype != params[n].dtype else g
-        if self.track_grad_norm:
-            s = sum(g.float().pow(2).sum() for g in grads.values())
+        if self.track_grad_norm:  # fp32 accumulation inside the reduction: no fp32 copy of g
+            s = sum(torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads.values())
             self._sumsq = s if self._sumsq is None else self._sumsq + s.to(self._sumsq.device)
-        updates, self.states[group] = self.chain.update(grads, self.states[group], params)
-        del grads
-        for n in names:
-            self.params[n].grad = None
-            self._apply(n, params[n], updates[n])
+        if self._step_fused(group, params, grads):
+            del grads
+            for n in names:
+                self.params[n].grad = None
+                if n in self.masters:
+                    self.params[n].copy_(self.masters[n])
+            self.fused_group_steps += 1
+        else:
+            updates, self.states[group] = self.chain.update(grads, self.states[group], params)
+            del grads
+            for n in names:
+                self.params[n].grad = None
+                self._apply(n, params[n], updates[n])
+            self.plain_group_steps += 1
         self._arrivals.done.add(group)
+
+    def _step_fused(self, group: str, params: dict, grads: dict) -> bool:
+        """Update-and-apply in one kernel per tensor, in place (parameters, or their fp32 masters,
+        and the chain state); False when the chain has no fused step here (then nothing ran)."""
+        if self._fused_step is None and self._fused_plan is None:
+            return False
+        if not all(t.is_contiguous() for t in (*params.values(), *grads.values())):
+            return False
+        if self._fused_step is not None:
+            out = self._fused_step(grads, self.states[group], params, layout=None, donate=True,
+                                   stochastic_rounding=self.stochastic_rounding,
+                                   extra={"sr_offset": self._sr_offset[group]})
+            if out is None:
+                return False
+            self.states[group] = out[1]
+            return True
+        from pgs.func import fused as _fused
+
+        if not _fused.available_on({t.device.type for t in params.values()}):
+            return False
+        if self.stochastic_rounding and any(p.dtype == torch.bfloat16 for p in params.values()):
+            return False  # the AdamW/Lion kernels round to nearest
+        self.states[group] = _fused.step(self._fused_plan, None, grads, self.states[group], params, donate=True)[1]
+        return True
 
     def _apply(self, name: str, param: torch.Tensor, update: torch.Tensor) -> None:
         """θ ← θ + u (``pf.apply_updates``), slab by slab, so that the fp32 temporaries of a
@@ -278,6 +352,17 @@ class GradientRelease:
             live.view(-1)[lo:lo + step].copy_(piece)
 
     # -- the public surface -----------------------------------------------------------------
+    def add_before_step(self, param: torch.Tensor, fn: Callable[[torch.Tensor], Any]) -> None:
+        """In the coming backward, call ``fn(param.grad)`` right before ``param``'s group steps
+        (``fn`` adds into the gradient buffer in place; a zero buffer is made when ``param`` got
+        no gradient).  How a tied head's deferred gradient (``token_loss(...,
+        defer_head_grad=True)``) joins the embedding's own gradient, so that one V×D gradient
+        buffer exists, and only at the end of backward.  Dropped by ``zero_grad()``."""
+        name = self._name_of.get(id(param))
+        if name is None:
+            raise InvalidArgument("GradientRelease.add_before_step: not one of the released parameters")
+        self._before.setdefault(name, []).append(fn)
+
     def finish(self) -> None:
         """Step the groups that this backward has not stepped (zeros for missing gradients).
 
@@ -302,6 +387,7 @@ class GradientRelease:
         """Gradients are already None after a backward; clears any left by other code."""
         for p in self.params.values():
             p.grad = None
+        self._before.clear()
 
     def remove(self) -> None:
         """Unregister the hooks (the parameters then train only through another optimizer)."""

@@ -279,7 +279,9 @@ class MemorySpec:
     ``"selective"``) applies to layers ``0, k, 2k, …`` with ``k = checkpoint_every``.
     ``compile_layers`` compiles each decoder layer; ``liger`` patches in Liger's kernels.
     ``master_weights = "fp32"`` and ``stochastic_rounding`` are for low-precision weights;
-    ``master_weights`` needs ``gradient_release``.
+    ``master_weights`` needs ``gradient_release``.  ``defer_head_grad`` (with gradient release,
+    a tied head and the chunked loss) adds the head's gradient into the embedding's own
+    gradient buffer at the end of backward instead of holding a second V×D buffer through it.
     """
 
     section: ClassVar[str] = "memory"
@@ -291,6 +293,7 @@ class MemorySpec:
     liger: bool = attrs.field(default=False, validator=_bool)
     master_weights: str = attrs.field(default="none", validator=_one_of(MASTER_WEIGHTS))
     stochastic_rounding: bool = attrs.field(default=False, validator=_bool)
+    defer_head_grad: bool = attrs.field(default=True, validator=_bool)
 
 
 SECTIONS: dict[str, type] = {

@@ -262,11 +262,26 @@ def _forward(run: Run, batch, poison: bool):
     h = D.final_hidden(run.model, ids, pos, embed_noise=embed_noise)
     weight, bias, softcap = output_head(run.model)
     loss = run.spec.loss
+    defer = _defers_head_grad(run, weight)
     result = token_loss(h, weight, labels, backend=loss.backend, objective=run.objective, bias=bias,
-                        softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size)
+                        softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size, defer_head_grad=defer)
+    if defer and result.head_grad is not None:  # joins the embedding's gradient in the tied weight's hook
+        run.bound.add_before_step(weight, result.head_grad.add_to)
     loss_sum = result.loss_sum * float("nan") if poison else result.loss_sum
     entropy = result.entropy_sum if result.entropy_sum is not None else torch.zeros(())
     return loss_sum, float(entropy), int(result.num_valid)
+
+
+def _defers_head_grad(run: Run, weight) -> bool:
+    """Gradient release on one process, a tied head (the input embedding's weight), the chunked
+    loss and ``memory.defer_head_grad``: the head's gradient is added into the embedding's own
+    gradient buffer right before that weight steps (one V×D buffer, only at the end of backward)."""
+    if not (run.release and run.ctx is None and run.spec.memory.defer_head_grad and weight.requires_grad):
+        return False
+    if run.spec.loss.backend != "chunked" or not hasattr(run.bound, "add_before_step"):
+        return False
+    embed = run.model.get_input_embeddings()
+    return embed is not None and embed.weight is weight
 
 
 def _loss(run: Run, batch, n_valid_global: int, poison: bool):

@@ -1,0 +1,235 @@
+"""A short convergence check: pgs's memory-lean recipe against an HF + AdamW baseline.
+
+Run on one GPU (written for an H200; not a test; ~2-3 minutes at the defaults):
+
+    python bench/sft_converge.py --out bench/results/sft_converge.json
+    python bench/sft_converge.py --small --steps 6 --out /tmp/conv.json     # CPU smoke
+
+Every variant trains the same random init (Qwen3-0.6B shape, from its config) for the same
+steps on the same batches and with the same warm-up + cosine learning-rate shape; the
+batches come from a fixed synthetic but learnable source: a first-order Markov chain over
+``--states`` token ids, each with 4 successors of probabilities 0.4/0.3/0.2/0.1, so the
+best achievable loss is the chain's entropy (1.280 nats) and a model that learns nothing
+stays near ln(states).
+
+- ``hf_adamw``: fp32 weights (the master copy), bf16 autocast, transformers' own loss,
+  ``torch.optim.AdamW`` (fused on CUDA): what a TRL user gets with ``bf16=True``.
+- ``pgs_lion8bit``: bf16 weights without a master copy, ``pf.lion8bit`` run inside backward
+  (``GradientRelease``, the fused in-place kernel, stochastic rounding into bf16), the
+  chunked loss with the tied head's gradient deferred into the embedding's.
+- ``pgs_adamw8bit``: the same with ``pf.adamw8bit`` at AdamW's learning rate (separates the
+  optimizer's effect from the precision's).
+
+Reported per variant: the loss of every step, the mean of the last 10, the held-out loss on
+fixed batches of the same chain, tok/s, peak allocated memory; an error string instead when a
+variant fails.  JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sft_step import SHAPES, SMALL_SHAPES, build  # noqa: E402
+
+VARIANTS = ("hf_adamw", "pgs_lion8bit", "pgs_adamw8bit")
+PROBS = (0.4, 0.3, 0.2, 0.1)
+
+
+def markov_source(vocab: int, states: int, seed: int):
+    """(token ids of the states, successor table [states, 4]) of a fixed random chain."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(vocab, generator=g)[:states]
+    succ = torch.randint(0, states, (states, len(PROBS)), generator=g)
+    return ids, succ
+
+
+def sample(ids, succ, batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
+    probs = torch.tensor(PROBS)
+    s = torch.randint(0, succ.shape[0], (batch,), generator=g)
+    out = torch.empty(batch, seq, dtype=torch.long)
+    for t in range(seq):
+        out[:, t] = s
+        pick = torch.multinomial(probs.expand(batch, -1), 1, generator=g).squeeze(1)
+        s = succ[s, pick]
+    return ids[out]
+
+
+def entropy_floor() -> float:
+    return -sum(p * math.log(p) for p in PROBS)
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
+    """The warm-up + cosine shape of ``pf.cosine_schedule`` (final 0), for torch's optimizer."""
+    if step < warmup:
+        return peak * step / max(warmup, 1)
+    frac = min(1.0, (step - warmup) / max(total - warmup, 1))
+    return peak * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def setup(name: str, table: dict, device, args):
+    """(model, step(ids) -> loss float tensor, eval(ids) -> loss sum, valid)."""
+    import pgs.func as pf
+    from pgs.func.losses import token_loss
+    from pgs.runtime.model import final_hidden, output_head
+    from pgs.runtime.release import GradientRelease
+
+    model = build(table, device)
+    pos_of = lambda ids: torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # noqa: E731
+
+    def labels_of(ids):
+        labels = torch.roll(ids, -1, dims=1)
+        labels[:, -1] = -100
+        return labels
+
+    if name == "hf_adamw":
+        model.float()
+        opt = torch.optim.AdamW(model.parameters(), lr=args.adam_lr, betas=(0.9, 0.95), weight_decay=0.0,
+                                fused=device.type == "cuda")
+        amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+        count = [0]
+
+        def step(ids):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(count[0], args.adam_lr, args.warmup, args.steps)
+            with amp:
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            count[0] += 1
+            return loss.detach()
+    else:
+        backend = "triton" if args.triton_on_cpu else "auto"
+        if name == "pgs_lion8bit":
+            lr = pf.cosine_schedule(args.lion_lr, args.warmup, args.steps)
+            chain = pf.lion8bit(lr, b1=0.9, b2=0.99, backend=backend)
+        else:
+            lr = pf.cosine_schedule(args.adam_lr, args.warmup, args.steps)
+            chain = pf.adamw8bit(lr, b1=0.9, b2=0.95, weight_decay=0.0, backend=backend)
+        release = GradientRelease(chain, model, stochastic_rounding=True, track_grad_norm=False)
+        defer = output_head(model)[0] is model.get_input_embeddings().weight
+
+        def step(ids):
+            h = final_hidden(model, ids, pos_of(ids))
+            W, bias, softcap = output_head(model)
+            r = token_loss(h, W, labels_of(ids), bias=bias, softcap=softcap, chunk_size=2048, defer_head_grad=defer)
+            if defer:
+                release.add_before_step(W, r.head_grad.add_to)
+            loss = r.loss_sum / r.num_valid
+            loss.backward()
+            return loss.detach()
+
+    @torch.no_grad()
+    def evaluate(ids):
+        model.eval()
+        W, bias, softcap = output_head(model)
+        h = final_hidden(model, ids, pos_of(ids))
+        r = token_loss(h.to(W.dtype), W, labels_of(ids), bias=bias, softcap=softcap, chunk_size=2048)
+        model.train()
+        return float(r.loss_sum), int(r.num_valid)
+
+    return model, step, evaluate
+
+
+def run_variant(name: str, table: dict, data: list, held_out: list, device, args) -> dict:
+    out: dict = {"variant": name}
+    model = step = None
+    cuda = device.type == "cuda"
+    try:
+        model, step, evaluate = setup(name, table, device, args)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        losses = []
+        t0 = time.perf_counter()
+        for ids in data:
+            losses.append(step(ids.to(device)))
+        losses = [float(x) for x in losses]  # one sync at the end
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        out["losses"] = losses
+        out["last10_mean"] = sum(losses[-10:]) / len(losses[-10:])
+        s = n = 0
+        for ids in held_out:
+            a, b = evaluate(ids.to(device))
+            s, n = s + a, n + b
+        out["held_out_loss"] = s / max(n, 1)
+        out["tok_s"] = sum(x.numel() for x in data) / elapsed
+        if cuda:
+            out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    except torch.OutOfMemoryError as err:
+        out["error"] = f"OOM: {str(err).splitlines()[0]}"
+    except Exception as err:  # noqa: BLE001 - a bench reports every failure and goes on
+        out["error"] = f"{type(err).__name__}: {err}"
+        out["traceback"] = traceback.format_exc(limit=6)
+    finally:
+        del model, step
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results/sft_converge.json")
+    p.add_argument("--only", default="", help=f"comma-separated variants of {', '.join(VARIANTS)}")
+    p.add_argument("--small", action="store_true", help="the tiny shape (a CPU smoke run)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 80; 8 with --small)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; 2 with --small)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024; 32 with --small)")
+    p.add_argument("--states", type=int, default=None, help="Markov states (default 1024; 64 with --small)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 10; 2 with --small)")
+    p.add_argument("--adam-lr", type=float, default=3e-4)
+    p.add_argument("--lion-lr", type=float, default=5e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--triton-on-cpu", action="store_true", help="8-bit kernels in Triton's interpreter (CPU)")
+    args = p.parse_args(argv)
+    args.steps = args.steps or (8 if args.small else 80)
+    args.batch = args.batch or (2 if args.small else 8)
+    args.seq = args.seq or (32 if args.small else 1024)
+    args.states = args.states or (64 if args.small else 1024)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.small else 10)
+    variants = [v for v in args.only.split(",") if v] or list(VARIANTS)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    table = dict((SMALL_SHAPES["tiny"] if args.small else SHAPES["qwen3-0.6b"])[0])
+    ids, succ = markov_source(table["vocab_size"], args.states, args.seed)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    data = [sample(ids, succ, args.batch, args.seq, g) for _ in range(args.steps)]
+    held_out = [sample(ids, succ, args.batch, args.seq, g) for _ in range(2)]
+    results = []
+    for name in variants:
+        r = run_variant(name, table, data, held_out, device, args)
+        results.append(r)
+        summary = r.get("error") or (f"loss {r['losses'][0]:.3f} -> last10 {r['last10_mean']:.3f}, held-out "
+                                     f"{r['held_out_loss']:.3f}, {r['tok_s']:.0f} tok/s, "
+                                     f"peak {r.get('peak_gib', float('nan')):.2f} GiB")
+        print(f"{name:<14} {summary}", flush=True)
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "argv": sys.argv[1:], "steps": args.steps, "batch": args.batch,
+            "seq": args.seq, "states": args.states, "warmup": args.warmup, "adam_lr": args.adam_lr,
+            "lion_lr": args.lion_lr, "entropy_floor": entropy_floor(), "uniform_loss": math.log(args.states)}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
