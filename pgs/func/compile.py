@@ -125,6 +125,10 @@ class FlatChain:
             if out is not None:
                 return out
         # -- end hook
+        if self.uses_fused_kernel():  # hand-written AdamW/Lion kernels (pgs.func.fused)
+            from pgs.func import fused as _fused
+
+            return _fused.step(self.fused_plan, self.layout, flat_grads, state, flat_params, donate=self.donate)
         if self._step_fn is None:
             self._step_fn = self._build(self._flat_step)
         return self._step_fn(flat_grads, state, flat_params, extra)
