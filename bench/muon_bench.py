@@ -6,8 +6,10 @@ Not a test.  Times one optimizer step over the 28 layers' hidden matrices
 - ``pgs``: ``pf.muon``'s Muon branch (momentum, one batched bf16 Newton–Schulz per oriented
   shape, decoupled decay, lr), update + apply;
 - ``torch``: ``torch.optim.Muon.step()`` (one matrix at a time);
-- ``fast[K]``: ``muon_fused_step`` (pre pass, batched NS with kernel K = cublas or a symmetric
-  Triton config, post pass), and pure NS per shape group with each kernel (TFLOP/s);
+- ``fast[K]``: ``muon_fused_step`` (pre pass, batched NS with kernel K = auto (the default:
+  the tuned symmetric config per shape on sm_90), cublas or a named symmetric Triton config,
+  post pass; ``,nofold`` keeps aX + BX), and pure NS per shape group with each kernel
+  (TFLOP/s, and ``rel_err_vs_fp64``: the distance to an fp64 NS5 of the same input);
 
 and reports milliseconds and the ratio to the Newton–Schulz matmul floor:
 FLOPs(NS5 over all matrices) / peak (789 TFLOP/s dense bf16 by default, ``--peak-tflops``).
@@ -66,6 +68,25 @@ def group_flops(m: int, n: int, batch: int, steps: int = 5, symmetric: bool = Fa
     m, n = min(m, n), max(m, n)
     per = (2 * m * m * n + m**3 + 2 * m * m * n) if symmetric else (4 * m * m * n + 2 * m**3)
     return steps * per * batch
+
+
+def ns_fp64(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """NS_k of an already normalised batch in fp64 (no renormalisation): the accuracy yardstick."""
+    import importlib
+
+    a, b, c = (float(v) for v in importlib.import_module("pgs.func.muon").NS_COEFFICIENTS)
+    X = x.double()
+    tall = X.shape[-2] > X.shape[-1]
+    X = X.mT if tall else X
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if tall else X
+
+
+def rel_err(o: torch.Tensor, exact: torch.Tensor) -> float:
+    """Mean over the batch of ‖o − exact‖_F / ‖exact‖_F."""
+    return ((o.double() - exact).norm(dim=(-2, -1)) / exact.norm(dim=(-2, -1))).mean().item()
 
 
 def attempt(fn):
@@ -153,10 +174,12 @@ def main() -> None:
     gl = list(grads.values())
     lr_t = torch.tensor(lr, dtype=torch.float64, device=device)  # as a schedule gives it: no recompiles
 
-    variants = [("cublas", False), ("cublas", True)] + [(c, True) for c in configs]
+    # "auto": the default (tuned symmetric config per shape on sm_90, fold); "auto,nofold": the
+    # same kernel keeping the reference's aX + BX (what exactness costs)
+    variants = [("auto", None), ("auto", False), ("cublas", False), ("cublas", True)] + [(c, True) for c in configs]
 
     def vname(kernel, fold):
-        return kernel + ("" if fold else ",nofold")
+        return kernel + ("" if fold is not False else ",nofold")
 
     for kernel, fold in variants:
         def fast_step(kernel=kernel, fold=fold):
@@ -167,8 +190,7 @@ def main() -> None:
 
     # the same through the execution layer: pf.compile(muon_matrices(...), donate=True).step on
     # parameters and gradients re-homed into the flat layout's buffers (as pgs.runtime.bind does)
-    best_kernel = min(((v["ms"], k) for k, v in results.items() if k.startswith("fast[") and v["ms"] is not None
-                       and "nofold" not in k), default=(None, "fast[cublas]"))[1][5:-1]
+    best_kernel = "auto"  # what pf.compile(muon_matrices(...)) uses by default
 
     def compiled():
         fast = pf.compile(M.muon_matrices(lr, weight_decay=wd, ns_kernel=best_kernel), donate=True)
@@ -211,28 +233,36 @@ def main() -> None:
         x0 = torch.randn((b, r, c), generator=gen).to(device=device, dtype=torch.bfloat16)
         x0 /= torch.linalg.vector_norm(x0.float(), dim=(-2, -1), keepdim=True).to(torch.bfloat16)
         row = {"batch": b, "shape": [r, c], "flops": group_flops(r, c, b)}
-        ref_o = M.newton_schulz_batched(x0.clone(), 5, kernel="cublas", fold=False)
-        for kernel, fold in variants:
+        ref_o = M.newton_schulz_batched(x0.clone(), 5, kernel="cublas", fold=False)  # the reference's products
+        exact = ns_fp64(x0)  # the same iteration in fp64 on the same (normalised) input
+        for asked, fold in variants:
+            kernel = M._pick_kernel(asked, x0)  # "auto" resolved as muon_fused_step resolves it
             xs = [x0.clone() for _ in range(2)]  # the iteration overwrites its input: no clone timed
 
             def run(kernel=kernel, fold=fold):
                 M.newton_schulz_batched(xs[0], 5, kernel=kernel, fold=fold)
 
             ms, err = attempt(lambda: timed(run, device, 2, max(3, args.iters // 2)))
-            name = vname(kernel, fold)
+            name = vname(asked, fold) + (f"={kernel}" if asked == "auto" else "")
             if err:
                 row[name] = {"error": err}
                 continue
             o = M.newton_schulz_batched(xs[1], 5, kernel=kernel, fold=fold)
             row[name] = {"ms": ms, "tflops_nominal": row["flops"] / ms / 1e9,
                            "tflops_executed": group_flops(r, c, b, symmetric=kernel != "cublas") / ms / 1e9,
-                           "max_abs_diff_vs_cublas": (o.float() - ref_o.float()).abs().max().item()}
+                           "max_abs_diff_vs_cublas": (o.float() - ref_o.float()).abs().max().item(),
+                           "rel_err_vs_fp64": rel_err(o, exact)}
+        row["reference_rel_err_vs_fp64"] = rel_err(ref_o, exact)
+        del exact
         per_group[f"{b}x{r}x{c}"] = row
         dump({"ns_per_group": per_group})
         print(f"NS {b}x{r}x{c}: " + ", ".join(
             f"{k} {v['ms']:.2f} ms {v['tflops_nominal']:.0f} TF/s" if "ms" in v else f"{k} {v['error'][:60]}"
             for k, v in row.items() if isinstance(v, dict)), flush=True)
 
+    errs = {g: {k: round(v["rel_err_vs_fp64"], 5) for k, v in row.items()
+                if isinstance(v, dict) and "rel_err_vs_fp64" in v} for g, row in per_group.items()}
+    print("NS rel. error vs fp64 (mean over the batch, Frobenius): " + json.dumps(errs), flush=True)
     best = min((v["ms"], k) for k, v in results.items() if k.startswith("fast") and v["ms"] is not None)
     report = {
         **meta,

@@ -146,6 +146,117 @@ def test_folded_update_is_as_accurate_as_the_reference(shape):
     assert err(folded) <= 1.5 * err(ref) + 1e-3
 
 
+def _spectrum(kind: str, b: int, m: int, n: int) -> torch.Tensor:
+    """fp64 inputs: Gaussian, low-rank (8 strong directions over a 1e-3 floor), condition 1e4 / 1e8."""
+    gen = torch.Generator().manual_seed(11)
+    g = torch.randn((b, m, n), generator=gen, dtype=torch.float64)
+    if kind == "gaussian":
+        return g
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    k = min(m, n)
+    if kind == "lowrank":
+        s = 1e-3 * torch.rand(k, generator=gen, dtype=torch.float64)
+        s[:8] += 0.5 + torch.rand(8, generator=gen, dtype=torch.float64)
+    else:
+        s = torch.logspace(0, -int(kind[4:]), k, dtype=torch.float64)
+    return u @ torch.diag_embed(s.expand(b, k)) @ vh
+
+
+def _ns_fp64(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    a, b, c = M.NS_COEFFICIENTS
+    X = x.double()
+    tall = X.shape[-2] > X.shape[-1]
+    X = X.mT if tall else X
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if tall else X
+
+
+def _ns_symmetric_kernel_arithmetic(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """A torch transcription of the symmetric kernel's roundings (fold): products of bf16
+    operands accumulated in fp32; A rounded to bf16; B + aI = b·A + c·A·A + a·I in fp32,
+    rounded to bf16 once; X ← (B + aI)·X rounded to bf16 (round to nearest, as on a GPU;
+    Triton's CPU interpreter truncates instead)."""
+    a, b, c = M.NS_COEFFICIENTS
+    X = x.clone()
+    tall = X.shape[-2] > X.shape[-1]
+    X = X.mT if tall else X
+    eye = torch.eye(X.shape[-2])
+    for _ in range(steps):
+        A = (X.float() @ X.float().mT).bfloat16().float()
+        Bp = (b * A + c * (A @ A) + a * eye).bfloat16()
+        X = (Bp.float() @ X.float()).bfloat16()
+    return X.mT if tall else X
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "lowrank", "cond4", "cond8"])
+@pytest.mark.parametrize("shape", [(2, 64, 192), (2, 192, 64), (2, 128, 128)])
+def test_bf16_variants_against_fp64(kind, shape):
+    # the accuracy yardstick: each bf16 variant's distance to an fp64 NS5 of the same input.
+    # The reference's own bf16 error dominates (≈1% Gaussian, 4-40% ill-conditioned: small
+    # singular values are amplified); nofold is the reference's arithmetic; the symmetric
+    # kernel's single-rounding fold stays within 3% of the reference's error (it is often
+    # below it); the cuBLAS fold (double rounding) within 25%
+    x = _spectrum(kind, *shape)
+    xn = (x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)).bfloat16()
+    exact = _ns_fp64(xn)
+
+    def err(o):
+        return ((o.double() - exact).norm(dim=(-2, -1)) / exact.norm(dim=(-2, -1))).mean().item()
+
+    ref = err(M.newton_schulz(xn))
+    assert err(M.newton_schulz_batched(xn.clone(), 5, fold=False)) <= 1.001 * ref + 1e-5
+    assert err(_ns_symmetric_kernel_arithmetic(xn)) <= 1.03 * ref + 1e-3
+    assert err(M.newton_schulz_batched(xn.clone(), 5, fold=True)) <= 1.25 * ref + 1e-3
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and ns.auto_symmetric(torch.device("cuda"))),
+                    reason="the symmetric kernel is the default on sm_90 only")
+@pytest.mark.parametrize("kind", ["gaussian", "cond4"])
+@pytest.mark.parametrize("shape", [(4, 256, 512), (4, 512, 256), (2, 1024, 2048)])
+def test_auto_kernel_on_gpu_against_fp64(kind, shape):
+    # the compiled symmetric kernel (default config, folded) vs the reference, both against fp64
+    x = _spectrum(kind, *shape)
+    xn = (x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)).bfloat16().cuda()
+    kernel = M._pick_kernel("auto", xn)
+    assert kernel != "cublas"
+    exact = _ns_fp64(xn)
+
+    def err(o):
+        return ((o.double() - exact).norm(dim=(-2, -1)) / exact.norm(dim=(-2, -1))).mean().item()
+
+    ref = err(M.newton_schulz(xn))
+    assert err(M.newton_schulz_batched(xn.clone(), 5, kernel=kernel)) <= 1.1 * ref + 1e-3
+    assert err(M.newton_schulz_batched(xn.clone(), 5, kernel=kernel, fold=False)) <= 1.1 * ref + 1e-3
+
+
+# -- which kernel "auto" picks ------------------------------------------------------------------
+
+def test_auto_is_cublas_on_cpu_and_for_fp32_iterations(monkeypatch):
+    monkeypatch.delenv(M.NS_KERNEL_ENV, raising=False)
+    assert M._pick_kernel("auto", torch.zeros(2, 8, 16, dtype=torch.bfloat16)) == "cublas"
+    monkeypatch.setattr(ns, "auto_symmetric", lambda device: True)  # as on an sm_90 GPU
+    assert M._pick_kernel("auto", torch.zeros(2, 8, 16, dtype=torch.float32)) == "cublas"
+
+
+@needs_triton
+def test_auto_picks_the_tuned_config_per_shape_and_the_env_overrides(monkeypatch):
+    monkeypatch.delenv(M.NS_KERNEL_ENV, raising=False)
+    monkeypatch.setattr(ns, "auto_symmetric", lambda device: True)  # as on an sm_90 GPU
+    for (r, c), config in ns.TUNED.items():
+        assert config in ns.CONFIGS
+        assert M._pick_kernel("auto", torch.empty(0, r, c, dtype=torch.bfloat16)) == config
+    assert M._pick_kernel("auto", torch.empty(0, 96, 80, dtype=torch.bfloat16)) == ns.DEFAULT_CONFIG
+    monkeypatch.setenv(M.NS_KERNEL_ENV, "cublas")
+    assert M._pick_kernel("auto", torch.empty(0, 2048, 2048, dtype=torch.bfloat16)) == "cublas"
+    assert M._pick_kernel("m64n64k64s4w4", torch.empty(0, 8, 8, dtype=torch.bfloat16, device=DEV)) in (
+        "m64n64k64s4w4", "cublas")  # an explicit ns_kernel= wins over the env
+    monkeypatch.setenv(M.NS_KERNEL_ENV, "nope")
+    with pytest.raises(Exception, match="ns_kernel"):
+        M._pick_kernel("auto", torch.empty(0, 8, 8, dtype=torch.bfloat16))
+
+
 # -- the symmetric kernel (upper tiles, mirrored, fused epilogue) --------------------------------
 
 @needs_triton

@@ -125,7 +125,7 @@ def ns_kernels() -> tuple[str, ...]:
 
 
 def newton_schulz_batched(x: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS,
-                          kernel: str = "cublas", fold: bool = True) -> torch.Tensor:
+                          kernel: str = "cublas", fold: bool | None = None) -> torch.Tensor:
     """NS_k of an already normalised batch ``x`` = [B, m, n] (the fast path's iteration).
 
     Same maths as ``newton_schulz`` after its normalisation, with no copies: a tall batch
@@ -136,12 +136,16 @@ def newton_schulz_batched(x: torch.Tensor, steps: int, coefficients=NS_COEFFICIE
 
     ``fold=True`` writes aX + BX as (B + aI)·X: one plain product instead of a ``baddbmm``
     whose ``out=`` first receives a copy of X (a full pass over the batch per iteration).
-    B + aI is rounded to bf16 once in the symmetric kernel's epilogue (with cuBLAS, B is
-    rounded and then B_ii + a, in fp32), an error of the same order as the output's own rounding (tests/test_muon_fast.py measures
-    both against fp64).  ``x`` may be overwritten; returns the result (``x`` or a buffer of
-    the same shape).
+    The symmetric kernel rounds B + aI to bf16 once, from fp32, in its epilogue; cuBLAS
+    rounds B and then B_ii + a again.  Default (None): fold with the symmetric kernel only.
+    Against an fp64 iteration of the same input the single-rounding fold is as accurate as
+    the reference (tests/test_muon_fast.py, docs/techniques/muon.md); ``fold=False`` keeps the
+    reference's products exactly.  ``x`` may be overwritten; returns the result (``x`` or a
+    buffer of the same shape).
     """
     a, b, c = (float(v) for v in coefficients)
+    if fold is None:
+        fold = kernel != "cublas"
     if steps == 0:
         return x
     tall = x.shape[-2] > x.shape[-1]
@@ -187,11 +191,18 @@ def _use_triton(elementwise: str, tensors) -> bool:
 
 
 def _pick_kernel(ns_kernel: str, x: torch.Tensor) -> str:
+    """The NS product kernel for batch ``x``: ``ns_kernel``, or for "auto" the env override or
+    the measured choice (the symmetric kernel, tuned config per shape, for a bf16 iteration on
+    sm_90; cuBLAS otherwise).  A symmetric config asked for an fp32/fp64 iteration, or on a
+    CPU outside Triton's interpreter, falls back to cuBLAS."""
     import os
 
-    kernel = os.environ.get(NS_KERNEL_ENV, "") or ns_kernel if ns_kernel == "auto" else ns_kernel
+    from pgs.func.kernels import ns
+
+    kernel = (os.environ.get(NS_KERNEL_ENV, "") or "auto") if ns_kernel == "auto" else ns_kernel
     if kernel == "auto":
-        kernel = "cublas"  # the symmetric kernel becomes the default once H200 numbers are in
+        sym = x.dtype == torch.bfloat16 and ns.auto_symmetric(x.device)
+        return ns.tuned_config(x.shape[-2], x.shape[-1]) if sym else "cublas"
     if kernel not in ns_kernels():
         raise InvalidArgument(f"muon: ns_kernel={kernel!r}, expected 'auto' or one of {ns_kernels()}")
     if kernel != "cublas" and (x.dtype != torch.bfloat16 or not (x.is_cuda or _interpreting())):
@@ -239,7 +250,7 @@ def muon_fused_step(
        (the Frobenius norm needs no second read);
     2. the batch is normalised and iterated (``newton_schulz_batched``: cuBLAS or the
        symmetric Triton kernel, ``ns_kernel``; env ``PGS_MUON_NS_KERNEL`` overrides "auto";
-       ``fold`` (default: on for a bf16 iteration) writes aX + BX as (B + aI)X);
+       ``fold`` (default: on with the symmetric kernel only) writes aX + BX as (B + aI)X);
     3. one elementwise pass per tensor writes θ (into ``out[i]``, default ``params[i]``, in
        place), in fp32 arithmetic, cast or stochastically rounded (bf16 parameters; the Triton
        pass seeds Philox from ``step``, the step counter, and the group's index).
@@ -283,8 +294,11 @@ def muon_fused_step(
         eps_t = eps.to(device=dev, dtype=torch.float32) if isinstance(eps, torch.Tensor) else eps
         norm = sq.sum(dim=1).sqrt().clamp(min=eps_t).to(ns_dtype)
         x.div_(norm[:, None, None])
-        o = newton_schulz_batched(x, ns_steps, ns_coefficients, _pick_kernel(ns_kernel, x),
-                                  fold=(ns_dtype == torch.bfloat16) if fold is None else fold)
+        kernel = _pick_kernel(ns_kernel, x)
+        # fold by default only where B + aI is rounded once from fp32 (the symmetric kernel's
+        # epilogue): as accurate as the reference against fp64; cuBLAS keeps the reference's products
+        o = newton_schulz_batched(x, ns_steps, ns_coefficients, kernel,
+                                  fold=(kernel != "cublas") if fold is None else fold)
         ratio = adjust_ratio(shape[0], shape[1], adjust_lr)
         seed = None
         for j, i in enumerate(idx):

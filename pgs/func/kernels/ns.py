@@ -51,6 +51,20 @@ CONFIGS = {
     "m64n64k64s4w4": (64, 64, 64, 4, 4),
 }
 DEFAULT_CONFIG = "m128n128k64s4w8"
+
+#: ``ns_kernel="auto"`` on sm_90 (H100/H200): the fastest config per (rows, cols) of the
+#: batch as it is iterated (a tall batch stays tall), measured on an H200 (bf16, Qwen3-1.7B
+#: shapes, bench/results/muon_bench_fast.json); any other shape gets DEFAULT_CONFIG, which was
+#: within 4% of the best in every measured group.
+TUNED = {
+    (2048, 2048): "m128n256k64s3w8",  # 16.83 ms vs 17.23 (56 matrices, pure NS5)
+    (1024, 2048): "m128n128k64s4w8",  # 4.05 ms
+    (6144, 2048): "m128n128k64s4w4",  # 39.46 ms vs 40.94
+    (2048, 6144): "m128n128k64s4w8",  # 19.88 ms
+}
+#: compute capabilities where "auto" picks the symmetric kernel (where it was measured; the
+#: 128-wide tiles' pipelines need more than 100 KB of shared memory: not every GPU has it)
+TUNED_CAPABILITIES = ((9, 0),)
 ELEMENTWISE_BLOCK = 4096
 
 if HAVE_TRITON:
@@ -153,6 +167,19 @@ if HAVE_TRITON:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def tuned_config(rows: int, cols: int) -> str:
+    """The symmetric-kernel config ``ns_kernel="auto"`` uses for a [B, rows, cols] batch."""
+    return TUNED.get((rows, cols), DEFAULT_CONFIG)
+
+
+@functools.lru_cache(maxsize=16)
+def auto_symmetric(device: torch.device) -> bool:
+    """Whether ``ns_kernel="auto"`` uses the symmetric kernel on ``device`` (CUDA, sm_90)."""
+    if not HAVE_TRITON or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) in TUNED_CAPABILITIES
 
 
 @functools.lru_cache(maxsize=64)
