@@ -6,18 +6,36 @@
 Reports per optimizer: median ms, bytes that must move per step, the byte floor
 (bytes / 4284 GB/s, ANCHORS.md copy bandwidth) and the fraction of copy bandwidth reached
 (floor / median).  All rows come from the same run, so compare them as ratios.
+
+Rows ``pgs_lion8bit_*`` / ``pgs_adamw8bit_*`` are kernel variants (``pgs.func.kernels``
+switches: ENC / ENC_V encoders of m / v, RNG stochastic-rounding noise, SPLIT unmasked
+full programs, DEQ_TABLE, FAST_DIV, ROWS, NUM_WARPS); the plain rows use the defaults,
+``*_before`` the kernels as they were (arithmetic encoder, Philox per element, masks
+everywhere, div_rn).  ``pgs_chain`` is the design
+stack ``adagc → mona → lion8bit direction → hyperball`` through ``pf.compile(jit=True)``;
+its floor counts one read of g, one read+write of θ, MONA's two bf16 buffers and the 8-bit
+momentum (a single pass; the per-tensor norms make ≥ 2 passes necessary, see
+docs/techniques/8bit.md).
+
+The JSON is rewritten after every row, and the rows in ``--isolate`` (default: the chain
+rows) run in a subprocess each, so a CUDA fault loses only its own row (recorded with the
+log tail).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
 import pgs.func as pf
+from pgs.func import kernels as K
 
 COPY_GBPS = 4284.0
 
@@ -56,8 +74,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--small", action="store_true")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--budget", type=float, default=200.0,
+                    help="seconds; rows not started by then are skipped (the whole run must stay < 4 min)")
     ap.add_argument("--only", default="", help="comma-separated row names")
+    ap.add_argument("--isolate", default="pgs_chain,pgs_chain_eager",
+                    help="comma-separated rows run in a subprocess each (a CUDA fault there loses only that row)")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per isolated row")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.small
     dev = "cuda" if cuda else "cpu"
@@ -69,19 +92,22 @@ def main() -> None:
     n8 = sum(p.numel() for p in params.values() if p.numel() >= 4096)
     blocks = n8 / 256 * 4
     # bytes that must move: grad read (2) + param read/write (4) + state read/write
+    lion_bytes = n * 6 + n8 * 2 + 2 * blocks + (n - n8) * 8
+    adam_bytes = n * 6 + n8 * 4 + 4 * blocks + (n - n8) * 16
     bytes_needed = {
-        "pgs_lion8bit": n * 6 + n8 * 2 + 2 * blocks + (n - n8) * 8,
-        "pgs_adamw8bit": n * 6 + n8 * 4 + 4 * blocks + (n - n8) * 16,
-        "bnb_lion8bit": n * 6 + n8 * 2 + 2 * blocks + (n - n8) * 8,
-        "bnb_adamw8bit": n * 6 + n8 * 4 + 4 * blocks + (n - n8) * 16,
+        "pgs_lion8bit": lion_bytes,
+        "pgs_adamw8bit": adam_bytes,
+        "pgs_chain": lion_bytes + n * 8,  # + MONA's two bf16 buffers, read and written
+        "bnb_lion8bit": lion_bytes,
+        "bnb_adamw8bit": adam_bytes,
         "torch_adamw_fused_bf16": n * 14,
     }
     rows = {}
     only = set(filter(None, args.only.split(",")))
     iters, warmup = (args.iters, 3) if cuda else (2, 1)
 
-    def pgs_row(name, opt):
-        fast = pf.compile(opt, jit=False, donate=True)
+    def pgs_row(name, opt, jit=False, sr=False):
+        fast = pf.compile(opt, jit=jit, donate=True, stochastic_rounding=sr)
         p = {k: v.clone() for k, v in params.items()}
         fast.bind_buffers(p)
         g = {k: v.clone() for k, v in grads.items()}
@@ -109,31 +135,120 @@ def main() -> None:
         opt = torch.optim.AdamW(ps, lr=1e-4, fused=cuda)
         return opt.step
 
+    def lion(**kw):
+        return lambda: pgs_row("lion8bit", pf.lion8bit(1e-5, weight_decay=0.1), **kw)
+
+    def adam(**kw):
+        return lambda: pgs_row("adamw8bit", pf.adamw8bit(1e-5, weight_decay=0.1), **kw)
+
+    def chain(jit=True):
+        opt = pf.chain(pf.adagc(), pf.mona(), pf.scale_by_lion8bit(), pf.hyperball(1e-5))
+        return lambda: pgs_row("chain", opt, jit=jit)
+
+    before = dict(ENC=0, ENC_V=0, RNG=0, SPLIT=False, FAST_DIV=False, LION_ROWS=4)  # the kernels before this change
+    # name: (maker, kernel switches, bytes key); plain names use the defaults
     makers = {
-        "pgs_lion8bit": lambda: pgs_row("lion8bit", pf.lion8bit(1e-5, weight_decay=0.1)),
-        "pgs_adamw8bit": lambda: pgs_row("adamw8bit", pf.adamw8bit(1e-5, weight_decay=0.1)),
-        "bnb_lion8bit": lambda: bnb_row("Lion8bit"),
-        "bnb_adamw8bit": lambda: bnb_row("AdamW8bit"),
-        "torch_adamw_fused_bf16": torch_row,
+        "pgs_lion8bit": (lion(), {}, "pgs_lion8bit"),
+        "pgs_lion8bit_enc1": (lion(), dict(ENC=1), "pgs_lion8bit"),
+        "pgs_lion8bit_enc3": (lion(), dict(ENC=3), "pgs_lion8bit"),
+        "pgs_lion8bit_enc0": (lion(), dict(ENC=0), "pgs_lion8bit"),
+        "pgs_lion8bit_nosplit": (lion(), dict(SPLIT=False), "pgs_lion8bit"),
+        "pgs_lion8bit_deq_arith": (lion(), dict(DEQ_TABLE=False), "pgs_lion8bit"),
+        "pgs_lion8bit_rows4": (lion(), dict(LION_ROWS=4), "pgs_lion8bit"),
+        "pgs_lion8bit_warps8": (lion(), dict(NUM_WARPS=8), "pgs_lion8bit"),
+        "pgs_lion8bit_before": (lion(), before, "pgs_lion8bit"),
+        "pgs_lion8bit_sr": (lion(sr=True), {}, "pgs_lion8bit"),
+        "pgs_lion8bit_sr_philox": (lion(sr=True), dict(RNG=0), "pgs_lion8bit"),
+        "pgs_lion8bit_sr_before": (lion(sr=True), before, "pgs_lion8bit"),
+        "pgs_adamw8bit": (adam(), {}, "pgs_adamw8bit"),
+        "pgs_adamw8bit_encv0": (adam(), dict(ENC_V=0), "pgs_adamw8bit"),
+        "pgs_adamw8bit_encv3": (adam(), dict(ENC_V=3), "pgs_adamw8bit"),
+        "pgs_adamw8bit_enc3_encv3": (adam(), dict(ENC=3, ENC_V=3), "pgs_adamw8bit"),
+        "pgs_adamw8bit_enc1_encv1": (adam(), dict(ENC=1, ENC_V=1), "pgs_adamw8bit"),
+        "pgs_adamw8bit_enc1_encv0": (adam(), dict(ENC=1, ENC_V=0), "pgs_adamw8bit"),
+        "pgs_adamw8bit_div_rn": (adam(), dict(FAST_DIV=False), "pgs_adamw8bit"),
+        "pgs_adamw8bit_rows8": (adam(), dict(ROWS=8), "pgs_adamw8bit"),
+        "pgs_adamw8bit_before": (adam(), before, "pgs_adamw8bit"),
+        "pgs_chain": (chain(), {}, "pgs_chain"),
+        "pgs_chain_eager": (chain(jit=False), {}, "pgs_chain"),
+        "bnb_lion8bit": (lambda: bnb_row("Lion8bit"), {}, "bnb_lion8bit"),
+        "bnb_adamw8bit": (lambda: bnb_row("AdamW8bit"), {}, "bnb_adamw8bit"),
+        "torch_adamw_fused_bf16": (torch_row, {}, "torch_adamw_fused_bf16"),
     }
-    for name, make in makers.items():
+    # the headline rows, the before/after pair, the chain (a subprocess), the variants
+    first = ["pgs_lion8bit", "pgs_adamw8bit", "torch_adamw_fused_bf16", "bnb_lion8bit", "bnb_adamw8bit",
+             "pgs_lion8bit_before", "pgs_adamw8bit_before", "pgs_chain"]
+    last = ["pgs_chain_eager"]
+    order = first + [k for k in makers if k not in first and k not in last] + last
+    isolate = set(filter(None, args.isolate.split(","))) - ({next(iter(only))} if len(only) == 1 else set())
+    defaults = {k: getattr(K, k) for k in ("ENC", "ENC_V", "RNG", "SPLIT", "DEQ_TABLE", "FAST_DIV", "ROWS",
+                                            "NUM_WARPS", "LION_ROWS", "OPAQUE")}
+    t_start = time.perf_counter()
+
+    def dump():  # after every row: a crash later loses nothing already measured
+        out = dict(device=torch.cuda.get_device_name() if cuda else "cpu", params=n, params_8bit=n8,
+                   seconds=time.perf_counter() - t_start,
+                   tensors=len(shapes), small=args.small, kernel_defaults=defaults, rows=rows)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+
+    for name in order:
+        make, switches, key = makers[name]
         if only and name not in only:
             continue
+        if time.perf_counter() - t_start > args.budget:
+            rows[name] = dict(skipped="time budget")
+            dump()
+            continue
+        if name in isolate:
+            rows[name] = _isolated(name, args)
+            print(name, rows[name], flush=True)
+            dump()
+            continue
+        saved = {k: getattr(K, k) for k in switches}
         try:
+            for k, v in switches.items():
+                setattr(K, k, v)
             fn = make()
             ms = _time(fn, iters, warmup, cuda)
-            floor = bytes_needed[name] / (COPY_GBPS * 1e9) * 1e3
-            rows[name] = dict(ms=ms, bytes=bytes_needed[name], bytes_per_param=bytes_needed[name] / n,
-                              floor_ms=floor, fraction_of_copy_bw=floor / ms)
+            floor = bytes_needed[key] / (COPY_GBPS * 1e9) * 1e3
+            rows[name] = dict(ms=ms, bytes=bytes_needed[key], bytes_per_param=bytes_needed[key] / n,
+                              floor_ms=floor, fraction_of_copy_bw=floor / ms, ratio_to_floor=ms / floor,
+                              switches=switches)
         except Exception as e:  # a missing peer must not hide the other rows
             rows[name] = dict(error=f"{type(e).__name__}: {e}")
+        finally:
+            for k, v in saved.items():
+                setattr(K, k, v)
+            fn = None
         print(name, rows[name], flush=True)
+        dump()
         if cuda:
             torch.cuda.empty_cache()
-    out = dict(device=torch.cuda.get_device_name() if cuda else "cpu", params=n, params_8bit=n8,
-               tensors=len(shapes), small=args.small, rows=rows)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
+    dump()
+
+
+def _isolated(name: str, args) -> dict:
+    """Row ``name`` in a fresh process (its own CUDA context): its result, or how it died."""
+    tmp = f"{args.out}.{name}.tmp"
+    cmd = [sys.executable, os.path.abspath(__file__), tmp, "--only", name, "--iters", str(args.iters),
+           "--isolate", ""]
+    if args.small:
+        cmd.append("--small")
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return dict(error=f"timeout after {args.timeout:.0f} s (isolated)")
+    try:
+        with open(tmp) as f:
+            row = json.load(f)["rows"].get(name)
+        os.remove(tmp)
+    except (OSError, ValueError, KeyError):
+        row = None
+    if r.returncode != 0 or row is None:
+        tail = (r.stdout + r.stderr)[-1500:]
+        return dict(error=f"isolated run exited {r.returncode}", log_tail=tail, **(row or {}))
+    return row
 
 
 if __name__ == "__main__":

@@ -19,20 +19,54 @@ import os
 
 import torch
 
-from pgs.func.quant8 import Quantized8bit, dynamic_map, midpoints
+from pgs.func.quant8 import Quantized8bit, bucket_table, dynamic_map, midpoints
 
 #: Quantization blocks per program, and warps per program: one warp per 256-element block,
 #: so each block's absmax is a warp-shuffle reduction (no shared memory, no barrier), and
 #: each thread owns 8 contiguous elements (16-byte bf16 loads, 8-byte code loads/stores).
 #: 4 blocks per program: small enough for many resident programs (latency hiding for a
 #: memory-bound kernel), large enough to amortise the per-program scalar loads.
-ROWS = 4
-NUM_WARPS = 4
+ROWS = int(os.environ.get("PGS_8BIT_ROWS", "4"))
+NUM_WARPS = int(os.environ.get("PGS_8BIT_WARPS", "4"))
+#: Lion8bit's own blocks per program: 8 on the H200 (8.39 ms against 8.6-9.3 ms for 4 in the
+#: same run, bench/results/optim_8bit_issue4_variants.json); AdamW8bit keeps ``ROWS`` = 4
+#: (16.4 ms with 8 against 15.9).  ``PGS_8BIT_LION_ROWS``.
+LION_ROWS = int(os.environ.get("PGS_8BIT_LION_ROWS", "8"))
 #: Dequantize by one gather per element from the 256-entry map instead of the exact
 #: arithmetic decode (``blockwise8._decode``); both give identical values.  An A/B knob for
 #: device benchmarks (the arithmetic decode costs ~40 ALU instructions, the gather an L1
 #: wavefront per distinct 128-byte line a warp touches).
 DEQ_TABLE = os.environ.get("PGS_DEQ_TABLE", "1") == "1"
+#: Requantization: 1 = one 16-bit gather per element from a bucket table plus ~20 integer
+#: instructions and a rare predicated second load (``blockwise8._encode_bucket``); 2 = one
+#: 32-bit gather (twice the table) and no second load; 3 = one 32-bit gather from a table
+#: over the whole fp32 word (sign and NaN folded in, ~10 instructions; a signed moment
+#: touches twice the cache lines); 0 = the gather-free arithmetic
+#: encoder (~55 instructions).  Same codes.  ``PGS_8BIT_ENC``.
+ENC = int(os.environ.get("PGS_8BIT_ENC", "2"))
+#: The same choice for AdamW's second moment (unsigned map).  Its normalised values spread
+#: over many binades, so a table gather touches ~16-22 cache lines per warp instruction
+#: (``bench/experiments/gather_lines.py``) against ~6 for m: the arithmetic encoder may win
+#: there; measured on the H200 the 32-bit table still wins (13.2 ms against 15.9 ms for the
+#: arithmetic encoder, 15.3 ms for ENC=ENC_V=1).  ``PGS_8BIT_ENC_V``.
+ENC_V = int(os.environ.get("PGS_8BIT_ENC_V", "2"))
+#: Stochastic-rounding noise: 1 = an integer hash of (seed, offset), ~8 instructions per
+#: element; 0 = Philox4x32-10 per element (``tl.randint``).  ``PGS_8BIT_RNG``.
+RNG = int(os.environ.get("PGS_8BIT_RNG", "1"))
+#: AdamW8bit: per-step reciprocals and an approximate sqrt/division instead of three
+#: ``div_rn`` and a ``sqrt_rn`` per element.  ``PGS_8BIT_FAST_DIV``.
+FAST_DIV = os.environ.get("PGS_8BIT_FAST_DIV", "1") == "1"
+#: Full programs run an unmasked copy of the kernel body, only the last one the masked copy.
+SPLIT = os.environ.get("PGS_8BIT_SPLIT", "1") == "1"
+#: Largest element count one launch covers: offsets are int32 in the kernels, so a larger
+#: buffer runs as several launches over views (each with its own noise stream).
+MAX_LAUNCH = 1 << 30
+#: Under ``torch.compile`` the launchers run as opaque custom ops (``pgs::lion8bit_direction``,
+#: ``pgs::adam8bit_direction``; the in-place ``p`` variants as a graph break): Dynamo then
+#: never traces the launcher (its cached tables, views, the kernel's own lowering by
+#: Inductor), and the kernel sees exactly the tensors an eager call would.  ``PGS_8BIT_OPAQUE=0``
+#: lets Dynamo trace the launcher (A/B for diagnostics only).
+OPAQUE = os.environ.get("PGS_8BIT_OPAQUE", "1") == "1"
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -69,16 +103,34 @@ def _module():
     return blockwise8
 
 
-@functools.lru_cache(maxsize=16)
-def _maps(signed: bool, device: torch.device):
+@functools.lru_cache(maxsize=32)
+def _maps(signed: bool, device: torch.device, enc: int = 1):
+    """(map, midpoints, bucket table for encoder ``enc``, positive midpoints + inf) on ``device``."""
     code = dynamic_map(signed, device)
     mids = midpoints(code).contiguous()
-    return code, mids
+    table, midp = bucket_table(signed, wide=enc == 2, word=enc == 3)
+    return code, mids, table.to(device), midp.to(device)
 
 
-def _grid(n: int, block_size: int):
+def _chunks(n: int, block_size: int):
+    """(start, length) of the launches covering n elements: each < 2^31, block-aligned."""
+    step = max(block_size, MAX_LAUNCH // block_size * block_size)
+    return [(s, min(step, n - s)) for s in range(0, max(n, 1), step)]
+
+
+def _cut(x: torch.Tensor, s: int, n: int, whole: bool) -> torch.Tensor:
+    return x if whole else x[s:s + n]  # no view per launch in the common single-launch case
+
+
+def _chunk_seed(seed, i: int):
+    if seed is None or i == 0:
+        return seed
+    return seed + i * 0x3C6EF372  # a different noise stream per launch of one buffer
+
+
+def _grid(n: int, block_size: int, rows: int | None = None):
     nb = max(1, -(-n // block_size))
-    return (-(-nb // ROWS),)
+    return (-(-nb // (ROWS if rows is None else rows)),)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -93,6 +145,18 @@ def _no_seed(device) -> torch.Tensor:
 
 def lion8bit(g, m: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None, out=None, m_out=None,
              seed: torch.Tensor | None = None):
+    """One Lion step on a block-quantized momentum (see ``_lion8bit``); under
+    ``torch.compile`` an opaque op (``OPAQUE``)."""
+    if OPAQUE and _compiling():
+        if p is None and out is None and m_out is None and seed is None:
+            d, c, a = torch.ops.pgs.lion8bit_direction(g, m.codes, m.absmax, hp, block_size)
+            return d, Quantized8bit(c, a)
+        return _lion8bit_eager(g, m, hp, block_size, p=p, out=out, m_out=m_out, seed=seed)
+    return _lion8bit(g, m, hp, block_size, p=p, out=out, m_out=m_out, seed=seed)
+
+
+def _lion8bit(g, m: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None, out=None, m_out=None,
+              seed: torch.Tensor | None = None):
     """One Lion step on a block-quantized momentum.
 
     Without ``p``: returns ``(sign direction shaped like g, new Quantized8bit)``; ``hp`` =
@@ -103,25 +167,44 @@ def lion8bit(g, m: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None, 
     """
     k = _module()
     dev = g.device
-    code, mids = _maps(True, dev)
+    code, mids, btab, midp = _maps(True, dev, ENC)
     apply = p is not None
     if out is None:
         out = torch.empty_like(p if apply else g)
     if m_out is None:
         m_out = Quantized8bit(torch.empty_like(m.codes), torch.empty_like(m.absmax))
-    n = g.numel()
-    k.lion8bit_kernel[_grid(n, block_size)](
-        _flat(g), _flat(p) if apply else _flat(g), _flat(out),
-        _flat(m.codes), m.absmax, _flat(m_out.codes), m_out.absmax,
-        code, mids, hp, seed if seed is not None else _no_seed(dev), n,
-        BLOCK=block_size, ROWS=ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
-        num_warps=NUM_WARPS,
-    )
+    fg, fp, fo = _flat(g), _flat(p) if apply else _flat(g), _flat(out)
+    fc, fco = _flat(m.codes), _flat(m_out.codes)
+    chunks = _chunks(g.numel(), block_size)
+    w = len(chunks) == 1
+    for i, (s, n) in enumerate(chunks):
+        b, nb = s // block_size, -(-n // block_size)
+        sd = _chunk_seed(seed, i)
+        k.lion8bit_kernel[_grid(n, block_size, LION_ROWS)](
+            _cut(fg, s, n, w), _cut(fp, s, n, w), _cut(fo, s, n, w),
+            _cut(fc, s, n, w), _cut(m.absmax, b, nb, w), _cut(fco, s, n, w), _cut(m_out.absmax, b, nb, w),
+            code, mids, btab, midp, hp, sd if sd is not None else _no_seed(dev), n,
+            BLOCK=block_size, ROWS=LION_ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
+            ENC=ENC, RNG=RNG, SPLIT=SPLIT, num_warps=NUM_WARPS,
+        )
     return out, m_out
 
 
 def adam8bit(g, m: Quantized8bit, v: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None, out=None,
              m_out=None, v_out=None, seed: torch.Tensor | None = None):
+    """One Adam step on block-quantized moments (see ``_adam8bit``); under ``torch.compile``
+    an opaque op (``OPAQUE``)."""
+    if OPAQUE and _compiling():
+        if p is None and out is None and m_out is None and v_out is None and seed is None:
+            d, mc, ma, vc, va = torch.ops.pgs.adam8bit_direction(g, m.codes, m.absmax, v.codes, v.absmax, hp,
+                                                                 block_size)
+            return d, Quantized8bit(mc, ma), Quantized8bit(vc, va)
+        return _adam8bit_eager(g, m, v, hp, block_size, p=p, out=out, m_out=m_out, v_out=v_out, seed=seed)
+    return _adam8bit(g, m, v, hp, block_size, p=p, out=out, m_out=m_out, v_out=v_out, seed=seed)
+
+
+def _adam8bit(g, m: Quantized8bit, v: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None, out=None,
+              m_out=None, v_out=None, seed: torch.Tensor | None = None):
     """One Adam step on block-quantized moments (signed map for m, unsigned for v).
 
     ``hp`` = ``[1−β1, β2, 1−β2, ε, ε_root, 1−β1^t, 1−β2^t]`` (+ ``[η, λ]`` with ``p``).
@@ -129,8 +212,8 @@ def adam8bit(g, m: Quantized8bit, v: Quantized8bit, hp: torch.Tensor, block_size
     """
     k = _module()
     dev = g.device
-    code_m, mids_m = _maps(True, dev)
-    code_v, mids_v = _maps(False, dev)
+    code_m, mids_m, btab_m, midp_m = _maps(True, dev, ENC)
+    code_v, mids_v, btab_v, midp_v = _maps(False, dev, ENC_V)
     apply = p is not None
     if out is None:
         out = torch.empty_like(p if apply else g)
@@ -138,29 +221,84 @@ def adam8bit(g, m: Quantized8bit, v: Quantized8bit, hp: torch.Tensor, block_size
         m_out = Quantized8bit(torch.empty_like(m.codes), torch.empty_like(m.absmax))
     if v_out is None:
         v_out = Quantized8bit(torch.empty_like(v.codes), torch.empty_like(v.absmax))
-    n = g.numel()
-    k.adam8bit_kernel[_grid(n, block_size)](
-        _flat(g), _flat(p) if apply else _flat(g), _flat(out),
-        _flat(m.codes), m.absmax, _flat(m_out.codes), m_out.absmax,
-        _flat(v.codes), v.absmax, _flat(v_out.codes), v_out.absmax,
-        code_m, mids_m, code_v, mids_v, hp, seed if seed is not None else _no_seed(dev), n,
-        BLOCK=block_size, ROWS=ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
-        num_warps=NUM_WARPS,
-    )
+    fg, fp, fo = _flat(g), _flat(p) if apply else _flat(g), _flat(out)
+    fm, fmo, fv, fvo = _flat(m.codes), _flat(m_out.codes), _flat(v.codes), _flat(v_out.codes)
+    chunks = _chunks(g.numel(), block_size)
+    w = len(chunks) == 1
+    for i, (s, n) in enumerate(chunks):
+        b, nb = s // block_size, -(-n // block_size)
+        sd = _chunk_seed(seed, i)
+        k.adam8bit_kernel[_grid(n, block_size)](
+            _cut(fg, s, n, w), _cut(fp, s, n, w), _cut(fo, s, n, w),
+            _cut(fm, s, n, w), _cut(m.absmax, b, nb, w), _cut(fmo, s, n, w), _cut(m_out.absmax, b, nb, w),
+            _cut(fv, s, n, w), _cut(v.absmax, b, nb, w), _cut(fvo, s, n, w), _cut(v_out.absmax, b, nb, w),
+            code_m, mids_m, btab_m, midp_m, code_v, mids_v, btab_v, midp_v, hp,
+            sd if sd is not None else _no_seed(dev), n,
+            BLOCK=block_size, ROWS=ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
+            ENC=ENC, ENC_V=ENC_V, RNG=RNG, FAST_DIV=FAST_DIV, SPLIT=SPLIT, num_warps=NUM_WARPS,
+        )
     return out, m_out, v_out
 
 
-def quantize(x: torch.Tensor, signed: bool, block_size: int) -> Quantized8bit:
-    """``quantize_blockwise(x, dynamic_map(signed), block_size)`` in one Triton kernel."""
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # pragma: no cover - old torch
+        return False
+
+
+@torch.compiler.disable
+def _lion8bit_eager(*args, **kw):  # the in-place variant under torch.compile: a graph break
+    return _lion8bit(*args, **kw)
+
+
+@torch.compiler.disable
+def _adam8bit_eager(*args, **kw):
+    return _adam8bit(*args, **kw)
+
+
+@torch.library.custom_op("pgs::lion8bit_direction", mutates_args=())
+def _lion8bit_direction(g: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, hp: torch.Tensor,
+                        block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d, q = _lion8bit(g.contiguous(), Quantized8bit(codes.contiguous(), absmax.contiguous()), hp.contiguous(),
+                     block_size)
+    return d, q.codes, q.absmax
+
+
+@_lion8bit_direction.register_fake
+def _(g, codes, absmax, hp, block_size):
+    return torch.empty_like(g), torch.empty_like(codes), torch.empty_like(absmax)
+
+
+@torch.library.custom_op("pgs::adam8bit_direction", mutates_args=())
+def _adam8bit_direction(g: torch.Tensor, mcodes: torch.Tensor, mabsmax: torch.Tensor, vcodes: torch.Tensor,
+                        vabsmax: torch.Tensor, hp: torch.Tensor,
+                        block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    d, mq, vq = _adam8bit(g.contiguous(), Quantized8bit(mcodes.contiguous(), mabsmax.contiguous()),
+                          Quantized8bit(vcodes.contiguous(), vabsmax.contiguous()), hp.contiguous(), block_size)
+    return d, mq.codes, mq.absmax, vq.codes, vq.absmax
+
+
+@_adam8bit_direction.register_fake
+def _(g, mcodes, mabsmax, vcodes, vabsmax, hp, block_size):
+    return (torch.empty_like(g), torch.empty_like(mcodes), torch.empty_like(mabsmax), torch.empty_like(vcodes),
+            torch.empty_like(vabsmax))
+
+
+def quantize(x: torch.Tensor, signed: bool, block_size: int, *, enc: int | None = None) -> Quantized8bit:
+    """``quantize_blockwise(x, dynamic_map(signed), block_size)`` in one Triton kernel
+    (``enc`` picks the encoder, default ``ENC``)."""
     k = _module()
-    code, mids = _maps(bool(signed), x.device)
+    enc = ENC if enc is None else int(enc)
+    code, mids, btab, midp = _maps(bool(signed), x.device, enc)
     x = x.contiguous()
     n = x.numel()
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     absmax = torch.empty(max(1, -(-n // block_size)), dtype=torch.float32, device=x.device)
     k.quantize_kernel[_grid(n, block_size)](
-        _flat(x), _flat(codes), absmax, mids, n,
-        BLOCK=block_size, ROWS=ROWS, SIGNED=bool(signed), num_warps=NUM_WARPS,
+        _flat(x), _flat(codes), absmax, mids, btab, midp, n,
+        BLOCK=block_size, ROWS=ROWS, SIGNED=bool(signed), ENC=enc,
+        num_warps=NUM_WARPS,
     )
     return Quantized8bit(codes, absmax)
 
@@ -169,7 +307,7 @@ def dequantize(q: Quantized8bit, signed: bool, block_size: int, *, table: bool |
     """``dequantize_blockwise(q, dynamic_map(signed), block_size)`` in one Triton kernel (fp32)."""
     k = _module()
     codes = q.codes.contiguous()
-    code, _ = _maps(bool(signed), codes.device)
+    code = _maps(bool(signed), codes.device)[0]
     n = codes.numel()
     out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
     k.dequantize_kernel[_grid(n, block_size)](

@@ -5,12 +5,12 @@ per-block absmax is a reduction inside the program and nothing is written twice.
 element's bytes move once: read the gradient, the codes (and, when applying, the
 parameter), write the codes (and the parameter or the direction).
 
-Quantization is gather-free arithmetic with bnb's exact rounding: the code of a normalised
-value comes from its decade (fp32 exponent bits) and its linear bin coordinate inside the
-decade; only values within 2^-11 bins of a midpoint (~0.1%) load that one fp32 midpoint
-(a predicated load) to break the tie exactly.  Dequantization rebuilds the map entry from
-the code by the map's own construction (two fmas, an add, a multiply), bit for bit;
-``DEQ_TABLE=True`` instead gathers it from the 256-entry table (same values).
+Quantization (``ENC``, see ``pgs.func.kernels``) is a table lookup per element (the codes'
+count below the value's bucket, one integer compare against the one midpoint inside it) or
+gather-free arithmetic with bnb's exact rounding (``_encode``); every encoder gives the
+reference's codes bit for bit.  Dequantization gathers the map entry (``DEQ_TABLE``) or
+rebuilds it from the code by the map's own construction (two fmas, an add, a multiply).
+Table gathers are inline-PTX loads (``_gather``) so that Triton keeps the streaming layout.
 
 The maths mirrors the torch reference (``pgs.func.quant8``, ``pgs.func.lion8bit``,
 ``pgs.func.adam8bit``) operation for operation; on a GPU the compiler may contract a
@@ -25,6 +25,8 @@ Importing this module needs Triton; ``pgs.func.kernels`` imports it lazily.
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -85,6 +87,29 @@ MAGIC_I = tl.constexpr(8388608.0)
 MAGIC_I_BITS = tl.constexpr(0x4B000000)
 MAGIC_F_S = tl.constexpr(8388608.0 + 127.0)  # (bits << 23) is then the fp32 2^L
 MAGIC_F_U = tl.constexpr(8388608.0 + 128.0)  # 2^(L+1)
+
+
+from pgs.func.quant8 import BUCKET_MANTISSA_BITS as _MB  # noqa: E402
+
+#: Bucket-table encoder (``_encode_bucket``): mantissa bits per bucket, per map (see
+#: ``pgs.func.quant8.bucket_table``).
+MB_S = tl.constexpr(_MB[True])
+MB_U = tl.constexpr(_MB[False])
+SHIFT_S = tl.constexpr(23 - _MB[True])
+SHIFT_U = tl.constexpr(23 - _MB[False])
+LOWMASK_S = tl.constexpr((1 << (23 - _MB[True])) - 1)
+LOWMASK_U = tl.constexpr((1 << (23 - _MB[False])) - 1)
+
+def _midp_len(signed: bool) -> int:
+    from pgs.func.quant8 import midpoints
+
+    m = midpoints(_dynamic_map(signed))
+    return int((m > 0).sum()) + 1  # positive midpoints + inf (``bucket_table``)
+
+
+#: Lengths of the positive-midpoint tables (bounds of ``_encode_bucket``'s second lookup).
+MIDP_S = tl.constexpr(_midp_len(True))
+MIDP_U = tl.constexpr(_midp_len(False))
 
 
 @triton.jit
@@ -174,9 +199,9 @@ def _encode(xs, mids_ptr, SIGNED: tl.constexpr):
     above = y > yk
     near = tl.abs(y - yk) < NEAR
     if SIGNED:
-        mid = tl.load(mids_ptr + 127 + k, mask=near, other=0.0)
+        mid = _gather_if(mids_ptr, 127 + k, near, 255)
     else:
-        mid = tl.load(mids_ptr + k, mask=near, other=0.0)
+        mid = _gather_if(mids_ptr, k, near, 255)
     # s < 0: the mirrored midpoint −mid is below s iff t < mid, so ties go to t ≥ mid.
     above = tl.where(near, tl.where(neg, t >= mid, t > mid), above)
     cnt = k + above.to(tl.int32)
@@ -188,90 +213,341 @@ def _encode(xs, mids_ptr, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(x, mids_ptr, SIGNED: tl.constexpr):
-    """Codes and absmax of each row of ``x`` (rows are quantization blocks)."""
+def _encode_bucket(xs, btab_ptr, midp_ptr, SIGNED: tl.constexpr, MB: tl.constexpr, WIDE: tl.constexpr):
+    """``_encode`` by one 16-bit table gather: the same codes, ~half the ALU work.
+
+    T = bits of |xs|; its bucket is T's exponent and top ``MB`` mantissa bits (the table
+    spans every non-negative fp32, values above 1 reading as 1: the reference's clamp).
+    ``bucket_table`` holds per bucket c = #{positive midpoints < bucket start} (high byte)
+    and the next 8 bits of the one midpoint inside the bucket, if any (low byte; 0xFF if
+    none).  t and that midpoint share every bit above, so t is above it iff its next 8
+    bits are larger, or equal and the exact fp32 midpoint ``midp[c]`` (a predicated load,
+    ~1/256 of the elements in a bucket with a midpoint) is below t (ties by the sign, as
+    in ``_encode``).
+    """
+    bits = xs.to(tl.int32, bitcast=True)
+    tb = bits & 0x7FFFFFFF
+    nan = tb > 0x7F800000
+    neg = bits < 0
+    if SIGNED:
+        shift = SHIFT_S
+        lowmask = LOWMASK_S
+    else:
+        shift = SHIFT_U
+        lowmask = LOWMASK_U
+    idx = tb >> shift  # the table spans every non-negative fp32: > 1 reads as the clamp to 1
+    if WIDE:
+        # one compare of t's bits below the bucket with M's (+1 for s < 0: ties go to t ≥ M)
+        e = _gather(btab_ptr, idx, (0x7FFFFFFF >> shift) + 1).to(tl.int32)
+        c = (e >> 24) & 0xFF
+        low = (tb & lowmask) + (bits >> 31 & 1)
+        cnt = c + (low > (e & 0xFFFFFF)).to(tl.int32)
+    else:
+        e = _gather(btab_ptr, idx, (0x7FFFFFFF >> shift) + 1).to(tl.int32)
+        c = (e >> 8) & 0xFF
+        mhi = e & 0xFF
+        th = (tb >> (shift - 8)) & 0xFF
+        eq = th == mhi
+        if SIGNED:
+            mid = _gather_if(midp_ptr, c, eq, MIDP_S)
+        else:
+            mid = _gather_if(midp_ptr, c, eq, MIDP_U)
+        t = tb.to(tl.float32, bitcast=True)
+        exact = tl.where(neg, t >= mid, t > mid)
+        above = tl.where(eq, exact, th > mhi)
+        cnt = c + above.to(tl.int32)
+    if SIGNED:
+        code = tl.where(neg, 127 - tl.minimum(cnt, 127), 127 + cnt)
+    else:
+        code = tl.where(neg, 0, cnt)
+    return tl.where(nan, 255, code)
+
+
+@triton.jit
+def _encode_word(xs, btab_ptr, SIGNED: tl.constexpr, MB: tl.constexpr):
+    """``_encode`` by one gather indexed by the whole fp32 word (``bucket_table(word=True)``):
+    the entry holds the final code up to one integer compare; sign and NaN are in the table."""
+    if SIGNED:
+        shift = SHIFT_S
+        lowmask = LOWMASK_S
+    else:
+        shift = SHIFT_U
+        lowmask = LOWMASK_U
+    e = _gather(btab_ptr, (xs.to(tl.uint32, bitcast=True) >> shift).to(tl.int32), 1 << (32 - shift)).to(tl.int32)
+    bits = xs.to(tl.int32, bitcast=True)
+    if SIGNED:
+        low = (bits ^ (bits >> 31)) & lowmask  # s < 0: the complement (mirrored compare)
+    else:
+        low = bits & lowmask  # s < 0 never adds (K = never in that half)
+    return ((e >> 24) & 0xFF) + (low >= (e & 0xFFFFFF)).to(tl.int32)
+
+
+@triton.jit
+def _quantize_rows(x, mids_ptr, btab_ptr, midp_ptr, SIGNED: tl.constexpr, ENC: tl.constexpr):
+    """Codes and absmax of each row of ``x`` (rows are quantization blocks).
+
+    ENC 0: the arithmetic encoder (``_encode``); 1: the bucket-table encoder with 16-bit
+    entries (``_encode_bucket``); 2: with 32-bit entries (no second lookup); 3: a table over
+    the whole fp32 word, sign included (``_encode_word``).
+    """
     # max over |x| as integer bit patterns: exact, and a NaN (above +inf) propagates.
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     absmax = tl.max(bits, axis=1).to(tl.float32, bitcast=True)
     inv = tl.math.div_rn(tl.full(absmax.shape, 1.0, tl.float32),
                          tl.maximum(absmax, tl.full(absmax.shape, MIN_SCALE, tl.float32)))
     inv = tl.where(absmax != absmax, absmax, inv)  # NaN block → NaN codes (255), as the reference
-    codes = _encode(x * inv[:, None], mids_ptr, SIGNED)
+    if ENC == 3:
+        if SIGNED:
+            codes = _encode_word(x * inv[:, None], btab_ptr, SIGNED, MB_S)
+        else:
+            codes = _encode_word(x * inv[:, None], btab_ptr, SIGNED, MB_U)
+    elif ENC != 0:
+        if SIGNED:
+            codes = _encode_bucket(x * inv[:, None], btab_ptr, midp_ptr, SIGNED, MB_S, ENC == 2)
+        else:
+            codes = _encode_bucket(x * inv[:, None], btab_ptr, midp_ptr, SIGNED, MB_U, ENC == 2)
+    else:
+        codes = _encode(x * inv[:, None], mids_ptr, SIGNED)
     return codes.to(tl.uint8), absmax
 
 
+#: Triton's CPU interpreter runs no inline PTX: kernels take a plain-Triton twin there.
+INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+#: ``PGS_8BIT_CHECK=1``: bounds assertions on every table index and on the unmasked bodies'
+#: offsets (the interpreter raises; on a GPU they need ``TRITON_DEBUG=1``).  Debug only.
+CHECK = tl.constexpr(os.environ.get("PGS_8BIT_CHECK", "0") == "1")
+
+
 @triton.jit
-def _store_param(p_out_ptr, offs, mask, x, seed_ptr, SR: tl.constexpr):
+def _check(cond, msg: tl.constexpr):
+    """``CHECK`` mode: fail unless ``cond`` holds everywhere.  The interpreter ignores
+    ``device_assert`` (its options never set debug), but evaluates ``assume`` as an assert."""
+    if INTERP:
+        tl.assume(tl.min(cond.to(tl.int32)) == 1)
+    else:
+        tl.device_assert(cond, msg)
+
+
+@triton.jit
+def _fast_div(a, b):
+    """a / b by one MUFU reciprocal and a multiply (≤ 2 ulp; a denormal b flushes to 0)."""
+    if INTERP:
+        return a / b
+    else:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [b], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        return a * r
+
+
+@triton.jit
+def _gather(base, idx, SIZE: tl.constexpr):
+    """``tl.load(ptrs)`` of a 16- or 32-bit table entry per element, as inline PTX on the device.
+
+    A ``tl.load`` of a gather has no contiguity, and Triton 3.6's coalescing pass then gives
+    it (and everything computed from it) a layout of one element per thread, converted to
+    and from the streaming layout through shared memory (5 conversions per Lion kernel);
+    an inline-asm load keeps the layout of its operand.  ``.nc``: the tables are read-only.
+    """
+    if CHECK:
+        _check((idx >= 0) & (idx < SIZE), "pgs 8-bit: table index out of range")
+    ptrs = base + idx
+    if INTERP:
+        return tl.load(ptrs)
+    elif ptrs.dtype.element_ty.primitive_bitwidth == 16:
+        return tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ptrs],
+                                         dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs],
+                                         dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)
+
+
+@triton.jit
+def _gather_if(base, idx, pred, SIZE: tl.constexpr):
+    """``tl.load(ptrs, mask=pred, other=0)`` of 32-bit entries (see ``_gather``); lanes with
+    ``pred`` false issue no load."""
+    if CHECK:
+        _check(~pred | ((idx >= 0) & (idx < SIZE)), "pgs 8-bit: table index out of range")
+    ptrs = base + idx
+    if INTERP:
+        return tl.load(ptrs, mask=pred, other=0)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.b32 $0, [$1]; }",
+            "=r,l,r", [ptrs, pred.to(tl.int32)], dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)
+
+
+@triton.jit
+def _hash32(x):
+    """A 32-bit integer mixer (xorshift-multiply, constants from Wellons' hash prospector):
+    a bijection on uint32 whose high bits depend on every input bit."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _sr_noise(seed_ptr, offs, RNG: tl.constexpr):
+    """16 uniform random bits per element, a function of (seed, offset) only.
+
+    RNG 0: Philox4x32-10 per element (``tl.randint``; 3/4 of its output unused).
+    RNG 1: the stream key is ``_hash32`` of the seed (once per program), the noise the high
+    16 bits of ``x·C2`` in ``_hash32(offset ^ key)`` (~8 integer instructions per element).
+    For a fixed seed the map offset → hash is a bijection (distinct inputs, distinct words);
+    for a fixed offset it is a bijection of the key, so over seeds every 16-bit value is
+    equally likely: the rounding stays unbiased.
+    """
+    seed = tl.load(seed_ptr)
+    if RNG == 1:
+        lo = seed.to(tl.uint32)
+        hi = (seed >> 32).to(tl.uint32)
+        key = _hash32(lo ^ _hash32(hi ^ 0x9E3779B9))
+        x = offs.to(tl.uint32) ^ key
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        return x >> 16
+    else:
+        return tl.randint(seed, offs).to(tl.uint32) & 0xFFFF
+
+
+@triton.jit
+def _store_param(p_out_ptr, offs, mask, x, seed_ptr, SR: tl.constexpr, RNG: tl.constexpr, MASKED: tl.constexpr):
     if SR:
         # bf16 keeps the top 16 bits of an fp32 word: add uniform noise below them, truncate.
-        seed = tl.load(seed_ptr)
-        noise = tl.randint(seed, offs).to(tl.uint32) & 0xFFFF
+        noise = _sr_noise(seed_ptr, offs, RNG)
         bits = x.to(tl.uint32, bitcast=True)
         up = ((bits + noise) & 0xFFFF0000).to(tl.float32, bitcast=True)
         finite = tl.abs(x) < float("inf")
         x = tl.where(finite, up, x)
-    tl.store(p_out_ptr + offs, x.to(p_out_ptr.dtype.element_ty), mask=mask)
+    _st(p_out_ptr, offs, x.to(p_out_ptr.dtype.element_ty), mask, MASKED)
 
 
 @triton.jit
-def _tile(n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def _ld(ptr, offs, mask, other, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptr + offs, mask=mask, other=other)
+    else:
+        if CHECK:
+            _check(mask, "pgs 8-bit: unmasked load past the end")
+        return tl.load(ptr + offs)
+
+
+@triton.jit
+def _st(ptr, offs, x, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, x, mask=mask)
+    else:
+        if CHECK:
+            _check(mask, "pgs 8-bit: unmasked store past the end")
+        tl.store(ptr + offs, x)
+
+
+@triton.jit
+def _tile(pid, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    rows = pid * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     return rows, offs, offs < n, rows < tl.cdiv(n, BLOCK)
 
 
 @triton.jit
+def _is_full(pid, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Whether program ``pid`` owns ROWS whole blocks (no masks needed): all but the last."""
+    return (pid + 1) * (ROWS * BLOCK) <= n
+
+
+@triton.jit
 def _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask,
-                 SIGNED: tl.constexpr, DEQ_TABLE: tl.constexpr):
-    codes = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
-    absmax = tl.load(absmax_ptr + rows, mask=rmask, other=0.0)
+                 SIGNED: tl.constexpr, DEQ_TABLE: tl.constexpr, MASKED: tl.constexpr):
+    # Masked lanes read the code of 0.0 (127 signed, 0 unsigned) and an absmax of 0, so both
+    # bodies compute the same expression ``q * absmax`` with no select after it: a select
+    # between the multiply and the next add would stop the compiler contracting them into
+    # an FMA in the masked body only, and the two bodies would differ in the last bit.
+    if SIGNED:
+        codes = _ld(codes_ptr, offs, mask, 127, MASKED).to(tl.int32)
+    else:
+        codes = _ld(codes_ptr, offs, mask, 0, MASKED).to(tl.int32)
+    absmax = _ld(absmax_ptr, rows, rmask, 0.0, MASKED)
     if DEQ_TABLE:  # one gather per element from the 256-entry map (kept for A/B benchmarks)
-        q = tl.load(qmap_ptr + codes)
+        q = _gather(qmap_ptr, codes, 256)
     else:
         q = _decode(codes, SIGNED)
-    return tl.where(mask, q * absmax[:, None], 0.0)
+    return q * absmax[:, None]
+
+
+@triton.jit
+def _lion8bit_body(
+    pid, g_ptr, p_ptr, out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr,
+    qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, APPLY: tl.constexpr, SR: tl.constexpr,
+    DEQ_TABLE: tl.constexpr, ENC: tl.constexpr, RNG: tl.constexpr, MASKED: tl.constexpr,
+):
+    rows, offs, mask, rmask = _tile(pid, n, BLOCK, ROWS)
+    w1 = tl.load(hp_ptr + 0)
+    w2 = tl.load(hp_ptr + 1)
+    g = _ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+    m = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, True, DEQ_TABLE, MASKED)
+    d = g - m
+    c = m + w1 * d
+    u = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
+    m = m + w2 * d
+    if MASKED:
+        m = tl.where(mask, m, 0.0)
+    codes, absmax = _quantize_rows(m, mids_ptr, btab_ptr, midp_ptr, True, ENC)
+    _st(codes_out_ptr, offs, codes, mask, MASKED)
+    _st(absmax_out_ptr, rows, absmax, rmask, MASKED)
+    if APPLY:
+        lr = tl.load(hp_ptr + 2)
+        wd = tl.load(hp_ptr + 3)
+        p = _ld(p_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+        _store_param(out_ptr, offs, mask, p - lr * (u + wd * p), seed_ptr, SR, RNG, MASKED)
+    else:
+        _st(out_ptr, offs, u.to(out_ptr.dtype.element_ty), mask, MASKED)
 
 
 @triton.jit
 def lion8bit_kernel(
     g_ptr, p_ptr, out_ptr,  # out: the direction (APPLY=False) or the new parameter (APPLY=True)
     codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr,
-    qmap_ptr, mids_ptr, hp_ptr, seed_ptr, n,
+    qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, APPLY: tl.constexpr, SR: tl.constexpr,
-    DEQ_TABLE: tl.constexpr = False,
+    DEQ_TABLE: tl.constexpr = False, ENC: tl.constexpr = 0, RNG: tl.constexpr = 0,
+    SPLIT: tl.constexpr = True,
 ):
-    """hp = [1−β1, 1−β2, η, λ]: c = m + (1−β1)(g − m); m ← m + (1−β2)(g − m); u = sign(c)."""
-    rows, offs, mask, rmask = _tile(n, BLOCK, ROWS)
-    w1 = tl.load(hp_ptr + 0)
-    w2 = tl.load(hp_ptr + 1)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, True, DEQ_TABLE)
-    c = m + w1 * (g - m)
-    u = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
-    m = tl.where(mask, m + w2 * (g - m), 0.0)
-    codes, absmax = _quantize_rows(m, mids_ptr, True)
-    tl.store(codes_out_ptr + offs, codes, mask=mask)
-    tl.store(absmax_out_ptr + rows, absmax, mask=rmask)
-    if APPLY:
-        lr = tl.load(hp_ptr + 2)
-        wd = tl.load(hp_ptr + 3)
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        _store_param(out_ptr, offs, mask, p - lr * (u + wd * p), seed_ptr, SR)
+    """hp = [1−β1, 1−β2, η, λ]: c = m + (1−β1)(g − m); m ← m + (1−β2)(g − m); u = sign(c).
+
+    SPLIT: full programs run an unmasked copy of the body, the last one the masked copy.
+    """
+    pid = tl.program_id(0)
+    if SPLIT:
+        if _is_full(pid, n, BLOCK, ROWS):
+            _lion8bit_body(pid, g_ptr, p_ptr, out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr,
+                           qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
+                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, False)
+        else:
+            _lion8bit_body(pid, g_ptr, p_ptr, out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr,
+                           qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
+                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, True)
     else:
-        tl.store(out_ptr + offs, u.to(out_ptr.dtype.element_ty), mask=mask)
+        _lion8bit_body(pid, g_ptr, p_ptr, out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr,
+                       qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
+                       BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, True)
 
 
 @triton.jit
-def adam8bit_kernel(
-    g_ptr, p_ptr, out_ptr,
+def _adam8bit_body(
+    pid, g_ptr, p_ptr, out_ptr,
     mcodes_ptr, mabsmax_ptr, mcodes_out_ptr, mabsmax_out_ptr,
     vcodes_ptr, vabsmax_ptr, vcodes_out_ptr, vabsmax_out_ptr,
-    qmap_m_ptr, mids_m_ptr, qmap_v_ptr, mids_v_ptr, hp_ptr, seed_ptr, n,
+    qmap_m_ptr, mids_m_ptr, btab_m_ptr, midp_m_ptr, qmap_v_ptr, mids_v_ptr, btab_v_ptr, midp_v_ptr,
+    hp_ptr, seed_ptr, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, APPLY: tl.constexpr, SR: tl.constexpr,
-    DEQ_TABLE: tl.constexpr = False,
+    DEQ_TABLE: tl.constexpr, ENC: tl.constexpr, RNG: tl.constexpr, FAST_DIV: tl.constexpr,
+    MASKED: tl.constexpr, ENC_V: tl.constexpr,
 ):
-    """hp = [1−β1, β2, 1−β2, ε, ε_root, 1−β1^t, 1−β2^t, η, λ]; u = (m/bc1)/(sqrt(v/bc2 + ε_root) + ε)."""
-    rows, offs, mask, rmask = _tile(n, BLOCK, ROWS)
+    rows, offs, mask, rmask = _tile(pid, n, BLOCK, ROWS)
     w1 = tl.load(hp_ptr + 0)
     b2 = tl.load(hp_ptr + 1)
     w2 = tl.load(hp_ptr + 2)
@@ -279,34 +555,80 @@ def adam8bit_kernel(
     eps_root = tl.load(hp_ptr + 4)
     bc1 = tl.load(hp_ptr + 5)
     bc2 = tl.load(hp_ptr + 6)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = _load_moment(mcodes_ptr, mabsmax_ptr, qmap_m_ptr, rows, offs, mask, rmask, True, DEQ_TABLE)
-    v = _load_moment(vcodes_ptr, vabsmax_ptr, qmap_v_ptr, rows, offs, mask, rmask, False, DEQ_TABLE)
-    m = tl.where(mask, m + w1 * (g - m), 0.0)
-    v = tl.where(mask, v * b2 + w2 * (g * g), 0.0)
-    u = tl.math.div_rn(tl.math.div_rn(m, bc1), tl.sqrt_rn(tl.math.div_rn(v, bc2) + eps_root) + eps)
-    codes, absmax = _quantize_rows(m, mids_m_ptr, True)
-    tl.store(mcodes_out_ptr + offs, codes, mask=mask)
-    tl.store(mabsmax_out_ptr + rows, absmax, mask=rmask)
-    codes, absmax = _quantize_rows(v, mids_v_ptr, False)
-    tl.store(vcodes_out_ptr + offs, codes, mask=mask)
-    tl.store(vabsmax_out_ptr + rows, absmax, mask=rmask)
+    g = _ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+    m = _load_moment(mcodes_ptr, mabsmax_ptr, qmap_m_ptr, rows, offs, mask, rmask, True, DEQ_TABLE, MASKED)
+    v = _load_moment(vcodes_ptr, vabsmax_ptr, qmap_v_ptr, rows, offs, mask, rmask, False, DEQ_TABLE, MASKED)
+    m = m + w1 * (g - m)
+    v = v * b2 + w2 * (g * g)
+    if MASKED:
+        m = tl.where(mask, m, 0.0)
+        v = tl.where(mask, v, 0.0)
+    if FAST_DIV:
+        # per-step reciprocals once per program; an approximate sqrt and one approximate
+        # division per element (a few ulp from the div_rn/sqrt_rn path, within the tests' bound)
+        r1 = 1.0 / bc1
+        r2 = 1.0 / bc2
+        u = _fast_div(m * r1, tl.sqrt(v * r2 + eps_root) + eps)
+    else:
+        u = tl.math.div_rn(tl.math.div_rn(m, bc1), tl.sqrt_rn(tl.math.div_rn(v, bc2) + eps_root) + eps)
+    codes, absmax = _quantize_rows(m, mids_m_ptr, btab_m_ptr, midp_m_ptr, True, ENC)
+    _st(mcodes_out_ptr, offs, codes, mask, MASKED)
+    _st(mabsmax_out_ptr, rows, absmax, rmask, MASKED)
+    codes, absmax = _quantize_rows(v, mids_v_ptr, btab_v_ptr, midp_v_ptr, False, ENC_V)
+    _st(vcodes_out_ptr, offs, codes, mask, MASKED)
+    _st(vabsmax_out_ptr, rows, absmax, rmask, MASKED)
     if APPLY:
         lr = tl.load(hp_ptr + 7)
         wd = tl.load(hp_ptr + 8)
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        _store_param(out_ptr, offs, mask, p - lr * (u + wd * p), seed_ptr, SR)
+        p = _ld(p_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+        _store_param(out_ptr, offs, mask, p - lr * (u + wd * p), seed_ptr, SR, RNG, MASKED)
     else:
-        tl.store(out_ptr + offs, u.to(out_ptr.dtype.element_ty), mask=mask)
+        _st(out_ptr, offs, u.to(out_ptr.dtype.element_ty), mask, MASKED)
 
 
 @triton.jit
-def quantize_kernel(x_ptr, codes_ptr, absmax_ptr, mids_ptr, n,
-                    BLOCK: tl.constexpr, ROWS: tl.constexpr, SIGNED: tl.constexpr):
+def adam8bit_kernel(
+    g_ptr, p_ptr, out_ptr,
+    mcodes_ptr, mabsmax_ptr, mcodes_out_ptr, mabsmax_out_ptr,
+    vcodes_ptr, vabsmax_ptr, vcodes_out_ptr, vabsmax_out_ptr,
+    qmap_m_ptr, mids_m_ptr, btab_m_ptr, midp_m_ptr, qmap_v_ptr, mids_v_ptr, btab_v_ptr, midp_v_ptr,
+    hp_ptr, seed_ptr, n,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, APPLY: tl.constexpr, SR: tl.constexpr,
+    DEQ_TABLE: tl.constexpr = False, ENC: tl.constexpr = 0, RNG: tl.constexpr = 0,
+    FAST_DIV: tl.constexpr = False, SPLIT: tl.constexpr = True, ENC_V: tl.constexpr = 0,
+):
+    """hp = [1−β1, β2, 1−β2, ε, ε_root, 1−β1^t, 1−β2^t, η, λ]; u = (m/bc1)/(sqrt(v/bc2 + ε_root) + ε).
+
+    ENC encodes m (signed map), ENC_V encodes v (unsigned map)."""
+    pid = tl.program_id(0)
+    if SPLIT:
+        if _is_full(pid, n, BLOCK, ROWS):
+            _adam8bit_body(pid, g_ptr, p_ptr, out_ptr, mcodes_ptr, mabsmax_ptr, mcodes_out_ptr, mabsmax_out_ptr,
+                           vcodes_ptr, vabsmax_ptr, vcodes_out_ptr, vabsmax_out_ptr,
+                           qmap_m_ptr, mids_m_ptr, btab_m_ptr, midp_m_ptr, qmap_v_ptr, mids_v_ptr, btab_v_ptr,
+                           midp_v_ptr, hp_ptr, seed_ptr, n,
+                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, False, ENC_V)
+        else:
+            _adam8bit_body(pid, g_ptr, p_ptr, out_ptr, mcodes_ptr, mabsmax_ptr, mcodes_out_ptr, mabsmax_out_ptr,
+                           vcodes_ptr, vabsmax_ptr, vcodes_out_ptr, vabsmax_out_ptr,
+                           qmap_m_ptr, mids_m_ptr, btab_m_ptr, midp_m_ptr, qmap_v_ptr, mids_v_ptr, btab_v_ptr,
+                           midp_v_ptr, hp_ptr, seed_ptr, n,
+                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, True, ENC_V)
+    else:
+        _adam8bit_body(pid, g_ptr, p_ptr, out_ptr, mcodes_ptr, mabsmax_ptr, mcodes_out_ptr, mabsmax_out_ptr,
+                       vcodes_ptr, vabsmax_ptr, vcodes_out_ptr, vabsmax_out_ptr,
+                       qmap_m_ptr, mids_m_ptr, btab_m_ptr, midp_m_ptr, qmap_v_ptr, mids_v_ptr, btab_v_ptr,
+                       midp_v_ptr, hp_ptr, seed_ptr, n,
+                       BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, True, ENC_V)
+
+
+@triton.jit
+def quantize_kernel(x_ptr, codes_ptr, absmax_ptr, mids_ptr, btab_ptr, midp_ptr, n,
+                    BLOCK: tl.constexpr, ROWS: tl.constexpr, SIGNED: tl.constexpr, ENC: tl.constexpr = 0):
     """Block-wise quantization alone (``pgs.func.quant8.quantize_blockwise`` on the device)."""
-    rows, offs, mask, rmask = _tile(n, BLOCK, ROWS)
+    rows, offs, mask, rmask = _tile(tl.program_id(0), n, BLOCK, ROWS)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    codes, absmax = _quantize_rows(x, mids_ptr, SIGNED)
+    codes, absmax = _quantize_rows(x, mids_ptr, btab_ptr, midp_ptr, SIGNED, ENC)
     tl.store(codes_ptr + offs, codes, mask=mask)
     tl.store(absmax_ptr + rows, absmax, mask=rmask)
 
@@ -316,6 +638,6 @@ def dequantize_kernel(codes_ptr, absmax_ptr, out_ptr, qmap_ptr, n,
                       BLOCK: tl.constexpr, ROWS: tl.constexpr, SIGNED: tl.constexpr,
                       DEQ_TABLE: tl.constexpr = False):
     """Block-wise dequantization alone (``dequantize_blockwise`` on the device)."""
-    rows, offs, mask, rmask = _tile(n, BLOCK, ROWS)
-    x = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, SIGNED, DEQ_TABLE)
+    rows, offs, mask, rmask = _tile(tl.program_id(0), n, BLOCK, ROWS)
+    x = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, SIGNED, DEQ_TABLE, True)
     tl.store(out_ptr + offs, x, mask=mask)
