@@ -37,6 +37,10 @@ import sys
 import time
 import traceback
 
+if "--triton-on-cpu" in sys.argv:  # before triton is imported: its interpreter and pgs's CPU switch
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("PGS_TRITON_ON_CPU", "1")
+
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

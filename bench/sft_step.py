@@ -47,6 +47,10 @@ import sys
 import time
 import traceback
 
+if "--triton-on-cpu" in sys.argv:  # before triton is imported: its interpreter and pgs's CPU switch
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("PGS_TRITON_ON_CPU", "1")
+
 import torch
 
 H200_BF16_FLOPS = 790e12
