@@ -250,6 +250,15 @@ def run_variant(name: str, shape: str, args, device) -> dict:
     return out
 
 
+def _write(args, device, results) -> None:
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "python": sys.version.split()[0], "argv": sys.argv[1:],
+            "steps": args.steps, "warmup": args.warmup, "peak_flops": H200_BF16_FLOPS}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=2)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/sft_step.json")
@@ -288,12 +297,8 @@ def main(argv=None) -> int:
             if pred is not None and "error" not in r:
                 summary += f", predicted {pred:.2f} GiB"
             print(f"{shape:>11} {name:<20} {summary}", flush=True)
-    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "python": sys.version.split()[0], "argv": sys.argv[1:],
-            "steps": args.steps, "warmup": args.warmup, "peak_flops": H200_BF16_FLOPS}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=2)
+            _write(args, device, results)  # after every variant: a later crash or timeout loses nothing
+    _write(args, device, results)
     print(f"wrote {args.out}")
     return 0
 
