@@ -5,6 +5,7 @@ PGS_TRITON_ON_CPU=1; on CUDA they run compiled.
 """
 
 import copy
+import inspect
 import os
 
 import pytest
@@ -76,3 +77,46 @@ def test_not_used_on_cpu_unless_asked(monkeypatch):
         pytest.skip("CPU behaviour")
     opt = bind(pf.adamw(1e-3), _model(), compile=True, jit=False)
     assert not opt.flat.uses_fused_kernel()
+
+
+def test_kernels_take_no_float_scalars():
+    """Hyperparameters reach the AdamW/Lion kernels as fp32 device tensors, never as float
+    arguments.  A float argument is fp32 on a GPU but a Python double in Triton's CPU
+    interpreter, so arithmetic on it in the kernel (``1.0 - b2`` gave 1 − fp32(0.999), 1.3e-5
+    off fp32(0.001)) differs between the two and no CPU test sees it."""
+    from pgs.func.kernels import elementwise as E
+
+    for k in (E._adamw_kernel, E._lion_kernel):
+        fn = getattr(k, "fn", k)
+        params = inspect.signature(fn).parameters
+        scalars = [a for a, p in params.items()
+                   if not a.endswith("_ptr") and a != "n" and "constexpr" not in str(p.annotation)]
+        assert scalars == [], scalars
+
+
+@pytest.mark.parametrize("b1,b2", [(0.9, 0.999), (0.9, 0.9999), (0.95, 0.99999)])
+def test_one_adamw_step_matches_reference(b1, b2):
+    """One kernel step against ``scale_by_adam`` + decay + lr on the same fp32 inputs: the
+    moments to an ulp or two of their scale (not a bias: 1 − β is rounded from float64, as the reference)."""
+    from pgs.func.kernels import elementwise as E
+
+    if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the interpreter")
+    gen = torch.Generator().manual_seed(0)
+    n = 3 * E.BLOCK + 17
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3
+    m, v = torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-6
+    t, lr, wd, eps = 5, 1e-2, 0.1, 1e-8
+    st = pf.scale_by_adam(b1=b1, b2=b2, eps=eps)
+    state = st.init({"x": p})._replace(count=torch.tensor(t - 1, dtype=torch.int32), mu={"x": m.clone()},
+                                       nu={"x": v.clone()})
+    u, st2 = st.update({"x": g}, state, {"x": p})
+    p_ref = p - lr * (u["x"] + wd * p)
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    scal = torch.tensor([lr, bc1, bc2], dtype=torch.float64).float().to(DEV)
+    pk, mk, vk = p.to(DEV).clone(), m.to(DEV).clone(), v.to(DEV).clone()
+    E.adamw_step_(pk, g.to(DEV), mk, vk, scal, b1, b2, eps, wd)
+    # m: lerp (reference) and m + w(g − m) (kernel) round differently where m cancels to ≈ 0
+    torch.testing.assert_close(mk.cpu(), st2.mu["x"], rtol=3e-7, atol=3e-7 * float(st2.mu["x"].abs().max()))
+    torch.testing.assert_close(vk.cpu(), st2.nu["x"], rtol=3e-7, atol=0)
+    torch.testing.assert_close(pk.cpu(), p_ref, rtol=1e-6, atol=1e-8)

@@ -175,16 +175,27 @@ def test_hash_rng_is_a_bijection_per_seed():
     assert np.unique(h(x)).size == x.size
 
 
+@pytest.mark.parametrize("fusion", [False, True], ids=["nofma", "fma"])
 @pytest.mark.parametrize("which", ["lion", "adam"])
-def test_unmasked_and_masked_bodies_agree(which, monkeypatch):
-    """SPLIT (full programs unmasked, the last masked) equals the all-masked kernel, bit for
-    bit, including a partial last block; and a buffer split into several launches
-    (MAX_LAUNCH) equals one launch."""
+def test_unmasked_and_masked_bodies_agree(which, fusion, monkeypatch):
+    """SPLIT (full programs unmasked, the last masked) equals the all-masked kernel, including
+    a partial last block; and a buffer split into several launches (MAX_LAUNCH) equals one
+    launch.
+
+    Without FMA contraction (``FP_FUSION=False``) bit for bit, on the interpreter and on a GPU.
+    With it (the default) the compiler picks which product of ``a·b + c·d`` to fuse per
+    element position and per body (sm_90 PTX of the AdamW body), and a MAX_LAUNCH piece whose
+    length is a multiple of 16 is a separately specialised compile: values then differ by an
+    ulp, which moves a code by 1 on ~0.1% of the elements and the absmax of a block whose
+    largest element moved by an ulp (on the H200, 5 of this test's 27 blocks: what failed the
+    former element-fraction bound, 5/27 = 0.185).  So: codes ±1 on ≤ 1%, absmax to 4 ulp,
+    outputs to the reference tests' tolerance.  The interpreter never contracts."""
     R = max(K.ROWS, K.LION_ROWS)
     n = 3 * R * B + 2 * B + 5
     g = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(DEV)
     p = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(DEV)
     m, v = _to(_moment(n, True, 1), DEV), _to(_moment(n, False, 2), DEV)
+    monkeypatch.setattr(K, "FP_FUSION", fusion)
 
     def run():
         if which == "lion":
@@ -201,24 +212,23 @@ def test_unmasked_and_masked_bodies_agree(which, monkeypatch):
     monkeypatch.setattr(K, "SPLIT", True)
     monkeypatch.setattr(K, "MAX_LAUNCH", 2 * R * B)
     chunked = run()
-    # Both bodies compute the same expression DAG (masked lanes load the code of 0 instead of
-    # selecting after the dequantize), so the compiler contracts the same multiply-adds into
-    # FMAs in both and the results agree bit for bit, on the interpreter and on a GPU.  Should
-    # a compiler still contract differently, the bound is that of the reference tests: a
-    # value one rounding away moves a code by ≤ 1 on ≤ 1% of the elements, and flips a Lion
-    # sign (out differs by 2η) or an Adam direction by an ulp on as few; that is reported.
-    for a, b, c in zip(split, masked, chunked):
-        for x in (b, c):
+    names = ["out", "m codes", "m absmax", "v codes", "v absmax"]
+    for name, a, b, c in zip(names, split, masked, chunked):
+        for other, x in (("masked", b), ("chunked", c)):
             if torch.equal(a, x):
                 continue
-            assert DEV == "cuda", "the interpreter has no FMA contraction: the bodies must agree exactly"
+            where = f"{which} {name}: SPLIT vs {other}"
+            assert DEV == "cuda", f"{where}: the interpreter never contracts, the bodies must agree exactly"
+            assert fusion, f"{where}: without FMA contraction the bodies must agree bit for bit"
             bad = (a != x).float().mean().item()
-            warnings.warn(f"unmasked/masked bodies differ on {bad:.2e} of the elements ({which})")
-            assert bad <= 0.01
-            if a.dtype == torch.uint8:
-                assert int((a.int() - x.int()).abs().max()) <= 1
+            warnings.warn(f"{where} differ on {bad:.2e} of the elements (FMA contraction)")
+            if "absmax" in name:
+                torch.testing.assert_close(x, a, rtol=4 * 2.0**-23, atol=0, msg=where)
+            elif a.dtype == torch.uint8:
+                assert bad <= 0.01 and int((a.int() - x.int()).abs().max()) <= 1, where
             else:
-                torch.testing.assert_close(a, x, rtol=1e-5, atol=2.5e-2)
+                assert bad <= 0.01, where
+                torch.testing.assert_close(x, a, rtol=1e-5, atol=2.5e-2, msg=where)
 
 
 @pytest.mark.parametrize("enc,enc_v", [(0, 0), (1, 1), (2, 0), (3, 3)])

@@ -57,20 +57,44 @@ def test_8bit_fused_equals_plain_fp32(make):
 
 @pytest.mark.parametrize("name", ["adamw", "lion"])
 def test_adamw_lion_kernels_equal_bind(name, monkeypatch):
+    """GradientRelease with the fused AdamW/Lion kernels against ``bind`` (the reference chain).
+
+    Lion: the two fp32 runs agree to rounding (a sign flips only where c ≈ 0).  AdamW: three
+    steps of a transformer amplify rounding differences chaotically (Adam divides each
+    gradient by its own scale, so an ulp moved upstream becomes a relative change of the
+    smallest gradients, and η times that of the step), so the two fp32 runs are compared
+    against an fp64 run of the reference instead: the fused path's error must be of the size
+    of the reference path's own fp32 error (RMS and max over every tensor).  A systematic
+    bias is not: computing 1 − β from an fp32 β in the kernel (what the GPU did before the
+    hyperparameters became a float64-derived tensor) gave 20× the RMS error on every tensor.
+    """
     monkeypatch.setenv("PGS_TRITON_ON_CPU", "1")
     make = {"adamw": lambda: pf.adamw(1e-2, weight_decay=0.1), "lion": lambda: pf.lion(1e-3, weight_decay=0.1)}[name]
     data = [x.to(DEV) for x in batches(3)]
-    a = tiny_model().to(DEV)
-    b = copy.deepcopy(a)
-    opt = bind(make(), a)
-    for ids in data:
-        loss_of(a, ids).backward()
-        opt.step()
-        opt.zero_grad()
+
+    def run_bind(model):
+        opt = bind(make(), model)
+        for ids in data:
+            loss_of(model, ids).backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    a = run_bind(tiny_model().to(DEV))
+    b = tiny_model().to(DEV)
     fast = run_release(b, make(), data)
     assert fast.fused_group_steps > 0 and fast.plain_group_steps == 0
-    for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)
+    if name == "lion":
+        for (n, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)
+        return
+    r = run_bind(tiny_model().to(DEV).double())
+    for (n, p), q, x in zip(a.named_parameters(), b.parameters(), r.parameters()):
+        e_ref, e_fused = p.double() - x, q.double() - x
+        rms_ref, rms_fused = e_ref.pow(2).mean().sqrt().item(), e_fused.pow(2).mean().sqrt().item()
+        max_ref, max_fused = e_ref.abs().max().item(), e_fused.abs().max().item()
+        assert rms_fused <= 2 * rms_ref + 2e-9, (n, rms_fused, rms_ref)
+        assert max_fused <= 4 * max_ref + 2e-7, (n, max_fused, max_ref)
 
 
 def _constant_grad_run(fused: bool, steps: int, sr: bool):

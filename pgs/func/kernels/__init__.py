@@ -58,6 +58,18 @@ RNG = int(os.environ.get("PGS_8BIT_RNG", "1"))
 FAST_DIV = os.environ.get("PGS_8BIT_FAST_DIV", "1") == "1"
 #: Full programs run an unmasked copy of the kernel body, only the last one the masked copy.
 SPLIT = os.environ.get("PGS_8BIT_SPLIT", "1") == "1"
+#: Let the compiler contract a multiply and an add into one FMA (Triton's default).  It picks
+#: the pair per element *position* and per kernel body (sm_90 PTX of the AdamW body, Triton
+#: 3.9 offline: for one of a thread's elements it fuses ``v·β2`` into the FMA in the unmasked
+#: copy and ``(1−β2)g²`` in the masked one; likewise ``q·absmax`` or ``(1−β1)(g − m)`` for
+#: m), so the unmasked and masked bodies, and a launch specialised for
+#: n % 16 == 0 (a MAX_LAUNCH piece), round some values differently by an ulp: a code moves by
+#: 1 where a value sits at a midpoint (rare; the tests allow 1%) and a block's absmax by an
+#: ulp where its largest element moved (5 of 27 blocks in the H200 run of the bodies test).
+#: False: no contraction (explicit ``tl.math.fma`` stays), every body and launch agrees bit
+#: for bit on a GPU as in the interpreter, at +3-5 static SASS instructions per element
+#: (Lion 62.6 → 66.9, AdamW 100.2 → 105.2; sm_90, Triton 3.9; not timed).  ``PGS_8BIT_FP_FUSION``.
+FP_FUSION = os.environ.get("PGS_8BIT_FP_FUSION", "1") == "1"
 #: Largest element count one launch covers: offsets are int32 in the kernels, so a larger
 #: buffer runs as several launches over views (each with its own noise stream).
 MAX_LAUNCH = 1 << 30
@@ -185,7 +197,7 @@ def _lion8bit(g, m: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None,
             _cut(fc, s, n, w), _cut(m.absmax, b, nb, w), _cut(fco, s, n, w), _cut(m_out.absmax, b, nb, w),
             code, mids, btab, midp, hp, sd if sd is not None else _no_seed(dev), n,
             BLOCK=block_size, ROWS=LION_ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
-            ENC=ENC, RNG=RNG, SPLIT=SPLIT, num_warps=NUM_WARPS,
+            ENC=ENC, RNG=RNG, SPLIT=SPLIT, num_warps=NUM_WARPS, **_fusion(),
         )
     return out, m_out
 
@@ -236,8 +248,15 @@ def _adam8bit(g, m: Quantized8bit, v: Quantized8bit, hp: torch.Tensor, block_siz
             sd if sd is not None else _no_seed(dev), n,
             BLOCK=block_size, ROWS=ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
             ENC=ENC, ENC_V=ENC_V, RNG=RNG, FAST_DIV=FAST_DIV, SPLIT=SPLIT, num_warps=NUM_WARPS,
+            **_fusion(),
         )
     return out, m_out, v_out
+
+
+def _fusion() -> dict:
+    # only the non-default is passed: the default launch stays exactly what it was (Dynamo's
+    # traced path, OPAQUE=0, then sees no extra launch option)
+    return {} if FP_FUSION else {"enable_fp_fusion": False}
 
 
 def _compiling() -> bool:
@@ -298,7 +317,7 @@ def quantize(x: torch.Tensor, signed: bool, block_size: int, *, enc: int | None 
     k.quantize_kernel[_grid(n, block_size)](
         _flat(x), _flat(codes), absmax, mids, btab, midp, n,
         BLOCK=block_size, ROWS=ROWS, SIGNED=bool(signed), ENC=enc,
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, **_fusion(),
     )
     return Quantized8bit(codes, absmax)
 
@@ -313,6 +332,6 @@ def dequantize(q: Quantized8bit, signed: bool, block_size: int, *, table: bool |
     k.dequantize_kernel[_grid(n, block_size)](
         _flat(codes), q.absmax, _flat(out), code, n,
         BLOCK=block_size, ROWS=ROWS, SIGNED=bool(signed),
-        DEQ_TABLE=DEQ_TABLE if table is None else bool(table), num_warps=NUM_WARPS,
+        DEQ_TABLE=DEQ_TABLE if table is None else bool(table), num_warps=NUM_WARPS, **_fusion(),
     )
     return out

@@ -15,7 +15,7 @@ Table gathers are inline-PTX loads (``_gather``) so that Triton keeps the stream
 The maths mirrors the torch reference (``pgs.func.quant8``, ``pgs.func.lion8bit``,
 ``pgs.func.adam8bit``) operation for operation; on a GPU the compiler may contract a
 multiply-add into an FMA, so results agree to the last bit only up to that (the tests
-bound the difference).
+bound the difference; ``FP_FUSION=False`` in ``pgs.func.kernels`` turns contraction off).
 
 Hyperparameters arrive as a small fp32 tensor on the device (``hp``), never as Python
 numbers: a schedule's value or an injected tensor is read in the kernel with no host sync
@@ -462,9 +462,10 @@ def _is_full(pid, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
 def _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask,
                  SIGNED: tl.constexpr, DEQ_TABLE: tl.constexpr, MASKED: tl.constexpr):
     # Masked lanes read the code of 0.0 (127 signed, 0 unsigned) and an absmax of 0, so both
-    # bodies compute the same expression ``q * absmax`` with no select after it: a select
-    # between the multiply and the next add would stop the compiler contracting them into
-    # an FMA in the masked body only, and the two bodies would differ in the last bit.
+    # bodies compute the same expression ``q * absmax`` with no select after it.  That alone
+    # does not make them agree bit for bit on a GPU: LLVM still picks which product of an
+    # ``a·b + c·d`` to contract per element position and per body (sm_90 PTX); only
+    # ``FP_FUSION=False`` (``pgs.func.kernels``) does.
     if SIGNED:
         codes = _ld(codes_ptr, offs, mask, 127, MASKED).to(tl.int32)
     else:
