@@ -25,8 +25,10 @@ checkpointing of every decoder layer):
 - ``pgs_release_noac``: ``pgs_release`` without checkpointing.
 
 Default variants per shape (``SHAPE_VARIANTS``); ``--only`` picks any.  The chunked loss's
-chunk is per shape (``LOSS_CHUNK``: 256 rows at 4B, where its fp32 chunk is the largest
-transient; 2048 at 0.6B) unless ``--loss-chunk`` is given.  For pgs variants the
+chunk is per shape unless ``--loss-chunk`` is given (``default_loss_chunk``): 256 rows at 4B
+while the deferred head gradient is rebuilt in fp32 at the end of backward (8 B per chunk
+element: 0.29 GiB at 256 rows, 1.16 at 1024), 1024 once it is rebuilt with the loss's Triton
+pass (``DeferredHeadGrad.KERNEL_PASS``, 2 B per element); 2048 at 0.6B.  For pgs variants the
 ``pgs profile`` prediction (``predict_memory``) is recorded beside the measurement.
 
 Reported per variant and shape: tok/s, MFU = (6N + 6·L·n_q·d_head·S)·tok/s / 790e12 (N: all
@@ -77,6 +79,17 @@ SHAPE_VARIANTS = {
     "tiny": VARIANTS,
 }
 LOSS_CHUNK = {"qwen3-4b": 256, "qwen3-0.6b": 2048, "tiny": 32}
+#: where the deferred head gradient is rebuilt with the loss's Triton pass
+#: (``DeferredHeadGrad.KERNEL_PASS``: 2 B per chunk element instead of 8), a 4B chunk of 1024
+#: rows costs what 256 did (``pgs profile``: 12.94 GiB either way)
+LOSS_CHUNK_KERNEL_REBUILD = {"qwen3-4b": 1024, "qwen3-0.6b": 2048, "tiny": 32}
+
+
+def default_loss_chunk(shape: str) -> int:
+    from pgs.func.losses.chunked import DeferredHeadGrad
+
+    table = LOSS_CHUNK_KERNEL_REBUILD if getattr(DeferredHeadGrad, "KERNEL_PASS", False) else LOSS_CHUNK
+    return table[shape]
 PACKED = {"qwen3-0.6b", "tiny"}
 
 
@@ -191,7 +204,7 @@ def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk:
 
 def run_variant(name: str, shape: str, args, device) -> dict:
     table, batch, seq = (SMALL_SHAPES if args.small else SHAPES)[shape]
-    loss_chunk = args.loss_chunk or LOSS_CHUNK[shape]
+    loss_chunk = args.loss_chunk or default_loss_chunk(shape)
     packed = shape in PACKED
     out: dict = {"variant": name, "shape": shape, "batch": batch, "seq": seq, "packed": packed,
                  "activation_checkpointing": uses_ac(name)}

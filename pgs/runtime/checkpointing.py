@@ -75,7 +75,61 @@ def selective_context():
     return create_selective_checkpoint_contexts(policy)
 
 
-def _checkpointed(layer: torch.nn.Module, forward, context_fn):
+_STREAMS: dict = {}
+
+
+def _copy_stream(device: torch.device):
+    """One side stream per CUDA device for the offload copies."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device=device)
+    return _STREAMS[key]
+
+
+class OffloadedInput:
+    """A checkpointed layer's input, kept in host memory between its forward and its recompute.
+
+    Made in forward: on CUDA a non-blocking copy into pinned host memory on a side stream
+    (ordered after the producer of ``x``; ``x``'s block is not reused before the copy ends),
+    on the CPU a plain copy (what the tests exercise).  ``get()`` returns ``x`` itself during
+    the first forward and, once ``release()`` has dropped it, a copy back on ``x``'s device,
+    ordered after the host copy (no host synchronisation), requiring grad as ``x`` did (the
+    gradient flows through the original graph; the recompute only refills saved tensors).
+    """
+
+    def __init__(self, x: torch.Tensor):
+        self.device = x.device
+        self.requires_grad = x.requires_grad
+        self.live: torch.Tensor | None = x
+        self.event = None
+        if x.is_cuda:
+            self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            stream = _copy_stream(x.device)
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(stream):
+                self.host.copy_(x.detach(), non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(stream)
+            x.record_stream(stream)
+        else:
+            self.host = x.detach().clone()
+
+    def get(self) -> torch.Tensor:
+        if self.live is not None:
+            return self.live
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+            x = self.host.to(self.device, non_blocking=True)
+        else:
+            x = self.host.clone()
+        # as the original input (a compiled layer guards on it, and must save the same tensors)
+        return x.requires_grad_(self.requires_grad)
+
+    def release(self) -> None:
+        self.live = None
+
+
+def _checkpointed(layer: torch.nn.Module, forward, context_fn, offload: bool = False):
     def run(*args, **kwargs):
         if not (layer.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
@@ -86,12 +140,24 @@ def _checkpointed(layer: torch.nn.Module, forward, context_fn):
         for name in ("cache", "past_key_values", "past_key_value", "layer_past"):
             if kwargs.get(name) is not None:
                 kwargs[name] = None
-        if context_fn is None:
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        extra = {} if context_fn is None else {"context_fn": context_fn}
+        if offload and args and isinstance(args[0], torch.Tensor):
+            # the input reaches the layer through a handle, not as a checkpoint argument, so
+            # nothing keeps it on the device after this call (the recompute reads the host copy;
+            # gradients flow through the original graph, so the copy needs none)
+            held = OffloadedInput(args[0])
+
+            def from_handle(handle, *rest, **kw):
+                return forward(handle.get(), *rest, **kw)
+
+            out = checkpoint(from_handle, held, *args[1:], use_reentrant=False, **extra, **kwargs)
+            held.release()
+            return out
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     run._pgs_inner = forward
     run._pgs_context = context_fn
+    run._pgs_offload = offload
     run._pgs_inner_compiled = False
     return run
 
@@ -110,7 +176,7 @@ def remove_activation_checkpointing(model) -> None:
                 layer.forward = original
 
 
-def apply_activation_checkpointing(model, policy: str = "full", every: int = 1) -> list[int]:
+def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, offload: bool = False) -> list[int]:
     """Checkpoint the decoder layers of ``model`` in place; returns the checkpointed indices.
 
     Args:
@@ -118,6 +184,11 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1) 
         policy: ``"none"``, ``"full"`` (recompute the whole layer) or ``"selective"`` (save
             matmul and attention outputs, recompute elementwise ops).
         every: checkpoint layers ``i`` with ``i % every == 0`` (1: all of them).
+        offload: keep each checkpointed layer's input in (pinned) host memory between forward
+            and backward instead of on the device (``OffloadedInput``): −b·h bytes per token
+            and checkpointed layer on the device, one device→host copy per layer in forward
+            (on a side stream) and one host→device copy per layer in backward (on the compute
+            stream, not prefetched).  ``"full"`` policy only.
 
     Example::
 
@@ -131,6 +202,10 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1) 
         raise InvalidArgument(f"apply_activation_checkpointing: policy={policy!r} is not one of {POLICIES}")
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise InvalidArgument(f"apply_activation_checkpointing: every={every!r} must be an int >= 1")
+    if offload and policy != "full":
+        raise InvalidArgument(f"apply_activation_checkpointing: offload=True needs policy \"full\", got {policy!r} "
+                              "(a selective policy replays the recompute's ops against the forward's, and the "
+                              "copy back from the host is one more op)")
     remove_activation_checkpointing(model)
     if policy == "none":
         return []
@@ -140,7 +215,7 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1) 
         if i % every:
             continue
         layer.__dict__[_ORIGINAL] = layer.__dict__.get("forward")  # None: the class's forward
-        layer.forward = _checkpointed(layer, layer.forward, context_fn)
+        layer.forward = _checkpointed(layer, layer.forward, context_fn, offload)
         done.append(i)
     return done
 
@@ -162,7 +237,8 @@ def compile_layers(model, **compile_kwargs) -> int:
         wrapper = layer.__dict__.get("forward")
         inner = getattr(wrapper, "_pgs_inner", None)
         if inner is not None:  # checkpointed: compile inside, keep the checkpoint outside
-            compiled = _checkpointed(layer, torch.compile(inner, **compile_kwargs), wrapper._pgs_context)
+            compiled = _checkpointed(layer, torch.compile(inner, **compile_kwargs), wrapper._pgs_context,
+                                     getattr(wrapper, "_pgs_offload", False))
             compiled._pgs_inner_compiled = True
             layer.forward = compiled
         else:

@@ -108,6 +108,7 @@ def activation_parts(
     policy: str = "none",
     every: int = 1,
     gqa_native: bool = True,
+    offload: bool = False,
 ) -> tuple[int, int]:
     """``(kept, recompute)``: bytes that forward leaves for backward for ``tokens`` tokens of a
     HF Qwen3/Llama-style decoder, and the extra bytes of one layer recomputed in backward.
@@ -132,7 +133,9 @@ def activation_parts(
     tables cos and sin, shared by all layers (2·b·d per token).  Without checkpointing the
     formula equals the bytes autograd saves for a HF Qwen3 in fp32 and bf16 exactly
     (tests/test_profile.py); the working set of backward itself (activation gradients,
-    ≈ one layer's A_none) is not included.
+    ≈ one layer's A_none) is not included.  ``offload`` (``"full"`` only): the checkpointed
+    layers' inputs live in host memory, so they keep 0 on the device; the recompute then also
+    holds the input copied back (b·h).
     """
     if policy not in ("none", "full", "selective"):
         raise InvalidArgument(f"activation_bytes: policy={policy!r} is not none, full or selective")
@@ -151,10 +154,12 @@ def activation_parts(
     a_none = 2 * norm + 2 * b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q + 4 * b * inter
     a_kept = {"none": a_none, "full": b * h,
               "selective": b * h + b * (q + 2 * k) + b * q + 4 * n_q + 2 * b * h + 2 * b * inter}[policy]
+    if offload and policy != "full":
+        raise InvalidArgument(f"activation_bytes: offload needs policy \"full\", got {policy!r}")
     checkpointed = 0 if policy == "none" else len(range(0, n_layers, every))
-    per_token = checkpointed * a_kept + (n_layers - checkpointed) * a_none
+    per_token = checkpointed * (0 if offload else a_kept) + (n_layers - checkpointed) * a_none
     per_token += norm + b * h + 2 * b * d  # final norm and its output; rotary cos and sin
-    recompute = (a_none - a_kept) * tokens if checkpointed else 0
+    recompute = (a_none - (0 if offload else a_kept)) * tokens if checkpointed else 0
     return per_token * tokens, recompute
 
 
@@ -173,6 +178,23 @@ def _trainable(model, trainable: Callable[[str], bool] | None) -> dict[str, torc
     return out
 
 
+def chunk_work_bytes(rows: int, vocab: int, b: int, kernels: bool) -> tuple[int, int]:
+    """(forward, rebuild) bytes one chunk of the chunked loss holds (``pgs.func.losses.chunked``).
+
+    Forward: with the Triton passes (CUDA) only the chunk's logits in the weights' dtype,
+    overwritten in place by their gradient (b B per element); the torch path holds fp32
+    logits, softmax and a product temporary (12 B).  Rebuild (the deferred head gradient,
+    ``DeferredHeadGrad.add_to``, at the end of backward): b B per element when it runs the
+    same Triton pass (``DeferredHeadGrad.KERNEL_PASS``), else fp32 logits and softmax (8 B).
+    """
+    from pgs.func.losses import chunked
+
+    elements = int(rows) * int(vocab)
+    forward = elements * (b if kernels else 12)
+    rebuild = elements * (b if kernels and getattr(chunked.DeferredHeadGrad, "KERNEL_PASS", False) else 8)
+    return forward, rebuild
+
+
 def predict_memory(
     model_config,
     *,
@@ -184,6 +206,7 @@ def predict_memory(
     master_weights: str | None = None,
     activation_checkpointing: str = "none",
     checkpoint_every: int = 1,
+    checkpoint_offload: bool = False,
     micro_batch_tokens: int = 4096,
     loss: str = "chunked",
     loss_chunk: int = 1024,
@@ -193,6 +216,7 @@ def predict_memory(
     model=None,
     fused_update: bool | None = None,
     defer_head_grad: bool | None = None,
+    loss_kernels: bool | None = None,
 ) -> dict[str, int]:
     """Bytes per category (``CATEGORIES``) plus ``total`` and ``peak``.  See the module docstring.
 
@@ -203,7 +227,8 @@ def predict_memory(
             ``state_bytes_per_param`` (e.g. 8 for fp32 AdamW, 1.02 for Lion8bit).
         gradient_release: size gradients and state as ``GradientRelease`` holds them.
         master_weights: ``"fp32"`` adds 4 B per low-precision trainable parameter.
-        activation_checkpointing, checkpoint_every: as ``apply_activation_checkpointing``.
+        activation_checkpointing, checkpoint_every, checkpoint_offload: as
+            ``apply_activation_checkpointing`` (``offload``).
         micro_batch_tokens: tokens in one forward (micro-batch × sequence length).
         loss: ``"chunked"`` (any backend that never holds [N, V]) or ``"dense"``.
         loss_chunk: rows per chunk of the chunked loss.
@@ -214,6 +239,9 @@ def predict_memory(
             one — ``lion8bit``/``adamw8bit``'s ``fused_step``, or an AdamW/Lion plan).
         defer_head_grad: the tied head's gradient joins the embedding's at the end of
             backward (None: with release, a chunked loss and a tied head, as ``pgs run``).
+        loss_kernels: the chunked loss runs its two Triton passes (CUDA; ``chunk_work_bytes``
+            has what each path holds per chunk).  None: yes unless ``PGS_CE_KERNELS=0`` —
+            the prediction is for a CUDA run even where it is made on a CPU.
 
     Example::
 
@@ -256,7 +284,7 @@ def predict_memory(
     out["gradients"] = max(group_bytes.values(), default=0)
 
     kept, recompute = activation_parts(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
-                                       every=checkpoint_every, gqa_native=gqa_native)
+                                       every=checkpoint_every, gqa_native=gqa_native, offload=checkpoint_offload)
     out["activations"] = kept + recompute
     c = _text_config(cfg)
     v, h = c.vocab_size, c.hidden_size
@@ -272,17 +300,21 @@ def predict_memory(
         fused_update = bool(gradient_release and chain is not None
                             and (getattr(chain, "fused_step", None) is not None or _fused.match(chain) is not None))
     deferred = loss == "chunked" and defer_head_grad
+    if loss_kernels is None:
+        import os
+
+        loss_kernels = os.environ.get("PGS_CE_KERNELS", "1") != "0"
     if loss == "chunked":
-        loss_work = min(loss_chunk, n) * v * 4 * 3
+        loss_work, rebuild_work = chunk_work_bytes(min(loss_chunk, n), v, b, loss_kernels)
         if deferred:  # grad_h, the saved h, and rows/gates/LSEs (8 B index + 2 × 4 B per token)
             loss_held = 2 * n * h * b + 16 * n
         else:
             loss_held = v * h * b + n * h * b  # grad_W and grad_h, from the loss's forward into backward
     elif loss == "dense":
-        loss_work, loss_held = n * v * (b + 4 + 4), 0
+        loss_work, rebuild_work, loss_held = n * v * (b + 4 + 4), 0, 0
     else:
         raise InvalidArgument(f"predict_memory: loss={loss!r} is not \"chunked\" or \"dense\"")
-    out["loss"] = loss_work + loss_held
+    out["loss"] = max(loss_work, rebuild_work if deferred else 0) + loss_held
     biggest = max((p.numel() for p in params.values()), default=0)
     out["temporaries"] = 2 * 4 * biggest
     if gradient_release and fused_update:
@@ -297,7 +329,7 @@ def predict_memory(
         embed_names = {n for n, p in model.named_parameters() if embed is not None and p is embed.weight}
         late = {g for g, names in groups.items() if embed_names & set(names)}
         grads_mid = max((v for g, v in group_bytes.items() if g not in late), default=0)
-        last = grads + out["temporaries"] + (loss_held + loss_work if deferred else loss_held)
+        last = grads + out["temporaries"] + (loss_held + rebuild_work if deferred else loss_held)
         phases = (kept + loss_work + loss_held,  # end of forward: the loss's chunk
                   kept + recompute + loss_held + grads_mid,  # backward of a recomputed layer
                   last)  # last group's update (the embedding; with deferral the head's rebuilt chunk)

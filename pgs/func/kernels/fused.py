@@ -33,12 +33,20 @@ class FusedTransform(Transform):
 
 
 def hp_tensor(device: torch.device, *values) -> torch.Tensor:
-    """Hyperparameters as one fp32 tensor on ``device`` (numbers are cached; tensors are read lazily)."""
+    """Hyperparameters as one fp32 tensor on ``device`` (numbers are cached; tensors are read lazily).
+
+    No host synchronization: the numbers come from a cached device tensor (zeros where a
+    tensor goes) and the tensors are copied in on the device (``torch.tensor(x, device=cuda)``
+    per number would be a blocking host-to-device copy, i.e. a stream sync per call: one per
+    8-bit tensor inside gradient release's backward).  Each value goes through float64 to
+    float32, as before."""
     if all(not isinstance(v, torch.Tensor) for v in values):
         return _hp_cached(device, tuple(float(v) for v in values))
-    parts = [v.to(device=device, dtype=torch.float64).reshape(()) if isinstance(v, torch.Tensor)
-             else torch.tensor(float(v), dtype=torch.float64, device=device) for v in values]
-    return torch.stack(parts).to(torch.float32)
+    out = _hp_cached(device, tuple(0.0 if isinstance(v, torch.Tensor) else float(v) for v in values)).clone()
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            out[i] = v.to(device=device, dtype=torch.float64).reshape(()).to(torch.float32)
+    return out
 
 
 @functools.lru_cache(maxsize=256)

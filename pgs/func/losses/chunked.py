@@ -21,8 +21,9 @@ indices, gates and LSEs (a few bytes per token) and h — and backward hands aut
 gradient for W; instead ``result.head_grad.add_to(W.grad)`` adds s·Σ_k Gₖᵀ H_k into the
 gradient buffer the weight already has (from the embedding) when the caller decides, e.g.
 in the tied weight's post-accumulate-grad hook (``GradientRelease.add_before_step``).  Cost:
-one more head matmul per chunk (the logits are rebuilt); one V·D gradient buffer, and only at
-the end of backward.  Gradients equal the plain path's up to summation order.
+one more head matmul per chunk (the logits are rebuilt, with the same Triton gradient pass as
+the forward where it ran: the chunk in W's dtype, in place); one V·D gradient buffer, and only
+at the end of backward.  Gradients equal the plain path's up to summation order.
 
 Masked rows are dropped before chunking (one host sync for the count), so prompt tokens cost
 nothing and a fully masked chunk never exists.  Gradients equal the dense backend's up to
@@ -68,6 +69,10 @@ class DeferredHeadGrad:
     reached the loss.
     """
 
+    #: ``add_to`` rebuilds each chunk with the loss's Triton gradient pass where the forward ran
+    #: it (the chunk is W's dtype, overwritten in place; ``pgs.runtime.profile`` reads this).
+    KERNEL_PASS = True
+
     def __init__(self):
         self._saved = None
         self.scale: torch.Tensor | None = None
@@ -89,11 +94,22 @@ class DeferredHeadGrad:
             raise RuntimeError("deferred head gradient: backward has not reached the loss yet")
         h, W, bias, labels, rows_all, gates, lses, plan = self._saved
         scale = self.scale
+        kernels = out.dtype == W.dtype and _use_kernels(h, W, plan, out)
         for start in range(0, rows_all.numel(), plan.chunk_size):
             rows = rows_all[start : start + plan.chunk_size]
             hc = h.index_select(0, rows)
             y = labels.index_select(0, rows)
             gate, lse = gates[start : start + rows.numel()], lses[start : start + rows.numel()]
+            if kernels:  # W's dtype, in place: s·(coef·p − gate·e_y), s folded into the fp32 rows
+                from pgs.func.losses import triton_ce
+
+                s32, gate32, lse32 = scale.to(torch.float32), gate.float(), lse.float()
+                z = hc @ W.t()
+                g = triton_ce.grad_in_place(z, y, bias, plan.softcap, lse32,
+                                            (gate32 + 2 * plan.z_loss * lse32) * s32, gate32 * s32)
+                out.addmm_(g.t(), hc)
+                del z, g
+                continue
             g = _logit_grad(_chunk_logits(hc, W, bias, plan.softcap), lse, y, gate, plan)
             g.mul_(scale.to(g.dtype))
             if out.dtype == W.dtype:

@@ -1,0 +1,100 @@
+"""Checkpointing with the layer inputs offloaded to host memory (``apply_activation_checkpointing(...,
+offload=True)``): the same loss and gradients bit for bit, the input not kept on the device
+after forward, one compiled graph, and gradient release still exact."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import pgs.func as pf
+from pgs.errors import InvalidArgument
+from pgs.runtime.bind import bind
+from pgs.runtime.checkpointing import (
+    OffloadedInput,
+    apply_activation_checkpointing,
+    compile_layers,
+    decoder_layers,
+    remove_activation_checkpointing,
+)
+from pgs.runtime.release import GradientRelease
+from test_checkpointing import IDS, loss_and_grads, tiny_model
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_offload_keeps_loss_and_grads(compiled):
+    ref_loss, ref_grads, _ = loss_and_grads(tiny_model())
+    model = tiny_model()
+    assert apply_activation_checkpointing(model, "full", offload=True) == [0, 1, 2]
+    if compiled:
+        torch._dynamo.reset()
+        compile_layers(model, backend="eager")
+    loss, grads, _ = loss_and_grads(model)
+    assert torch.equal(loss, ref_loss)
+    for n in ref_grads:
+        assert torch.equal(grads[n], ref_grads[n]), n
+
+
+def test_compiled_offload_is_one_graph():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model()
+    apply_activation_checkpointing(model, "full", offload=True)
+    compile_layers(model, backend="eager")
+    loss_and_grads(model)
+    loss_and_grads(model)
+    assert counters["stats"]["unique_graphs"] == 1  # the recompute's input requires grad as the original
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_offloaded_input_is_not_kept(offload):
+    model = tiny_model()
+    apply_activation_checkpointing(model, "full", offload=offload)
+    seen = []
+    decoder_layers(model)[1].register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(weakref.ref(args[0])), with_kwargs=True)
+    loss = model(input_ids=IDS, labels=IDS).loss
+    gc.collect()
+    assert (seen[0]() is None) == offload  # without offload the checkpoint keeps its input
+    loss.backward()
+
+
+def test_offload_needs_full_policy():
+    with pytest.raises(InvalidArgument, match="offload=True needs policy"):
+        apply_activation_checkpointing(tiny_model(), "selective", offload=True)
+
+
+def test_offload_is_undone_by_remove():
+    model = tiny_model()
+    apply_activation_checkpointing(model, "full", offload=True)
+    remove_activation_checkpointing(model)
+    assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
+
+
+def test_offloaded_input_handle():
+    x = torch.randn(3, 4, requires_grad=True)
+    held = OffloadedInput(x)
+    assert held.get() is x
+    held.release()
+    y = held.get()
+    assert y is not x and torch.equal(y, x.detach()) and y.requires_grad and y.is_leaf
+
+
+def test_release_with_offload_is_exact():
+    a, b = tiny_model(), tiny_model()
+    apply_activation_checkpointing(b, "full", offload=True)
+    opt = bind(pf.adamw(1e-2, weight_decay=0.1), a)
+    rel = GradientRelease(pf.adamw(1e-2, weight_decay=0.1), b)
+    for _ in range(2):
+        a(input_ids=IDS, labels=IDS).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        b(input_ids=IDS, labels=IDS).loss.backward()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    assert rel.counts() == {2}

@@ -1,0 +1,73 @@
+"""The deferred head gradient rebuilt with the loss's Triton pass equals the plain chunked loss's
+head gradient; ``hp_tensor`` builds the same vector without creating device tensors from numbers.
+
+On the CPU the kernels run in the Triton interpreter (``PGS_TRITON_ON_CPU=1``), as in
+tests/test_losses_kernels.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pgs.func.kernels import fused as F
+from pgs.func.losses import chunked, token_loss
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("PGS_TRITON_ON_CPU", "1")
+    monkeypatch.setenv("PGS_CE_KERNELS", "1")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def problem(device, dtype, n=45, d=16, v=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(n, d, generator=g) * 0.7).to(device, dtype).requires_grad_()
+    W = (torch.randn(v, d, generator=g) * 0.5).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::4] = -100
+    return h, W, labels.to(device)
+
+
+@pytest.mark.parametrize("softcap,z_loss,objective", [(None, 0.0, "ce"), (5.0, 1e-3, "ce"), (None, 0.0, "deft")])
+def test_deferred_kernel_rebuild_equals_plain(kernels_on, softcap, z_loss, objective):
+    h, W, labels = problem(kernels_on, torch.float32)
+    kw = dict(backend="chunked", softcap=softcap, z_loss=z_loss, objective=objective, chunk_size=8)
+    r = token_loss(h, W, labels, **kw)
+    gh_ref, gw_ref = torch.autograd.grad(r.loss_sum * 0.37, (h, W))
+    r = token_loss(h, W, labels, defer_head_grad=True, **kw)
+    (gh,) = torch.autograd.grad(r.loss_sum * 0.37, (h,))
+    assert chunked._use_kernels(h, W, r.head_grad._saved[-1], W)
+    gw = torch.zeros_like(W)
+    r.head_grad.add_to(gw)
+    torch.testing.assert_close(gh, gh_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, gw_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_deferred_kernel_rebuild_bf16(kernels_on):
+    h, W, labels = problem(kernels_on, torch.bfloat16, n=64, v=500)
+    r = token_loss(h.float(), W.float(), labels, backend="chunked", chunk_size=16)
+    (gw_ref,) = torch.autograd.grad(r.loss_sum * 0.37, (W,))
+    r = token_loss(h, W, labels, backend="chunked", chunk_size=16, defer_head_grad=True)
+    (r.loss_sum * 0.37).backward()
+    gw = torch.zeros_like(W)
+    r.head_grad.add_to(gw)
+    scale = gw_ref.abs().max()
+    assert ((gw.float() - gw_ref).abs().max() / scale) < 2e-2  # bf16 chunks, as the plain bf16 path
+
+
+def test_hp_tensor_values_without_number_tensors(monkeypatch):
+    lr = torch.full((), 3e-5, dtype=torch.float64)
+    expected = torch.tensor([0.1, 0.01, 3e-5, 0.0], dtype=torch.float64).to(torch.float32)
+    made = []
+    real = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(a) or real(*a, **k))
+    F._hp_cached.cache_clear()
+    assert torch.equal(F.hp_tensor(torch.device("cpu"), 0.1, 0.01, lr, 0.0), expected)
+    assert torch.equal(F.hp_tensor(torch.device("cpu"), 0.1, 0.01, lr * 2, 0.0)[2], (lr * 2).float())
+    assert len(made) == 1  # the cached vector of numbers, once; no tensor per number per call
