@@ -29,7 +29,7 @@ Qwen3-4B, 1×4096, full activation checkpointing, compiled layers, lion8bit + SR
      is what lets the loss chunk grow from 256 to 1024-2048 rows at the same peak.
    The probe carries both versions of each (``hp_tensor_sync``/``hp_tensor_nosync``,
    ``add_to_torch``/``add_to_kernels``), so its rows mean the same with or without
-   ``bench/experiments/issue8_sync_and_rebuild.diff`` applied.
+   the fixes applied to the library (they are, since commit 8abfe76).
    Rows: ``nosync`` (chunk 256), ``nosync_kadd_c1024``, ``nosync_kadd_c2048``,
    ``nosync_c1024_nodefer`` (the head gradient computed in the loss's forward and held through
    backward: +V·D bytes, one head matmul less), ``noupdate_c1024`` (the release hooks drop the
