@@ -123,6 +123,7 @@ REFUSALS = [
     ({"optimizer.clip": 1.0}, "memory.gradient_release: optimizer.clip = 1 is a global-norm clip"),
     ({"chain": '[{ name = "zclip" }, { name = "adamw" }]'}, "memory.gradient_release: optimizer.chain[0] (zclip)"),
     ({"memory.gradient_release": "false", "memory.master_weights": '"fp32"'}, "memory.master_weights"),
+    ({"memory.offload_checkpoints": "true"}, "memory.offload_checkpoints"),
 ]
 
 
@@ -163,7 +164,7 @@ def test_memory_section_round_trips_and_profile_reads_it(tmp_path):
     assert load_spec(again).memory == spec.memory
     opts = memory_options(spec)
     assert opts == {"gradient_release": True, "activation_checkpointing": "selective", "checkpoint_every": 2,
-                    "master_weights": None}
+                    "master_weights": None, "offload_checkpoints": False}
     from pgs.errors import SpecError
 
     with pytest.raises(SpecError, match=r"memory.activation_checkpointing: 'fulll' is not one of .*did you mean"):
@@ -172,21 +173,28 @@ def test_memory_section_round_trips_and_profile_reads_it(tmp_path):
         load_spec(release_spec(tmp_path, "typo2"), ["memory.gradient_releas=true"])
 
 
-def test_activation_checkpointing_from_the_spec_keeps_the_loss(tmp_path):
-    """[memory] activation_checkpointing reaches the model; the first step's loss is unchanged."""
-    from pgs.runtime import control
+def test_activation_checkpointing_from_the_spec_keeps_the_loss(tmp_path, monkeypatch):
+    """[memory] activation_checkpointing (and offload_checkpoints) reach the model; the loss is unchanged."""
+    from pgs.runtime import checkpointing, control
     from pgs.runtime.spec import load_spec
     from pgs.runtime.train import setup, train_step
 
+    offloads = []
+    real = checkpointing.apply_activation_checkpointing
+    monkeypatch.setattr(checkpointing, "apply_activation_checkpointing",
+                        lambda *a, **k: offloads.append(k.get("offload")) or real(*a, **k))
     losses = []
-    for policy in ("none", "full"):
-        run = setup(load_spec(release_spec(tmp_path, f"ac_{policy}"), [f'memory.activation_checkpointing="{policy}"']))
+    for policy, offload in (("none", False), ("full", False), ("full", True)):
+        sets = [f'memory.activation_checkpointing="{policy}"', f"memory.offload_checkpoints={str(offload).lower()}"]
+        run = setup(load_spec(release_spec(tmp_path, f"ac_{policy}_{offload}"), sets))
         layers = run.model.model.layers
         assert all(("_pgs_forward_before_checkpointing" in layer.__dict__) == (policy == "full") for layer in layers)
         with control.StopSignals() as signals:
             losses.append([train_step(run, signals, control.WallClock(None))[0]["loss"] for _ in range(2)])
-    assert losses[0][0] == losses[1][0]
+    assert losses[0][0] == losses[1][0] == losses[2][0]
     assert losses[0][1] == pytest.approx(losses[1][1], rel=1e-5)
+    assert losses[2][1] == losses[1][1]  # offloading the kept inputs changes no arithmetic
+    assert offloads == [False, True]
 
 
 def test_deferred_head_grad_run_matches_the_bound_run(tmp_path):

@@ -346,10 +346,11 @@ def memory_options(spec) -> dict[str, Any]:
     """Gradient release and checkpointing settings of a spec (defaults where it has none).
 
     Looked up in ``[memory]`` (when the spec has that section), then ``[train]``:
-    ``gradient_release``, ``activation_checkpointing``, ``checkpoint_every``, ``master_weights``.
+    ``gradient_release``, ``activation_checkpointing``, ``checkpoint_every``, ``master_weights``,
+    ``offload_checkpoints``.
     """
     opts = {"gradient_release": False, "activation_checkpointing": "none", "checkpoint_every": 1,
-            "master_weights": None}
+            "master_weights": None, "offload_checkpoints": False}
     for section in (getattr(spec, "train", None), getattr(spec, "memory", None)):
         for key in opts:
             value = getattr(section, key, None) if section is not None else None
@@ -392,6 +393,7 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   master_weights=opts["master_weights"],
                   activation_checkpointing=opts["activation_checkpointing"],
                   checkpoint_every=int(opts["checkpoint_every"]), micro_batch_tokens=tokens,
+                  checkpoint_offload=bool(opts["offload_checkpoints"]),
                   loss="dense" if spec.loss.backend == "dense" else "chunked", loss_chunk=spec.loss.chunk_size,
                   model=model,
                   # pgs run defers a tied head's gradient only with the chunked backend and when asked
@@ -460,7 +462,8 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
         model = build_model(path=m.path, config=m.config, dtype=m.dtype, attn_implementation=m.attn_implementation,
                             init_seed=m.init_seed).to(dev)
     freeze(model, m.freeze)
-    apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]))
+    apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]),
+                                   offload=bool(opts.get("offload_checkpoints", False)))
     chain = plan["kwargs"]["chain"]
     if opts["gradient_release"]:
         opt = GradientRelease(chain, model, master_weights=opts["master_weights"],

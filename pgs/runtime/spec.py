@@ -282,6 +282,8 @@ class MemorySpec:
     ``master_weights`` needs ``gradient_release``.  ``defer_head_grad`` (with gradient release,
     a tied head and the chunked loss) adds the head's gradient into the embedding's own
     gradient buffer at the end of backward instead of holding a second V×D buffer through it.
+    ``offload_checkpoints`` keeps each checkpointed layer's input in pinned host memory
+    instead of on the device (``activation_checkpointing = "full"`` only).
     """
 
     section: ClassVar[str] = "memory"
@@ -294,6 +296,7 @@ class MemorySpec:
     master_weights: str = attrs.field(default="none", validator=_one_of(MASTER_WEIGHTS))
     stochastic_rounding: bool = attrs.field(default=False, validator=_bool)
     defer_head_grad: bool = attrs.field(default=True, validator=_bool)
+    offload_checkpoints: bool = attrs.field(default=False, validator=_bool)
 
 
 SECTIONS: dict[str, type] = {

@@ -256,6 +256,10 @@ def check_loss(loss) -> None:
 def check_memory(spec: Spec, chain) -> None:
     """``[memory]`` against the rest of the spec: what gradient release cannot run."""
     mem = spec.memory
+    if mem.offload_checkpoints and mem.activation_checkpointing != "full":
+        raise SpecError(f"memory.offload_checkpoints: offloads the inputs of fully checkpointed layers; "
+                        f"activation_checkpointing is {mem.activation_checkpointing!r} (set it to \"full\" "
+                        "or offload_checkpoints = false)")
     if not mem.gradient_release:
         if mem.master_weights != "none":
             raise SpecError(f"memory.master_weights: {mem.master_weights!r} is kept by gradient release only; "

@@ -125,7 +125,8 @@ def apply_memory(model, memory) -> None:
     if memory.liger:
         checkpointing.apply_liger(model)
     if memory.activation_checkpointing != "none":
-        checkpointing.apply_activation_checkpointing(model, memory.activation_checkpointing, memory.checkpoint_every)
+        checkpointing.apply_activation_checkpointing(model, memory.activation_checkpointing, memory.checkpoint_every,
+                                                     offload=getattr(memory, "offload_checkpoints", False))
     if memory.compile_layers:
         checkpointing.compile_layers(model)
 
