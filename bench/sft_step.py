@@ -23,6 +23,11 @@ checkpointing of every decoder layer):
   without the deferral (the path before the fused release; for comparison).
 - ``pgs_release_eager``: ``pgs_release`` without compiled layers (where the host time goes).
 - ``pgs_release_noac``: ``pgs_release`` without checkpointing.
+- ``pgs_release_slabs``: ``pgs_release`` with the layer inputs offloaded to pinned host memory
+  and the tied weight stepped in row slabs (``GradientRelease(..., tied_slabs=SLAB_ROWS)``: no
+  dense V×D gradient at the end of backward); ``pgs_release_slabs_pg``: the same with one
+  release group per parameter (a layer's gradients never all exist at once).  Not yet run on
+  a GPU (docs/memory.md).
 
 Default variants per shape (``SHAPE_VARIANTS``); ``--only`` picks any.  The chunked loss's
 chunk is per shape unless ``--loss-chunk`` is given (``default_loss_chunk``): 256 rows at 4B
@@ -72,7 +77,11 @@ SMALL_SHAPES = {
                   tie_word_embeddings=True), 2, 64),
 }
 VARIANTS = ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "hf_compiled", "hf_liger",
-            "pgs_release", "pgs_release_unfused", "pgs_release_eager", "pgs_release_noac")
+            "pgs_release", "pgs_release_unfused", "pgs_release_eager", "pgs_release_noac",
+            "pgs_release_slabs", "pgs_release_slabs_pg")
+#: rows per slab of the tied weight for the ``_slabs`` variants (rows × hidden must be a
+#: multiple of lion8bit's 256-element blocks)
+SLAB_ROWS = {"qwen3-4b": 8192, "qwen3-0.6b": 8192, "tiny": 128}
 SHAPE_VARIANTS = {
     "qwen3-4b": ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "pgs_release", "pgs_release_unfused"),
     "qwen3-0.6b": ("hf_compiled", "hf_liger", "hf_compiled_ac", "pgs_release_noac", "pgs_release"),
@@ -128,10 +137,14 @@ def flops_per_token(model, seq: int) -> float:
 
 
 def uses_ac(name: str) -> bool:
-    return name.endswith("_ac") or name in ("pgs_release", "pgs_release_unfused", "pgs_release_eager")
+    return name.endswith("_ac") or name in ("pgs_release", "pgs_release_unfused", "pgs_release_eager") or _slabs(name)
 
 
-def variant_setup(name: str, model, args, loss_chunk: int):
+def _slabs(name: str) -> bool:
+    return name.startswith("pgs_release_slabs")
+
+
+def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None = None):
     """``step(ids, pos) -> loss`` for one variant (builds its optimizer and patches the model)."""
     import pgs.func as pf
     from pgs.runtime.checkpointing import apply_activation_checkpointing, apply_liger, compile_layers
@@ -140,7 +153,7 @@ def variant_setup(name: str, model, args, loss_chunk: int):
     if name.startswith("hf_liger"):
         apply_liger(model)  # before checkpointing wraps the layers' forwards
     if uses_ac(name):
-        apply_activation_checkpointing(model, "full")
+        apply_activation_checkpointing(model, "full", offload=_slabs(name))
     if name.startswith("hf_"):
         if name.startswith("hf_compiled"):
             compile_layers(model, **compile_kw)
@@ -164,8 +177,10 @@ def variant_setup(name: str, model, args, loss_chunk: int):
         compile_layers(model, **compile_kw)
     new_path = name != "pgs_release_unfused"
     backend = "triton" if (args.small and args.triton_on_cpu) else "auto"
+    slabs = slab_rows if _slabs(name) else None
     release = GradientRelease(pf.lion8bit(1e-5, backend=backend), model, stochastic_rounding=True,
-                              track_grad_norm=False, fused=new_path)
+                              track_grad_norm=False, fused=new_path, tied_slabs=slabs,
+                              groups="parameter" if name.endswith("_pg") else "layer")
     W0 = output_head(model)[0]
     defer = new_path and W0 is model.get_input_embeddings().weight
 
@@ -175,8 +190,8 @@ def variant_setup(name: str, model, args, loss_chunk: int):
         labels = torch.roll(ids, -1, dims=1)
         labels[:, -1] = -100  # as HF's shifted loss: the last position has no target
         r = token_loss(h, W, labels, bias=bias, softcap=softcap, chunk_size=loss_chunk, defer_head_grad=defer)
-        if defer:
-            release.add_before_step(W, r.head_grad.add_to)
+        if defer:  # in row slabs the release rebuilds the head's rows slab by slab: hand it the object
+            release.add_before_step(W, r.head_grad if slabs else r.head_grad.add_to)
         loss = r.loss_sum / r.num_valid
         loss.backward()  # the update runs inside
         return loss.detach()
@@ -184,7 +199,8 @@ def variant_setup(name: str, model, args, loss_chunk: int):
     return step, release
 
 
-def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk: int) -> float | None:
+def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk: int,
+                       slab_rows: int | None = None) -> float | None:
     """``pgs profile``'s prediction for a pgs variant (None for HF variants, or when it fails)."""
     if not name.startswith("pgs_"):
         return None
@@ -196,7 +212,9 @@ def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk:
         pred = predict_memory(dict(table), dtype=torch.bfloat16, chain=pf.lion8bit(1e-5), gradient_release=True,
                               activation_checkpointing="full" if uses_ac(name) else "none",
                               micro_batch_tokens=batch * seq, loss_chunk=loss_chunk,
-                              fused_update=new_path, defer_head_grad=None if new_path else False)
+                              fused_update=new_path, defer_head_grad=None if new_path else False,
+                              checkpoint_offload=_slabs(name), tied_slabs=slab_rows if _slabs(name) else None,
+                              release_groups="parameter" if name.endswith("_pg") else "layer")
         return pred["peak"] / GiB
     except Exception:  # noqa: BLE001 - a prediction is a bonus
         return None
@@ -210,13 +228,15 @@ def run_variant(name: str, shape: str, args, device) -> dict:
                  "activation_checkpointing": uses_ac(name)}
     if name.startswith("pgs_"):
         out["loss_chunk"] = loss_chunk
-        out["predicted_peak_gib"] = predicted_peak_gib(name, table, batch, seq, loss_chunk)
+        if _slabs(name):
+            out["tied_slabs"] = SLAB_ROWS[shape]
+        out["predicted_peak_gib"] = predicted_peak_gib(name, table, batch, seq, loss_chunk, SLAB_ROWS[shape])
     model = opt = step = None
     cuda = device.type == "cuda"
     try:
         model = build(table, device)
         out["params"] = sum(p.numel() for p in model.parameters())
-        step, opt = variant_setup(name, model, args, loss_chunk)
+        step, opt = variant_setup(name, model, args, loss_chunk, SLAB_ROWS[shape])
         gen = torch.Generator().manual_seed(1)
         vocab = model.config.vocab_size
         if cuda:

@@ -185,3 +185,95 @@ def final_hidden(model, input_ids: Tensor, position_ids: Tensor, *, embed_noise=
 def parameter_bytes(model) -> int:
     """Bytes of all parameters (for the preflight's disk estimate)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class TokenRowGrads:
+    """What a row-gradient embedding (``row_grad_embedding``) hands its weight instead of a
+    dense [V, D] gradient: the looked-up ids and the gradient of each looked-up row.
+
+    ``parts`` holds ``(ids [N], grads [N, D])`` per backward through the embedding;
+    ``on_backward`` (if set) is called by each backward before it returns (gradient release
+    uses it to learn that a backward is under way).  ``take()`` returns and clears the parts.
+    """
+
+    def __init__(self):
+        self.parts: list[tuple[Tensor, Tensor]] = []
+        self.on_backward = None
+        self.accumulate_node = None  # the weight's AccumulateGrad: is this backward accumulating into it?
+
+    def take(self) -> list[tuple[Tensor, Tensor]]:
+        parts, self.parts = self.parts, []
+        return parts
+
+    def clear(self) -> None:
+        self.parts = []
+
+
+class _RowGradEmbedding(torch.autograd.Function):
+    """``W[ids]`` whose backward keeps (ids, grad rows) in a ``TokenRowGrads`` and gives W
+    no gradient (so autograd never builds the V×D buffer of ``embedding_dense_backward``)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, sink, padding_idx):
+        ctx.sink, ctx.padding_idx = sink, padding_idx
+        ctx.weight_shape = weight.shape
+        ctx.save_for_backward(ids)
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        flat_ids = ids.reshape(-1)
+        rows = grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.padding_idx is not None:  # nn.Embedding gives the padding row no gradient
+            rows = rows.masked_fill((flat_ids == ctx.padding_idx)[:, None], 0)
+        if not _accumulates(ctx.sink.accumulate_node):
+            # torch.autograd.grad(..., inputs=[weight]): not a training backward; the dense gradient
+            dense = torch.zeros(ctx.weight_shape, dtype=rows.dtype, device=rows.device)
+            return None, dense.index_add_(0, flat_ids, rows), None, None
+        ctx.sink.parts.append((flat_ids.detach(), rows.detach()))
+        if ctx.sink.on_backward is not None:
+            ctx.sink.on_backward()
+        return None, None, None, None
+
+
+def _accumulates(node) -> bool:
+    """Whether the running backward accumulates into the weight of AccumulateGrad ``node``
+    (``loss.backward()``: yes; ``torch.autograd.grad(..., inputs=[weight])``: no)."""
+    if node is None:
+        return True
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # torch refuses to answer for a leaf under autograd.grad: not accumulating
+        return False
+
+
+def row_grad_embedding(model, sink: TokenRowGrads):
+    """Make the input embedding of ``model`` hand ``sink`` its looked-up rows' gradients
+    instead of giving its weight a dense gradient; returns a function that undoes it.
+
+    Forward is unchanged (``F.embedding``).  Refused (``ValueError``) for an embedding with
+    ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` (their gradients are not the rows').
+    """
+    embed = model.get_input_embeddings()
+    if not isinstance(embed, torch.nn.Embedding):
+        raise ValueError(f"row_grad_embedding: the input embedding is a {type(embed).__name__}, not nn.Embedding")
+    if embed.max_norm is not None or embed.scale_grad_by_freq or embed.sparse:
+        raise ValueError("row_grad_embedding: an embedding with max_norm, scale_grad_by_freq or sparse=True "
+                         "has other gradients than its rows'")
+    padding_idx = embed.padding_idx
+    if hasattr(torch._C, "_will_engine_execute_node"):
+        sink.accumulate_node = embed.weight.view_as(embed.weight).grad_fn.next_functions[0][0]
+
+    def forward(input_ids):
+        if not (torch.is_grad_enabled() and embed.weight.requires_grad):
+            return torch.nn.functional.embedding(input_ids, embed.weight, padding_idx)
+        return _RowGradEmbedding.apply(input_ids, embed.weight, sink, padding_idx)
+
+    embed.forward = forward
+
+    def undo():
+        if embed.__dict__.get("forward") is forward:
+            del embed.forward
+
+    return undo

@@ -22,6 +22,9 @@
 - With ``defer_head_grad`` (release, tied head, chunked loss) the loss holds grad_h, h and
   16 B per token instead of the V × D buffer; the head's gradient is rebuilt into the
   embedding's gradient at the end of backward (one chunk's work then).
+- With ``tied_slabs`` (release) the embedding's V × D gradient is replaced by one slab's
+  (rows × D) plus the looked-up rows' gradients and their per-id sums, and the head's rebuilt
+  chunk spans the slab's columns only (``predict_memory``'s ``tied_slabs``).
 
 ``total`` is their sum (an upper bound).  ``peak`` takes phases into account: static
 (weights, masters, state) plus the largest of (end of forward: kept activations + the
@@ -217,6 +220,7 @@ def predict_memory(
     fused_update: bool | None = None,
     defer_head_grad: bool | None = None,
     loss_kernels: bool | None = None,
+    tied_slabs: int | None = None,
 ) -> dict[str, int]:
     """Bytes per category (``CATEGORIES``) plus ``total`` and ``peak``.  See the module docstring.
 
@@ -242,6 +246,11 @@ def predict_memory(
         loss_kernels: the chunked loss runs its two Triton passes (CUDA; ``chunk_work_bytes``
             has what each path holds per chunk).  None: yes unless ``PGS_CE_KERNELS=0`` —
             the prediction is for a CUDA run even where it is made on a CPU.
+        tied_slabs: rows per slab (``GradientRelease(..., tied_slabs=rows)``, release only):
+            the embedding's V×D gradient is replaced by a slab's working set at the end of
+            backward — the slab's gradient (rows·D·b), the looked-up rows' gradients and their
+            sums (N·D·b each; N·D·8 more while summed in fp32), and the head's rebuilt chunk
+            for the slab's columns (chunk × rows).
 
     Example::
 
@@ -281,6 +290,15 @@ def predict_memory(
         raise InvalidArgument("predict_memory: give chain= (sized exactly) or state_bytes_per_param=")
 
     group_bytes = {g: sum(params[n].numel() * params[n].element_size() for n in names) for g, names in groups.items()}
+    embed = model.get_input_embeddings()
+    embed_names = {n for n, p in model.named_parameters() if embed is not None and p is embed.weight}
+    slab_names = set()
+    if tied_slabs and gradient_release:
+        slab_names = embed_names & set(params)
+        for g, names in groups.items():
+            if slab_names & set(names):  # the weight steps alone; its group holds one slab's gradient
+                group_bytes[g] = sum(min(int(tied_slabs), params[n].shape[0]) * params[n][0].numel()
+                                     * params[n].element_size() for n in names)
     out["gradients"] = max(group_bytes.values(), default=0)
 
     kept, recompute = activation_parts(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
@@ -314,8 +332,13 @@ def predict_memory(
         loss_work, rebuild_work, loss_held = n * v * (b + 4 + 4), 0, 0
     else:
         raise InvalidArgument(f"predict_memory: loss={loss!r} is not \"chunked\" or \"dense\"")
+    if slab_names:  # the head part is rebuilt per slab: a chunk × slab-columns block, not chunk × V
+        slab_cols = min(int(tied_slabs), v)
+        rebuild_work = chunk_work_bytes(min(loss_chunk, n), slab_cols, b, loss_kernels)[1] if deferred else 0
     out["loss"] = max(loss_work, rebuild_work if deferred else 0) + loss_held
-    biggest = max((p.numel() for p in params.values()), default=0)
+    biggest = max((p.numel() for n_, p in params.items() if n_ not in slab_names), default=0)
+    if slab_names:
+        biggest = max(biggest, min(int(tied_slabs), v) * h)
     out["temporaries"] = 2 * 4 * biggest
     if gradient_release and fused_update:
         out["temporaries"] = 4 * biggest if master_weights == "fp32" else 0
@@ -325,11 +348,17 @@ def predict_memory(
     if gradient_release:
         # inside the layers' backward only a layer's gradients exist; the embedding's (often the
         # largest group) comes last, when the kept activations are gone
-        embed = model.get_input_embeddings()
-        embed_names = {n for n, p in model.named_parameters() if embed is not None and p is embed.weight}
         late = {g for g, names in groups.items() if embed_names & set(names)}
         grads_mid = max((v for g, v in group_bytes.items() if g not in late), default=0)
         last = grads + out["temporaries"] + (loss_held + rebuild_work if deferred else loss_held)
+        if slab_names:
+            # first the looked-up rows' gradients (N·D·b, kept by the embedding's backward) are summed
+            # per id: an fp32 copy of the rows and fp32 sums, then the sums in W's dtype; then the
+            # slabs, one at a time: the sums + a slab's gradient + its update's temporaries + the
+            # head's rebuilt chunk for the slab's columns
+            slab_grads = max(group_bytes[g] for g in late)
+            last = max(loss_held + 2 * n * h * b + 8 * n * h,
+                       loss_held + n * h * b + slab_grads + out["temporaries"] + rebuild_work)
         phases = (kept + loss_work + loss_held,  # end of forward: the loss's chunk
                   kept + recompute + loss_held + grads_mid,  # backward of a recomputed layer
                   last)  # last group's update (the embedding; with deferral the head's rebuilt chunk)
@@ -347,7 +376,7 @@ def memory_options(spec) -> dict[str, Any]:
 
     Looked up in ``[memory]`` (when the spec has that section), then ``[train]``:
     ``gradient_release``, ``activation_checkpointing``, ``checkpoint_every``, ``master_weights``,
-    ``offload_checkpoints``.
+    ``offload_checkpoints``.  (``tied_slabs`` is read by ``plan_from_spec``.)
     """
     opts = {"gradient_release": False, "activation_checkpointing": "none", "checkpoint_every": 1,
             "master_weights": None, "offload_checkpoints": False}
@@ -375,7 +404,8 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
     from pgs.runtime.model import freeze
     from pgs.runtime.release import refusal
 
-    opts = {**memory_options(spec), **{k: v for k, v in overrides.items() if v is not None}}
+    opts = {**memory_options(spec), "tied_slabs": int(getattr(getattr(spec, "memory", None), "tied_slabs", 0) or 0),
+            **{k: v for k, v in overrides.items() if v is not None}}
     cfg = _spec_model_config(spec)
     dt = _dtype(spec.model.dtype)
     model = meta_model(cfg, dt)
@@ -394,6 +424,7 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   activation_checkpointing=opts["activation_checkpointing"],
                   checkpoint_every=int(opts["checkpoint_every"]), micro_batch_tokens=tokens,
                   checkpoint_offload=bool(opts["offload_checkpoints"]),
+                  tied_slabs=int(opts["tied_slabs"]) or None,
                   loss="dense" if spec.loss.backend == "dense" else "chunked", loss_chunk=spec.loss.chunk_size,
                   model=model,
                   # pgs run defers a tied head's gradient only with the chunked backend and when asked
@@ -467,7 +498,8 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
     chain = plan["kwargs"]["chain"]
     if opts["gradient_release"]:
         opt = GradientRelease(chain, model, master_weights=opts["master_weights"],
-                              stochastic_rounding=spec.model.dtype == "bfloat16")
+                              stochastic_rounding=spec.model.dtype == "bfloat16",
+                              tied_slabs=int(opts.get("tied_slabs", 0)) or None)
     else:
         opt = bind(chain, model, compile=spec.optimizer.compile, jit=spec.optimizer.jit)
     torch.cuda.synchronize()
@@ -483,7 +515,15 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
         W, bias, softcap = output_head(model)
         fn = cross_entropy if spec.loss.backend == "dense" else chunked_cross_entropy
         kw = {} if spec.loss.backend == "dense" else {"chunk_size": spec.loss.chunk_size}
-        r = fn(h, W, ids, bias=bias, softcap=softcap, **kw)
+        slabs = getattr(opt, "tied_slabs", None) and spec.loss.backend != "dense"
+        if slabs:  # the head's gradient deferred into the slabs, as pgs run does
+            from pgs.func.losses import token_loss
+
+            r = token_loss(h, W, ids, bias=bias, softcap=softcap, defer_head_grad=W.requires_grad, **kw)
+            if r.head_grad is not None:
+                opt.add_before_step(W, r.head_grad)
+        else:
+            r = fn(h, W, ids, bias=bias, softcap=softcap, **kw)
         loss = r.loss_sum / r.num_valid
         torch.cuda.synchronize()
         peaks["forward"] = max(peaks["forward"], torch.cuda.max_memory_allocated())

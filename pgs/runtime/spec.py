@@ -283,7 +283,10 @@ class MemorySpec:
     a tied head and the chunked loss) adds the head's gradient into the embedding's own
     gradient buffer at the end of backward instead of holding a second V×D buffer through it.
     ``offload_checkpoints`` keeps each checkpointed layer's input in pinned host memory
-    instead of on the device (``activation_checkpointing = "full"`` only).
+    instead of on the device (``activation_checkpointing = "full"`` only).  ``tied_slabs``
+    (0: off) steps the input embedding's (tied) weight in slabs of that many vocabulary rows
+    at the end of backward, so no dense V×D gradient exists (gradient release, one process,
+    an elementwise chain; ``GradientRelease(..., tied_slabs=rows)``).
     """
 
     section: ClassVar[str] = "memory"
@@ -297,6 +300,7 @@ class MemorySpec:
     stochastic_rounding: bool = attrs.field(default=False, validator=_bool)
     defer_head_grad: bool = attrs.field(default=True, validator=_bool)
     offload_checkpoints: bool = attrs.field(default=False, validator=_bool)
+    tied_slabs: int = attrs.field(default=0, validator=_int_at_least(0))
 
 
 SECTIONS: dict[str, type] = {

@@ -260,6 +260,9 @@ def check_memory(spec: Spec, chain) -> None:
         raise SpecError(f"memory.offload_checkpoints: offloads the inputs of fully checkpointed layers; "
                         f"activation_checkpointing is {mem.activation_checkpointing!r} (set it to \"full\" "
                         "or offload_checkpoints = false)")
+    if mem.tied_slabs and not mem.gradient_release:
+        raise SpecError(f"memory.tied_slabs = {mem.tied_slabs}: the embedding's weight is stepped in row slabs by "
+                        "gradient release at the end of backward; set memory.gradient_release = true or tied_slabs = 0")
     if not mem.gradient_release:
         if mem.master_weights != "none":
             raise SpecError(f"memory.master_weights: {mem.master_weights!r} is kept by gradient release only; "
@@ -287,6 +290,13 @@ def check_memory(spec: Spec, chain) -> None:
                 break
         raise SpecError(f"memory.gradient_release: {where} cannot run inside backward: {why}; "
                         "remove it or set memory.gradient_release = false")
+    if mem.tied_slabs:
+        from pgs.runtime.release import slab_refusal
+
+        why = slab_refusal(chain)
+        if why:
+            where = "optimizer.chain" if opt.chain is not None else "optimizer.alias"
+            raise SpecError(f"memory.tied_slabs: {where}: {why}")
 
 
 def _stand_in_total(spec: Spec) -> int:

@@ -175,6 +175,11 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
         from pgs.runtime.sharded_bind import bind_sharded
 
         D.shard_model(model, ctx.mesh, mixed_precision=mixed)
+        if getattr(mem, "tied_slabs", 0):
+            from pgs.errors import SpecError
+
+            raise SpecError("memory.tied_slabs: the row-slab step of the tied weight runs on one process; "
+                            "set tied_slabs = 0 with several processes")
         if mem.gradient_release:
             # each FSDP unit's chain runs right after its reduce-scatter, inside backward; a bf16
             # model already has fp32 sharded masters (mixed precision), so master_weights adds nothing
@@ -189,7 +194,7 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
 
         bound = GradientRelease(chain, model, stochastic_rounding=mem.stochastic_rounding,
                                 master_weights=None if mem.master_weights == "none" else mem.master_weights,
-                                grad_accum=spec.train.grad_accum)
+                                grad_accum=spec.train.grad_accum, tied_slabs=getattr(mem, "tied_slabs", 0) or None)
     else:
         bound = bind(chain, model, compile=spec.optimizer.compile, jit=spec.optimizer.jit,
                      stochastic_rounding=mem.stochastic_rounding)
@@ -267,7 +272,9 @@ def _forward(run: Run, batch, poison: bool):
     result = token_loss(h, weight, labels, backend=loss.backend, objective=run.objective, bias=bias,
                         softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size, defer_head_grad=defer)
     if defer and result.head_grad is not None:  # joins the embedding's gradient in the tied weight's hook
-        run.bound.add_before_step(weight, result.head_grad.add_to)
+        # in row slabs (memory.tied_slabs) the release rebuilds it slab by slab: hand it the object
+        slabs = getattr(run.bound, "tied_slabs", None)
+        run.bound.add_before_step(weight, result.head_grad if slabs else result.head_grad.add_to)
     loss_sum = result.loss_sum * float("nan") if poison else result.loss_sum
     entropy = result.entropy_sum if result.entropy_sum is not None else torch.zeros(())
     return loss_sum, float(entropy), int(result.num_valid)

@@ -24,6 +24,8 @@ in the tied weight's post-accumulate-grad hook (``GradientRelease.add_before_ste
 one more head matmul per chunk (the logits are rebuilt, with the same Triton gradient pass as
 the forward where it ran: the chunk in W's dtype, in place); one V·D gradient buffer, and only
 at the end of backward.  Gradients equal the plain path's up to summation order.
+``add_rows_to(out, r0, r1)`` adds only the vocabulary rows [r0, r1) (the slab's logits are
+rebuilt, chunk × (r1 − r0)), for a tied weight stepped in row slabs with no V·D buffer at all.
 
 Masked rows are dropped before chunking (one host sync for the count), so prompt tokens cost
 nothing and a fully masked chunk never exists.  Gradients equal the dense backend's up to
@@ -88,36 +90,66 @@ class DeferredHeadGrad:
 
     @torch.no_grad()
     def add_to(self, out: Tensor) -> Tensor:
+        """Add the whole head gradient into ``out`` [V, D], then drop what is held (once)."""
+        W = self._held()[1]
+        self._accumulate(out, 0, W.shape[0])
+        self._saved, self.scale, self.done = None, None, True
+        return out
+
+    @torch.no_grad()
+    def add_rows_to(self, out: Tensor, r0: int, r1: int) -> Tensor:
+        """Add rows ``[r0, r1)`` of the head gradient, s·Σ_k Gₖ[:, r0:r1]ᵀ H_k, into ``out``
+        [r1 − r0, D]; keeps what it holds (call ``discard()`` after the last slab).
+
+        The slab's logits ``H_k W[r0:r1]ᵀ`` are rebuilt per chunk and turned into G with the
+        saved LSEs and gates by the same arithmetic as ``add_to`` (the Triton pass where it
+        runs; a label outside the slab contributes no −gate), so the rows equal ``add_to``'s up
+        to the order of the matmul's sums.  How ``GradientRelease(..., tied_slabs=rows)``
+        steps a tied weight slab by slab without a V×D gradient (docs/memory.md)."""
+        W = self._held()[1]
+        r0, r1 = int(r0), int(r1)
+        if not (0 <= r0 <= r1 <= W.shape[0]) or tuple(out.shape) != (r1 - r0, W.shape[1]):
+            raise ValueError(f"add_rows_to: rows [{r0}, {r1}) of a {tuple(W.shape)} head into {tuple(out.shape)}")
+        return self._accumulate(out, r0, r1)
+
+    def _held(self):
         if self.done or self._saved is None:
             raise RuntimeError("deferred head gradient: nothing to add (not saved, or already added)")
         if self.scale is None:
             raise RuntimeError("deferred head gradient: backward has not reached the loss yet")
+        return self._saved
+
+    def _accumulate(self, out: Tensor, r0: int, r1: int) -> Tensor:
+        """out += s·Σ_k Gₖ[:, r0:r1]ᵀ H_k, chunk by chunk (W's dtype for the products)."""
         h, W, bias, labels, rows_all, gates, lses, plan = self._saved
+        whole = r0 == 0 and r1 == W.shape[0]
+        Ws = W if whole else W[r0:r1]
+        bs = bias if (whole or bias is None) else bias[r0:r1]
         scale = self.scale
         kernels = out.dtype == W.dtype and _use_kernels(h, W, plan, out)
         for start in range(0, rows_all.numel(), plan.chunk_size):
             rows = rows_all[start : start + plan.chunk_size]
             hc = h.index_select(0, rows)
             y = labels.index_select(0, rows)
+            y = y if whole else y - r0  # the slab's column of the label (may lie outside)
             gate, lse = gates[start : start + rows.numel()], lses[start : start + rows.numel()]
             if kernels:  # W's dtype, in place: s·(coef·p − gate·e_y), s folded into the fp32 rows
                 from pgs.func.losses import triton_ce
 
                 s32, gate32, lse32 = scale.to(torch.float32), gate.float(), lse.float()
-                z = hc @ W.t()
-                g = triton_ce.grad_in_place(z, y, bias, plan.softcap, lse32,
+                z = hc @ Ws.t()
+                g = triton_ce.grad_in_place(z, y, bs, plan.softcap, lse32,
                                             (gate32 + 2 * plan.z_loss * lse32) * s32, gate32 * s32)
                 out.addmm_(g.t(), hc)
                 del z, g
                 continue
-            g = _logit_grad(_chunk_logits(hc, W, bias, plan.softcap), lse, y, gate, plan)
+            g = _logit_grad(_chunk_logits(hc, Ws, bs, plan.softcap), lse, y, gate, plan, in_slab=not whole)
             g.mul_(scale.to(g.dtype))
             if out.dtype == W.dtype:
                 out.addmm_(g.to(W.dtype).t(), hc.to(W.dtype))
             else:
                 out.addmm_(g.to(out.dtype).t(), hc.to(out.dtype))
             del g
-        self._saved, self.scale, self.done = None, None, True
         return out
 
     def discard(self) -> None:
@@ -284,15 +316,22 @@ def _forward_and_grads(h, W, bias, labels, plan: _Plan):
     return stats, (grad_h, grad_w, grad_b)
 
 
-def _logit_grad(z: Tensor, lse: Tensor, y: Tensor, gate, plan: _Plan, p: Tensor | None = None) -> Tensor:
+def _logit_grad(z: Tensor, lse: Tensor, y: Tensor, gate, plan: _Plan, p: Tensor | None = None,
+                in_slab: bool = False) -> Tensor:
     """G = ((g + 2 z_loss LSE) p − g e_y) · softcap′ for one chunk, in place in p's (or z's) storage.
 
     ``z`` is the chunk's softcapped logits (overwritten when a softcap is on), ``p`` its
-    softmax (rebuilt from ``z`` and ``lse`` when not given)."""
+    softmax (rebuilt from ``z`` and ``lse`` when not given).  ``in_slab``: ``z`` holds a slab
+    of the vocabulary's columns and ``y`` the labels' columns in it; rows whose label lies
+    outside get no −g (``gate`` is then a per-row tensor)."""
     if p is None:
         p = (z - lse[:, None]).exp_()
     g = p.mul_((gate + 2 * plan.z_loss * lse)[:, None])
-    g[torch.arange(y.numel(), device=g.device), y] -= gate
+    if in_slab:
+        inside = ((y >= 0) & (y < g.shape[1])).nonzero().squeeze(1)
+        g[inside, y.index_select(0, inside)] -= gate.index_select(0, inside).to(g.dtype)
+    else:
+        g[torch.arange(y.numel(), device=g.device), y] -= gate
     if plan.softcap is not None:
         g.mul_(z.div_(plan.softcap).square_().neg_().add_(1))  # dz/dz_raw = 1 − tanh²
     return g
