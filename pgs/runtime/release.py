@@ -60,6 +60,7 @@ slab over the vocabulary at the end of backward: each slab's gradient is the row
 fall in it plus each ``add_before_step`` contribution's ``add_rows_to`` (the deferred head
 gradient rebuilt for those vocabulary rows only), then the chain's update on the slab alone.
 Needs an elementwise chain (``slab_refusal``); equal to the dense path up to summation order.
+The machinery is ``TiedSlabs`` in pgs/runtime/release_slabs.py.
 
 Non-finite losses: the update happens inside backward, so a step cannot be skipped after
 the fact; check the loss before calling ``backward``.
@@ -76,9 +77,9 @@ import torch
 import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
-from pgs.func.base import ELEMENTWISE, GLOBAL
-from pgs.func.quant8 import Quantized8bit
+from pgs.func.base import GLOBAL
 from pgs.runtime.bind import trainable_parameters
+from pgs.runtime.release_slabs import TiedSlabs, slab_refusal  # noqa: F401  (slab_refusal: re-exported)
 
 _LAYOUT_KEY = "__pgs_release_groups__"
 _MASTER_PREFIX = "__master__."
@@ -134,27 +135,6 @@ def refusal(chain: pf.Transform, grad_accum: int = 1) -> str | None:
             return (f"{where} is global (it reduces over every gradient, e.g. a global-norm clip), "
                     "and the global norm is unknown while backward is still running; use a "
                     "per-tensor rule (clip_by_norm_per_tensor) or bind(...) without gradient release")
-        return None
-
-    return walk(chain, f"the chain ({chain.name})" if chain.name != "chain" else "chain")
-
-
-def slab_refusal(chain: pf.Transform) -> str | None:
-    """Why ``chain`` cannot step a weight slab by slab (``tied_slabs``; a sentence), or None.
-
-    A slab's update must equal the rows of the whole tensor's update, so every transform must
-    be elementwise: a per-tensor norm (``clip_by_norm_per_tensor``, hyperball, AdaGC), a
-    matrix rule (Muon, Newton-Schulz) or a global one reads the whole tied weight at once."""
-
-    def walk(t: pf.Transform, where: str) -> str | None:
-        for i, c in enumerate(t.children):
-            found = walk(c, f"{where}[{i}] ({c.name})" if t.name == "chain" else f"{where} > {c.name}")
-            if found:
-                return found
-        if t.locality != ELEMENTWISE:
-            return (f"{where} is {t.locality} (its update of a row depends on the whole tensor), so the "
-                    "tied weight's update is not row-separable and cannot be stepped in row slabs; use an "
-                    "elementwise chain (lion8bit, adamw8bit, adamw, lion) or tied_slabs=None")
         return None
 
     return walk(chain, f"the chain ({chain.name})" if chain.name != "chain" else "chain")
@@ -304,11 +284,11 @@ class GradientRelease:
         self._arrivals = Arrivals(self.groups, on_complete=self._step_group, on_start=self._begin, on_end=self.finish)
         self.tied_slabs: int | None = None
         self._slab_name: str | None = None
-        self._slab_block = 1
         self._row_grads = None
-        self._undo_embedding = None
-        if tied_slabs is not None:
-            self._setup_slabs(model, tied_slabs)
+        self._slabs: TiedSlabs | None = None
+        if tied_slabs is not None:  # the tied weight in row slabs: pgs/runtime/release_slabs.py
+            self._slabs = TiedSlabs(self, model, tied_slabs)
+            self.tied_slabs, self._slab_name, self._row_grads = tied_slabs, self._slabs.name, self._slabs.row_grads
         self._handles = [p.register_post_accumulate_grad_hook(self._arrivals.hook_for(self._group_of[n]))
                          for n, p in params.items()]
 
@@ -323,7 +303,7 @@ class GradientRelease:
     def _step_group(self, group: str) -> None:
         names = self.groups[group]
         if self._slab_name is not None and names == [self._slab_name]:
-            self._step_slabs(group)
+            self._slabs.step(self, group)
             self._arrivals.done.add(group)
             return
         for n in names:  # contributions added into the gradient buffer right before the step
@@ -387,198 +367,6 @@ class GradientRelease:
         if self.stochastic_rounding and any(p.dtype == torch.bfloat16 for p in params.values()):
             return None  # the AdamW/Lion kernels round to nearest
         return _fused.step(self._fused_plan, None, grads, state, params, donate=True)[1]
-
-    # -- the tied weight in row slabs ---------------------------------------------------------
-    def _setup_slabs(self, model, rows) -> None:
-        """Check ``tied_slabs`` and make the input embedding hand over its rows' gradients."""
-        from pgs.runtime.model import TokenRowGrads, row_grad_embedding
-
-        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
-            raise InvalidArgument(f"GradientRelease: tied_slabs={rows!r} must be None or an int >= 1 (rows per slab)")
-        why = slab_refusal(self.chain)
-        if why:
-            raise InvalidArgument(f"GradientRelease: tied_slabs: {why}")
-        embed = model.get_input_embeddings() if isinstance(model, torch.nn.Module) else None
-        if embed is None or not hasattr(embed, "weight"):
-            raise InvalidArgument("GradientRelease: tied_slabs needs the model (an nn.Module whose "
-                                  "get_input_embeddings() is an embedding), not a dict of parameters")
-        name = self._name_of.get(id(embed.weight))
-        if name is None:
-            raise InvalidArgument("GradientRelease: tied_slabs: the input embedding's weight is not trainable")
-        group = self._group_of[name]
-        if self.groups[group] != [name]:
-            raise InvalidArgument(f"GradientRelease: tied_slabs: the embedding's weight {name!r} shares its release "
-                                  f"group {group!r} with {len(self.groups[group]) - 1} other parameters; "
-                                  "it must step alone")
-        W = self.params[name]
-        if W.dim() != 2:
-            raise InvalidArgument(f"GradientRelease: tied_slabs: {name!r} is not a [V, D] matrix")
-        V, D = W.shape
-        leaves = self._slab_leaves(self.states[group], W.shape, name)
-        quantized = [x for x in leaves if isinstance(x, Quantized8bit)]
-        block = self.chain.max_align() if quantized else 1
-        for q in quantized:
-            if q.absmax.numel() != -(-V * D // block):
-                raise InvalidArgument(f"GradientRelease: tied_slabs: cannot tell the 8-bit block size of {name!r}'s "
-                                      f"state ({q.absmax.numel()} blocks for {V}×{D} elements, align {block})")
-        if (rows * D) % block:
-            raise InvalidArgument(f"GradientRelease: tied_slabs={rows}: the 8-bit state's blocks of {block} elements "
-                                  f"must be whole rows of a slab, but {rows}×{D} = {rows * D} is not a multiple of "
-                                  f"{block}; pick rows so that rows·{D} is a multiple of {block}")
-        sink = TokenRowGrads()
-        try:
-            self._undo_embedding = row_grad_embedding(model, sink)
-        except ValueError as e:
-            raise InvalidArgument(f"GradientRelease: tied_slabs: {e}") from None
-        sink.on_backward = self._arrivals.touch
-        self.tied_slabs, self._slab_name, self._slab_block, self._row_grads = rows, name, block, sink
-
-    @staticmethod
-    def _slab_leaves(state, shape, name: str) -> list:
-        """The leaves of a slabbed weight's group state; refuses leaves that are neither the
-        weight's shape (sliced by rows), 8-bit state of it, nor scalars (shared by all slabs)."""
-        import torch.utils._pytree as _pt
-
-        leaves = _pt.tree_leaves(state, is_leaf=lambda x: x is None or isinstance(x, Quantized8bit))
-        for x in leaves:
-            ok = (x is None or (isinstance(x, Quantized8bit) and tuple(x.codes.shape) == tuple(shape))
-                  or (isinstance(x, torch.Tensor) and (tuple(x.shape) == tuple(shape) or x.numel() == 1))
-                  or not isinstance(x, (torch.Tensor, Quantized8bit)))
-            if not ok:
-                raise InvalidArgument(f"GradientRelease: tied_slabs: the chain keeps a state leaf of shape "
-                                      f"{tuple(getattr(x, 'shape', ()))} for {name!r} {tuple(shape)}, which is "
-                                      "not per element, so it cannot be cut into row slabs")
-        return leaves
-
-    def _slab_state(self, state, shape, r0: int, r1: int, D: int):
-        """``state`` with every per-element leaf cut to rows [r0, r1) (views)."""
-        import torch.utils._pytree as _pt
-
-        b = self._slab_block
-
-        def cut(x):
-            if isinstance(x, Quantized8bit):
-                return Quantized8bit(x.codes[r0:r1], x.absmax[r0 * D // b: -(-r1 * D // b)])
-            if isinstance(x, torch.Tensor) and tuple(x.shape) == tuple(shape) and x.numel() != 1:
-                return x[r0:r1]
-            return x
-
-        return _pt.tree_map(cut, state, is_leaf=lambda x: x is None or isinstance(x, Quantized8bit))
-
-    @staticmethod
-    def _write_back(full, views, new, shape) -> None:
-        """Copy a slab's new per-element state into the full state's row views (skipped where
-        the update already wrote in place); scalars are left alone (``_merge_state``)."""
-        import torch.utils._pytree as _pt
-
-        is_leaf = lambda x: x is None or isinstance(x, Quantized8bit)  # noqa: E731
-        for f, v, n in zip(_pt.tree_leaves(full, is_leaf=is_leaf), _pt.tree_leaves(views, is_leaf=is_leaf),
-                           _pt.tree_leaves(new, is_leaf=is_leaf)):
-            if isinstance(f, Quantized8bit):
-                pairs = list(zip(v, n))
-            elif isinstance(f, torch.Tensor) and tuple(f.shape) == tuple(shape) and f.numel() != 1:
-                pairs = [(v, n)]
-            else:
-                continue
-            for a, c in pairs:
-                if a.data_ptr() != c.data_ptr():
-                    a.copy_(c)
-
-    def _merge_state(self, full, new_last, shape):
-        """The group's state after all slabs: the full per-element leaves (written slab by slab)
-        and the scalars (counts, lr) of the last slab's new state (the same for every slab)."""
-        import torch.utils._pytree as _pt
-
-        is_leaf = lambda x: x is None or isinstance(x, Quantized8bit)  # noqa: E731
-        f_leaves, spec = _pt.tree_flatten(full, is_leaf=is_leaf)
-        n_leaves, n_spec = _pt.tree_flatten(new_last, is_leaf=is_leaf)
-        if n_spec != spec:
-            raise TreeMismatch("tied_slabs: the chain returned a state of another structure")
-        out = []
-        for f, n in zip(f_leaves, n_leaves):
-            per_element = isinstance(f, Quantized8bit) or (
-                isinstance(f, torch.Tensor) and tuple(f.shape) == tuple(shape) and f.numel() != 1)
-            out.append(f if per_element else n)
-        return _pt.tree_unflatten(out, spec)
-
-    def _row_grad_sums(self, W: torch.Tensor):
-        """The embedding's gradient as (unique ids ascending, their summed rows in W's dtype),
-        from the rows its backward kept (fp32 sums for low-precision weights)."""
-        parts = self._row_grads.take()
-        if not parts:
-            return None, None
-        one = len(parts) == 1  # the usual case: no concatenated copy
-        ids = (parts[0][0] if one else torch.cat([i for i, _ in parts])).to(W.device)
-        rows = (parts[0][1] if one else torch.cat([r for _, r in parts])).to(W.device)
-        del parts
-        uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-        del ids
-        acc_dtype = torch.float32 if W.dtype in (torch.bfloat16, torch.float16) else W.dtype
-        sums = torch.zeros(uniq.numel(), W.shape[1], dtype=acc_dtype, device=W.device)
-        sums.index_add_(0, inverse, rows if rows.dtype == acc_dtype else rows.to(acc_dtype))
-        del rows, inverse
-        return uniq, sums.to(W.dtype)
-
-    def _step_slabs(self, group: str) -> None:
-        """Step the slabbed weight rows [r0, r0 + tied_slabs) at a time: the slab's gradient is
-        W.grad's rows (if autograd gave one) + the embedding rows' sums that fall in it + every
-        row-addressable contribution (``add_rows_to``), then the chain's update on the slab
-        alone (fused kernel on the slab's views, or the plain update on a sub-tree)."""
-        name = self._slab_name
-        live = self.params[name]
-        V, D = live.shape
-        target = self.masters.get(name, live.detach())
-        sources = self._before.pop(name, [])
-        uniq, sums = self._row_grad_sums(live)
-        starts = list(range(0, V, self.tied_slabs))
-        bounds = None
-        if uniq is not None:
-            edges = torch.tensor([*starts, V], device=uniq.device, dtype=uniq.dtype)
-            bounds = torch.searchsorted(uniq, edges).tolist()
-        full = self.states[group]
-        new_last, fused = None, None
-        for s, r0 in enumerate(starts):
-            r1 = min(r0 + self.tied_slabs, V)
-            g = torch.zeros(r1 - r0, D, dtype=live.dtype, device=live.device)
-            if live.grad is not None:
-                g.add_(live.grad[r0:r1])
-            if bounds is not None and bounds[s + 1] > bounds[s]:
-                lo, hi = bounds[s], bounds[s + 1]
-                g.index_add_(0, uniq[lo:hi] - r0, sums[lo:hi])
-            for src in sources:
-                src.add_rows_to(g, r0, r1)
-            p_slab = target[r0:r1]
-            g = g.to(p_slab.dtype) if g.dtype != p_slab.dtype else g
-            if self.track_grad_norm:
-                sq = torch.linalg.vector_norm(g, dtype=torch.float32).square()
-                self._sumsq = sq if self._sumsq is None else self._sumsq + sq.to(self._sumsq.device)
-            views = self._slab_state(full, live.shape, r0, r1, D)
-            new = None
-            if fused is not False:
-                new = self._fused_call(views, {name: p_slab}, {name: g}, self._n_tensors + s)
-                fused = new is not None
-            if new is not None:
-                self._write_back(full, views, new, live.shape)
-                if name in self.masters:
-                    live[r0:r1].copy_(p_slab)
-            else:
-                updates, new = self.chain.update({name: g}, views, {name: p_slab})
-                del g
-                self._write_back(full, views, new, live.shape)
-                piece = pf.apply_updates({"p": p_slab}, {"p": updates[name]},
-                                         stochastic_rounding=self.stochastic_rounding)["p"]
-                if name in self.masters:
-                    p_slab.copy_(piece)
-                live[r0:r1].copy_(piece)
-            new_last = new
-        live.grad = None
-        for src in sources:
-            src.discard()
-        self.states[group] = self._merge_state(full, new_last, live.shape)
-        if fused:
-            self.fused_group_steps += 1
-        else:
-            self.plain_group_steps += 1
 
     def _apply(self, name: str, param: torch.Tensor, update: torch.Tensor) -> None:
         """θ ← θ + u (``pf.apply_updates``), slab by slab, so that the fp32 temporaries of a
@@ -653,9 +441,8 @@ class GradientRelease:
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self._undo_embedding is not None:
-            self._undo_embedding()
-            self._undo_embedding = None
+        if self._slabs is not None:
+            self._slabs.remove()
 
     # -- state ------------------------------------------------------------------------------
     def _fingerprint(self) -> torch.Tensor:
