@@ -13,11 +13,11 @@ import torch
 from pgs.func import kernels as K
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count
-from pgs.func.base import ELEMENTWISE, EmptyState, Transform, chain, check_range, hp_in, identity
-from pgs.func.kernels.fused import FusedTransform, apply_fp32, hp_tensor, one_minus, sr_seed
+from pgs.func.base import ELEMENTWISE, Transform, chain, check_range, hp_in, identity
+from pgs.func.kernels.fused import FusedTransform, hp_tensor, one_minus
 from pgs.func.layout import group_label
-from pgs.func.learning_rate import ScaleByLearningRateState, lr_value, scale_by_learning_rate
-from pgs.func.lion8bit import _nonzero, check_8bit_args, check_layout
+from pgs.func.learning_rate import scale_by_learning_rate
+from pgs.func.lion8bit import Fused8bit, _nonzero, check_8bit_args, check_layout, fused_8bit_step
 from pgs.func.quant8 import Quantized8bit, init_moment, is_8bit_eligible, load_moment, moment_leaves, store_moment
 from pgs.func.weight_decay import add_decayed_weights, mask_fn
 
@@ -153,46 +153,26 @@ def adamw8bit(
     base = chain(direction, decay, scale_by_learning_rate(learning_rate))
     fn = mask_fn(mask, "adamw8bit")
 
-    def fused_step(fg, state, fp, *, layout, donate, stochastic_rounding, extra):
-        # ``layout`` None: ``fg`` is a per-parameter tree (gradient release steps one group of
-        # whole tensors; each tensor is its own run of quantization blocks, as ``init`` made it)
-        if not quantize or any(
-            not K.use_triton(backend, g, block_size) for g in fg.values() if g is not None
-        ):
-            return None
-        sr_base = int(extra.get("sr_offset", 0)) if extra else 0  # distinct seeds across release groups
-        n_dir, n_dec, n_lr = list(state)
-        s_dir, s_lr = state[n_dir], state[n_lr]
-        lr = lr_value(learning_rate, s_lr.count)
-        count = increment(s_dir.count)
-        bc1, bc2 = _bias_corrections(count, b1, b2)
-        labels = group_label(layout, fg, fn) if fn is not None else None
-        new_p, new_mu, new_nu = {}, {}, {}
-        for i, (k, g) in enumerate(fg.items()):
-            p, m, v = fp[k], s_dir.mu[k], s_dir.nu[k]
-            if g is None:
-                new_p[k], new_mu[k], new_nu[k] = p, m, v
-                continue
-            wd = weight_decay if (_nonzero(weight_decay) and (labels is None or labels[k])) else 0.0
-            if isinstance(m, Quantized8bit):
-                seed = sr_seed(count, sr_base + i) if (stochastic_rounding and p.dtype == torch.bfloat16) else None
-                hp = _adam_hp(g.device, b1, b2, eps, 0.0, bc1, bc2, lr, wd)
-                new_p[k], new_mu[k], new_nu[k] = K.adam8bit(
-                    g, m, v, hp, block_size, p=p, out=p if donate else torch.empty_like(p),
-                    m_out=m if donate else None, v_out=v if donate else None, seed=seed)
-            else:
-                u, m_new, v_new = adam_leaf(g, m, v, b1, b2, eps, 0.0, bc1, bc2, block_size)
-                x = apply_fp32(p, u.float(), lr, wd, stochastic_rounding)
-                if donate:
-                    p.copy_(x), m.copy_(m_new), v.copy_(v_new)
-                    x, m_new, v_new = p, m, v
-                new_p[k], new_mu[k], new_nu[k] = x, m_new, v_new
-        new_state = {
-            n_dir: ScaleByAdam8bitState(count, new_mu, new_nu),
-            n_dec: state[n_dec] if isinstance(state[n_dec], EmptyState) else EmptyState(),
-            n_lr: ScaleByLearningRateState(increment(s_lr.count), lr),
-        }
-        return new_p, new_state
+    def prepare(s_dir, s_lr):
+        count = increment(s_dir.count)  # the seed and the bias corrections use the new count
+        return count, count, _bias_corrections(count, b1, b2)
+
+    def quantized(ctx, g, p, moments, lr, wd, seed, donate):
+        (bc1, bc2), (m, v) = ctx, moments
+        new_p, m_new, v_new = K.adam8bit(
+            g, m, v, _adam_hp(g.device, b1, b2, eps, 0.0, bc1, bc2, lr, wd), block_size, p=p,
+            out=p if donate else torch.empty_like(p), m_out=m if donate else None,
+            v_out=v if donate else None, seed=seed)
+        return new_p, (m_new, v_new)
+
+    def small(ctx, g, moments):
+        u, m_new, v_new = adam_leaf(g, *moments, b1, b2, eps, 0.0, *ctx, block_size)
+        return u, (m_new, v_new)
+
+    kind = Fused8bit(fields=("mu", "nu"), prepare=prepare, quantized=quantized, small=small,
+                     make_state=ScaleByAdam8bitState)
+    fused_step = fused_8bit_step(kind, quantize=quantize, backend=backend, block_size=block_size,
+                                 learning_rate=learning_rate, weight_decay=weight_decay, mask=fn)
 
     return FusedTransform(base.init, base.update, name=base.name, locality=base.locality,
                           children=base.children, fused_step=fused_step)

@@ -6,7 +6,7 @@ Dettmers et al., "8-bit Optimizers via Block-wise Quantization", arXiv 2110.0286
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -60,6 +60,79 @@ def lion_leaf(g: torch.Tensor, m, w1, w2, block_size: int):
     m32 = load_moment(m, block_size, signed=True).to(cd)
     u = m32.lerp(g32, _weight(w1, g32)).sign()
     return u, store_moment(m32.lerp(g32, _weight(w2, g32)), m, block_size, signed=True)
+
+
+class Fused8bit(NamedTuple):
+    """What differs between the 8-bit chains' fused steps (``fused_8bit_step``).
+
+    ``prepare(s_dir, s_lr) -> (seed_count, direction_count, ctx)``: per-step scalars;
+    ``quantized(ctx, g, p, moments, lr, wd, seed, donate) -> (new_p, new_moments)``: the
+    fused kernel on one 8-bit leaf; ``small(ctx, g, moments) -> (u, new_moments)``: the
+    reference direction of a small (fp32-state) leaf; ``make_state(direction_count,
+    *moment_trees)``: the direction's new state; ``fields``: its moment fields.
+    """
+
+    fields: tuple
+    prepare: Callable
+    quantized: Callable
+    small: Callable
+    make_state: Callable
+
+
+def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size: int, learning_rate,
+                    weight_decay, mask) -> Callable:
+    """The ``fused_step`` of ``chain(<8-bit direction>, add_decayed_weights, scale_by_learning_rate)``.
+
+    One kernel per 8-bit leaf (update and apply, in place with ``donate``); small leaves take
+    the reference direction and an fp32 apply.  ``layout`` None means ``fg`` is a
+    per-parameter tree (gradient release steps one group of whole tensors; each tensor is its
+    own run of quantization blocks, as ``init`` made it); ``extra["sr_offset"]`` keeps the
+    stochastic-rounding seeds of different release groups apart.  Returns None (use the
+    generic path) where a leaf cannot take the kernel.
+    """
+
+    def fused_step(fg, state, fp, *, layout, donate, stochastic_rounding, extra):
+        if not quantize or any(
+            not K.use_triton(backend, g, block_size) for g in fg.values() if g is not None
+        ):
+            return None
+        sr_base = int(extra.get("sr_offset", 0)) if extra else 0
+        n_dir, n_dec, n_lr = list(state)
+        s_dir, s_lr = state[n_dir], state[n_lr]
+        lr = lr_value(learning_rate, s_lr.count)
+        seed_count, dir_count, ctx = kind.prepare(s_dir, s_lr)
+        labels = group_label(layout, fg, mask) if mask is not None else None
+        old = [getattr(s_dir, f) for f in kind.fields]
+        new_p, new = {}, [{} for _ in kind.fields]
+        for i, (k, g) in enumerate(fg.items()):
+            p, moments = fp[k], tuple(o[k] for o in old)
+            if g is None:
+                x, out = p, moments
+            else:
+                wd = weight_decay if (_nonzero(weight_decay) and (labels is None or labels[k])) else 0.0
+                if isinstance(moments[0], Quantized8bit):
+                    sr = stochastic_rounding and p.dtype == torch.bfloat16
+                    seed = sr_seed(seed_count, sr_base + i) if sr else None
+                    x, out = kind.quantized(ctx, g, p, moments, lr, wd, seed, donate)
+                else:  # small leaves: fp32 state, a few tiny kernels
+                    u, out = kind.small(ctx, g, moments)
+                    x = apply_fp32(p, u.float(), lr, wd, stochastic_rounding)
+                    if donate:
+                        p.copy_(x)
+                        for m, m_new in zip(moments, out):
+                            m.copy_(m_new)
+                        x, out = p, moments
+            new_p[k] = x
+            for d, m in zip(new, out):
+                d[k] = m
+        new_state = {
+            n_dir: kind.make_state(dir_count, *new),
+            n_dec: state[n_dec] if isinstance(state[n_dec], EmptyState) else EmptyState(),
+            n_lr: ScaleByLearningRateState(increment(s_lr.count), lr),
+        }
+        return new_p, new_state
+
+    return fused_step
 
 
 def scale_by_lion8bit(
@@ -164,47 +237,27 @@ def lion8bit(
     base = chain(direction, decay, scale_by_learning_rate(learning_rate))
     fn = mask_fn(mask, "lion8bit")
 
-    def fused_step(fg, state, fp, *, layout, donate, stochastic_rounding, extra):
-        # ``layout`` None: ``fg`` is a per-parameter tree (gradient release steps one group of
-        # whole tensors; each tensor is its own run of quantization blocks, as ``init`` made it)
-        if not quantize or any(
-            not K.use_triton(backend, g, block_size) for g in fg.values() if g is not None
-        ):
-            return None
-        sr_base = int(extra.get("sr_offset", 0)) if extra else 0  # distinct seeds across release groups
-        n_dir, n_dec, n_lr = list(state)
-        s_dir, s_lr = state[n_dir], state[n_lr]
-        count = s_lr.count
-        lr = lr_value(learning_rate, count)
-        labels = group_label(layout, fg, fn) if fn is not None else None
-        w1, w2 = one_minus(b1), one_minus(b2)
-        new_p, new_mu = {}, {}
-        for i, (k, g) in enumerate(fg.items()):
-            p, m = fp[k], s_dir.mu[k]
-            if g is None:
-                new_p[k], new_mu[k] = p, m
-                continue
-            wd = weight_decay if (_nonzero(weight_decay) and (labels is None or labels[k])) else 0.0
-            if isinstance(m, Quantized8bit):
-                out = p if donate else torch.empty_like(p)
-                m_out = m if donate else None
-                seed = sr_seed(count, sr_base + i) if (stochastic_rounding and p.dtype == torch.bfloat16) else None
-                new_p[k], new_mu[k] = K.lion8bit(g, m, hp_tensor(g.device, w1, w2, lr, wd), block_size,
-                                                 p=p, out=out, m_out=m_out, seed=seed)
-            else:  # small leaves: fp32 momentum, a few tiny kernels
-                u, m_new = lion_leaf(g, m, w1, w2, block_size)
-                x = apply_fp32(p, u.float(), lr, wd, stochastic_rounding)
-                if donate:
-                    p.copy_(x)
-                    m.copy_(m_new)
-                    x, m_new = p, m
-                new_p[k], new_mu[k] = x, m_new
-        new_state = {
-            n_dir: ScaleByLion8bitState(increment(s_dir.count), new_mu),
-            n_dec: state[n_dec] if isinstance(state[n_dec], EmptyState) else EmptyState(),
-            n_lr: ScaleByLearningRateState(increment(count), lr),
-        }
-        return new_p, new_state
+    w1, w2 = one_minus(b1), one_minus(b2)
+
+    def quantized(ctx, g, p, moments, lr, wd, seed, donate):
+        (m,) = moments
+        new_p, m_new = K.lion8bit(g, m, hp_tensor(g.device, w1, w2, lr, wd), block_size, p=p,
+                                  out=p if donate else torch.empty_like(p), m_out=m if donate else None,
+                                  seed=seed)
+        return new_p, (m_new,)
+
+    def small(ctx, g, moments):
+        u, m_new = lion_leaf(g, moments[0], w1, w2, block_size)
+        return u, (m_new,)
+
+    kind = Fused8bit(
+        fields=("mu",),
+        # the seed counts the learning-rate state's steps; the direction's count advances
+        prepare=lambda s_dir, s_lr: (s_lr.count, increment(s_dir.count), None),
+        quantized=quantized, small=small, make_state=ScaleByLion8bitState,
+    )
+    fused_step = fused_8bit_step(kind, quantize=quantize, backend=backend, block_size=block_size,
+                                 learning_rate=learning_rate, weight_decay=weight_decay, mask=fn)
 
     return FusedTransform(base.init, base.update, name=base.name, locality=base.locality,
                           children=base.children, fused_step=fused_step)
