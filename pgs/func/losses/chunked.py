@@ -256,6 +256,39 @@ def _kernel_chunk(hc, W, bias, y, rows, plan: _Plan, sums, grad_h, grad_w):
     return gate, lse
 
 
+def _torch_chunk(hc, W, bias, y, rows, plan: _Plan, sums, grad_h, grad_w, grad_b):
+    """One chunk by torch ops (any device, fp64 included, bias gradient, fp32 grad_W of bf16).
+
+    Same contract as ``_kernel_chunk``: statistics into ``sums``, gradients into the buffers;
+    returns the rows' (gate, LSE)."""
+    obj = plan.objective
+    z = _chunk_logits(hc, W, bias, plan.softcap)
+    lse = torch.logsumexp(z, dim=-1)
+    logp_y = z.gather(1, y[:, None]).squeeze(1) - lse
+    p = (z - lse[:, None]).exp_()
+    entropy = lse - torch.linalg.vecdot(p, z)
+    collision = torch.linalg.vecdot(p, p) if obj.needs_collision else None
+    loss, gate = obj.terms(logp_y, collision, plan.inputs.rows(rows))
+    if plan.z_loss:
+        loss = loss + plan.z_loss * lse.square()
+    sums += torch.stack([loss.sum(), entropy.sum(), logp_y.exp().sum(), lse.square().sum()])
+    if not (plan.need_h or plan.need_w or plan.need_b):
+        return gate, lse
+    g = _logit_grad(z, lse, y, gate, plan, p=p)
+    del z
+    if plan.need_b:
+        grad_b += g.sum(0)
+    g_low = g.to(W.dtype)
+    if plan.need_h:
+        grad_h.index_copy_(0, rows, (g_low @ W).to(grad_h.dtype))
+    if plan.need_w:
+        if grad_w.dtype == W.dtype:
+            grad_w.addmm_(g_low.t(), hc.to(W.dtype))
+        else:
+            grad_w.addmm_(g.to(grad_w.dtype).t(), hc.to(grad_w.dtype))
+    return gate, lse
+
+
 def _forward_and_grads(h, W, bias, labels, plan: _Plan):
     cdtype = compute_dtype(h)
     V, D = W.shape
@@ -266,7 +299,6 @@ def _forward_and_grads(h, W, bias, labels, plan: _Plan):
     sums = torch.zeros(4, dtype=cdtype, device=h.device)  # loss, entropy, p_y, LSE²
     gates: list[Tensor] = []
     lses: list[Tensor] = []
-    obj = plan.objective
     kernels = _use_kernels(h, W, plan, grad_w)
     for start in range(0, rows_all.numel(), plan.chunk_size):
         rows = rows_all[start : start + plan.chunk_size]
@@ -274,37 +306,11 @@ def _forward_and_grads(h, W, bias, labels, plan: _Plan):
         y = labels.index_select(0, rows)
         if kernels:
             gate, lse = _kernel_chunk(hc, W, bias, y, rows, plan, sums, grad_h, grad_w)
-            if plan.deferred is not None:
-                gates.append(torch.as_tensor(gate, dtype=cdtype, device=h.device).expand(rows.numel()).detach())
-                lses.append(lse)
-            continue
-        z = _chunk_logits(hc, W, bias, plan.softcap)
-        lse = torch.logsumexp(z, dim=-1)
-        logp_y = z.gather(1, y[:, None]).squeeze(1) - lse
-        p = (z - lse[:, None]).exp_()
-        entropy = lse - torch.linalg.vecdot(p, z)
-        collision = torch.linalg.vecdot(p, p) if obj.needs_collision else None
-        loss, gate = obj.terms(logp_y, collision, plan.inputs.rows(rows))
-        if plan.z_loss:
-            loss = loss + plan.z_loss * lse.square()
-        sums += torch.stack([loss.sum(), entropy.sum(), logp_y.exp().sum(), lse.square().sum()])
+        else:
+            gate, lse = _torch_chunk(hc, W, bias, y, rows, plan, sums, grad_h, grad_w, grad_b)
         if plan.deferred is not None:
             gates.append(torch.as_tensor(gate, dtype=cdtype, device=h.device).expand(rows.numel()).detach())
             lses.append(lse)
-        if not (plan.need_h or plan.need_w or plan.need_b):
-            continue
-        g = _logit_grad(z, lse, y, gate, plan, p=p)
-        del z
-        if plan.need_b:
-            grad_b += g.sum(0)
-        g_low = g.to(W.dtype)
-        if plan.need_h:
-            grad_h.index_copy_(0, rows, (g_low @ W).to(h.dtype))
-        if plan.need_w:
-            if grad_w.dtype == W.dtype:
-                grad_w.addmm_(g_low.t(), hc.to(W.dtype))
-            else:
-                grad_w.addmm_(g.to(grad_w.dtype).t(), hc.to(grad_w.dtype))
     # Separate tensors (not views of ``sums``): autograd outputs must not alias each other.
     stats = (sums[0].clone(), *(s.float().clone() for s in sums[1:].unbind()))
     if grad_b is not None:
