@@ -15,15 +15,6 @@ from pgs.func.losses import OBJECTIVES, chunked, token_loss
 pytest.importorskip("triton")
 
 
-@pytest.fixture
-def kernels_on(monkeypatch):
-    if not torch.cuda.is_available():
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        monkeypatch.setenv("PGS_TRITON_ON_CPU", "1")
-    monkeypatch.setenv("PGS_CE_KERNELS", "1")
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def problem(device, n=37, d=16, v=300, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     h = (torch.randn(n, d, generator=g) * 0.7).to(device, dtype).requires_grad_()
