@@ -155,18 +155,21 @@ def adamw8bit(
 
     def prepare(s_dir, s_lr):
         count = increment(s_dir.count)  # the seed and the bias corrections use the new count
-        return count, count, _bias_corrections(count, b1, b2)
+        return count, count, (_bias_corrections(count, b1, b2), {})
 
     def quantized(ctx, g, p, moments, lr, wd, seed, donate):
-        (bc1, bc2), (m, v) = ctx, moments
+        ((bc1, bc2), hps), (m, v) = ctx, moments
+        key = (g.device, id(wd) if isinstance(wd, torch.Tensor) else wd)  # one vector per step, not per tensor
+        if key not in hps:
+            hps[key] = _adam_hp(g.device, b1, b2, eps, 0.0, bc1, bc2, lr, wd)
         new_p, m_new, v_new = K.adam8bit(
-            g, m, v, _adam_hp(g.device, b1, b2, eps, 0.0, bc1, bc2, lr, wd), block_size, p=p,
+            g, m, v, hps[key], block_size, p=p,
             out=p if donate else torch.empty_like(p), m_out=m if donate else None,
             v_out=v if donate else None, seed=seed)
         return new_p, (m_new, v_new)
 
     def small(ctx, g, moments):
-        u, m_new, v_new = adam_leaf(g, *moments, b1, b2, eps, 0.0, *ctx, block_size)
+        u, m_new, v_new = adam_leaf(g, *moments, b1, b2, eps, 0.0, *ctx[0], block_size)
         return u, (m_new, v_new)
 
     kind = Fused8bit(fields=("mu", "nu"), prepare=prepare, quantized=quantized, small=small,

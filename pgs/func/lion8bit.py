@@ -65,7 +65,8 @@ def lion_leaf(g: torch.Tensor, m, w1, w2, block_size: int):
 class Fused8bit(NamedTuple):
     """What differs between the 8-bit chains' fused steps (``fused_8bit_step``).
 
-    ``prepare(s_dir, s_lr) -> (seed_count, direction_count, ctx)``: per-step scalars;
+    ``prepare(s_dir, s_lr) -> (seed_count, direction_count, ctx)``: per-step scalars (and a
+    memo: the hyperparameter vector is built once per step and weight decay, not per tensor);
     ``quantized(ctx, g, p, moments, lr, wd, seed, donate) -> (new_p, new_moments)``: the
     fused kernel on one 8-bit leaf; ``small(ctx, g, moments) -> (u, new_moments)``: the
     reference direction of a small (fp32-state) leaf; ``make_state(direction_count,
@@ -239,9 +240,12 @@ def lion8bit(
 
     w1, w2 = one_minus(b1), one_minus(b2)
 
-    def quantized(ctx, g, p, moments, lr, wd, seed, donate):
+    def quantized(hps, g, p, moments, lr, wd, seed, donate):
         (m,) = moments
-        new_p, m_new = K.lion8bit(g, m, hp_tensor(g.device, w1, w2, lr, wd), block_size, p=p,
+        key = (g.device, id(wd) if isinstance(wd, torch.Tensor) else wd)  # one vector per step, not per tensor
+        if key not in hps:
+            hps[key] = hp_tensor(g.device, w1, w2, lr, wd)
+        new_p, m_new = K.lion8bit(g, m, hps[key], block_size, p=p,
                                   out=p if donate else torch.empty_like(p), m_out=m if donate else None,
                                   seed=seed)
         return new_p, (m_new,)
@@ -253,7 +257,7 @@ def lion8bit(
     kind = Fused8bit(
         fields=("mu",),
         # the seed counts the learning-rate state's steps; the direction's count advances
-        prepare=lambda s_dir, s_lr: (s_lr.count, increment(s_dir.count), None),
+        prepare=lambda s_dir, s_lr: (s_lr.count, increment(s_dir.count), {}),
         quantized=quantized, small=small, make_state=ScaleByLion8bitState,
     )
     fused_step = fused_8bit_step(kind, quantize=quantize, backend=backend, block_size=block_size,
