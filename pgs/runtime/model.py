@@ -78,7 +78,10 @@ def build_model(
     """
     from transformers import AutoModelForCausalLM
 
+    from pgs.runtime.attention import hf_implementation
+
     torch_dtype = resolve_dtype(dtype)
+    attn_implementation = hf_implementation(attn_implementation)
     if (path is None) == (config is None):
         raise SpecError("model: give exactly one of model.path (a local folder) or model.config (an architecture)")
     if path is not None:
@@ -169,11 +172,16 @@ def final_hidden(model, input_ids: Tensor, position_ids: Tensor, *, embed_noise=
     """Final hidden states [B, S, D] of the base model for a packed batch (no logits).
 
     ``position_ids`` restart at each document; no attention mask and no cache, so that
-    transformers isolates the documents.  ``embed_noise(embeds) -> embeds`` (NEFTune) is
+    transformers isolates the documents (with ``attn_implementation = "varlen"`` the boundaries
+    go to the packed-attention kernel instead, see ``pgs.runtime.attention``).  ``embed_noise(embeds) -> embeds`` (NEFTune) is
     applied to the input embeddings when given.
     """
+    from pgs.runtime.attention import packed_kwargs, uses_varlen
+
     base = model.base_model
     kwargs = dict(position_ids=position_ids, use_cache=False)
+    if uses_varlen(model):  # the document boundaries, once for every layer
+        kwargs.update(packed_kwargs(position_ids))
     if embed_noise is None:
         out = base(input_ids=input_ids, **kwargs)
     else:

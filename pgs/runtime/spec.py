@@ -30,7 +30,7 @@ ASSET_PREFIX = "pgs:"
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
+ATTN_IMPLEMENTATIONS = ("sdpa", "varlen", "eager", "flash_attention_2", "flex_attention")
 FREEZE_POLICIES = ("none", "non_attention")
 SCHEDULES = ("constant", "linear_warmup", "cosine", "wsd", "power_decay")
 WSD_SHAPES = ("linear", "cosine", "1-sqrt", "power", "exponential")

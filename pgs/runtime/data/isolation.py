@@ -26,7 +26,7 @@ LEAKING_MODEL_TYPES = ("qwen3_next", "qwen3_5", "mamba", "jamba", "falcon_h1", "
 #: Layer types that isolate packed documents through the position-derived mask.
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
 #: Attention implementations that derive document boundaries from ``position_ids``.
-ISOLATING_ATTENTION = {"sdpa", "eager", "flash_attention_2", "flash_attention_3", None}
+ISOLATING_ATTENTION = {"sdpa", "eager", "flash_attention_2", "flash_attention_3", "pgs_varlen", None}
 
 
 @attrs.frozen
@@ -65,7 +65,7 @@ def packing_isolation(model_or_config) -> IsolationVerdict:
         if implementation not in ISOLATING_ATTENTION:
             return IsolationVerdict(
                 False, f"attention implementation {implementation!r} is not known to isolate packed "
-                "documents from position_ids (use sdpa, eager or flash_attention_2)"
+                "documents from position_ids (use varlen, sdpa, eager or flash_attention_2)"
             )
     return IsolationVerdict(True)
 

@@ -1,0 +1,134 @@
+"""``attn_implementation = "varlen"``: packed documents attend only to themselves, with the
+same numbers as transformers' own block-diagonal SDPA path (CPU reference path here; the CUDA
+kernel against that reference in the CUDA-marked test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from pgs.errors import SpecError
+from pgs.runtime import attention as A
+from pgs.runtime.data import Document, collate, packing_isolation
+from pgs.runtime.model import build_model, final_hidden
+
+TINY = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+)
+
+
+def tiny(kind: str, attn: str, dtype=torch.float32):
+    attn = A.hf_implementation(attn)
+    torch.manual_seed(0)
+    if kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **TINY, attn_implementation=attn))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**TINY, attn_implementation=attn))
+    return model.to(dtype)
+
+
+def batch_of(lengths_per_row, seq_len, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    rows = [[Document(tuple(torch.randint(1, 96, (n,), generator=g).tolist()), (True,) * n) for n in row]
+            for row in lengths_per_row]
+    return rows, collate(rows, pad_id=0, seq_len=seq_len)
+
+
+def test_boundaries_from_positions_match_the_collated_ones():
+    _, batch = batch_of([(7, 5, 9), (5, 9), (24,)], seq_len=24)
+    cu = A.cu_seqlens_from_positions(batch.position_ids)
+    expected = [0]
+    for r, row_cu in enumerate(batch.cu_seqlens):
+        base = r * 24
+        expected += [base + int(b) for b in row_cu[1:]]
+        # padding: each padding token (position 0) is a one-token document
+        expected += [base + i + 1 for i in range(int(row_cu[-1]), 24)]
+    assert cu.dtype == torch.int32
+    assert cu.tolist() == expected
+
+
+def test_a_row_that_starts_mid_document_still_starts_a_document():
+    pos = torch.tensor([[3, 4, 5, 0, 1], [0, 1, 2, 3, 4]])
+    assert A.cu_seqlens_from_positions(pos).tolist() == [0, 3, 5, 10]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_varlen_equals_sdpa_forward_and_backward(kind):
+    _, batch = batch_of([(7, 5, 9), (5, 9)], seq_len=24)
+    outs, grads = [], []
+    for attn in ("sdpa", "varlen"):
+        model = tiny(kind, attn).train()
+        h = final_hidden(model, batch.input_ids, batch.position_ids)
+        (h.float().square().mean()).backward()
+        outs.append(h.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_packed_document_logits_equal_alone_with_varlen(kind):
+    model = tiny(kind, "varlen").eval()
+    assert packing_isolation(model).isolates
+    rows, batch = batch_of([(7, 5, 9), (5, 9)], seq_len=24)
+    with torch.no_grad():
+        # the model's own forward (no boundaries handed in: derived from position_ids)
+        packed = model(**batch.forward_kwargs()).logits
+        for row, row_docs in enumerate(rows):
+            bounds = batch.cu_seqlens[row].tolist()
+            for d, start, stop in zip(row_docs, bounds, bounds[1:]):
+                alone = model(input_ids=torch.tensor([d.input_ids]), use_cache=False).logits[0]
+                torch.testing.assert_close(packed[row, start:stop], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_without_positions_each_row_is_one_causal_sequence():
+    model_v, model_s = tiny("qwen3", "varlen").eval(), tiny("qwen3", "sdpa").eval()
+    ids = torch.randint(1, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model_v(input_ids=ids, use_cache=False).logits,
+                                   model_s(input_ids=ids, use_cache=False).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_build_model_registers_the_implementation():
+    model = build_model(config=dict(model_type="qwen3", head_dim=8, **TINY), attn_implementation="varlen")
+    assert model.config._attn_implementation == A.HF_NAME
+    assert A.uses_varlen(model)
+
+
+def test_dropout_and_sliding_windows_are_refused():
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(SpecError, match="dropout"):
+        A.varlen_attention(None, q, q, q, None, dropout=0.1)
+    with pytest.raises(SpecError, match="sliding-window"):
+        A.varlen_attention(None, q, q, q, None, sliding_window=16)
+
+
+def test_the_spec_accepts_varlen():
+    from pgs.runtime.spec import ModelSpec
+
+    assert ModelSpec(config={"model_type": "qwen3"}, attn_implementation="varlen").attn_implementation == "varlen"
+    with pytest.raises(Exception, match="attn_implementation"):
+        ModelSpec(config={"model_type": "qwen3"}, attn_implementation="varlenn")
+
+
+@pytest.mark.skipif(not A.varlen_available("cuda", torch.bfloat16), reason="needs CUDA and torch's varlen_attn")
+def test_cuda_kernel_equals_the_reference_path():
+    torch.manual_seed(0)
+    _, batch = batch_of([(300, 500, 224), (1024,)], seq_len=1024)
+    cu = A.cu_seqlens_from_positions(batch.position_ids).cuda()
+    q = torch.randn(2 * 1024, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2 * 1024, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2 * 1024, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    fn, causal = A._varlen_call()
+    out = fn(q, k, v, cu, cu, 1024, 1024, scale=None, **causal)
+    ref = A._reference(q.float(), k.float(), v.float(), cu, 2, 1024, None)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    go = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), go)
+    want = torch.autograd.grad(ref, (q, k, v), go.float())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)
