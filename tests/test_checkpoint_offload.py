@@ -85,6 +85,22 @@ def test_offloaded_input_handle():
     assert y is not x and torch.equal(y, x.detach()) and y.requires_grad and y.is_leaf
 
 
+def test_recompute_of_a_layer_prefetches_the_layer_before():
+    xs = [torch.randn(2, 3) for _ in range(3)]
+    held = [OffloadedInput(x) for x in xs]  # one forward: layers 0, 1, 2
+    for h in held:
+        h.release()
+    assert all(h.ready is None for h in held)
+    y2 = held[2].get()  # backward starts at the last layer ...
+    assert held[1].ready is not None and held[0].ready is None  # ... and starts layer 1's copy
+    y1 = held[1].get()
+    assert held[1].ready is None and held[0].ready is not None
+    y0 = held[0].get()
+    for y, x in zip((y0, y1, y2), xs):
+        assert torch.equal(y, x)
+    assert torch.equal(held[0].get(), xs[0])  # asked again: a fresh copy
+
+
 def test_release_with_offload_is_exact():
     a, b = tiny_model(), tiny_model()
     apply_activation_checkpointing(b, "full", offload=True)

@@ -93,15 +93,29 @@ class OffloadedInput:
     (ordered after the producer of ``x``; ``x``'s block is not reused before the copy ends),
     on the CPU a plain copy (what the tests exercise).  ``get()`` returns ``x`` itself during
     the first forward and, once ``release()`` has dropped it, a copy back on ``x``'s device,
-    ordered after the host copy (no host synchronisation), requiring grad as ``x`` did (the
-    gradient flows through the original graph; the recompute only refills saved tensors).
+    requiring grad as ``x`` did (the gradient flows through the original graph; the recompute
+    only refills saved tensors).
+
+    Prefetch: the handles of one forward are linked in order (``previous``, a weak reference).
+    Backward recomputes the layers last to first, so when layer i's ``get()`` runs, layer i-1's
+    copy back is started at once (``prefetch()``) on the side stream, after its own
+    device→host copy: it then overlaps layer i's recompute and backward, and the compute stream
+    only waits on its event.  One layer input more is on the device at a time.
     """
 
+    _last: dict = {}  # device -> weak reference to the newest handle of the running forward
+
     def __init__(self, x: torch.Tensor):
+        import weakref
+
         self.device = x.device
         self.requires_grad = x.requires_grad
         self.live: torch.Tensor | None = x
         self.event = None
+        self.ready: tuple | None = None  # (device tensor, event or None): a started copy back
+        self.used = False
+        self.previous = OffloadedInput._last.get(self.device)
+        OffloadedInput._last[self.device] = weakref.ref(self)
         if x.is_cuda:
             self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             stream = _copy_stream(x.device)
@@ -114,14 +128,36 @@ class OffloadedInput:
         else:
             self.host = x.detach().clone()
 
+    def prefetch(self) -> None:
+        """Start the copy back (no-op while ``x`` is live, or once started or used)."""
+        if self.live is not None or self.ready is not None or self.used:
+            return
+        if self.event is None:
+            self.ready = (self.host.clone(), None)
+            return
+        stream = _copy_stream(self.device)
+        with torch.cuda.stream(stream):
+            stream.wait_event(self.event)
+            x = self.host.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self.ready = (x, done)
+
     def get(self) -> torch.Tensor:
         if self.live is not None:
             return self.live
-        if self.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.event)
-            x = self.host.to(self.device, non_blocking=True)
-        else:
-            x = self.host.clone()
+        if self.ready is None:  # not prefetched (the first layer of backward), or asked again
+            self.used = False
+            self.prefetch()
+        x, done = self.ready
+        self.ready, self.used = None, True
+        if done is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)
+            x.record_stream(current)  # made on the side stream, used and freed on this one
+        before = self.previous() if self.previous is not None else None
+        if before is not None:
+            before.prefetch()
         # as the original input (a compiled layer guards on it, and must save the same tensors)
         return x.requires_grad_(self.requires_grad)
 
@@ -187,8 +223,8 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, 
         offload: keep each checkpointed layer's input in (pinned) host memory between forward
             and backward instead of on the device (``OffloadedInput``): −b·h bytes per token
             and checkpointed layer on the device, one device→host copy per layer in forward
-            (on a side stream) and one host→device copy per layer in backward (on the compute
-            stream, not prefetched).  ``"full"`` policy only.
+            (on a side stream) and one host→device copy per layer in backward (on the side
+            stream, started one layer ahead).  ``"full"`` policy only.
 
     Example::
 
