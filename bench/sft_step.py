@@ -26,8 +26,9 @@ checkpointing of every decoder layer):
 - ``pgs_release_slabs``: ``pgs_release`` with the layer inputs offloaded to pinned host memory
   and the tied weight stepped in row slabs (``GradientRelease(..., tied_slabs=SLAB_ROWS)``: no
   dense V×D gradient at the end of backward); ``pgs_release_slabs_pg``: the same with one
-  release group per parameter (a layer's gradients never all exist at once).  Not yet run on
-  a GPU (docs/memory.md).
+  release group per parameter (a layer's gradients never all exist at once) (docs/memory.md).
+- any variant with ``_varlen`` appended: the same with ``attn_implementation="varlen"``
+  (packed documents without cross-document attention work; docs/data.md).
 
 Default variants per shape (``SHAPE_VARIANTS``); ``--only`` picks any.  The chunked loss's
 chunk is per shape unless ``--loss-chunk`` is given (``default_loss_chunk``): 256 rows at 4B
@@ -76,9 +77,21 @@ SMALL_SHAPES = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
                   tie_word_embeddings=True), 2, 64),
 }
-VARIANTS = ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "hf_compiled", "hf_liger",
-            "pgs_release", "pgs_release_unfused", "pgs_release_eager", "pgs_release_noac",
-            "pgs_release_slabs", "pgs_release_slabs_pg")
+BASE_VARIANTS = ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "hf_compiled", "hf_liger",
+                 "pgs_release", "pgs_release_unfused", "pgs_release_eager", "pgs_release_noac",
+                 "pgs_release_slabs", "pgs_release_slabs_pg")
+#: every variant also runs with ``attn_implementation="varlen"`` (suffix ``_varlen``): packed
+#: documents through FlashAttention's variable-length kernel (pgs.runtime.attention); the HF
+#: variants then get the boundaries as keyword arguments, as TRL's flattening collator gives them
+VARIANTS = BASE_VARIANTS + tuple(v + "_varlen" for v in BASE_VARIANTS)
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """``(base variant, attention implementation)``."""
+    if name.endswith("_varlen"):
+        return name[: -len("_varlen")], "varlen"
+    return name, "sdpa"
+
 #: rows per slab of the tied weight for the ``_slabs`` variants (rows × hidden must be a
 #: multiple of lion8bit's 256-element blocks)
 SLAB_ROWS = {"qwen3-4b": 8192, "qwen3-0.6b": 8192, "tiny": 128}
@@ -102,15 +115,18 @@ def default_loss_chunk(shape: str) -> int:
 PACKED = {"qwen3-0.6b", "tiny"}
 
 
-def build(table: dict, device: torch.device):
+def build(table: dict, device: torch.device, attn: str = "sdpa"):
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pgs.runtime.attention import hf_implementation
 
     cfg_table = dict(table)
     cfg = AutoConfig.for_model(cfg_table.pop("model_type"), **cfg_table)
     cfg.use_cache = False
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
+                                                 attn_implementation=hf_implementation(attn))
     return model.train()
 
 
@@ -137,6 +153,7 @@ def flops_per_token(model, seq: int) -> float:
 
 
 def uses_ac(name: str) -> bool:
+    name = split_name(name)[0]
     return name.endswith("_ac") or name in ("pgs_release", "pgs_release_unfused", "pgs_release_eager") or _slabs(name)
 
 
@@ -147,6 +164,9 @@ def _slabs(name: str) -> bool:
 def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None = None):
     """``step(ids, pos) -> loss`` for one variant (builds its optimizer and patches the model)."""
     import pgs.func as pf
+    from pgs.runtime.attention import packed_kwargs, uses_varlen
+
+    name = split_name(name)[0]
     from pgs.runtime.checkpointing import apply_activation_checkpointing, apply_liger, compile_layers
 
     compile_kw = {"backend": args.compile_backend} if args.compile_backend else {}
@@ -160,8 +180,11 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
         fused = model.device.type == "cuda"
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=fused)
 
+        varlen = uses_varlen(model)
+
         def step(ids, pos):
-            loss = model(input_ids=ids, position_ids=pos, labels=ids).loss
+            extra = packed_kwargs(pos) if varlen else {}
+            loss = model(input_ids=ids, position_ids=pos, labels=ids, **extra).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -204,6 +227,7 @@ def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk:
     """``pgs profile``'s prediction for a pgs variant (None for HF variants, or when it fails)."""
     if not name.startswith("pgs_"):
         return None
+    name = split_name(name)[0]
     try:
         import pgs.func as pf
         from pgs.runtime.profile import GiB, predict_memory
@@ -234,7 +258,8 @@ def run_variant(name: str, shape: str, args, device) -> dict:
     model = opt = step = None
     cuda = device.type == "cuda"
     try:
-        model = build(table, device)
+        model = build(table, device, split_name(name)[1])
+        out["attn_implementation"] = split_name(name)[1]
         out["params"] = sum(p.numel() for p in model.parameters())
         step, opt = variant_setup(name, model, args, loss_chunk, SLAB_ROWS[shape])
         gen = torch.Generator().manual_seed(1)
