@@ -9,7 +9,7 @@ Reports per optimizer: median ms, bytes that must move per step, the byte floor
 
 Rows ``pgs_lion8bit_*`` / ``pgs_adamw8bit_*`` are kernel variants (``pgs.func.kernels``
 switches: ENC / ENC_V encoders of m / v, RNG stochastic-rounding noise, SPLIT unmasked
-full programs, DEQ_TABLE, FAST_DIV, ROWS, NUM_WARPS); the plain rows use the defaults,
+full programs, DEQ_TABLE, FAST_DIV, ROWS, NUM_WARPS, TABLE); the plain rows use the defaults,
 ``*_before`` the kernels as they were (arithmetic encoder, Philox per element, masks
 everywhere, div_rn).  ``pgs_chain`` is the design
 stack ``adagc → mona → lion8bit direction → hyperball`` through ``pf.compile(jit=True)``;
@@ -149,6 +149,19 @@ def main() -> None:
     # name: (maker, kernel switches, bytes key); plain names use the defaults
     makers = {
         "pgs_lion8bit": (lion(), {}, "pgs_lion8bit"),
+        # TABLE: the tables from a register copy by tl.gather (issue #4); *_repeat: the
+        # defaults again after the variants (the first row runs on a cold GPU)
+        "pgs_lion8bit_gather": (lion(), dict(TABLE="gather"), "pgs_lion8bit"),
+        "pgs_adamw8bit_gather": (adam(), dict(TABLE="gather"), "pgs_adamw8bit"),
+        "pgs_lion8bit_gather_dec": (lion(), dict(TABLE="gather_dec"), "pgs_lion8bit"),
+        "pgs_adamw8bit_gather_dec": (adam(), dict(TABLE="gather_dec"), "pgs_adamw8bit"),
+        "pgs_lion8bit_gather_rows16": (lion(), dict(TABLE="gather", LION_ROWS=16), "pgs_lion8bit"),
+        "pgs_lion8bit_gather_warps8": (lion(), dict(TABLE="gather", NUM_WARPS=8), "pgs_lion8bit"),
+        "pgs_lion8bit_gather_rows16_warps8": (lion(), dict(TABLE="gather", LION_ROWS=16, NUM_WARPS=8),
+                                              "pgs_lion8bit"),
+        "pgs_adamw8bit_gather_rows8": (adam(), dict(TABLE="gather", ROWS=8), "pgs_adamw8bit"),
+        "pgs_lion8bit_repeat": (lion(), {}, "pgs_lion8bit"),
+        "pgs_adamw8bit_repeat": (adam(), {}, "pgs_adamw8bit"),
         "pgs_lion8bit_enc1": (lion(), dict(ENC=1), "pgs_lion8bit"),
         "pgs_lion8bit_enc3": (lion(), dict(ENC=3), "pgs_lion8bit"),
         "pgs_lion8bit_enc0": (lion(), dict(ENC=0), "pgs_lion8bit"),
@@ -182,7 +195,7 @@ def main() -> None:
     order = first + [k for k in makers if k not in first and k not in last] + last
     isolate = set(filter(None, args.isolate.split(","))) - ({next(iter(only))} if len(only) == 1 else set())
     defaults = {k: getattr(K, k) for k in ("ENC", "ENC_V", "RNG", "SPLIT", "DEQ_TABLE", "FAST_DIV", "ROWS",
-                                            "NUM_WARPS", "LION_ROWS", "OPAQUE")}
+                                            "NUM_WARPS", "LION_ROWS", "OPAQUE", "TABLE")}
     t_start = time.perf_counter()
 
     def dump():  # after every row: a crash later loses nothing already measured

@@ -506,3 +506,153 @@ def test_bounds_checks_hold(enc, monkeypatch):
 
     with pytest.raises(Exception):
         bad[(1,)](torch.arange(8, dtype=torch.int32), torch.empty(4, dtype=torch.int32), 8)
+
+
+# ----------------------------------------------------------------------------------------
+# TABLE gather mode (issue #4): each program holds the decode map and the encoder's bucket
+# table in registers and picks entries by tl.gather; everything must equal the default mode
+
+
+GATHER_MODES = ("gather", "gather_dec")
+
+
+def _require_tl_gather():
+    """Skip, saying why, where this Triton cannot run ``tl.gather`` (absent, or the CPU
+    interpreter / the GPU backend rejects it); so the gather tests never pass vacuously."""
+    tl = triton.language
+    where = "the CPU interpreter" if DEV == "cpu" else "the GPU backend"
+    if not hasattr(tl, "gather"):
+        pytest.skip(f"triton {triton.__version__} has no tl.gather: TABLE='gather' cannot run on {where}")
+
+    @triton.jit
+    def probe(t_ptr, i_ptr, o_ptr):
+        r = tl.arange(0, 8)
+        tl.store(o_ptr + r, tl.gather(tl.load(t_ptr + r), tl.load(i_ptr + r), 0))
+
+    t = torch.arange(8, dtype=torch.int32, device=DEV) * 3
+    i = torch.tensor([7, 0, 3, 3, 1, 6, 2, 5], dtype=torch.int32, device=DEV)
+    o = torch.full((8,), -1, dtype=torch.int32, device=DEV)
+    try:
+        probe[(1,)](t, i, o)
+    except Exception as e:  # noqa: BLE001 - any failure means: not supported here
+        pytest.skip(f"tl.gather is not supported by {where} (triton {triton.__version__}): "
+                    f"{type(e).__name__}: {str(e)[:200]}")
+    assert torch.equal(o, t[i.long()]), f"tl.gather on {where} returned wrong entries: {o.tolist()}"
+
+
+def test_table_mode_names():
+    assert K.TABLE == os.environ.get("PGS_8BIT_TABLE", "global")
+    assert [K._table(m) for m in ("global", "gather", "gather_dec")] == [0, 1, 2]
+    with pytest.raises(ValueError, match="PGS_8BIT_TABLE"):
+        K._table("shared")
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["enc1", "enc2"])
+@pytest.mark.parametrize("signed", [True, False])
+def test_table_gather_window_equals_full_table(signed, wide):
+    """The register slice of the bucket table, with the index clamped into it as the kernel
+    does, returns the full table's entry for every bucket (every non-negative fp32 word)."""
+    from pgs.func.kernels import blockwise8 as bw
+    from pgs.func.quant8 import bucket_table
+
+    lo, size, hi = ((bw.GLO_S, bw.GSIZE_S, bw.GHI_S) if signed else (bw.GLO_U, bw.GSIZE_U, bw.GHI_U))
+    lo, size, hi = lo.value, size.value, hi.value
+    assert size & (size - 1) == 0 and hi == lo + size - 1 and lo > 0
+    full, _ = bucket_table(signed, wide=wide)
+    idx = torch.arange(full.numel())
+    assert torch.equal(full[idx.clamp(lo, hi)], full)
+    assert size <= (2048 if signed else 4096)  # what the kernel holds per program
+
+
+def _special_grad(n, seed):
+    g = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    g[:B] = 0.0
+    g[B:B + 5] = -0.0
+    g[B + 5:B + 9] = 1e-40
+    g[2 * B] = float("nan")
+    g[3 * B + 1] = float("inf")
+    g[3 * B + 2] = -float("inf")
+    g[4 * B:5 * B] *= 1e-30
+    return g
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN/inf gradients
+@pytest.mark.parametrize("enc", [2, 1, 0, 3])
+@pytest.mark.parametrize("mode", GATHER_MODES)
+@pytest.mark.parametrize("which", ["lion", "adam"])
+def test_table_gather_steps_equal_global(which, mode, enc, monkeypatch):
+    """Fused steps (apply with stochastic rounding into bf16 parameters, and the direction)
+    in TABLE gather modes equal the default mode bit for bit: parameters, codes, absmax,
+    direction; both bodies (full programs and a partial last one), special gradients (zero,
+    −0, denormal, NaN, ±inf, tiny blocks).  On the CPU every table index is also
+    bounds-checked (CHECK mode).  On a GPU, FMA contraction is off: two compiles of one
+    expression may contract differently (see test_unmasked_and_masked_bodies_agree)."""
+    _require_tl_gather()
+    if DEV == "cpu":
+        monkeypatch.setattr(K._module(), "CHECK", triton.language.constexpr(True))
+    else:
+        monkeypatch.setattr(K, "FP_FUSION", False)
+    monkeypatch.setattr(K, "ENC", enc)
+    monkeypatch.setattr(K, "ENC_V", enc)
+    R = K.LION_ROWS if which == "lion" else K.ROWS
+    n = 2 * R * B + 6 * B + 5
+    g = _special_grad(n, 0).to(DEV)
+    p = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEV)
+    m, v = _to(_moment(n, True, 1), DEV), _to(_moment(n, False, 2), DEV)
+    seed = torch.tensor([12345], dtype=torch.int64, device=DEV)
+
+    def run():
+        if which == "lion":
+            new_p, mq = K.lion8bit(g, m, torch.tensor([0.1, 0.01, 1e-2, 0.1], device=DEV), B, p=p.clone(), seed=seed)
+            u, mu = K.lion8bit(g, m, torch.tensor([0.1, 0.01], device=DEV), B)
+            return dict(p=new_p, m_codes=mq.codes, m_absmax=mq.absmax, u=u, u_codes=mu.codes, u_absmax=mu.absmax)
+        hp = [0.1, 0.999, 0.001, 1e-8, 0.0, 0.27, 0.003]
+        new_p, mq, vq = K.adam8bit(g, m, v, torch.tensor(hp + [1e-2, 0.1], device=DEV), B, p=p.clone(), seed=seed)
+        u, _, _ = K.adam8bit(g, m, v, torch.tensor(hp, device=DEV), B)
+        return dict(p=new_p, m_codes=mq.codes, m_absmax=mq.absmax, v_codes=vq.codes, v_absmax=vq.absmax, u=u)
+
+    monkeypatch.setattr(K, "TABLE", "global")
+    want = run()
+    monkeypatch.setattr(K, "TABLE", mode)
+    got = run()
+    assert not torch.equal(got["p"], p), "the step changed no parameter: nothing was compared"
+    for name in want:
+        assert _nan_equal(got[name].float(), want[name].float()) if got[name].is_floating_point() \
+            else torch.equal(got[name], want[name]), f"{which} {mode} ENC={enc}: {name} differs from TABLE=global"
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("signed", [True, False])
+def test_table_gather_quantize_and_decode_exactly(signed):
+    """The quantizer in gather mode (bucket encoders ENC 1/2 from the register slice) gives
+    the reference's codes for every midpoint, map entry and their fp32 neighbours, and for
+    wide-range, zero, NaN, ±inf, sub-MIN_SCALE and denormal blocks; the register decode
+    map rebuilds all 256 entries bit for bit."""
+    _require_tl_gather()
+    q = dynamic_map(signed)
+    s = _adversarial(signed)
+    per = B - 1
+    nb = -(-s.numel() // per)
+    body = torch.zeros(nb * per)
+    body[: s.numel()] = s
+    x = torch.cat([torch.full((nb, 1), 1.0), body.view(nb, per)], dim=1).reshape(-1)
+    g = torch.Generator().manual_seed(5)
+    y = torch.randn(24 * B, generator=g) * 10.0 ** torch.empty(24).uniform_(-30, 3, generator=g).repeat_interleave(B)
+    y[2 * B + 7] = float("nan")
+    y[3 * B + 1] = float("inf")
+    y[4 * B + 2] = -float("inf")
+    y[5 * B:6 * B] = torch.randn(B, generator=g) * MIN_SCALE * 0.3
+    y[6 * B:7 * B] = torch.randn(B, generator=g) * 1e-44
+    x = torch.cat([x, y if signed else y.abs(), torch.zeros(B + 3)])
+    ref = quantize_blockwise(x, q, B)
+    for enc in (1, 2):
+        got = K.quantize(x.to(DEV), signed, B, enc=enc, table="gather")
+        bad = (got.codes.cpu() != ref.codes).nonzero().flatten()
+        assert bad.numel() == 0, (enc, x[bad[:8]].tolist(), got.codes.cpu()[bad[:8]].tolist(),
+                                  ref.codes[bad[:8]].tolist())
+        assert _nan_equal(got.absmax.cpu(), ref.absmax)
+    codes = torch.arange(256, dtype=torch.uint8, device=DEV)
+    dec = K.dequantize(Quantized8bit(codes, torch.ones(4, device=DEV)), signed, B, table=True, mode="gather").cpu()
+    assert torch.equal(dec.view(torch.int32), q.view(torch.int32))
+    assert _nan_equal(K.dequantize(_to(ref, DEV), signed, B, table=True, mode="gather").cpu(),
+                      dequantize_blockwise(ref, q, B))

@@ -56,6 +56,16 @@ RNG = int(os.environ.get("PGS_8BIT_RNG", "1"))
 #: AdamW8bit: per-step reciprocals and an approximate sqrt/division instead of three
 #: ``div_rn`` and a ``sqrt_rn`` per element.  ``PGS_8BIT_FAST_DIV``.
 FAST_DIV = os.environ.get("PGS_8BIT_FAST_DIV", "1") == "1"
+#: Where the per-element table lookups read their table (issue #4: a warp's 32 random
+#: gathers into the 1 KiB map cost up to 8 L1 wavefronts).  "global" (default): one global
+#: load per element (inline-PTX ``ld.global.nc``).  "gather": each program loads the decode
+#: map (256 fp32) and the m/v encoders' bucket tables (ENC/ENC_V 1 or 2: the 2048 / 4096
+#: entries between the smallest midpoint and 1.0, ``blockwise8._gather_window``) once into a
+#: register tensor and indexes it with ``tl.gather`` (on the GPU lowered through shared
+#: memory).  "gather_dec": only the decode map.  Bit-identical results in every mode (tests);
+#: the speed is for the GPU to decide.  ``PGS_8BIT_TABLE``.
+TABLE = os.environ.get("PGS_8BIT_TABLE", "global")
+TABLE_MODES = {"global": 0, "gather": 1, "gather_dec": 2}
 #: Full programs run an unmasked copy of the kernel body, only the last one the masked copy.
 SPLIT = os.environ.get("PGS_8BIT_SPLIT", "1") == "1"
 #: Let the compiler contract a multiply and an add into one FMA (Triton's default).  It picks
@@ -140,6 +150,15 @@ def _chunk_seed(seed, i: int):
     return seed + i * 0x3C6EF372  # a different noise stream per launch of one buffer
 
 
+def _table(mode=None) -> int:
+    """The kernels' ``TABLE`` constexpr for a ``TABLE`` mode name (default: the module's)."""
+    mode = TABLE if mode is None else mode
+    if mode not in TABLE_MODES:
+        raise ValueError(f"pgs.func.kernels.TABLE (PGS_8BIT_TABLE) must be one of {sorted(TABLE_MODES)}, "
+                         f"got {mode!r}")
+    return TABLE_MODES[mode]
+
+
 def _grid(n: int, block_size: int, rows: int | None = None):
     nb = max(1, -(-n // block_size))
     return (-(-nb // (ROWS if rows is None else rows)),)
@@ -179,6 +198,7 @@ def _lion8bit(g, m: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None,
     """
     k = _module()
     dev = g.device
+    table = _table()
     code, mids, btab, midp = _maps(True, dev, ENC)
     apply = p is not None
     if out is None:
@@ -197,7 +217,7 @@ def _lion8bit(g, m: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None,
             _cut(fc, s, n, w), _cut(m.absmax, b, nb, w), _cut(fco, s, n, w), _cut(m_out.absmax, b, nb, w),
             code, mids, btab, midp, hp, sd if sd is not None else _no_seed(dev), n,
             BLOCK=block_size, ROWS=LION_ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
-            ENC=ENC, RNG=RNG, SPLIT=SPLIT, num_warps=NUM_WARPS, **_fusion(),
+            ENC=ENC, RNG=RNG, SPLIT=SPLIT, TABLE=table, num_warps=NUM_WARPS, **_fusion(),
         )
     return out, m_out
 
@@ -224,6 +244,7 @@ def _adam8bit(g, m: Quantized8bit, v: Quantized8bit, hp: torch.Tensor, block_siz
     """
     k = _module()
     dev = g.device
+    table = _table()
     code_m, mids_m, btab_m, midp_m = _maps(True, dev, ENC)
     code_v, mids_v, btab_v, midp_v = _maps(False, dev, ENC_V)
     apply = p is not None
@@ -247,7 +268,7 @@ def _adam8bit(g, m: Quantized8bit, v: Quantized8bit, hp: torch.Tensor, block_siz
             code_m, mids_m, btab_m, midp_m, code_v, mids_v, btab_v, midp_v, hp,
             sd if sd is not None else _no_seed(dev), n,
             BLOCK=block_size, ROWS=ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
-            ENC=ENC, ENC_V=ENC_V, RNG=RNG, FAST_DIV=FAST_DIV, SPLIT=SPLIT, num_warps=NUM_WARPS,
+            ENC=ENC, ENC_V=ENC_V, RNG=RNG, FAST_DIV=FAST_DIV, SPLIT=SPLIT, TABLE=table, num_warps=NUM_WARPS,
             **_fusion(),
         )
     return out, m_out, v_out
@@ -304,11 +325,13 @@ def _(g, mcodes, mabsmax, vcodes, vabsmax, hp, block_size):
             torch.empty_like(vabsmax))
 
 
-def quantize(x: torch.Tensor, signed: bool, block_size: int, *, enc: int | None = None) -> Quantized8bit:
+def quantize(x: torch.Tensor, signed: bool, block_size: int, *, enc: int | None = None,
+             table: str | None = None) -> Quantized8bit:
     """``quantize_blockwise(x, dynamic_map(signed), block_size)`` in one Triton kernel
-    (``enc`` picks the encoder, default ``ENC``)."""
+    (``enc`` picks the encoder, default ``ENC``; ``table`` a ``TABLE`` mode, default ``TABLE``)."""
     k = _module()
     enc = ENC if enc is None else int(enc)
+    tmode = _table(table)
     code, mids, btab, midp = _maps(bool(signed), x.device, enc)
     x = x.contiguous()
     n = x.numel()
@@ -316,15 +339,18 @@ def quantize(x: torch.Tensor, signed: bool, block_size: int, *, enc: int | None 
     absmax = torch.empty(max(1, -(-n // block_size)), dtype=torch.float32, device=x.device)
     k.quantize_kernel[_grid(n, block_size)](
         _flat(x), _flat(codes), absmax, mids, btab, midp, n,
-        BLOCK=block_size, ROWS=ROWS, SIGNED=bool(signed), ENC=enc,
+        BLOCK=block_size, ROWS=ROWS, SIGNED=bool(signed), ENC=enc, TABLE=tmode,
         num_warps=NUM_WARPS, **_fusion(),
     )
     return Quantized8bit(codes, absmax)
 
 
-def dequantize(q: Quantized8bit, signed: bool, block_size: int, *, table: bool | None = None) -> torch.Tensor:
-    """``dequantize_blockwise(q, dynamic_map(signed), block_size)`` in one Triton kernel (fp32)."""
+def dequantize(q: Quantized8bit, signed: bool, block_size: int, *, table: bool | None = None,
+               mode: str | None = None) -> torch.Tensor:
+    """``dequantize_blockwise(q, dynamic_map(signed), block_size)`` in one Triton kernel (fp32);
+    ``table`` = DEQ_TABLE, ``mode`` a ``TABLE`` mode (default ``TABLE``)."""
     k = _module()
+    tmode = _table(mode)
     codes = q.codes.contiguous()
     code = _maps(bool(signed), codes.device)[0]
     n = codes.numel()
@@ -332,6 +358,6 @@ def dequantize(q: Quantized8bit, signed: bool, block_size: int, *, table: bool |
     k.dequantize_kernel[_grid(n, block_size)](
         _flat(codes), q.absmax, _flat(out), code, n,
         BLOCK=block_size, ROWS=ROWS, SIGNED=bool(signed),
-        DEQ_TABLE=DEQ_TABLE if table is None else bool(table), num_warps=NUM_WARPS, **_fusion(),
+        DEQ_TABLE=DEQ_TABLE if table is None else bool(table), TABLE=tmode, num_warps=NUM_WARPS, **_fusion(),
     )
     return out

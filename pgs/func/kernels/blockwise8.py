@@ -10,7 +10,9 @@ count below the value's bucket, one integer compare against the one midpoint ins
 gather-free arithmetic with bnb's exact rounding (``_encode``); every encoder gives the
 reference's codes bit for bit.  Dequantization gathers the map entry (``DEQ_TABLE``) or
 rebuilds it from the code by the map's own construction (two fmas, an add, a multiply).
-Table gathers are inline-PTX loads (``_gather``) so that Triton keeps the streaming layout.
+Table gathers are inline-PTX loads (``_gather``) so that Triton keeps the streaming layout;
+``TABLE`` (``pgs.func.kernels.TABLE``, "gather") instead loads the tables once per program
+into registers and picks entries with ``tl.gather`` (``_reg_table``).
 
 The maths mirrors the torch reference (``pgs.func.quant8``, ``pgs.func.lion8bit``,
 ``pgs.func.adam8bit``) operation for operation; on a GPU the compiler may contract a
@@ -110,6 +112,33 @@ def _midp_len(signed: bool) -> int:
 #: Lengths of the positive-midpoint tables (bounds of ``_encode_bucket``'s second lookup).
 MIDP_S = tl.constexpr(_midp_len(True))
 MIDP_U = tl.constexpr(_midp_len(False))
+
+
+def _gather_window(signed: bool) -> tuple[int, int]:
+    """(first bucket, power-of-two length) of the slice of ``bucket_table`` that ``TABLE``
+    gather mode holds in registers: it ends at the bucket of 1.0 and starts at or below the
+    last bucket without a midpoint that precedes the first positive midpoint.  Every entry
+    before the slice equals its first entry (c = 0, no midpoint), every entry after it its
+    last one (c = all positive midpoints, no midpoint; values > 1 and NaN buckets: the clamp
+    and the NaN select decide those), so clamping the bucket index into the slice gives the
+    full table's entry for every fp32 word (``tests/test_kernels_interpret.py`` checks it)."""
+    import torch
+
+    from pgs.func.quant8 import _positive_midpoints
+
+    shift = 23 - _MB[signed]
+    first = int(_positive_midpoints(signed)[:1].view(torch.int32)) >> shift  # its bucket
+    hi = 0x3F800000 >> shift
+    size = 1 << (hi - first + 1).bit_length()  # > hi − first + 1: room for one empty bucket below
+    return hi - size + 1, size
+
+
+#: Gather mode's bucket-table slice per map: first bucket (``GLO``), length (``GSIZE``,
+#: 2048 signed / 4096 unsigned entries) and last bucket (``GHI``, the bucket of 1.0).
+GLO_S, GSIZE_S = (tl.constexpr(v) for v in _gather_window(True))
+GLO_U, GSIZE_U = (tl.constexpr(v) for v in _gather_window(False))
+GHI_S = tl.constexpr(0x3F800000 >> (23 - _MB[True]))
+GHI_U = tl.constexpr(0x3F800000 >> (23 - _MB[False]))
 
 
 @triton.jit
@@ -213,7 +242,8 @@ def _encode(xs, mids_ptr, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _encode_bucket(xs, btab_ptr, midp_ptr, SIGNED: tl.constexpr, MB: tl.constexpr, WIDE: tl.constexpr):
+def _encode_bucket(xs, btab_ptr, midp_ptr, SIGNED: tl.constexpr, MB: tl.constexpr, WIDE: tl.constexpr,
+                   GATHER: tl.constexpr = False):
     """``_encode`` by one 16-bit table gather: the same codes, ~half the ALU work.
 
     T = bits of |xs|; its bucket is T's exponent and top ``MB`` mantissa bits (the table
@@ -224,6 +254,11 @@ def _encode_bucket(xs, btab_ptr, midp_ptr, SIGNED: tl.constexpr, MB: tl.constexp
     bits are larger, or equal and the exact fp32 midpoint ``midp[c]`` (a predicated load,
     ~1/256 of the elements in a bucket with a midpoint) is below t (ties by the sign, as
     in ``_encode``).
+
+    GATHER (``TABLE`` gather mode): the program loads the table's slice from the first empty
+    bucket below the smallest midpoint to the bucket of 1.0 once into registers
+    (``_gather_window``) and indexes it with ``tl.gather``; the bucket index is clamped into
+    the slice, whose end entries equal every entry beyond them: the same entries.
     """
     bits = xs.to(tl.int32, bitcast=True)
     tb = bits & 0x7FFFFFFF
@@ -236,14 +271,20 @@ def _encode_bucket(xs, btab_ptr, midp_ptr, SIGNED: tl.constexpr, MB: tl.constexp
         shift = SHIFT_U
         lowmask = LOWMASK_U
     idx = tb >> shift  # the table spans every non-negative fp32: > 1 reads as the clamp to 1
+    if GATHER:
+        if SIGNED:
+            e = _reg_table(btab_ptr, GLO_S, GSIZE_S, tl.minimum(tl.maximum(idx, GLO_S), GHI_S) - GLO_S)
+        else:
+            e = _reg_table(btab_ptr, GLO_U, GSIZE_U, tl.minimum(tl.maximum(idx, GLO_U), GHI_U) - GLO_U)
+        e = e.to(tl.int32)
+    else:
+        e = _gather(btab_ptr, idx, (0x7FFFFFFF >> shift) + 1).to(tl.int32)
     if WIDE:
         # one compare of t's bits below the bucket with M's (+1 for s < 0: ties go to t ≥ M)
-        e = _gather(btab_ptr, idx, (0x7FFFFFFF >> shift) + 1).to(tl.int32)
         c = (e >> 24) & 0xFF
         low = (tb & lowmask) + (bits >> 31 & 1)
         cnt = c + (low > (e & 0xFFFFFF)).to(tl.int32)
     else:
-        e = _gather(btab_ptr, idx, (0x7FFFFFFF >> shift) + 1).to(tl.int32)
         c = (e >> 8) & 0xFF
         mhi = e & 0xFF
         th = (tb >> (shift - 8)) & 0xFF
@@ -283,12 +324,15 @@ def _encode_word(xs, btab_ptr, SIGNED: tl.constexpr, MB: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(x, mids_ptr, btab_ptr, midp_ptr, SIGNED: tl.constexpr, ENC: tl.constexpr):
+def _quantize_rows(x, mids_ptr, btab_ptr, midp_ptr, SIGNED: tl.constexpr, ENC: tl.constexpr,
+                   TABLE: tl.constexpr = 0):
     """Codes and absmax of each row of ``x`` (rows are quantization blocks).
 
     ENC 0: the arithmetic encoder (``_encode``); 1: the bucket-table encoder with 16-bit
     entries (``_encode_bucket``); 2: with 32-bit entries (no second lookup); 3: a table over
-    the whole fp32 word, sign included (``_encode_word``).
+    the whole fp32 word, sign included (``_encode_word``).  TABLE 1 (``pgs.func.kernels.TABLE``
+    = "gather"): ENC 1 and 2 read their table from registers by ``tl.gather`` (ENC 0 and 3
+    keep their global loads).
     """
     # max over |x| as integer bit patterns: exact, and a NaN (above +inf) propagates.
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -303,9 +347,9 @@ def _quantize_rows(x, mids_ptr, btab_ptr, midp_ptr, SIGNED: tl.constexpr, ENC: t
             codes = _encode_word(x * inv[:, None], btab_ptr, SIGNED, MB_U)
     elif ENC != 0:
         if SIGNED:
-            codes = _encode_bucket(x * inv[:, None], btab_ptr, midp_ptr, SIGNED, MB_S, ENC == 2)
+            codes = _encode_bucket(x * inv[:, None], btab_ptr, midp_ptr, SIGNED, MB_S, ENC == 2, TABLE == 1)
         else:
-            codes = _encode_bucket(x * inv[:, None], btab_ptr, midp_ptr, SIGNED, MB_U, ENC == 2)
+            codes = _encode_bucket(x * inv[:, None], btab_ptr, midp_ptr, SIGNED, MB_U, ENC == 2, TABLE == 1)
     else:
         codes = _encode(x * inv[:, None], mids_ptr, SIGNED)
     return codes.to(tl.uint8), absmax
@@ -374,6 +418,26 @@ def _gather_if(base, idx, pred, SIZE: tl.constexpr):
         return tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.b32 $0, [$1]; }",
             "=r,l,r", [ptrs, pred.to(tl.int32)], dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)
+
+
+@triton.jit
+def _reg_table(base, START: tl.constexpr, SIZE: tl.constexpr, idx):
+    """``base[START + idx]`` for ``idx`` in [0, SIZE) of any shape, from a register copy of the
+    table slice ``base[START : START + SIZE]`` (``TABLE`` gather mode).
+
+    The program loads the slice once (each call site is reached once per program) and
+    ``tl.gather`` picks the entries; ``tl.gather`` needs an index of the table's rank, so the
+    index is flattened and the result reshaped back (element order kept: no data movement
+    for the streaming layout).  On the GPU a gather whose axis spans several warps is lowered
+    through shared memory: the table is stored there once and read with ``ld.shared`` (bank
+    conflicts) instead of a global gather per element (an L1 wavefront per distinct 128-byte
+    line a warp touches).
+    """
+    if CHECK:
+        _check((idx >= 0) & (idx < SIZE), "pgs 8-bit: register-table index out of range")
+    tab = tl.load(base + START + tl.arange(0, SIZE))
+    flat = tl.reshape(idx, [idx.numel])
+    return tl.reshape(tl.gather(tab, flat, 0), idx.shape)
 
 
 @triton.jit
@@ -460,7 +524,7 @@ def _is_full(pid, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
 
 @triton.jit
 def _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask,
-                 SIGNED: tl.constexpr, DEQ_TABLE: tl.constexpr, MASKED: tl.constexpr):
+                 SIGNED: tl.constexpr, DEQ_TABLE: tl.constexpr, MASKED: tl.constexpr, TABLE: tl.constexpr = 0):
     # Masked lanes read the code of 0.0 (127 signed, 0 unsigned) and an absmax of 0, so both
     # bodies compute the same expression ``q * absmax`` with no select after it.  That alone
     # does not make them agree bit for bit on a GPU: LLVM still picks which product of an
@@ -471,8 +535,11 @@ def _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask,
     else:
         codes = _ld(codes_ptr, offs, mask, 0, MASKED).to(tl.int32)
     absmax = _ld(absmax_ptr, rows, rmask, 0.0, MASKED)
-    if DEQ_TABLE:  # one gather per element from the 256-entry map (kept for A/B benchmarks)
-        q = _gather(qmap_ptr, codes, 256)
+    if DEQ_TABLE:  # one gather per element from the 256-entry map
+        if TABLE == 1 or TABLE == 2:  # a register copy of the map (``TABLE`` "gather" / "gather_dec")
+            q = _reg_table(qmap_ptr, 0, 256, codes)
+        else:
+            q = _gather(qmap_ptr, codes, 256)
     else:
         q = _decode(codes, SIGNED)
     return q * absmax[:, None]
@@ -484,19 +551,20 @@ def _lion8bit_body(
     qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, APPLY: tl.constexpr, SR: tl.constexpr,
     DEQ_TABLE: tl.constexpr, ENC: tl.constexpr, RNG: tl.constexpr, MASKED: tl.constexpr,
+    TABLE: tl.constexpr = 0,
 ):
     rows, offs, mask, rmask = _tile(pid, n, BLOCK, ROWS)
     w1 = tl.load(hp_ptr + 0)
     w2 = tl.load(hp_ptr + 1)
     g = _ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
-    m = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, True, DEQ_TABLE, MASKED)
+    m = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, True, DEQ_TABLE, MASKED, TABLE)
     d = g - m
     c = m + w1 * d
     u = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
     m = m + w2 * d
     if MASKED:
         m = tl.where(mask, m, 0.0)
-    codes, absmax = _quantize_rows(m, mids_ptr, btab_ptr, midp_ptr, True, ENC)
+    codes, absmax = _quantize_rows(m, mids_ptr, btab_ptr, midp_ptr, True, ENC, TABLE)
     _st(codes_out_ptr, offs, codes, mask, MASKED)
     _st(absmax_out_ptr, rows, absmax, rmask, MASKED)
     if APPLY:
@@ -515,26 +583,29 @@ def lion8bit_kernel(
     qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, APPLY: tl.constexpr, SR: tl.constexpr,
     DEQ_TABLE: tl.constexpr = False, ENC: tl.constexpr = 0, RNG: tl.constexpr = 0,
-    SPLIT: tl.constexpr = True,
+    SPLIT: tl.constexpr = True, TABLE: tl.constexpr = 0,
 ):
     """hp = [1−β1, 1−β2, η, λ]: c = m + (1−β1)(g − m); m ← m + (1−β2)(g − m); u = sign(c).
 
     SPLIT: full programs run an unmasked copy of the body, the last one the masked copy.
+    TABLE: 0 = table gathers from global memory per element; 1 = the decode map and the
+    encoder's bucket table (ENC 1/2) from a register copy by ``tl.gather``; 2 = the decode
+    map only (``pgs.func.kernels.TABLE``).
     """
     pid = tl.program_id(0)
     if SPLIT:
         if _is_full(pid, n, BLOCK, ROWS):
             _lion8bit_body(pid, g_ptr, p_ptr, out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr,
                            qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
-                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, False)
+                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, False, TABLE)
         else:
             _lion8bit_body(pid, g_ptr, p_ptr, out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr,
                            qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
-                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, True)
+                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, True, TABLE)
     else:
         _lion8bit_body(pid, g_ptr, p_ptr, out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr,
                        qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
-                       BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, True)
+                       BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, True, TABLE)
 
 
 @triton.jit
@@ -546,7 +617,7 @@ def _adam8bit_body(
     hp_ptr, seed_ptr, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, APPLY: tl.constexpr, SR: tl.constexpr,
     DEQ_TABLE: tl.constexpr, ENC: tl.constexpr, RNG: tl.constexpr, FAST_DIV: tl.constexpr,
-    MASKED: tl.constexpr, ENC_V: tl.constexpr,
+    MASKED: tl.constexpr, ENC_V: tl.constexpr, TABLE: tl.constexpr = 0,
 ):
     rows, offs, mask, rmask = _tile(pid, n, BLOCK, ROWS)
     w1 = tl.load(hp_ptr + 0)
@@ -557,8 +628,8 @@ def _adam8bit_body(
     bc1 = tl.load(hp_ptr + 5)
     bc2 = tl.load(hp_ptr + 6)
     g = _ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
-    m = _load_moment(mcodes_ptr, mabsmax_ptr, qmap_m_ptr, rows, offs, mask, rmask, True, DEQ_TABLE, MASKED)
-    v = _load_moment(vcodes_ptr, vabsmax_ptr, qmap_v_ptr, rows, offs, mask, rmask, False, DEQ_TABLE, MASKED)
+    m = _load_moment(mcodes_ptr, mabsmax_ptr, qmap_m_ptr, rows, offs, mask, rmask, True, DEQ_TABLE, MASKED, TABLE)
+    v = _load_moment(vcodes_ptr, vabsmax_ptr, qmap_v_ptr, rows, offs, mask, rmask, False, DEQ_TABLE, MASKED, TABLE)
     m = m + w1 * (g - m)
     v = v * b2 + w2 * (g * g)
     if MASKED:
@@ -572,10 +643,10 @@ def _adam8bit_body(
         u = _fast_div(m * r1, tl.sqrt(v * r2 + eps_root) + eps)
     else:
         u = tl.math.div_rn(tl.math.div_rn(m, bc1), tl.sqrt_rn(tl.math.div_rn(v, bc2) + eps_root) + eps)
-    codes, absmax = _quantize_rows(m, mids_m_ptr, btab_m_ptr, midp_m_ptr, True, ENC)
+    codes, absmax = _quantize_rows(m, mids_m_ptr, btab_m_ptr, midp_m_ptr, True, ENC, TABLE)
     _st(mcodes_out_ptr, offs, codes, mask, MASKED)
     _st(mabsmax_out_ptr, rows, absmax, rmask, MASKED)
-    codes, absmax = _quantize_rows(v, mids_v_ptr, btab_v_ptr, midp_v_ptr, False, ENC_V)
+    codes, absmax = _quantize_rows(v, mids_v_ptr, btab_v_ptr, midp_v_ptr, False, ENC_V, TABLE)
     _st(vcodes_out_ptr, offs, codes, mask, MASKED)
     _st(vabsmax_out_ptr, rows, absmax, rmask, MASKED)
     if APPLY:
@@ -597,10 +668,11 @@ def adam8bit_kernel(
     BLOCK: tl.constexpr, ROWS: tl.constexpr, APPLY: tl.constexpr, SR: tl.constexpr,
     DEQ_TABLE: tl.constexpr = False, ENC: tl.constexpr = 0, RNG: tl.constexpr = 0,
     FAST_DIV: tl.constexpr = False, SPLIT: tl.constexpr = True, ENC_V: tl.constexpr = 0,
+    TABLE: tl.constexpr = 0,
 ):
     """hp = [1−β1, β2, 1−β2, ε, ε_root, 1−β1^t, 1−β2^t, η, λ]; u = (m/bc1)/(sqrt(v/bc2 + ε_root) + ε).
 
-    ENC encodes m (signed map), ENC_V encodes v (unsigned map)."""
+    ENC encodes m (signed map), ENC_V encodes v (unsigned map); TABLE as in ``lion8bit_kernel``."""
     pid = tl.program_id(0)
     if SPLIT:
         if _is_full(pid, n, BLOCK, ROWS):
@@ -608,28 +680,29 @@ def adam8bit_kernel(
                            vcodes_ptr, vabsmax_ptr, vcodes_out_ptr, vabsmax_out_ptr,
                            qmap_m_ptr, mids_m_ptr, btab_m_ptr, midp_m_ptr, qmap_v_ptr, mids_v_ptr, btab_v_ptr,
                            midp_v_ptr, hp_ptr, seed_ptr, n,
-                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, False, ENC_V)
+                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, False, ENC_V, TABLE)
         else:
             _adam8bit_body(pid, g_ptr, p_ptr, out_ptr, mcodes_ptr, mabsmax_ptr, mcodes_out_ptr, mabsmax_out_ptr,
                            vcodes_ptr, vabsmax_ptr, vcodes_out_ptr, vabsmax_out_ptr,
                            qmap_m_ptr, mids_m_ptr, btab_m_ptr, midp_m_ptr, qmap_v_ptr, mids_v_ptr, btab_v_ptr,
                            midp_v_ptr, hp_ptr, seed_ptr, n,
-                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, True, ENC_V)
+                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, True, ENC_V, TABLE)
     else:
         _adam8bit_body(pid, g_ptr, p_ptr, out_ptr, mcodes_ptr, mabsmax_ptr, mcodes_out_ptr, mabsmax_out_ptr,
                        vcodes_ptr, vabsmax_ptr, vcodes_out_ptr, vabsmax_out_ptr,
                        qmap_m_ptr, mids_m_ptr, btab_m_ptr, midp_m_ptr, qmap_v_ptr, mids_v_ptr, btab_v_ptr,
                        midp_v_ptr, hp_ptr, seed_ptr, n,
-                       BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, True, ENC_V)
+                       BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, True, ENC_V, TABLE)
 
 
 @triton.jit
 def quantize_kernel(x_ptr, codes_ptr, absmax_ptr, mids_ptr, btab_ptr, midp_ptr, n,
-                    BLOCK: tl.constexpr, ROWS: tl.constexpr, SIGNED: tl.constexpr, ENC: tl.constexpr = 0):
+                    BLOCK: tl.constexpr, ROWS: tl.constexpr, SIGNED: tl.constexpr, ENC: tl.constexpr = 0,
+                    TABLE: tl.constexpr = 0):
     """Block-wise quantization alone (``pgs.func.quant8.quantize_blockwise`` on the device)."""
     rows, offs, mask, rmask = _tile(tl.program_id(0), n, BLOCK, ROWS)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    codes, absmax = _quantize_rows(x, mids_ptr, btab_ptr, midp_ptr, SIGNED, ENC)
+    codes, absmax = _quantize_rows(x, mids_ptr, btab_ptr, midp_ptr, SIGNED, ENC, TABLE)
     tl.store(codes_ptr + offs, codes, mask=mask)
     tl.store(absmax_ptr + rows, absmax, mask=rmask)
 
@@ -637,8 +710,8 @@ def quantize_kernel(x_ptr, codes_ptr, absmax_ptr, mids_ptr, btab_ptr, midp_ptr, 
 @triton.jit
 def dequantize_kernel(codes_ptr, absmax_ptr, out_ptr, qmap_ptr, n,
                       BLOCK: tl.constexpr, ROWS: tl.constexpr, SIGNED: tl.constexpr,
-                      DEQ_TABLE: tl.constexpr = False):
+                      DEQ_TABLE: tl.constexpr = False, TABLE: tl.constexpr = 0):
     """Block-wise dequantization alone (``dequantize_blockwise`` on the device)."""
     rows, offs, mask, rmask = _tile(tl.program_id(0), n, BLOCK, ROWS)
-    x = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, SIGNED, DEQ_TABLE, True)
+    x = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, SIGNED, DEQ_TABLE, True, TABLE)
     tl.store(out_ptr + offs, x, mask=mask)
