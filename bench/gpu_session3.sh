@@ -21,7 +21,7 @@ timeout 150 python3 bench/sft_step.py --shapes qwen3-0.6b --steps 5 --warmup 2 -
 log sft 4b
 timeout "$(left 320)" python3 bench/sft_step.py --shapes qwen3-4b --steps 5 --warmup 2 --out "$OUT/sft_4b.json" \
   --only pgs_release_slabs_pg,hf_compiled_ac,pgs_release_slabs,pgs_release >> "$OUT/all.log" 2>&1
-if [ -f bench/experiments/issue4_s3.sh ]; then
+if [ -z "$SKIP_ISSUE4" ] && [ -f bench/experiments/issue4_s3.sh ]; then
   log issue4
   timeout "$(left 490)" bash bench/experiments/issue4_s3.sh >> "$OUT/all.log" 2>&1
 fi

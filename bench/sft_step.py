@@ -308,6 +308,37 @@ def run_variant(name: str, shape: str, args, device) -> dict:
     return out
 
 
+def run_child(name: str, shape: str, argv) -> dict:
+    """``run_variant`` in a fresh process (its result read back from a temporary JSON)."""
+    import subprocess
+    import tempfile
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    drop = {"--only", "--shapes", "--out"}
+    keep, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in drop:
+            skip = True
+            continue
+        if a.split("=")[0] in drop:
+            continue
+        keep.append(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "one.json")
+        cmd = [sys.executable, os.path.abspath(__file__), *keep, "--same-process", "--only", name,
+               "--shapes", shape, "--out", out]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            with open(out) as f:
+                return json.load(f)["results"][0]
+        except (OSError, ValueError, IndexError, KeyError):
+            tail = "\n".join(proc.stdout.splitlines()[-8:])
+            return {"variant": name, "shape": shape, "error": f"child exited {proc.returncode}: {tail}"}
+
+
 def _write(args, device, results) -> None:
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "python": sys.version.split()[0], "argv": sys.argv[1:],
@@ -328,6 +359,9 @@ def main(argv=None) -> int:
     p.add_argument("--loss-chunk", type=int, default=None, help="rows per loss chunk (default: per shape)")
     p.add_argument("--triton-on-cpu", action="store_true",
                    help="with --small on CPU: run the 8-bit kernels in Triton's interpreter (TRITON_INTERPRET=1)")
+    p.add_argument("--same-process", action="store_true",
+                   help="run every variant in this process (default: one child process per variant, so "
+                        "that no variant's memory or compiled code can leak into the next one's peak)")
     p.add_argument("--compile-backend", default=None,
                    help="torch.compile backend (default inductor; eager on CPU with --small)")
     args = p.parse_args(argv)
@@ -347,7 +381,7 @@ def main(argv=None) -> int:
         if shape not in shapes_table:
             p.error(f"unknown shape {shape!r}; choose from {', '.join(shapes_table)}")
         for name in only or SHAPE_VARIANTS[shape]:
-            r = run_variant(name, shape, args, device)
+            r = run_variant(name, shape, args, device) if args.same_process else run_child(name, shape, argv)
             results.append(r)
             summary = r.get("error") or (f"{r['tok_s']:.0f} tok/s, MFU {r['mfu']:.3f}, "
                                          f"peak {r.get('peak_gib', float('nan')):.2f} GiB, loss {r['loss']:.3f}")
