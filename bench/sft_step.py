@@ -26,7 +26,11 @@ checkpointing of every decoder layer):
 - ``pgs_release_slabs``: ``pgs_release`` with the layer inputs offloaded to pinned host memory
   and the tied weight stepped in row slabs (``GradientRelease(..., tied_slabs=SLAB_ROWS)``: no
   dense V×D gradient at the end of backward); ``pgs_release_slabs_pg``: the same with one
-  release group per parameter (a layer's gradients never all exist at once) (docs/memory.md).
+  release group per parameter (a layer's gradients never all exist at once) (docs/memory.md);
+  ``pgs_release_slabs_pg_tiled``: and each decoder MLP computed in ``--mlp-tiles`` token slices
+  (``pgs.runtime.tiled_mlp``); ``pgs_release_tiled``: ``pgs_release`` with the tiled MLP only.
+- ``pgs_release_noac_liger``: ``pgs_release_noac`` with Liger's layer kernels (RMSNorm, RoPE,
+  SwiGLU) instead of compiled layers (pgs's own chunked loss either way).
 - any variant with ``_varlen`` appended: the same with ``attn_implementation="varlen"``
   (packed documents without cross-document attention work; docs/data.md).
 
@@ -79,7 +83,8 @@ SMALL_SHAPES = {
 }
 BASE_VARIANTS = ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "hf_compiled", "hf_liger",
                  "pgs_release", "pgs_release_unfused", "pgs_release_eager", "pgs_release_noac",
-                 "pgs_release_slabs", "pgs_release_slabs_pg")
+                 "pgs_release_slabs", "pgs_release_slabs_pg", "pgs_release_slabs_pg_tiled", "pgs_release_tiled",
+                 "pgs_release_noac_liger")
 #: every variant also runs with ``attn_implementation="varlen"`` (suffix ``_varlen``): packed
 #: documents through FlashAttention's variable-length kernel (pgs.runtime.attention); the HF
 #: variants then get the boundaries as keyword arguments, as TRL's flattening collator gives them
@@ -154,11 +159,20 @@ def flops_per_token(model, seq: int) -> float:
 
 def uses_ac(name: str) -> bool:
     name = split_name(name)[0]
-    return name.endswith("_ac") or name in ("pgs_release", "pgs_release_unfused", "pgs_release_eager") or _slabs(name)
+    return (name.endswith("_ac") or name in ("pgs_release", "pgs_release_unfused", "pgs_release_eager", "pgs_release_tiled")
+            or _slabs(name))
 
 
 def _slabs(name: str) -> bool:
     return name.startswith("pgs_release_slabs")
+
+
+def _per_parameter(name: str) -> bool:
+    return "_pg" in split_name(name)[0]
+
+
+def _tiled(name: str) -> bool:
+    return split_name(name)[0].endswith("_tiled")
 
 
 def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None = None):
@@ -170,8 +184,12 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
     from pgs.runtime.checkpointing import apply_activation_checkpointing, apply_liger, compile_layers
 
     compile_kw = {"backend": args.compile_backend} if args.compile_backend else {}
-    if name.startswith("hf_liger"):
+    if "_liger" in name:
         apply_liger(model)  # before checkpointing wraps the layers' forwards
+    if _tiled(name):
+        from pgs.runtime.tiled_mlp import apply_mlp_tiles
+
+        apply_mlp_tiles(model, args.mlp_tiles)
     if uses_ac(name):
         apply_activation_checkpointing(model, "full", offload=_slabs(name))
     if name.startswith("hf_"):
@@ -196,14 +214,14 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
     from pgs.runtime.model import final_hidden, output_head
     from pgs.runtime.release import GradientRelease
 
-    if name != "pgs_release_eager":
+    if name not in ("pgs_release_eager", "pgs_release_noac_liger"):
         compile_layers(model, **compile_kw)
     new_path = name != "pgs_release_unfused"
     backend = "triton" if (args.small and args.triton_on_cpu) else "auto"
     slabs = slab_rows if _slabs(name) else None
     release = GradientRelease(pf.lion8bit(1e-5, backend=backend), model, stochastic_rounding=True,
                               track_grad_norm=False, fused=new_path, tied_slabs=slabs,
-                              groups="parameter" if name.endswith("_pg") else "layer")
+                              groups="parameter" if _per_parameter(name) else "layer")
     W0 = output_head(model)[0]
     defer = new_path and W0 is model.get_input_embeddings().weight
 
@@ -223,7 +241,7 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
 
 
 def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk: int,
-                       slab_rows: int | None = None) -> float | None:
+                       slab_rows: int | None = None, mlp_tiles: int = 0) -> float | None:
     """``pgs profile``'s prediction for a pgs variant (None for HF variants, or when it fails)."""
     if not name.startswith("pgs_"):
         return None
@@ -238,7 +256,8 @@ def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk:
                               micro_batch_tokens=batch * seq, loss_chunk=loss_chunk,
                               fused_update=new_path, defer_head_grad=None if new_path else False,
                               checkpoint_offload=_slabs(name), tied_slabs=slab_rows if _slabs(name) else None,
-                              release_groups="parameter" if name.endswith("_pg") else "layer")
+                              release_groups="parameter" if _per_parameter(name) else "layer",
+                              mlp_tiles=mlp_tiles if _tiled(name) else 0)
         return pred["peak"] / GiB
     except Exception:  # noqa: BLE001 - a prediction is a bonus
         return None
@@ -254,7 +273,10 @@ def run_variant(name: str, shape: str, args, device) -> dict:
         out["loss_chunk"] = loss_chunk
         if _slabs(name):
             out["tied_slabs"] = SLAB_ROWS[shape]
-        out["predicted_peak_gib"] = predicted_peak_gib(name, table, batch, seq, loss_chunk, SLAB_ROWS[shape])
+        if _tiled(name):
+            out["mlp_tiles"] = args.mlp_tiles
+        out["predicted_peak_gib"] = predicted_peak_gib(name, table, batch, seq, loss_chunk, SLAB_ROWS[shape],
+                                                       args.mlp_tiles)
     model = opt = step = None
     cuda = device.type == "cuda"
     try:
@@ -285,6 +307,8 @@ def run_variant(name: str, shape: str, args, device) -> dict:
         out["step_s"] = elapsed / args.steps
         out["mfu"] = flops_per_token(model, seq) * out["tok_s"] / H200_BF16_FLOPS
         out["loss"] = float(loss)
+        if args.profile and cuda:
+            out["profile"] = profile_steps(step, data[: args.profile], f"{shape} {name}")
         if cuda:
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if not math.isfinite(out["loss"]):
@@ -306,6 +330,31 @@ def run_variant(name: str, shape: str, args, device) -> dict:
         except Exception:  # noqa: BLE001
             pass
     return out
+
+
+def profile_steps(step, data, title: str) -> dict:
+    """A torch.profiler trace of ``len(data)`` steps, summarised by bench/experiments/sft_probe.py
+    (wall vs CUDA busy per step, GPU time and idle time by annotation, launches, syncs)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))
+    from sft_probe import print_summary, summarize_trace
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for ids, pos in data:
+            step(ids, pos)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    summary = summarize_trace(events, len(data))
+    print_summary(title, summary)
+    return summary
 
 
 def run_child(name: str, shape: str, argv) -> dict:
@@ -359,6 +408,9 @@ def main(argv=None) -> int:
     p.add_argument("--loss-chunk", type=int, default=None, help="rows per loss chunk (default: per shape)")
     p.add_argument("--triton-on-cpu", action="store_true",
                    help="with --small on CPU: run the 8-bit kernels in Triton's interpreter (TRITON_INTERPRET=1)")
+    p.add_argument("--mlp-tiles", type=int, default=4, help="token slices of the _tiled variants' MLPs")
+    p.add_argument("--profile", type=int, default=0,
+                   help="after timing, profile this many steps (torch.profiler) and add a summary")
     p.add_argument("--same-process", action="store_true",
                    help="run every variant in this process (default: one child process per variant, so "
                         "that no variant's memory or compiled code can leak into the next one's peak)")

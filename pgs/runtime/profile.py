@@ -112,6 +112,7 @@ def activation_parts(
     every: int = 1,
     gqa_native: bool = True,
     offload: bool = False,
+    mlp_tiles: int = 0,
 ) -> tuple[int, int]:
     """``(kept, recompute)``: bytes that forward leaves for backward for ``tokens`` tokens of a
     HF Qwen3/Llama-style decoder, and the extra bytes of one layer recomputed in backward.
@@ -138,7 +139,9 @@ def activation_parts(
     (tests/test_profile.py); the working set of backward itself (activation gradients,
     ≈ one layer's A_none) is not included.  ``offload`` (``"full"`` only): the checkpointed
     layers' inputs live in host memory, so they keep 0 on the device; the recompute then also
-    holds the input copied back (b·h).
+    holds the input copied back (b·h).  ``mlp_tiles = k > 1`` (``pgs.runtime.tiled_mlp``): the
+    MLP keeps none of its 4·b·I per token (its input is the second norm's output, counted
+    above) and its backward holds one tile's tensors, ≈ 8·b·I for ⌈tokens / k⌉ tokens.
     """
     if policy not in ("none", "full", "selective"):
         raise InvalidArgument(f"activation_bytes: policy={policy!r} is not none, full or selective")
@@ -154,7 +157,9 @@ def activation_parts(
     k_att = k if (gqa_native or n_kv == n_q) else q
     norm = 4 * h + 4 + b * h
     qk_norm = 4 * (q + k) + 4 * (n_q + n_kv) + b * (q + k) if _has_qk_norm(c) else 0
-    a_none = 2 * norm + 2 * b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q + 4 * b * inter
+    tiled = mlp_tiles > 1
+    mlp = 0 if tiled else 4 * b * inter
+    a_none = 2 * norm + 2 * b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q + mlp
     a_kept = {"none": a_none, "full": b * h,
               "selective": b * h + b * (q + 2 * k) + b * q + 4 * n_q + 2 * b * h + 2 * b * inter}[policy]
     if offload and policy != "full":
@@ -163,6 +168,8 @@ def activation_parts(
     per_token = checkpointed * (0 if offload else a_kept) + (n_layers - checkpointed) * a_none
     per_token += norm + b * h + 2 * b * d  # final norm and its output; rotary cos and sin
     recompute = (a_none - (0 if offload else a_kept)) * tokens if checkpointed else 0
+    if tiled:  # one tile's working set in the MLP's backward
+        recompute += 8 * b * inter * -(-tokens // mlp_tiles)
     return per_token * tokens, recompute
 
 
@@ -221,6 +228,7 @@ def predict_memory(
     defer_head_grad: bool | None = None,
     loss_kernels: bool | None = None,
     tied_slabs: int | None = None,
+    mlp_tiles: int = 0,
 ) -> dict[str, int]:
     """Bytes per category (``CATEGORIES``) plus ``total`` and ``peak``.  See the module docstring.
 
@@ -251,6 +259,7 @@ def predict_memory(
             backward — the slab's gradient (rows·D·b), the looked-up rows' gradients and their
             sums (N·D·b each; N·D·8 more while summed in fp32), and the head's rebuilt chunk
             for the slab's columns (chunk × rows).
+        mlp_tiles: the decoder MLPs computed in that many token slices (``activation_parts``).
 
     Example::
 
@@ -302,7 +311,8 @@ def predict_memory(
     out["gradients"] = max(group_bytes.values(), default=0)
 
     kept, recompute = activation_parts(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
-                                       every=checkpoint_every, gqa_native=gqa_native, offload=checkpoint_offload)
+                                       every=checkpoint_every, gqa_native=gqa_native, offload=checkpoint_offload,
+                                       mlp_tiles=int(mlp_tiles or 0))
     out["activations"] = kept + recompute
     c = _text_config(cfg)
     v, h = c.vocab_size, c.hidden_size
@@ -404,7 +414,10 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
     from pgs.runtime.model import freeze
     from pgs.runtime.release import refusal
 
-    opts = {**memory_options(spec), "tied_slabs": int(getattr(getattr(spec, "memory", None), "tied_slabs", 0) or 0),
+    mem = getattr(spec, "memory", None)
+    opts = {**memory_options(spec), "tied_slabs": int(getattr(mem, "tied_slabs", 0) or 0),
+            "mlp_tiles": int(getattr(mem, "mlp_tiles", 0) or 0),
+            "release_groups": getattr(mem, "release_groups", "layer"),
             **{k: v for k, v in overrides.items() if v is not None}}
     cfg = _spec_model_config(spec)
     dt = _dtype(spec.model.dtype)
@@ -424,7 +437,8 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   activation_checkpointing=opts["activation_checkpointing"],
                   checkpoint_every=int(opts["checkpoint_every"]), micro_batch_tokens=tokens,
                   checkpoint_offload=bool(opts["offload_checkpoints"]),
-                  tied_slabs=int(opts["tied_slabs"]) or None,
+                  tied_slabs=int(opts["tied_slabs"]) or None, mlp_tiles=int(opts["mlp_tiles"]),
+                  release_groups=opts["release_groups"],
                   loss="dense" if spec.loss.backend == "dense" else "chunked", loss_chunk=spec.loss.chunk_size,
                   model=model,
                   # pgs run defers a tied head's gradient only with the chunked backend and when asked
@@ -493,13 +507,18 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
         model = build_model(path=m.path, config=m.config, dtype=m.dtype, attn_implementation=m.attn_implementation,
                             init_seed=m.init_seed).to(dev)
     freeze(model, m.freeze)
+    if int(opts.get("mlp_tiles", 0)) > 1:
+        from pgs.runtime.tiled_mlp import apply_mlp_tiles
+
+        apply_mlp_tiles(model, int(opts["mlp_tiles"]))
     apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]),
                                    offload=bool(opts.get("offload_checkpoints", False)))
     chain = plan["kwargs"]["chain"]
     if opts["gradient_release"]:
         opt = GradientRelease(chain, model, master_weights=opts["master_weights"],
                               stochastic_rounding=spec.model.dtype == "bfloat16",
-                              tied_slabs=int(opts.get("tied_slabs", 0)) or None)
+                              tied_slabs=int(opts.get("tied_slabs", 0)) or None,
+                              groups=opts.get("release_groups", "layer"))
     else:
         opt = bind(chain, model, compile=spec.optimizer.compile, jit=spec.optimizer.jit)
     torch.cuda.synchronize()

@@ -37,6 +37,7 @@ WSD_SHAPES = ("linear", "cosine", "1-sqrt", "power", "exponential")
 DEVICES = ("auto", "cpu", "cuda")
 CHECKPOINT_POLICIES = ("none", "full", "selective")
 MASTER_WEIGHTS = ("none", "fp32")
+RELEASE_GROUPS = ("layer", "parameter")
 
 
 # --------------------------------------------------------------------------- field checks
@@ -286,7 +287,12 @@ class MemorySpec:
     instead of on the device (``activation_checkpointing = "full"`` only).  ``tied_slabs``
     (0: off) steps the input embedding's (tied) weight in slabs of that many vocabulary rows
     at the end of backward, so no dense V×D gradient exists (gradient release, one process,
-    an elementwise chain; ``GradientRelease(..., tied_slabs=rows)``).
+    an elementwise chain; ``GradientRelease(..., tied_slabs=rows)``).  ``release_groups``
+    (``"layer"`` or ``"parameter"``) is what steps together inside backward: a decoder layer's
+    parameters, or each parameter as soon as its gradient exists (a layer's gradients then never
+    all exist at once).  ``mlp_tiles`` (0: off) computes each decoder layer's gated MLP in that
+    many token slices, forward and backward (``pgs.runtime.tiled_mlp``): the MLP's
+    [tokens, intermediate] tensors never exist whole.
     """
 
     section: ClassVar[str] = "memory"
@@ -301,6 +307,8 @@ class MemorySpec:
     defer_head_grad: bool = attrs.field(default=True, validator=_bool)
     offload_checkpoints: bool = attrs.field(default=False, validator=_bool)
     tied_slabs: int = attrs.field(default=0, validator=_int_at_least(0))
+    release_groups: str = attrs.field(default="layer", validator=_one_of(RELEASE_GROUPS))
+    mlp_tiles: int = attrs.field(default=0, validator=_int_at_least(0))
 
 
 SECTIONS: dict[str, type] = {

@@ -124,6 +124,10 @@ def apply_memory(model, memory) -> None:
 
     if memory.liger:
         checkpointing.apply_liger(model)
+    if getattr(memory, "mlp_tiles", 0) > 1:
+        from pgs.runtime.tiled_mlp import apply_mlp_tiles
+
+        apply_mlp_tiles(model, memory.mlp_tiles)
     if memory.activation_checkpointing != "none":
         checkpointing.apply_activation_checkpointing(model, memory.activation_checkpointing, memory.checkpoint_every,
                                                      offload=getattr(memory, "offload_checkpoints", False))
@@ -194,7 +198,8 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
 
         bound = GradientRelease(chain, model, stochastic_rounding=mem.stochastic_rounding,
                                 master_weights=None if mem.master_weights == "none" else mem.master_weights,
-                                grad_accum=spec.train.grad_accum, tied_slabs=getattr(mem, "tied_slabs", 0) or None)
+                                grad_accum=spec.train.grad_accum, tied_slabs=getattr(mem, "tied_slabs", 0) or None,
+                                groups=getattr(mem, "release_groups", "layer"))
     else:
         bound = bind(chain, model, compile=spec.optimizer.compile, jit=spec.optimizer.jit,
                      stochastic_rounding=mem.stochastic_rounding)
