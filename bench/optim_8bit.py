@@ -17,6 +17,10 @@ its floor counts one read of g, one read+write of θ, MONA's two bf16 buffers an
 momentum (a single pass; the per-tensor norms make ≥ 2 passes necessary, see
 docs/techniques/8bit.md).
 
+The pgs rows bind the gradients as the runtime's ``bind()`` does (views of one flat buffer,
+so the step reads them in place); ``*_unbound`` rows pass separate gradient tensors, which the
+step first copies into a zero-filled flat buffer (what every pgs row measured before session 3).
+
 The JSON is rewritten after every row, and the rows in ``--isolate`` (default: the chain
 rows) run in a subprocess each, so a CUDA fault loses only its own row (recorded with the
 log tail).
@@ -106,11 +110,13 @@ def main() -> None:
     only = set(filter(None, args.only.split(",")))
     iters, warmup = (args.iters, 3) if cuda else (2, 1)
 
-    def pgs_row(name, opt, jit=False, sr=False):
+    def pgs_row(name, opt, jit=False, sr=False, bound_grads=True):
         fast = pf.compile(opt, jit=jit, donate=True, stochastic_rounding=sr)
         p = {k: v.clone() for k, v in params.items()}
         fast.bind_buffers(p)
         g = {k: v.clone() for k, v in grads.items()}
+        if bound_grads:  # as the runtime's bind() keeps them: views of one flat buffer, no copy per step
+            fast.bind_buffers(g)
         state = fast.init(p)
         box = [state]
 
@@ -161,6 +167,12 @@ def main() -> None:
                                               "pgs_lion8bit"),
         "pgs_adamw8bit_gather_rows8": (adam(), dict(TABLE="gather", ROWS=8), "pgs_adamw8bit"),
         "pgs_lion8bit_repeat": (lion(), {}, "pgs_lion8bit"),
+        # the gradients as separate tensors, copied into a flat buffer every step (what every row
+        # measured before session 3: +1 zero-fill and +1 copy of the gradient per step)
+        "pgs_lion8bit_unbound": (lion(bound_grads=False), {}, "pgs_lion8bit"),
+        "pgs_adamw8bit_unbound": (adam(bound_grads=False), {}, "pgs_adamw8bit"),
+        "pgs_lion8bit_gather_dec_w8": (lion(), dict(TABLE="gather_dec", NUM_WARPS=8), "pgs_lion8bit"),
+        "pgs_lion8bit_gather_dec_rows16": (lion(), dict(TABLE="gather_dec", LION_ROWS=16), "pgs_lion8bit"),
         "pgs_adamw8bit_repeat": (adam(), {}, "pgs_adamw8bit"),
         "pgs_lion8bit_enc1": (lion(), dict(ENC=1), "pgs_lion8bit"),
         "pgs_lion8bit_enc3": (lion(), dict(ENC=3), "pgs_lion8bit"),

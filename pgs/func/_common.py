@@ -23,7 +23,7 @@ def zero_count(tree) -> torch.Tensor:
 
 def increment(count: torch.Tensor) -> torch.Tensor:
     """count + 1, saturating at int32 max instead of overflowing (as optax does)."""
-    return torch.where(count < _INT32_MAX, count + 1, count)
+    return count.clamp(max=_INT32_MAX - 1) + 1  # two kernels (a where() form takes three)
 
 
 def zeros_state(tree, dtype: torch.dtype | None):

@@ -101,6 +101,9 @@ def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size
         n_dir, n_dec, n_lr = list(state)
         s_dir, s_lr = state[n_dir], state[n_lr]
         lr = lr_value(learning_rate, s_lr.count)
+        # a constant learning rate reaches the kernels as a number: its hyperparameter vector
+        # is then a cached device tensor (no per-call copies); the state keeps the tensor
+        lr_k = float(learning_rate) if isinstance(learning_rate, (int, float)) else lr
         seed_count, dir_count, ctx = kind.prepare(s_dir, s_lr)
         labels = group_label(layout, fg, mask) if mask is not None else None
         old = [getattr(s_dir, f) for f in kind.fields]
@@ -114,7 +117,7 @@ def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size
                 if isinstance(moments[0], Quantized8bit):
                     sr = stochastic_rounding and p.dtype == torch.bfloat16
                     seed = sr_seed(seed_count, sr_base + i) if sr else None
-                    x, out = kind.quantized(ctx, g, p, moments, lr, wd, seed, donate)
+                    x, out = kind.quantized(ctx, g, p, moments, lr_k, wd, seed, donate)
                 else:  # small leaves: fp32 state, a few tiny kernels
                     u, out = kind.small(ctx, g, moments)
                     x = apply_fp32(p, u.float(), lr, wd, stochastic_rounding)
