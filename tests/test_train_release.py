@@ -222,3 +222,25 @@ def test_the_loop_defers_the_tied_head_gradient(tmp_path):
     assert list(run.bound._before) == [n for n, p in run.bound.params.items() if p is embed]
     loss_sum.backward()
     assert run.bound._before == {} and all(p.grad is None for p in run.model.parameters())
+
+
+def test_mlp_tiles_and_per_parameter_groups_from_the_spec(tmp_path):
+    """``[memory] mlp_tiles`` tiles every decoder MLP and ``release_groups = "parameter"`` gives
+    each parameter its own group; the first step's loss is unchanged and the second's equal up
+    to summation order (the tiles sum the MLP's weight gradients in another order)."""
+    from pgs.runtime import control
+    from pgs.runtime.spec import load_spec
+    from pgs.runtime.train import setup, train_step
+
+    losses = []
+    for tiles, groups in ((0, "layer"), (3, "parameter")):
+        sets = [f"memory.mlp_tiles={tiles}", f'memory.release_groups="{groups}"']
+        run = setup(load_spec(release_spec(tmp_path, f"tiles_{tiles}"), sets))
+        mlps = [layer.mlp for layer in run.model.model.layers]
+        assert all((getattr(m.__dict__.get("forward"), "_pgs_mlp_tiles", 0)) == tiles for m in mlps)
+        n_groups = len(run.bound.groups)
+        assert (n_groups == sum(1 for p in run.model.parameters() if p.requires_grad)) == (groups == "parameter")
+        with control.StopSignals() as signals:
+            losses.append([train_step(run, signals, control.WallClock(None))[0]["loss"] for _ in range(2)])
+    assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-6)
+    assert losses[1][1] == pytest.approx(losses[0][1], rel=1e-5)
