@@ -2,13 +2,20 @@
 
     python bench/plot_sft.py                      # reads bench/results/, writes docs/img/
     python bench/plot_sft.py --results DIR --out DIR
+    python bench/plot_sft.py --inputs s2          # the session-2 plots (probe rows, lion8bit 5e-5)
 
-Inputs (the session's last H200 call and the convergence run):
+Inputs (``--inputs s3``, the default: session 3's device calls):
 
-- ``s2_final_probe.json``: pgs variants at the Qwen3-4B and 0.6B shapes (``rows``; a row with
-  ``tok_s`` and ``peak_gib`` is a timed variant, other rows are census/profile records).
-- ``s2_final_hf_4b.json``, ``s2_final_hf_06b.json``: the HF baselines of the same call.
-- ``s2_converge.json``: per-step losses of HF AdamW, pgs adamw8bit and pgs lion8bit.
+- ``s3_call3_sft_4b.json``: Qwen3-4B 1×4096 (``bench/sft_step.py``: ``results``, one row per
+  variant with ``tok_s``, ``peak_gib``, ``mfu``): HF compiled layers + AC against pgs release
+  and its slab / per-param / tiled-MLP variants, all from one call.
+- ``s3_call4_sft_06b.json``: Qwen3-0.6B 8×4096 packed, HF (Liger, compiled; SDPA and varlen
+  attention) against pgs release with and without AC, SDPA and varlen, all from one call.
+- ``s3_call1_converge.json``: per-step losses of HF AdamW and pgs lion8bit (lr 1e-4), 120 steps.
+
+``--sft-4b``, ``--sft-06b`` and ``--converge`` name other files (relative to ``--results``).
+``--inputs s2`` draws the session-2 plots instead, from ``s2_final_probe.json`` (pgs rows),
+``s2_final_hf_4b.json``, ``s2_final_hf_06b.json`` (HF rows) and ``s2_converge.json``.
 
 Outputs: ``sft_4b_memory_speed.png`` (peak allocated GiB vs tok/s, 4B and 0.6B panels) and
 ``sft_converge.png`` (loss vs step). A missing file or row is skipped with a note on stderr.
@@ -29,35 +36,44 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-GOAL_GIB_4B = 12.0  # issue 8: <= 12 GiB peak allocated at the 4B shape
+GOAL_GIB_4B = 12.0  # issue 8: <= 12 GiB peak allocated at the 4B shape, at >= HF's tok/s
 GOAL_SPEEDUP_06B = 1.25  # issue 8: >= 1.25x the best HF setup's tok/s at the 0.6B shape
 
-# Readable names for the probe's row ids; an unknown id is shown as it is.
-LABELS_4B = {
-    "base": "before sync fix, chunk 256",
-    "nosync": "sync fix, chunk 256",
-    "nosync_kadd_c1024": "pgs now: chunk 1024",
-    "nosync_kadd_c2048": "chunk 2048",
-    "nosync_c1024_nodefer": "head grad not deferred",
-    "noupdate_c1024": "no update (floor, not training)",
-    "offload_nosync_kadd_c256": "offload, chunk 256",
-    "offload_nosync_kadd_c1024": "offload, chunk 1024",
-    "offload_pergroup_nosync_kadd_c256": "offload, group per param",
+S3_FILES = dict(sft_4b="s3_call3_sft_4b.json", sft_06b="s3_call4_sft_06b.json", converge="s3_call1_converge.json")
+
+# Readable names for bench/sft_step.py's variant ids; an unknown id is shown as it is.
+VARIANT_LABELS = {
+    "hf_compiled_ac": "HF compiled layers + AC",
+    "hf_compiled": "HF compiled layers, no AC",
+    "hf_liger": "HF Liger, no AC",
+    "hf_liger_ac": "HF Liger + AC",
+    "hf_eager_ac": "HF eager + AC",
+    "hf_liger_varlen": "HF Liger + varlen attention, no AC",
+    "hf_compiled_varlen": "HF compiled layers + varlen attention, no AC",
+    "pgs_release": "pgs release",
+    "pgs_release_slabs": "pgs release + slabs",
+    "pgs_release_slabs_pg": "pgs release + slabs + per-param",
+    "pgs_release_slabs_pg_tiled": "pgs release + slabs + per-param + tiled MLP",
+    "pgs_release_tiled": "pgs release + tiled MLP",
+    "pgs_release_noac": "pgs release, no AC",
+    "pgs_release_varlen": "pgs release + AC + varlen",
+    "pgs_release_noac_varlen": "pgs release, no AC + varlen",
 }
-LABELS_06B = {
-    "ac_base": "full AC, before sync fix",
-    "ac_nosync_kadd": "full AC",
-    "noac_base": "no AC, before sync fix",
-    "noac_nosync_kadd": "pgs now: no AC",
+
+# Where a row's label goes: offset of the text from its point in points (dx, dy) and the text's
+# horizontal alignment. A variant not listed is labelled just right of its point.
+LABEL_OFFSET_4B = {
+    "pgs_release": (-10, 34, "center"),
+    "pgs_release_slabs_pg": (14, 0, "left"),
+    "pgs_release_slabs_pg_tiled": (14, 0, "left"),
 }
-HF_LABELS = {
-    "hf_compiled_ac": "HF: compiled layers\n+ AC + AdamW",
-    "hf_liger": "HF: Liger, no AC, AdamW",
-}
-CONVERGE_STYLE = {  # variant -> (label, colour, linestyle, linewidth)
-    "hf_adamw": ("HF: fp32 weights, torch AdamW (lr 3e-4)", "black", "-", 2.6),
-    "pgs_adamw8bit": ("pgs: bf16 + SR, adamw8bit (lr 3e-4)", "tab:orange", "--", 1.6),
-    "pgs_lion8bit": ("pgs: bf16 + SR, lion8bit (lr 5e-5)", "tab:blue", "-", 1.6),
+LABEL_OFFSET_06B = {
+    "hf_liger": (-12, -44, "right"),
+    "hf_compiled": (-12, -44, "right"),
+    "hf_liger_varlen": (14, -4, "left"),
+    "pgs_release_noac_varlen": (0, 36, "center"),
+    "pgs_release_varlen": (12, -6, "left"),
+    "pgs_release_noac": (-22, 30, "right"),
 }
 
 
@@ -74,7 +90,324 @@ def load(path: str):
         return None
 
 
-def timed_rows(probe, shape: str) -> list[dict]:
+def step_rows(data, name: str) -> list[dict]:
+    """``bench/sft_step.py``'s timed rows (with ``tok_s`` and ``peak_gib``), in file order."""
+    if not data:
+        return []
+    out = []
+    for r in data.get("results", []):
+        if "tok_s" in r and "peak_gib" in r:
+            out.append(r)
+        else:
+            note(f"{name}: variant {r.get('variant')} has no tok_s/peak_gib ({r.get('error', 'no error')}); skipped")
+    if not out:
+        note(f"{name}: no timed rows")
+    return out
+
+
+def is_hf(r: dict) -> bool:
+    return r["variant"].startswith("hf_")
+
+
+def is_varlen(r: dict) -> bool:
+    return r.get("attn_implementation") == "varlen" or r["variant"].endswith("_varlen")
+
+
+def style(r: dict) -> dict:
+    """Square = HF, circle = pgs; filled = SDPA attention, hollow = varlen attention."""
+    col = "black" if is_hf(r) else "tab:blue"
+    st = dict(marker="s" if is_hf(r) else "o", s=80 if is_hf(r) else 90, zorder=5, linewidths=2)
+    if is_varlen(r):
+        st.update(facecolor="white", edgecolor=col)
+    else:
+        st.update(color=col)
+    return st
+
+
+def put_label(ax, r: dict, text: str, offsets: dict) -> None:
+    dx, dy, ha = offsets.get(r["variant"], (12, 0, "left"))
+    box = dict(boxstyle="square,pad=0.15", fc="white", ec="none", alpha=0.85)
+    arrow = None if (abs(dx) <= 16 and dy == 0) else dict(arrowstyle="-", color="0.55", lw=0.6, shrinkA=0,
+                                                           shrinkB=5)
+    ax.annotate(text, (r["peak_gib"], r["tok_s"]), xytext=(dx, dy), textcoords="offset points", fontsize=8.5,
+                ha=ha, va="center", bbox=box, arrowprops=arrow, zorder=6)
+
+
+def row_text(r: dict, extra: str = "", gib_digits: int = 2) -> str:
+    return (f"{VARIANT_LABELS.get(r['variant'], r['variant'])}\n"
+            f"{r['tok_s']:,.0f} tok/s, {r['peak_gib']:.{gib_digits}f} GiB"
+            + (f", MFU {r['mfu']:.0%}" if "mfu" in r else "") + extra)
+
+
+def break_marks(fig, ax_left, ax_right) -> None:
+    """The // marks between the two halves of a broken x axis."""
+    ax_left.spines["right"].set_visible(False)
+    ax_right.spines["left"].set_visible(False)
+    k = dict(transform=fig.transFigure, color="k", clip_on=False, lw=1)
+    for ax, side in ((ax_left, 1), (ax_right, 0)):
+        p = ax.get_position()
+        x = p.x1 if side else p.x0
+        for y in (p.y0, p.y1):
+            fig.lines.append(plt.Line2D([x - 0.004, x + 0.004], [y - 0.012, y + 0.012], **k))
+
+
+def panel_4b(fig, gs_left, gs_right, rows: list[dict], name: str) -> None:
+    """Qwen3-4B 1×4096: a broken x axis (pgs near 12-13 GiB, HF near 32 GiB)."""
+    ax_a = fig.add_subplot(gs_left)
+    pgs = [r for r in rows if not is_hf(r)]
+    hfs = [r for r in rows if is_hf(r)]
+    if not rows:
+        ax_a.text(0.5, 0.5, f"no 4B rows ({name})", ha="center", transform=ax_a.transAxes)
+        return
+    hf = max(hfs, key=lambda r: r["tok_s"]) if hfs else None
+    if len(hfs) > 1:
+        note(f"{name}: several HF rows; the goal uses the fastest, {hf['variant']}")
+    ys = [r["tok_s"] for r in rows]
+    lo, hi = min(ys) * 0.84, max(ys) * 1.09
+    xs = [r["peak_gib"] for r in pgs] + [GOAL_GIB_4B]
+    ax_a.set_xlim(min(xs) - 0.35, max(xs) + 0.75)
+    ax_a.set_ylim(lo, hi)
+    if hf:  # the goal: at most 12 GiB at HF's tok/s or more (the shaded corner)
+        x0 = ax_a.get_xlim()[0]
+        ax_a.fill_between([x0, GOAL_GIB_4B], hf["tok_s"], hi, color="tab:green", alpha=0.12, lw=0)
+        ax_a.text(x0 + 0.03, hi - (hi - lo) * 0.02, f"goal:\n≤ {GOAL_GIB_4B:g} GiB\nat ≥ HF tok/s",
+                  color="darkgreen", fontsize=8.5, va="top", ha="left")
+    ax_a.axvline(GOAL_GIB_4B, color="tab:red", ls=":", lw=1.4)
+    ax_a.text(GOAL_GIB_4B - 0.015, lo + (hi - lo) * 0.02, f"{GOAL_GIB_4B:g} GiB goal", color="tab:red",
+              rotation=90, ha="right", va="bottom", fontsize=8.5)
+    for r in pgs:
+        ax_a.scatter(r["peak_gib"], r["tok_s"], **style(r))
+        put_label(ax_a, r, row_text(r, gib_digits=3), LABEL_OFFSET_4B)  # 12.002 is not <= 12
+    ax_a.set_ylabel("throughput (tokens/s, higher is better)")
+    ax_a.set_title("Qwen3-4B, 1×4096, full weights trainable, AC on", fontsize=10, loc="left")
+    ax_a.grid(alpha=0.3)
+    if not hf:
+        note(f"{name}: no HF row: no HF line in the 4B panel")
+        ax_a.set_xlabel("peak allocated memory (GiB)")
+        return
+    ax_b = fig.add_subplot(gs_right, sharey=ax_a)
+    for r in hfs:
+        ax_b.scatter(r["peak_gib"], r["tok_s"], **style(r))
+    ax_b.set_xlim(hf["peak_gib"] - 0.8, hf["peak_gib"] + 0.8)
+    ax_b.annotate(row_text(hf).replace(" tok/s, ", " tok/s\n").replace(" GiB, ", " GiB\n").replace(" + AC", "\n+ AC"),
+                  (hf["peak_gib"], hf["tok_s"]), xytext=(0, -30), textcoords="offset points", fontsize=8.5,
+                  ha="center", va="top", arrowprops=dict(arrowstyle="-", color="0.6", lw=0.6))
+    for ax in (ax_a, ax_b):
+        ax.axhline(hf["tok_s"], color="black", ls="--", lw=1)
+    ax_b.text(hf["peak_gib"], hf["tok_s"] + (hi - lo) * 0.015, "HF tok/s\n(same call)", fontsize=8.5,
+              va="bottom", ha="center")
+    ax_b.tick_params(axis="y", left=False, labelleft=False)
+    ax_b.grid(alpha=0.3)
+    break_marks(fig, ax_a, ax_b)
+    p0, p1 = ax_a.get_position(), ax_b.get_position()
+    fig.text((p0.x0 + p1.x1) / 2, 0.025, "peak allocated memory (GiB; x axis broken between the pgs rows and HF)",
+             ha="center", fontsize=9)
+
+
+def panel_06b(fig, gs, rows: list[dict], name: str) -> None:
+    """Qwen3-0.6B 8×4096 packed: the goal is 1.25× the best HF SDPA row (the issue's baselines)."""
+    ax = fig.add_subplot(gs)
+    if not rows:
+        ax.text(0.5, 0.5, f"no 0.6B rows ({name})", ha="center", transform=ax.transAxes)
+        return
+    hf_sdpa = [r for r in rows if is_hf(r) and not is_varlen(r)]
+    hf_var = [r for r in rows if is_hf(r) and is_varlen(r)]
+    best = max(hf_sdpa, key=lambda r: r["tok_s"]) if hf_sdpa else None
+    best_var = max(hf_var, key=lambda r: r["tok_s"]) if hf_var else None
+    goal = best["tok_s"] * GOAL_SPEEDUP_06B if best else None
+    ymax = max([r["tok_s"] for r in rows] + ([goal] if goal else [])) * 1.25
+    ax.set_xlim(0, max(r["peak_gib"] for r in rows) * 1.1)
+    ax.set_ylim(0, ymax)
+    if best:
+        ax.axhline(best["tok_s"], color="black", ls="--", lw=1)
+        ax.text(1, best["tok_s"] - ymax * 0.012,
+                f"best HF with SDPA (the issue's baseline):\n{VARIANT_LABELS.get(best['variant'], best['variant'])}, "
+                f"{best['tok_s']:,.0f} tok/s", fontsize=8, va="top")
+        ax.axhline(goal, color="tab:red", ls=":", lw=1.4)
+        ax.text(ax.get_xlim()[1] - 1, goal + ymax * 0.008,
+                f"goal: {GOAL_SPEEDUP_06B:g}× best HF SDPA = {goal:,.0f} tok/s", color="tab:red", fontsize=8.5,
+                va="bottom", ha="right")
+    else:
+        note(f"{name}: no HF SDPA row: no goal line in the 0.6B panel")
+    if best_var:
+        ax.axhline(best_var["tok_s"], color="0.45", ls="--", lw=0.9)
+        ax.text(1, best_var["tok_s"] + ymax * 0.008, "HF + varlen tok/s\n(not an issue baseline)",
+                color="0.3", fontsize=8, va="bottom", ha="left")
+    for r in rows:
+        ax.scatter(r["peak_gib"], r["tok_s"], **style(r))
+        extra = ""
+        if not is_hf(r) and best:
+            extra = f"\n= {r['tok_s'] / best['tok_s']:.2f}× best HF SDPA"
+            if best_var and is_varlen(r):
+                extra += f", {r['tok_s'] / best_var['tok_s']:.2f}× HF varlen"
+        put_label(ax, r, row_text(r, extra), LABEL_OFFSET_06B)
+    ax.set_xlabel("peak allocated memory (GiB)")
+    ax.set_ylabel("throughput (tokens/s)")
+    ax.set_title("Qwen3-0.6B, 8×4096 packed (HF: AdamW; pgs: release + lion8bit)", fontsize=10, loc="left")
+    ax.grid(alpha=0.3)
+    legend = [plt.Line2D([], [], ls="none", marker="s", color="black", ms=8, label="HF, SDPA attention"),
+              plt.Line2D([], [], ls="none", marker="s", mfc="white", mec="black", mew=2, ms=8,
+                         label="HF, varlen attention"),
+              plt.Line2D([], [], ls="none", marker="o", color="tab:blue", ms=8, label="pgs, SDPA attention"),
+              plt.Line2D([], [], ls="none", marker="o", mfc="white", mec="tab:blue", mew=2, ms=8,
+                         label="pgs, varlen attention")]
+    ax.legend(handles=legend, fontsize=8, loc="lower right", framealpha=0.9)
+
+
+def plot_memory_speed(results: str, out: str, f4b: str, f06b: str) -> str | None:
+    d4, d06 = load(os.path.join(results, f4b)), load(os.path.join(results, f06b))
+    rows4, rows06 = step_rows(d4, f4b), step_rows(d06, f06b)
+    if not (rows4 or rows06):
+        note("nothing to plot for memory/speed")
+        return None
+    devices = {(d or {}).get("meta", {}).get("device") for d in (d4, d06)} - {None}
+    device = " / ".join(sorted(devices)) or "GPU"
+
+    fig = plt.figure(figsize=(17, 7.2))
+    # columns: 4B pgs rows | 4B HF (the broken x axis) | spacer | 0.6B
+    gs = fig.add_gridspec(1, 4, width_ratios=[3.2, 0.9, 0.5, 4.2], wspace=0.05, left=0.05, right=0.99,
+                          top=0.84, bottom=0.09)
+    panel_4b(fig, gs[0], gs[1], rows4, f4b)
+    panel_06b(fig, gs[3], rows06, f06b)
+    fig.suptitle(f"One-GPU SFT step on one {device}, bf16, random init: peak allocated memory vs speed "
+                 f"(each panel's points from one device call: {f4b}, {f06b})\n"
+                 "HF = transformers + torch AdamW; pgs release = update inside backward with lion8bit, chunked "
+                 "loss; AC = activation checkpointing; varlen = attention within each packed document;\n"
+                 "slabs = layer inputs offloaded to host + tied head stepped in row slabs; per-param = one "
+                 "release group per parameter; tiled MLP = each MLP in token slices", fontsize=9.5)
+    path = os.path.join(out, "sft_4b_memory_speed.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def converge_style(v: str, meta: dict):
+    """variant -> (label, colour, linestyle, linewidth), the learning rates from the file's meta."""
+    adam, lion = meta.get("adam_lr"), meta.get("lion_lr")
+    def lr(x):
+        if x is None:
+            return ""
+        m, e = f"{x:.0e}".split("e")  # 0.0003 -> "3e-4"
+        return f" (lr {m}e{int(e)})"
+
+    return {
+        "hf_adamw": (f"HF: fp32 weights, torch AdamW{lr(adam)}", "black", "-", 2.6),
+        "pgs_adamw8bit": (f"pgs: bf16 + SR, adamw8bit{lr(adam)}", "tab:orange", "--", 1.6),
+        "pgs_lion8bit": (f"pgs: bf16 + SR, lion8bit{lr(lion)}", "tab:blue", "-", 1.6),
+    }.get(v, (v, None, "-", 1.4))
+
+
+CONVERGE_ORDER = ("hf_adamw", "pgs_adamw8bit", "pgs_lion8bit")
+
+
+def plot_converge(path_in: str, out: str) -> str | None:
+    conv = load(path_in)
+    if not conv:
+        return None
+    meta = conv.get("meta", {})
+    series, rows = {}, {}
+    for r in conv.get("results", []):
+        if r.get("losses"):
+            series[r["variant"]], rows[r["variant"]] = r["losses"], r
+        else:
+            note(f"converge variant {r.get('variant')} has no losses; skipped")
+    if not series:
+        return None
+    order = [v for v in CONVERGE_ORDER if v in series] + [v for v in series if v not in CONVERGE_ORDER]
+    n = max(len(s) for s in series.values())
+
+    fig, (ax, ax_d) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw=dict(width_ratios=[2.1, 1]))
+    for v in order:
+        lab, col, ls, lw = converge_style(v, meta)
+        r = rows[v]
+        if "last10_mean" in r and "held_out_loss" in r:
+            lab += f": last-10 mean {r['last10_mean']:.3f}, held-out {r['held_out_loss']:.3f}"
+        ax.plot(range(len(series[v])), series[v], label=lab, color=col, ls=ls, lw=lw)
+    if "uniform_loss" in meta:
+        ax.axhline(meta["uniform_loss"], color="0.4", ls=":", lw=1)
+        ax.text(n - 1, meta["uniform_loss"] + 0.1,
+                f"uniform over the {meta.get('states', '?')} ids: {meta['uniform_loss']:.2f}",
+                ha="right", va="bottom", fontsize=8.5, color="0.3")
+    if "entropy_floor" in meta:
+        ax.axhline(meta["entropy_floor"], color="tab:green", ls=":", lw=1)
+        ax.text(n - 1, meta["entropy_floor"] + 0.1, f"chain's entropy (floor): {meta['entropy_floor']:.2f}",
+                ha="right", va="bottom", fontsize=8.5, color="tab:green")
+    ax.set_ylim(0, None)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.legend(fontsize=8.5, loc="upper right")
+    ax.grid(alpha=0.3)
+
+    if "hf_adamw" in series and len(order) > 1:
+        ref = series["hf_adamw"]
+        tail = []
+        for v in order:
+            if v == "hf_adamw":
+                continue
+            lab, col, ls, _ = converge_style(v, meta)
+            d = [a - b for a, b in zip(series[v], ref)]
+            ax_d.plot(range(len(d)), d, color=col, ls=ls, lw=1.4, label=lab.split(",")[-1].strip())
+            tail.append((v, d, col, ls))
+        ax_d.axhline(0, color="black", lw=0.8)
+        ax_d.set_xlabel("optimizer step")
+        ax_d.set_ylabel("loss − HF AdamW loss (nats/token)")
+        ax_d.set_title("difference from HF AdamW", fontsize=9.5)
+        ax_d.legend(fontsize=8.5, loc="upper right")
+        ax_d.grid(alpha=0.3)
+        h = n // 2
+        big = max(abs(x) for _, d, _, _ in tail for x in d) or 1.0
+        if n >= 40 and max(abs(x) for _, d, _, _ in tail for x in d[h:]) < 0.1 * big:
+            # a zoom on the second half, where the difference is too small to read on the main scale
+            ins = ax_d.inset_axes([0.38, 0.3, 0.58, 0.36])
+            for i, (v, d, col, ls) in enumerate(tail):
+                ins.plot(range(h, len(d)), d[h:], color=col, ls=ls, lw=1.2)
+                last = d[-10:]
+                ins.text(0.97, 0.92 - 0.12 * i, f"mean of the last 10: {sum(last) / len(last):+.3f}", color=col,
+                         transform=ins.transAxes, ha="right", va="top", fontsize=8)
+            ins.axhline(0, color="black", lw=0.8)
+            ins.set_title(f"zoom: steps {h}-{n - 1}", fontsize=8)
+            ins.tick_params(labelsize=7.5)
+            ins.grid(alpha=0.3)
+    else:
+        ax_d.set_visible(False)
+
+    fig.suptitle(f"Convergence, Qwen3-0.6B shape on one {meta.get('device', 'GPU')}: same init, same "
+                 f"{meta.get('steps', n)} batches of {meta.get('batch', '?')}×{meta.get('seq', '?')} tokens "
+                 f"({os.path.basename(path_in)})\n(Markov chain over {meta.get('states', '?')} ids, warm-up "
+                 f"{meta.get('warmup', '?')} + cosine; all variants from one run)", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(out, "sft_converge.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ---- session 2's inputs (``--inputs s2``): the probe's rows and the HF baselines of the same call ----
+
+# Readable names for the probe's row ids; an unknown id is shown as it is.
+LABELS_4B_S2 = {
+    "base": "before sync fix, chunk 256",
+    "nosync": "sync fix, chunk 256",
+    "nosync_kadd_c1024": "pgs now: chunk 1024",
+    "nosync_kadd_c2048": "chunk 2048",
+    "nosync_c1024_nodefer": "head grad not deferred",
+    "noupdate_c1024": "no update (floor, not training)",
+    "offload_nosync_kadd_c256": "offload, chunk 256",
+    "offload_nosync_kadd_c1024": "offload, chunk 1024",
+    "offload_pergroup_nosync_kadd_c256": "offload, group per param",
+}
+LABELS_06B_S2 = {
+    "ac_base": "full AC, before sync fix",
+    "ac_nosync_kadd": "full AC",
+    "noac_base": "no AC, before sync fix",
+    "noac_nosync_kadd": "pgs now: no AC",
+}
+HF_LABELS_S2 = {
+    "hf_compiled_ac": "HF: compiled layers\n+ AC + AdamW",
+    "hf_liger": "HF: Liger, no AC, AdamW",
+}
+
+def timed_rows_s2(probe, shape: str) -> list[dict]:
     """The probe's timed variants at ``shape`` (rows with tok_s and peak_gib), in file order."""
     if not probe:
         return []
@@ -91,7 +424,7 @@ def timed_rows(probe, shape: str) -> list[dict]:
     return out
 
 
-def hf_row(hf, shape: str):
+def hf_row_s2(hf, shape: str):
     if not hf:
         return None
     for r in hf.get("results", []):
@@ -101,7 +434,7 @@ def hf_row(hf, shape: str):
     return None
 
 
-def point_style(name: str) -> dict:
+def point_style_s2(name: str) -> dict:
     if name.startswith("noupdate"):  # a bound, not a training step
         return dict(marker="o", facecolor="none", edgecolor="gray", s=60)
     if name in ("nosync_kadd_c1024", "noac_nosync_kadd"):
@@ -113,7 +446,7 @@ def point_style(name: str) -> dict:
     return dict(marker="o", color="tab:blue", s=60)
 
 
-def label(ax, x, y, text, pos=None, ha="left"):
+def label_s2(ax, x, y, text, pos=None, ha="left"):
     """Label point (x, y); ``pos`` is the text's place in data units (None: just right of it)."""
     box = dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.8)
     if pos is None:
@@ -126,7 +459,7 @@ def label(ax, x, y, text, pos=None, ha="left"):
 
 # Where the known rows' labels go (data units: GiB, tok/s; and the alignment), so the close
 # points' labels do not overlap. A row not listed here is labelled just right of its point.
-LABEL_AT = {
+LABEL_AT_S2 = {
     "noupdate_c1024": (12.80, 14950, "left"), "nosync_c1024_nodefer": (13.45, 14300, "center"),
     "nosync_kadd_c1024": (12.62, 13950, "right"), "nosync_kadd_c2048": (12.95, 13000, "left"),
     "nosync": (12.90, 12350, "left"), "base": (12.85, 10539, "left"),
@@ -137,19 +470,19 @@ LABEL_AT = {
 }
 
 
-def place(ax, r, text):
-    at = LABEL_AT.get(r["row"])
+def place_s2(ax, r, text):
+    at = LABEL_AT_S2.get(r["row"])
     if at is None:
-        label(ax, r["peak_gib"], r["tok_s"], text)
+        label_s2(ax, r["peak_gib"], r["tok_s"], text)
     else:
-        label(ax, r["peak_gib"], r["tok_s"], text, at[:2], at[2])
+        label_s2(ax, r["peak_gib"], r["tok_s"], text, at[:2], at[2])
 
 
-def plot_memory_speed(results: str, out: str) -> str | None:
+def plot_memory_speed_s2(results: str, out: str) -> str | None:
     probe = load(os.path.join(results, "s2_final_probe.json"))
-    hf4 = hf_row(load(os.path.join(results, "s2_final_hf_4b.json")), "qwen3-4b")
-    hf06 = hf_row(load(os.path.join(results, "s2_final_hf_06b.json")), "qwen3-0.6b")
-    rows4, rows06 = timed_rows(probe, "qwen3-4b"), timed_rows(probe, "qwen3-0.6b")
+    hf4 = hf_row_s2(load(os.path.join(results, "s2_final_hf_4b.json")), "qwen3-4b")
+    hf06 = hf_row_s2(load(os.path.join(results, "s2_final_hf_06b.json")), "qwen3-0.6b")
+    rows4, rows06 = timed_rows_s2(probe, "qwen3-4b"), timed_rows_s2(probe, "qwen3-0.6b")
     if not (rows4 or rows06 or hf4 or hf06):
         note("nothing to plot for memory/speed")
         return None
@@ -170,8 +503,8 @@ def plot_memory_speed(results: str, out: str) -> str | None:
         # not from 0: the rows sit between ~7.5k and ~14.5k tok/s and their labels need the room
         ax_a.set_ylim(min(ys) * 0.85, max(ys) * 1.07)
         for r in rows4:
-            ax_a.scatter(r["peak_gib"], r["tok_s"], **point_style(r["row"]))
-            place(ax_a, r, f"{LABELS_4B.get(r['row'], r['row'])}  {r['tok_s']:,.0f}")
+            ax_a.scatter(r["peak_gib"], r["tok_s"], **point_style_s2(r["row"]))
+            place_s2(ax_a, r, f"{LABELS_4B_S2.get(r['row'], r['row'])}  {r['tok_s']:,.0f}")
         ax_a.axvline(GOAL_GIB_4B, color="tab:red", ls=":", lw=1.4)
         ax_a.text(GOAL_GIB_4B - 0.02, min(ys) * 0.87, "12 GiB goal", color="tab:red", rotation=90,
                   ha="right", va="bottom", fontsize=8)
@@ -182,7 +515,7 @@ def plot_memory_speed(results: str, out: str) -> str | None:
             ax_b = fig.add_subplot(gs[1], sharey=ax_a)
             ax_b.scatter(hf4["peak_gib"], hf4["tok_s"], marker="s", color="black", s=70, zorder=5)
             ax_b.set_xlim(hf4["peak_gib"] - 0.8, hf4["peak_gib"] + 0.8)
-            ax_b.annotate(f"{HF_LABELS.get(hf4['variant'], hf4['variant'])}\n"
+            ax_b.annotate(f"{HF_LABELS_S2.get(hf4['variant'], hf4['variant'])}\n"
                           f"{hf4['tok_s']:,.0f} tok/s\n{hf4['peak_gib']:.2f} GiB",
                           (hf4["peak_gib"], hf4["tok_s"]), xytext=(0, -40), textcoords="offset points",
                           fontsize=8, ha="center", va="top",
@@ -218,12 +551,12 @@ def plot_memory_speed(results: str, out: str) -> str | None:
         ax_c.set_xlim(0, max(x for x, _ in pts) * 1.1)
         ax_c.set_ylim(0, max(top, max(y for _, y in pts) * 1.12))
         for r in rows06:
-            ax_c.scatter(r["peak_gib"], r["tok_s"], **point_style(r["row"]))
-            place(ax_c, r, f"{LABELS_06B.get(r['row'], r['row'])}  {r['tok_s']:,.0f}")
+            ax_c.scatter(r["peak_gib"], r["tok_s"], **point_style_s2(r["row"]))
+            place_s2(ax_c, r, f"{LABELS_06B_S2.get(r['row'], r['row'])}  {r['tok_s']:,.0f}")
         if hf06:
             ax_c.scatter(hf06["peak_gib"], hf06["tok_s"], marker="s", color="black", s=70, zorder=5)
-            label(ax_c, hf06["peak_gib"], hf06["tok_s"],
-                  f"{HF_LABELS.get(hf06['variant'], hf06['variant'])}  {hf06['tok_s']:,.0f}",
+            label_s2(ax_c, hf06["peak_gib"], hf06["tok_s"],
+                  f"{HF_LABELS_S2.get(hf06['variant'], hf06['variant'])}  {hf06['tok_s']:,.0f}",
                   (hf06["peak_gib"] - 3, hf06["tok_s"] * 0.93), "right")
             ax_c.axhline(hf06["tok_s"], color="black", ls="--", lw=1)
             ax_c.text(0.5, hf06["tok_s"] * 1.01, "HF tok/s (same call)", fontsize=8, va="bottom")
@@ -250,79 +583,27 @@ def plot_memory_speed(results: str, out: str) -> str | None:
     return path
 
 
-def plot_converge(results: str, out: str) -> str | None:
-    conv = load(os.path.join(results, "s2_converge.json"))
-    if not conv:
-        return None
-    meta = conv.get("meta", {})
-    series = {}
-    for r in conv.get("results", []):
-        if r.get("losses"):
-            series[r["variant"]] = r["losses"]
-        else:
-            note(f"converge variant {r.get('variant')} has no losses; skipped")
-    for v in CONVERGE_STYLE:
-        if v not in series:
-            note(f"converge variant {v} missing; skipped")
-    if not series:
-        return None
-
-    fig, (ax, ax_d) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw=dict(width_ratios=[2.2, 1]))
-    order = [v for v in CONVERGE_STYLE if v in series] + [v for v in series if v not in CONVERGE_STYLE]
-    for v in order:
-        lab, col, ls, lw = CONVERGE_STYLE.get(v, (v, None, "-", 1.4))
-        ax.plot(range(len(series[v])), series[v], label=lab, color=col, ls=ls, lw=lw)
-    if "uniform_loss" in meta:
-        ax.axhline(meta["uniform_loss"], color="0.4", ls=":", lw=1)
-        ax.text(len(series[order[0]]) - 1, meta["uniform_loss"] + 0.1,
-                f"uniform over the {meta.get('states', '?')} ids: {meta['uniform_loss']:.2f}",
-                ha="right", va="bottom", fontsize=8, color="0.3")
-    if "entropy_floor" in meta:
-        ax.axhline(meta["entropy_floor"], color="tab:green", ls=":", lw=1)
-        ax.text(len(series[order[0]]) - 1, meta["entropy_floor"] + 0.1,
-                f"chain's entropy (floor): {meta['entropy_floor']:.2f}", ha="right", va="bottom",
-                fontsize=8, color="tab:green")
-    ax.set_ylim(0, None)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (nats/token)")
-    ax.legend(fontsize=8, loc="upper right")
-    ax.grid(alpha=0.3)
-
-    if "hf_adamw" in series:
-        ref = series["hf_adamw"]
-        for v in order:
-            if v == "hf_adamw":
-                continue
-            lab, col, ls, lw = CONVERGE_STYLE.get(v, (v, None, "-", 1.4))
-            d = [a - b for a, b in zip(series[v], ref)]
-            ax_d.plot(range(len(d)), d, color=col, ls=ls, lw=1.4, label=lab.split(",")[-1].strip())
-        ax_d.axhline(0, color="black", lw=0.8)
-        ax_d.set_xlabel("optimizer step")
-        ax_d.set_ylabel("loss − HF AdamW loss (nats/token)")
-        ax_d.set_title("difference from HF AdamW\n(lion8bit at lr 5e-5 is learning-rate bound)", fontsize=9)
-        ax_d.legend(fontsize=8)
-        ax_d.grid(alpha=0.3)
-    else:
-        ax_d.set_visible(False)
-
-    fig.suptitle(f"Convergence, Qwen3-0.6B shape on one {meta.get('device', 'GPU')}: same init, same "
-                 f"{meta.get('steps', len(series[order[0]]))} batches of {meta.get('batch', '?')}×"
-                 f"{meta.get('seq', '?')} tokens\n(Markov chain over {meta.get('states', '?')} ids, "
-                 f"warm-up {meta.get('warmup', '?')} + cosine; all variants from one run)", fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(out, "sft_converge.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "img"))
+    ap.add_argument("--inputs", choices=("s3", "s2"), default="s3",
+                    help="which session's result files (default s3; s2: the session-2 probe and converge runs)")
+    ap.add_argument("--sft-4b", default=S3_FILES["sft_4b"], help="4B bench/sft_step.py JSON (with --inputs s3)")
+    ap.add_argument("--sft-06b", default=S3_FILES["sft_06b"], help="0.6B bench/sft_step.py JSON (with --inputs s3)")
+    ap.add_argument("--converge", default=None,
+                    help="bench/sft_converge.py JSON (default: s3_call1_converge.json, or s2_converge.json "
+                         "with --inputs s2)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    wrote = [p for p in (plot_memory_speed(args.results, args.out), plot_converge(args.results, args.out)) if p]
+    if args.inputs == "s2":
+        mem = plot_memory_speed_s2(args.results, args.out)
+        conv_file = args.converge or "s2_converge.json"
+    else:
+        mem = plot_memory_speed(args.results, args.out, args.sft_4b, args.sft_06b)
+        conv_file = args.converge or S3_FILES["converge"]
+    wrote = [p for p in (mem, plot_converge(os.path.join(args.results, conv_file), args.out)) if p]
     for p in wrote:
         print(f"wrote {os.path.relpath(p)} ({os.path.getsize(p) / 1024:.0f} KiB)")
     return 0 if wrote else 1
