@@ -80,6 +80,36 @@ class Fused8bit(NamedTuple):
     make_state: Callable
 
 
+def _step_small(kind: Fused8bit, ctx, keys: list, fg, fp, old, lr, wd, stochastic_rounding: bool, donate: bool,
+                new_p: dict, new: list) -> None:
+    """The small (fp32-state) leaves ``keys``, which share dtypes and weight decay, as ONE
+    flat leaf: the reference direction and the fp32 apply are elementwise, so concatenating
+    changes no value (stochastic rounding draws its noise over the concatenation), and a group
+    of small leaves costs one set of tiny kernels instead of one set per leaf."""
+    one = len(keys) == 1
+
+    def joined(tree):
+        return tree[keys[0]] if one else torch.cat([tree[k].reshape(-1) for k in keys])
+
+    u, out = kind.small(ctx, joined(fg), tuple(joined(o) for o in old))
+    x = apply_fp32(joined(fp), u.float(), lr, wd, stochastic_rounding)
+    sizes = [fp[k].numel() for k in keys]
+    xs = [x] if one else x.split(sizes)
+    outs = [[m_new] if one else m_new.split(sizes) for m_new in out]
+    for j, k in enumerate(keys):
+        if donate:
+            fp[k].copy_(xs[j].view_as(fp[k]))
+            for o, parts in zip(old, outs):
+                o[k].copy_(parts[j].view_as(o[k]))
+            new_p[k] = fp[k]
+            for d, o in zip(new, old):
+                d[k] = o[k]
+        else:
+            new_p[k] = xs[j].view_as(fp[k])
+            for d, o, parts in zip(new, old, outs):
+                d[k] = parts[j].view_as(o[k])
+
+
 def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size: int, learning_rate,
                     weight_decay, mask) -> Callable:
     """The ``fused_step`` of ``chain(<8-bit direction>, add_decayed_weights, scale_by_learning_rate)``.
@@ -108,27 +138,29 @@ def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size
         labels = group_label(layout, fg, mask) if mask is not None else None
         old = [getattr(s_dir, f) for f in kind.fields]
         new_p, new = {}, [{} for _ in kind.fields]
+        small: dict[tuple, tuple] = {}  # small leaves by what they must share to be stepped as one
         for i, (k, g) in enumerate(fg.items()):
             p, moments = fp[k], tuple(o[k] for o in old)
             if g is None:
                 x, out = p, moments
             else:
                 wd = weight_decay if (_nonzero(weight_decay) and (labels is None or labels[k])) else 0.0
-                if isinstance(moments[0], Quantized8bit):
-                    sr = stochastic_rounding and p.dtype == torch.bfloat16
-                    seed = sr_seed(seed_count, sr_base + i) if sr else None
-                    x, out = kind.quantized(ctx, g, p, moments, lr_k, wd, seed, donate)
-                else:  # small leaves: fp32 state, a few tiny kernels
-                    u, out = kind.small(ctx, g, moments)
-                    x = apply_fp32(p, u.float(), lr, wd, stochastic_rounding)
-                    if donate:
-                        p.copy_(x)
-                        for m, m_new in zip(moments, out):
-                            m.copy_(m_new)
-                        x, out = p, moments
+                if not isinstance(moments[0], Quantized8bit):  # fp32 state: stepped together below
+                    key = (id(wd) if isinstance(wd, torch.Tensor) else wd, g.dtype, p.dtype, g.device,
+                           tuple(m.dtype for m in moments))
+                    small.setdefault(key, (wd, []))[1].append(k)
+                    new_p[k] = None  # keeps the trees' order; filled below
+                    for d in new:
+                        d[k] = None
+                    continue
+                sr = stochastic_rounding and p.dtype == torch.bfloat16
+                seed = sr_seed(seed_count, sr_base + i) if sr else None
+                x, out = kind.quantized(ctx, g, p, moments, lr_k, wd, seed, donate)
             new_p[k] = x
             for d, m in zip(new, out):
                 d[k] = m
+        for wd, keys in small.values():
+            _step_small(kind, ctx, keys, fg, fp, old, lr, wd, stochastic_rounding, donate, new_p, new)
         new_state = {
             n_dir: kind.make_state(dir_count, *new),
             n_dec: state[n_dec] if isinstance(state[n_dec], EmptyState) else EmptyState(),
