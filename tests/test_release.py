@@ -83,6 +83,14 @@ def test_grouping():
     assert "lm_head.weight" not in names  # tied: one parameter, one hook
     assert group_of("model.norm.weight") == "model.norm.weight"
     assert len(group_parameters(names, "parameter")) == len(names)
+    # with sizes, the parameters under SMALL_PARAMETER elements step together per layer
+    sizes = {n: (100 if "norm" in n else 1 << 20) for n in names}
+    by_param = group_parameters(names, "parameter", sizes=sizes)
+    small = by_param["model.layers.0/small"]
+    assert small and all("norm" in n and n.startswith("model.layers.0.") for n in small)
+    assert by_param["model.norm.weight/small"] == ["model.norm.weight"]
+    assert all(len(v) == 1 for k, v in by_param.items() if not k.endswith("/small"))
+    assert sum(len(v) for v in by_param.values()) == len(names)
     with pytest.raises(InvalidArgument, match="groups"):
         group_parameters(names, "block")
 

@@ -238,8 +238,14 @@ def test_mlp_tiles_and_per_parameter_groups_from_the_spec(tmp_path):
         run = setup(load_spec(release_spec(tmp_path, f"tiles_{tiles}"), sets))
         mlps = [layer.mlp for layer in run.model.model.layers]
         assert all((getattr(m.__dict__.get("forward"), "_pgs_mlp_tiles", 0)) == tiles for m in mlps)
-        n_groups = len(run.bound.groups)
-        assert (n_groups == sum(1 for p in run.model.parameters() if p.requires_grad)) == (groups == "parameter")
+        if groups == "parameter":  # each parameter alone, the small ones together per layer
+            from pgs.runtime.release import SMALL_PARAMETER
+
+            sizes = dict((n, p.numel()) for n, p in run.model.named_parameters())
+            for g, names in run.bound.groups.items():
+                assert len(names) == 1 or (g.endswith("/small") and all(sizes[n] < SMALL_PARAMETER for n in names))
+        else:
+            assert all(len(names) > 1 for g, names in run.bound.groups.items() if ".layers." in g)
         with control.StopSignals() as signals:
             losses.append([train_step(run, signals, control.WallClock(None))[0]["loss"] for _ in range(2)])
     assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-6)

@@ -284,7 +284,8 @@ def predict_memory(
     elif master_weights is not None:
         raise InvalidArgument(f"predict_memory: master_weights={master_weights!r} is not None or \"fp32\"")
 
-    groups = group_parameters(list(params), release_groups) if gradient_release else {"all": list(params)}
+    groups = (group_parameters(list(params), release_groups, sizes={n: p.numel() for n, p in params.items()})
+              if gradient_release else {"all": list(params)})
 
     def as_state_param(p):  # the chain sees fp32 masters when they exist
         return p.float() if (master_weights == "fp32" and p.dtype in (torch.bfloat16, torch.float16)) else p

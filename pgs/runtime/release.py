@@ -94,16 +94,27 @@ def group_of(name: str) -> str:
     return m.group(1) if m else name
 
 
-def group_parameters(names, groups: str | Callable[[str], str] = "layer") -> dict[str, list[str]]:
+#: with ``groups="parameter"``, parameters below this many elements step with the other small
+#: parameters of their layer (norm weights, biases: their gradients are tiny, and a call each
+#: would cost more host time than their update)
+SMALL_PARAMETER = 65536
+
+
+def group_parameters(names, groups: str | Callable[[str], str] = "layer", sizes: dict | None = None) -> dict[str, list[str]]:
     """``{group: [parameter names]}`` in the parameters' order.
 
     ``groups``: ``"layer"`` (a decoder layer's parameters step together; the others alone),
-    ``"parameter"`` (every parameter alone), or a function ``name -> group key``.
+    ``"parameter"`` (every parameter alone; with ``sizes`` (name → numel), the ones under
+    ``SMALL_PARAMETER`` elements together per layer, in a group ``"<layer>/small"``), or a
+    function ``name -> group key``.
     """
     if groups == "layer":
         key = group_of
     elif groups == "parameter":
-        key = lambda n: n  # noqa: E731
+        def key(n):
+            if sizes is not None and sizes[n] < SMALL_PARAMETER:
+                return group_of(n) + "/small"
+            return n
     elif callable(groups):
         key = groups
     else:
@@ -253,7 +264,7 @@ class GradientRelease:
         if not isinstance(apply_chunk, int) or apply_chunk < 1:
             raise InvalidArgument(f"GradientRelease: apply_chunk={apply_chunk!r} must be an int >= 1")
         self.apply_chunk = apply_chunk
-        self.groups = group_parameters(list(params), groups)
+        self.groups = group_parameters(list(params), groups, sizes={n: p.numel() for n, p in params.items()})
         self._group_of = {n: g for g, names in self.groups.items() for n in names}
         self.masters: dict[str, torch.Tensor] = {}
         if master_weights == "fp32":
