@@ -25,7 +25,9 @@ activation checkpointing the gate and up matmuls run a second time in backward.
 Applies to MLP modules with ``gate_proj``, ``up_proj``, ``down_proj`` (bias-free linears) and
 ``act_fn`` (Llama, Qwen2/3, Mistral and their likes); other modules are refused.  The tiled
 function runs outside ``torch.compile`` (a graph break around the MLP: the rest of the layer
-stays compiled).
+stays compiled).  With SiLU (SwiGLU: Llama, Qwen, Mistral) the gating of each tile is one fused
+in-place pass forward and one backward (``pgs.func.kernels.swiglu``: fp32 arithmetic, rounded
+once; no [tile, I] buffer beyond gate, up and dh); other activations take their own autograd.
 """
 
 from __future__ import annotations
@@ -35,8 +37,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pgs.errors import InvalidArgument
+from pgs.func.kernels.swiglu import swiglu_backward_, swiglu_forward_
 
 _ORIGINAL = "_pgs_forward_before_mlp_tiles"
+
+
+def is_silu(act) -> bool:
+    """SiLU as transformers and torch spell it (``nn.SiLU``, ``SiLUActivation``, ``F.silu``)."""
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is F.silu
 
 
 def _tiles(n: int, tiles: int) -> list[slice]:
@@ -62,8 +70,22 @@ class _TiledMLPGrad(torch.autograd.Function):
         dflat = dy.reshape(-1, dy.shape[-1]).to(x.dtype)
         dx = torch.empty_like(flat) if need_x else None
         dw = [None, None, None]  # gate, up, down
+        silu = is_silu(ctx.act)
         for i, s in enumerate(_tiles(flat.shape[0], ctx.tiles)):
             xt, dyt = flat[s], dflat[s]
+            if silu:  # one fused pass, in place: dh ← h, u ← du, g ← dg (pgs.func.kernels.swiglu)
+                h, du, dg = swiglu_backward_(F.linear(xt, w_gate), F.linear(xt, w_up), dyt @ w_down)
+                if need_d:
+                    dw[2] = dyt.t() @ h if i == 0 else dw[2].addmm_(dyt.t(), h)
+                del h
+                if need_g:
+                    dw[0] = dg.t() @ xt if i == 0 else dw[0].addmm_(dg.t(), xt)
+                if need_u:
+                    dw[1] = du.t() @ xt if i == 0 else dw[1].addmm_(du.t(), xt)
+                if need_x:
+                    torch.mm(dg, w_gate, out=dx[s])
+                    dx[s].addmm_(du, w_up)
+                continue
             with torch.enable_grad():
                 g = F.linear(xt, w_gate).detach().requires_grad_(True)
                 a = ctx.act(g)
@@ -95,9 +117,14 @@ class _TiledMLPOut(torch.autograd.Function):
         w_gate, w_up, w_down = weights
         flat = x.reshape(-1, x.shape[-1])
         out = flat.new_empty(flat.shape[0], w_down.shape[0])
+        silu = is_silu(act)
         for s in _tiles(flat.shape[0], tiles):
             xt = flat[s]
-            torch.mm(act(F.linear(xt, w_gate)) * F.linear(xt, w_up), w_down.t(), out=out[s])
+            if silu:
+                h = swiglu_forward_(F.linear(xt, w_gate), F.linear(xt, w_up))
+            else:
+                h = act(F.linear(xt, w_gate)) * F.linear(xt, w_up)
+            torch.mm(h, w_down.t(), out=out[s])
         return out.view(*x.shape[:-1], w_down.shape[0])
 
     @staticmethod

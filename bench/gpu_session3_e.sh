@@ -1,0 +1,21 @@
+#!/bin/bash
+# Fifth device call of session 3 (one H200; carry ".whl"): Qwen3-4B after the host-time cuts
+# (small parameters grouped per layer in per-parameter mode, small leaves stepped as one,
+# the tiled MLP's SwiGLU as one fused in-place pass, 5 tied-weight slabs instead of 19),
+# each variant in its own process, HF in the same call; the tiled row with 4 and 8 tiles.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+T0=$(date +%s)
+left() { echo $(( $1 - ($(date +%s) - T0) )); }
+log() { echo "=== $* ($(( $(date +%s) - T0 )) s)" >> "$OUT/all.log"; }
+log sft 4b
+timeout 250 python3 bench/sft_step.py --shapes qwen3-4b --steps 8 --warmup 2 --out "$OUT/sft_4b.json" \
+  --only hf_compiled_ac,pgs_release_slabs_pg_tiled,pgs_release,pgs_release_slabs_pg >> "$OUT/all.log" 2>&1
+log sft 4b tiles 8
+timeout "$(left 320)" python3 bench/sft_step.py --shapes qwen3-4b --steps 8 --warmup 2 --mlp-tiles 8 --profile 2 \
+  --out "$OUT/sft_4b_t8.json" --only pgs_release_slabs_pg_tiled >> "$OUT/all.log" 2>&1
+log pytest
+timeout "$(left 370)" python3 -m pytest -q -p no:cacheprovider tests/test_tiled_mlp.py 2>&1 | tail -3 >> "$OUT/all.log"
+log done
+grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -30
