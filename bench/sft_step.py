@@ -29,6 +29,9 @@ checkpointing of every decoder layer):
   release group per parameter (a layer's gradients never all exist at once) (docs/memory.md);
   ``pgs_release_slabs_pg_tiled``: and each decoder MLP computed in ``--mlp-tiles`` token slices
   (``pgs.runtime.tiled_mlp``); ``pgs_release_tiled``: ``pgs_release`` with the tiled MLP only.
+- ``pgs_release_slabs_pg_sub``, ``pgs_release_slabs_sub``: the slab variants with the
+  ``"sublayer"`` checkpoint policy (each layer's attention half and MLP half checkpointed
+  apart, both inputs offloaded), per-parameter or per-layer release groups.
 - ``pgs_release_noac_liger``: ``pgs_release_noac`` with Liger's layer kernels (RMSNorm, RoPE,
   SwiGLU) instead of compiled layers (pgs's own chunked loss either way).
 - any variant with ``_varlen`` appended: the same with ``attn_implementation="varlen"``
@@ -84,7 +87,7 @@ SMALL_SHAPES = {
 BASE_VARIANTS = ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "hf_compiled", "hf_liger",
                  "pgs_release", "pgs_release_unfused", "pgs_release_eager", "pgs_release_noac",
                  "pgs_release_slabs", "pgs_release_slabs_pg", "pgs_release_slabs_pg_tiled", "pgs_release_tiled",
-                 "pgs_release_noac_liger")
+                 "pgs_release_noac_liger", "pgs_release_slabs_pg_sub", "pgs_release_slabs_sub")
 #: every variant also runs with ``attn_implementation="varlen"`` (suffix ``_varlen``): packed
 #: documents through FlashAttention's variable-length kernel (pgs.runtime.attention); the HF
 #: variants then get the boundaries as keyword arguments, as TRL's flattening collator gives them
@@ -171,6 +174,10 @@ def _per_parameter(name: str) -> bool:
     return "_pg" in split_name(name)[0]
 
 
+def _policy(name: str) -> str:
+    return "sublayer" if split_name(name)[0].endswith("_sub") else "full"
+
+
 def _tiled(name: str) -> bool:
     return split_name(name)[0].endswith("_tiled")
 
@@ -191,7 +198,7 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
 
         apply_mlp_tiles(model, args.mlp_tiles)
     if uses_ac(name):
-        apply_activation_checkpointing(model, "full", offload=_slabs(name))
+        apply_activation_checkpointing(model, _policy(name), offload=_slabs(name))
     if name.startswith("hf_"):
         if name.startswith("hf_compiled"):
             compile_layers(model, **compile_kw)
@@ -252,7 +259,7 @@ def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk:
 
         new_path = name != "pgs_release_unfused"
         pred = predict_memory(dict(table), dtype=torch.bfloat16, chain=pf.lion8bit(1e-5), gradient_release=True,
-                              activation_checkpointing="full" if uses_ac(name) else "none",
+                              activation_checkpointing=_policy(name) if uses_ac(name) else "none",
                               micro_batch_tokens=batch * seq, loss_chunk=loss_chunk,
                               fused_update=new_path, defer_head_grad=None if new_path else False,
                               checkpoint_offload=_slabs(name), tied_slabs=slab_rows if _slabs(name) else None,

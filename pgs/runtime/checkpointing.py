@@ -30,7 +30,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from pgs.errors import InvalidArgument, MissingExtra
 
-POLICIES = ("none", "full", "selective")
+POLICIES = ("none", "full", "selective", "sublayer")
+#: decoder layers whose forward is ``x + attn(norm1(x))`` then ``h + mlp(norm2(h))`` (the
+#: ``"sublayer"`` policy re-states that forward in two checkpointed parts)
+SUBLAYER_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
 _ORIGINAL = "_pgs_forward_before_checkpointing"
 
 
@@ -165,34 +168,86 @@ class OffloadedInput:
         self.live = None
 
 
+def _without_cache(kwargs: dict) -> dict:
+    # the recompute would write a KV cache a second time (and a selective policy would then
+    # find different ops in forward and recompute): a checkpointed layer runs without one
+    kwargs = dict(kwargs)
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    for name in ("cache", "past_key_values", "past_key_value", "layer_past"):
+        if kwargs.get(name) is not None:
+            kwargs[name] = None
+    return kwargs
+
+
+def _checkpoint_call(fn, x, rest: tuple, offload: bool, extra: dict, kwargs: dict):
+    """``checkpoint(fn, x, *rest, **kwargs)``; with ``offload`` the input ``x`` reaches ``fn``
+    through an ``OffloadedInput`` handle, not as a checkpoint argument, so nothing keeps it on
+    the device after this call (the recompute reads the host copy; gradients flow through the
+    original graph, so the copy needs none)."""
+    if offload and isinstance(x, torch.Tensor):
+        held = OffloadedInput(x)
+
+        def from_handle(handle, *more, **kw):
+            return fn(handle.get(), *more, **kw)
+
+        out = checkpoint(from_handle, held, *rest, use_reentrant=False, **extra, **kwargs)
+        held.release()
+        return out
+    return checkpoint(fn, x, *rest, use_reentrant=False, **extra, **kwargs)
+
+
 def _checkpointed(layer: torch.nn.Module, forward, context_fn, offload: bool = False):
     def run(*args, **kwargs):
         if not (layer.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
-        # the recompute would write a KV cache a second time (and a selective policy would then
-        # find different ops in forward and recompute): a checkpointed layer runs without one
-        if kwargs.get("use_cache"):
-            kwargs["use_cache"] = False
-        for name in ("cache", "past_key_values", "past_key_value", "layer_past"):
-            if kwargs.get(name) is not None:
-                kwargs[name] = None
+        kwargs = _without_cache(kwargs)
         extra = {} if context_fn is None else {"context_fn": context_fn}
-        if offload and args and isinstance(args[0], torch.Tensor):
-            # the input reaches the layer through a handle, not as a checkpoint argument, so
-            # nothing keeps it on the device after this call (the recompute reads the host copy;
-            # gradients flow through the original graph, so the copy needs none)
-            held = OffloadedInput(args[0])
-
-            def from_handle(handle, *rest, **kw):
-                return forward(handle.get(), *rest, **kw)
-
-            out = checkpoint(from_handle, held, *args[1:], use_reentrant=False, **extra, **kwargs)
-            held.release()
-            return out
-        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+        if not args:
+            return checkpoint(forward, use_reentrant=False, **extra, **kwargs)
+        return _checkpoint_call(forward, args[0], args[1:], offload, extra, kwargs)
 
     run._pgs_inner = forward
     run._pgs_context = context_fn
+    run._pgs_offload = offload
+    run._pgs_inner_compiled = False
+    return run
+
+
+def sublayer_parts(layer: torch.nn.Module):
+    """``(attention, mlp)``: the two residual halves of a decoder layer's forward,
+    ``attention(x, **kw) = x + self_attn(input_layernorm(x), **kw)`` and
+    ``mlp(h) = h + mlp(post_attention_layernorm(h))``."""
+
+    def attention(x, **kwargs):
+        out = layer.self_attn(hidden_states=layer.input_layernorm(x), **kwargs)
+        return x + (out[0] if isinstance(out, tuple) else out)
+
+    def mlp(h):
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    return attention, mlp
+
+
+def _checkpointed_sublayers(layer: torch.nn.Module, original, offload: bool, parts=None):
+    """The ``"sublayer"`` policy: the attention half and the MLP half are checkpointed apart, so
+    backward holds one half's recomputed activations at a time (the layer's output is the
+    MLP half's; its input, the attention half's output, is kept, or offloaded, like the layer's)."""
+    attention, mlp = parts or sublayer_parts(layer)
+
+    def run(hidden_states=None, *args, **kwargs):
+        if not (layer.training and torch.is_grad_enabled()):
+            return original(hidden_states, *args, **kwargs) if hidden_states is not None else original(*args, **kwargs)
+        if args or hidden_states is None:
+            raise InvalidArgument(f"{type(layer).__name__}: the \"sublayer\" checkpoint policy needs the layer called "
+                                  "as layer(hidden_states, **kwargs), as transformers calls it")
+        kwargs = _without_cache(kwargs)
+        h = _checkpoint_call(attention, hidden_states, (), offload, {}, kwargs)
+        return _checkpoint_call(mlp, h, (), offload, {}, {})
+
+    run._pgs_inner = original
+    run._pgs_sublayer_parts = (attention, mlp)
+    run._pgs_context = None
     run._pgs_offload = offload
     run._pgs_inner_compiled = False
     return run
@@ -217,14 +272,17 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, 
 
     Args:
         model: a HF causal LM (its ``model.layers``).
-        policy: ``"none"``, ``"full"`` (recompute the whole layer) or ``"selective"`` (save
-            matmul and attention outputs, recompute elementwise ops).
+        policy: ``"none"``, ``"full"`` (recompute the whole layer), ``"selective"`` (save
+            matmul and attention outputs, recompute elementwise ops) or ``"sublayer"`` (the
+            attention half and the MLP half of the layer checkpointed apart: two kept inputs
+            per layer, and backward holds one half's activations at a time; Llama, Qwen2/3,
+            Mistral layers).
         every: checkpoint layers ``i`` with ``i % every == 0`` (1: all of them).
         offload: keep each checkpointed layer's input in (pinned) host memory between forward
             and backward instead of on the device (``OffloadedInput``): −b·h bytes per token
             and checkpointed layer on the device, one device→host copy per layer in forward
             (on a side stream) and one host→device copy per layer in backward (on the side
-            stream, started one layer ahead).  ``"full"`` policy only.
+            stream, started one layer ahead).  ``"full"`` and ``"sublayer"`` policies.
 
     Example::
 
@@ -238,20 +296,29 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, 
         raise InvalidArgument(f"apply_activation_checkpointing: policy={policy!r} is not one of {POLICIES}")
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise InvalidArgument(f"apply_activation_checkpointing: every={every!r} must be an int >= 1")
-    if offload and policy != "full":
-        raise InvalidArgument(f"apply_activation_checkpointing: offload=True needs policy \"full\", got {policy!r} "
+    if offload and policy not in ("full", "sublayer"):
+        raise InvalidArgument(f"apply_activation_checkpointing: offload=True needs policy \"full\" or \"sublayer\", got {policy!r} "
                               "(a selective policy replays the recompute's ops against the forward's, and the "
                               "copy back from the host is one more op)")
     remove_activation_checkpointing(model)
     if policy == "none":
         return []
     context_fn = selective_context if policy == "selective" else None
+    layers = decoder_layers(model)
+    if policy == "sublayer":
+        other = sorted({type(layer).__name__ for layer in layers} - set(SUBLAYER_LAYERS))
+        if other:
+            raise InvalidArgument(f"apply_activation_checkpointing: policy \"sublayer\" knows the forward of "
+                                  f"{', '.join(SUBLAYER_LAYERS)}, not {', '.join(other)}; use \"full\"")
     done = []
-    for i, layer in enumerate(decoder_layers(model)):
+    for i, layer in enumerate(layers):
         if i % every:
             continue
         layer.__dict__[_ORIGINAL] = layer.__dict__.get("forward")  # None: the class's forward
-        layer.forward = _checkpointed(layer, layer.forward, context_fn, offload)
+        if policy == "sublayer":
+            layer.forward = _checkpointed_sublayers(layer, layer.forward, offload)
+        else:
+            layer.forward = _checkpointed(layer, layer.forward, context_fn, offload)
         done.append(i)
     return done
 
@@ -272,7 +339,12 @@ def compile_layers(model, **compile_kwargs) -> int:
     for layer in layers:
         wrapper = layer.__dict__.get("forward")
         inner = getattr(wrapper, "_pgs_inner", None)
-        if inner is not None:  # checkpointed: compile inside, keep the checkpoint outside
+        parts = getattr(wrapper, "_pgs_sublayer_parts", None)
+        if parts is not None:  # "sublayer": each half compiled, both checkpoints outside
+            compiled = _checkpointed_sublayers(layer, inner, wrapper._pgs_offload,
+                                               tuple(torch.compile(f, **compile_kwargs) for f in parts))
+            layer.forward = compiled  # (removing the checkpoints later restores the uncompiled layer)
+        elif inner is not None:  # checkpointed: compile inside, keep the checkpoint outside
             compiled = _checkpointed(layer, torch.compile(inner, **compile_kwargs), wrapper._pgs_context,
                                      getattr(wrapper, "_pgs_offload", False))
             compiled._pgs_inner_compiled = True

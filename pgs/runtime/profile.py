@@ -142,8 +142,10 @@ def activation_parts(
     holds the input copied back (b·h).  ``mlp_tiles = k > 1`` (``pgs.runtime.tiled_mlp``): the
     MLP keeps none of its 4·b·I per token (its input is the second norm's output, counted
     above) and its backward holds one tile's tensors, ≈ 8·b·I for ⌈tokens / k⌉ tokens.
+    ``"sublayer"``: each layer keeps two inputs (2·b·h; 0 offloaded) and backward recomputes
+    one half at a time: max(attention half, MLP half), each ``norm + b·h`` plus its own terms.
     """
-    if policy not in ("none", "full", "selective"):
+    if policy not in ("none", "full", "selective", "sublayer"):
         raise InvalidArgument(f"activation_bytes: policy={policy!r} is not none, full or selective")
     c = _text_config(cfg)
     b = torch.empty((), dtype=_dtype(dtype)).element_size()
@@ -160,14 +162,17 @@ def activation_parts(
     tiled = mlp_tiles > 1
     mlp = 0 if tiled else 4 * b * inter
     a_none = 2 * norm + 2 * b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q + mlp
-    a_kept = {"none": a_none, "full": b * h,
+    a_kept = {"none": a_none, "full": b * h, "sublayer": 2 * b * h,
               "selective": b * h + b * (q + 2 * k) + b * q + 4 * n_q + 2 * b * h + 2 * b * inter}[policy]
-    if offload and policy != "full":
-        raise InvalidArgument(f"activation_bytes: offload needs policy \"full\", got {policy!r}")
+    if offload and policy not in ("full", "sublayer"):
+        raise InvalidArgument(f"activation_bytes: offload needs policy \"full\" or \"sublayer\", got {policy!r}")
     checkpointed = 0 if policy == "none" else len(range(0, n_layers, every))
     per_token = checkpointed * (0 if offload else a_kept) + (n_layers - checkpointed) * a_none
     per_token += norm + b * h + 2 * b * d  # final norm and its output; rotary cos and sin
     recompute = (a_none - (0 if offload else a_kept)) * tokens if checkpointed else 0
+    if policy == "sublayer" and checkpointed:  # one half recomputed at a time (+ its input copied back)
+        attn_half = norm + b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q
+        recompute = (max(attn_half, norm + b * h + mlp) + (b * h if offload else 0)) * tokens
     if tiled:  # one tile's working set in the MLP's backward
         recompute += 8 * b * inter * -(-tokens // mlp_tiles)
     return per_token * tokens, recompute

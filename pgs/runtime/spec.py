@@ -35,7 +35,7 @@ FREEZE_POLICIES = ("none", "non_attention")
 SCHEDULES = ("constant", "linear_warmup", "cosine", "wsd", "power_decay")
 WSD_SHAPES = ("linear", "cosine", "1-sqrt", "power", "exponential")
 DEVICES = ("auto", "cpu", "cuda")
-CHECKPOINT_POLICIES = ("none", "full", "selective")
+CHECKPOINT_POLICIES = ("none", "full", "selective", "sublayer")
 MASTER_WEIGHTS = ("none", "fp32")
 RELEASE_GROUPS = ("layer", "parameter")
 
@@ -284,7 +284,8 @@ class MemorySpec:
     a tied head and the chunked loss) adds the head's gradient into the embedding's own
     gradient buffer at the end of backward instead of holding a second V×D buffer through it.
     ``offload_checkpoints`` keeps each checkpointed layer's input in pinned host memory
-    instead of on the device (``activation_checkpointing = "full"`` only).  ``tied_slabs``
+    instead of on the device (``activation_checkpointing = "full"`` or ``"sublayer"``;
+    ``"sublayer"`` checkpoints each layer's attention half and MLP half apart).  ``tied_slabs``
     (0: off) steps the input embedding's (tied) weight in slabs of that many vocabulary rows
     at the end of backward, so no dense V×D gradient exists (gradient release, one process,
     an elementwise chain; ``GradientRelease(..., tied_slabs=rows)``).  ``release_groups``
