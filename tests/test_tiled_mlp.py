@@ -118,6 +118,8 @@ def test_recompute_does_not_run_the_mlp_forward_again(monkeypatch):
 
 
 def test_compiled_layers_keep_working():
+    if torch.cuda.is_available():  # CPU tensors on a CUDA machine: compile would first touch CUDA inside
+        torch.cuda.init()          # the checkpoint's forward, which torch.utils.checkpoint refuses
     ref, tiled = tiny(), tiny()
     for m in (ref, tiled):
         apply_activation_checkpointing(m, "full")
