@@ -4,12 +4,7 @@
 # and the CUDA-marked tests.  Run from the repo root with the wheels in .whl/ (carry ".whl").
 # Every log and JSON lands in $OUT; each step has its own time limit so a slow one cannot eat
 # the others'.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-log() { echo "=== $* ($(( $(date +%s) - T0 )) s)" >> "$OUT/all.log"; }
+source "$(dirname "$0")/device_env.sh"
 log sft 4b
 timeout 190 python3 bench/sft_step.py --shapes qwen3-4b --only pgs_release,hf_compiled_ac --steps 4 --warmup 2 --out "$OUT/sft_4b.json" >> "$OUT/all.log" 2>&1
 log sft 0.6b

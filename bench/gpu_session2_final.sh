@@ -2,12 +2,7 @@
 # The last device call of session 2: the GPU-only tests fixed since the previous call, issue 8's
 # probe + same-run HF baselines (bench/experiments/sft_probe.sh), the 8-bit diagnostic, and Muon's
 # "auto" kernel choice.  Carry ".whl".  Logs are appended to $OUT/all.log (8 files come back).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-log() { echo "=== $* ($(( $(date +%s) - T0 )) s)" >> "$OUT/all.log"; }
+source "$(dirname "$0")/device_env.sh"
 log pytest
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_interpret.py tests/test_release_fused.py \
   tests/test_fused_kernels.py tests/test_deferred_kernels.py -x 2>&1 | tail -15 >> "$OUT/all.log"

@@ -6,12 +6,7 @@
 # slabs, per-parameter release groups) beside HF's compiled layers.  Issue 4: the 8-bit kernel
 # variants and an ncu profile (bench/experiments/issue4_s3.sh).  Then the Lion8bit convergence
 # rerun.  Each piece has its own time limit; logs and JSON land in $OUT (8 files at most).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-log() { echo "=== $* ($(( $(date +%s) - T0 )) s)" >> "$OUT/all.log"; }
+source "$(dirname "$0")/device_env.sh"
 log pytest
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_attention_varlen.py tests/test_checkpoint_offload.py \
   2>&1 | tail -6 >> "$OUT/all.log"

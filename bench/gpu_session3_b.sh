@@ -4,12 +4,7 @@
 # process (sft_step.py's default), with a profile of the tiled row; 0.6B packed: pgs with Liger's
 # layer kernels vs compiled layers, both with varlen attention, beside HF + Liger + varlen.
 # Issue 4: bench/experiments/issue4_s3.sh (8-bit kernel variants + ncu).  Logs in $OUT.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-log() { echo "=== $* ($(( $(date +%s) - T0 )) s)" >> "$OUT/all.log"; }
+source "$(dirname "$0")/device_env.sh"
 log sft 4b
 timeout 210 python3 bench/sft_step.py --shapes qwen3-4b --steps 6 --warmup 2 --profile 2 --out "$OUT/sft_4b.json" \
   --only pgs_release_slabs_pg_tiled,hf_compiled_ac,pgs_release_slabs_pg,pgs_release >> "$OUT/all.log" 2>&1

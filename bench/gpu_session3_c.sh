@@ -4,12 +4,7 @@
 # gradient per step), the gather_dec variants, bitsandbytes and torch fused AdamW in the same
 # run.  Issue 8: the 4B rows again (8 timed steps, one process each) after the per-call launch
 # cuts.  Then the CUDA-marked tests of the files changed this session.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-log() { echo "=== $* ($(( $(date +%s) - T0 )) s)" >> "$OUT/all.log"; }
+source "$(dirname "$0")/device_env.sh"
 log optim_8bit
 timeout 170 python3 bench/optim_8bit.py "$OUT/optim_8bit.json" --budget 140 --only \
 pgs_lion8bit,pgs_adamw8bit,torch_adamw_fused_bf16,bnb_lion8bit,bnb_adamw8bit,pgs_lion8bit_unbound,pgs_lion8bit_gather_dec,\

@@ -3,12 +3,7 @@
 # (small parameters grouped per layer in per-parameter mode, small leaves stepped as one,
 # the tiled MLP's SwiGLU as one fused in-place pass, 5 tied-weight slabs instead of 19),
 # each variant in its own process, HF in the same call; the tiled row with 4 and 8 tiles.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-log() { echo "=== $* ($(( $(date +%s) - T0 )) s)" >> "$OUT/all.log"; }
+source "$(dirname "$0")/device_env.sh"
 log sft 4b
 timeout 250 python3 bench/sft_step.py --shapes qwen3-4b --steps 8 --warmup 2 --out "$OUT/sft_4b.json" \
   --only hf_compiled_ac,pgs_release_slabs_pg_tiled,pgs_release,pgs_release_slabs_pg >> "$OUT/all.log" 2>&1

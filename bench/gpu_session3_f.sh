@@ -3,12 +3,7 @@
 # checkpoint policy (attention half and MLP half checkpointed apart, inputs offloaded) + tied
 # slabs, per-parameter and per-layer release groups, beside pgs_release and HF in the same
 # call (each variant in its own process); then the tiled-MLP tests with their output.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-log() { echo "=== $* ($(( $(date +%s) - T0 )) s)" >> "$OUT/all.log"; }
+source "$(dirname "$0")/device_env.sh"
 log sft 4b
 timeout 230 python3 bench/sft_step.py --shapes qwen3-4b --steps 8 --warmup 2 --out "$OUT/sft_4b.json" \
   --only hf_compiled_ac,pgs_release_slabs_pg_sub,pgs_release,pgs_release_slabs_sub >> "$OUT/all.log" 2>&1

@@ -24,11 +24,12 @@ from pgs.runtime.release import GradientRelease
 from test_checkpointing import IDS, loss_and_grads, tiny_model
 
 
+@pytest.mark.parametrize("policy", ["full", "sublayer"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_offload_keeps_loss_and_grads(compiled):
+def test_offload_keeps_loss_and_grads(compiled, policy):
     ref_loss, ref_grads, _ = loss_and_grads(tiny_model())
     model = tiny_model()
-    assert apply_activation_checkpointing(model, "full", offload=True) == [0, 1, 2]
+    assert apply_activation_checkpointing(model, policy, offload=True) == [0, 1, 2]
     if compiled:
         torch._dynamo.reset()
         compile_layers(model, backend="eager")
@@ -100,17 +101,3 @@ def test_recompute_of_a_layer_prefetches_the_layer_before():
         assert torch.equal(y, x)
     assert torch.equal(held[0].get(), xs[0])  # asked again: a fresh copy
 
-
-def test_release_with_offload_is_exact():
-    a, b = tiny_model(), tiny_model()
-    apply_activation_checkpointing(b, "full", offload=True)
-    opt = bind(pf.adamw(1e-2, weight_decay=0.1), a)
-    rel = GradientRelease(pf.adamw(1e-2, weight_decay=0.1), b)
-    for _ in range(2):
-        a(input_ids=IDS, labels=IDS).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        b(input_ids=IDS, labels=IDS).loss.backward()
-    for p, q in zip(a.parameters(), b.parameters()):
-        assert torch.equal(p, q)
-    assert rel.counts() == {2}

@@ -139,10 +139,11 @@ def test_apply_liger_missing_extra():
         pytest.skip("liger-kernel is installed")
 
 
-@pytest.mark.parametrize("policy", ["full", "selective"])
-def test_release_inside_recomputed_backward_is_exact(policy):
+@pytest.mark.parametrize("policy,offload", [("full", False), ("selective", False), ("full", True),
+                                            ("sublayer", False), ("sublayer", True)])
+def test_release_inside_recomputed_backward_is_exact(policy, offload):
     a, b = tiny_model(), tiny_model()
-    apply_activation_checkpointing(b, policy)
+    apply_activation_checkpointing(b, policy, offload=offload)
     opt = bind(pf.adamw(1e-2, weight_decay=0.1), a)
     rel = GradientRelease(pf.adamw(1e-2, weight_decay=0.1), b)
     for _ in range(2):

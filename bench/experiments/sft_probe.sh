@@ -4,14 +4,8 @@
 # the same run (bench/sft_step.py).  From the repo root; carry ".whl" (liger-kernel for hf_liger).
 # Everything lands in $OUT (7 files at most: probe.json, probe.log, <=2 traces, hf_4b.json,
 # hf_06b.json, all.log).
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-log() { echo "=== $* ($(( $(date +%s) - T0 )) s)" | tee -a "$OUT/all.log"; }
+source "$(dirname "$0")/../device_env.sh"
+log() { echo "=== $* ($(( $(date +%s) - T0 )) s)" | tee -a "$OUT/all.log"; }  # this script also prints it
 log probe
 timeout 155 python3 bench/experiments/sft_probe.py --out "$OUT/probe.json" --trace-dir "$OUT" --budget-s 135 \
   > "$OUT/probe.log" 2>&1

@@ -52,6 +52,16 @@ def _tiles(n: int, tiles: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def _gate_backward(act, g: Tensor, u: Tensor, dh: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(h, du, dg)`` of ``h = act(g)·u`` for any activation, through its own autograd."""
+    with torch.enable_grad():
+        g = g.detach().requires_grad_(True)
+        a = act(g)
+    du = dh * a.detach()
+    dg, = torch.autograd.grad(a, g, dh * u)
+    return a.detach() * u, du, dg
+
+
 class _TiledMLPGrad(torch.autograd.Function):
     """Saves ``x`` and the weights and owns the MLP's whole backward; returns ``x`` (an alias
     that only ``_TiledMLPOut`` consumes, so the gradient reaching it is the MLP output's)."""
@@ -75,33 +85,13 @@ class _TiledMLPGrad(torch.autograd.Function):
             xt, dyt = flat[s], dflat[s]
             if silu:  # one fused pass, in place: dh ← h, u ← du, g ← dg (pgs.func.kernels.swiglu)
                 h, du, dg = swiglu_backward_(F.linear(xt, w_gate), F.linear(xt, w_up), dyt @ w_down)
-                if need_d:
-                    dw[2] = dyt.t() @ h if i == 0 else dw[2].addmm_(dyt.t(), h)
-                del h
-                if need_g:
-                    dw[0] = dg.t() @ xt if i == 0 else dw[0].addmm_(dg.t(), xt)
-                if need_u:
-                    dw[1] = du.t() @ xt if i == 0 else dw[1].addmm_(du.t(), xt)
-                if need_x:
-                    torch.mm(dg, w_gate, out=dx[s])
-                    dx[s].addmm_(du, w_up)
-                continue
-            with torch.enable_grad():
-                g = F.linear(xt, w_gate).detach().requires_grad_(True)
-                a = ctx.act(g)
-            u = F.linear(xt, w_up)
-            dh = dyt @ w_down
-            if need_d:
-                h = a.detach() * u
-                dw[2] = dyt.t() @ h if i == 0 else dw[2].addmm_(dyt.t(), h)
-                del h
-            du = dh * a.detach()
-            dg, = torch.autograd.grad(a, g, dh * u)
-            del a, dh, u
-            if need_g:
-                dw[0] = dg.t() @ xt if i == 0 else dw[0].addmm_(dg.t(), xt)
-            if need_u:
-                dw[1] = du.t() @ xt if i == 0 else dw[1].addmm_(du.t(), xt)
+            else:
+                h, du, dg = _gate_backward(ctx.act, F.linear(xt, w_gate), F.linear(xt, w_up), dyt @ w_down)
+            # the weight gradients summed over the tiles in place, and this tile's dx
+            for j, (left, right, need) in enumerate(((dg, xt, need_g), (du, xt, need_u), (dyt, h, need_d))):
+                if need:
+                    dw[j] = left.t() @ right if i == 0 else dw[j].addmm_(left.t(), right)
+            del h
             if need_x:
                 torch.mm(dg, w_gate, out=dx[s])
                 dx[s].addmm_(du, w_up)
