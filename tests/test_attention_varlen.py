@@ -132,3 +132,39 @@ def test_cuda_kernel_equals_the_reference_path():
     want = torch.autograd.grad(ref, (q, k, v), go.float())
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)
+
+
+def test_generation_with_padding_and_cache_equals_sdpa():
+    """Not a packed forward (left padding, then a cache): transformers' SDPA path, same tokens."""
+    prompts = [[5, 9, 17, 33, 2, 8], [41, 3, 7]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    outs = []
+    for attn in ("sdpa", "varlen"):
+        model = tiny("qwen3", attn).eval()
+        with torch.no_grad():
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                       pad_token_id=0))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_training_forward_builds_no_mask():
+    """A packed training forward hands the kernel no [B, 1, S, S] mask."""
+    seen = []
+    real = A.varlen_attention
+
+    def spy(module, q, k, v, attention_mask, **kw):
+        seen.append(attention_mask)
+        return real(module, q, k, v, attention_mask, **kw)
+
+    from transformers import AttentionInterface
+
+    model = tiny("qwen3", "varlen").train()
+    AttentionInterface.register(A.HF_NAME, spy)
+    try:
+        _, batch = batch_of([(7, 5, 9), (5, 9)], seq_len=24)
+        final_hidden(model, batch.input_ids, batch.position_ids)
+    finally:
+        A.register()
+    assert seen and all(m is None for m in seen)

@@ -24,6 +24,11 @@ row width, a constant, so compiled layers do not recompile when the longest docu
 (the kernel's surplus blocks exit at once).  A call without those arguments derives them from
 ``position_ids`` itself, or treats the input as one causal sequence per row when there are none.
 
+Calls that are not a packed training forward (a padding mask, or keys longer than the queries:
+generation with a cache) go to transformers' own SDPA function, with the mask transformers
+builds for them (``register`` also registers a mask function, which builds SDPA's mask for
+those calls and none for a forward without a padding mask and without a cache).
+
 Not supported (refused with a message): attention dropout, sliding windows, logit softcapping.
 """
 
@@ -127,9 +132,12 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
                         "not supported; use \"sdpa\"")
     batch, hq, width, d = query.shape
     hkv = key.shape[1]
-    if key.shape[2] != width:
-        raise SpecError("model.attn_implementation \"varlen\" is for training on packed rows (queries and keys "
-                        "of the same length, no cache); use \"sdpa\" for generation")
+    if attention_mask is not None or key.shape[2] != width:  # padding or a cache: not a packed forward
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        rest = {k: v for k, v in kwargs.items() if k not in _PACKED_KEYS}
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **rest)
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         position_ids = kwargs.get("position_ids")
@@ -151,11 +159,30 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
     return out.view(batch, width, hq, d), None
 
 
+_PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _mask(*args, **kwargs):
+    """transformers' mask function for ``HF_NAME``: none for a forward without a padding mask
+    and without a cache (the kernel isolates the documents itself), SDPA's mask otherwise."""
+    from transformers.masking_utils import sdpa_mask
+
+    q_length = kwargs.get("q_length")
+    if q_length is None and kwargs.get("cache_position") is not None:
+        q_length = kwargs["cache_position"].shape[0]
+    full = (kwargs.get("attention_mask") is None and not kwargs.get("kv_offset") and not kwargs.get("q_offset")
+            and q_length is not None and q_length == kwargs.get("kv_length"))
+    return None if full else sdpa_mask(*args, **kwargs)
+
+
 def register() -> str:
-    """Make ``attn_implementation=HF_NAME`` known to transformers; returns that name."""
+    """Make ``attn_implementation=HF_NAME`` known to transformers (the attention function and
+    its mask function); returns that name."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(HF_NAME, varlen_attention)
+    AttentionMaskInterface.register(HF_NAME, _mask)
     return HF_NAME
 
 
