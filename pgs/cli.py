@@ -288,7 +288,9 @@ def _model_config(model, vocab_size: int):
         first = _first_line(err)
         field = "model.path" if model.path is not None else "model.config"
         raise SpecError(f"{field}: not a usable model configuration ({first})") from None
-    config._attn_implementation = model.attn_implementation
+    from pgs.runtime.attention import hf_implementation
+
+    config._attn_implementation = hf_implementation(model.attn_implementation, config)  # "auto" resolved
     return config
 
 

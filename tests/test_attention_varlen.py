@@ -168,3 +168,26 @@ def test_training_forward_builds_no_mask():
     finally:
         A.register()
     assert seen and all(m is None for m in seen)
+
+
+def test_auto_picks_varlen_only_where_it_runs_and_suits(monkeypatch):
+    plain = Qwen3Config(head_dim=8, **TINY)
+    sliding = Qwen3Config(head_dim=8, **TINY, layer_types=["sliding_attention", "full_attention"],
+                          use_sliding_window=True, sliding_window=8)
+    dropout = Qwen3Config(head_dim=8, **TINY, attention_dropout=0.1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert A.hf_implementation("auto", plain) == "sdpa"  # no CUDA: transformers' SDPA
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if A._varlen_call() is not None:
+        assert A.hf_implementation("auto", plain) == A.HF_NAME
+    assert A.hf_implementation("auto", sliding) == "sdpa"
+    assert A.hf_implementation("auto", dropout) == "sdpa"
+    assert "layer_types" in A.varlen_suits(sliding) and "dropout" in A.varlen_suits(dropout)
+    assert A.varlen_suits(plain) is None
+    assert A.hf_implementation("eager", plain) == "eager"
+
+
+def test_build_model_auto_on_cpu_is_sdpa():
+    model = build_model(config=dict(model_type="qwen3", head_dim=8, **TINY))
+    expected = A.HF_NAME if (torch.cuda.is_available() and A._varlen_call() is not None) else "sdpa"
+    assert model.config._attn_implementation == expected

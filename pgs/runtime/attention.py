@@ -186,8 +186,33 @@ def register() -> str:
     return HF_NAME
 
 
-def hf_implementation(name: str | None) -> str | None:
-    """The name to hand transformers for a spec's ``attn_implementation`` (registers ours)."""
+AUTO = "auto"
+
+
+def varlen_suits(config) -> str | None:
+    """Why ``config``'s attention cannot take the varlen path (a sentence), or None."""
+    for c in (config, getattr(config, "text_config", None)):
+        if c is None:
+            continue
+        if any(t != "full_attention" for t in (getattr(c, "layer_types", None) or [])):
+            return "its layer_types are not all full attention"
+        if getattr(c, "use_sliding_window", False) or getattr(c, "attn_logit_softcapping", None):
+            return "it uses sliding-window or softcapped attention"
+        if float(getattr(c, "attention_dropout", 0.0) or 0.0) > 0:
+            return "its attention_dropout is not 0"
+    return None
+
+
+def hf_implementation(name: str | None, config=None) -> str | None:
+    """The name to hand transformers for a spec's ``attn_implementation`` (registers ours).
+
+    ``"auto"`` (the spec's default): ``"varlen"`` where its kernel runs (CUDA, a torch with
+    ``varlen_attn``) and ``config`` (when given) has plain full attention without dropout;
+    ``"sdpa"`` otherwise.
+    """
+    if name == AUTO:
+        ok = torch.cuda.is_available() and _varlen_call() is not None
+        name = SPEC_NAME if ok and (config is None or varlen_suits(config) is None) else "sdpa"
     if name == SPEC_NAME:
         return register()
     return name

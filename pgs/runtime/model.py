@@ -66,7 +66,7 @@ def build_model(
     path: str | None = None,
     config: dict[str, Any] | None = None,
     dtype: str | torch.dtype | None = "float32",
-    attn_implementation: str | None = "sdpa",
+    attn_implementation: str | None = "auto",
     init_seed: int = 0,
     vocab_size: int | None = None,
 ):
@@ -81,12 +81,16 @@ def build_model(
     from pgs.runtime.attention import hf_implementation
 
     torch_dtype = resolve_dtype(dtype)
-    attn_implementation = hf_implementation(attn_implementation)
     if (path is None) == (config is None):
         raise SpecError("model: give exactly one of model.path (a local folder) or model.config (an architecture)")
     if path is not None:
         if not os.path.isdir(path):
             raise SpecError(f"model.path: {path!r} is not a folder (pgs loads local models only)")
+        from transformers import AutoConfig
+
+        attn_implementation = hf_implementation(
+            attn_implementation, AutoConfig.from_pretrained(path, local_files_only=True)
+            if attn_implementation == "auto" else None)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True
         )
@@ -95,6 +99,7 @@ def build_model(
         if vocab_size is not None:
             table.setdefault("vocab_size", int(vocab_size))
         hf_config = build_config(table)
+        attn_implementation = hf_implementation(attn_implementation, hf_config)
         hf_config._attn_implementation = attn_implementation
         devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
         with torch.random.fork_rng(devices=list(range(devices))):

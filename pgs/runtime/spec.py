@@ -30,7 +30,7 @@ ASSET_PREFIX = "pgs:"
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTN_IMPLEMENTATIONS = ("sdpa", "varlen", "eager", "flash_attention_2", "flex_attention")
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "varlen", "eager", "flash_attention_2", "flex_attention")
 FREEZE_POLICIES = ("none", "non_attention")
 SCHEDULES = ("constant", "linear_warmup", "cosine", "wsd", "power_decay")
 WSD_SHAPES = ("linear", "cosine", "1-sqrt", "power", "exponential")
@@ -117,7 +117,7 @@ class ModelSpec:
     config: dict | None = attrs.field(default=None, validator=attrs.validators.optional(_table))
     tokenizer: str | None = attrs.field(default=None, validator=attrs.validators.optional(_str))
     dtype: str = attrs.field(default="float32", validator=_one_of(DTYPES))
-    attn_implementation: str = attrs.field(default="sdpa", validator=_one_of(ATTN_IMPLEMENTATIONS))
+    attn_implementation: str = attrs.field(default="auto", validator=_one_of(ATTN_IMPLEMENTATIONS))
     freeze: str | tuple[str, ...] = attrs.field(default="none")
     trust_remote_code: bool = attrs.field(default=False, validator=_bool)
     init_seed: int = attrs.field(default=0, validator=_int_at_least(0))
