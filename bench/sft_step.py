@@ -264,7 +264,8 @@ def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk:
                               fused_update=new_path, defer_head_grad=None if new_path else False,
                               checkpoint_offload=_slabs(name), tied_slabs=slab_rows if _slabs(name) else None,
                               release_groups="parameter" if _per_parameter(name) else "layer",
-                              mlp_tiles=mlp_tiles if _tiled(name) else 0)
+                              mlp_tiles=mlp_tiles if _tiled(name) else 0,
+                              compiled_layers=name not in ("pgs_release_eager", "pgs_release_noac_liger"))
         return pred["peak"] / GiB
     except Exception:  # noqa: BLE001 - a prediction is a bonus
         return None
