@@ -101,11 +101,9 @@ def test_frozen_parameters_hold_no_state_or_gradient():
     assert everything["weights"] == no_embed["weights"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layers", [1, 3])
-def test_activation_formula_equals_saved_tensors(dtype, layers):
-    cfg = config(layers=layers, hidden=64, inter=160)
-    model = real_model(cfg, dtype)
+def saved_activation_bytes(model, batch: int, seq: int) -> int:
+    """Bytes autograd saves in one forward of ``model`` (parameters and integer tensors not
+    counted), plus the final hidden state the loss reads."""
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -115,11 +113,18 @@ def test_activation_formula_equals_saved_tensors(dtype, layers):
             saved[key] = t.untyped_storage().nbytes()
         return t
 
-    B, S = 2, 16
-    ids = torch.randint(0, VOCAB, (B, S))
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        h = model.model(input_ids=ids, position_ids=torch.arange(S).expand(B, S), use_cache=False).last_hidden_state
-    measured = sum(saved.values()) + h.numel() * h.element_size()  # + the hidden state the loss reads
+        h = model.model(input_ids=ids, position_ids=torch.arange(seq).expand(batch, seq), use_cache=False).last_hidden_state
+    return sum(saved.values()) + h.numel() * h.element_size()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layers", [1, 3])
+def test_activation_formula_equals_saved_tensors(dtype, layers):
+    cfg = config(layers=layers, hidden=64, inter=160)
+    B, S = 2, 16
+    measured = saved_activation_bytes(real_model(cfg, dtype), B, S)
     assert activation_bytes(cfg, B * S, dtype=dtype, policy="none") == measured
 
 
@@ -195,25 +200,9 @@ def test_compiled_activation_formula_is_close_to_inductors_saved_tensors(dtype):
     model = real_model(cfg, dtype)
     torch._dynamo.reset()
     compile_layers(model)
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     B, S = 2, 64
-    ids = torch.randint(0, VOCAB, (B, S))
-
-    def measure():
-        saved: dict[int, int] = {}
-
-        def pack(t):
-            key = t.untyped_storage().data_ptr()
-            if t.dtype != torch.long and key not in param_storages:
-                saved[key] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            h = model.model(input_ids=ids, position_ids=torch.arange(S).expand(B, S), use_cache=False).last_hidden_state
-        return sum(saved.values()) + h.numel() * h.element_size()
-
-    measure()  # compiles
-    measured = measure()
+    saved_activation_bytes(model, B, S)  # compiles
+    measured = saved_activation_bytes(model, B, S)
     predicted = activation_bytes(cfg, B * S, dtype=dtype, policy="none", compiled=True)
     eager = activation_bytes(cfg, B * S, dtype=dtype, policy="none")
     assert abs(predicted - measured) <= 0.06 * measured, (predicted, measured, eager)

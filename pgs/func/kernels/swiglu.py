@@ -24,17 +24,13 @@ import os
 import torch
 from torch import Tensor
 
-try:  # triton is optional on CPU installs
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover
-    HAVE_TRITON = False
+from pgs.func.kernels.elementwise import HAVE_TRITON  # triton is optional on CPU installs
 
 BLOCK = 2048
 
 if HAVE_TRITON:
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def _swiglu_fwd_kernel(g_ptr, u_ptr, n, BLOCK: tl.constexpr):
