@@ -178,3 +178,31 @@ def test_errors_name_the_argument():
         pf.scale_by_adam8bit(backend="cuda")
     with pytest.raises(InvalidArgument, match="b1"):
         pf.lion8bit(b1=1.5)
+
+
+@pytest.mark.parametrize("alias", ["lion8bit", "adamw8bit"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_small_leaves_stepped_as_one_equal_leaf_by_leaf(alias, donate):
+    """The fused step steps a call's small (fp32-state) leaves as one concatenated leaf: the
+    same values as one call per leaf (elementwise maths, no stochastic rounding), and without
+    donation every new leaf has its own storage."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"a": (7,), "b": (3, 5), "c": (64,)}
+    params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    grads = {k: torch.randn(s, generator=gen) * 1e-2 for k, s in shapes.items()}
+    opt = getattr(pf, alias)(1e-2, weight_decay=0.1, backend="triton")
+
+    def run(keys):
+        p = {k: params[k].clone() for k in keys}
+        state = opt.init(p)
+        out_p, out_s = opt.fused_step({k: grads[k].clone() for k in keys}, state, p, layout=None, donate=donate,
+                                      stochastic_rounding=False, extra={})
+        return out_p, out_s
+
+    together, state = run(list(shapes))
+    for k in shapes:
+        alone, _ = run([k])
+        assert torch.equal(together[k], alone[k]), k
+        assert together[k].shape == shapes[k]
+    storages = {together[k].untyped_storage().data_ptr() for k in shapes}
+    assert len(storages) == len(shapes)

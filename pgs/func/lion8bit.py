@@ -104,10 +104,10 @@ def _step_small(kind: Fused8bit, ctx, keys: list, fg, fp, old, lr, wd, stochasti
             new_p[k] = fp[k]
             for d, o in zip(new, old):
                 d[k] = o[k]
-        else:
-            new_p[k] = xs[j].view_as(fp[k])
+        else:  # own storage per leaf (views of one buffer would be saved as shared tensors)
+            new_p[k] = xs[j].view_as(fp[k]) if one else xs[j].view_as(fp[k]).clone()
             for d, o, parts in zip(new, old, outs):
-                d[k] = parts[j].view_as(o[k])
+                d[k] = parts[j].view_as(o[k]) if one else parts[j].view_as(o[k]).clone()
 
 
 def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size: int, learning_rate,
