@@ -6,323 +6,50 @@ exist, transform names and their arguments) and returns a frozen :class:`Spec` w
 absolute.  Nothing here touches a model or reads training data; ``pgs validate`` does that on
 top (``pgs/cli.py``).  Every problem is a ``SpecError`` naming the dotted field.
 
-Building the optimizer chain and the schedule from a spec lives in ``spec_chain.py``;
+The sections and their field checks live in ``spec_sections.py`` (re-exported here); building
+the optimizer chain and the schedule from a spec lives in ``spec_chain.py``;
 ``Spec.build_chain()`` and ``Spec.build_schedule()`` are thin doors into it.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
 import os
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Iterable
+from typing import Any, Iterable
 
 import attrs
 
 from pgs.errors import SpecError
 from pgs.runtime.data.config import DataConfig, DataSource
 from pgs.runtime.spec_toml import dumps, parse_value, read_toml  # noqa: F401  (re-exported)
+from pgs.runtime.spec_sections import (  # noqa: F401  (re-exported)
+    ASSET_PREFIX,
+    ASSETS_DIR,
+    DTYPES,
+    ATTN_IMPLEMENTATIONS,
+    FREEZE_POLICIES,
+    SCHEDULES,
+    WSD_SHAPES,
+    DEVICES,
+    CHECKPOINT_POLICIES,
+    MASTER_WEIGHTS,
+    RELEASE_GROUPS,
+    suggest,
+    _describe,
+    _is_int,
+    ModelSpec,
+    ChainEntry,
+    OptimizerSpec,
+    ScheduleSpec,
+    LossSpec,
+    TrainSpec,
+    CheckpointSpec,
+    LogSpec,
+    MemorySpec,
+    SECTIONS,
+)
 
-#: ``"pgs:quickstart/train.jsonl"`` names a file bundled with the package.
-ASSET_PREFIX = "pgs:"
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
-
-DTYPES = ("float32", "bfloat16", "float16")
-ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "varlen", "eager", "flash_attention_2", "flex_attention")
-FREEZE_POLICIES = ("none", "non_attention")
-SCHEDULES = ("constant", "linear_warmup", "cosine", "wsd", "power_decay")
-WSD_SHAPES = ("linear", "cosine", "1-sqrt", "power", "exponential")
-DEVICES = ("auto", "cpu", "cuda")
-CHECKPOINT_POLICIES = ("none", "full", "selective", "sublayer")
-MASTER_WEIGHTS = ("none", "fp32")
-RELEASE_GROUPS = ("layer", "parameter")
-
-
-# --------------------------------------------------------------------------- field checks
-
-
-def suggest(name: str, choices: Iterable[str]) -> str:
-    """`` (did you mean X?)`` for the closest of ``choices``, or ``""``."""
-    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]}?)" if close else ""
-
-
-def _where(instance, attribute) -> str:
-    return f"{type(instance).section}.{attribute.name}"
-
-
-def _describe(value) -> str:
-    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "an array", dict: "a table"}.get(type(value), type(value).__name__)
-    return f"{kind} ({value!r})" if not isinstance(value, (list, dict)) else kind
-
-
-def _expect(kind: str, ok):
-    def check(instance, attribute, value):
-        if not ok(value):
-            raise SpecError(f"{_where(instance, attribute)}: expected {kind}, got {_describe(value)}")
-
-    return check
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and not math.isnan(v)
-
-
-def _int_at_least(lo: int):
-    return _expect(f"an integer >= {lo}", lambda v: _is_int(v) and v >= lo)
-
-
-def _number_in(lo: float, hi: float = math.inf):
-    where = f"a number >= {lo}" if hi == math.inf else f"a number in [{lo}, {hi}]"
-    return _expect(where, lambda v: _is_number(v) and lo <= v <= hi)
-
-
-def _one_of(choices: tuple[str, ...]):
-    def check(instance, attribute, value):
-        if value not in choices:
-            options = ", ".join(map(repr, choices))
-            hint = suggest(value, choices) if isinstance(value, str) else ""
-            raise SpecError(f"{_where(instance, attribute)}: {value!r} is not one of {options}{hint}")
-
-    return check
-
-
-_bool = _expect("true or false", lambda v: isinstance(v, bool))
-_str = _expect("a string", lambda v: isinstance(v, str))
-_table = _expect("a table", lambda v: isinstance(v, dict))
-
-
-def _to_float(v):
-    """TOML ``peak = 1`` is an integer; number fields keep floats."""
-    return float(v) if _is_int(v) else v
-
-
-# --------------------------------------------------------------------------- sections
-
-
-@attrs.frozen
-class ModelSpec:
-    """``[model]``: where the weights (or the architecture) and the tokenizer come from."""
-
-    section: ClassVar[str] = "model"
-
-    path: str | None = attrs.field(default=None, validator=attrs.validators.optional(_str))
-    config: dict | None = attrs.field(default=None, validator=attrs.validators.optional(_table))
-    tokenizer: str | None = attrs.field(default=None, validator=attrs.validators.optional(_str))
-    dtype: str = attrs.field(default="float32", validator=_one_of(DTYPES))
-    attn_implementation: str = attrs.field(default="auto", validator=_one_of(ATTN_IMPLEMENTATIONS))
-    freeze: str | tuple[str, ...] = attrs.field(default="none")
-    trust_remote_code: bool = attrs.field(default=False, validator=_bool)
-    init_seed: int = attrs.field(default=0, validator=_int_at_least(0))
-
-    @freeze.validator
-    def _check_freeze(self, attribute, value):
-        if isinstance(value, str):
-            _one_of(FREEZE_POLICIES)(self, attribute, value)
-            return
-        if not isinstance(value, tuple) or not value:
-            raise SpecError(
-                f"model.freeze: expected \"none\", \"non_attention\" or a non-empty array of "
-                f"regular expressions, got {_describe(value)}"
-            )
-        for i, pattern in enumerate(value):
-            if not isinstance(pattern, str):
-                raise SpecError(f"model.freeze[{i}]: expected a regular expression string, got {_describe(pattern)}")
-            try:
-                re.compile(pattern)
-            except re.error as err:
-                raise SpecError(f"model.freeze[{i}]: bad regular expression {pattern!r} ({err})") from None
-
-
-@attrs.frozen
-class ChainEntry:
-    """One ``optimizer.chain`` element: a ``pgs.func`` factory name and its keyword arguments."""
-
-    name: str
-    args: dict = attrs.field(factory=dict)
-
-
-@attrs.frozen
-class OptimizerSpec:
-    """``[optimizer]``: a named alias with ``args``, or an explicit ``chain`` of transforms.
-
-    ``clip`` prepends ``clip_by_global_norm(clip)`` to an alias (0 turns it off); a chain
-    spells its own clipping.  ``compile`` runs the chain through ``pf.compile`` (``jit``:
-    one ``torch.compile`` graph).
-    """
-
-    section: ClassVar[str] = "optimizer"
-
-    alias: str | None = attrs.field(default=None, validator=attrs.validators.optional(_str))
-    chain: tuple[ChainEntry, ...] | None = attrs.field(default=None)
-    args: dict = attrs.field(factory=dict, validator=_table)
-    clip: float = attrs.field(default=1.0, converter=_to_float, validator=_number_in(0.0))
-    compile: bool = attrs.field(default=False, validator=_bool)
-    jit: bool = attrs.field(default=True, validator=_bool)
-
-
-@attrs.frozen
-class ScheduleSpec:
-    """``[schedule]``: the learning rate as a function of the step (``pgs.func.schedules``).
-
-    ``total = 0`` means the run's number of optimizer steps.  ``wsd``: ``decay = 0`` means
-    20% of ``total``, ``stable = 0`` means whatever remains after warmup and decay.
-    """
-
-    section: ClassVar[str] = "schedule"
-
-    name: str = attrs.field(default="cosine", validator=_one_of(SCHEDULES))
-    peak: float = attrs.field(default=3e-4, converter=_to_float, validator=_number_in(0.0))
-    warmup: int = attrs.field(default=0, validator=_int_at_least(0))
-    total: int = attrs.field(default=0, validator=_int_at_least(0))
-    final: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
-    init: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
-    shape: str = attrs.field(default="linear", validator=_one_of(WSD_SHAPES))
-    stable: int = attrs.field(default=0, validator=_int_at_least(0))
-    decay: int = attrs.field(default=0, validator=_int_at_least(0))
-    gamma: float = attrs.field(default=4.0, converter=_to_float, validator=_number_in(0.0))
-
-    #: The fields each schedule reads; setting another one is a mistake worth reporting.
-    USES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "constant": ("peak",),
-        "linear_warmup": ("peak", "warmup", "init"),
-        "cosine": ("peak", "warmup", "total", "final", "init"),
-        "wsd": ("peak", "warmup", "total", "final", "init", "shape", "stable", "decay"),
-        "power_decay": ("peak", "warmup", "total", "gamma", "init"),
-    }
-
-
-@attrs.frozen
-class LossSpec:
-    """``[loss]``: the token objective and the output-head backend (``pgs.func.losses``).
-
-    ``args`` go to the objective's class (``deft``: ``alpha``; ``infosft``: ``p_bar``, ...).
-    """
-
-    section: ClassVar[str] = "loss"
-
-    objective: str = attrs.field(default="ce", validator=_str)
-    backend: str = attrs.field(default="chunked", validator=_str)
-    chunk_size: int = attrs.field(default=1024, validator=_int_at_least(1))
-    z_loss: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
-    neftune_alpha: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
-    args: dict = attrs.field(factory=dict, validator=_table)
-
-
-@attrs.frozen
-class TrainSpec:
-    """``[train]``: how long, how big, how often, and when to give up.
-
-    Exactly one of ``steps`` (optimizer steps) and ``epochs`` (passes over the mix) is set.
-    ``batch_size`` is global (packed sequences per optimizer step), split into ``grad_accum``
-    micro-batches.
-    """
-
-    section: ClassVar[str] = "train"
-
-    steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(_int_at_least(1)))
-    epochs: int | None = attrs.field(default=None, validator=attrs.validators.optional(_int_at_least(1)))
-    batch_size: int = attrs.field(default=8, validator=_int_at_least(1))
-    grad_accum: int = attrs.field(default=1, validator=_int_at_least(1))
-    seed: int = attrs.field(default=0, validator=_int_at_least(0))
-    max_wall_seconds: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
-    eval_every: int = attrs.field(default=50, validator=_int_at_least(0))
-    log_every: int = attrs.field(default=10, validator=_int_at_least(1))
-    max_consecutive_skips: int = attrs.field(default=3, validator=_int_at_least(0))
-    max_skip_fraction: float = attrs.field(default=0.05, converter=_to_float, validator=_number_in(0.0, 1.0))
-    entropy_warn: float = attrs.field(default=0.18, converter=_to_float, validator=_number_in(0.0))
-    device: str = attrs.field(default="auto", validator=_one_of(DEVICES))
-
-
-@attrs.frozen
-class CheckpointSpec:
-    """``[checkpoint]``: where and how often; ``keep`` newest periodic ones (0 keeps all).
-
-    ``best_metric`` (``""`` disables) also keeps the best checkpoint by that eval metric
-    (lower is better unless the name contains ``accuracy``); it needs ``data.eval``.
-    ``export`` writes a plain HF folder (config + safetensors + tokenizer) at the end.
-    """
-
-    section: ClassVar[str] = "checkpoint"
-
-    dir: str = attrs.field(default="runs/run", validator=_str)
-    every: int = attrs.field(default=100, validator=_int_at_least(0))
-    keep: int = attrs.field(default=2, validator=_int_at_least(0))
-    best_metric: str = attrs.field(default="eval_loss", validator=_str)
-    export: bool = attrs.field(default=True, validator=_bool)
-
-
-@attrs.frozen
-class LogSpec:
-    """``[log]``: where metrics go besides the console (``metrics.jsonl`` in the run folder)."""
-
-    section: ClassVar[str] = "log"
-
-    jsonl: bool = attrs.field(default=True, validator=_bool)
-    wandb: bool = attrs.field(default=False, validator=_bool)
-    trackio: bool = attrs.field(default=False, validator=_bool)
-
-
-@attrs.frozen
-class MemorySpec:
-    """``[memory]``: trading compute or precision for memory (docs/memory.md).
-
-    ``gradient_release`` runs the chain inside backward, one decoder layer at a time
-    (``pgs.runtime.release``); it needs ``train.grad_accum = 1``, ``optimizer.clip = 0`` and
-    a chain without global transforms.  ``activation_checkpointing`` (``"none"``, ``"full"``,
-    ``"selective"``) applies to layers ``0, k, 2k, …`` with ``k = checkpoint_every``.
-    ``compile_layers`` compiles each decoder layer; ``liger`` patches in Liger's kernels.
-    ``master_weights = "fp32"`` and ``stochastic_rounding`` are for low-precision weights;
-    ``master_weights`` needs ``gradient_release``.  ``defer_head_grad`` (with gradient release,
-    a tied head and the chunked loss) adds the head's gradient into the embedding's own
-    gradient buffer at the end of backward instead of holding a second V×D buffer through it.
-    ``offload_checkpoints`` keeps each checkpointed layer's input in pinned host memory
-    instead of on the device (``activation_checkpointing = "full"`` or ``"sublayer"``;
-    ``"sublayer"`` checkpoints each layer's attention half and MLP half apart).  ``tied_slabs``
-    (0: off) steps the input embedding's (tied) weight in slabs of that many vocabulary rows
-    at the end of backward, so no dense V×D gradient exists (gradient release, one process,
-    an elementwise chain; ``GradientRelease(..., tied_slabs=rows)``).  ``release_groups``
-    (``"layer"`` or ``"parameter"``) is what steps together inside backward: a decoder layer's
-    parameters, or each parameter as soon as its gradient exists (a layer's gradients then never
-    all exist at once).  ``mlp_tiles`` (0: off) computes each decoder layer's gated MLP in that
-    many token slices, forward and backward (``pgs.runtime.tiled_mlp``): the MLP's
-    [tokens, intermediate] tensors never exist whole.
-    """
-
-    section: ClassVar[str] = "memory"
-
-    gradient_release: bool = attrs.field(default=False, validator=_bool)
-    activation_checkpointing: str = attrs.field(default="none", validator=_one_of(CHECKPOINT_POLICIES))
-    checkpoint_every: int = attrs.field(default=1, validator=_int_at_least(1))
-    compile_layers: bool = attrs.field(default=False, validator=_bool)
-    liger: bool = attrs.field(default=False, validator=_bool)
-    master_weights: str = attrs.field(default="none", validator=_one_of(MASTER_WEIGHTS))
-    stochastic_rounding: bool = attrs.field(default=False, validator=_bool)
-    defer_head_grad: bool = attrs.field(default=True, validator=_bool)
-    offload_checkpoints: bool = attrs.field(default=False, validator=_bool)
-    tied_slabs: int = attrs.field(default=0, validator=_int_at_least(0))
-    release_groups: str = attrs.field(default="layer", validator=_one_of(RELEASE_GROUPS))
-    mlp_tiles: int = attrs.field(default=0, validator=_int_at_least(0))
-
-
-SECTIONS: dict[str, type] = {
-    "model": ModelSpec,
-    "data": DataConfig,
-    "optimizer": OptimizerSpec,
-    "schedule": ScheduleSpec,
-    "loss": LossSpec,
-    "train": TrainSpec,
-    "checkpoint": CheckpointSpec,
-    "log": LogSpec,
-    "memory": MemorySpec,
-}
 
 
 @attrs.frozen
