@@ -197,3 +197,10 @@ def test_bf16_master_weights_fp32():
     again.load_state_dict(d)
     for n, p in other.named_parameters():
         assert torch.equal(again.masters[n], rel.masters[n]) and torch.equal(p, model.get_parameter(n))
+
+
+def test_step_refuses_call_time_extras():
+    rel = GradientRelease(CHAINS["adamw"](), tiny_model())
+    with pytest.raises(InvalidArgument, match="GradientRelease.step: call-time extras"):
+        rel.step(lr=1e-3)
+    rel.step()  # nothing pending: a no-op

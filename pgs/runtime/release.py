@@ -151,6 +151,14 @@ def refusal(chain: pf.Transform, grad_accum: int = 1) -> str | None:
     return walk(chain, f"the chain ({chain.name})" if chain.name != "chain" else "chain")
 
 
+def released_step(release, extra: dict) -> None:
+    """``step()`` of a release: nothing to add at call time (the chain ran inside backward); ``finish()``."""
+    if extra:
+        raise InvalidArgument(f"{type(release).__name__}.step: call-time extras {sorted(extra)} cannot reach "
+                              "a chain that runs inside backward")
+    release.finish()
+
+
 def release_metrics(states: dict, steps: int, last_sumsq: torch.Tensor | None) -> dict[str, Any]:
     """What a release logs: the lr of the last step (read from the first group's state — every
     group steps once per backward with the same schedule), ‖g‖ of the last backward, steps."""
@@ -434,10 +442,7 @@ class GradientRelease:
 
     def step(self, **extra) -> None:
         """For loops written for ``bind``: the update already ran inside backward (``finish``)."""
-        if extra:
-            raise InvalidArgument(f"GradientRelease.step: call-time extras {sorted(extra)} cannot reach "
-                                  "a chain that runs inside backward")
-        self.finish()
+        released_step(self, extra)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are already None after a backward; clears any left by other code."""

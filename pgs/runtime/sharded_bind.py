@@ -76,6 +76,17 @@ def unaware_transforms(chain: pf.Transform, trust: Sequence[str] = ()) -> list[s
     return bad
 
 
+def refuse_unaware(chain: pf.Transform, trust: Sequence[str], who: str) -> None:
+    """``InvalidArgument`` naming the first transform of ``chain`` that would see partial norms on shards."""
+    bad = unaware_transforms(chain, trust)
+    if bad:
+        raise InvalidArgument(
+            f"{who}: transform {bad[0]} reduces over whole tensors but does not declare "
+            "sharded reductions; on shards it would see partial norms. Make it forward "
+            "extra['reduce_sum'] (or extra['whole_tensors']) and list it in trust= "
+            "(docs/distributed.md)")
+
+
 class ShardedBoundOptimizer:
     """A pure chain bound to the local shards of FSDP2 parameters.  See the module docstring.
 
@@ -114,13 +125,8 @@ class ShardedBoundOptimizer:
         elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise InvalidArgument("bind_sharded: several processes but no parameter is sharded; "
                                   "call pgs.runtime.distributed.shard_model(model) first")
-        bad = unaware_transforms(chain, trust)
-        if self.group is not None and bad:
-            raise InvalidArgument(
-                f"bind_sharded: transform {bad[0]} reduces over whole tensors but does not declare "
-                "sharded reductions; on shards it would see partial norms. Make it forward "
-                "extra['reduce_sum'] (or extra['whole_tensors']) and list it in trust= "
-                "(docs/distributed.md)")
+        if self.group is not None:
+            refuse_unaware(chain, trust, "bind_sharded")
         self.chain = chain
         self.model = model
         self.params = params

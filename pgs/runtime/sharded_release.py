@@ -57,8 +57,8 @@ import torch.distributed as dist
 import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
-from pgs.runtime.release import Arrivals, refusal, release_metrics
-from pgs.runtime.sharded_bind import RANK_KEY, ShardedBoundOptimizer, _is_dtensor, local, unaware_transforms
+from pgs.runtime.release import Arrivals, refusal, release_metrics, released_step
+from pgs.runtime.sharded_bind import RANK_KEY, ShardedBoundOptimizer, _is_dtensor, local, refuse_unaware
 
 #: Group key of the parameters that the root FSDP unit manages (embeddings, final norm, head).
 ROOT_GROUP = "root"
@@ -137,13 +137,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
                     or p.placements[0].dim != 0:
                 raise InvalidArgument(f"{who}: parameter {n!r} has placements {p.placements}; "
                                       "expected Shard(0) on the data-parallel mesh (FSDP2's default)")
-        bad = unaware_transforms(chain, trust)
-        if bad:
-            raise InvalidArgument(
-                f"{who}: transform {bad[0]} reduces over whole tensors but does not declare "
-                "sharded reductions; on shards it would see partial norms. Make it forward "
-                "extra['reduce_sum'] (or extra['whole_tensors']) and list it in trust= "
-                "(docs/distributed.md)")
+        refuse_unaware(chain, trust, who)
         self.chain = chain
         self.model = model
         self.params = params
@@ -229,10 +223,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
 
     def step(self, **extra) -> None:
         """For loops written for ``bind_sharded``: the update already ran inside backward."""
-        if extra:
-            raise InvalidArgument(f"ShardedGradientRelease.step: call-time extras {sorted(extra)} cannot reach "
-                                  "a chain that runs inside backward")
-        self.finish()
+        released_step(self, extra)
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
