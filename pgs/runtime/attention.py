@@ -211,8 +211,7 @@ def hf_implementation(name: str | None, config=None) -> str | None:
     ``"sdpa"`` otherwise.
     """
     if name == AUTO:
-        ok = torch.cuda.is_available() and _varlen_call() is not None
-        name = SPEC_NAME if ok and (config is None or varlen_suits(config) is None) else "sdpa"
+        name = SPEC_NAME if varlen_available() and (config is None or varlen_suits(config) is None) else "sdpa"
     if name == SPEC_NAME:
         return register()
     return name
