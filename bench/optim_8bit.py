@@ -74,6 +74,44 @@ def _time(fn, iters: int, warmup: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def _time_back_to_back(fn, iters: int) -> tuple[float, float]:
+    """(device ms per step, host ms per step) with ``iters`` steps issued back to back, as a
+    training loop issues them: the host runs ahead, so the device time excludes launch gaps
+    that a queue of earlier work would hide; the host time is what issuing one step costs."""
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(50_000_000)  # ~25 ms of queued device work: the host issues unobstructed
+    t = time.perf_counter()
+    a.record()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - t) * 1e3 / iters
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters, host
+
+
+def _kernel_trace(fn, steps: int = 3) -> dict:
+    """GPU time per step by kernel name (torch.profiler), and the launches per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    by, calls = {}, {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        key = e.name[:80]
+        by[key] = by.get(key, 0.0) + e.device_time / 1e3 / steps
+        calls[key] = calls.get(key, 0) + 1 / steps
+    top = sorted(by.items(), key=lambda kv: -kv[1])[:12]
+    return dict(gpu_ms_per_step=sum(by.values()), launches_per_step=sum(calls.values()),
+                kernels=[dict(name=k, ms=round(v, 4), calls=round(calls[k], 2)) for k, v in top])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -85,6 +123,8 @@ def main() -> None:
     ap.add_argument("--isolate", default="pgs_chain,pgs_chain_eager",
                     help="comma-separated rows run in a subprocess each (a CUDA fault there loses only that row)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per isolated row")
+    ap.add_argument("--trace", default="pgs_lion8bit,pgs_adamw8bit",
+                    help="comma-separated rows whose kernels are also listed (torch.profiler, CUDA only)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.small
     dev = "cuda" if cuda else "cpu"
@@ -167,6 +207,15 @@ def main() -> None:
                                               "pgs_lion8bit"),
         "pgs_adamw8bit_gather_rows8": (adam(), dict(TABLE="gather", ROWS=8), "pgs_adamw8bit"),
         "pgs_lion8bit_repeat": (lion(), {}, "pgs_lion8bit"),
+        # session 4: the parameter loaded with the other inputs (EARLY_P), a register cap, 4 rows
+        "pgs_lion8bit_early": (lion(), dict(EARLY_P=True), "pgs_lion8bit"),
+        "pgs_lion8bit_rows4_early": (lion(), dict(LION_ROWS=4, EARLY_P=True), "pgs_lion8bit"),
+        "pgs_lion8bit_early_reg64": (lion(), dict(EARLY_P=True, MAXNREG=64), "pgs_lion8bit"),
+        "pgs_lion8bit_rows2_early": (lion(), dict(LION_ROWS=2, EARLY_P=True), "pgs_lion8bit"),
+        "pgs_lion8bit_sr_early": (lion(sr=True), dict(EARLY_P=True), "pgs_lion8bit"),
+        "pgs_lion8bit_sr_rows4_early": (lion(sr=True), dict(LION_ROWS=4, EARLY_P=True), "pgs_lion8bit"),
+        "pgs_adamw8bit_early": (adam(), dict(EARLY_P=True), "pgs_adamw8bit"),
+        "pgs_adamw8bit_rows2_early": (adam(), dict(ROWS=2, EARLY_P=True), "pgs_adamw8bit"),
         # the gradients as separate tensors, copied into a flat buffer every step (what every row
         # measured before session 3: +1 zero-fill and +1 copy of the gradient per step)
         "pgs_lion8bit_unbound": (lion(bound_grads=False), {}, "pgs_lion8bit"),
@@ -207,7 +256,7 @@ def main() -> None:
     order = first + [k for k in makers if k not in first and k not in last] + last
     isolate = set(filter(None, args.isolate.split(","))) - ({next(iter(only))} if len(only) == 1 else set())
     defaults = {k: getattr(K, k) for k in ("ENC", "ENC_V", "RNG", "SPLIT", "DEQ_TABLE", "FAST_DIV", "ROWS",
-                                            "NUM_WARPS", "LION_ROWS", "OPAQUE", "TABLE")}
+                                            "NUM_WARPS", "LION_ROWS", "OPAQUE", "TABLE", "EARLY_P", "MAXNREG")}
     t_start = time.perf_counter()
 
     def dump():  # after every row: a crash later loses nothing already measured
@@ -240,6 +289,12 @@ def main() -> None:
             rows[name] = dict(ms=ms, bytes=bytes_needed[key], bytes_per_param=bytes_needed[key] / n,
                               floor_ms=floor, fraction_of_copy_bw=floor / ms, ratio_to_floor=ms / floor,
                               switches=switches)
+            if cuda:  # the same step issued back to back (host ahead), and its kernels
+                dev_ms, host_ms = _time_back_to_back(fn, iters)
+                rows[name].update(back_to_back_ms=dev_ms, host_ms_per_step=host_ms,
+                                  back_to_back_fraction_of_copy_bw=floor / dev_ms)
+                if name in set(filter(None, args.trace.split(","))):
+                    rows[name]["trace"] = _kernel_trace(fn)
         except Exception as e:  # a missing peer must not hide the other rows
             rows[name] = dict(error=f"{type(e).__name__}: {e}")
         finally:

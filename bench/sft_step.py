@@ -317,6 +317,8 @@ def run_variant(name: str, shape: str, args, device) -> dict:
         out["loss"] = float(loss)
         if args.profile and cuda:
             out["profile"] = profile_steps(step, data[: args.profile], f"{shape} {name}")
+        if args.host_timers:
+            out["host_ms_per_step"] = host_timed_steps(step, data[: args.host_timers], cuda, opt)
         if cuda:
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if not math.isfinite(out["loss"]):
@@ -337,6 +339,66 @@ def run_variant(name: str, shape: str, args, device) -> dict:
             torch._dynamo.reset()
         except Exception:  # noqa: BLE001
             pass
+    return out
+
+
+def host_timed_steps(step, data, cuda: bool = True, opt=None) -> dict:
+    """Host (CPU) milliseconds per step spent inside the runtime's hot functions, measured with
+    ``perf_counter`` around each call (no profiler: its per-op overhead distorts a host-bound
+    step).  Backward runs these on the autograd thread; nested entries count in both.  ``wall``
+    is the step's wall time, ``step_host`` the time until ``step`` returned (host ahead of the
+    device when it is smaller)."""
+    import collections
+
+    from pgs.runtime import checkpointing, release, release_slabs
+    from pgs.runtime.checkpointing import OffloadedInput
+
+    acc: dict = collections.defaultdict(float)
+    calls: dict = collections.defaultdict(int)
+    arrivals = getattr(opt, "_arrivals", None)  # the release's hook target is bound at construction
+    targets = [(arrivals, "on_complete", "release group step (incl. tied slabs)"),
+               (release.GradientRelease, "_fused_call", "fused update call"),
+               (release_slabs.TiedSlabs, "step", "tied slabs step"),
+               (OffloadedInput, "__init__", "offload to host"),
+               (OffloadedInput, "get", "offload: get back"),
+               (OffloadedInput, "prefetch", "offload: prefetch"),
+               (checkpointing, "_checkpoint_call", "checkpointed call (forward)")]
+    saved = []
+
+    def timed(fn, label):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[label] += time.perf_counter() - t
+                calls[label] += 1
+        return wrapper
+
+    for owner, attr, label in targets:
+        fn = None if owner is None else owner.__dict__.get(attr)
+        if fn is None:
+            continue
+        saved.append((owner, attr, fn))
+        setattr(owner, attr, timed(fn, label))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    try:
+        sync()
+        t0 = time.perf_counter()
+        returned = 0.0
+        for ids, pos in data:
+            t = time.perf_counter()
+            step(ids, pos)
+            returned += time.perf_counter() - t
+        sync()
+        wall = time.perf_counter() - t0
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+    n = len(data)
+    out = {"wall": 1e3 * wall / n, "step_host": 1e3 * returned / n}
+    out.update({k: round(1e3 * v / n, 3) for k, v in sorted(acc.items(), key=lambda kv: -kv[1])})
+    out["calls_per_step"] = {k: v / n for k, v in calls.items()}
     return out
 
 
@@ -419,6 +481,9 @@ def main(argv=None) -> int:
     p.add_argument("--mlp-tiles", type=int, default=4, help="token slices of the _tiled variants' MLPs")
     p.add_argument("--profile", type=int, default=0,
                    help="after timing, profile this many steps (torch.profiler) and add a summary")
+    p.add_argument("--host-timers", type=int, default=0,
+                   help="after timing, run this many steps with perf_counter timers around the runtime's hot "
+                        "functions (host ms per step by function; CUDA only)")
     p.add_argument("--same-process", action="store_true",
                    help="run every variant in this process (default: one child process per variant, so "
                         "that no variant's memory or compiled code can leak into the next one's peak)")

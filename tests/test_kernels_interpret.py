@@ -656,3 +656,52 @@ def test_table_gather_quantize_and_decode_exactly(signed):
     assert torch.equal(dec.view(torch.int32), q.view(torch.int32))
     assert _nan_equal(K.dequantize(_to(ref, DEV), signed, B, table=True, mode="gather").cpu(),
                       dequantize_blockwise(ref, q, B))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN/inf gradients
+@pytest.mark.parametrize("which", ["lion", "adam"])
+def test_early_parameter_load_equals_late(which, monkeypatch):
+    """``EARLY_P`` (the parameter loaded with the gradient, before the codes are stored) and a
+    register cap (``MAXNREG``, ignored by the interpreter) give the default step bit for bit,
+    in place (outputs aliasing the inputs, as gradient release runs them) and out of place;
+    both bodies, special gradients.  On a GPU, FMA contraction is off (see
+    test_unmasked_and_masked_bodies_agree)."""
+    if DEV != "cpu":
+        monkeypatch.setattr(K, "FP_FUSION", False)
+    R = K.LION_ROWS if which == "lion" else K.ROWS
+    n = 2 * R * B + 3 * B + 7
+    g = _special_grad(n, 0).to(DEV)
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEV)
+    m0, v0 = _to(_moment(n, True, 4), DEV), _to(_moment(n, False, 5), DEV)
+    seed = torch.tensor([777], dtype=torch.int64, device=DEV)
+
+    def clone(q):
+        return type(q)(q.codes.clone(), q.absmax.clone())
+
+    def run(in_place: bool):
+        p, m, v = p0.clone(), clone(m0), clone(v0)
+        if which == "lion":
+            hp = torch.tensor([0.1, 0.01, 1e-2, 0.1], device=DEV)
+            if in_place:
+                K.lion8bit(g, m, hp, B, p=p, out=p, m_out=m, seed=seed)
+                return dict(p=p, codes=m.codes, absmax=m.absmax)
+            new_p, mq = K.lion8bit(g, m, hp, B, p=p, seed=seed)
+            return dict(p=new_p, codes=mq.codes, absmax=mq.absmax)
+        hp = torch.tensor([0.1, 0.999, 0.001, 1e-8, 0.0, 0.27, 0.003, 1e-2, 0.1], device=DEV)
+        if in_place:
+            K.adam8bit(g, m, v, hp, B, p=p, out=p, m_out=m, v_out=v, seed=seed)
+            return dict(p=p, codes=m.codes, absmax=m.absmax, v_codes=v.codes, v_absmax=v.absmax)
+        new_p, mq, vq = K.adam8bit(g, m, v, hp, B, p=p, seed=seed)
+        return dict(p=new_p, codes=mq.codes, absmax=mq.absmax, v_codes=vq.codes, v_absmax=vq.absmax)
+
+    for in_place in (True, False):
+        monkeypatch.setattr(K, "EARLY_P", False)
+        monkeypatch.setattr(K, "MAXNREG", None)
+        want = run(in_place)
+        monkeypatch.setattr(K, "EARLY_P", True)
+        monkeypatch.setattr(K, "MAXNREG", 64)
+        got = run(in_place)
+        assert not torch.equal(got["p"], p0), "the step changed no parameter: nothing was compared"
+        for name in want:
+            assert _nan_equal(got[name].float(), want[name].float()) if got[name].is_floating_point() \
+                else torch.equal(got[name], want[name]), f"{which} in_place={in_place}: {name} differs"

@@ -80,6 +80,17 @@ SPLIT = os.environ.get("PGS_8BIT_SPLIT", "1") == "1"
 #: for bit on a GPU as in the interpreter, at +3-5 static SASS instructions per element
 #: (Lion 62.6 → 66.9, AdamW 100.2 → 105.2; sm_90, Triton 3.9; not timed).  ``PGS_8BIT_FP_FUSION``.
 FP_FUSION = os.environ.get("PGS_8BIT_FP_FUSION", "1") == "1"
+#: Load the parameter together with the gradient and the codes, before the requantization,
+#: instead of after it.  The step kernels store the new codes and absmax before they touch
+#: the parameter, and the compiler does not move a load above a store that may alias it (with
+#: ``donate`` the outputs *are* the inputs), so each program waited for DRAM twice: once for
+#: (g, codes, absmax), once for p.  Early, one wait covers all of a program's loads, at the
+#: cost of the parameter's registers held through the quantization.  ``PGS_8BIT_EARLY_P``.
+EARLY_P = os.environ.get("PGS_8BIT_EARLY_P", "0") == "1"
+#: Registers per thread the step kernels may use (ptxas ``.maxnreg``; None: the compiler's
+#: choice, 69 for Lion8bit on sm_90 = 7 programs of 128 threads per SM, 42% occupancy).
+#: ``PGS_8BIT_MAXNREG``; ignored by the CPU interpreter.
+MAXNREG = int(os.environ["PGS_8BIT_MAXNREG"]) if os.environ.get("PGS_8BIT_MAXNREG") else None
 #: Largest element count one launch covers: offsets are int32 in the kernels, so a larger
 #: buffer runs as several launches over views (each with its own noise stream).
 MAX_LAUNCH = 1 << 30
@@ -217,7 +228,7 @@ def _lion8bit(g, m: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None,
             _cut(fc, s, n, w), _cut(m.absmax, b, nb, w), _cut(fco, s, n, w), _cut(m_out.absmax, b, nb, w),
             code, mids, btab, midp, hp, sd if sd is not None else _no_seed(dev), n,
             BLOCK=block_size, ROWS=LION_ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
-            ENC=ENC, RNG=RNG, SPLIT=SPLIT, TABLE=table, num_warps=NUM_WARPS, **_fusion(),
+            ENC=ENC, RNG=RNG, SPLIT=SPLIT, TABLE=table, num_warps=NUM_WARPS, **_step_opts(),
         )
     return out, m_out
 
@@ -269,7 +280,7 @@ def _adam8bit(g, m: Quantized8bit, v: Quantized8bit, hp: torch.Tensor, block_siz
             sd if sd is not None else _no_seed(dev), n,
             BLOCK=block_size, ROWS=ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
             ENC=ENC, ENC_V=ENC_V, RNG=RNG, FAST_DIV=FAST_DIV, SPLIT=SPLIT, TABLE=table, num_warps=NUM_WARPS,
-            **_fusion(),
+            **_step_opts(),
         )
     return out, m_out, v_out
 
@@ -278,6 +289,17 @@ def _fusion() -> dict:
     # only the non-default is passed: the default launch stays exactly what it was (Dynamo's
     # traced path, OPAQUE=0, then sees no extra launch option)
     return {} if FP_FUSION else {"enable_fp_fusion": False}
+
+
+def _step_opts() -> dict:
+    """Launch options of the step kernels (Lion8bit, AdamW8bit): ``_fusion`` plus ``EARLY_P``
+    and ``MAXNREG``, each passed only when not the default."""
+    opts = _fusion()
+    if EARLY_P:
+        opts["EARLY_P"] = True
+    if MAXNREG and not interpreting():
+        opts["maxnreg"] = MAXNREG
+    return opts
 
 
 def _compiling() -> bool:

@@ -551,12 +551,14 @@ def _lion8bit_body(
     qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, APPLY: tl.constexpr, SR: tl.constexpr,
     DEQ_TABLE: tl.constexpr, ENC: tl.constexpr, RNG: tl.constexpr, MASKED: tl.constexpr,
-    TABLE: tl.constexpr = 0,
+    TABLE: tl.constexpr = 0, EARLY_P: tl.constexpr = False,
 ):
     rows, offs, mask, rmask = _tile(pid, n, BLOCK, ROWS)
     w1 = tl.load(hp_ptr + 0)
     w2 = tl.load(hp_ptr + 1)
     g = _ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+    if APPLY and EARLY_P:  # every load of the program in flight at once (see ``EARLY_P``)
+        p = _ld(p_ptr, offs, mask, 0.0, MASKED)
     m = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, True, DEQ_TABLE, MASKED, TABLE)
     d = g - m
     c = m + w1 * d
@@ -570,7 +572,9 @@ def _lion8bit_body(
     if APPLY:
         lr = tl.load(hp_ptr + 2)
         wd = tl.load(hp_ptr + 3)
-        p = _ld(p_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+        if not EARLY_P:
+            p = _ld(p_ptr, offs, mask, 0.0, MASKED)
+        p = p.to(tl.float32)
         _store_param(out_ptr, offs, mask, p - lr * (u + wd * p), seed_ptr, SR, RNG, MASKED)
     else:
         _st(out_ptr, offs, u.to(out_ptr.dtype.element_ty), mask, MASKED)
@@ -583,7 +587,7 @@ def lion8bit_kernel(
     qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, APPLY: tl.constexpr, SR: tl.constexpr,
     DEQ_TABLE: tl.constexpr = False, ENC: tl.constexpr = 0, RNG: tl.constexpr = 0,
-    SPLIT: tl.constexpr = True, TABLE: tl.constexpr = 0,
+    SPLIT: tl.constexpr = True, TABLE: tl.constexpr = 0, EARLY_P: tl.constexpr = False,
 ):
     """hp = [1−β1, 1−β2, η, λ]: c = m + (1−β1)(g − m); m ← m + (1−β2)(g − m); u = sign(c).
 
@@ -597,15 +601,15 @@ def lion8bit_kernel(
         if _is_full(pid, n, BLOCK, ROWS):
             _lion8bit_body(pid, g_ptr, p_ptr, out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr,
                            qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
-                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, False, TABLE)
+                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, False, TABLE, EARLY_P)
         else:
             _lion8bit_body(pid, g_ptr, p_ptr, out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr,
                            qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
-                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, True, TABLE)
+                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, True, TABLE, EARLY_P)
     else:
         _lion8bit_body(pid, g_ptr, p_ptr, out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr,
                        qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
-                       BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, True, TABLE)
+                       BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, True, TABLE, EARLY_P)
 
 
 @triton.jit
@@ -617,7 +621,7 @@ def _adam8bit_body(
     hp_ptr, seed_ptr, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, APPLY: tl.constexpr, SR: tl.constexpr,
     DEQ_TABLE: tl.constexpr, ENC: tl.constexpr, RNG: tl.constexpr, FAST_DIV: tl.constexpr,
-    MASKED: tl.constexpr, ENC_V: tl.constexpr, TABLE: tl.constexpr = 0,
+    MASKED: tl.constexpr, ENC_V: tl.constexpr, TABLE: tl.constexpr = 0, EARLY_P: tl.constexpr = False,
 ):
     rows, offs, mask, rmask = _tile(pid, n, BLOCK, ROWS)
     w1 = tl.load(hp_ptr + 0)
@@ -628,6 +632,8 @@ def _adam8bit_body(
     bc1 = tl.load(hp_ptr + 5)
     bc2 = tl.load(hp_ptr + 6)
     g = _ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+    if APPLY and EARLY_P:
+        p = _ld(p_ptr, offs, mask, 0.0, MASKED)
     m = _load_moment(mcodes_ptr, mabsmax_ptr, qmap_m_ptr, rows, offs, mask, rmask, True, DEQ_TABLE, MASKED, TABLE)
     v = _load_moment(vcodes_ptr, vabsmax_ptr, qmap_v_ptr, rows, offs, mask, rmask, False, DEQ_TABLE, MASKED, TABLE)
     m = m + w1 * (g - m)
@@ -652,7 +658,9 @@ def _adam8bit_body(
     if APPLY:
         lr = tl.load(hp_ptr + 7)
         wd = tl.load(hp_ptr + 8)
-        p = _ld(p_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+        if not EARLY_P:
+            p = _ld(p_ptr, offs, mask, 0.0, MASKED)
+        p = p.to(tl.float32)
         _store_param(out_ptr, offs, mask, p - lr * (u + wd * p), seed_ptr, SR, RNG, MASKED)
     else:
         _st(out_ptr, offs, u.to(out_ptr.dtype.element_ty), mask, MASKED)
@@ -668,7 +676,7 @@ def adam8bit_kernel(
     BLOCK: tl.constexpr, ROWS: tl.constexpr, APPLY: tl.constexpr, SR: tl.constexpr,
     DEQ_TABLE: tl.constexpr = False, ENC: tl.constexpr = 0, RNG: tl.constexpr = 0,
     FAST_DIV: tl.constexpr = False, SPLIT: tl.constexpr = True, ENC_V: tl.constexpr = 0,
-    TABLE: tl.constexpr = 0,
+    TABLE: tl.constexpr = 0, EARLY_P: tl.constexpr = False,
 ):
     """hp = [1−β1, β2, 1−β2, ε, ε_root, 1−β1^t, 1−β2^t, η, λ]; u = (m/bc1)/(sqrt(v/bc2 + ε_root) + ε).
 
@@ -680,19 +688,19 @@ def adam8bit_kernel(
                            vcodes_ptr, vabsmax_ptr, vcodes_out_ptr, vabsmax_out_ptr,
                            qmap_m_ptr, mids_m_ptr, btab_m_ptr, midp_m_ptr, qmap_v_ptr, mids_v_ptr, btab_v_ptr,
                            midp_v_ptr, hp_ptr, seed_ptr, n,
-                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, False, ENC_V, TABLE)
+                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, False, ENC_V, TABLE, EARLY_P)
         else:
             _adam8bit_body(pid, g_ptr, p_ptr, out_ptr, mcodes_ptr, mabsmax_ptr, mcodes_out_ptr, mabsmax_out_ptr,
                            vcodes_ptr, vabsmax_ptr, vcodes_out_ptr, vabsmax_out_ptr,
                            qmap_m_ptr, mids_m_ptr, btab_m_ptr, midp_m_ptr, qmap_v_ptr, mids_v_ptr, btab_v_ptr,
                            midp_v_ptr, hp_ptr, seed_ptr, n,
-                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, True, ENC_V, TABLE)
+                           BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, True, ENC_V, TABLE, EARLY_P)
     else:
         _adam8bit_body(pid, g_ptr, p_ptr, out_ptr, mcodes_ptr, mabsmax_ptr, mcodes_out_ptr, mabsmax_out_ptr,
                        vcodes_ptr, vabsmax_ptr, vcodes_out_ptr, vabsmax_out_ptr,
                        qmap_m_ptr, mids_m_ptr, btab_m_ptr, midp_m_ptr, qmap_v_ptr, mids_v_ptr, btab_v_ptr,
                        midp_v_ptr, hp_ptr, seed_ptr, n,
-                       BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, True, ENC_V, TABLE)
+                       BLOCK, ROWS, APPLY, SR, DEQ_TABLE, ENC, RNG, FAST_DIV, True, ENC_V, TABLE, EARLY_P)
 
 
 @triton.jit
