@@ -380,3 +380,37 @@ def test_compiled_clip_chain_is_one_graph_with_one_plain_reduction_per_buffer():
                        and numel(n.args[0]) in sizes]
     # one sum of squares over each gradient buffer, nothing else reads a whole buffer to reduce
     assert len(full_reductions) == len(fc.layout.groups), [(n.target, numel(n.args[0])) for n in full_reductions]
+
+
+def test_zero_copy_flatten_is_cached_and_revalidated():
+    """A bound dict flattens from the cache while its leaves stay the same views; rebinding a
+    leaf (``p.data = ...``), replacing one, or a new dict with other keys misses, and a step
+    then still writes the caller's tensors (issue #4's host-time cut must not change results)."""
+    torch.manual_seed(0)
+    params = {"a": torch.randn(8, 16), "b": torch.randn(300), "c": torch.randn(4, 4)}
+    fast = pf.compile(pf.sgd(0.1), donate=True)
+    p = {k: v.clone() for k, v in params.items()}
+    fast.bind_buffers(p)
+    state = fast.init(p)
+    layout = fast.layout
+    first = layout.flatten(p, what="params")
+    again = layout.flatten(p, what="params")
+    assert all(again[k] is first[k] for k in first), "a second flatten of the same views was not cached"
+    assert layout.zero_copy(again)
+    g = {k: torch.ones_like(v) for k, v in params.items()}
+    want = {k: v - 0.1 for k, v in p.items()}
+    out, state = fast.step(g, state, p)
+    assert out is p and all(torch.equal(p[k], want[k]) for k in p)
+    # rebinding a leaf to other storage: the cache must miss, and the step must reach it
+    p["b"].data = p["b"].detach().clone()
+    assert layout._cached_views(p, None, "params") is None
+    before = {k: v.clone() for k, v in p.items()}
+    out, state = fast.step(g, state, p)
+    for k in p:
+        torch.testing.assert_close(p[k], before[k] - 0.1)
+    # a new dict holding copies (same keys): not the cached objects
+    q = {k: v.clone() for k, v in p.items()}
+    assert layout._cached_views(q, None, "params") is None
+    # a dict with another key order is another tree
+    r = dict(reversed(list(p.items())))
+    assert layout._cached_views(r, None, "params") is None

@@ -53,6 +53,9 @@ class FlatChain:
         from pgs.func import fused as _fused
 
         self.fused_plan = _fused.match(opt) if fused else None
+        from pgs.func import chain8bit as _chain8bit  # adagc → mona → lion8bit → hyperball (issue 4)
+
+        self.chain_step = _chain8bit.match(opt) if fused else None
 
     # -- layout ------------------------------------------------------------------------
     def layout_for(self, params) -> Layout:
@@ -107,6 +110,8 @@ class FlatChain:
         fp = layout.flatten(params, what="params")
         new_p, new_s = self.step_flat(fg, state, fp, **extra)
         if self.donate:
+            if all(new_p.get(k) is v for k, v in fp.items()) and layout.zero_copy(fp):
+                return params, new_s  # updated in place: the parameters are views of these buffers
             leaves, _ = T.flatten(params)
             views = T.leaves(layout.unflatten(new_p))
             for p, v in zip(leaves, views):
@@ -118,7 +123,7 @@ class FlatChain:
     def step_flat(self, flat_grads: dict, state, flat_params: dict, **extra):
         # -- hook (issue 4, 8-bit optimizers): a chain may offer a fused update-and-apply
         # (pgs.func.kernels.fused.FusedTransform); it returns None where it cannot fuse.
-        fused = getattr(self.opt, "fused_step", None)
+        fused = getattr(self.opt, "fused_step", None) or self.chain_step
         if fused is not None:
             out = fused(flat_grads, state, flat_params, layout=self.layout, donate=self.donate,
                         stochastic_rounding=self.stochastic_rounding, extra=extra)
