@@ -61,6 +61,7 @@ import platform
 import sys
 import time
 import traceback
+from typing import Callable
 
 if "--triton-on-cpu" in sys.argv:  # before triton is imported: its interpreter and pgs's CPU switch
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -316,7 +317,7 @@ def run_variant(name: str, shape: str, args, device) -> dict:
         out["mfu"] = flops_per_token(model, seq) * out["tok_s"] / H200_BF16_FLOPS
         out["loss"] = float(loss)
         if args.profile and cuda:
-            out["profile"] = profile_steps(step, data[: args.profile], f"{shape} {name}")
+            out["profile"] = profile_steps(step, data[: args.profile], f"{shape} {name}", opt)
         if args.host_timers:
             out["host_ms_per_step"] = host_timed_steps(step, data[: args.host_timers], cuda, opt)
         if cuda:
@@ -342,28 +343,52 @@ def run_variant(name: str, shape: str, args, device) -> dict:
     return out
 
 
-def host_timed_steps(step, data, cuda: bool = True, opt=None) -> dict:
-    """Host (CPU) milliseconds per step spent inside the runtime's hot functions, measured with
-    ``perf_counter`` around each call (no profiler: its per-op overhead distorts a host-bound
-    step).  Backward runs these on the autograd thread; nested entries count in both.  ``wall``
-    is the step's wall time, ``step_host`` the time until ``step`` returned (host ahead of the
-    device when it is smaller)."""
-    import collections
-
+def _hot_functions(opt) -> list:
+    """(owner, attribute, label) of the runtime functions whose host time the bench reports."""
     from pgs.runtime import checkpointing, release, release_slabs
     from pgs.runtime.checkpointing import OffloadedInput
 
+    arrivals = getattr(opt, "_arrivals", None)  # the release's hook target is bound at construction
+    return [(arrivals, "on_complete", "release group step (incl. tied slabs)"),
+            (release.GradientRelease, "_fused_call", "fused update call"),
+            (release_slabs.TiedSlabs, "step", "tied slabs step"),
+            (OffloadedInput, "__init__", "offload to host"),
+            (OffloadedInput, "get", "offload: get back"),
+            (OffloadedInput, "prefetch", "offload: prefetch"),
+            (checkpointing, "_checkpoint_call", "checkpointed call (forward)")]
+
+
+def _patch(opt, wrap) -> Callable[[], None]:
+    """Wrap every hot function with ``wrap(fn, label)``; returns the undo."""
+    undo = []
+    for owner, attr, label in _hot_functions(opt):
+        if owner is None or not hasattr(owner, attr):
+            continue
+        own = attr in vars(owner)
+        fn = getattr(owner, attr) if not own else vars(owner)[attr]
+        setattr(owner, attr, wrap(fn, label))
+        undo.append((owner, attr, fn, own))
+
+    def restore():
+        for owner, attr, fn, own in reversed(undo):
+            if own:
+                setattr(owner, attr, fn)
+            else:
+                delattr(owner, attr)
+    return restore
+
+
+def host_timed_steps(step, data, cuda: bool = True, opt=None) -> dict:
+    """Host (CPU) milliseconds per step spent inside the runtime's hot functions, measured with
+    ``perf_counter`` around each call (no profiler: its per-op overhead distorts a host-bound
+    step).  Backward runs these on the autograd thread; nested entries count in both.  (Torch's
+    own functions are not wrapped: patching them changes what Dynamo guards on and recompiles
+    the layers.)  ``wall`` is the step's wall time,
+    ``step_host`` the time until ``step`` returned (host ahead of the device when smaller)."""
+    import collections
+
     acc: dict = collections.defaultdict(float)
     calls: dict = collections.defaultdict(int)
-    arrivals = getattr(opt, "_arrivals", None)  # the release's hook target is bound at construction
-    targets = [(arrivals, "on_complete", "release group step (incl. tied slabs)"),
-               (release.GradientRelease, "_fused_call", "fused update call"),
-               (release_slabs.TiedSlabs, "step", "tied slabs step"),
-               (OffloadedInput, "__init__", "offload to host"),
-               (OffloadedInput, "get", "offload: get back"),
-               (OffloadedInput, "prefetch", "offload: prefetch"),
-               (checkpointing, "_checkpoint_call", "checkpointed call (forward)")]
-    saved = []
 
     def timed(fn, label):
         def wrapper(*a, **k):
@@ -375,12 +400,7 @@ def host_timed_steps(step, data, cuda: bool = True, opt=None) -> dict:
                 calls[label] += 1
         return wrapper
 
-    for owner, attr, label in targets:
-        fn = None if owner is None else owner.__dict__.get(attr)
-        if fn is None:
-            continue
-        saved.append((owner, attr, fn))
-        setattr(owner, attr, timed(fn, label))
+    restore = _patch(opt, timed)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     try:
         sync()
@@ -393,8 +413,7 @@ def host_timed_steps(step, data, cuda: bool = True, opt=None) -> dict:
         sync()
         wall = time.perf_counter() - t0
     finally:
-        for owner, attr, fn in saved:
-            setattr(owner, attr, fn)
+        restore()
     n = len(data)
     out = {"wall": 1e3 * wall / n, "step_host": 1e3 * returned / n}
     out.update({k: round(1e3 * v / n, 3) for k, v in sorted(acc.items(), key=lambda kv: -kv[1])})
@@ -402,7 +421,7 @@ def host_timed_steps(step, data, cuda: bool = True, opt=None) -> dict:
     return out
 
 
-def profile_steps(step, data, title: str) -> dict:
+def profile_steps(step, data, title: str, opt=None) -> dict:
     """A torch.profiler trace of ``len(data)`` steps, summarised by bench/experiments/sft_probe.py
     (wall vs CUDA busy per step, GPU time and idle time by annotation, launches, syncs)."""
     import tempfile
@@ -412,11 +431,23 @@ def profile_steps(step, data, title: str) -> dict:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))
     from sft_probe import print_summary, summarize_trace
 
+    def annotated(fn, label):  # GPU idle time is then attributed to the phase that launched late
+        name = "probe." + label
+
+        def wrapper(*a, **k):
+            with torch.profiler.record_function(name):
+                return fn(*a, **k)
+        return wrapper
+
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for ids, pos in data:
-            step(ids, pos)
-        torch.cuda.synchronize()
+    restore = _patch(opt, annotated)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for ids, pos in data:
+                step(ids, pos)
+            torch.cuda.synchronize()
+    finally:
+        restore()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
