@@ -209,6 +209,8 @@ def main() -> None:
         "pgs_lion8bit_repeat": (lion(), {}, "pgs_lion8bit"),
         # session 4: the parameter loaded with the other inputs (EARLY_P), a register cap, 4 rows
         "pgs_lion8bit_early": (lion(), dict(EARLY_P=True), "pgs_lion8bit"),
+        "pgs_lion8bit_late": (lion(), dict(EARLY_P=False), "pgs_lion8bit"),  # the default before session 4
+        "pgs_adamw8bit_late": (adam(), dict(EARLY_P=False), "pgs_adamw8bit"),
         "pgs_lion8bit_rows4_early": (lion(), dict(LION_ROWS=4, EARLY_P=True), "pgs_lion8bit"),
         "pgs_lion8bit_early_reg64": (lion(), dict(EARLY_P=True, MAXNREG=64), "pgs_lion8bit"),
         "pgs_lion8bit_rows2_early": (lion(), dict(LION_ROWS=2, EARLY_P=True), "pgs_lion8bit"),
@@ -245,6 +247,9 @@ def main() -> None:
         "pgs_adamw8bit_before": (adam(), before, "pgs_adamw8bit"),
         "pgs_chain": (chain(), {}, "pgs_chain"),
         "pgs_chain_eager": (chain(jit=False), {}, "pgs_chain"),
+        # the same chain through its hand-written passes (pgs.func.chain8bit; jit is not used)
+        "pgs_chain_fused": (lambda: pgs_row("chain", pf.chain(pf.adagc(), pf.mona(), pf.scale_by_lion8bit(),
+                                                               pf.hyperball(1e-5))), {}, "pgs_chain"),
         "bnb_lion8bit": (lambda: bnb_row("Lion8bit"), {}, "bnb_lion8bit"),
         "bnb_adamw8bit": (lambda: bnb_row("AdamW8bit"), {}, "bnb_adamw8bit"),
         "torch_adamw_fused_bf16": (torch_row, {}, "torch_adamw_fused_bf16"),

@@ -85,8 +85,11 @@ FP_FUSION = os.environ.get("PGS_8BIT_FP_FUSION", "1") == "1"
 #: the parameter, and the compiler does not move a load above a store that may alias it (with
 #: ``donate`` the outputs *are* the inputs), so each program waited for DRAM twice: once for
 #: (g, codes, absmax), once for p.  Early, one wait covers all of a program's loads, at the
-#: cost of the parameter's registers held through the quantization.  ``PGS_8BIT_EARLY_P``.
-EARLY_P = os.environ.get("PGS_8BIT_EARLY_P", "0") == "1"
+#: cost of the parameter's registers held through the quantization.  H200, one run
+#: (bench/results/s4_call1_optim_8bit.json, Qwen3-1.7B shapes, steps issued back to back):
+#: Lion8bit 4.24 → 3.95 ms (0.76 → 0.82 of copy bandwidth), AdamW8bit 6.71 → 6.55 ms; with 4
+#: or 2 blocks per program, or a 64-register cap, it was slower.  ``PGS_8BIT_EARLY_P``.
+EARLY_P = os.environ.get("PGS_8BIT_EARLY_P", "1") == "1"
 #: Registers per thread the step kernels may use (ptxas ``.maxnreg``; None: the compiler's
 #: choice, 69 for Lion8bit on sm_90 = 7 programs of 128 threads per SM, 42% occupancy).
 #: ``PGS_8BIT_MAXNREG``; ignored by the CPU interpreter.
@@ -223,13 +226,12 @@ def _lion8bit(g, m: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None,
     for i, (s, n) in enumerate(chunks):
         b, nb = s // block_size, -(-n // block_size)
         sd = _chunk_seed(seed, i)
-        k.lion8bit_kernel[_grid(n, block_size, LION_ROWS)](
+        _launch(k.lion8bit_kernel, _grid(n, block_size, LION_ROWS), (
             _cut(fg, s, n, w), _cut(fp, s, n, w), _cut(fo, s, n, w),
             _cut(fc, s, n, w), _cut(m.absmax, b, nb, w), _cut(fco, s, n, w), _cut(m_out.absmax, b, nb, w),
-            code, mids, btab, midp, hp, sd if sd is not None else _no_seed(dev), n,
-            BLOCK=block_size, ROWS=LION_ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
-            ENC=ENC, RNG=RNG, SPLIT=SPLIT, TABLE=table, num_warps=NUM_WARPS, **_step_opts(),
-        )
+            code, mids, btab, midp, hp, sd if sd is not None else _no_seed(dev), n),
+            dict(BLOCK=block_size, ROWS=LION_ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
+                 ENC=ENC, RNG=RNG, SPLIT=SPLIT, TABLE=table, num_warps=NUM_WARPS, **_step_opts()))
     return out, m_out
 
 
@@ -272,16 +274,15 @@ def _adam8bit(g, m: Quantized8bit, v: Quantized8bit, hp: torch.Tensor, block_siz
     for i, (s, n) in enumerate(chunks):
         b, nb = s // block_size, -(-n // block_size)
         sd = _chunk_seed(seed, i)
-        k.adam8bit_kernel[_grid(n, block_size)](
+        _launch(k.adam8bit_kernel, _grid(n, block_size), (
             _cut(fg, s, n, w), _cut(fp, s, n, w), _cut(fo, s, n, w),
             _cut(fm, s, n, w), _cut(m.absmax, b, nb, w), _cut(fmo, s, n, w), _cut(m_out.absmax, b, nb, w),
             _cut(fv, s, n, w), _cut(v.absmax, b, nb, w), _cut(fvo, s, n, w), _cut(v_out.absmax, b, nb, w),
             code_m, mids_m, btab_m, midp_m, code_v, mids_v, btab_v, midp_v, hp,
-            sd if sd is not None else _no_seed(dev), n,
-            BLOCK=block_size, ROWS=ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
-            ENC=ENC, ENC_V=ENC_V, RNG=RNG, FAST_DIV=FAST_DIV, SPLIT=SPLIT, TABLE=table, num_warps=NUM_WARPS,
-            **_step_opts(),
-        )
+            sd if sd is not None else _no_seed(dev), n),
+            dict(BLOCK=block_size, ROWS=ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
+                 ENC=ENC, ENC_V=ENC_V, RNG=RNG, FAST_DIV=FAST_DIV, SPLIT=SPLIT, TABLE=table, num_warps=NUM_WARPS,
+                 **_step_opts()))
     return out, m_out, v_out
 
 
@@ -300,6 +301,58 @@ def _step_opts() -> dict:
     if MAXNREG and not interpreting():
         opts["maxnreg"] = MAXNREG
     return opts
+
+
+#: Launch the step kernels through a cache of their compiled kernels (``_launch``) instead of
+#: ``kernel[grid](...)``: Triton's launcher binds and specialises every argument and builds a
+#: cache key per call (~56 us of host time per Lion8bit launch on the H200 machine,
+#: bench/results/s4_call2_host_costs.json), and gradient release launches one per tensor inside
+#: backward, where the host is the bottleneck.  ``PGS_8BIT_FAST_LAUNCH``.
+FAST_LAUNCH = os.environ.get("PGS_8BIT_FAST_LAUNCH", "1") == "1"
+_COMPILED: dict = {}
+
+
+def _spec(args: tuple) -> tuple:
+    """What Triton specialises a launch on, for our argument kinds: each tensor's dtype and
+    16-byte alignment, each int's value being 1 and its divisibility by 16."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append((a.dtype, a.data_ptr() % 16 == 0))
+        else:
+            out.append((type(a), a == 1, a % 16 == 0))
+    return tuple(out)
+
+
+def _launch(kernel, grid: tuple, args: tuple, kw: dict) -> None:
+    """``kernel[grid](*args, **kw)``; with ``FAST_LAUNCH`` (on a GPU), later launches with the
+    same constexprs, options and specialisation call the compiled kernel's launcher directly,
+    with the arguments Triton's own ``run`` would pass (every parameter, in order)."""
+    if not FAST_LAUNCH or interpreting():
+        kernel[grid](*args, **kw)
+        return
+    key = (kernel, tuple(kw.items()), _spec(args))
+    hit = _COMPILED.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, **kw)
+        try:
+            template = []
+            for i, p in enumerate(kernel.params):
+                template.append(None if i < len(args) else kw.get(p.name, p.default))
+            _COMPILED[key] = (compiled, template, len(args))
+        except Exception:  # noqa: BLE001 - an unknown Triton layout: stay on the normal path
+            pass
+        return
+    compiled, template, n = hit
+    full = list(args) + template[n:]
+    from triton import knobs
+    from triton.runtime import driver
+
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
+    g0 = grid[0]
+    compiled.run(g0, 1, 1, stream, compiled.function, compiled.packed_metadata,
+                 compiled.launch_metadata((g0, 1, 1), stream, *full),
+                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)
 
 
 def _compiling() -> bool:
