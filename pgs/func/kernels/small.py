@@ -1,0 +1,136 @@
+"""Lion on the small fp32-state leaves of a release group, several leaves per launch.
+
+The 8-bit chains keep tensors under ``min_8bit_size`` elements (RMSNorm weights, q/k norms)
+with fp32 moments.  In torch ops their update is ~20 tiny kernels per group (gather, lerp,
+sign, the fp32 apply, stochastic rounding, the copies back); on a host that pays ~30 µs per
+launch (the H200 machine, ``bench/results/s4_call2_host_costs.json``) that was ~0.6 ms per
+decoder layer inside backward, where gradient release is host-bound.  Here it is one launch
+for up to ``MAX_LEAVES`` leaves, in place, with the arithmetic of the reference path:
+
+    c = lerp(m, g, 1−β1);  u = sign(c);  m ← lerp(m, g, 1−β2)        (Lion, arXiv 2302.06675)
+    p ← p − η(u + λp)   (rounded to p's dtype, stochastically for bf16 with ``SR``)
+
+``lerp`` is torch's: ``m + w(g − m)`` for |w| < ½, else ``g − (g − m)(1 − w)``.  Results equal
+the torch path up to FMA contraction (an ulp of m or of the fp32 parameter before rounding);
+stochastic rounding draws its 16 noise bits from the 8-bit kernels' hash stream
+(``blockwise8._sr_noise``) instead of ``torch.randint``: another unbiased draw.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pgs.func.kernels import _launch, interpreting
+
+#: Leaves one launch takes (pointer arguments of the kernel); more leaves take more launches.
+MAX_LEAVES = 4
+BLOCK = 1024
+#: Noise offsets of leaf i start at i·2^24 (a leaf under 2^24 elements never overlaps the next).
+LEAF_STRIDE = 1 << 24
+
+try:
+    import triton
+    import triton.language as tl
+
+    from pgs.func.kernels.blockwise8 import _sr_noise
+
+    @triton.jit
+    def _lerp(a, b, w):
+        # torch's lerp (ATen Lerp.h): two formulas, picked by the weight's size
+        if tl.abs(w) < 0.5:
+            r = a + w * (b - a)
+        else:
+            r = b - (b - a) * (1.0 - w)
+        return r
+
+    @triton.jit
+    def _leaf_step(g_ptr, p_ptr, m_ptr, n, blk, leaf, hp_ptr, seed_ptr,
+                   BLOCK: tl.constexpr, SR: tl.constexpr, RNG: tl.constexpr, STRIDE: tl.constexpr,
+                   BF16: tl.constexpr):
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        w1 = tl.load(hp_ptr + 0)
+        w2 = tl.load(hp_ptr + 1)
+        lr = tl.load(hp_ptr + 2)
+        wd = tl.load(hp_ptr + 3)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        c = _lerp(m, g, w1)
+        u = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
+        # (NaN: both tests fail, u = 0, as torch.sign gives)
+        tl.store(m_ptr + offs, _lerp(m, g, w2), mask=mask)
+        x = p - lr * (u + wd * p)
+        if BF16:
+            # to bf16 as the top 16 bits of an fp32 word, rounded here (the cast below is then
+            # exact): + uniform noise and truncation with SR, round-to-nearest-even without
+            # (Triton's CPU interpreter would truncate in the cast itself)
+            bits = x.to(tl.uint32, bitcast=True)
+            if SR:
+                add = _sr_noise(seed_ptr, leaf * STRIDE + offs, RNG)
+            else:
+                add = 0x7FFF + ((bits >> 16) & 1)
+            rounded = ((bits + add) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            x = tl.where(tl.abs(x) < float("inf"), rounded, x)
+        tl.store(p_ptr + offs, x.to(p_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def lion_small_kernel(g0, p0, m0, n0, g1, p1, m1, n1, g2, p2, m2, n2, g3, p3, m3, n3,
+                          hp_ptr, seed_ptr, leaf0,
+                          BLOCK: tl.constexpr, SR: tl.constexpr, RNG: tl.constexpr, STRIDE: tl.constexpr,
+                          BF16: tl.constexpr):
+        """Program (i, b): block b of leaf i (i < the number of leaves passed; unused slots
+        repeat leaf 0 with n = 0).  hp = [1−β1, 1−β2, η, λ]; ``leaf0``: the first leaf's index
+        in the group (its noise stream)."""
+        i = tl.program_id(0)
+        b = tl.program_id(1)
+        if i == 0:
+            _leaf_step(g0, p0, m0, n0, b, leaf0, hp_ptr, seed_ptr, BLOCK, SR, RNG, STRIDE, BF16)
+        elif i == 1:
+            _leaf_step(g1, p1, m1, n1, b, leaf0 + 1, hp_ptr, seed_ptr, BLOCK, SR, RNG, STRIDE, BF16)
+        elif i == 2:
+            _leaf_step(g2, p2, m2, n2, b, leaf0 + 2, hp_ptr, seed_ptr, BLOCK, SR, RNG, STRIDE, BF16)
+        else:
+            _leaf_step(g3, p3, m3, n3, b, leaf0 + 3, hp_ptr, seed_ptr, BLOCK, SR, RNG, STRIDE, BF16)
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - triton is a dependency; kept for partial installs
+    HAVE_TRITON = False
+
+
+def usable(gs: list, ps: list, ms: list) -> bool:
+    """Whether ``lion_small_`` can step these leaves: contiguous, fp32 moments, one device, a
+    GPU (or Triton's interpreter), parameters in bf16/fp16/fp32, gradients likewise."""
+    if not HAVE_TRITON or not gs:
+        return False
+    dev = ps[0].device
+    if dev.type != "cuda" and not interpreting():
+        return False
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    for g, p, m in zip(gs, ps, ms):
+        if not (isinstance(m, torch.Tensor) and m.dtype == torch.float32 and p.dtype in floats
+                and g.dtype in floats and g.shape == p.shape == m.shape and g.device == p.device == m.device == dev
+                and g.is_contiguous() and p.is_contiguous() and m.is_contiguous()):
+            return False
+    return len({p.dtype for p in ps}) == 1 and len({g.dtype for g in gs}) == 1
+
+
+def lion_small_(gs: list, ps: list, ms: list, hp: torch.Tensor, seed: torch.Tensor | None, first: int = 0) -> None:
+    """Lion on leaves ``(gs[i], ps[i], ms[i])`` in place (see the module docstring); ``hp`` =
+    ``[1−β1, 1−β2, η, λ]`` (fp32, on the device); ``seed`` (int64 device tensor) turns on
+    stochastic rounding of bf16 parameters; ``first``: the first leaf's index for the noise."""
+    from pgs.func import kernels as K
+
+    sr = seed is not None and ps[0].dtype == torch.bfloat16
+    seed_arg = seed if seed is not None else hp  # never read without SR
+    for at in range(0, len(ps), MAX_LEAVES):
+        chunk = list(zip(gs[at:at + MAX_LEAVES], ps[at:at + MAX_LEAVES], ms[at:at + MAX_LEAVES]))
+        args = []
+        for j in range(MAX_LEAVES):
+            g, p, m = chunk[j] if j < len(chunk) else chunk[0]
+            args += [g, p, m, p.numel() if j < len(chunk) else 0]
+        blocks = -(-max(p.numel() for _, p, _ in chunk) // BLOCK)
+        _launch(lion_small_kernel, (len(chunk), max(blocks, 1)),
+                (*args, hp, seed_arg, first + at),
+                dict(BLOCK=BLOCK, SR=sr, RNG=K.RNG, STRIDE=LEAF_STRIDE, BF16=ps[0].dtype == torch.bfloat16,
+                     num_warps=4))

@@ -1,0 +1,115 @@
+"""``pgs.func.kernels.small``: Lion on the small fp32-state leaves, several leaves per launch.
+
+Runs in Triton's CPU interpreter here (the root conftest sets TRITON_INTERPRET=1 without CUDA)
+and on a GPU when there is one.  Reference: the torch ops of the 8-bit chains' small-leaf path
+(``lerp``, ``sign``, ``p − η(u + λp)`` in fp32, then the cast).
+"""
+
+import pytest
+import torch
+
+from pgs.func.kernels import small as S
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not S.HAVE_TRITON, reason="needs triton")
+
+
+def _leaves(shapes, pdtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    gs = [torch.randn(s, generator=gen).to(pdtype).to(DEV) for s in shapes]
+    ps = [torch.randn(s, generator=gen).to(pdtype).to(DEV) for s in shapes]
+    ms = [(torch.randn(s, generator=gen) * 0.1).to(DEV) for s in shapes]
+    return gs, ps, ms
+
+
+def _reference(gs, ps, ms, b1, b2, lr, wd):
+    out_p, out_m, out_x = [], [], []
+    for g, p, m in zip(gs, ps, ms):
+        g32 = g.float()
+        u = m.lerp(g32, 1 - b1).sign()
+        out_m.append(m.lerp(g32, 1 - b2))
+        p32 = p.float()
+        x = p32 - lr * (u + wd * p32)
+        out_x.append(x)
+        out_p.append(x.to(p.dtype))
+    return out_p, out_m, out_x
+
+
+def _hp(b1, b2, lr, wd):
+    return torch.tensor([1 - b1, 1 - b2, lr, wd], dtype=torch.float64).float().to(DEV)
+
+
+# five leaves: two launches (MAX_LEAVES = 4); sizes across BLOCK boundaries; a 1-element leaf
+SHAPES = [(128,), (32,), (2560,), (3, 700), (1,)]
+
+
+@pytest.mark.parametrize("pdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b1", [0.9, 0.3])  # 1 − β1 below and above ½: both formulas of lerp
+def test_matches_torch_reference(pdtype, b1):
+    gs, ps, ms = _leaves(SHAPES, pdtype)
+    gs[2][5] = float("nan")  # a NaN gradient: c is NaN, sign gives 0, m becomes NaN
+    want_p, want_m, _ = _reference(gs, ps, ms, b1, 0.99, 1e-2, 0.1)
+    P, M = [p.clone() for p in ps], [m.clone() for m in ms]
+    assert S.usable(gs, P, M)
+    S.lion_small_(gs, P, M, _hp(b1, 0.99, 1e-2, 0.1), None)
+    for a, b, m, g in zip(M, want_m, ms, gs):
+        # an ulp of the terms (the interpreter does not contract a·b + c into an fma; m + w(g − m)
+        # may cancel, so the bound is on the operands' size, not the result's)
+        bound = 2.4e-7 * (m.abs() + g.float().abs())
+        same_nan = a.isnan() == b.isnan()
+        assert bool(same_nan.all()) and bool(((a - b).abs() <= bound)[~a.isnan()].all())
+    for i, (a, b) in enumerate(zip(P, want_p)):
+        if pdtype == torch.bfloat16:
+            assert torch.equal(a, b), f"leaf {i}: bf16 parameters differ from round-to-nearest"
+        else:
+            torch.testing.assert_close(a, b, rtol=2.4e-7, atol=1e-12)
+    assert not torch.equal(P[0], ps[0])
+
+
+def test_stochastic_rounding_lands_on_a_neighbour_and_is_unbiased():
+    shapes = [(4096,), (1000,)]
+    gs, ps, ms = _leaves(shapes, seed=1)
+    _, _, want_x = _reference(gs, ps, ms, 0.9, 0.99, 3e-3, 0.0)
+    total = [torch.zeros(s, dtype=torch.float64, device=DEV) for s in shapes]
+    draws = 64
+    for k in range(draws):
+        P, M = [p.clone() for p in ps], [m.clone() for m in ms]
+        S.lion_small_(gs, P, M, _hp(0.9, 0.99, 3e-3, 0.0), torch.tensor([1000 + k], dtype=torch.int64, device=DEV))
+        for t, p, x in zip(total, P, want_x):
+            lo = (x.view(torch.int32) & -65536).view(torch.float32)  # toward zero
+            hi = torch.where(x >= 0, torch.nextafter(lo.bfloat16(), torch.tensor(float("inf"), device=DEV).bfloat16()).float(),
+                             torch.nextafter(lo.bfloat16(), torch.tensor(-float("inf"), device=DEV).bfloat16()).float())
+            pf = p.float()
+            exact = lo == x
+            assert bool(((pf == lo) | ((pf == hi) & ~exact)).all()), "a rounded value is not a neighbour of x"
+            t += pf.double()
+    for t, x in zip(total, want_x):
+        err = (t / draws - x.double()).abs()
+        ulp = (torch.nextafter(x.bfloat16(), torch.tensor(float("inf"), device=DEV).bfloat16()).float() - x.bfloat16().float()).abs().double()
+        # mean of 64 draws: within ~4 standard errors (ulp/2/sqrt(64)) on average over the leaf
+        assert float((err / ulp).mean()) < 0.15, "stochastic rounding is biased"
+
+
+def test_seed_and_leaf_index_pick_the_noise():
+    gs, ps, ms = _leaves([(2048,)] * 2, seed=2)
+    hp = _hp(0.9, 0.99, 3e-3, 0.0)
+
+    def run(seed, first):
+        P, M = [p.clone() for p in ps], [m.clone() for m in ms]
+        S.lion_small_(gs, P, M, hp, torch.tensor([seed], dtype=torch.int64, device=DEV), first=first)
+        return P
+
+    a, b, c = run(1, 0), run(1, 0), run(2, 0)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), "same seed, same leaves: another draw"
+    assert not torch.equal(a[0], c[0]), "another seed drew the same noise"
+    d = run(1, 1)  # leaf 0 now draws leaf 1's stream
+    assert torch.equal(d[0], a[1]) is False and not torch.equal(d[0], a[0])
+
+
+def test_usable_refuses_what_it_cannot_step():
+    gs, ps, ms = _leaves([(16,), (8,)])
+    assert S.usable(gs, ps, ms)
+    assert not S.usable(gs, ps, [m.bfloat16() for m in ms]), "non-fp32 moments"
+    assert not S.usable(gs, [ps[0], ps[1].float()], ms), "mixed parameter dtypes"
+    assert not S.usable([gs[0].t() if gs[0].dim() > 1 else gs[0][::2], gs[1]], ps, ms), "non-contiguous / shape"
+    assert not S.usable([], [], [])
