@@ -349,9 +349,9 @@ def _launch(kernel, grid: tuple, args: tuple, kw: dict) -> None:
     from triton.runtime import driver
 
     stream = driver.active.get_current_stream(driver.active.get_current_device())
-    g0 = grid[0]
-    compiled.run(g0, 1, 1, stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata((g0, 1, 1), stream, *full),
+    g3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    compiled.run(g3[0], g3[1], g3[2], stream, compiled.function, compiled.packed_metadata,
+                 compiled.launch_metadata(g3, stream, *full),
                  knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)
 
 
