@@ -62,3 +62,35 @@ def test_hp_tensor_values_without_number_tensors(monkeypatch):
     assert torch.equal(F.hp_tensor(torch.device("cpu"), 0.1, 0.01, lr, 0.0), expected)
     assert torch.equal(F.hp_tensor(torch.device("cpu"), 0.1, 0.01, lr * 2, 0.0)[2], (lr * 2).float())
     assert len(made) == 1  # the cached vector of numbers, once; no tensor per number per call
+
+
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_slabs_reuse_chunk_inputs_and_equal_add_to(request, use_kernels):
+    """``add_rows_to`` over slabs equals ``add_to`` (rows assembled), and the slab-independent
+    per-chunk inputs (hidden rows, labels, coefficients) are built once, not once per slab."""
+    dev = request.getfixturevalue("kernels_on") if use_kernels else "cpu"
+    h, W, labels = problem(dev, torch.float32, n=45, v=300)
+    kw = dict(backend="chunked", chunk_size=8)
+    r = token_loss(h, W, labels, defer_head_grad=True, **kw)
+    (r.loss_sum * 0.37).backward()
+    calls = []
+    real = chunked.DeferredHeadGrad._chunk_inputs
+
+    def counted(self, *a, **k):
+        calls.append(getattr(self, "_inputs", None) is None)
+        return real(self, *a, **k)
+
+    chunked.DeferredHeadGrad._chunk_inputs = counted
+    try:
+        slabs = [(0, 128), (128, 256), (256, 300)]
+        got = torch.cat([r.head_grad.add_rows_to(torch.zeros(b - a, W.shape[1], device=W.device), a, b)
+                         for a, b in slabs])
+    finally:
+        chunked.DeferredHeadGrad._chunk_inputs = real
+    assert calls == [True, False, False], f"chunk inputs rebuilt per slab: {calls}"
+    r2 = token_loss(h, W, labels, defer_head_grad=True, **kw)
+    (r2.loss_sum * 0.37).backward()
+    want = r2.head_grad.add_to(torch.zeros_like(W))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    r.head_grad.discard()
+    assert r.head_grad._inputs is None

@@ -79,6 +79,7 @@ class DeferredHeadGrad:
         self._saved = None
         self.scale: torch.Tensor | None = None
         self.done = False
+        self._inputs = None  # (kernels, per-chunk inputs) cached across add_rows_to calls
 
     @property
     def ready(self) -> bool:
@@ -87,13 +88,14 @@ class DeferredHeadGrad:
     def save(self, h, W, bias, labels, rows_all, gates, lses, plan) -> None:
         self._saved = (h.detach(), W.detach(), None if bias is None else bias.detach(), labels, rows_all,
                        gates, lses, plan)
+        self._inputs = None
 
     @torch.no_grad()
     def add_to(self, out: Tensor) -> Tensor:
         """Add the whole head gradient into ``out`` [V, D], then drop what is held (once)."""
         W = self._held()[1]
         self._accumulate(out, 0, W.shape[0])
-        self._saved, self.scale, self.done = None, None, True
+        self._saved, self.scale, self.done, self._inputs = None, None, True, None
         return out
 
     @torch.no_grad()
@@ -119,6 +121,31 @@ class DeferredHeadGrad:
             raise RuntimeError("deferred head gradient: backward has not reached the loss yet")
         return self._saved
 
+    def _chunk_inputs(self, kernels: bool, keep: bool) -> list:
+        """Per loss chunk, what every slab's product needs and no slab changes: the chunk's
+        hidden rows and labels (``index_select``), its gates and LSEs, and for the Triton pass
+        the fp32 coefficients.  ``keep``: cache them for the next slabs (``add_rows_to`` runs
+        once per slab: 5 slabs × 4 chunks rebuilt these 20 times per step at Qwen3-4B, ~8
+        kernels each; they hold |rows|·D of W's dtype until ``discard``)."""
+        cached = getattr(self, "_inputs", None)
+        if cached is not None and cached[0] == kernels:
+            return cached[1]
+        h, W, bias, labels, rows_all, gates, lses, plan = self._saved
+        out = []
+        for start in range(0, rows_all.numel(), plan.chunk_size):
+            rows = rows_all[start : start + plan.chunk_size]
+            hc = h.index_select(0, rows)
+            y = labels.index_select(0, rows)
+            gate, lse = gates[start : start + rows.numel()], lses[start : start + rows.numel()]
+            if kernels:  # s folded into the fp32 coefficients of the Triton pass
+                s32, gate32, lse32 = self.scale.to(torch.float32), gate.float(), lse.float()
+                out.append((hc, y, lse32, (gate32 + 2 * plan.z_loss * lse32) * s32, gate32 * s32))
+            else:
+                out.append((hc, y, lse, gate))
+        if keep:
+            self._inputs = (kernels, out)
+        return out
+
     def _accumulate(self, out: Tensor, r0: int, r1: int) -> Tensor:
         """out += s·Σ_k Gₖ[:, r0:r1]ᵀ H_k, chunk by chunk (W's dtype for the products)."""
         h, W, bias, labels, rows_all, gates, lses, plan = self._saved
@@ -127,22 +154,19 @@ class DeferredHeadGrad:
         bs = bias if (whole or bias is None) else bias[r0:r1]
         scale = self.scale
         kernels = out.dtype == W.dtype and _use_kernels(h, W, plan, out)
-        for start in range(0, rows_all.numel(), plan.chunk_size):
-            rows = rows_all[start : start + plan.chunk_size]
-            hc = h.index_select(0, rows)
-            y = labels.index_select(0, rows)
+        for chunk in self._chunk_inputs(kernels, keep=not whole):
+            hc, y = chunk[0], chunk[1]
             y = y if whole else y - r0  # the slab's column of the label (may lie outside)
-            gate, lse = gates[start : start + rows.numel()], lses[start : start + rows.numel()]
             if kernels:  # W's dtype, in place: s·(coef·p − gate·e_y), s folded into the fp32 rows
                 from pgs.func.losses import triton_ce
 
-                s32, gate32, lse32 = scale.to(torch.float32), gate.float(), lse.float()
+                lse32, coef, gate_s = chunk[2], chunk[3], chunk[4]
                 z = hc @ Ws.t()
-                g = triton_ce.grad_in_place(z, y, bs, plan.softcap, lse32,
-                                            (gate32 + 2 * plan.z_loss * lse32) * s32, gate32 * s32)
+                g = triton_ce.grad_in_place(z, y, bs, plan.softcap, lse32, coef, gate_s)
                 out.addmm_(g.t(), hc)
                 del z, g
                 continue
+            lse, gate = chunk[2], chunk[3]
             g = _logit_grad(_chunk_logits(hc, Ws, bs, plan.softcap), lse, y, gate, plan, in_slab=not whole)
             g.mul_(scale.to(g.dtype))
             if out.dtype == W.dtype:
@@ -153,8 +177,8 @@ class DeferredHeadGrad:
         return out
 
     def discard(self) -> None:
-        """Drop what is held (a step that will not run backward)."""
-        self._saved, self.scale, self.done = None, None, True
+        """Drop what is held (a step that will not run backward, or after the last slab)."""
+        self._saved, self.scale, self.done, self._inputs = None, None, True, None
 
 
 class ChunkedTokenLoss(torch.autograd.Function):
