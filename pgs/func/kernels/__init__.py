@@ -314,13 +314,13 @@ _COMPILED: dict = {}
 
 def _spec(args: tuple) -> tuple:
     """What Triton specialises a launch on, for our argument kinds: each tensor's dtype and
-    16-byte alignment, each int's value being 1 and its divisibility by 16."""
+    16-byte alignment, each int's value being 1, its divisibility by 16 and its width."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
             out.append((a.dtype, a.data_ptr() % 16 == 0))
-        else:
-            out.append((type(a), a == 1, a % 16 == 0))
+        else:  # an int's signature type (i32 or i64) follows its range
+            out.append((type(a), a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31)))
     return tuple(out)
 
 
