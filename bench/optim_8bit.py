@@ -150,8 +150,8 @@ def main() -> None:
     only = set(filter(None, args.only.split(",")))
     iters, warmup = (args.iters, 3) if cuda else (2, 1)
 
-    def pgs_row(name, opt, jit=False, sr=False, bound_grads=True):
-        fast = pf.compile(opt, jit=jit, donate=True, stochastic_rounding=sr)
+    def pgs_row(name, opt, jit=False, sr=False, bound_grads=True, fused=True):
+        fast = pf.compile(opt, jit=jit, donate=True, stochastic_rounding=sr, fused=fused)
         p = {k: v.clone() for k, v in params.items()}
         fast.bind_buffers(p)
         g = {k: v.clone() for k, v in grads.items()}
@@ -187,9 +187,9 @@ def main() -> None:
     def adam(**kw):
         return lambda: pgs_row("adamw8bit", pf.adamw8bit(1e-5, weight_decay=0.1), **kw)
 
-    def chain(jit=True):
+    def chain(jit=True):  # the generic path (one torch.compile graph with jit), not the fused passes
         opt = pf.chain(pf.adagc(), pf.mona(), pf.scale_by_lion8bit(), pf.hyperball(1e-5))
-        return lambda: pgs_row("chain", opt, jit=jit)
+        return lambda: pgs_row("chain", opt, jit=jit, fused=False)
 
     before = dict(ENC=0, ENC_V=0, RNG=0, SPLIT=False, FAST_DIV=False, LION_ROWS=4)  # the kernels before this change
     # name: (maker, kernel switches, bytes key); plain names use the defaults

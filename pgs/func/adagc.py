@@ -100,4 +100,6 @@ def adagc(lambda_rel: float = 1.05, beta: float = 0.98, lambda_abs: float = 1.0,
         return per_tensor_apply(scale, updates, h, layout=layout), AdaGCState(count, gamma)
 
     # the warmup reads the global norm, hence GLOBAL (after warmup it is per-tensor)
-    return Transform(init, update, name="adagc", locality=GLOBAL)
+    return Transform(init, update, name="adagc", locality=GLOBAL,
+                     fused=("adagc", dict(lambda_rel=lambda_rel, beta=beta, lambda_abs=lambda_abs,
+                                          warmup_steps=warmup_steps, eps=eps)))  # pgs.func.chain8bit

@@ -97,7 +97,8 @@ def hyperball(learning_rate, mask=None, eps: float = 1e-12) -> Transform:
             out = {k: (None if u is None else (on_sphere[k] if labels[k] else plain(u))) for k, u in updates.items()}
         return out, HyperballState(increment(state.count), lr, state.radius)
 
-    return Transform(init, update, name="hyperball", locality=PER_TENSOR, group_by=(constrained,))
+    return Transform(init, update, name="hyperball", locality=PER_TENSOR, group_by=(constrained,),
+                     fused=("hyperball", dict(learning_rate=learning_rate, eps=eps)))  # pgs.func.chain8bit
 
 
 def adamh(learning_rate=1e-2, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8, mask=None,

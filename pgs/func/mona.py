@@ -77,4 +77,5 @@ def mona(alpha: float = 0.92, beta: float = 0.92, buffer_dtype: torch.dtype | No
         u, prev, acc = T.tree_map_n(one, 3, updates, state.prev, state.acc)
         return u, MonaState(increment(state.count), prev, acc)
 
-    return Transform(init, update, name="mona", locality=ELEMENTWISE)
+    return Transform(init, update, name="mona", locality=ELEMENTWISE,
+                     fused=("mona", dict(alpha=alpha, beta=beta, buffer_dtype=buffer_dtype)))  # pgs.func.chain8bit
