@@ -74,6 +74,15 @@ def _time(fn, iters: int, warmup: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def _where(switch: str) -> tuple:
+    """(module, attribute) of a row's switch: ``chain.X`` is ``pgs.func.chain8bit.X``, else ``pgs.func.kernels.X``."""
+    if switch.startswith("chain."):
+        from pgs.func import chain8bit
+
+        return chain8bit, switch[len("chain."):]
+    return K, switch
+
+
 def _time_back_to_back(fn, iters: int) -> tuple[float, float]:
     """(device ms per step, host ms per step) with ``iters`` steps issued back to back, as a
     training loop issues them: the host runs ahead, so the device time excludes launch gaps
@@ -187,9 +196,9 @@ def main() -> None:
     def adam(**kw):
         return lambda: pgs_row("adamw8bit", pf.adamw8bit(1e-5, weight_decay=0.1), **kw)
 
-    def chain(jit=True):  # the generic path (one torch.compile graph with jit), not the fused passes
+    def chain(jit=True, fused=False):  # fused=False: the generic path (one torch.compile graph with jit)
         opt = pf.chain(pf.adagc(), pf.mona(), pf.scale_by_lion8bit(), pf.hyperball(1e-5))
-        return lambda: pgs_row("chain", opt, jit=jit, fused=False)
+        return lambda: pgs_row("chain", opt, jit=jit and not fused, fused=fused)
 
     before = dict(ENC=0, ENC_V=0, RNG=0, SPLIT=False, FAST_DIV=False, LION_ROWS=4)  # the kernels before this change
     # name: (maker, kernel switches, bytes key); plain names use the defaults
@@ -250,6 +259,10 @@ def main() -> None:
         # the same chain through its hand-written passes (pgs.func.chain8bit; jit is not used)
         "pgs_chain_fused": (lambda: pgs_row("chain", pf.chain(pf.adagc(), pf.mona(), pf.scale_by_lion8bit(),
                                                                pf.hyperball(1e-5))), {}, "pgs_chain"),
+        "pgs_chain_fused_rows8": (chain(fused=True), {"chain.ROWS": 8}, "pgs_chain"),
+        "pgs_chain_fused_rows2": (chain(fused=True), {"chain.ROWS": 2}, "pgs_chain"),
+        "pgs_chain_fused_c16": (chain(fused=True), {"chain.ROWS_C": 16}, "pgs_chain"),
+        "pgs_chain_fused_int8": (chain(fused=True), {"chain.PACK": False}, "pgs_chain"),
         "bnb_lion8bit": (lambda: bnb_row("Lion8bit"), {}, "bnb_lion8bit"),
         "bnb_adamw8bit": (lambda: bnb_row("AdamW8bit"), {}, "bnb_adamw8bit"),
         "torch_adamw_fused_bf16": (torch_row, {}, "torch_adamw_fused_bf16"),
@@ -284,10 +297,10 @@ def main() -> None:
             print(name, rows[name], flush=True)
             dump()
             continue
-        saved = {k: getattr(K, k) for k in switches}
+        saved = {k: getattr(*_where(k)) for k in switches}
         try:
             for k, v in switches.items():
-                setattr(K, k, v)
+                setattr(*_where(k), v)
             fn = make()
             ms = _time(fn, iters, warmup, cuda)
             floor = bytes_needed[key] / (COPY_GBPS * 1e9) * 1e3
@@ -304,7 +317,7 @@ def main() -> None:
             rows[name] = dict(error=f"{type(e).__name__}: {e}")
         finally:
             for k, v in saved.items():
-                setattr(K, k, v)
+                setattr(*_where(k), v)
             fn = None
         print(name, rows[name], flush=True)
         dump()

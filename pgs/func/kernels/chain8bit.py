@@ -124,19 +124,23 @@ def _chain_b_body(
     h = tl.load(clip_ptr + seg)
     g = _ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
     g = _rnd(g * h[:, None], GDT)
-    # MONA
+    # every load before the first store: the compiler keeps loads below stores that may alias
+    # them (donated buffers do), so loads after a store wait one more DRAM round trip
+    # (``pgs.func.kernels.EARLY_P``)
     prev = _ld(prev_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
     acc = _ld(acc_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+    if Q8:
+        m = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, True, DEQ_TABLE, MASKED, TABLE)
+    else:
+        m = _ld(m_ptr, offs, mask, 0.0, MASKED)
+    p = _ld(p_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+    # MONA
     delta = tl.where(first != 0.0, 0.0, g - prev)
     acc = acc * bm + ombm * delta
     _st(prev_out_ptr, offs, _rnd(g, ADT).to(prev_out_ptr.dtype.element_ty), mask, MASKED)
     _st(acc_out_ptr, offs, _rnd(acc, ADT).to(acc_out_ptr.dtype.element_ty), mask, MASKED)
     x = _rnd(g + alpha * acc, GDT)
     # Lion on the 8-bit (or, for small tensors, fp32) momentum
-    if Q8:
-        m = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, True, DEQ_TABLE, MASKED, TABLE)
-    else:
-        m = _ld(m_ptr, offs, mask, 0.0, MASKED)
     d = x - m
     c = m + w1 * d
     u = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
@@ -149,7 +153,6 @@ def _chain_b_body(
         _st(absmax_out_ptr, rows, absmax, rmask, MASKED)
     else:
         _st(m_out_ptr, offs, m, mask, MASKED)
-    p = _ld(p_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
     if PROJ:  # hyperball: the direction (int8 or 2 bits) and the per-block partials of its norms
         _store_dir(u_ptr, rows, offs, u, mask, rmask, BLOCK, ROWS, PACK, MASKED)
         _st(uu_ptr, rows, tl.sum(u * u, axis=1), rmask, MASKED)
