@@ -330,7 +330,7 @@ def _isolated(name: str, args) -> dict:
     """Row ``name`` in a fresh process (its own CUDA context): its result, or how it died."""
     tmp = f"{args.out}.{name}.tmp"
     cmd = [sys.executable, os.path.abspath(__file__), tmp, "--only", name, "--iters", str(args.iters),
-           "--isolate", ""]
+           "--isolate", "", "--trace", args.trace]
     if args.small:
         cmd.append("--small")
     try:
