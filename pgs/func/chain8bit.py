@@ -66,6 +66,11 @@ from pgs.func.quant8 import Quantized8bit
 #: Module attributes read at every launch; env ``PGS_CHAIN_ROWS``, ``PGS_CHAIN_ROWS_C``,
 #: ``PGS_CHAIN_WARPS`` (untuned: the H200 decides).
 ROWS = int(os.environ.get("PGS_CHAIN_ROWS", "4"))
+#: Blocks per program of pass A (Σg² per block: a pure stream, bigger programs); untuned.
+ROWS_A = int(os.environ.get("PGS_CHAIN_ROWS_A", "4"))
+#: Slots per tensor of the per-block → per-tensor sums (``layout.SEGMENT_LANES``: consecutive
+#: blocks add into different slots, then the slots are summed).  ``PGS_CHAIN_LANES``.
+LANES = int(os.environ.get("PGS_CHAIN_LANES", str(SEGMENT_LANES)))
 ROWS_C = int(os.environ.get("PGS_CHAIN_ROWS_C", "8"))
 NUM_WARPS = int(os.environ.get("PGS_CHAIN_WARPS", "4"))
 #: The direction between pass B and pass C: 2 bits per element (4 per byte) instead of one
@@ -124,17 +129,17 @@ _SEG_INDEX: dict = {}
 def _segment_sums(blocks: torch.Tensor, grp) -> torch.Tensor:
     """``layout._segment_sum`` for ``[c, num_blocks]`` block results at once (``[c, num_tensors]``),
     with the slot index of each block built once per group instead of once per call."""
+    lanes = LANES
     hit = _SEG_INDEX.get(id(grp))
-    if hit is None or hit[0] is not grp:
+    if hit is None or hit[0] is not grp or hit[2] != lanes:
         if len(_SEG_INDEX) > 64:
             _SEG_INDEX.clear()
-        lanes = SEGMENT_LANES
         idx = grp.block_seg * lanes + torch.arange(grp.num_blocks, device=grp.block_seg.device) % lanes
-        hit = _SEG_INDEX[id(grp)] = (grp, idx)
+        hit = _SEG_INDEX[id(grp)] = (grp, idx, lanes)
     c = blocks.shape[0]
-    part = torch.zeros(grp.num_tensors * SEGMENT_LANES, c, dtype=torch.float32, device=blocks.device)
+    part = torch.zeros(grp.num_tensors * lanes, c, dtype=torch.float32, device=blocks.device)
     part.index_add_(0, hit[1], blocks.t())
-    return part.view(grp.num_tensors, SEGMENT_LANES, c).sum(1).t()
+    return part.view(grp.num_tensors, lanes, c).sum(1).t()
 
 
 def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
@@ -183,8 +188,8 @@ def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
             fgk = g.view(-1)
             for s, n in _chunks(grp.size, bs):
                 b, nb = s // bs, -(-n // bs)
-                KC.sumsq_kernel[(-(-nb // ROWS),)](fgk[s:s + n], part[b:b + nb], n, BLOCK=bs, ROWS=ROWS,
-                                                   num_warps=NUM_WARPS)
+                KC.sumsq_kernel[(-(-nb // ROWS_A),)](fgk[s:s + n], part[b:b + nb], n, BLOCK=bs, ROWS=ROWS_A,
+                                                     num_warps=NUM_WARPS)
             sq[k] = _segment_sums(part.view(1, -1), grp)[0]
         norms = {k: torch.sqrt(x) for k, x in sq.items()}
         total = None
