@@ -31,9 +31,16 @@ def zeros_state(tree, dtype: torch.dtype | None):
     return T.tree_map(lambda x: torch.zeros_like(x, dtype=dtype or x.dtype), tree)
 
 
+#: compute_dtype of the floating dtypes, looked up (``torch.promote_types`` is a dispatcher
+#: call: host time in gradient release's per-group steps); never written after import
+_COMPUTE_DTYPE = {d: torch.promote_types(d, torch.float32)
+                  for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64)}
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """fp32 for half types, the tensor's own dtype for fp32/fp64."""
-    return torch.promote_types(x.dtype, torch.float32)
+    cd = _COMPUTE_DTYPE.get(x.dtype)
+    return cd if cd is not None else torch.promote_types(x.dtype, torch.float32)
 
 
 def realize_scalar(x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ Dettmers et al., "8-bit Optimizers via Block-wise Quantization", arXiv 2110.0286
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -14,7 +15,7 @@ from pgs.func import kernels as K
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count
 from pgs.func.base import ELEMENTWISE, Transform, chain, check_range, hp_in, identity
-from pgs.func.kernels.fused import FusedTransform, hp_tensor, one_minus
+from pgs.func.kernels.fused import FusedTransform, _hp_cached, hp_tensor, one_minus
 from pgs.func.layout import group_label
 from pgs.func.learning_rate import scale_by_learning_rate
 from pgs.func.lion8bit import Fused8bit, _nonzero, check_8bit_args, check_layout, fused_8bit_step
@@ -45,8 +46,31 @@ def adam_leaf(g, m, v, b1, b2, eps, eps_root, bc1, bc2, block_size: int):
     m_new = m32.lerp(g32, w1)
     v_new = v32.mul(d2)
     v_new = v_new.addcmul(g32 * w2, g32) if isinstance(w2, torch.Tensor) else v_new.addcmul(g32, g32, value=w2)
-    u = (m_new / bc1.to(cd)) / ((v_new / bc2.to(cd) + er).sqrt() + ep)
+    v_hat = v_new / bc2.to(cd)
+    if isinstance(er, torch.Tensor) or er != 0:  # + 0.0 changes no value that reaches u (±0 → +0 only,
+        v_hat = v_hat + er  # and sqrt(±0) + ε is the same number): one kernel fewer
+    u = (m_new / bc1.to(cd)) / (v_hat.sqrt() + ep)
     return u, store_moment(m_new, m, block_size, True), store_moment(v_new, v, block_size, False)
+
+
+@functools.lru_cache(maxsize=64)
+def _betas(device: torch.device, b1: float, b2: float) -> torch.Tensor:
+    """[β1, β2] in fp64 on ``device``, made there by fills (no host-to-device copy)."""
+    out = torch.full((2,), b1, dtype=torch.float64, device=device)
+    out[1:].fill_(b2)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _ones64(device: torch.device) -> torch.Tensor:
+    return torch.ones(2, dtype=torch.float64, device=device)
+
+
+def _hp_piece(device: torch.device, v) -> torch.Tensor:
+    """One hyperparameter as a 1-element fp32 tensor, as ``hp_tensor`` makes its entry."""
+    if isinstance(v, torch.Tensor):
+        return v.to(device=device, dtype=torch.float64).reshape(1).to(torch.float32)
+    return _hp_cached(device, (float(v),))
 
 
 def _adam_hp(device, b1, b2, eps, eps_root, bc1, bc2, *tail):
@@ -153,15 +177,35 @@ def adamw8bit(
     base = chain(direction, decay, scale_by_learning_rate(learning_rate))
     fn = mask_fn(mask, "adamw8bit")
 
-    def prepare(s_dir, s_lr):
-        count = increment(s_dir.count)  # the seed and the bias corrections use the new count
-        return count, count, (_bias_corrections(count, b1, b2), {})
+    numbers = not isinstance(b1, torch.Tensor) and not isinstance(b2, torch.Tensor)
+    head = (float(one_minus(b1)), float(b2), float(one_minus(b2)), float(eps), 0.0) if numbers else None
+
+    def prepare(s_dir, s_lr, count):  # count: the new count (the seed and the bias corrections use it)
+        if not numbers:
+            return count, count, (count, _bias_corrections(count, b1, b2), None, {})
+        # both bias corrections 1 − β^t in one pow and one subtraction, computed in fp64 (the
+        # operations of _bias_corrections, elementwise) and stored in fp32 by the subtraction
+        # itself: what the kernels' vector and fp32 small leaves read.  2 kernels, against 5,
+        # 2 conversions per hyperparameter vector and 2 per group of small leaves
+        dev = count.device
+        bc32 = torch.empty(2, dtype=torch.float32, device=dev)
+        torch.sub(_ones64(dev), torch.pow(_betas(dev, float(b1), float(b2)), count), out=bc32)
+        return count, count, (count, None, bc32, {})
 
     def quantized(ctx, g, p, moments, lr, wd, seed, donate):
-        ((bc1, bc2), hps), (m, v) = ctx, moments
+        (count, bcs, bc32, hps), (m, v) = ctx, moments
         key = (g.device, id(wd) if isinstance(wd, torch.Tensor) else wd)  # one vector per step, not per tensor
         if key not in hps:
-            hps[key] = _adam_hp(g.device, b1, b2, eps, 0.0, bc1, bc2, lr, wd)
+            if bc32 is not None:
+                # [1−β1, β2, 1−β2, ε, 0, bc1, bc2, η, λ]: one cat of cached numbers, bc32 and the
+                # fp32 value of a tensor η or λ (fp64 → fp32, as hp_tensor converts)
+                dev = g.device
+                tail = ([_hp_cached(dev, (float(lr), float(wd)))]
+                        if not isinstance(lr, torch.Tensor) and not isinstance(wd, torch.Tensor)
+                        else [_hp_piece(dev, lr), _hp_piece(dev, wd)])
+                hps[key] = torch.cat([_hp_cached(dev, head), bc32.to(dev), *tail])
+            else:
+                hps[key] = _adam_hp(g.device, b1, b2, eps, 0.0, *bcs, lr, wd)
         new_p, m_new, v_new = K.adam8bit(
             g, m, v, hps[key], block_size, p=p,
             out=p if donate else torch.empty_like(p), m_out=m if donate else None,
@@ -169,11 +213,16 @@ def adamw8bit(
         return new_p, (m_new, v_new)
 
     def small(ctx, g, moments):
-        u, m_new, v_new = adam_leaf(g, *moments, b1, b2, eps, 0.0, *ctx[0], block_size)
+        count, bcs, bc32, _ = ctx
+        if bc32 is not None and g.dtype == torch.float32:  # the fp32 corrections already made
+            bc1, bc2 = bc32.unbind(0)
+        else:  # fp64 arithmetic (fp64 leaves), or tensor betas: the fp64 corrections
+            bc1, bc2 = bcs if bcs is not None else _bias_corrections(count, b1, b2)
+        u, m_new, v_new = adam_leaf(g, *moments, b1, b2, eps, 0.0, bc1, bc2, block_size)
         return u, (m_new, v_new)
 
     kind = Fused8bit(fields=("mu", "nu"), prepare=prepare, quantized=quantized, small=small,
-                     make_state=ScaleByAdam8bitState)
+                     make_state=ScaleByAdam8bitState, counted=True)
     fused_step = fused_8bit_step(kind, quantize=quantize, backend=backend, block_size=block_size,
                                  learning_rate=learning_rate, weight_decay=weight_decay, mask=fn)
 

@@ -14,12 +14,27 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None 
     [0, 2^16) to the word and truncating the low 16 bits rounds up with probability equal to
     the discarded fraction.  Non-finite values are rounded to nearest.
     """
+    return stochastic_round_fp32(x, generator).to(torch.bfloat16)
+
+
+def stochastic_round_fp32(x: torch.Tensor, generator: torch.Generator | None = None, *,
+                          inplace: bool = False) -> torch.Tensor:
+    """``stochastic_round_to_bf16(x)`` before its final cast: fp32 values that bf16 holds
+    exactly (non-finite ones unchanged, for the cast to round to nearest), so that a copy into
+    a bf16 tensor (``copy_``, ``torch._foreach_copy_``) is the cast, with no kernel of its own.
+    The same random draw as ``stochastic_round_to_bf16``.  ``inplace``: write the result into
+    ``x`` (an fp32 tensor) and return it."""
     x = x.float()
     bits = x.contiguous().view(torch.int32)
     noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
     rounded = ((bits + noise) & -65536).view(torch.float32)
-    rounded = torch.where(torch.isfinite(x), rounded, x)
-    return rounded.to(torch.bfloat16)
+    # round to nearest where x is not finite: ±inf come through the noise unchanged (their low
+    # 16 bits are zero, and the carry-free truncation gives the same word back), so only NaN
+    # (whose payload the noise could carry into an inf or wrap to −0) must be kept: x == x,
+    # one kernel (isfinite takes four)
+    if inplace:
+        return torch.where(x == x, rounded, x, out=x)
+    return torch.where(x == x, rounded, x)
 
 
 def apply_updates(params, updates, *, stochastic_rounding: bool = False, generator: torch.Generator | None = None):

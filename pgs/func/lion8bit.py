@@ -15,7 +15,8 @@ from pgs.func import kernels as K
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count
 from pgs.func.base import ELEMENTWISE, EmptyState, Transform, chain, check_range, identity
-from pgs.func.kernels.fused import FusedTransform, apply_fp32, hp_tensor, one_minus, sr_seed
+from pgs.func.apply import stochastic_round_fp32
+from pgs.func.kernels.fused import FusedTransform, constant_lr, hp_tensor, increment_pair, one_minus, sr_seeds
 from pgs.func.layout import group_label
 from pgs.func.learning_rate import ScaleByLearningRateState, lr_value, scale_by_learning_rate
 from pgs.func.quant8 import (
@@ -67,10 +68,19 @@ class Fused8bit(NamedTuple):
 
     ``prepare(s_dir, s_lr) -> (seed_count, direction_count, ctx)``: per-step scalars (and a
     memo: the hyperparameter vector is built once per step and weight decay, not per tensor);
+    with ``counted=True`` it is ``prepare(s_dir, s_lr, new_direction_count)``: the step
+    increments the direction's and the learning rate's counters together (two kernels for
+    both) and hands the direction's in.  ``unit_direction``: every direction entry is −1, 0,
+    1 (or NaN), so η·u is exact and ``p − η·u`` is one ``sub`` with ``alpha=η`` (for a
+    constant η; the same value whether or not the product is contracted into an FMA).
     ``quantized(ctx, g, p, moments, lr, wd, seed, donate) -> (new_p, new_moments)``: the
     fused kernel on one 8-bit leaf; ``small(ctx, g, moments) -> (u, new_moments)``: the
-    reference direction of a small (fp32-state) leaf; ``make_state(direction_count,
-    *moment_trees)``: the direction's new state; ``fields``: its moment fields.
+    reference direction of a small (fp32-state) leaf, out of place (``g`` arrives in its
+    compute dtype); ``make_state(direction_count, *moment_trees)``: the direction's new
+    state; ``fields``: its moment fields.  ``small_inplace(ctx, gs, moment_lists) -> us |
+    None`` (optional, used with ``donate``): the same direction leaf by leaf as multi-tensor
+    ops, the moments updated in place (no concatenation of the moments, no copy back), or None
+    where it cannot (then ``small``).
     """
 
     fields: tuple
@@ -78,6 +88,75 @@ class Fused8bit(NamedTuple):
     quantized: Callable
     small: Callable
     make_state: Callable
+    counted: bool = False
+    unit_direction: bool = False
+    small_inplace: Callable | None = None
+
+
+def _gather(tensors: list, dtype: torch.dtype, sizes: list) -> tuple[torch.Tensor, list]:
+    """``(buffer, its views shaped like tensors)``: a NEW buffer in ``dtype`` holding ``tensors``
+    one after another (shaped like the tensor when there is one), filled by one (multi-tensor)
+    copy that also casts, instead of a cat and a cast."""
+    if len(tensors) == 1:
+        buf = torch.empty_like(tensors[0], dtype=dtype).copy_(tensors[0])
+        return buf, [buf]
+    buf = torch.empty(sum(sizes), dtype=dtype, device=tensors[0].device)
+    views = _parts(buf, tensors, sizes)
+    torch._foreach_copy_(views, tensors)
+    return buf, views
+
+
+def _load(gs: list, ps: list, cd: torch.dtype, sizes: list) -> tuple:
+    """``(g, g_views, x, x_views)``: the gradients in the compute dtype ``cd`` and the parameters
+    in fp32, each in a NEW buffer (shaped like the leaf when there is one) with views shaped
+    like the leaves.  Gradients and parameters of one dtype going to fp32 share one buffer and
+    one multi-tensor copy; otherwise a copy each."""
+    if cd == torch.float32 and gs[0].dtype == ps[0].dtype:
+        n = sum(sizes)
+        buf = torch.empty(2 * n, dtype=torch.float32, device=gs[0].device)
+        g_views, x_views = _parts(buf[:n], gs, sizes), _parts(buf[n:], ps, sizes)
+        torch._foreach_copy_(g_views + x_views, gs + ps)
+        if len(gs) == 1:
+            return g_views[0], g_views, x_views[0], x_views
+        return buf[:n], g_views, buf[n:], x_views
+    g, g_views = _gather(gs, cd, sizes)
+    x, x_views = _gather(ps, torch.float32, sizes)
+    return g, g_views, x, x_views
+
+
+def _flat1(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 1 else t.reshape(-1)  # a 1-D tensor as it is: no view op
+
+
+def _parts(buf: torch.Tensor, like: list, sizes: list) -> list:
+    """``buf`` (from ``_gather``) as views shaped like the tensors of ``like``."""
+    if len(like) == 1:
+        return [buf.view_as(like[0])]
+    return [x if x.shape == t.shape else x.view(t.shape) for x, t in zip(buf.split(sizes), like)]
+
+
+def _apply_lists(kind: Fused8bit, keys, fp, ps, x, xs, us, lr, wd, stochastic_rounding, new_p, new, old) -> None:
+    """``_step_small``'s apply with the direction as a list (``small_inplace``): the same
+    operations per leaf as multi-tensor ops on the views ``xs`` of the one fp32 buffer ``x``,
+    which stochastic rounding then draws over as a whole."""
+    us = [u if u.dtype == torch.float32 else u.float() for u in us]
+    lr32 = lr.to(torch.float32) if isinstance(lr, torch.Tensor) else lr
+    if wd != 0:
+        t = torch._foreach_mul(xs, wd)
+        torch._foreach_add_(t, us)
+        torch._foreach_mul_(t, lr32)
+        torch._foreach_sub_(xs, t)
+    elif kind.unit_direction and not isinstance(lr32, torch.Tensor):
+        torch._foreach_sub_(xs, us, alpha=lr32)
+    else:
+        torch._foreach_sub_(xs, torch._foreach_mul(us, lr32))
+    if stochastic_rounding and ps[0].dtype == torch.bfloat16:
+        stochastic_round_fp32(x, inplace=True)
+    torch._foreach_copy_(ps, xs)
+    for k in keys:
+        new_p[k] = fp[k]
+        for d, o in zip(new, old):
+            d[k] = o[k]
 
 
 def _step_small(kind: Fused8bit, ctx, keys: list, fg, fp, old, lr, wd, stochastic_rounding: bool, donate: bool,
@@ -85,29 +164,62 @@ def _step_small(kind: Fused8bit, ctx, keys: list, fg, fp, old, lr, wd, stochasti
     """The small (fp32-state) leaves ``keys``, which share dtypes and weight decay, as ONE
     flat leaf: the reference direction and the fp32 apply are elementwise, so concatenating
     changes no value (stochastic rounding draws its noise over the concatenation), and a group
-    of small leaves costs one set of tiny kernels instead of one set per leaf."""
-    one = len(keys) == 1
+    of small leaves costs one set of tiny kernels instead of one set per leaf.
 
-    def joined(tree):
-        return tree[keys[0]] if one else torch.cat([tree[k].reshape(-1) for k in keys])
-
-    u, out = kind.small(ctx, joined(fg), tuple(joined(o) for o in old))
-    x = apply_fp32(joined(fp), u.float(), lr, wd, stochastic_rounding)
-    sizes = [fp[k].numel() for k in keys]
-    xs = [x] if one else x.split(sizes)
-    outs = [[m_new] if one else m_new.split(sizes) for m_new in out]
-    for j, k in enumerate(keys):
-        if donate:
-            fp[k].copy_(xs[j].view_as(fp[k]))
-            for o, parts in zip(old, outs):
-                o[k].copy_(parts[j].view_as(o[k]))
+    The kernels (each a multi-tensor ``torch._foreach_*`` op where it touches every leaf): the
+    gradients copied into one compute-dtype buffer and the parameters into one fp32 buffer
+    (one copy for both, casting on the way: ``_load``); the moments concatenated (a cat per
+    field; Lion with ``donate``: stepped in place leaf by leaf, ``small_inplace``); the
+    direction (``kind.small``); ``p − η(u + λp)`` in place in the fp32 buffer (the same
+    operations and roundings as ``apply_fp32``); stochastic rounding; then, with ``donate``,
+    one copy back into the parameters (the cast to their dtype, exact after stochastic
+    rounding) and one into the moments.  ``lr`` is a number (a constant learning rate: no
+    conversion kernel; a Python number is rounded to fp32 exactly as ``lr.to(float32)``) or
+    the step's 0-d tensor."""
+    ps = [fp[k] for k in keys]
+    sizes = [p.numel() for p in ps]
+    gs = [fg[k] for k in keys]
+    cd = compute_dtype(gs[0])
+    g, g_views, x, xs = _load(gs, ps, cd, sizes)  # x: a new buffer, updated in place below
+    if donate and kind.small_inplace is not None and not isinstance(wd, torch.Tensor):
+        us = kind.small_inplace(ctx, g_views, [[o[k] for k in keys] for o in old])
+        if us is not None:
+            _apply_lists(kind, keys, fp, ps, x, xs, us, lr, wd, stochastic_rounding, new_p, new, old)
+            return
+    moments = tuple(o[keys[0]] if len(keys) == 1 else torch.cat([_flat1(o[k]) for k in keys]) for o in old)
+    u, out = kind.small(ctx, g, moments)
+    u = u.float()
+    lr32 = lr.to(torch.float32) if isinstance(lr, torch.Tensor) else lr
+    if isinstance(wd, torch.Tensor) or wd != 0:
+        t = x * wd  # p − η(u + λp), rounding as apply_fp32 does (·, + and × commute exactly)
+        t.add_(u)
+        t.mul_(lr32)
+        x.sub_(t)
+    elif kind.unit_direction and not isinstance(lr32, torch.Tensor):
+        x.sub_(u, alpha=lr32)  # η·u is exact: one kernel for η·u and the subtraction
+    else:
+        x.sub_(u * lr32)
+    if stochastic_rounding and ps[0].dtype == torch.bfloat16:
+        stochastic_round_fp32(x, inplace=True)  # bf16 values in fp32: the cast below is exact
+    if donate:
+        torch._foreach_copy_(ps, xs)
+        dst = [o[k] for o in old for k in keys]
+        src = [part for o, m_new in zip(old, out) for part in _parts(m_new, [o[k] for k in keys], sizes)]
+        torch._foreach_copy_(dst, src)
+        for k in keys:
             new_p[k] = fp[k]
             for d, o in zip(new, old):
                 d[k] = o[k]
-        else:  # own storage per leaf (views of one buffer would be saved as shared tensors)
-            new_p[k] = xs[j].view_as(fp[k]) if one else xs[j].view_as(fp[k]).clone()
-            for d, o, parts in zip(new, old, outs):
-                d[k] = parts[j].view_as(o[k]) if one else parts[j].view_as(o[k]).clone()
+        return
+    # own storage per leaf (views of one buffer would be saved as shared tensors)
+    one = len(keys) == 1
+    xs = _parts(x.to(ps[0].dtype, copy=one), ps, sizes)  # one leaf: not a view into _load's buffer
+    for j, k in enumerate(keys):
+        new_p[k] = xs[j] if one else xs[j].clone()
+    for d, o, m_new in zip(new, old, out):
+        parts = _parts(m_new.to(torch.float32), [o[k] for k in keys], sizes)
+        for j, k in enumerate(keys):
+            d[k] = parts[j] if one else parts[j].clone()
 
 
 def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size: int, learning_rate,
@@ -130,11 +242,19 @@ def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size
         sr_base = int(extra.get("sr_offset", 0)) if extra else 0
         n_dir, n_dec, n_lr = list(state)
         s_dir, s_lr = state[n_dir], state[n_lr]
-        lr = lr_value(learning_rate, s_lr.count)
         # a constant learning rate reaches the kernels as a number: its hyperparameter vector
-        # is then a cached device tensor (no per-call copies); the state keeps the tensor
-        lr_k = float(learning_rate) if isinstance(learning_rate, (int, float)) else lr
-        seed_count, dir_count, ctx = kind.prepare(s_dir, s_lr)
+        # is then a cached device tensor (no per-call copies); the state keeps a tensor, one
+        # cached 0-d tensor for every call (the state's lr is never written in place)
+        const_lr = isinstance(learning_rate, (int, float))
+        lr = constant_lr(s_lr.count.device, learning_rate) if const_lr else lr_value(learning_rate, s_lr.count)
+        lr_k = float(learning_rate) if const_lr else lr
+        lr_count = None
+        if kind.counted:
+            dir_count, lr_count = increment_pair(s_dir.count, s_lr.count)
+            seed_count, dir_count, ctx = kind.prepare(s_dir, s_lr, dir_count)
+        else:
+            seed_count, dir_count, ctx = kind.prepare(s_dir, s_lr)
+        seeds = None  # every leaf's seed, made by the first leaf that rounds stochastically
         labels = group_label(layout, fg, mask) if mask is not None else None
         old = [getattr(s_dir, f) for f in kind.fields]
         new_p, new = {}, [{} for _ in kind.fields]
@@ -154,17 +274,19 @@ def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size
                         d[k] = None
                     continue
                 sr = stochastic_rounding and p.dtype == torch.bfloat16
-                seed = sr_seed(seed_count, sr_base + i) if sr else None
+                if sr and seeds is None:  # one kernel for all, not three per leaf (sr_seeds)
+                    seeds = sr_seeds(seed_count, sr_base, len(fg)).unbind(0)
+                seed = seeds[i] if sr else None
                 x, out = kind.quantized(ctx, g, p, moments, lr_k, wd, seed, donate)
             new_p[k] = x
             for d, m in zip(new, out):
                 d[k] = m
         for wd, keys in small.values():
-            _step_small(kind, ctx, keys, fg, fp, old, lr, wd, stochastic_rounding, donate, new_p, new)
+            _step_small(kind, ctx, keys, fg, fp, old, lr_k, wd, stochastic_rounding, donate, new_p, new)
         new_state = {
             n_dir: kind.make_state(dir_count, *new),
             n_dec: state[n_dec] if isinstance(state[n_dec], EmptyState) else EmptyState(),
-            n_lr: ScaleByLearningRateState(increment(s_lr.count), lr),
+            n_lr: ScaleByLearningRateState(increment(s_lr.count) if lr_count is None else lr_count, lr),
         }
         return new_p, new_state
 
@@ -242,7 +364,8 @@ def scale_by_lion8bit(
     # the 8-bit fused kernels are reached through ``lion8bit``'s FusedTransform.
     return Transform(init, update, name="scale_by_lion8bit", locality=ELEMENTWISE,
                      group_by=(eligible,), align=block_size,
-                     fused=("lion8bit", dict(b1=b1, b2=b2, block_size=block_size, min_8bit_size=min_8bit_size)) if quantize else None)
+                     fused=("lion8bit", dict(b1=b1, b2=b2, block_size=block_size, min_8bit_size=min_8bit_size,
+                                             backend=backend)) if quantize else None)
 
 
 def lion8bit(
@@ -289,11 +412,23 @@ def lion8bit(
         u, m_new = lion_leaf(g, moments[0], w1, w2, block_size)
         return u, (m_new,)
 
+    def small_inplace(ctx, gs, moments):
+        (ms,) = moments  # lion_leaf's operations leaf by leaf: the same lerp (ATen's Lerp.h) per element
+        if isinstance(w1, torch.Tensor) or isinstance(w2, torch.Tensor) or gs[0].dtype != torch.float32 \
+                or any(m.dtype != torch.float32 for m in ms):
+            return None
+        us = torch._foreach_lerp(ms, gs, w1)
+        torch._foreach_sign_(us)
+        torch._foreach_lerp_(ms, gs, w2)
+        return us
+
     kind = Fused8bit(
         fields=("mu",),
         # the seed counts the learning-rate state's steps; the direction's count advances
-        prepare=lambda s_dir, s_lr: (s_lr.count, increment(s_dir.count), {}),
-        quantized=quantized, small=small, make_state=ScaleByLion8bitState,
+        prepare=lambda s_dir, s_lr, dir_count: (s_lr.count, dir_count, {}),
+        quantized=quantized, small=small, make_state=ScaleByLion8bitState, counted=True,
+        unit_direction=True,  # sign(·)
+        small_inplace=small_inplace,
     )
     fused_step = fused_8bit_step(kind, quantize=quantize, backend=backend, block_size=block_size,
                                  learning_rate=learning_rate, weight_decay=weight_decay, mask=fn)

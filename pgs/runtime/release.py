@@ -159,6 +159,40 @@ def released_step(release, extra: dict) -> None:
     release.finish()
 
 
+def _foreach_norm_takes_dtype() -> bool:
+    try:
+        return any(a.name == "dtype" for a in torch.ops.aten._foreach_norm.Scalar._schema.arguments)
+    except (AttributeError, RuntimeError):  # pragma: no cover - older torch
+        return False
+
+
+#: torch._foreach_norm takes ``dtype=`` (torch >= 2.4; the signature is checked, not assumed)
+_FOREACH_NORM_DTYPE = _foreach_norm_takes_dtype()
+
+
+def grad_norms(grads: list) -> list:
+    """‖g‖ (fp32) of each gradient in ``grads``: one multi-tensor ``torch._foreach_norm`` (a
+    kernel or two for the whole list on a GPU, against a norm, a square and an add per tensor),
+    fp32 accumulation inside the reduction, no fp32 copy of g.  Equal to
+    ``torch.linalg.vector_norm(g, dtype=torch.float32)`` up to the reduction's summation order."""
+    if _FOREACH_NORM_DTYPE:
+        try:
+            return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+        except (TypeError, RuntimeError, NotImplementedError):  # pragma: no cover - older torch
+            pass
+    return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+
+
+def sum_of_squares(norms: list) -> torch.Tensor | None:
+    """Σ‖g‖² over a backward's per-tensor norms (``grad_norms``), reduced once: a stack, a
+    square and a sum (the per-group steps only keep the norms: no reduction kernels inside
+    backward).  Equal to summing the squares one by one up to fp32 summation order."""
+    if not norms:
+        return None
+    dev = norms[0].device
+    return torch.stack([n if n.device == dev else n.to(dev) for n in norms]).square().sum()
+
+
 def release_metrics(states: dict, steps: int, last_sumsq: torch.Tensor | None) -> dict[str, Any]:
     """What a release logs: the lr of the last step (read from the first group's state — every
     group steps once per backward with the same schedule), ‖g‖ of the last backward, steps."""
@@ -222,7 +256,8 @@ class GradientRelease:
         stochastic_rounding: round bf16 parameters stochastically in the update.
         master_weights: None, or ``"fp32"`` to keep fp32 masters of low-precision parameters.
         grad_accum: must be 1 (refused otherwise, with the reason).
-        track_grad_norm: accumulate Σ‖g‖² as gradients stream by, for ``last_metrics``.
+        track_grad_norm: keep ‖g‖ of every gradient as they stream by (one multi-tensor norm
+            per group), for ``last_metrics``, which reduces Σ‖g‖² once when it reads it.
         apply_chunk: elements per slab when writing θ + u back (bounds the fp32 temporaries).
         fused: step a group with the chain's fused update-and-apply kernel where it has one
             (``lion8bit``, ``adamw8bit``: their ``fused_step``; ``adamw``/``lion``: the kernels of
@@ -298,8 +333,10 @@ class GradientRelease:
         self._name_of = {id(p): n for n, p in params.items()}
         self._before: dict[str, list[Callable[[torch.Tensor], Any]]] = {}
         self.steps = 0  # completed optimizer steps (backward passes)
-        self._sumsq: torch.Tensor | None = None
-        self._last_sumsq: torch.Tensor | None = None
+        self._norms: list[torch.Tensor] = []  # ‖g‖ of each gradient of this backward (track_grad_norm)
+        self._last_norms: list[torch.Tensor] = []
+        self._last_sumsq_memo: torch.Tensor | None = None
+        self._trees: dict[str, tuple] = {}  # group -> (params tree, live params, targets): _group_tensors
         self._arrivals = Arrivals(self.groups, on_complete=self._step_group, on_start=self._begin, on_end=self.finish)
         self.tied_slabs: int | None = None
         self._slab_name: str | None = None
@@ -313,10 +350,32 @@ class GradientRelease:
 
     # -- the hooks --------------------------------------------------------------------------
     def _begin(self) -> None:
-        self._sumsq = None
+        self._norms = []
+
+    @property
+    def _last_sumsq(self) -> torch.Tensor | None:
+        """Σ‖g‖² of the last backward (None when not tracked), reduced on first read."""
+        if self._last_sumsq_memo is None and self._last_norms:
+            self._last_sumsq_memo = sum_of_squares(self._last_norms)
+        return self._last_sumsq_memo
 
     def _param_tree(self, group: str) -> dict[str, torch.Tensor]:
         return {n: self.masters.get(n, self.params[n]).detach() for n in self.groups[group]}
+
+    def _group_tensors(self, group: str) -> tuple[dict, list, list]:
+        """``(params tree, live parameters, what the chain updates)`` of ``group``, built once:
+        the tree's detached aliases are reused every step (a detach per parameter per step is
+        a dispatcher call each), and rebuilt if a parameter's (or master's) storage moved."""
+        cached = self._trees.get(group)
+        if cached is not None:
+            tree, lives, targets = cached
+            if all(a.data_ptr() == t.data_ptr() for a, t in zip(tree.values(), targets)):
+                return cached
+        names = self.groups[group]
+        lives = [self.params[n] for n in names]
+        targets = [self.masters.get(n, p) for n, p in zip(names, lives)]
+        cached = self._trees[group] = ({n: t.detach() for n, t in zip(names, targets)}, lives, targets)
+        return cached
 
     @torch.no_grad()
     def _step_group(self, group: str) -> None:
@@ -325,35 +384,36 @@ class GradientRelease:
             self._slabs.step(self, group)
             self._arrivals.done.add(group)
             return
-        for n in names:  # contributions added into the gradient buffer right before the step
-            fns = self._before.pop(n, None)
-            if fns:
-                p = self.params[n]
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                for fn in fns:
-                    fn(p.grad)
-        params = self._param_tree(group)
+        if self._before:
+            for n in names:  # contributions added into the gradient buffer right before the step
+                fns = self._before.pop(n, None)
+                if fns:
+                    p = self.params[n]
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    for fn in fns:
+                        fn(p.grad)
+        params, lives, targets = self._group_tensors(group)
         grads = {}
-        for n in names:
-            p = self.params[n]
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            grads[n] = g.to(params[n].dtype) if g.dtype != params[n].dtype else g
-        if self.track_grad_norm:  # fp32 accumulation inside the reduction: no fp32 copy of g
-            s = sum(torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads.values())
-            self._sumsq = s if self._sumsq is None else self._sumsq + s.to(self._sumsq.device)
+        for n, p, t in zip(names, lives, targets):
+            g = p.grad
+            if g is None:
+                g = torch.zeros_like(p)
+            grads[n] = g.to(t.dtype) if g.dtype != t.dtype else g
+        if self.track_grad_norm:  # the norms only; Σ‖g‖² is reduced once, when read (_last_sumsq)
+            self._norms.extend(grad_norms(list(grads.values())))
         if self._step_fused(group, params, grads):
             del grads
-            for n in names:
-                self.params[n].grad = None
+            for n, p in zip(names, lives):
+                p.grad = None
                 if n in self.masters:
-                    self.params[n].copy_(self.masters[n])
+                    p.copy_(self.masters[n])
             self.fused_group_steps += 1
         else:
             updates, self.states[group] = self.chain.update(grads, self.states[group], params)
             del grads
-            for n in names:
-                self.params[n].grad = None
+            for n, p in zip(names, lives):
+                p.grad = None
                 self._apply(n, params[n], updates[n])
             self.plain_group_steps += 1
         self._arrivals.done.add(group)
@@ -437,7 +497,8 @@ class GradientRelease:
         for g in self._arrivals.pending():
             self._step_group(g)
         self._arrivals.reset()
-        self._last_sumsq = self._sumsq
+        self._last_norms, self._last_sumsq_memo = self._norms, None
+        self._norms = []
         self.steps += 1
 
     def step(self, **extra) -> None:

@@ -219,9 +219,8 @@ class TiedSlabs:
                 src.add_rows_to(g, r0, r1)
             p_slab = target[r0:r1]
             g = g.to(p_slab.dtype) if g.dtype != p_slab.dtype else g
-            if release.track_grad_norm:
-                sq = torch.linalg.vector_norm(g, dtype=torch.float32).square()
-                release._sumsq = sq if release._sumsq is None else release._sumsq + sq.to(release._sumsq.device)
+            if release.track_grad_norm:  # Σ‖g‖² is reduced once, when read (GradientRelease._last_sumsq)
+                release._norms.append(torch.linalg.vector_norm(g, dtype=torch.float32))
             views = self._slab_state(full, live.shape, r0, r1, D)
             new = None
             if fused is not False:
