@@ -103,22 +103,24 @@ def _layer_step_ops(chain, triton_runs, *, track_grad_norm=True):
     return seen["model.layers.0"]
 
 
-# (chain, launching ops, host-only ops per layer group with the grad norm on; before these
-# cuts: 88 + 80 (lion8bit) and 113 + 107 (adamw8bit); now 15 + 48 and 29 + 66)
+# (chain, launching ops, host-only ops per layer group with the grad norm on, Triton kernels;
+# before these cuts: 88 + 80 (lion8bit) and 113 + 107 (adamw8bit); after the multi-tensor
+# cuts 15 + 48 and 29 + 66; Lion's small leaves in one Triton launch (kernels/small.py): 4 + 37)
 BOUNDS = {
-    "lion8bit": (lambda: pf.lion8bit(1e-5, backend="triton"), 17, 52),
-    "adamw8bit": (lambda: pf.adamw8bit(1e-5, weight_decay=0.01, backend="triton"), 32, 70),
+    "lion8bit": (lambda: pf.lion8bit(1e-5, backend="triton"), 5, 40, {"lion8bit_kernel": 7, "lion_small_kernel": 1}),
+    "adamw8bit": (lambda: pf.adamw8bit(1e-5, weight_decay=0.01, backend="triton"), 32, 70, {"adam8bit_kernel": 7}),
 }
 
 
 @counting
 @pytest.mark.parametrize("name", sorted(BOUNDS))
 def test_layer_group_step_launches_at_most(name, triton_runs):
-    make, bound, host_bound = BOUNDS[name]
+    make, bound, host_bound, want_kernels = BOUNDS[name]
     ops, kernels = _layer_step_ops(make(), triton_runs)
     launching = {op: n for op, n in ops.items() if op not in HOST_ONLY}
     n = sum(launching.values())
-    assert sum(kernels.values()) == 7, kernels  # one fused kernel per 8-bit weight, nothing else in Triton
+    # one fused kernel per 8-bit weight (Lion: and one for the four small leaves), nothing else
+    assert dict(kernels) == want_kernels, kernels
     assert not SYNCS & set(ops), ops  # no host synchronisation inside backward
     assert n <= bound, f"{name}: {n} kernel-launching aten ops in one layer group step (bound {bound}): {launching}"
     # per-leaf work is gone: no op runs once per parameter (11 in the layer) or per 8-bit weight (7)
@@ -204,12 +206,16 @@ def test_hp_tensor_takes_vector_values():
 @pytest.mark.parametrize("alias", ["lion8bit", "adamw8bit"])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 @pytest.mark.parametrize("lr", ["constant", "schedule"])
-def test_small_leaves_in_place_equal_out_of_place(alias, wd, lr):
+def test_small_leaves_in_place_equal_out_of_place(alias, wd, lr, monkeypatch):
     """With ``donate`` the small (fp32-state) leaves take the in-place multi-tensor route
     (Lion: ``small_inplace``; one multi-tensor copy in and out), without it the concatenated
     reference: the same bf16 parameters and moments bit for bit, stochastic rounding included
     (the same draw over the same concatenation), next to 8-bit leaves.  On a GPU this compares
-    the multi-tensor kernels with the per-tensor ones."""
+    the multi-tensor kernels with the per-tensor ones.  (Lion's Triton route for small leaves,
+    ``SMALL_KERNEL``, is off here: it draws other noise; test_small_kernel_route_matches.)"""
+    from pgs.func import kernels as K
+
+    monkeypatch.setattr(K, "SMALL_KERNEL", False)
     gen = torch.Generator().manual_seed(0)
     shapes = {"w": (64, 80), "n1": (100,), "n2": (3, 7), "n3": (32,)}
     params = {k: torch.randn(s, generator=gen).bfloat16().to(DEV) for k, s in shapes.items()}
@@ -232,3 +238,45 @@ def test_small_leaves_in_place_equal_out_of_place(alias, wd, lr):
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+
+
+@pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="Triton: a GPU or the interpreter")
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_small_kernel_route_matches(wd, monkeypatch):
+    """Lion's small leaves through one Triton launch (``SMALL_KERNEL``, in place) against the
+    multi-tensor torch route: moments to an ulp of their operands (FMA contraction), bf16
+    parameters bit for bit without stochastic rounding except where c = m + (1−β1)(g − m)
+    sits within that ulp of 0 (sign flips: rare); with stochastic rounding, after one step,
+    each parameter is within a bf16 ulp of the torch route's (another draw)."""
+    from pgs.func import kernels as K
+
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"w": (64, 80), "n1": (100,), "n2": (3, 7), "n3": (32,), "n4": (5,)}  # 5 small: 2 launches
+    params = {k: torch.randn(s, generator=gen).bfloat16().to(DEV) for k, s in shapes.items()}
+    steps = [{k: torch.randn(s, generator=gen).bfloat16().to(DEV) for k, s in shapes.items()} for _ in range(3)]
+    opt = pf.lion8bit(1e-2, weight_decay=wd, backend="triton")
+
+    def run(kernel, sr, n=3):
+        monkeypatch.setattr(K, "SMALL_KERNEL", kernel)
+        p = {k: v.clone() for k, v in params.items()}
+        state = opt.init(p)
+        for g in steps[:n]:
+            p, state = opt.fused_step(g, state, p, layout=None, donate=True, stochastic_rounding=sr,
+                                      extra={"sr_offset": 0})
+        return p, pf.state_to_dict(state)
+
+    (pa, sa), (pb, sb) = run(False, False), run(True, False)
+    small = [k for k in shapes if k != "w"]
+    for k in small:
+        diff = (pa[k].float() != pb[k].float()).float().mean().item()
+        assert diff <= 0.02, f"{k}: {diff:.3f} of the parameters differ"
+    for key in sa:
+        if sa[key].dtype == torch.float32 and any(f".{k}" in key or key.endswith(k) for k in small):
+            torch.testing.assert_close(sb[key], sa[key], rtol=1e-5, atol=1e-6)
+    assert torch.equal(pa["w"], pb["w"])  # the 8-bit weight's kernel is the same either way
+    (pc, _), (pd, _) = run(False, True, 1), run(True, True, 1)  # one step: the draws differ
+    for k in small:
+        assert not torch.equal(pd[k], params[k])
+        step = (pc[k].float() - pd[k].float()).abs()
+        ulp = pc[k].float().abs() * 2.0**-7 + 1e-30
+        assert bool((step <= 2 * ulp).all()), f"{k}: a stochastically rounded value is not a neighbour"

@@ -91,6 +91,7 @@ class Fused8bit(NamedTuple):
     counted: bool = False
     unit_direction: bool = False
     small_inplace: Callable | None = None
+    small_kernel: Callable | None = None
 
 
 def _gather(tensors: list, dtype: torch.dtype, sizes: list) -> tuple[torch.Tensor, list]:
@@ -281,7 +282,20 @@ def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size
             new_p[k] = x
             for d, m in zip(new, out):
                 d[k] = m
+        index = {k: i for i, k in enumerate(fg)} if small else None
         for wd, keys in small.values():
+            if donate and kind.small_kernel is not None:  # one Triton launch per ≤ 4 leaves, in place
+                sr = stochastic_rounding and fp[keys[0]].dtype == torch.bfloat16
+                if sr and seeds is None:
+                    seeds = sr_seeds(seed_count, sr_base, len(fg)).unbind(0)
+                if kind.small_kernel(ctx, [fg[k] for k in keys], [fp[k] for k in keys],
+                                     [[o[k] for k in keys] for o in old], lr_k, wd,
+                                     seeds[index[keys[0]]] if sr else None):
+                    for k in keys:
+                        new_p[k] = fp[k]
+                        for d, o in zip(new, old):
+                            d[k] = o[k]
+                    continue
             _step_small(kind, ctx, keys, fg, fp, old, lr_k, wd, stochastic_rounding, donate, new_p, new)
         new_state = {
             n_dir: kind.make_state(dir_count, *new),
@@ -412,6 +426,22 @@ def lion8bit(
         u, m_new = lion_leaf(g, moments[0], w1, w2, block_size)
         return u, (m_new,)
 
+    def small_kernel(hps, gs, ps, moments, lr, wd, seed):
+        """The small leaves in one Triton launch per ≤ 4 (``kernels/small.py``), in place:
+        False where it cannot (tensor hyperparameters, dtypes, no GPU or interpreter)."""
+        (ms,) = moments
+        if not K.SMALL_KERNEL or any(isinstance(x, torch.Tensor) for x in (w1, w2, wd)):
+            return False
+        from pgs.func.kernels import small as KS
+
+        if not KS.usable(gs, ps, ms):
+            return False
+        key = (gs[0].device, wd)
+        if key not in hps:
+            hps[key] = hp_tensor(gs[0].device, w1, w2, lr, wd)
+        KS.lion_small_(gs, ps, ms, hps[key], seed)
+        return True
+
     def small_inplace(ctx, gs, moments):
         (ms,) = moments  # lion_leaf's operations leaf by leaf: the same lerp (ATen's Lerp.h) per element
         if isinstance(w1, torch.Tensor) or isinstance(w2, torch.Tensor) or gs[0].dtype != torch.float32 \
@@ -429,6 +459,7 @@ def lion8bit(
         quantized=quantized, small=small, make_state=ScaleByLion8bitState, counted=True,
         unit_direction=True,  # sign(·)
         small_inplace=small_inplace,
+        small_kernel=small_kernel,
     )
     fused_step = fused_8bit_step(kind, quantize=quantize, backend=backend, block_size=block_size,
                                  learning_rate=learning_rate, weight_decay=weight_decay, mask=fn)

@@ -94,6 +94,10 @@ EARLY_P = os.environ.get("PGS_8BIT_EARLY_P", "1") == "1"
 #: choice, 69 for Lion8bit on sm_90 = 7 programs of 128 threads per SM, 42% occupancy).
 #: ``PGS_8BIT_MAXNREG``; ignored by the CPU interpreter.
 MAXNREG = int(os.environ["PGS_8BIT_MAXNREG"]) if os.environ.get("PGS_8BIT_MAXNREG") else None
+#: Gradient release's small fp32-state leaves (norm weights) through ``kernels/small.py``: one
+#: Triton launch per ≤ 4 leaves instead of ~10 multi-tensor torch ops (Lion8bit, in place).
+#: ``PGS_SMALL_KERNEL``.
+SMALL_KERNEL = os.environ.get("PGS_SMALL_KERNEL", "1") == "1"
 #: Largest element count one launch covers: offsets are int32 in the kernels, so a larger
 #: buffer runs as several launches over views (each with its own noise stream).
 MAX_LAUNCH = 1 << 30
