@@ -243,3 +243,48 @@ def test_autograd_grad_through_the_embedding_is_not_a_step():
     assert rel.steps == 0 and rel._row_grads.parts == []
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+def test_slab_step_never_waits_for_the_device():
+    """The slab step sizes nothing by the data (no ``torch.unique``, no ``.tolist()`` /
+    ``.item()``): a host sync at the end of backward drained the queue the host had built up,
+    and the next forward started on an idle GPU.  A NaN row gradient stays in its own row."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    b = tiny_model()
+    rel = GradientRelease(CHAINS["lion8bit"](), b, tied_slabs=10)
+    real = rel._slabs.step
+    seen = []
+
+    def counted(release, group):
+        with Ops() as c:
+            real(release, group)
+        seen.append(c.ops)
+
+    rel._slabs.step = counted
+    step(b, batches(1)[0], rel)
+    assert seen, "the slab step did not run"
+    syncing = {"_unique2", "unique_dim", "_unique", "unique_consecutive", "_local_scalar_dense", "item",
+               "nonzero", "masked_select"}
+    assert not syncing & set(seen[0]), seen[0]
+    # the sums: distinct ids ascending, then id V; a NaN row gradient stays in its own sum
+    W = b.model.embed_tokens.weight
+    rows = torch.ones(4, W.shape[1], dtype=W.dtype)
+    rows[2, 0] = float("nan")
+    rel._slabs.row_grads.parts = [(torch.tensor([50, 3, 7, 3]), rows)]
+    uniq, sums = rel._slabs._row_grad_sums(W)
+    assert uniq.tolist() == [3, 7, 50, W.shape[0]]
+    torch.testing.assert_close(sums[0], torch.full((W.shape[1],), 2.0, dtype=W.dtype))  # id 3: two rows
+    assert bool(sums[1, 0].isnan()) and not bool(sums[[0, 2, 3]].isnan().any())
+    assert not bool(sums[3].any())  # the unused slot

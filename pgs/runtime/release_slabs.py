@@ -172,21 +172,30 @@ class TiedSlabs:
         return _pt.tree_unflatten(out, spec)
 
     def _row_grad_sums(self, W: torch.Tensor):
-        """The embedding's gradient as (unique ids ascending, their summed rows in W's dtype),
-        from the rows its backward kept (fp32 sums for low-precision weights)."""
+        """The embedding's gradient as (ids, their summed rows in W's dtype), with no host sync.
+
+        N looked-up rows give at most N distinct ids: slot j < K holds the j-th smallest
+        distinct id and the sum of its rows (fp32 sums for low-precision weights), slots K..N−1
+        hold id V (no row) and zeros.  ``torch.unique`` would size its output by K, i.e. wait
+        for the device at the end of every backward, which drained the queue the host had
+        built up during backward (the step is host-bound: the next forward then started with
+        an idle GPU)."""
         parts = self.row_grads.take()
         if not parts:
             return None, None
         one = len(parts) == 1  # the usual case: no concatenated copy
-        ids = (parts[0][0] if one else torch.cat([i for i, _ in parts])).to(W.device)
+        ids = (parts[0][0] if one else torch.cat([i for i, _ in parts])).to(W.device).reshape(-1)
         rows = (parts[0][1] if one else torch.cat([r for _, r in parts])).to(W.device)
         del parts
-        uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-        del ids
+        ids, order = torch.sort(ids)
+        first = torch.ones_like(ids, dtype=torch.bool)
+        first[1:] = ids[1:] != ids[:-1]
+        slot = torch.cumsum(first, 0) - 1  # the distinct id's rank, per sorted row
         acc_dtype = torch.float32 if W.dtype in (torch.bfloat16, torch.float16) else W.dtype
-        sums = torch.zeros(uniq.numel(), W.shape[1], dtype=acc_dtype, device=W.device)
-        sums.index_add_(0, inverse, rows if rows.dtype == acc_dtype else rows.to(acc_dtype))
-        del rows, inverse
+        sums = torch.zeros(ids.numel(), W.shape[1], dtype=acc_dtype, device=W.device)
+        sums.index_add_(0, slot, rows.index_select(0, order).to(acc_dtype))
+        del rows, order
+        uniq = torch.full_like(ids, W.shape[0]).scatter_(0, slot, ids)
         return uniq, sums.to(W.dtype)
 
     def step(self, release, group: str) -> None:
@@ -201,10 +210,6 @@ class TiedSlabs:
         sources = release._before.pop(name, [])
         uniq, sums = self._row_grad_sums(live)
         starts = list(range(0, V, self.rows))
-        bounds = None
-        if uniq is not None:
-            edges = torch.tensor([*starts, V], device=uniq.device, dtype=uniq.dtype)
-            bounds = torch.searchsorted(uniq, edges).tolist()
         full = release.states[group]
         new_last, fused = None, None
         for s, r0 in enumerate(starts):
@@ -212,9 +217,10 @@ class TiedSlabs:
             g = torch.zeros(r1 - r0, D, dtype=live.dtype, device=live.device)
             if live.grad is not None:
                 g.add_(live.grad[r0:r1])
-            if bounds is not None and bounds[s + 1] > bounds[s]:
-                lo, hi = bounds[s], bounds[s + 1]
-                g.index_add_(0, uniq[lo:hi] - r0, sums[lo:hi])
+            if uniq is not None:  # the slab's rows among the sums; the others add exact zeros to row 0
+                local = uniq - r0
+                inside = (local >= 0) & (local < r1 - r0)
+                g.index_add_(0, torch.where(inside, local, 0), torch.where(inside.unsqueeze(1), sums, 0))
             for src in sources:
                 src.add_rows_to(g, r0, r1)
             p_slab = target[r0:r1]

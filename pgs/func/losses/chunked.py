@@ -357,9 +357,10 @@ def _logit_grad(z: Tensor, lse: Tensor, y: Tensor, gate, plan: _Plan, p: Tensor 
     if p is None:
         p = (z - lse[:, None]).exp_()
     g = p.mul_((gate + 2 * plan.z_loss * lse)[:, None])
-    if in_slab:
-        inside = ((y >= 0) & (y < g.shape[1])).nonzero().squeeze(1)
-        g[inside, y.index_select(0, inside)] -= gate.index_select(0, inside).to(g.dtype)
+    if in_slab:  # no host sync (nonzero would size by the data): rows outside subtract 0 at column 0
+        inside = (y >= 0) & (y < g.shape[1])
+        g[torch.arange(y.numel(), device=g.device), torch.where(inside, y, 0)] -= \
+            torch.where(inside, gate, 0).to(g.dtype)
     else:
         g[torch.arange(y.numel(), device=g.device), y] -= gate
     if plan.softcap is not None:
