@@ -119,8 +119,10 @@ class OffloadedInput:
         self.used = False
         self.previous = OffloadedInput._last.get(self.device)
         OffloadedInput._last[self.device] = weakref.ref(self)
+        self.pooled = False
         if x.is_cuda:
-            self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            self.host = _pinned(tuple(x.shape), x.dtype)
+            self.pooled = True
             stream = _copy_stream(x.device)
             stream.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(stream):
@@ -166,6 +168,33 @@ class OffloadedInput:
 
     def release(self) -> None:
         self.live = None
+
+    def __del__(self):
+        # the buffer back to the pool: every copy into or out of it ran on the side stream,
+        # which orders it before any later use (the host never reads it)
+        if getattr(self, "pooled", False):
+            _unpin(self.host)
+
+
+#: Pinned host buffers of finished handles, by (shape, dtype).  A fresh ``pin_memory=True``
+#: tensor goes through the caching host allocator, which hands a block back only once the
+#: events of its copies completed; with the host running ahead of the device (no sync at the
+#: end of backward) that missed and fell back to ``cudaHostAlloc`` in the next forward.
+_PINNED: dict = {}
+_PINNED_MAX = 512
+
+
+def _pinned(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    free = _PINNED.get((shape, dtype))
+    if free:
+        return free.pop()
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def _unpin(buf: torch.Tensor) -> None:
+    free = _PINNED.setdefault((tuple(buf.shape), buf.dtype), [])
+    if len(free) < _PINNED_MAX:
+        free.append(buf)
 
 
 def _without_cache(kwargs: dict) -> dict:
