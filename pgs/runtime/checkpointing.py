@@ -23,6 +23,8 @@ what gradient release needs (its hooks fire inside the one backward) and what
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 import torch
@@ -121,8 +123,11 @@ class OffloadedInput:
         OffloadedInput._last[self.device] = weakref.ref(self)
         self.pooled = False
         if x.is_cuda:
-            self.host = _pinned(tuple(x.shape), x.dtype)
-            self.pooled = True
+            if PINNED_POOL:
+                self.host = _pinned(tuple(x.shape), x.dtype)
+                self.pooled = True
+            else:
+                self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             stream = _copy_stream(x.device)
             stream.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(stream):
@@ -176,6 +181,10 @@ class OffloadedInput:
             _unpin(self.host)
 
 
+#: Keep the pinned buffers of finished handles for the next ones (``_pinned``).  Off by default:
+#: not yet measured on a GPU (written in session 4 for ``TiedSlabs.SYNC_FREE``).
+#: ``PGS_PINNED_POOL=1``.
+PINNED_POOL = os.environ.get("PGS_PINNED_POOL", "0") == "1"
 #: Pinned host buffers of finished handles, by (shape, dtype).  A fresh ``pin_memory=True``
 #: tensor goes through the caching host allocator, which hands a block back only once the
 #: events of its copies completed; with the host running ahead of the device (no sync at the

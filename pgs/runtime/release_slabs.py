@@ -14,6 +14,8 @@ equal to the dense path up to summation order (tests/test_release_slabs.py, docs
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 import pgs.func as pf
@@ -52,6 +54,13 @@ class TiedSlabs:
     ``TokenRowGrads`` the embedding's backward fills), ``undo_embedding`` (restores the
     embedding's forward; None once undone).
     """
+
+    #: Build the slab sums without a host sync (``_row_grad_sums_unsynced``).  Off by default:
+    #: on the H200 (bench/results/s4_call7_sft_4b.json) the sync-free step made the <= 12 GiB
+    #: Qwen3-4B run slower (13,629 -> 12,703 tok/s): with the host no longer held at the end of
+    #: backward, the next forward's offload copies got slower (pinned host allocations, see
+    #: ``checkpointing.PINNED_POOL``, untested on a GPU).  ``PGS_SLABS_SYNC_FREE=1``.
+    SYNC_FREE = os.environ.get("PGS_SLABS_SYNC_FREE", "0") == "1"
 
     def __init__(self, release, model, rows) -> None:
         """Check ``tied_slabs`` and make the input embedding hand over its rows' gradients."""
@@ -172,6 +181,25 @@ class TiedSlabs:
         return _pt.tree_unflatten(out, spec)
 
     def _row_grad_sums(self, W: torch.Tensor):
+        """The embedding's gradient as (unique ids ascending, their summed rows in W's dtype),
+        from the rows its backward kept (fp32 sums for low-precision weights).  ``torch.unique``
+        sizes its output by the data: a host sync at the end of backward (``SYNC_FREE``)."""
+        parts = self.row_grads.take()
+        if not parts:
+            return None, None
+        one = len(parts) == 1  # the usual case: no concatenated copy
+        ids = (parts[0][0] if one else torch.cat([i for i, _ in parts])).to(W.device)
+        rows = (parts[0][1] if one else torch.cat([r for _, r in parts])).to(W.device)
+        del parts
+        uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        del ids
+        acc_dtype = torch.float32 if W.dtype in (torch.bfloat16, torch.float16) else W.dtype
+        sums = torch.zeros(uniq.numel(), W.shape[1], dtype=acc_dtype, device=W.device)
+        sums.index_add_(0, inverse, rows if rows.dtype == acc_dtype else rows.to(acc_dtype))
+        del rows, inverse
+        return uniq, sums.to(W.dtype)
+
+    def _row_grad_sums_unsynced(self, W: torch.Tensor):
         """The embedding's gradient as (ids, their summed rows in W's dtype), with no host sync.
 
         N looked-up rows give at most N distinct ids: slot j < K holds the j-th smallest
@@ -208,8 +236,13 @@ class TiedSlabs:
         V, D = live.shape
         target = release.masters.get(name, live.detach())
         sources = release._before.pop(name, [])
-        uniq, sums = self._row_grad_sums(live)
+        sync_free = self.SYNC_FREE
+        uniq, sums = self._row_grad_sums_unsynced(live) if sync_free else self._row_grad_sums(live)
         starts = list(range(0, V, self.rows))
+        bounds = None
+        if uniq is not None and not sync_free:
+            edges = torch.tensor([*starts, V], device=uniq.device, dtype=uniq.dtype)
+            bounds = torch.searchsorted(uniq, edges).tolist()
         full = release.states[group]
         new_last, fused = None, None
         for s, r0 in enumerate(starts):
@@ -217,7 +250,10 @@ class TiedSlabs:
             g = torch.zeros(r1 - r0, D, dtype=live.dtype, device=live.device)
             if live.grad is not None:
                 g.add_(live.grad[r0:r1])
-            if uniq is not None:  # the slab's rows among the sums; the others add exact zeros to row 0
+            if bounds is not None and bounds[s + 1] > bounds[s]:
+                lo, hi = bounds[s], bounds[s + 1]
+                g.index_add_(0, uniq[lo:hi] - r0, sums[lo:hi])
+            elif sync_free and uniq is not None:  # the slab's rows among the sums; the others add zeros to row 0
                 local = uniq - r0
                 inside = (local >= 0) & (local < r1 - r0)
                 g.index_add_(0, torch.where(inside, local, 0), torch.where(inside.unsqueeze(1), sums, 0))
