@@ -197,7 +197,9 @@ def infosft_weight(log_q: Tensor, p_bar: float, eps: float = 1e-6) -> Tensor:
     q = log_q.exp()
     qc = q.clamp(eps, 1 - eps)
     logit_q = qc.log() - torch.log1p(-qc)
-    return q * torch.relu(math.log(p_bar / (1 - p_bar)) - logit_q)
+    w = q * torch.relu(math.log(p_bar / (1 - p_bar)) - logit_q)
+    # exactly 0 from p̄ up: at q = p̄ the two logits are computed differently and may differ by an ulp
+    return torch.where(q >= p_bar, torch.zeros_like(w), w)
 
 
 @attrs.frozen
