@@ -89,12 +89,17 @@ def _assert_state_close(sa, sb, code_frac=1e-3):
             assert torch.equal(x, y), path  # counts, lr, hyperball radius
         elif x.dtype == torch.bfloat16:  # MONA buffers
             d = (x.float() - y.float()).abs()
-            # a bf16 ulp of the value; plus, on a GPU, where β·A + (1−β)·Δ cancels, the fp32
-            # rounding of its terms (an FMA in the kernel, two products in torch): 2^-22 of the
-            # buffer's scale, many bf16 ulps of a near-zero result (H200: 1_mona.acc)
-            floor = 1e-30 if DEV == "cpu" else 2.0**-22 * float(x.float().abs().max())
-            assert bool((d <= x.float().abs() * 2.0**-7 + floor).all()), path
-            assert (d > 0).float().mean().item() <= 1e-3, path
+            big = torch.maximum(x.float().abs(), y.float().abs())
+            if DEV == "cpu":  # a bf16 ulp of the larger value (a rounding may cross a binade)
+                assert bool((d <= big * 2.0**-7 + 1e-30).all()), path
+                assert (d > 0).float().mean().item() <= 1e-3, path
+            else:
+                # on a GPU the kernel contracts β·A + (1−β)·Δ into an FMA and torch does not:
+                # an ulp of the terms' fp32 rounding where the sum cancels (2^-22 of the buffer's
+                # scale), carried through 5 steps of A (up to 4 bf16 ulps, as the parameters)
+                floor = 2.0**-22 * float(big.max())
+                assert bool((d <= 4 * big * 2.0**-7 + floor).all()), path
+                assert (d > 0).float().mean().item() <= 1e-2, path
         else:  # AdaGC γ, absmax, fp32 momenta (lerp's FMA: an ulp of the largest term)
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6 * float(x.abs().max()), msg=path)
 
