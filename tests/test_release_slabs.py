@@ -22,8 +22,12 @@ CHAINS = {  # 8-bit state on the 96×32 embedding: blocks of 64 elements = 2 row
 }
 
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # backend="triton" tests: a GPU, else the interpreter
+
+
 def step(model, ids, release, chunk=7, z_loss=0.0, softcap=None):
-    h = final_hidden(model, ids, torch.arange(ids.shape[1]).expand_as(ids))
+    ids = ids.to(next(model.parameters()).device)
+    h = final_hidden(model, ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids))
     W, bias, cap = output_head(model)
     labels = torch.roll(ids, -1, 1)
     labels[:, -1] = -100
@@ -122,7 +126,7 @@ def test_fused_slabs_and_triton_rebuild(name, monkeypatch):
         make = {"lion8bit": pf.lion8bit, "adamw8bit": pf.adamw8bit}[name]
         chain = lambda: make(1e-3, weight_decay=0.1, block_size=64, min_8bit_size=256, backend="triton")  # noqa: E731
     data = batches(2)
-    a, b = tiny_model(layers=1), tiny_model(layers=1)
+    a, b = tiny_model(layers=1).to(DEV), tiny_model(layers=1).to(DEV)
     ref = GradientRelease(chain(), a)
     rel = GradientRelease(chain(), b, tied_slabs=32)
     for ids in data:
@@ -215,9 +219,11 @@ def test_pgs_profile_reads_tied_slabs_from_the_spec(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
                     reason="needs CUDA or Triton's interpreter")
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs CUDA or Triton's interpreter")
 def test_each_slab_rounds_with_its_own_stream():
     """Stochastic rounding: every slab gets its own Philox stream, none shared with another tensor."""
-    model = tiny_model(dtype=torch.bfloat16, layers=1)
+    model = tiny_model(dtype=torch.bfloat16, layers=1).to(DEV)
     rel = GradientRelease(pf.lion8bit(1e-3, block_size=64, min_8bit_size=256, backend="triton"), model,
                           stochastic_rounding=True, tied_slabs=32)
     offsets, inner = [], rel._fused_step
