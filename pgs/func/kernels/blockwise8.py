@@ -478,14 +478,26 @@ def _sr_noise(seed_ptr, offs, RNG: tl.constexpr):
 
 
 @triton.jit
+def _bf16_bits(x, add):
+    """fp32 ``x`` rounded to a value bf16 holds, kept in fp32 (the cast to bf16 is then exact):
+    bf16 keeps the top 16 bits of the word, so ``add`` goes below them and the rest is cut.
+    ``add`` is uniform noise for stochastic rounding, ``_rne_add(x)`` for round to nearest
+    even (Triton's CPU interpreter truncates in the cast itself).  ±inf and NaN stay."""
+    bits = x.to(tl.uint32, bitcast=True)
+    up = ((bits + add) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < float("inf"), up, x)
+
+
+@triton.jit
+def _rne_add(x):
+    """What ``_bf16_bits`` adds to round to nearest, ties to even: 0x7FFF plus bit 16."""
+    return 0x7FFF + ((x.to(tl.uint32, bitcast=True) >> 16) & 1)
+
+
+@triton.jit
 def _store_param(p_out_ptr, offs, mask, x, seed_ptr, SR: tl.constexpr, RNG: tl.constexpr, MASKED: tl.constexpr):
     if SR:
-        # bf16 keeps the top 16 bits of an fp32 word: add uniform noise below them, truncate.
-        noise = _sr_noise(seed_ptr, offs, RNG)
-        bits = x.to(tl.uint32, bitcast=True)
-        up = ((bits + noise) & 0xFFFF0000).to(tl.float32, bitcast=True)
-        finite = tl.abs(x) < float("inf")
-        x = tl.where(finite, up, x)
+        x = _bf16_bits(x, _sr_noise(seed_ptr, offs, RNG))
     _st(p_out_ptr, offs, x.to(p_out_ptr.dtype.element_ty), mask, MASKED)
 
 

@@ -31,7 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pgs.func.kernels.blockwise8 import INTERP, _is_full, _ld, _load_moment, _quantize_rows, _st, _store_param, _tile
+from pgs.func.kernels.blockwise8 import (INTERP, _bf16_bits, _is_full, _ld, _load_moment, _quantize_rows, _rne_add,
+                                        _st, _store_param, _tile)
 
 
 @triton.jit
@@ -43,9 +44,7 @@ def _rnd(x, DT: tl.constexpr):
     0x8000, or equals it and bit 16 is odd; ±inf stay, NaN keeps its quiet bit)."""
     if DT == 1:
         if INTERP:
-            bits = x.to(tl.uint32, bitcast=True)
-            up = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return tl.where(x != x, x, up.to(tl.float32, bitcast=True))
+            return _bf16_bits(x, _rne_add(x))
         else:
             return x.to(tl.bfloat16).to(tl.float32)
     else:

@@ -32,7 +32,7 @@ try:
     import triton
     import triton.language as tl
 
-    from pgs.func.kernels.blockwise8 import _sr_noise
+    from pgs.func.kernels.blockwise8 import _bf16_bits, _rne_add, _sr_noise
 
     @triton.jit
     def _lerp(a, b, w):
@@ -61,17 +61,11 @@ try:
         # (NaN: both tests fail, u = 0, as torch.sign gives)
         tl.store(m_ptr + offs, _lerp(m, g, w2), mask=mask)
         x = p - lr * (u + wd * p)
-        if BF16:
-            # to bf16 as the top 16 bits of an fp32 word, rounded here (the cast below is then
-            # exact): + uniform noise and truncation with SR, round-to-nearest-even without
-            # (Triton's CPU interpreter would truncate in the cast itself)
-            bits = x.to(tl.uint32, bitcast=True)
+        if BF16:  # rounded here, stochastically or to nearest: the cast below is exact
             if SR:
-                add = _sr_noise(seed_ptr, leaf * STRIDE + offs, RNG)
+                x = _bf16_bits(x, _sr_noise(seed_ptr, leaf * STRIDE + offs, RNG))
             else:
-                add = 0x7FFF + ((bits >> 16) & 1)
-            rounded = ((bits + add) & 0xFFFF0000).to(tl.float32, bitcast=True)
-            x = tl.where(tl.abs(x) < float("inf"), rounded, x)
+                x = _bf16_bits(x, _rne_add(x))
         tl.store(p_ptr + offs, x.to(p_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
