@@ -80,7 +80,9 @@ class Fused8bit(NamedTuple):
     state; ``fields``: its moment fields.  ``small_inplace(ctx, gs, moment_lists) -> us |
     None`` (optional, used with ``donate``): the same direction leaf by leaf as multi-tensor
     ops, the moments updated in place (no concatenation of the moments, no copy back), or None
-    where it cannot (then ``small``).
+    where it cannot (then ``small``).  ``small_kernel(ctx, gs, ps, moment_lists, lr, wd, seed)
+    -> bool`` (optional, used with ``donate`` before both): the small leaves stepped in place by
+    a Triton kernel (``kernels/small.py``), False where it cannot.
     """
 
     fields: tuple
@@ -136,6 +138,14 @@ def _parts(buf: torch.Tensor, like: list, sizes: list) -> list:
     return [x if x.shape == t.shape else x.view(t.shape) for x, t in zip(buf.split(sizes), like)]
 
 
+def _kept_in_place(keys, fp, old, new_p: dict, new: list) -> None:
+    """Leaves ``keys`` were updated in place: their parameters and moments are the new ones."""
+    for k in keys:
+        new_p[k] = fp[k]
+        for d, o in zip(new, old):
+            d[k] = o[k]
+
+
 def _apply_lists(kind: Fused8bit, keys, fp, ps, x, xs, us, lr, wd, stochastic_rounding, new_p, new, old) -> None:
     """``_step_small``'s apply with the direction as a list (``small_inplace``): the same
     operations per leaf as multi-tensor ops on the views ``xs`` of the one fp32 buffer ``x``,
@@ -154,10 +164,7 @@ def _apply_lists(kind: Fused8bit, keys, fp, ps, x, xs, us, lr, wd, stochastic_ro
     if stochastic_rounding and ps[0].dtype == torch.bfloat16:
         stochastic_round_fp32(x, inplace=True)
     torch._foreach_copy_(ps, xs)
-    for k in keys:
-        new_p[k] = fp[k]
-        for d, o in zip(new, old):
-            d[k] = o[k]
+    _kept_in_place(keys, fp, old, new_p, new)
 
 
 def _step_small(kind: Fused8bit, ctx, keys: list, fg, fp, old, lr, wd, stochastic_rounding: bool, donate: bool,
@@ -171,8 +178,8 @@ def _step_small(kind: Fused8bit, ctx, keys: list, fg, fp, old, lr, wd, stochasti
     gradients copied into one compute-dtype buffer and the parameters into one fp32 buffer
     (one copy for both, casting on the way: ``_load``); the moments concatenated (a cat per
     field; Lion with ``donate``: stepped in place leaf by leaf, ``small_inplace``); the
-    direction (``kind.small``); ``p − η(u + λp)`` in place in the fp32 buffer (the same
-    operations and roundings as ``apply_fp32``); stochastic rounding; then, with ``donate``,
+    direction (``kind.small``); ``p − η(u + λp)`` in place in the fp32 buffer (λp, + u, × η,
+    then the subtraction, each rounded to fp32); stochastic rounding; then, with ``donate``,
     one copy back into the parameters (the cast to their dtype, exact after stochastic
     rounding) and one into the moments.  ``lr`` is a number (a constant learning rate: no
     conversion kernel; a Python number is rounded to fp32 exactly as ``lr.to(float32)``) or
@@ -192,7 +199,7 @@ def _step_small(kind: Fused8bit, ctx, keys: list, fg, fp, old, lr, wd, stochasti
     u = u.float()
     lr32 = lr.to(torch.float32) if isinstance(lr, torch.Tensor) else lr
     if isinstance(wd, torch.Tensor) or wd != 0:
-        t = x * wd  # p − η(u + λp), rounding as apply_fp32 does (·, + and × commute exactly)
+        t = x * wd  # p − η(u + λp): λp, + u, × η, each rounded (·, + and × commute exactly)
         t.add_(u)
         t.mul_(lr32)
         x.sub_(t)
@@ -207,10 +214,7 @@ def _step_small(kind: Fused8bit, ctx, keys: list, fg, fp, old, lr, wd, stochasti
         dst = [o[k] for o in old for k in keys]
         src = [part for o, m_new in zip(old, out) for part in _parts(m_new, [o[k] for k in keys], sizes)]
         torch._foreach_copy_(dst, src)
-        for k in keys:
-            new_p[k] = fp[k]
-            for d, o in zip(new, old):
-                d[k] = o[k]
+        _kept_in_place(keys, fp, old, new_p, new)
         return
     # own storage per leaf (views of one buffer would be saved as shared tensors)
     one = len(keys) == 1
@@ -255,7 +259,13 @@ def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size
             seed_count, dir_count, ctx = kind.prepare(s_dir, s_lr, dir_count)
         else:
             seed_count, dir_count, ctx = kind.prepare(s_dir, s_lr)
-        seeds = None  # every leaf's seed, made by the first leaf that rounds stochastically
+        seeds = []  # every leaf's seed, made by the first leaf that rounds stochastically
+
+        def seed_of(i: int):  # one kernel for all, not three per leaf (sr_seeds)
+            if not seeds:
+                seeds.extend(sr_seeds(seed_count, sr_base, len(fg)).unbind(0))
+            return seeds[i]
+
         labels = group_label(layout, fg, mask) if mask is not None else None
         old = [getattr(s_dir, f) for f in kind.fields]
         new_p, new = {}, [{} for _ in kind.fields]
@@ -275,10 +285,7 @@ def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size
                         d[k] = None
                     continue
                 sr = stochastic_rounding and p.dtype == torch.bfloat16
-                if sr and seeds is None:  # one kernel for all, not three per leaf (sr_seeds)
-                    seeds = sr_seeds(seed_count, sr_base, len(fg)).unbind(0)
-                seed = seeds[i] if sr else None
-                x, out = kind.quantized(ctx, g, p, moments, lr_k, wd, seed, donate)
+                x, out = kind.quantized(ctx, g, p, moments, lr_k, wd, seed_of(i) if sr else None, donate)
             new_p[k] = x
             for d, m in zip(new, out):
                 d[k] = m
@@ -286,15 +293,10 @@ def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size
         for wd, keys in small.values():
             if donate and kind.small_kernel is not None:  # one Triton launch per ≤ 4 leaves, in place
                 sr = stochastic_rounding and fp[keys[0]].dtype == torch.bfloat16
-                if sr and seeds is None:
-                    seeds = sr_seeds(seed_count, sr_base, len(fg)).unbind(0)
                 if kind.small_kernel(ctx, [fg[k] for k in keys], [fp[k] for k in keys],
                                      [[o[k] for k in keys] for o in old], lr_k, wd,
-                                     seeds[index[keys[0]]] if sr else None):
-                    for k in keys:
-                        new_p[k] = fp[k]
-                        for d, o in zip(new, old):
-                            d[k] = o[k]
+                                     seed_of(index[keys[0]]) if sr else None):
+                    _kept_in_place(keys, fp, old, new_p, new)
                     continue
             _step_small(kind, ctx, keys, fg, fp, old, lr_k, wd, stochastic_rounding, donate, new_p, new)
         new_state = {
@@ -412,12 +414,15 @@ def lion8bit(
 
     w1, w2 = one_minus(b1), one_minus(b2)
 
+    def hp(hps, device, lr, wd):  # [1−β1, 1−β2, η, λ]: one vector per step and λ, not per tensor
+        key = (device, id(wd) if isinstance(wd, torch.Tensor) else wd)
+        if key not in hps:
+            hps[key] = hp_tensor(device, w1, w2, lr, wd)
+        return hps[key]
+
     def quantized(hps, g, p, moments, lr, wd, seed, donate):
         (m,) = moments
-        key = (g.device, id(wd) if isinstance(wd, torch.Tensor) else wd)  # one vector per step, not per tensor
-        if key not in hps:
-            hps[key] = hp_tensor(g.device, w1, w2, lr, wd)
-        new_p, m_new = K.lion8bit(g, m, hps[key], block_size, p=p,
+        new_p, m_new = K.lion8bit(g, m, hp(hps, g.device, lr, wd), block_size, p=p,
                                   out=p if donate else torch.empty_like(p), m_out=m if donate else None,
                                   seed=seed)
         return new_p, (m_new,)
@@ -436,10 +441,7 @@ def lion8bit(
 
         if not KS.usable(gs, ps, ms):
             return False
-        key = (gs[0].device, wd)
-        if key not in hps:
-            hps[key] = hp_tensor(gs[0].device, w1, w2, lr, wd)
-        KS.lion_small_(gs, ps, ms, hps[key], seed)
+        KS.lion_small_(gs, ps, ms, hp(hps, gs[0].device, lr, wd), seed)
         return True
 
     def small_inplace(ctx, gs, moments):

@@ -114,19 +114,3 @@ def increment_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torc
         return increment(a), increment(b)
     na, nb = torch._foreach_add(torch._foreach_clamp_max([a, b], _INT32_MAX - 1), 1)
     return na, nb
-
-
-def apply_fp32(p: torch.Tensor, u32: torch.Tensor, lr, wd, stochastic_rounding: bool) -> torch.Tensor:
-    """``p − η(u + λp)`` in fp32, cast (or stochastically rounded) back to p's dtype."""
-    from pgs.func.apply import stochastic_round_to_bf16
-
-    p32 = p.float()
-    lr32 = lr.to(torch.float32) if isinstance(lr, torch.Tensor) else lr
-    x = p32 - lr32 * (u32 + wd * p32) if not _is_zero(wd) else p32 - lr32 * u32
-    if stochastic_rounding and p.dtype == torch.bfloat16:
-        return stochastic_round_to_bf16(x)
-    return x.to(p.dtype)
-
-
-def _is_zero(x) -> bool:
-    return not isinstance(x, torch.Tensor) and x == 0
