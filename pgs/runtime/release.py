@@ -314,7 +314,8 @@ class GradientRelease:
             with torch.no_grad():
                 self.masters = {n: p.detach().float().clone() for n, p in params.items()
                                 if p.dtype in (torch.bfloat16, torch.float16)}
-        self.states = {g: chain.init(self._param_tree(g)) for g in self.groups}
+        self._trees: dict[str, tuple] = {}  # group -> (params tree, live params, targets): _group_tensors
+        self.states = {g: chain.init(self._group_tensors(g)[0]) for g in self.groups}
         # the fused path: a chain's own fused_step (8-bit), else a plain AdamW/Lion plan
         self._fused_step = getattr(chain, "fused_step", None) if fused else None
         self._fused_plan = None
@@ -336,7 +337,6 @@ class GradientRelease:
         self._norms: list[torch.Tensor] = []  # ‖g‖ of each gradient of this backward (track_grad_norm)
         self._last_norms: list[torch.Tensor] = []
         self._last_sumsq_memo: torch.Tensor | None = None
-        self._trees: dict[str, tuple] = {}  # group -> (params tree, live params, targets): _group_tensors
         self._arrivals = Arrivals(self.groups, on_complete=self._step_group, on_start=self._begin, on_end=self.finish)
         self.tied_slabs: int | None = None
         self._slab_name: str | None = None
@@ -358,9 +358,6 @@ class GradientRelease:
         if self._last_sumsq_memo is None and self._last_norms:
             self._last_sumsq_memo = sum_of_squares(self._last_norms)
         return self._last_sumsq_memo
-
-    def _param_tree(self, group: str) -> dict[str, torch.Tensor]:
-        return {n: self.masters.get(n, self.params[n]).detach() for n in self.groups[group]}
 
     def _group_tensors(self, group: str) -> tuple[dict, list, list]:
         """``(params tree, live parameters, what the chain updates)`` of ``group``, built once:
