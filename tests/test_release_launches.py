@@ -78,11 +78,13 @@ def _model():
     return Qwen3ForCausalLM(cfg).to(torch.bfloat16)
 
 
-def _layer_step_ops(chain, triton_runs, *, track_grad_norm=True):
+def group_step_ops(model, chain, triton_runs, *, track_grad_norm=True, stochastic_rounding=True):
+    """``(release, {group: (aten op Counter, Triton kernel Counter)})`` of the second backward's
+    group steps (the first fills the caches: hyperparameter vectors, seed offsets).  Also used
+    by bench/experiments/release_ops.py."""
     kernels, paused = triton_runs
-    model = _model()
-    rel = GradientRelease(chain, model, stochastic_rounding=True, track_grad_norm=track_grad_norm)
-    x = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    rel = GradientRelease(chain, model, stochastic_rounding=stochastic_rounding, track_grad_norm=track_grad_norm)
+    x = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     seen = {}
     step = rel._step_group
 
@@ -92,11 +94,21 @@ def _layer_step_ops(chain, triton_runs, *, track_grad_norm=True):
             step(group)
         seen[group] = (c.ops, collections.Counter(kernels))
 
-    for i in range(2):  # the first backward fills the caches (hyperparameter vectors, seed offsets)
+    for i in range(2):
         loss = model(x, labels=x, use_cache=False).loss
         if i == 1:
             rel._arrivals.on_complete = counted
         loss.backward()
+    return rel, seen
+
+
+def launching(ops: collections.Counter) -> int:
+    """Aten ops that launch a kernel on a GPU (a multi-tensor op counts once)."""
+    return sum(n for op, n in ops.items() if op not in HOST_ONLY)
+
+
+def _layer_step_ops(chain, triton_runs, *, track_grad_norm=True):
+    rel, seen = group_step_ops(_model(), chain, triton_runs, track_grad_norm=track_grad_norm)
     assert rel.fused_group_steps == 2 * len(rel.groups)  # every group took the fused path
     if track_grad_norm:
         assert rel.last_metrics()["grad_norm"] > 0
@@ -117,14 +129,14 @@ BOUNDS = {
 def test_layer_group_step_launches_at_most(name, triton_runs):
     make, bound, host_bound, want_kernels = BOUNDS[name]
     ops, kernels = _layer_step_ops(make(), triton_runs)
-    launching = {op: n for op, n in ops.items() if op not in HOST_ONLY}
-    n = sum(launching.values())
+    launching_ops = {op: n for op, n in ops.items() if op not in HOST_ONLY}
+    n = launching(ops)
     # one fused kernel per 8-bit weight (Lion: and one for the four small leaves), nothing else
     assert dict(kernels) == want_kernels, kernels
     assert not SYNCS & set(ops), ops  # no host synchronisation inside backward
-    assert n <= bound, f"{name}: {n} kernel-launching aten ops in one layer group step (bound {bound}): {launching}"
+    assert n <= bound, f"{name}: {n} kernel-launching aten ops in one layer group step (bound {bound}): {launching_ops}"
     # per-leaf work is gone: no op runs once per parameter (11 in the layer) or per 8-bit weight (7)
-    assert max(launching.values()) <= 4, launching
+    assert max(launching_ops.values()) <= 4, launching_ops
     # host-only dispatcher calls too (most are the 8-bit launchers' views: 5 (Lion) or 7 (AdamW)
     # per weight)
     assert sum(ops.values()) - n <= host_bound, ops

@@ -19,16 +19,16 @@ thread; the process time of each layer group's step (median over 25 backwards). 
 ~290 µs (lion8bit) and ~370 µs (adamw8bit), now ~215 and ~280 (a shared 2-core machine:
 ±10%).
 
-Per layer group, SR on (aten ops / launching ops; 7 Triton kernels in every case):
+Per layer group, SR on (aten ops / launching ops; 7 Triton kernels at 09aeee2):
 
-    chain      grad norm   before (09aeee2)   now
-    lion8bit   off         134 / 54           62 / 14
-    lion8bit   on          168 / 88           63 / 15
-    adamw8bit  off         186 / 79           94 / 28
-    adamw8bit  on          220 / 113          95 / 29
+    chain      grad norm   09aeee2       multi-tensor cuts   + small-leaf kernel (now)
+    lion8bit   off         134 / 54      62 / 14             40 / 3, 8 Triton kernels
+    lion8bit   on          168 / 88      63 / 15             41 / 4, 8 Triton kernels
+    adamw8bit  off         186 / 79      94 / 28             (unchanged: Lion only)
+    adamw8bit  on          220 / 113     95 / 29
 
-35 of the remaining aten ops are the 8-bit launchers' ``_flat`` views (5 per 8-bit tensor,
-``pgs/func/kernels/__init__.py``).
+The counting pieces (``HOST_ONLY``, the dispatch mode, the group-step harness) are the ones
+``tests/test_release_launches.py`` bounds the counts with.
 """
 
 import collections
@@ -41,34 +41,16 @@ if _ARGS:
     sys.path.insert(0, _ARGS[0])
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import pgs.func as pf  # noqa: E402
 from pgs.runtime.release import GradientRelease  # noqa: E402
 
-#: aten ops that never launch a kernel (metadata, views, allocation without a fill)
-HOST_ONLY = frozenset({
-    "view", "_unsafe_view", "view_as", "alias", "detach", "split", "split_with_sizes", "unbind", "select",
-    "slice", "as_strided", "t", "transpose", "permute", "expand", "squeeze", "unsqueeze", "reshape",
-    "_reshape_alias", "empty", "empty_like", "empty_strided", "promote_types", "result_type", "is_same_size",
-})
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+from test_release_launches import HOST_ONLY, group_step_ops as _group_step_ops, launching  # noqa: E402
+
 #: numbers measured at 09aeee2 (before the cuts): (aten ops, launching ops) per layer group
 BEFORE = {("lion8bit", False): (134, 54), ("lion8bit", True): (168, 88),
           ("adamw8bit", False): (186, 79), ("adamw8bit", True): (220, 113)}
-
-
-class _Count(TorchDispatchMode):
-    """Counts aten ops by name; ops run while ``paused[0]`` (inside a Triton kernel) are skipped."""
-
-    def __init__(self, paused):
-        super().__init__()
-        self.ops = collections.Counter()
-        self.paused = paused
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.paused[0]:
-            self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _patch_interpreter():
@@ -104,31 +86,11 @@ def tiny_qwen3(layers: int = 2, hidden: int = 128):
 def group_step_ops(chain, *, track_grad_norm: bool, layers: int = 2, hidden: int = 128,
                    stochastic_rounding: bool = True) -> dict:
     """``{group: (aten op Counter, Triton kernel Counter)}`` of the second backward's group steps."""
-    kernels, paused = _patch_interpreter()
-    model = tiny_qwen3(layers, hidden)
-    rel = GradientRelease(chain, model, stochastic_rounding=stochastic_rounding, track_grad_norm=track_grad_norm)
-    x = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
-    out = {}
-    step = rel._step_group
-
-    def counted(group):
-        kernels.clear()
-        with _Count(paused) as c:
-            step(group)
-        out[group] = (c.ops, collections.Counter(kernels))
-
-    for i in range(2):  # the first step fills the caches (hyperparameter vectors, seed offsets)
-        loss = model(x, labels=x, use_cache=False).loss
-        if i == 1:
-            rel._arrivals.on_complete = counted
-        loss.backward()
+    rel, out = _group_step_ops(tiny_qwen3(layers, hidden), chain, _patch_interpreter(),
+                               track_grad_norm=track_grad_norm, stochastic_rounding=stochastic_rounding)
     if track_grad_norm:
         rel.last_metrics()
     return out
-
-
-def launching(ops: collections.Counter) -> int:
-    return sum(n for op, n in ops.items() if op not in HOST_ONLY)
 
 
 def host_time(opt: str, track_grad_norm: bool = True, layers: int = 8, backwards: int = 30) -> float:
