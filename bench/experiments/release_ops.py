@@ -14,10 +14,10 @@ multi-tensor launch when its lists share dtype and device (``_foreach_norm``: tw
     python bench/experiments/release_ops.py /path/pkg  # another checkout's pgs (e.g. git archive)
     python bench/experiments/release_ops.py [/path/pkg] --host-time   # CPU time per layer group
 
-``--host-time``: the Triton launchers stubbed out (no kernel runs), an 8-layer model, one
+``--host-time``: the Triton launchers stubbed out (no kernel runs; the small-leaf one too), an 8-layer model, one
 thread; the process time of each layer group's step (median over 25 backwards).  At 09aeee2
-~290 µs (lion8bit) and ~370 µs (adamw8bit), now ~215 and ~280 (a shared 2-core machine:
-±10%).
+~290 µs (lion8bit) and ~370 µs (adamw8bit); after the multi-tensor cuts ~215 and ~280; with the
+small-leaf kernel Lion ~185 (a shared 2-core machine: ±10%, more when other jobs run).
 
 Per layer group, SR on (aten ops / launching ops; 7 Triton kernels at 09aeee2):
 
@@ -105,8 +105,10 @@ def host_time(opt: str, track_grad_norm: bool = True, layers: int = 8, backwards
     def adam(g, m, v, hp, bs, *, p=None, out=None, m_out=None, v_out=None, seed=None):
         return out, (m_out if m_out is not None else m), (v_out if v_out is not None else v)
 
-    saved = K._lion8bit, K._adam8bit
-    K._lion8bit, K._adam8bit = lion, adam
+    from pgs.func.kernels import small as KS
+
+    saved = K._lion8bit, K._adam8bit, KS.lion_small_
+    K._lion8bit, K._adam8bit, KS.lion_small_ = lion, adam, lambda *a, **k: None
     torch.set_num_threads(1)
     try:
         model = tiny_qwen3(layers)
@@ -131,7 +133,7 @@ def host_time(opt: str, track_grad_norm: bool = True, layers: int = 8, backwards
         times = sorted(times[5 * layers:])
         return times[len(times) // 2] / 1e3
     finally:
-        K._lion8bit, K._adam8bit = saved
+        K._lion8bit, K._adam8bit, KS.lion_small_ = saved
 
 
 def main():
