@@ -160,6 +160,14 @@ def test_fp32_params_and_unconstrained_matrix():
         _assert_state_close(s_fus, s_ref)
 
 
+def _assert_identical(p1, s1, p2, s2):
+    """Parameters and every state leaf bit for bit."""
+    for k in p1:
+        assert torch.equal(p1[k], p2[k]), k
+    for (path, x), (_, y) in zip(T.leaves_with_paths(s1), T.leaves_with_paths(s2)):
+        assert torch.equal(x, y), path
+
+
 def test_chunked_launches_equal_one_launch(monkeypatch):
     """Groups above ``MAX_LAUNCH`` elements run as several launches over views (block_seg,
     partials and absmax sliced with them): same result as one launch."""
@@ -169,10 +177,7 @@ def test_chunked_launches_equal_one_launch(monkeypatch):
     monkeypatch.setattr(K, "MAX_LAUNCH", 1024)
     p2, s2, n = _run(opt, params, 3, fused=True)
     assert n == 3
-    for k in params:
-        assert torch.equal(p1[k], p2[k]), k
-    for (path, x), (_, y) in zip(T.leaves_with_paths(s1), T.leaves_with_paths(s2)):
-        assert torch.equal(x, y), path
+    _assert_identical(p1, s1, p2, s2)
 
 
 def test_packed_direction_equals_int8(monkeypatch):
@@ -186,10 +191,7 @@ def test_packed_direction_equals_int8(monkeypatch):
     monkeypatch.setattr(K, "MAX_LAUNCH", 2048)  # with the chunks' views of the packed buffer
     p2, s2, n = _run(opt, params, 2, fused=True)
     assert n == 2
-    for k in params:
-        assert torch.equal(p1[k], p2[k]), k
-    for (path, x), (_, y) in zip(T.leaves_with_paths(s1), T.leaves_with_paths(s2)):
-        assert torch.equal(x, y), path
+    _assert_identical(p1, s1, p2, s2)
 
 
 def test_stochastic_rounding_brackets_nearest():

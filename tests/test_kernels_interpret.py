@@ -265,6 +265,13 @@ def _nan_equal(a, b):
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
 
 
+def _assert_same_outputs(got: dict, want: dict, what: str) -> None:
+    """Every output bit for bit (floats with NaN in the same places)."""
+    for name in want:
+        assert _nan_equal(got[name].float(), want[name].float()) if got[name].is_floating_point() \
+            else torch.equal(got[name], want[name]), f"{what}: {name} differs"
+
+
 ENCODERS = (0, 1, 2, 3)  # arithmetic, 16-bit / 32-bit bucket table, whole-word table
 
 
@@ -616,9 +623,7 @@ def test_table_gather_steps_equal_global(which, mode, enc, monkeypatch):
     monkeypatch.setattr(K, "TABLE", mode)
     got = run()
     assert not torch.equal(got["p"], p), "the step changed no parameter: nothing was compared"
-    for name in want:
-        assert _nan_equal(got[name].float(), want[name].float()) if got[name].is_floating_point() \
-            else torch.equal(got[name], want[name]), f"{which} {mode} ENC={enc}: {name} differs from TABLE=global"
+    _assert_same_outputs(got, want, f"{which} {mode} ENC={enc} (against TABLE=global)")
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -702,9 +707,7 @@ def test_early_parameter_load_equals_late(which, monkeypatch):
         monkeypatch.setattr(K, "MAXNREG", 64)
         got = run(in_place)
         assert not torch.equal(got["p"], p0), "the step changed no parameter: nothing was compared"
-        for name in want:
-            assert _nan_equal(got[name].float(), want[name].float()) if got[name].is_floating_point() \
-                else torch.equal(got[name], want[name]), f"{which} in_place={in_place}: {name} differs"
+        _assert_same_outputs(got, want, f"{which} in_place={in_place}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast launch path exists on GPUs only")
