@@ -47,13 +47,11 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture
-def triton_runs(monkeypatch):
-    """(Counter of Triton kernel runs, pause flag set while one runs)."""
-    import triton.runtime.interpreter as TI
-
+def counting_run(run):
+    """``(InterpretedFunction.run wrapped, Counter of Triton kernel runs by name, pause flag
+    set while one runs)``: the dispatch counter skips the ops inside a kernel.  Also used by
+    bench/experiments/release_ops.py."""
     kernels, paused = collections.Counter(), [0]
-    run = TI.InterpretedFunction.run
 
     def counted(self, *a, **k):
         paused[0] += 1
@@ -63,6 +61,15 @@ def triton_runs(monkeypatch):
         finally:
             paused[0] -= 1
 
+    return counted, kernels, paused
+
+
+@pytest.fixture
+def triton_runs(monkeypatch):
+    """(Counter of Triton kernel runs, pause flag set while one runs)."""
+    import triton.runtime.interpreter as TI
+
+    counted, kernels, paused = counting_run(TI.InterpretedFunction.run)
     monkeypatch.setattr(TI.InterpretedFunction, "run", counted)
     return kernels, paused
 

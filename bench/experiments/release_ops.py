@@ -31,7 +31,6 @@ The counting pieces (``HOST_ONLY``, the dispatch mode, the group-step harness) a
 ``tests/test_release_launches.py`` bounds the counts with.
 """
 
-import collections
 import os
 import sys
 
@@ -46,7 +45,8 @@ import pgs.func as pf  # noqa: E402
 from pgs.runtime.release import GradientRelease  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
-from test_release_launches import HOST_ONLY, group_step_ops as _group_step_ops, launching  # noqa: E402
+from test_release_launches import HOST_ONLY, counting_run, launching  # noqa: E402
+from test_release_launches import group_step_ops as _group_step_ops  # noqa: E402
 
 #: numbers measured at 09aeee2 (before the cuts): (aten ops, launching ops) per layer group
 BEFORE = {("lion8bit", False): (134, 54), ("lion8bit", True): (168, 88),
@@ -57,17 +57,10 @@ def _patch_interpreter():
     """Counts Triton kernel runs by name; returns (counter, pause flag)."""
     import triton.runtime.interpreter as TI
 
-    kernels, paused = collections.Counter(), [0]
     run = TI.InterpretedFunction.run
     if getattr(run, "_pgs_counting", False):
         return run._pgs_counting
-    def counted(self, *a, **k):
-        paused[0] += 1
-        kernels[self.fn.__name__] += 1
-        try:
-            return run(self, *a, **k)
-        finally:
-            paused[0] -= 1
+    counted, kernels, paused = counting_run(run)
     counted._pgs_counting = (kernels, paused)
     TI.InterpretedFunction.run = counted
     return kernels, paused
