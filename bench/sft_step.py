@@ -34,6 +34,9 @@ checkpointing of every decoder layer):
   apart, both inputs offloaded), per-parameter or per-layer release groups.
 - ``pgs_release_noac_liger``: ``pgs_release_noac`` with Liger's layer kernels (RMSNorm, RoPE,
   SwiGLU) instead of compiled layers (pgs's own chunked loss either way).
+- any variant with ``+sf`` / ``+pool`` / ``+rng`` / ``+slow`` appended (after ``_varlen``):
+  with ``TiedSlabs.SYNC_FREE`` / ``checkpointing.PINNED_POOL`` / ``checkpointing.PRESERVE_RNG``
+  on, or ``checkpointing.FAST_RECOMPUTE`` off (``SWITCHES``; docs/memory.md).
 - any variant with ``_varlen`` appended: the same with ``attn_implementation="varlen"``
   (packed documents without cross-document attention work; docs/data.md).
 
@@ -95,8 +98,36 @@ BASE_VARIANTS = ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "hf_compiled", 
 VARIANTS = BASE_VARIANTS + tuple(v + "_varlen" for v in BASE_VARIANTS)
 
 
+#: runtime switches a variant name may carry as ``+suffix`` (e.g.
+#: ``pgs_release_slabs_sub+sf+pool``): (module, attribute, environment variable, value) set for that
+#: variant only (its child process gets the variable; ``--same-process`` sets the attribute)
+SWITCHES = {"sf": ("pgs.runtime.release_slabs", "TiedSlabs.SYNC_FREE", "PGS_SLABS_SYNC_FREE", True),
+            "pool": ("pgs.runtime.checkpointing", "PINNED_POOL", "PGS_PINNED_POOL", True),
+            "rng": ("pgs.runtime.checkpointing", "PRESERVE_RNG", "PGS_CHECKPOINT_RNG", True),
+            "slow": ("pgs.runtime.checkpointing", "FAST_RECOMPUTE", "PGS_FAST_RECOMPUTE", False)}
+
+
+def split_switches(name: str) -> tuple[str, list[str]]:
+    """``(variant without its +switches, the switches)``."""
+    base, *switches = name.split("+")
+    return base, switches
+
+
+def apply_switches(switches: list[str]) -> None:
+    import importlib
+
+    for s in switches:
+        module, attr, _, value = SWITCHES[s]
+        owner = importlib.import_module(module)
+        *path, last = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, last, value)
+
+
 def split_name(name: str) -> tuple[str, str]:
     """``(base variant, attention implementation)``."""
+    name = split_switches(name)[0]
     if name.endswith("_varlen"):
         return name[: -len("_varlen")], "varlen"
     return name, "sdpa"
@@ -198,8 +229,9 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
         from pgs.runtime.tiled_mlp import apply_mlp_tiles
 
         apply_mlp_tiles(model, args.mlp_tiles)
-    if uses_ac(name):
-        apply_activation_checkpointing(model, _policy(name), offload=_slabs(name))
+    if uses_ac(name):  # HF: torch.utils.checkpoint, as transformers' gradient checkpointing
+        apply_activation_checkpointing(model, _policy(name), offload=_slabs(name),
+                                       fast_recompute=None if name.startswith("pgs_") else False)
     if name.startswith("hf_"):
         if name.startswith("hf_compiled"):
             compile_layers(model, **compile_kw)
@@ -288,6 +320,7 @@ def run_variant(name: str, shape: str, args, device) -> dict:
                                                        args.mlp_tiles)
     model = opt = step = None
     cuda = device.type == "cuda"
+    apply_switches(split_switches(name)[1])
     try:
         model = build(table, device, split_name(name)[1])
         out["attn_implementation"] = split_name(name)[1]
@@ -300,6 +333,8 @@ def run_variant(name: str, shape: str, args, device) -> dict:
         loss = None
         for _ in range(args.warmup):
             loss = step(*make_batch(vocab, batch, seq, device, packed, gen))
+        gc.collect()
+        gc.freeze()  # as pgs's training loop after its first step (train.freeze_gc), for every variant
         if cuda:
             torch.cuda.synchronize()
             out["peak_with_warmup_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -320,6 +355,8 @@ def run_variant(name: str, shape: str, args, device) -> dict:
             out["profile"] = profile_steps(step, data[: args.profile], f"{shape} {name}", opt)
         if args.host_timers:
             out["host_ms_per_step"] = host_timed_steps(step, data[: args.host_timers], cuda, opt)
+        if args.spy:
+            out["spy"] = spy_steps(step, data, f"{args.spy}.{name.replace('+', '_')}.txt", cuda)
         if cuda:
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if not math.isfinite(out["loss"]):
@@ -333,6 +370,7 @@ def run_variant(name: str, shape: str, args, device) -> dict:
         out["traceback"] = traceback.format_exc(limit=6)
     finally:
         del model, opt, step
+        gc.unfreeze()
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -421,6 +459,36 @@ def host_timed_steps(step, data, cuda: bool = True, opt=None) -> dict:
     return out
 
 
+def spy_steps(step, data, path: str, cuda: bool = True) -> dict:
+    """Steady-state steps sampled by py-spy attached to this process (all threads, raw
+    collapsed stacks to ``path``; bench/experiments/spy_summary.py reads them): compilation and
+    warm-up stay out of the samples."""
+    import signal
+    import subprocess
+
+    cmd = ["py-spy", "record", "--pid", str(os.getpid()), "-r", "250", "--nonblocking", "--threads",
+           "-f", "raw", "-o", path]
+    try:
+        spy = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except OSError as err:
+        return {"error": f"py-spy: {err}"}
+    time.sleep(2.0)
+    if spy.poll() is not None:
+        return {"error": f"py-spy exited {spy.returncode}: {spy.stdout.read()[-300:]}"}
+    t0 = time.perf_counter()
+    for ids, pos in data:
+        step(ids, pos)
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    spy.send_signal(signal.SIGINT)
+    try:
+        spy.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+    return {"path": path, "steps": len(data), "ms_per_step": 1e3 * wall / len(data)}
+
+
 def profile_steps(step, data, title: str, opt=None) -> dict:
     """A torch.profiler trace of ``len(data)`` steps, summarised by bench/experiments/sft_probe.py
     (wall vs CUDA busy per step, GPU time and idle time by annotation, launches, syncs)."""
@@ -480,7 +548,8 @@ def run_child(name: str, shape: str, argv) -> dict:
         out = os.path.join(tmp, "one.json")
         cmd = [sys.executable, os.path.abspath(__file__), *keep, "--same-process", "--only", name,
                "--shapes", shape, "--out", out]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env = dict(os.environ, **{SWITCHES[s][2]: "1" if SWITCHES[s][3] else "0" for s in split_switches(name)[1]})
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         try:
             with open(out) as f:
                 return json.load(f)["results"][0]
@@ -515,6 +584,9 @@ def main(argv=None) -> int:
     p.add_argument("--host-timers", type=int, default=0,
                    help="after timing, run this many steps with perf_counter timers around the runtime's hot "
                         "functions (host ms per step by function; CUDA only)")
+    p.add_argument("--spy", default="",
+                   help="after timing, sample the timed steps again with py-spy attached (raw stacks to "
+                        "SPY.<variant>.txt; needs py-spy on PATH)")
     p.add_argument("--same-process", action="store_true",
                    help="run every variant in this process (default: one child process per variant, so "
                         "that no variant's memory or compiled code can leak into the next one's peak)")
@@ -527,9 +599,11 @@ def main(argv=None) -> int:
     if args.small and device.type == "cpu" and args.compile_backend is None:
         args.compile_backend = "eager"
     only = [v for v in args.only.split(",") if v]
-    unknown = [v for v in only if v not in VARIANTS]
+    unknown = [v for v in only if split_switches(v)[0] not in VARIANTS
+               or not set(split_switches(v)[1]) <= set(SWITCHES)]
     if unknown:
-        p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+        p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}, each with any of the switches "
+                f"{', '.join('+' + k for k in SWITCHES)}")
     shapes_table = SMALL_SHAPES if args.small else SHAPES
     shapes = [s for s in args.shapes.split(",") if s] or list(shapes_table)
     results = []

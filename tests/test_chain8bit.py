@@ -80,6 +80,7 @@ def _assert_params_close(a, b, frac=1e-3, ulps=4):
 
 
 def _assert_state_close(sa, sb, code_frac=1e-3):
+    others = dict(T.leaves_with_paths(sb))
     for (path, x), (_, y) in zip(T.leaves_with_paths(sa), T.leaves_with_paths(sb)):
         assert x.dtype == y.dtype and x.shape == y.shape, path
         if x.dtype == torch.uint8:  # 8-bit codes
@@ -96,10 +97,24 @@ def _assert_state_close(sa, sb, code_frac=1e-3):
             else:
                 # on a GPU the kernel contracts β·A + (1−β)·Δ into an FMA and torch does not:
                 # an ulp of the terms' fp32 rounding where the sum cancels (2^-22 of the buffer's
-                # scale), carried through 5 steps of A (up to 4 bf16 ulps, as the parameters)
+                # scale), carried through 5 steps of A (up to 4 bf16 ulps, as the parameters).
+                # And where ĝ sits on a bf16 rounding boundary, an ulp of ĝ's fp32 value flips
+                # ``prev = bf16(ĝ)`` by one bf16 ulp of ĝ: Δ = ĝ − prev then moves by up to
+                # 2^-8·|ĝ|, and A by (1−β) of it per step (measured on an H200: 0.04% of A's
+                # elements, off by 3.5e-6 where A = 6.9e-6).  Those outliers: ≤ 1e-3 of the
+                # elements, each within 2 bf16 ulps of the largest stored ĝ (``prev``).
                 floor = 2.0**-22 * float(big.max())
-                assert bool((d <= 4 * big * 2.0**-7 + floor).all()), path
-                assert (d > 0).float().mean().item() <= 1e-2, path
+                over = d - 4 * big * 2.0**-7 - floor
+                frac = (d > 0).float().mean().item()
+                outliers = over > 0
+                prev = others.get(path.replace(".acc.", ".prev."))
+                flip = 2.0**-7 * float(prev.float().abs().max()) if prev is not None else 0.0
+                why = (f"{path}: worst excess {float(over.max()):.3g} (d {float(d.flatten()[over.argmax()]):.3g}, "
+                       f"value {float(big.flatten()[over.argmax()]):.3g}, floor {floor:.3g}, flip bound {flip:.3g}), "
+                       f"{frac:.4f} of elements differ, {outliers.float().mean().item():.5f} beyond the ulp bound")
+                assert outliers.float().mean().item() <= 1e-3, why
+                assert bool((d[outliers] <= flip).all()), why
+                assert frac <= 1e-2, why
         else:  # AdaGC γ, absmax, fp32 momenta (lerp's FMA: an ulp of the largest term)
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6 * float(x.abs().max()), msg=path)
 

@@ -57,7 +57,7 @@ def loss_and_grads(model, count_ops=False):
     else:
         loss = model(input_ids=IDS, labels=IDS).loss
         loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, counter.ops
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, counter.ops
 
 
 @pytest.mark.parametrize("policy, every", [("full", 1), ("selective", 1), ("full", 2), ("selective", 2)])
@@ -107,8 +107,11 @@ def test_bad_arguments():
         apply_activation_checkpointing(torch.nn.Linear(2, 2), "full")
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["recompute", "torch-checkpoint"])
 @pytest.mark.parametrize("checkpoint_first", [True, False])
-def test_compile_layers_keeps_results_with_one_graph(checkpoint_first):
+def test_compile_layers_keeps_results_with_one_graph(checkpoint_first, fast):
+    """One graph serves every layer: one per grad mode with ``_Recompute`` (its forward runs
+    without autograd, its recompute with), one with ``torch.utils.checkpoint``."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -116,12 +119,12 @@ def test_compile_layers_keeps_results_with_one_graph(checkpoint_first):
     model = tiny_model()
     ref_loss, ref_grads, _ = loss_and_grads(model)
     if checkpoint_first:
-        apply_activation_checkpointing(model, "full")
+        apply_activation_checkpointing(model, "full", fast_recompute=fast)
     assert compile_layers(model, backend="eager") == 3
     if not checkpoint_first:
-        apply_activation_checkpointing(model, "full")
+        apply_activation_checkpointing(model, "full", fast_recompute=fast)
     loss, grads, _ = loss_and_grads(model)
-    assert counters["stats"]["unique_graphs"] == 1  # one graph serves every layer
+    assert counters["stats"]["unique_graphs"] == (2 if fast else 1)  # not one per layer
     assert torch.allclose(loss, ref_loss)
     for n in ref_grads:
         assert torch.allclose(grads[n], ref_grads[n], atol=1e-6), n
@@ -154,3 +157,77 @@ def test_release_inside_recomputed_backward_is_exact(policy, offload):
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
     assert rel.counts() == {2}
+
+
+@pytest.mark.parametrize("policy", ["full", "sublayer"])
+def test_rng_state_kept_only_for_models_that_draw(policy, monkeypatch):
+    """A model with dropout recomputes with the forward's masks (the RNG state is saved and
+    restored); without the saved state its gradients would differ, which the last part checks.
+    A model without dropout skips the save (``_pgs_rng`` False) and still matches."""
+    import pgs.runtime.checkpointing as ckpt
+
+    plain = tiny_model()
+    assert not ckpt.model_draws_random(plain)
+    apply_activation_checkpointing(plain, policy)
+    assert all(layer.forward._pgs_rng is False for layer in decoder_layers(plain))
+
+    def run(model):
+        torch.manual_seed(5)
+        return loss_and_grads(model)
+
+    def dropout_model():
+        m = tiny_model()
+        m.config.attention_dropout = 0.3
+        for layer in decoder_layers(m):
+            layer.self_attn.attention_dropout = 0.3
+        return m
+
+    model = dropout_model()
+    assert ckpt.model_draws_random(model)
+    ref_loss, ref_grads, _ = run(model)
+    apply_activation_checkpointing(model, policy)
+    assert all(layer.forward._pgs_rng is True for layer in decoder_layers(model))
+    loss, grads, _ = run(model)
+    assert torch.equal(loss, ref_loss)
+    for n in ref_grads:
+        assert torch.equal(grads[n], ref_grads[n]), n
+
+    monkeypatch.setattr(ckpt, "model_draws_random", lambda m: False)
+    unsaved = dropout_model()
+    apply_activation_checkpointing(unsaved, policy)
+    _, bad, _ = run(unsaved)
+    assert any(not torch.equal(bad[n], ref_grads[n]) for n in ref_grads)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["kept", "offloaded"])
+@pytest.mark.parametrize("policy", ["full", "sublayer"])
+def test_recompute_path_taken_and_exact(policy, offload, monkeypatch):
+    """``_Recompute`` (forward without autograd, graph rebuilt in backward) runs once per
+    checkpointed call and gives the unchecked model's loss and gradients bit for bit; with a
+    frozen embedding the first layer's input needs no gradient, so that call falls back to
+    ``torch.utils.checkpoint`` and its parameters still get theirs."""
+    import pgs.runtime.checkpointing as ckpt
+
+    calls = []
+    real = ckpt._Recompute.apply
+    monkeypatch.setattr(ckpt._Recompute, "apply", lambda *a: calls.append(1) or real(*a))
+    model = tiny_model()
+    ref_loss, ref_grads, _ = loss_and_grads(model)
+    apply_activation_checkpointing(model, policy, offload=offload)
+    loss, grads, _ = loss_and_grads(model)
+    n_calls = 3 * (2 if policy == "sublayer" else 1)
+    assert len(calls) == n_calls
+    assert torch.equal(loss, ref_loss)
+    for n in ref_grads:
+        assert torch.equal(grads[n], ref_grads[n]), n
+
+    frozen = tiny_model()
+    frozen.get_input_embeddings().weight.requires_grad_(False)
+    ref_loss, ref_grads, _ = loss_and_grads(frozen)
+    apply_activation_checkpointing(frozen, policy, offload=offload)
+    calls.clear()
+    loss, grads, _ = loss_and_grads(frozen)
+    assert len(calls) == n_calls - 1 and torch.equal(loss, ref_loss)  # the first call's input needs no gradient
+    assert set(grads) == set(ref_grads)
+    for n in ref_grads:
+        assert torch.equal(grads[n], ref_grads[n]), n

@@ -298,3 +298,30 @@ def test_an_all_masked_micro_batch_adds_nothing_and_no_nan(tmp_path):
         grads.append(captured)
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7)
+
+
+def test_the_loop_freezes_the_heap_once_after_its_first_step(tmp_path, monkeypatch):
+    """``freeze_gc`` runs once, after step 1 (the compiled code and caches exist by then),
+    and leaves the live objects in the collector's permanent generation."""
+    import gc
+
+    from pgs.runtime import train as T
+    from pgs.runtime.spec import load_spec
+
+    at = []
+    real = T.freeze_gc
+    monkeypatch.setattr(T, "freeze_gc", lambda: at.append(T_run_step[0]) or real())
+    T_run_step = [0]
+    original_step = T.train_step
+
+    def counting_step(run, *a, **k):
+        out = original_step(run, *a, **k)
+        T_run_step[0] = run.step
+        return out
+
+    monkeypatch.setattr(T, "train_step", counting_step)
+    try:
+        assert T.run(load_spec(tiny_spec(tmp_path, "gc", steps=3, every=0))) == 0
+        assert at == [1] and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

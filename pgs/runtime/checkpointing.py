@@ -15,6 +15,13 @@ backward and recomputes the rest when backward reaches it.  Policies:
   saved, the cheap elementwise ops (norms, rotary, SiLU, products) are recomputed.  Costs
   far less recompute than ``full`` and keeps a good part of its saving.
 
+RNG state: ``torch.utils.checkpoint`` saves the CPU and CUDA generators' states before each
+checkpointed forward and restores them around the recompute, so that dropout draws the same
+masks twice.  That is a dozen small host calls per layer and pass, for nothing when the model
+draws no random numbers: ``apply_activation_checkpointing`` turns it off when no dropout in
+the model (modules, or any ``*dropout*`` rate of its config or of a module) is above 0
+(``model_draws_random``), unless ``PRESERVE_RNG`` (``PGS_CHECKPOINT_RNG=1``) asks for it.
+
 ``every=k`` checkpoints layers 0, k, 2k, … only (layer-selective checkpointing); the others
 keep everything.  Both use ``torch.utils.checkpoint`` with ``use_reentrant=False``, which is
 what gradient release needs (its hooks fire inside the one backward) and what
@@ -53,6 +60,34 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     raise InvalidArgument(f"{type(model).__name__}: no decoder layers found (looked for model.layers, "
                           "model.language_model.layers, transformer.h); checkpointing and compile_layers "
                           "need a transformers decoder")
+
+
+#: Always save and restore the RNG state around checkpointed layers (``PGS_CHECKPOINT_RNG=1``);
+#: otherwise only for models that draw random numbers (``model_draws_random``).
+PRESERVE_RNG = os.environ.get("PGS_CHECKPOINT_RNG", "0") == "1"
+
+
+def _positive_rate(obj) -> bool:
+    for name, value in vars(obj).items():
+        if "dropout" in name.lower() and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return True
+    return False
+
+
+def model_draws_random(model) -> bool:
+    """Whether a training forward of ``model`` may draw random numbers: a dropout module with
+    p > 0, or a ``*dropout*`` rate above 0 in its config (text config included) or on any
+    module (HF attention modules keep ``attention_dropout`` as a float)."""
+    cfg = getattr(model, "config", None)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        if c is not None and _positive_rate(c):
+            return True
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if _positive_rate(m):
+            return True
+    return False
 
 
 def _selective_ops() -> list:
@@ -218,11 +253,73 @@ def _without_cache(kwargs: dict) -> dict:
     return kwargs
 
 
-def _checkpoint_call(fn, x, rest: tuple, offload: bool, extra: dict, kwargs: dict):
+#: Checkpointed layers run their forward without autograd and rebuild the graph in backward
+#: (``_Recompute``) where that is exact: the layer input is the only tensor input that needs a
+#: gradient, and no RNG state needs keeping (``PGS_FAST_RECOMPUTE=0``: ``torch.utils.checkpoint``
+#: everywhere).
+FAST_RECOMPUTE = os.environ.get("PGS_FAST_RECOMPUTE", "1") == "1"
+
+
+class _Recompute(torch.autograd.Function):
+    """A checkpointed call ``fn(x)`` whose forward runs without autograd and whose backward
+    recomputes ``fn`` on the kept (or offloaded) input and backpropagates through it.
+
+    Against ``torch.utils.checkpoint(use_reentrant=False)`` the forward builds no graph and
+    saves no tensors (a compiled layer runs its inference graph; no pack hooks), which is what
+    a host-bound step needs.  The recompute's backward is a nested backward on the autograd
+    thread: the layer's parameters accumulate their gradients there, so gradient release's
+    hooks fire exactly as in one backward.  Used only when exact (``_fast_ok``): ``x`` needs a
+    gradient (else its parameters would get none through this node), no other tensor argument
+    does, and the RNG state does not matter (``model_draws_random``)."""
+
+    @staticmethod
+    def forward(ctx, run, offload, x):
+        ctx.run = run
+        if offload:
+            ctx.held = OffloadedInput(x)
+            ctx.held.release()
+        else:
+            ctx.held = None
+            ctx.save_for_backward(x)
+        return run(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x = ctx.held.get() if ctx.held is not None else ctx.saved_tensors[0]
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.run(x)
+        ctx.run = ctx.held = None
+        if out.grad_fn is None:  # the output does not depend on x nor on any parameter
+            return None, None, None
+        # through the output's gradient edge, not the tensor: the recomputed output is freed
+        # before the nested backward runs (unless the graph itself saved it)
+        edge = torch.autograd.graph.get_gradient_edge(out)
+        del out
+        torch.autograd.backward(edge, grad_out)
+        return None, None, x.grad
+
+
+def _fast_ok(x, rest: tuple, extra: dict, kwargs: dict) -> bool:
+    if not (isinstance(x, torch.Tensor) and x.requires_grad) or extra.get("preserve_rng_state", True):
+        return False
+    if "context_fn" in extra:
+        return False
+    more = [a for a in (*rest, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    return not any(a.requires_grad for a in more)
+
+
+def _checkpoint_call(fn, x, rest: tuple, offload: bool, extra: dict, kwargs: dict, fast: bool = False):
     """``checkpoint(fn, x, *rest, **kwargs)``; with ``offload`` the input ``x`` reaches ``fn``
     through an ``OffloadedInput`` handle, not as a checkpoint argument, so nothing keeps it on
     the device after this call (the recompute reads the host copy; gradients flow through the
-    original graph, so the copy needs none)."""
+    original graph, so the copy needs none).  Where exact, ``_Recompute`` instead of
+    ``torch.utils.checkpoint`` (``fast``)."""
+    if fast and _fast_ok(x, rest, extra, kwargs):
+        def run(inp):
+            return fn(inp, *rest, **kwargs)
+
+        return _Recompute.apply(run, offload, x)
     if offload and isinstance(x, torch.Tensor):
         held = OffloadedInput(x)
 
@@ -235,19 +332,22 @@ def _checkpoint_call(fn, x, rest: tuple, offload: bool, extra: dict, kwargs: dic
     return checkpoint(fn, x, *rest, use_reentrant=False, **extra, **kwargs)
 
 
-def _checkpointed(layer: torch.nn.Module, forward, context_fn, offload: bool = False):
+def _checkpointed(layer: torch.nn.Module, forward, context_fn, offload: bool = False, rng: bool = True,
+                  fast: bool = False):
     def run(*args, **kwargs):
         if not (layer.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
         kwargs = _without_cache(kwargs)
-        extra = {} if context_fn is None else {"context_fn": context_fn}
+        extra = {"preserve_rng_state": rng} if context_fn is None else {"context_fn": context_fn, "preserve_rng_state": rng}
         if not args:
             return checkpoint(forward, use_reentrant=False, **extra, **kwargs)
-        return _checkpoint_call(forward, args[0], args[1:], offload, extra, kwargs)
+        return _checkpoint_call(forward, args[0], args[1:], offload, extra, kwargs, fast)
 
     run._pgs_inner = forward
     run._pgs_context = context_fn
     run._pgs_offload = offload
+    run._pgs_rng = rng
+    run._pgs_fast = fast
     run._pgs_inner_compiled = False
     return run
 
@@ -267,7 +367,8 @@ def sublayer_parts(layer: torch.nn.Module):
     return attention, mlp
 
 
-def _checkpointed_sublayers(layer: torch.nn.Module, original, offload: bool, parts=None):
+def _checkpointed_sublayers(layer: torch.nn.Module, original, offload: bool, parts=None, rng: bool = True,
+                            fast: bool = False):
     """The ``"sublayer"`` policy: the attention half and the MLP half are checkpointed apart, so
     backward holds one half's recomputed activations at a time (the layer's output is the
     MLP half's; its input, the attention half's output, is kept, or offloaded, like the layer's)."""
@@ -280,13 +381,16 @@ def _checkpointed_sublayers(layer: torch.nn.Module, original, offload: bool, par
             raise InvalidArgument(f"{type(layer).__name__}: the \"sublayer\" checkpoint policy needs the layer called "
                                   "as layer(hidden_states, **kwargs), as transformers calls it")
         kwargs = _without_cache(kwargs)
-        h = _checkpoint_call(attention, hidden_states, (), offload, {}, kwargs)
-        return _checkpoint_call(mlp, h, (), offload, {}, {})
+        extra = {"preserve_rng_state": rng}
+        h = _checkpoint_call(attention, hidden_states, (), offload, extra, kwargs, fast)
+        return _checkpoint_call(mlp, h, (), offload, extra, {}, fast)
 
     run._pgs_inner = original
     run._pgs_sublayer_parts = (attention, mlp)
     run._pgs_context = None
     run._pgs_offload = offload
+    run._pgs_rng = rng
+    run._pgs_fast = fast
     run._pgs_inner_compiled = False
     return run
 
@@ -305,7 +409,8 @@ def remove_activation_checkpointing(model) -> None:
                 layer.forward = original
 
 
-def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, offload: bool = False) -> list[int]:
+def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, offload: bool = False,
+                                   fast_recompute: bool | None = None) -> list[int]:
     """Checkpoint the decoder layers of ``model`` in place; returns the checkpointed indices.
 
     Args:
@@ -321,6 +426,11 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, 
             and checkpointed layer on the device, one device→host copy per layer in forward
             (on a side stream) and one host→device copy per layer in backward (on the side
             stream, started one layer ahead).  ``"full"`` and ``"sublayer"`` policies.
+
+    The generators' state is saved and restored around each recompute only when the model
+    draws random numbers (``model_draws_random``) or ``PRESERVE_RNG`` is set.
+    ``fast_recompute`` (default ``FAST_RECOMPUTE``, on): ``"full"`` and ``"sublayer"`` layers
+    run through ``_Recompute`` where it is exact, else through ``torch.utils.checkpoint``.
 
     Example::
 
@@ -348,15 +458,17 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, 
         if other:
             raise InvalidArgument(f"apply_activation_checkpointing: policy \"sublayer\" knows the forward of "
                                   f"{', '.join(SUBLAYER_LAYERS)}, not {', '.join(other)}; use \"full\"")
+    rng = PRESERVE_RNG or model_draws_random(model)
+    fast = FAST_RECOMPUTE if fast_recompute is None else bool(fast_recompute)
     done = []
     for i, layer in enumerate(layers):
         if i % every:
             continue
         layer.__dict__[_ORIGINAL] = layer.__dict__.get("forward")  # None: the class's forward
         if policy == "sublayer":
-            layer.forward = _checkpointed_sublayers(layer, layer.forward, offload)
+            layer.forward = _checkpointed_sublayers(layer, layer.forward, offload, rng=rng, fast=fast)
         else:
-            layer.forward = _checkpointed(layer, layer.forward, context_fn, offload)
+            layer.forward = _checkpointed(layer, layer.forward, context_fn, offload, rng=rng, fast=fast)
         done.append(i)
     return done
 
@@ -380,11 +492,13 @@ def compile_layers(model, **compile_kwargs) -> int:
         parts = getattr(wrapper, "_pgs_sublayer_parts", None)
         if parts is not None:  # "sublayer": each half compiled, both checkpoints outside
             compiled = _checkpointed_sublayers(layer, inner, wrapper._pgs_offload,
-                                               tuple(torch.compile(f, **compile_kwargs) for f in parts))
+                                               tuple(torch.compile(f, **compile_kwargs) for f in parts),
+                                               rng=wrapper._pgs_rng, fast=wrapper._pgs_fast)
             layer.forward = compiled  # (removing the checkpoints later restores the uncompiled layer)
         elif inner is not None:  # checkpointed: compile inside, keep the checkpoint outside
             compiled = _checkpointed(layer, torch.compile(inner, **compile_kwargs), wrapper._pgs_context,
-                                     getattr(wrapper, "_pgs_offload", False))
+                                     getattr(wrapper, "_pgs_offload", False), rng=wrapper._pgs_rng,
+                                     fast=wrapper._pgs_fast)
             compiled._pgs_inner_compiled = True
             layer.forward = compiled
         else:

@@ -1,0 +1,37 @@
+#!/bin/bash
+# First device call of session 5 (one H200; carry ".whl"): (1) the CUDA runs of the tests
+# changed after session 4's last call (chain tolerance, slab tests on the GPU), (2) Qwen3-4B
+# <= 12 GiB with the pinned pool and the sync-free slab step, HF in the same call, (3) the
+# chain passes' ROWS_A / LANES variants again.
+source "$(dirname "$0")/device_env.sh"
+log pytest
+timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_chain8bit.py tests/test_release_slabs.py \
+  tests/test_release_launches.py tests/test_small_kernel.py 2>&1 | grep -v "^W1129" \
+  | grep -E "Error|assert|FAILED|passed|failed" | cut -c1-300 | head -20 > "$OUT/pytest.log"
+log sft 4b
+timeout "$(left 400)" python3 bench/sft_step.py --shapes qwen3-4b --steps 8 --warmup 2 --host-timers 2 \
+  --out "$OUT/sft_4b.json" \
+  --only hf_compiled_ac,pgs_release_slabs_sub,pgs_release_slabs_sub+pool,pgs_release_slabs_sub+sf+pool \
+  >> "$OUT/all.log" 2>&1
+log optim chain
+timeout "$(left 540)" python3 bench/optim_8bit.py "$OUT/optim_chain.json" --budget "$(left 500)" --trace "" \
+  --isolate pgs_chain_fused,pgs_chain_fused_a16,pgs_chain_fused_lanes512,pgs_chain_fused_a16_lanes512 \
+  --only pgs_lion8bit,pgs_chain_fused,pgs_chain_fused_a16,pgs_chain_fused_lanes512,pgs_chain_fused_a16_lanes512 \
+  > "$OUT/optim_chain.log" 2>&1
+log done
+cat "$OUT/pytest.log"
+grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -8
+python3 - "$OUT/optim_chain.json" "$OUT/sft_4b.json" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+    for k, r in d["rows"].items():
+        print(f"{k:28s}", {x: (round(y, 3) if isinstance(y, float) else y) for x, y in r.items()
+                           if x in ("ms", "back_to_back_ms", "ratio_to_floor", "host_ms_per_step", "error")})
+except OSError as e:
+    print(e)
+for r in json.load(open(sys.argv[2]))["results"]:
+    h = r.get("host_ms_per_step") or {}
+    print(r["variant"], round(r.get("tok_s", 0)), round(r.get("peak_gib", 0), 3),
+          {k: v for k, v in h.items() if k != "calls_per_step"}, r.get("error", "")[:200])
+PY

@@ -1,0 +1,29 @@
+#!/bin/bash
+# Third device call of session 5 (one H200; carry ".whl", which holds py-spy): (1) the chain's
+# fused-vs-generic CUDA test with the rounding-flip bound, checkpointing and slab tests on CUDA,
+# (2) Qwen3-4B: HF against pgs with the recompute that runs the forward without autograd
+# (checkpointing._Recompute, default) and with torch.utils.checkpoint (+slow), each then sampled
+# by py-spy in steady state.
+source "$(dirname "$0")/device_env.sh"
+[ -x /tmp/spy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl/py_spy*.whl
+export PATH=/tmp/spy/bin:$PATH
+log pytest
+timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short "tests/test_chain8bit.py::test_fused_equals_generic_flat_path" \
+  tests/test_checkpointing.py tests/test_release_slabs.py \
+  2>&1 | grep -v "^W1129" | grep -E "Error|assert|FAILED|passed|failed" | cut -c1-400 | head -12 > "$OUT/pytest.log"
+log sft 4b
+timeout "$(left 560)" python3 bench/sft_step.py --shapes qwen3-4b --steps 8 --warmup 2 --host-timers 2 --spy "$OUT/spy" \
+  --out "$OUT/sft_4b.json" \
+  --only hf_compiled_ac,pgs_release_slabs_sub+sf+pool,pgs_release_slabs_sub+sf+pool+slow,pgs_release \
+  >> "$OUT/all.log" 2>&1
+log done
+for f in "$OUT"/spy.*.txt; do python3 bench/experiments/spy_summary.py "$f" --top 30 > "${f%.txt}.summary" 2>&1; done
+cat "$OUT/pytest.log"
+grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -8
+python3 - "$OUT/sft_4b.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    h = r.get("host_ms_per_step") or {}
+    print(r["variant"], round(r.get("tok_s", 0)), round(r.get("peak_gib", 0), 3), r.get("spy"),
+          {k: v for k, v in h.items() if k != "calls_per_step"}, r.get("error", "")[:300])
+PY
