@@ -3,6 +3,8 @@
 # changed after session 4's last call (chain tolerance, slab tests on the GPU), (2) Qwen3-4B
 # <= 12 GiB with the pinned pool and the sync-free slab step, HF in the same call, (3) the
 # chain passes' ROWS_A / LANES variants again.
+# (session 5 renamed the chain variants: ROWS_A 16 and 512 lanes are the defaults now; the
+# session-4 setting is pgs_chain_fused_a4_lanes64 in bench/optim_8bit.py)
 source "$(dirname "$0")/device_env.sh"
 log pytest
 timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_chain8bit.py tests/test_release_slabs.py \

@@ -263,9 +263,8 @@ def main() -> None:
         "pgs_chain_fused_rows2": (chain(fused=True), {"chain.ROWS": 2}, "pgs_chain"),
         "pgs_chain_fused_c16": (chain(fused=True), {"chain.ROWS_C": 16}, "pgs_chain"),
         "pgs_chain_fused_int8": (chain(fused=True), {"chain.PACK": False}, "pgs_chain"),
-        "pgs_chain_fused_a16": (chain(fused=True), {"chain.ROWS_A": 16}, "pgs_chain"),
-        "pgs_chain_fused_lanes512": (chain(fused=True), {"chain.LANES": 512}, "pgs_chain"),
-        "pgs_chain_fused_a16_lanes512": (chain(fused=True), {"chain.ROWS_A": 16, "chain.LANES": 512}, "pgs_chain"),
+        # session 4's defaults (ROWS_A 4, 64 lanes); 16 and 512 since session 5 (chain8bit.ROWS_A)
+        "pgs_chain_fused_a4_lanes64": (chain(fused=True), {"chain.ROWS_A": 4, "chain.LANES": 64}, "pgs_chain"),
         "bnb_lion8bit": (lambda: bnb_row("Lion8bit"), {}, "bnb_lion8bit"),
         "bnb_adamw8bit": (lambda: bnb_row("AdamW8bit"), {}, "bnb_adamw8bit"),
         "torch_adamw_fused_bf16": (torch_row, {}, "torch_adamw_fused_bf16"),

@@ -66,11 +66,14 @@ from pgs.func.quant8 import Quantized8bit
 #: Module attributes read at every launch; env ``PGS_CHAIN_ROWS``, ``PGS_CHAIN_ROWS_C``,
 #: ``PGS_CHAIN_WARPS`` (untuned: the H200 decides).
 ROWS = int(os.environ.get("PGS_CHAIN_ROWS", "4"))
-#: Blocks per program of pass A (Σg² per block: a pure stream, bigger programs); untuned.
-ROWS_A = int(os.environ.get("PGS_CHAIN_ROWS_A", "4"))
-#: Slots per tensor of the per-block → per-tensor sums (``layout.SEGMENT_LANES``: consecutive
-#: blocks add into different slots, then the slots are summed).  ``PGS_CHAIN_LANES``.
-LANES = int(os.environ.get("PGS_CHAIN_LANES", str(SEGMENT_LANES)))
+#: Blocks per program of pass A (Σg² per block: a pure stream, bigger programs).  16: the
+#: H200 measured 16 with ``LANES = 512`` at 9.23 / 9.27 ms back to back against 9.66 / 9.72 ms
+#: for 4 with 64 lanes (Qwen3-1.7B shapes, two runs: s4_call6, s5_call1).
+ROWS_A = int(os.environ.get("PGS_CHAIN_ROWS_A", "16"))
+#: Slots per tensor of the per-block → per-tensor sums (consecutive blocks add into different
+#: slots, then the slots are summed): 512, fewer atomics on one address than the layout's
+#: ``SEGMENT_LANES`` (64) (see ``ROWS_A``).  ``PGS_CHAIN_LANES``.
+LANES = int(os.environ.get("PGS_CHAIN_LANES", "512"))
 ROWS_C = int(os.environ.get("PGS_CHAIN_ROWS_C", "8"))
 NUM_WARPS = int(os.environ.get("PGS_CHAIN_WARPS", "4"))
 #: The direction between pass B and pass C: 2 bits per element (4 per byte) instead of one

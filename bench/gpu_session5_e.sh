@@ -1,0 +1,34 @@
+#!/bin/bash
+# Last device call of session 5 (one H200; carry ".whl"): (1) the CUDA runs of the tests this
+# session touched (chain with ROWS_A 16 / 512 lanes and the rounding-flip bound, checkpointing's
+# recompute, slabs, launches, kernels), (2) Qwen3-4B <= 12 GiB against HF once more, (3) the chain
+# passes at the new defaults against session 4's, Lion8bit and bitsandbytes in the same run.
+source "$(dirname "$0")/device_env.sh"
+log pytest
+timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_chain8bit.py tests/test_checkpointing.py \
+  tests/test_release_slabs.py tests/test_release_launches.py tests/test_small_kernel.py tests/test_kernels_interpret.py \
+  tests/test_release_prefetch.py tests/test_release_fused.py tests/test_deferred_kernels.py \
+  2>&1 | grep -v "^W1129" | grep -E "Error|assert|FAILED|passed|failed" | cut -c1-400 | head -16 > "$OUT/pytest.log"
+log sft 4b
+timeout "$(left 330)" python3 bench/sft_step.py --shapes qwen3-4b --steps 10 --warmup 2 --host-timers 2 \
+  --out "$OUT/sft_4b.json" --only hf_compiled_ac,pgs_release_slabs_sub >> "$OUT/all.log" 2>&1
+log optim chain
+timeout "$(left 540)" python3 bench/optim_8bit.py "$OUT/optim_chain.json" --budget "$(left 500)" --trace "" \
+  --isolate pgs_chain_fused,pgs_chain_fused_a4_lanes64 \
+  --only pgs_lion8bit,pgs_chain_fused,pgs_chain_fused_a4_lanes64,bnb_lion8bit > "$OUT/optim_chain.log" 2>&1
+log done
+cat "$OUT/pytest.log"
+grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -8
+python3 - "$OUT/optim_chain.json" "$OUT/sft_4b.json" <<'PY'
+import json, sys
+try:
+    for k, r in json.load(open(sys.argv[1]))["rows"].items():
+        print(f"{k:28s}", {x: (round(y, 3) if isinstance(y, float) else y) for x, y in r.items()
+                           if x in ("ms", "back_to_back_ms", "ratio_to_floor", "host_ms_per_step", "error")})
+except OSError as e:
+    print(e)
+for r in json.load(open(sys.argv[2]))["results"]:
+    h = r.get("host_ms_per_step") or {}
+    print(r["variant"], round(r.get("tok_s", 0)), round(r.get("peak_gib", 0), 3),
+          {k: v for k, v in h.items() if k != "calls_per_step"}, r.get("error", "")[:300])
+PY
