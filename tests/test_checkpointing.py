@@ -231,3 +231,41 @@ def test_recompute_path_taken_and_exact(policy, offload, monkeypatch):
     assert set(grads) == set(ref_grads)
     for n in ref_grads:
         assert torch.equal(grads[n], ref_grads[n]), n
+
+
+def test_recompute_refuses_autograd_grad_with_a_clear_message():
+    """``torch.autograd.grad`` cannot see the parameters' gradients of a nested backward: the
+    recompute says so instead of returning wrong gradients; ``fast_recompute=False`` works."""
+    model = tiny_model()
+    apply_activation_checkpointing(model, "full")
+    params = [p for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="fast_recompute=False"):
+        torch.autograd.grad(model(input_ids=IDS, labels=IDS).loss, params)
+    twin = tiny_model()
+    ref = torch.autograd.grad(twin(input_ids=IDS, labels=IDS).loss, list(twin.parameters()))
+    apply_activation_checkpointing(model, "full", fast_recompute=False)
+    got = torch.autograd.grad(model(input_ids=IDS, labels=IDS).loss, params)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+def test_recompute_passes_tuple_outputs_through():
+    """A layer returning ``(hidden, None)`` (older transformers layers did) goes through the
+    recompute with the same loss and gradients as unchecked."""
+    model = tiny_model()
+    ref_loss, ref_grads, _ = loss_and_grads(model)
+    layers = decoder_layers(model)
+    for layer in layers:
+        plain = layer.forward
+
+        def as_tuple(*a, _f=plain, **k):
+            return (_f(*a, **k), None)
+        layer.forward = as_tuple
+    apply_activation_checkpointing(model, "full")
+    for layer in layers:
+        wrapped = layer.forward
+        layer.forward = lambda *a, _w=wrapped, **k: _w(*a, **k)[0]
+    loss, grads, _ = loss_and_grads(model)
+    assert torch.equal(loss, ref_loss)
+    for n in ref_grads:
+        assert torch.equal(grads[n], ref_grads[n]), n

@@ -284,19 +284,27 @@ class _Recompute(torch.autograd.Function):
         return run(x)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, *grads):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("a checkpointed layer's recompute (pgs.runtime.checkpointing._Recompute) runs a nested "
+                               "backward, which torch.autograd.grad and backward(inputs=...) cannot see; use "
+                               "loss.backward(), or apply_activation_checkpointing(..., fast_recompute=False)")
         x = ctx.held.get() if ctx.held is not None else ctx.saved_tensors[0]
         x = x.detach().requires_grad_(True)
         with torch.enable_grad():
-            out = ctx.run(x)
+            outs = ctx.run(x)
         ctx.run = ctx.held = None
-        if out.grad_fn is None:  # the output does not depend on x nor on any parameter
-            return None, None, None
-        # through the output's gradient edge, not the tensor: the recomputed output is freed
-        # before the nested backward runs (unless the graph itself saved it)
-        edge = torch.autograd.graph.get_gradient_edge(out)
-        del out
-        torch.autograd.backward(edge, grad_out)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        # through the outputs' gradient edges, not the tensors: the recomputed outputs are freed
+        # before the nested backward runs (unless the graph itself saved them)
+        edges, given = [], []
+        for o, g in zip(outs, grads):
+            if isinstance(o, torch.Tensor) and o.grad_fn is not None and g is not None:
+                edges.append(torch.autograd.graph.get_gradient_edge(o))
+                given.append(g)
+        del outs
+        if edges:
+            torch.autograd.backward(edges, given)
         return None, None, x.grad
 
 
