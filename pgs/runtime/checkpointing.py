@@ -317,6 +317,15 @@ def _fast_ok(x, rest: tuple, extra: dict, kwargs: dict) -> bool:
     return not any(a.requires_grad for a in more)
 
 
+def _wants_early_stop(layer) -> bool:
+    """A tiled MLP (``pgs.runtime.tiled_mlp``) saves only its input, and the recompute of
+    ``torch.utils.checkpoint`` stops once that is saved again (its early stop): the MLP's forward
+    is not run a second time.  ``_Recompute`` runs the whole forward, so those layers keep
+    ``torch.utils.checkpoint``."""
+    mlp = getattr(layer, "mlp", None)
+    return mlp is not None and "_pgs_forward_before_mlp_tiles" in vars(mlp)
+
+
 def _checkpoint_call(fn, x, rest: tuple, offload: bool, extra: dict, kwargs: dict, fast: bool = False):
     """``checkpoint(fn, x, *rest, **kwargs)``; with ``offload`` the input ``x`` reaches ``fn``
     through an ``OffloadedInput`` handle, not as a checkpoint argument, so nothing keeps it on
@@ -349,7 +358,8 @@ def _checkpointed(layer: torch.nn.Module, forward, context_fn, offload: bool = F
         extra = {"preserve_rng_state": rng} if context_fn is None else {"context_fn": context_fn, "preserve_rng_state": rng}
         if not args:
             return checkpoint(forward, use_reentrant=False, **extra, **kwargs)
-        return _checkpoint_call(forward, args[0], args[1:], offload, extra, kwargs, fast)
+        return _checkpoint_call(forward, args[0], args[1:], offload, extra, kwargs,
+                                fast and not _wants_early_stop(layer))
 
     run._pgs_inner = forward
     run._pgs_context = context_fn
@@ -390,8 +400,9 @@ def _checkpointed_sublayers(layer: torch.nn.Module, original, offload: bool, par
                                   "as layer(hidden_states, **kwargs), as transformers calls it")
         kwargs = _without_cache(kwargs)
         extra = {"preserve_rng_state": rng}
-        h = _checkpoint_call(attention, hidden_states, (), offload, extra, kwargs, fast)
-        return _checkpoint_call(mlp, h, (), offload, extra, {}, fast)
+        quick = fast and not _wants_early_stop(layer)
+        h = _checkpoint_call(attention, hidden_states, (), offload, extra, kwargs, quick)
+        return _checkpoint_call(mlp, h, (), offload, extra, {}, quick)
 
     run._pgs_inner = original
     run._pgs_sublayer_parts = (attention, mlp)
