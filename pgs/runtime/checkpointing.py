@@ -169,7 +169,9 @@ class OffloadedInput:
                 self.host.copy_(x.detach(), non_blocking=True)
                 self.event = torch.cuda.Event()
                 self.event.record(stream)
-            x.record_stream(stream)
+            # no x.record_stream(stream): that keeps x's block allocated until the host sees the
+            # copy done, so the peak depended on how far the host ran ahead; ``release()`` makes
+            # the compute stream wait for the copy instead (issued after the layer's own work)
         else:
             self.host = x.detach().clone()
 
@@ -180,10 +182,18 @@ class OffloadedInput:
         if self.event is None:
             self.ready = (self.host.clone(), None)
             return
+        # the copy back lands in a block of the compute stream (not the side stream's: a block
+        # used across streams stays allocated until the host sees its last use done), which the
+        # side stream writes once the compute stream has reached this point
         stream = _copy_stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        x = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+        free = torch.cuda.Event()
+        free.record(current)
         with torch.cuda.stream(stream):
             stream.wait_event(self.event)
-            x = self.host.to(self.device, non_blocking=True)
+            stream.wait_event(free)
+            x.copy_(self.host, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         self.ready = (x, done)
@@ -196,10 +206,8 @@ class OffloadedInput:
             self.prefetch()
         x, done = self.ready
         self.ready, self.used = None, True
-        if done is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(done)
-            x.record_stream(current)  # made on the side stream, used and freed on this one
+        if done is not None:  # every use of x on the compute stream comes after the copy back
+            torch.cuda.current_stream(self.device).wait_event(done)
         before = self.previous() if self.previous is not None else None
         if before is not None:
             before.prefetch()
@@ -207,6 +215,10 @@ class OffloadedInput:
         return x.requires_grad_(self.requires_grad)
 
     def release(self) -> None:
+        """Drop the device input (after the layer's forward was issued): on CUDA the compute
+        stream first waits for the copy out, so the input's block is reused only after it."""
+        if self.live is not None and self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
         self.live = None
 
     def __del__(self):
@@ -275,13 +287,13 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, offload, x):
         ctx.run = run
-        if offload:
-            ctx.held = OffloadedInput(x)
-            ctx.held.release()
-        else:
-            ctx.held = None
+        ctx.held = OffloadedInput(x) if offload else None
+        if not offload:
             ctx.save_for_backward(x)
-        return run(x)
+        out = run(x)
+        if offload:
+            ctx.held.release()  # after the layer's work is issued: its wait for the copy overlaps it
+        return out
 
     @staticmethod
     def backward(ctx, *grads):
