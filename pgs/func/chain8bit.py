@@ -191,8 +191,8 @@ def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
             fgk = g.view(-1)
             for s, n in _chunks(grp.size, bs):
                 b, nb = s // bs, -(-n // bs)
-                K._launch(KC.sumsq_kernel, (-(-nb // ROWS_A),), (fgk[s:s + n], part[b:b + nb], n),
-                          dict(BLOCK=bs, ROWS=ROWS_A, num_warps=NUM_WARPS))
+                KC.sumsq_kernel[(-(-nb // ROWS_A),)](fgk[s:s + n], part[b:b + nb], n, BLOCK=bs, ROWS=ROWS_A,
+                                                     num_warps=NUM_WARPS)
             sq[k] = _segment_sums(part.view(1, -1), grp)[0]
         norms = {k: torch.sqrt(x) for k, x in sq.items()}
         total = None
@@ -253,18 +253,17 @@ def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
                 m_oi = fl(g) if q8 else fl(m_o)
                 u_i = _dir_slice(u8, s, n, pack) if on else fl(g)
                 uu, pu, pp = (parts[0, r], parts[1, r], parts[2, r]) if on else (fl(g),) * 3
-                K._launch(KC.chain_b_kernel, (-(-nb // ROWS),), (
+                KC.chain_b_kernel[(-(-nb // ROWS),)](
                     fl(g), fl(p), fl(out), grp.block_seg[r], clip[k],
                     fl(prev), fl(acc), fl(prev_o), fl(acc_o),
                     codes_i, absmax_i, codes_o, absmax_o, m_i, m_oi,
                     u_i, uu, pu, pp,
                     code, mids, btab, midp, hp_b, K._chunk_seed(seed, ci), n,
-                ), dict(
                     BLOCK=bs, ROWS=ROWS, GDT=_DT[g.dtype], PDT=_DT[p.dtype], ADT=_DT[acc.dtype], Q8=q8, PROJ=on,
                     SR=sr and not on,
                     DEQ_TABLE=K.DEQ_TABLE, ENC=K.ENC, RNG=K.RNG, SPLIT=K.SPLIT, TABLE=table, PACK=pack,
                     num_warps=NUM_WARPS, **K._fusion(),
-                ))
+                )
             new_p[k], new_prev[k], new_acc[k], new_mu[k] = out, prev_o, acc_o, m_o
             if on:
                 proj[k] = (u8, parts, seed, sr, pack)
@@ -282,13 +281,12 @@ def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
             for ci, (s, n) in enumerate(_chunks(grp.size, bs)):
                 b0, nb = s // bs, -(-n // bs)
                 e = slice(s, s + n)
-                K._launch(KC.chain_c_kernel, (-(-nb // ROWS_C),), (
+                KC.chain_c_kernel[(-(-nb // ROWS_C),)](
                     p.view(-1)[e], _dir_slice(u8, s, n, pack), out.view(-1)[e], grp.block_seg[b0:b0 + nb],
                     coef.contiguous(), shrink.contiguous(), K._chunk_seed(seed, ci), n,
-                ), dict(
                     BLOCK=bs, ROWS=ROWS_C, GDT=_DT[fg[k].dtype], PDT=_DT[p.dtype], SR=sr, RNG=K.RNG, SPLIT=K.SPLIT,
                     PACK=pack, num_warps=NUM_WARPS, **K._fusion(),
-                ))
+                )
 
         new_state = dict(state)
         new_state[k_ada] = AdaGCState(count, gamma)

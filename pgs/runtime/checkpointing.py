@@ -157,6 +157,7 @@ class OffloadedInput:
         self.previous = OffloadedInput._last.get(self.device)
         OffloadedInput._last[self.device] = weakref.ref(self)
         self.pooled = False
+        self.ordered = False
         if x.is_cuda:
             if PINNED_POOL:
                 self.host = _pinned(tuple(x.shape), x.dtype)
@@ -169,9 +170,10 @@ class OffloadedInput:
                 self.host.copy_(x.detach(), non_blocking=True)
                 self.event = torch.cuda.Event()
                 self.event.record(stream)
-            # no x.record_stream(stream): that keeps x's block allocated until the host sees the
-            # copy done, so the peak depended on how far the host ran ahead; ``release()`` makes
-            # the compute stream wait for the copy instead (issued after the layer's own work)
+            self.ordered = STREAM_ORDERED
+            if not self.ordered:
+                x.record_stream(stream)  # x's block is not reused before the copy out ends
+            # (STREAM_ORDERED: ``release()`` makes the compute stream wait for the copy instead)
         else:
             self.host = x.detach().clone()
 
@@ -182,10 +184,17 @@ class OffloadedInput:
         if self.event is None:
             self.ready = (self.host.clone(), None)
             return
-        # the copy back lands in a block of the compute stream (not the side stream's: a block
-        # used across streams stays allocated until the host sees its last use done), which the
-        # side stream writes once the compute stream has reached this point
         stream = _copy_stream(self.device)
+        if not self.ordered:
+            with torch.cuda.stream(stream):
+                stream.wait_event(self.event)
+                x = self.host.to(self.device, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            self.ready = (x, done)
+            return
+        # STREAM_ORDERED: the copy back lands in a block of the compute stream (not the side
+        # stream's), which the side stream writes once the compute stream has reached this point
         current = torch.cuda.current_stream(self.device)
         x = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
         free = torch.cuda.Event()
@@ -207,7 +216,10 @@ class OffloadedInput:
         x, done = self.ready
         self.ready, self.used = None, True
         if done is not None:  # every use of x on the compute stream comes after the copy back
-            torch.cuda.current_stream(self.device).wait_event(done)
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)
+            if not self.ordered:
+                x.record_stream(current)  # made on the side stream, used and freed on this one
         before = self.previous() if self.previous is not None else None
         if before is not None:
             before.prefetch()
@@ -215,9 +227,10 @@ class OffloadedInput:
         return x.requires_grad_(self.requires_grad)
 
     def release(self) -> None:
-        """Drop the device input (after the layer's forward was issued): on CUDA the compute
-        stream first waits for the copy out, so the input's block is reused only after it."""
-        if self.live is not None and self.event is not None:
+        """Drop the device input (after the layer's forward was issued); with
+        ``STREAM_ORDERED`` the compute stream first waits for the copy out, so the input's block
+        is reused only after it."""
+        if self.ordered and self.live is not None and self.event is not None:
             torch.cuda.current_stream(self.device).wait_event(self.event)
         self.live = None
 
@@ -228,6 +241,16 @@ class OffloadedInput:
             _unpin(self.host)
 
 
+#: Offload without cross-stream ``record_stream`` (``PGS_OFFLOAD_STREAM_ORDERED=1``; off: written
+#: in session 5 after its last measurement, CPU-tested, not yet run on a GPU).  With
+#: ``record_stream`` a block used on two streams stays *allocated* until the host sees its last
+#: use done, so the measured peak can depend on how far the host runs ahead: the ≤ 12 GiB Qwen3-4B
+#: run with the same code measured 11.998-11.999 GiB in two calls (s5_call4/5) and 12.019 (one
+#: 20 MiB layer input more) in a third (s5_call6); this is the suspected cause, not a proven one.
+#: With this switch the copy back lands in a block of the compute stream (the side stream
+#: writes it after an event), and ``release()`` makes the compute stream wait for the copy out
+#: instead of pinning the input's block; the cost to measure is that wait.
+STREAM_ORDERED = os.environ.get("PGS_OFFLOAD_STREAM_ORDERED", "0") == "1"
 #: Keep the pinned buffers of finished handles for the next ones (``_pinned``).  Off by default:
 #: not yet measured on a GPU (written in session 4 for ``TiedSlabs.SYNC_FREE``).
 #: ``PGS_PINNED_POOL=1``.
