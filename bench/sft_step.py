@@ -34,10 +34,9 @@ checkpointing of every decoder layer):
   apart, both inputs offloaded), per-parameter or per-layer release groups.
 - ``pgs_release_noac_liger``: ``pgs_release_noac`` with Liger's layer kernels (RMSNorm, RoPE,
   SwiGLU) instead of compiled layers (pgs's own chunked loss either way).
-- any variant with ``+sf`` / ``+pool`` / ``+rng`` / ``+so`` / ``+slow`` appended (after
-  ``_varlen``): with ``TiedSlabs.SYNC_FREE`` / ``checkpointing.PINNED_POOL`` /
-  ``checkpointing.PRESERVE_RNG`` / ``checkpointing.STREAM_ORDERED`` on, or
-  ``checkpointing.FAST_RECOMPUTE`` off (``SWITCHES``; docs/memory.md).
+- any variant with ``+sf`` / ``+pool`` / ``+rng`` / ``+slow`` appended (after ``_varlen``):
+  with ``TiedSlabs.SYNC_FREE`` / ``checkpointing.PINNED_POOL`` / ``checkpointing.PRESERVE_RNG``
+  on, or ``checkpointing.FAST_RECOMPUTE`` off (``SWITCHES``; docs/memory.md).
 - any variant with ``_varlen`` appended: the same with ``attn_implementation="varlen"``
   (packed documents without cross-document attention work; docs/data.md).
 
@@ -105,8 +104,7 @@ VARIANTS = BASE_VARIANTS + tuple(v + "_varlen" for v in BASE_VARIANTS)
 SWITCHES = {"sf": ("pgs.runtime.release_slabs", "TiedSlabs.SYNC_FREE", "PGS_SLABS_SYNC_FREE", True),
             "pool": ("pgs.runtime.checkpointing", "PINNED_POOL", "PGS_PINNED_POOL", True),
             "rng": ("pgs.runtime.checkpointing", "PRESERVE_RNG", "PGS_CHECKPOINT_RNG", True),
-            "slow": ("pgs.runtime.checkpointing", "FAST_RECOMPUTE", "PGS_FAST_RECOMPUTE", False),
-            "so": ("pgs.runtime.checkpointing", "STREAM_ORDERED", "PGS_OFFLOAD_STREAM_ORDERED", True)}
+            "slow": ("pgs.runtime.checkpointing", "FAST_RECOMPUTE", "PGS_FAST_RECOMPUTE", False)}
 
 
 def split_switches(name: str) -> tuple[str, list[str]]:

@@ -269,3 +269,37 @@ def test_recompute_passes_tuple_outputs_through():
     assert torch.equal(loss, ref_loss)
     for n in ref_grads:
         assert torch.equal(grads[n], ref_grads[n]), n
+
+
+def test_recompute_frees_its_output_before_the_nested_backward(monkeypatch):
+    """The recomputed layer output is not needed by its own backward: it must be gone while
+    the nested backward runs (checked from a parameter's gradient hook, which fires inside it).
+    Keeping it (as a leftover reference did) holds one activation more at the peak; the
+    second half of the test keeps it on purpose and sees the check fail."""
+    import weakref
+
+    import pgs.runtime.checkpointing as ckpt
+
+    def run(keep: list | None):
+        model = tiny_model()
+        refs, alive = [], []
+        for layer in decoder_layers(model):
+            plain = layer.forward
+
+            def recording(*a, _f=plain, **k):
+                out = _f(*a, **k)
+                if torch.is_grad_enabled():  # the recompute (the forward runs without autograd)
+                    refs.append(weakref.ref(out))
+                return out
+            layer.forward = recording
+            layer.mlp.down_proj.weight.register_post_accumulate_grad_hook(
+                lambda p: alive.append(refs[-1]() is not None))
+        apply_activation_checkpointing(model, "full")
+        if keep is not None:
+            real = ckpt._gradient_edges
+            monkeypatch.setattr(ckpt, "_gradient_edges", lambda outs, grads: keep.append(outs) or real(outs, grads))
+        model(input_ids=IDS, labels=IDS).loss.backward()
+        return alive
+
+    assert run(None) == [False, False, False]
+    assert run([]) == [True, True, True]

@@ -157,7 +157,6 @@ class OffloadedInput:
         self.previous = OffloadedInput._last.get(self.device)
         OffloadedInput._last[self.device] = weakref.ref(self)
         self.pooled = False
-        self.ordered = False
         if x.is_cuda:
             if PINNED_POOL:
                 self.host = _pinned(tuple(x.shape), x.dtype)
@@ -170,10 +169,7 @@ class OffloadedInput:
                 self.host.copy_(x.detach(), non_blocking=True)
                 self.event = torch.cuda.Event()
                 self.event.record(stream)
-            self.ordered = STREAM_ORDERED
-            if not self.ordered:
-                x.record_stream(stream)  # x's block is not reused before the copy out ends
-            # (STREAM_ORDERED: ``release()`` makes the compute stream wait for the copy instead)
+            x.record_stream(stream)
         else:
             self.host = x.detach().clone()
 
@@ -185,24 +181,9 @@ class OffloadedInput:
             self.ready = (self.host.clone(), None)
             return
         stream = _copy_stream(self.device)
-        if not self.ordered:
-            with torch.cuda.stream(stream):
-                stream.wait_event(self.event)
-                x = self.host.to(self.device, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-            self.ready = (x, done)
-            return
-        # STREAM_ORDERED: the copy back lands in a block of the compute stream (not the side
-        # stream's), which the side stream writes once the compute stream has reached this point
-        current = torch.cuda.current_stream(self.device)
-        x = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
-        free = torch.cuda.Event()
-        free.record(current)
         with torch.cuda.stream(stream):
             stream.wait_event(self.event)
-            stream.wait_event(free)
-            x.copy_(self.host, non_blocking=True)
+            x = self.host.to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         self.ready = (x, done)
@@ -215,11 +196,10 @@ class OffloadedInput:
             self.prefetch()
         x, done = self.ready
         self.ready, self.used = None, True
-        if done is not None:  # every use of x on the compute stream comes after the copy back
+        if done is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(done)
-            if not self.ordered:
-                x.record_stream(current)  # made on the side stream, used and freed on this one
+            x.record_stream(current)  # made on the side stream, used and freed on this one
         before = self.previous() if self.previous is not None else None
         if before is not None:
             before.prefetch()
@@ -227,11 +207,6 @@ class OffloadedInput:
         return x.requires_grad_(self.requires_grad)
 
     def release(self) -> None:
-        """Drop the device input (after the layer's forward was issued); with
-        ``STREAM_ORDERED`` the compute stream first waits for the copy out, so the input's block
-        is reused only after it."""
-        if self.ordered and self.live is not None and self.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.event)
         self.live = None
 
     def __del__(self):
@@ -241,16 +216,6 @@ class OffloadedInput:
             _unpin(self.host)
 
 
-#: Offload without cross-stream ``record_stream`` (``PGS_OFFLOAD_STREAM_ORDERED=1``; off: written
-#: in session 5 after its last measurement, CPU-tested, not yet run on a GPU).  With
-#: ``record_stream`` a block used on two streams stays *allocated* until the host sees its last
-#: use done, so the measured peak can depend on how far the host runs ahead: the ≤ 12 GiB Qwen3-4B
-#: run with the same code measured 11.998-11.999 GiB in two calls (s5_call4/5) and 12.019 (one
-#: 20 MiB layer input more) in a third (s5_call6); this is the suspected cause, not a proven one.
-#: With this switch the copy back lands in a block of the compute stream (the side stream
-#: writes it after an event), and ``release()`` makes the compute stream wait for the copy out
-#: instead of pinning the input's block; the cost to measure is that wait.
-STREAM_ORDERED = os.environ.get("PGS_OFFLOAD_STREAM_ORDERED", "0") == "1"
 #: Keep the pinned buffers of finished handles for the next ones (``_pinned``).  Off by default:
 #: not yet measured on a GPU (written in session 4 for ``TiedSlabs.SYNC_FREE``).
 #: ``PGS_PINNED_POOL=1``.
@@ -315,7 +280,7 @@ class _Recompute(torch.autograd.Function):
             ctx.save_for_backward(x)
         out = run(x)
         if offload:
-            ctx.held.release()  # after the layer's work is issued: its wait for the copy overlaps it
+            ctx.held.release()
         return out
 
     @staticmethod
@@ -329,18 +294,23 @@ class _Recompute(torch.autograd.Function):
         with torch.enable_grad():
             outs = ctx.run(x)
         ctx.run = ctx.held = None
-        outs = outs if isinstance(outs, tuple) else (outs,)
         # through the outputs' gradient edges, not the tensors: the recomputed outputs are freed
-        # before the nested backward runs (unless the graph itself saved them)
-        edges, given = [], []
-        for o, g in zip(outs, grads):
-            if isinstance(o, torch.Tensor) and o.grad_fn is not None and g is not None:
-                edges.append(torch.autograd.graph.get_gradient_edge(o))
-                given.append(g)
+        # before the nested backward runs (unless the graph itself saved them).  (A loop variable
+        # left holding the last output kept 20 MiB alive at the Qwen3-4B peak: s5_call6.)
+        edges, given = _gradient_edges(outs, grads)
         del outs
         if edges:
             torch.autograd.backward(edges, given)
         return None, None, x.grad
+
+
+def _gradient_edges(outs, grads) -> tuple[list, list]:
+    """The gradient edges of the outputs that take a gradient, with their gradients (no
+    reference to an output survives the call)."""
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    pairs = [(torch.autograd.graph.get_gradient_edge(o), g) for o, g in zip(outs, grads)
+             if isinstance(o, torch.Tensor) and o.grad_fn is not None and g is not None]
+    return [e for e, _ in pairs], [g for _, g in pairs]
 
 
 def _fast_ok(x, rest: tuple, extra: dict, kwargs: dict) -> bool:
