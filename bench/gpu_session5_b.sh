@@ -23,10 +23,4 @@ log done
 cat "$OUT/pytest.log"
 grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -8
 head -75 "$OUT/spy_summary.txt"
-python3 - "$OUT/sft_4b.json" <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1]))["results"]:
-    h = r.get("host_ms_per_step") or {}
-    print(r["variant"], round(r.get("tok_s", 0)), round(r.get("peak_gib", 0), 3),
-          {k: v for k, v in h.items() if k != "calls_per_step"}, r.get("error", "")[:200])
-PY
+python3 bench/summarize.py "$OUT/sft_4b.json"

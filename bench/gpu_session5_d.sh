@@ -11,10 +11,4 @@ timeout "$(left 420)" python3 bench/sft_step.py --shapes qwen3-4b --steps 10 --w
   >> "$OUT/all.log" 2>&1
 log done
 grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -8
-python3 - "$OUT/sft_4b.json" <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1]))["results"]:
-    h = r.get("host_ms_per_step") or {}
-    print(r["variant"], round(r.get("tok_s", 0)), round(r.get("peak_gib", 0), 3),
-          {k: v for k, v in h.items() if k != "calls_per_step"}, r.get("error", "")[:300])
-PY
+python3 bench/summarize.py "$OUT/sft_4b.json"

@@ -19,16 +19,4 @@ timeout "$(left 540)" python3 bench/optim_8bit.py "$OUT/optim_chain.json" --budg
 log done
 cat "$OUT/pytest.log"
 grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -8
-python3 - "$OUT/optim_chain.json" "$OUT/sft_4b.json" <<'PY'
-import json, sys
-try:
-    for k, r in json.load(open(sys.argv[1]))["rows"].items():
-        print(f"{k:28s}", {x: (round(y, 3) if isinstance(y, float) else y) for x, y in r.items()
-                           if x in ("ms", "back_to_back_ms", "ratio_to_floor", "host_ms_per_step", "error")})
-except OSError as e:
-    print(e)
-for r in json.load(open(sys.argv[2]))["results"]:
-    h = r.get("host_ms_per_step") or {}
-    print(r["variant"], round(r.get("tok_s", 0)), round(r.get("peak_gib", 0), 3),
-          {k: v for k, v in h.items() if k != "calls_per_step"}, r.get("error", "")[:300])
-PY
+python3 bench/summarize.py "$OUT/optim_chain.json" "$OUT/sft_4b.json"
