@@ -23,9 +23,11 @@ the model (modules, or any ``*dropout*`` rate of its config or of a module) is a
 (``model_draws_random``), unless ``PRESERVE_RNG`` (``PGS_CHECKPOINT_RNG=1``) asks for it.
 
 ``every=k`` checkpoints layers 0, k, 2k, … only (layer-selective checkpointing); the others
-keep everything.  Both use ``torch.utils.checkpoint`` with ``use_reentrant=False``, which is
-what gradient release needs (its hooks fire inside the one backward) and what
-``torch.compile`` traces.
+keep everything.  A ``"full"`` or ``"sublayer"`` layer runs through ``_Recompute`` where that is
+exact (its forward without autograd, its recompute under a nested backward: gradient release's
+hooks fire inside it as in one backward); the rest uses ``torch.utils.checkpoint`` with
+``use_reentrant=False``, which is what gradient release needs (its hooks fire inside the one
+backward) and what ``torch.compile`` traces.
 """
 
 from __future__ import annotations

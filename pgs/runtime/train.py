@@ -496,8 +496,9 @@ def _resolve(r: Run, resume: str | None) -> str | None:
 def freeze_gc() -> None:
     """After the first step: collect once, then move every live object (model, compiled code,
     caches) to the garbage collector's permanent generation.  Python's full collections then
-    walk only what later steps create; before, each one walked the whole heap (tens of ms, a
-    stall of the host-bound step that launches the GPU's work)."""
+    walk only what later steps create instead of the whole heap, whose walk stalls the host
+    that launches the GPU's work (not measured on its own: it landed with session 5's
+    recompute, docs/memory.md)."""
     gc.collect()
     gc.freeze()
 
