@@ -113,16 +113,24 @@ def split_switches(name: str) -> tuple[str, list[str]]:
     return base, switches
 
 
-def apply_switches(switches: list[str]) -> None:
+def apply_switches(switches: list[str]) -> Callable[[], None]:
+    """Set the switches' attributes; returns the undo (``--same-process`` runs later variants)."""
     import importlib
 
+    undo = []
     for s in switches:
         module, attr, _, value = SWITCHES[s]
         owner = importlib.import_module(module)
         *path, last = attr.split(".")
         for part in path:
             owner = getattr(owner, part)
+        undo.append((owner, last, getattr(owner, last)))
         setattr(owner, last, value)
+
+    def restore():
+        for owner, last, before in reversed(undo):
+            setattr(owner, last, before)
+    return restore
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -320,7 +328,7 @@ def run_variant(name: str, shape: str, args, device) -> dict:
                                                        args.mlp_tiles)
     model = opt = step = None
     cuda = device.type == "cuda"
-    apply_switches(split_switches(name)[1])
+    restore_switches = apply_switches(split_switches(name)[1])
     try:
         model = build(table, device, split_name(name)[1])
         out["attn_implementation"] = split_name(name)[1]
@@ -369,6 +377,7 @@ def run_variant(name: str, shape: str, args, device) -> dict:
         out["error"] = f"{type(err).__name__}: {err}"
         out["traceback"] = traceback.format_exc(limit=6)
     finally:
+        restore_switches()
         del model, opt, step
         gc.unfreeze()
         gc.collect()
