@@ -303,3 +303,30 @@ def test_recompute_frees_its_output_before_the_nested_backward(monkeypatch):
 
     assert run(None) == [False, False, False]
     assert run([]) == [True, True, True]
+
+
+def test_model_draws_random_reads_modules_and_configs():
+    """Dropout modules with p > 0 and ``*dropout*`` rates above 0 count; p = 0, booleans and
+    other names do not."""
+    from types import SimpleNamespace
+
+    from pgs.runtime.checkpointing import model_draws_random
+
+    class Net(torch.nn.Module):
+        def __init__(self, p=0.0, **attrs):
+            super().__init__()
+            self.drop = torch.nn.Dropout(p)
+            self.lin = torch.nn.Linear(2, 2)
+            for k, v in attrs.items():
+                setattr(self, k, v)
+
+    assert not model_draws_random(Net())
+    assert model_draws_random(Net(0.1))
+    assert not model_draws_random(Net(use_dropout=True, dropout_seed=0))
+    assert model_draws_random(Net(hidden_dropout=0.2))
+    assert not model_draws_random(Net(rate=0.5))
+    net = Net()
+    net.config = SimpleNamespace(attention_dropout=0.0, text_config=SimpleNamespace(resid_dropout=0.1))
+    assert model_draws_random(net)
+    net.config.text_config.resid_dropout = 0.0
+    assert not model_draws_random(net)
