@@ -123,7 +123,7 @@ REFUSALS = [
     ({"optimizer.clip": 1.0}, "memory.gradient_release: optimizer.clip = 1 is a global-norm clip"),
     ({"chain": '[{ name = "zclip" }, { name = "adamw" }]'}, "memory.gradient_release: optimizer.chain[0] (zclip)"),
     ({"memory.gradient_release": "false", "memory.master_weights": '"fp32"'}, "memory.master_weights"),
-    ({"memory.offload_checkpoints": "true"}, "memory.offload_checkpoints"),
+    ({"memory.offload_checkpoints": "true"}, "memory.offload_checkpoints: offloads the inputs of \"full\" or"),
 ]
 
 
@@ -184,17 +184,18 @@ def test_activation_checkpointing_from_the_spec_keeps_the_loss(tmp_path, monkeyp
     monkeypatch.setattr(checkpointing, "apply_activation_checkpointing",
                         lambda *a, **k: offloads.append(k.get("offload")) or real(*a, **k))
     losses = []
-    for policy, offload in (("none", False), ("full", False), ("full", True)):
+    for policy, offload in (("none", False), ("full", False), ("full", True), ("sublayer", True)):
         sets = [f'memory.activation_checkpointing="{policy}"', f"memory.offload_checkpoints={str(offload).lower()}"]
         run = setup(load_spec(release_spec(tmp_path, f"ac_{policy}_{offload}"), sets))
         layers = run.model.model.layers
-        assert all(("_pgs_forward_before_checkpointing" in layer.__dict__) == (policy == "full") for layer in layers)
+        assert all(("_pgs_forward_before_checkpointing" in layer.__dict__) == (policy != "none") for layer in layers)
         with control.StopSignals() as signals:
             losses.append([train_step(run, signals, control.WallClock(None))[0]["loss"] for _ in range(2)])
-    assert losses[0][0] == losses[1][0] == losses[2][0]
+    assert losses[0][0] == losses[1][0] == losses[2][0] == losses[3][0]
     assert losses[0][1] == pytest.approx(losses[1][1], rel=1e-5)
     assert losses[2][1] == losses[1][1]  # offloading the kept inputs changes no arithmetic
-    assert offloads == [False, True]
+    assert losses[3][1] == pytest.approx(losses[1][1], rel=1e-5)  # the layer as two halves: same math
+    assert offloads == [False, True, True]
 
 
 def test_deferred_head_grad_run_matches_the_bound_run(tmp_path):

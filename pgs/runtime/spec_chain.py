@@ -256,10 +256,10 @@ def check_loss(loss) -> None:
 def check_memory(spec: Spec, chain) -> None:
     """``[memory]`` against the rest of the spec: what gradient release cannot run."""
     mem = spec.memory
-    if mem.offload_checkpoints and mem.activation_checkpointing != "full":
-        raise SpecError(f"memory.offload_checkpoints: offloads the inputs of fully checkpointed layers; "
-                        f"activation_checkpointing is {mem.activation_checkpointing!r} (set it to \"full\" "
-                        "or offload_checkpoints = false)")
+    if mem.offload_checkpoints and mem.activation_checkpointing not in ("full", "sublayer"):
+        raise SpecError(f"memory.offload_checkpoints: offloads the inputs of \"full\" or \"sublayer\" checkpointed "
+                        f"layers; activation_checkpointing is {mem.activation_checkpointing!r} (set it to \"full\" "
+                        "or \"sublayer\", or offload_checkpoints = false)")
     if mem.tied_slabs and not mem.gradient_release:
         raise SpecError(f"memory.tied_slabs = {mem.tied_slabs}: the embedding's weight is stepped in row slabs by "
                         "gradient release at the end of backward; set memory.gradient_release = true or tied_slabs = 0")
