@@ -251,3 +251,23 @@ def test_mlp_tiles_and_per_parameter_groups_from_the_spec(tmp_path):
             losses.append([train_step(run, signals, control.WallClock(None))[0]["loss"] for _ in range(2)])
     assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-6)
     assert losses[1][1] == pytest.approx(losses[0][1], rel=1e-5)
+
+
+def test_the_12gib_recipe_from_a_spec_trains_as_the_bound_run(tmp_path):
+    """docs/memory.md's recipe (release, sublayer checkpoints with offloaded inputs, the tied
+    weight in row slabs, compiled layers) through ``pgs run``'s loop, fp32 AdamW: the same
+    losses and weights as the plain bound run, up to summation order and the compiled layers'
+    fusion."""
+    recipe = ('activation_checkpointing = "sublayer"\noffload_checkpoints = true\ntied_slabs = 64\n'
+              'compile_layers = true\n')
+    assert _run_in_process(release_spec(tmp_path, "bound_r", release=False, every=0, steps=3)) == 0
+    path = release_spec(tmp_path, "recipe", release=True, defer=True, every=0, steps=3)
+    path.write_text(path.read_text() + recipe)
+    assert _run_in_process(path) == 0
+    a = load_file(tmp_path / "bound_r" / "step_3" / "model.safetensors")
+    b = load_file(tmp_path / "recipe" / "step_3" / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    la = [r["loss"] for r in step_records(tmp_path / "bound_r")]
+    lb = [r["loss"] for r in step_records(tmp_path / "recipe")]
+    assert lb == pytest.approx(la, rel=1e-5) and len(lb) == 3
