@@ -4,13 +4,13 @@
     python bench/plot_sft.py --results DIR --out DIR
     python bench/plot_sft.py --inputs s2          # the session-2 plots (probe rows, lion8bit 5e-5)
 
-Inputs (``--inputs s3``, the default: session 3's device calls):
+Inputs (``--inputs latest``, the default):
 
-- ``s3_call6_sft_4b.json``: Qwen3-4B 1×4096 (``bench/sft_step.py``: ``results``, one row per
+- ``s5_call5_sft_4b.json``: Qwen3-4B 1×4096 (``bench/sft_step.py``: ``results``, one row per
   variant with ``tok_s``, ``peak_gib``, ``mfu``): HF compiled layers + AC against pgs release
-  and its sublayer-checkpoint + offload + slab variants (per-layer and per-param release
-  groups), all from one call. ``--sft-4b s3_call3_sft_4b.json`` draws the older call (slab /
-  per-param / tiled-MLP variants) instead.
+  with sublayer checkpoints, offloaded inputs and tied slabs, from one call (session 5).
+  ``--sft-4b s3_call6_sft_4b.json`` draws session 3's call (more pgs variants), ``--only-4b``
+  picks variants of the file.
 - ``s3_call4_sft_06b.json``: Qwen3-0.6B 8×4096 packed, HF (Liger, compiled; SDPA and varlen
   attention) against pgs release with and without AC, SDPA and varlen, all from one call.
 - ``s3_call1_converge.json``: per-step losses of HF AdamW and pgs lion8bit (lr 1e-4), 120 steps.
@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOAL_GIB_4B = 12.0  # issue 8: <= 12 GiB peak allocated at the 4B shape, at >= HF's tok/s
 GOAL_SPEEDUP_06B = 1.25  # issue 8: >= 1.25x the best HF setup's tok/s at the 0.6B shape
 
-S3_FILES = dict(sft_4b="s3_call6_sft_4b.json", sft_06b="s3_call4_sft_06b.json", converge="s3_call1_converge.json")
+LATEST_FILES = dict(sft_4b="s5_call5_sft_4b.json", sft_06b="s3_call4_sft_06b.json", converge="s3_call1_converge.json")
 
 # Readable names for bench/sft_step.py's variant ids; an unknown id is shown as it is.
 VARIANT_LABELS = {
@@ -137,8 +137,15 @@ def put_label(ax, r: dict, text: str, offsets: dict) -> None:
                 ha=ha, va="center", bbox=box, arrowprops=arrow, zorder=6)
 
 
+def label_of(variant: str) -> str:
+    """The readable name of a variant id; ``+switch`` suffixes (bench/sft_step.py SWITCHES)
+    follow in brackets."""
+    base, *switches = variant.split("+")
+    return VARIANT_LABELS.get(base, base) + (f" [+{', +'.join(switches)}]" if switches else "")
+
+
 def row_text(r: dict, extra: str = "", gib_digits: int = 2) -> str:
-    return (f"{VARIANT_LABELS.get(r['variant'], r['variant'])}\n"
+    return (f"{label_of(r['variant'])}\n"
             f"{r['tok_s']:,.0f} tok/s, {r['peak_gib']:.{gib_digits}f} GiB"
             + (f", MFU {r['mfu']:.0%}" if "mfu" in r else "") + extra)
 
@@ -239,7 +246,7 @@ def panel_06b(fig, gs, rows: list[dict], name: str) -> None:
     if best:
         ax.axhline(best["tok_s"], color="black", ls="--", lw=1)
         ax.text(1, best["tok_s"] - ymax * 0.012,
-                f"best HF with SDPA (the issue's baseline):\n{VARIANT_LABELS.get(best['variant'], best['variant'])}, "
+                f"best HF with SDPA (the issue's baseline):\n{label_of(best['variant'])}, "
                 f"{best['tok_s']:,.0f} tok/s", fontsize=8, va="top")
         ax.axhline(goal, color="tab:red", ls=":", lw=1.4)
         ax.text(ax.get_xlim()[1] - 1, goal + ymax * 0.008,
@@ -272,9 +279,11 @@ def panel_06b(fig, gs, rows: list[dict], name: str) -> None:
     ax.legend(handles=legend, fontsize=8, loc="lower right", framealpha=0.9)
 
 
-def plot_memory_speed(results: str, out: str, f4b: str, f06b: str) -> str | None:
+def plot_memory_speed(results: str, out: str, f4b: str, f06b: str, only_4b: list[str] | None = None) -> str | None:
     d4, d06 = load(os.path.join(results, f4b)), load(os.path.join(results, f06b))
     rows4, rows06 = step_rows(d4, f4b), step_rows(d06, f06b)
+    if only_4b:
+        rows4 = [r for r in rows4 if r["variant"] in only_4b]
     if not (rows4 or rows06):
         note("nothing to plot for memory/speed")
         return None
@@ -600,10 +609,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "img"))
-    ap.add_argument("--inputs", choices=("s3", "s2"), default="s3",
-                    help="which session's result files (default s3; s2: the session-2 probe and converge runs)")
-    ap.add_argument("--sft-4b", default=S3_FILES["sft_4b"], help="4B bench/sft_step.py JSON (with --inputs s3)")
-    ap.add_argument("--sft-06b", default=S3_FILES["sft_06b"], help="0.6B bench/sft_step.py JSON (with --inputs s3)")
+    ap.add_argument("--inputs", choices=("latest", "s2"), default="latest",
+                    help="which result files (default: the latest calls; s2: the session-2 probe and converge runs)")
+    ap.add_argument("--sft-4b", default=LATEST_FILES["sft_4b"], help="4B bench/sft_step.py JSON (with --inputs latest)")
+    ap.add_argument("--sft-06b", default=LATEST_FILES["sft_06b"], help="0.6B bench/sft_step.py JSON (with --inputs latest)")
+    ap.add_argument("--only-4b", default="", help="comma-separated variants of the 4B file to draw (default: all)")
     ap.add_argument("--converge", default=None,
                     help="bench/sft_converge.py JSON (default: s3_call1_converge.json, or s2_converge.json "
                          "with --inputs s2)")
@@ -613,8 +623,9 @@ def main(argv=None) -> int:
         mem = plot_memory_speed_s2(args.results, args.out)
         conv_file = args.converge or "s2_converge.json"
     else:
-        mem = plot_memory_speed(args.results, args.out, args.sft_4b, args.sft_06b)
-        conv_file = args.converge or S3_FILES["converge"]
+        mem = plot_memory_speed(args.results, args.out, args.sft_4b, args.sft_06b,
+                                [v for v in args.only_4b.split(",") if v] or None)
+        conv_file = args.converge or LATEST_FILES["converge"]
     wrote = [p for p in (mem, plot_converge(os.path.join(args.results, conv_file), args.out)) if p]
     for p in wrote:
         print(f"wrote {os.path.relpath(p)} ({os.path.getsize(p) / 1024:.0f} KiB)")
