@@ -17,3 +17,8 @@ log done
 cat "$OUT/pytest.log"
 grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -6
 python3 bench/summarize.py "$OUT/sft_4b.json"
+# (3) Qwen3-0.6B 8x4096 packed without the head-gradient deferral (one head matmul less per
+# step; memory is not the constraint there), against the default, HF + Liger + varlen in the
+# same call:
+#   python3 bench/sft_step.py --shapes qwen3-0.6b --only hf_liger_varlen,pgs_release_noac_varlen --out A.json
+#   python3 bench/sft_step.py --shapes qwen3-0.6b --only pgs_release_noac_varlen --no-defer --out B.json

@@ -271,7 +271,10 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
                               track_grad_norm=False, fused=new_path, tied_slabs=slabs,
                               groups="parameter" if _per_parameter(name) else "layer")
     W0 = output_head(model)[0]
-    defer = new_path and W0 is model.get_input_embeddings().weight
+    defer = new_path and W0 is model.get_input_embeddings().weight and not args.no_defer
+    if args.no_defer and slabs:
+        raise ValueError("--no-defer: the _slabs variants rebuild the head's gradient slab by slab (they need the "
+                         "deferral)")
 
     def step(ids, pos):
         h = final_hidden(model, ids, pos)
@@ -289,7 +292,7 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
 
 
 def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk: int,
-                       slab_rows: int | None = None, mlp_tiles: int = 0) -> float | None:
+                       slab_rows: int | None = None, mlp_tiles: int = 0, no_defer: bool = False) -> float | None:
     """``pgs profile``'s prediction for a pgs variant (None for HF variants, or when it fails)."""
     if not name.startswith("pgs_"):
         return None
@@ -302,7 +305,7 @@ def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk:
         pred = predict_memory(dict(table), dtype=torch.bfloat16, chain=pf.lion8bit(1e-5), gradient_release=True,
                               activation_checkpointing=_policy(name) if uses_ac(name) else "none",
                               micro_batch_tokens=batch * seq, loss_chunk=loss_chunk,
-                              fused_update=new_path, defer_head_grad=None if new_path else False,
+                              fused_update=new_path, defer_head_grad=None if new_path and not no_defer else False,
                               checkpoint_offload=_slabs(name), tied_slabs=slab_rows if _slabs(name) else None,
                               release_groups="parameter" if _per_parameter(name) else "layer",
                               mlp_tiles=mlp_tiles if _tiled(name) else 0,
@@ -325,7 +328,8 @@ def run_variant(name: str, shape: str, args, device) -> dict:
         if _tiled(name):
             out["mlp_tiles"] = args.mlp_tiles
         out["predicted_peak_gib"] = predicted_peak_gib(name, table, batch, seq, loss_chunk, SLAB_ROWS[shape],
-                                                       args.mlp_tiles)
+                                                       args.mlp_tiles, args.no_defer)
+        out["defer_head_grad"] = not args.no_defer
     model = opt = step = None
     cuda = device.type == "cuda"
     restore_switches = apply_switches(split_switches(name)[1])
@@ -588,6 +592,10 @@ def main(argv=None) -> int:
     p.add_argument("--triton-on-cpu", action="store_true",
                    help="with --small on CPU: run the 8-bit kernels in Triton's interpreter (TRITON_INTERPRET=1)")
     p.add_argument("--mlp-tiles", type=int, default=4, help="token slices of the _tiled variants' MLPs")
+    p.add_argument("--no-defer", action="store_true",
+                   help="pgs variants: the tied head's gradient accumulated chunk by chunk in the loss (a V×D "
+                        "buffer through backward) instead of deferred and rebuilt at the end of backward (one "
+                        "head matmul less per step; not with _slabs variants)")
     p.add_argument("--profile", type=int, default=0,
                    help="after timing, profile this many steps (torch.profiler) and add a summary")
     p.add_argument("--host-timers", type=int, default=0,
