@@ -255,7 +255,33 @@ def scenario_nan(ctx, out: str) -> dict:
     return result
 
 
-SCENARIOS = {"equivalence": scenario_equivalence, "signal": scenario_signal, "nan": scenario_nan}
+#: activation checkpointing under FSDP2 (applied before sharding, as ``train.setup`` does):
+#: (policy, offload, fast_recompute) per mode; "none" is the reference
+CHECKPOINT_MODES = {"none": None, "full": ("full", False, True), "full_torch": ("full", False, False),
+                    "sublayer_offload": ("sublayer", True, True)}
+
+
+def scenario_checkpointing(ctx, out: str) -> dict:
+    """AdamW, 3 steps, each checkpoint mode; rank 0 saves the gathered weights per mode."""
+    from pgs.runtime.checkpointing import apply_activation_checkpointing
+    from pgs.runtime.sharded_bind import bind_sharded
+
+    for mode, how in CHECKPOINT_MODES.items():
+        model = tiny_model(True)
+        if how is not None:
+            policy, offload, fast = how
+            apply_activation_checkpointing(model, policy, offload=offload, fast_recompute=fast)
+        model = D.shard_model(model, ctx.mesh)
+        opt = bind_sharded(CHAINS["adamw"][0](), model)
+        train(model, opt, ctx, 1, 3)
+        final = full_params(model)
+        if ctx.rank == 0:
+            torch.save(final, os.path.join(out, f"ckpt_{mode}.pt"))
+    return {}
+
+
+SCENARIOS = {"equivalence": scenario_equivalence, "signal": scenario_signal, "nan": scenario_nan,
+             "checkpointing": scenario_checkpointing}
 
 
 def main(argv: list[str]) -> int:

@@ -41,6 +41,9 @@ CHAINS = {
     # layer 0 holds a parameter that forward never uses: no gradient, so that unit steps at the
     # end of backward (zeros for the missing gradient, as bind_sharded)
     "adamw_unused": H.CHAINS["adamw"],
+    # sublayer checkpoints with offloaded inputs through checkpointing._Recompute: each layer's
+    # gradients come from a nested backward inside the outer one
+    "adamw_ckpt": H.CHAINS["adamw"],
 }
 
 
@@ -52,6 +55,10 @@ def build(name: str, ctx, *, release: bool):
     model = H.tiny_model(tied)
     if name.endswith("_unused"):
         model.model.layers[0].register_parameter("pgs_unused", torch.nn.Parameter(torch.ones(8, 4)))
+    if name.endswith("_ckpt"):
+        from pgs.runtime.checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, "sublayer", offload=True)
     model = D.shard_model(model, ctx.mesh)
     opt = ShardedGradientRelease(factory(), model) if release else bind_sharded(factory(), model)
     return model, opt
