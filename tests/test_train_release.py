@@ -203,13 +203,18 @@ def test_deferred_head_grad_run_matches_the_bound_run(tmp_path):
     in its hook; the same run up to summation order."""
     for name, release, defer in (("bound_d", False, False), ("deferred", True, True)):
         assert _run_in_process(release_spec(tmp_path, name, release=release, defer=defer, every=0, steps=3)) == 0
-    a = load_file(tmp_path / "bound_d" / "step_3" / "model.safetensors")
-    b = load_file(tmp_path / "deferred" / "step_3" / "model.safetensors")
+    _assert_close_runs(tmp_path / "bound_d", tmp_path / "deferred", step=3)
+
+
+def _assert_close_runs(ref: Path, run: Path, step: int) -> None:
+    """Weights at ``step`` and every logged loss of two runs, up to summation order."""
+    a = load_file(ref / f"step_{step}" / "model.safetensors")
+    b = load_file(run / f"step_{step}" / "model.safetensors")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
-    la = [r["loss"] for r in step_records(tmp_path / "bound_d")]
-    lb = [r["loss"] for r in step_records(tmp_path / "deferred")]
-    assert lb == pytest.approx(la, rel=1e-5)
+    la = [r["loss"] for r in step_records(ref)]
+    lb = [r["loss"] for r in step_records(run)]
+    assert lb == pytest.approx(la, rel=1e-5) and len(lb) == step
 
 
 def test_the_loop_defers_the_tied_head_gradient(tmp_path):
@@ -264,10 +269,4 @@ def test_the_12gib_recipe_from_a_spec_trains_as_the_bound_run(tmp_path):
     path = release_spec(tmp_path, "recipe", release=True, defer=True, every=0, steps=3)
     path.write_text(path.read_text() + recipe)
     assert _run_in_process(path) == 0
-    a = load_file(tmp_path / "bound_r" / "step_3" / "model.safetensors")
-    b = load_file(tmp_path / "recipe" / "step_3" / "model.safetensors")
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
-    la = [r["loss"] for r in step_records(tmp_path / "bound_r")]
-    lb = [r["loss"] for r in step_records(tmp_path / "recipe")]
-    assert lb == pytest.approx(la, rel=1e-5) and len(lb) == 3
+    _assert_close_runs(tmp_path / "bound_r", tmp_path / "recipe", step=3)
