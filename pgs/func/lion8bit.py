@@ -146,13 +146,12 @@ def _kept_in_place(keys, fp, old, new_p: dict, new: list) -> None:
             d[k] = o[k]
 
 
-def _apply_lists(kind: Fused8bit, keys, fp, ps, x, xs, us, lr, wd, stochastic_rounding, new_p, new, old) -> None:
-    """``_step_small``'s apply with the direction as a list (``small_inplace``): the same
-    operations per leaf as multi-tensor ops on the views ``xs`` of the one fp32 buffer ``x``,
-    which stochastic rounding then draws over as a whole."""
-    us = [u if u.dtype == torch.float32 else u.float() for u in us]
+def _descend(kind: Fused8bit, xs: list, us: list, lr, wd) -> None:
+    """``x ← x − η(u + λx)`` in place on the fp32 tensors ``xs`` (multi-tensor ops): λx, + u,
+    × η, then the subtraction, each rounded to fp32 (·, + and × commute exactly); without
+    decay ``x − η·u``, one ``sub`` with ``alpha=η`` when η·u is exact (``unit_direction``)."""
     lr32 = lr.to(torch.float32) if isinstance(lr, torch.Tensor) else lr
-    if wd != 0:
+    if isinstance(wd, torch.Tensor) or wd != 0:
         t = torch._foreach_mul(xs, wd)
         torch._foreach_add_(t, us)
         torch._foreach_mul_(t, lr32)
@@ -161,6 +160,13 @@ def _apply_lists(kind: Fused8bit, keys, fp, ps, x, xs, us, lr, wd, stochastic_ro
         torch._foreach_sub_(xs, us, alpha=lr32)
     else:
         torch._foreach_sub_(xs, torch._foreach_mul(us, lr32))
+
+
+def _apply_lists(kind: Fused8bit, keys, fp, ps, x, xs, us, lr, wd, stochastic_rounding, new_p, new, old) -> None:
+    """``_step_small``'s apply with the direction as a list (``small_inplace``): the same
+    operations per leaf as multi-tensor ops on the views ``xs`` of the one fp32 buffer ``x``,
+    which stochastic rounding then draws over as a whole."""
+    _descend(kind, xs, [u if u.dtype == torch.float32 else u.float() for u in us], lr, wd)
     if stochastic_rounding and ps[0].dtype == torch.bfloat16:
         stochastic_round_fp32(x, inplace=True)
     torch._foreach_copy_(ps, xs)
@@ -196,17 +202,7 @@ def _step_small(kind: Fused8bit, ctx, keys: list, fg, fp, old, lr, wd, stochasti
             return
     moments = tuple(o[keys[0]] if len(keys) == 1 else torch.cat([_flat1(o[k]) for k in keys]) for o in old)
     u, out = kind.small(ctx, g, moments)
-    u = u.float()
-    lr32 = lr.to(torch.float32) if isinstance(lr, torch.Tensor) else lr
-    if isinstance(wd, torch.Tensor) or wd != 0:
-        t = x * wd  # p − η(u + λp): λp, + u, × η, each rounded (·, + and × commute exactly)
-        t.add_(u)
-        t.mul_(lr32)
-        x.sub_(t)
-    elif kind.unit_direction and not isinstance(lr32, torch.Tensor):
-        x.sub_(u, alpha=lr32)  # η·u is exact: one kernel for η·u and the subtraction
-    else:
-        x.sub_(u * lr32)
+    _descend(kind, [x], [u.float()], lr, wd)
     if stochastic_rounding and ps[0].dtype == torch.bfloat16:
         stochastic_round_fp32(x, inplace=True)  # bf16 values in fp32: the cast below is exact
     if donate:
