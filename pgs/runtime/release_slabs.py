@@ -59,7 +59,8 @@ class TiedSlabs:
     #: on the H200 (bench/results/s4_call7_sft_4b.json) the sync-free step made the <= 12 GiB
     #: Qwen3-4B run slower (13,629 -> 12,703 tok/s): with the host no longer held at the end of
     #: backward, the next forward's offload copies got slower (pinned host allocations, see
-    #: ``checkpointing.PINNED_POOL``, untested on a GPU).  ``PGS_SLABS_SYNC_FREE=1``.
+    #: ``checkpointing.PINNED_POOL``).  Session 5, with the pool and the recompute: within noise
+    #: of the default (14,046 vs 14,099 tok/s, s5_call4), so it stays off.  ``PGS_SLABS_SYNC_FREE=1``.
     SYNC_FREE = os.environ.get("PGS_SLABS_SYNC_FREE", "0") == "1"
 
     def __init__(self, release, model, rows) -> None:
@@ -180,20 +181,29 @@ class TiedSlabs:
             out.append(f if per_element else n)
         return _pt.tree_unflatten(out, spec)
 
+    def _taken_rows(self, W: torch.Tensor):
+        """``(ids [N], rows [N, D], accumulation dtype)`` of the rows the embedding's backward
+        kept, on W's device (fp32 sums for low-precision weights), or None when it kept none."""
+        parts = self.row_grads.take()
+        if not parts:
+            return None
+        one = len(parts) == 1  # the usual case: no concatenated copy
+        ids = (parts[0][0] if one else torch.cat([i for i, _ in parts])).to(W.device).reshape(-1)
+        rows = (parts[0][1] if one else torch.cat([r for _, r in parts])).to(W.device)
+        acc_dtype = torch.float32 if W.dtype in (torch.bfloat16, torch.float16) else W.dtype
+        return ids, rows, acc_dtype
+
     def _row_grad_sums(self, W: torch.Tensor):
         """The embedding's gradient as (unique ids ascending, their summed rows in W's dtype),
         from the rows its backward kept (fp32 sums for low-precision weights).  ``torch.unique``
         sizes its output by the data: a host sync at the end of backward (``SYNC_FREE``)."""
-        parts = self.row_grads.take()
-        if not parts:
+        taken = self._taken_rows(W)
+        if taken is None:
             return None, None
-        one = len(parts) == 1  # the usual case: no concatenated copy
-        ids = (parts[0][0] if one else torch.cat([i for i, _ in parts])).to(W.device)
-        rows = (parts[0][1] if one else torch.cat([r for _, r in parts])).to(W.device)
-        del parts
+        ids, rows, acc_dtype = taken
+        del taken
         uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
         del ids
-        acc_dtype = torch.float32 if W.dtype in (torch.bfloat16, torch.float16) else W.dtype
         sums = torch.zeros(uniq.numel(), W.shape[1], dtype=acc_dtype, device=W.device)
         sums.index_add_(0, inverse, rows if rows.dtype == acc_dtype else rows.to(acc_dtype))
         del rows, inverse
@@ -208,18 +218,15 @@ class TiedSlabs:
         for the device at the end of every backward, which drained the queue the host had
         built up during backward (the step is host-bound: the next forward then started with
         an idle GPU)."""
-        parts = self.row_grads.take()
-        if not parts:
+        taken = self._taken_rows(W)
+        if taken is None:
             return None, None
-        one = len(parts) == 1  # the usual case: no concatenated copy
-        ids = (parts[0][0] if one else torch.cat([i for i, _ in parts])).to(W.device).reshape(-1)
-        rows = (parts[0][1] if one else torch.cat([r for _, r in parts])).to(W.device)
-        del parts
+        ids, rows, acc_dtype = taken
+        del taken
         ids, order = torch.sort(ids)
         first = torch.ones_like(ids, dtype=torch.bool)
         first[1:] = ids[1:] != ids[:-1]
         slot = torch.cumsum(first, 0) - 1  # the distinct id's rank, per sorted row
-        acc_dtype = torch.float32 if W.dtype in (torch.bfloat16, torch.float16) else W.dtype
         sums = torch.zeros(ids.numel(), W.shape[1], dtype=acc_dtype, device=W.device)
         sums.index_add_(0, slot, rows.index_select(0, order).to(acc_dtype))
         del rows, order
