@@ -54,7 +54,7 @@ from pgs.func import tree as T
 from pgs.func._common import increment
 from pgs.func.adagc import AdaGCState
 from pgs.func.hyperball import HyperballState
-from pgs.func.kernels.fused import hp_tensor, one_minus
+from pgs.func.kernels.fused import hp_tensor, one_minus, sr_seed
 from pgs.func.layout import SEGMENT_LANES, group_label
 from pgs.func.learning_rate import lr_value
 from pgs.func.lion8bit import ScaleByLion8bitState
@@ -110,11 +110,6 @@ def match(opt) -> Callable | None:
     keys = [f"{i}_{c.name}" for i, c in enumerate(opt.children)]
     constrained = opt.children[3].group_by[0]
     return _make_step(keys, ada, mona, lion, hb, constrained)
-
-
-def _seed(count: torch.Tensor, group_index: int) -> torch.Tensor:
-    """Stochastic-rounding seed per step and group (int64 device tensor, no host sync)."""
-    return (count.to(torch.int64) * 1_000_003 + (group_index + 1) * 7919 + 0x5EED).reshape(1)
 
 
 def _chunks(n: int, bs: int):
@@ -238,7 +233,7 @@ def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
                 u8 = torch.empty(grp.size // 4 if pack else grp.size, dtype=torch.uint8 if pack else torch.int8,
                                  device=dev)
                 parts = torch.empty(3, nbk, dtype=torch.float32, device=dev)
-            seed = _seed(s_hb.count, gi) if sr else torch.zeros(1, dtype=torch.int64, device=dev)
+            seed = sr_seed(s_hb.count, gi, salt=0x5EED) if sr else torch.zeros(1, dtype=torch.int64, device=dev)
             chunks = _chunks(grp.size, bs)
             for ci, (s, n) in enumerate(chunks):
                 b0, nb = s // bs, -(-n // bs)

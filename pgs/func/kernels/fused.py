@@ -71,9 +71,10 @@ def one_minus(x):
     return 1.0 - x
 
 
-def sr_seed(count: torch.Tensor, group_index: int) -> torch.Tensor:
-    """A per-step, per-group Philox seed as an int64 device tensor (no host sync)."""
-    return (count.to(torch.int64) * 1_000_003 + (group_index + 1) * 7919).reshape(1)
+def sr_seed(count: torch.Tensor, group_index: int, salt: int = 0) -> torch.Tensor:
+    """A per-step, per-group Philox seed as an int64 device tensor (no host sync); ``salt``
+    sets a caller's seeds apart from another's at the same step and group."""
+    return (count.to(torch.int64) * 1_000_003 + ((group_index + 1) * 7919 + salt)).reshape(1)
 
 
 def sr_seeds(count: torch.Tensor, first: int, n: int) -> torch.Tensor:
