@@ -7,9 +7,7 @@
 # session-4 setting is pgs_chain_fused_a4_lanes64 in bench/optim_8bit.py)
 source "$(dirname "$0")/device_env.sh"
 log pytest
-timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_chain8bit.py tests/test_release_slabs.py \
-  tests/test_release_launches.py tests/test_small_kernel.py 2>&1 | grep -v "^W1129" \
-  | grep -E "Error|assert|FAILED|passed|failed" | cut -c1-300 | head -20 > "$OUT/pytest.log"
+cuda_tests 150 --tb=line tests/test_chain8bit.py tests/test_release_slabs.py tests/test_release_launches.py tests/test_small_kernel.py
 log sft 4b
 timeout "$(left 400)" python3 bench/sft_step.py --shapes qwen3-4b --steps 8 --warmup 2 --host-timers 2 \
   --out "$OUT/sft_4b.json" \

@@ -7,8 +7,7 @@ source "$(dirname "$0")/device_env.sh"
 [ -x /tmp/spy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl/py_spy*.whl
 export PATH=/tmp/spy/bin:$PATH
 log pytest
-timeout 100 python3 -m pytest -q -p no:cacheprovider --tb=short "tests/test_chain8bit.py::test_fused_equals_generic_flat_path" \
-  2>&1 | grep -v "^W1129" | grep -E "Error|assert|FAILED|passed|failed" | cut -c1-400 | head -12 > "$OUT/pytest.log"
+cuda_tests 100 --tb=short "tests/test_chain8bit.py::test_fused_equals_generic_flat_path"
 log spy
 timeout 200 py-spy record -r 250 --nonblocking --threads -f raw -o "$OUT/spy.txt" -- \
   python3 bench/sft_step.py --same-process --shapes qwen3-4b --steps 16 --warmup 2 \

@@ -8,9 +8,7 @@ source "$(dirname "$0")/device_env.sh"
 [ -x /tmp/spy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl/py_spy*.whl
 export PATH=/tmp/spy/bin:$PATH
 log pytest
-timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short "tests/test_chain8bit.py::test_fused_equals_generic_flat_path" \
-  tests/test_checkpointing.py tests/test_release_slabs.py \
-  2>&1 | grep -v "^W1129" | grep -E "Error|assert|FAILED|passed|failed" | cut -c1-400 | head -12 > "$OUT/pytest.log"
+cuda_tests 120 --tb=short "tests/test_chain8bit.py::test_fused_equals_generic_flat_path" tests/test_checkpointing.py tests/test_release_slabs.py
 log sft 4b
 timeout "$(left 560)" python3 bench/sft_step.py --shapes qwen3-4b --steps 8 --warmup 2 --host-timers 2 --spy "$OUT/spy" \
   --out "$OUT/sft_4b.json" \

@@ -5,10 +5,7 @@
 # passes at the new defaults against session 4's, Lion8bit and bitsandbytes in the same run.
 source "$(dirname "$0")/device_env.sh"
 log pytest
-timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_chain8bit.py tests/test_checkpointing.py \
-  tests/test_release_slabs.py tests/test_release_launches.py tests/test_small_kernel.py tests/test_kernels_interpret.py \
-  tests/test_release_prefetch.py tests/test_release_fused.py tests/test_deferred_kernels.py \
-  2>&1 | grep -v "^W1129" | grep -E "Error|assert|FAILED|passed|failed" | cut -c1-400 | head -16 > "$OUT/pytest.log"
+cuda_tests 200 --tb=line tests/test_chain8bit.py tests/test_checkpointing.py tests/test_release_slabs.py tests/test_release_launches.py tests/test_small_kernel.py tests/test_kernels_interpret.py tests/test_release_prefetch.py tests/test_release_fused.py tests/test_deferred_kernels.py
 log sft 4b
 timeout "$(left 330)" python3 bench/sft_step.py --shapes qwen3-4b --steps 10 --warmup 2 --host-timers 2 \
   --out "$OUT/sft_4b.json" --only hf_compiled_ac,pgs_release_slabs_sub >> "$OUT/all.log" 2>&1

@@ -6,9 +6,7 @@
 # taken back, so this script now times the chain as committed.)
 source "$(dirname "$0")/device_env.sh"
 log pytest
-timeout 100 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_chain8bit.py tests/test_checkpointing.py \
-  tests/test_kernels_interpret.py 2>&1 | grep -v "^W1129" | grep -E "Error|assert|FAILED|passed|failed" \
-  | cut -c1-400 | head -12 > "$OUT/pytest.log"
+cuda_tests 100 --tb=line tests/test_chain8bit.py tests/test_checkpointing.py tests/test_kernels_interpret.py
 log optim chain
 timeout 110 python3 bench/optim_8bit.py "$OUT/optim_chain.json" --budget 90 --trace "" \
   --isolate pgs_chain_fused --only pgs_lion8bit,pgs_chain_fused > "$OUT/optim_chain.log" 2>&1

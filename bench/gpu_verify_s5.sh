@@ -7,9 +7,7 @@
 # expected 11.998-11.999 as in s5_call4/5).
 source "$(dirname "$0")/device_env.sh"
 log pytest
-timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_checkpoint_offload.py tests/test_checkpointing.py \
-  tests/test_checkpoint_sublayer.py tests/test_chain8bit.py 2>&1 | grep -v "^W1129" \
-  | grep -E "Error|assert|FAILED|passed|failed" | cut -c1-400 | head -12 > "$OUT/pytest.log"
+cuda_tests 240 --tb=line tests/test_checkpoint_offload.py tests/test_checkpointing.py tests/test_checkpoint_sublayer.py tests/test_chain8bit.py
 log sft 4b
 timeout "$(left 560)" python3 bench/sft_step.py --shapes qwen3-4b --steps 10 --warmup 2 --host-timers 2 \
   --out "$OUT/sft_4b.json" --only hf_compiled_ac,pgs_release_slabs_sub,pgs_release >> "$OUT/all.log" 2>&1
