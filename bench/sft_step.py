@@ -36,7 +36,9 @@ checkpointing of every decoder layer):
   SwiGLU) instead of compiled layers (pgs's own chunked loss either way).
 - any variant with ``+sf`` / ``+pool`` / ``+rng`` / ``+slow`` appended (after ``_varlen``):
   with ``TiedSlabs.SYNC_FREE`` / ``checkpointing.PINNED_POOL`` / ``checkpointing.PRESERVE_RNG``
-  on, or ``checkpointing.FAST_RECOMPUTE`` off (``SWITCHES``; docs/memory.md).
+  on, or ``checkpointing.FAST_RECOMPUTE`` off (``SWITCHES``; docs/memory.md); ``+cudnn`` /
+  ``+fa2``: SDPA's cuDNN / FlashAttention-2 kernel first (pgs variants default to
+  ``model.sdpa_backend = "auto"``: cuDNN on Hopper; HF variants to PyTorch's order).
 - any variant with ``_varlen`` appended: the same with ``attn_implementation="varlen"``
   (packed documents without cross-document attention work; docs/data.md).
 
@@ -104,7 +106,11 @@ VARIANTS = BASE_VARIANTS + tuple(v + "_varlen" for v in BASE_VARIANTS)
 SWITCHES = {"sf": ("pgs.runtime.release_slabs", "TiedSlabs.SYNC_FREE", "PGS_SLABS_SYNC_FREE", True),
             "pool": ("pgs.runtime.checkpointing", "PINNED_POOL", "PGS_PINNED_POOL", True),
             "rng": ("pgs.runtime.checkpointing", "PRESERVE_RNG", "PGS_CHECKPOINT_RNG", True),
-            "slow": ("pgs.runtime.checkpointing", "FAST_RECOMPUTE", "PGS_FAST_RECOMPUTE", False)}
+            "slow": ("pgs.runtime.checkpointing", "FAST_RECOMPUTE", "PGS_FAST_RECOMPUTE", False),
+            # SDPA's kernel: pgs variants take model.sdpa_backend's default ("auto": cuDNN on Hopper),
+            # HF variants PyTorch's order unless one of these is given
+            "cudnn": ("pgs.runtime.attention", "SDPA_BACKEND", "PGS_SDPA_BACKEND", "cudnn"),
+            "fa2": ("pgs.runtime.attention", "SDPA_BACKEND", "PGS_SDPA_BACKEND", "flash")}
 
 
 def split_switches(name: str) -> tuple[str, list[str]]:
@@ -225,9 +231,12 @@ def _tiled(name: str) -> bool:
 def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None = None):
     """``step(ids, pos) -> loss`` for one variant (builds its optimizer and patches the model)."""
     import pgs.func as pf
+    from pgs.runtime import attention
     from pgs.runtime.attention import packed_kwargs, uses_varlen
 
     name = split_name(name)[0]
+    if name.startswith("pgs_") or attention.SDPA_BACKEND != attention.AUTO:  # as pgs run does
+        attention.prefer_sdpa_backend(attention.SDPA_BACKEND, model.device)
     from pgs.runtime.checkpointing import apply_activation_checkpointing, apply_liger, compile_layers
 
     compile_kw = {"backend": args.compile_backend} if args.compile_backend else {}
@@ -271,7 +280,7 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
                               track_grad_norm=False, fused=new_path, tied_slabs=slabs,
                               groups="parameter" if _per_parameter(name) else "layer")
     W0 = output_head(model)[0]
-    defer = new_path and W0 is model.get_input_embeddings().weight and not args.no_defer
+    defer = new_path and W0 is model.get_input_embeddings().weight and defers(name, args)
     if args.no_defer and slabs:
         raise ValueError("--no-defer: the _slabs variants rebuild the head's gradient slab by slab (they need the "
                          "deferral)")
@@ -291,8 +300,16 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
     return step, release
 
 
+def defers(name: str, args) -> bool:
+    """Whether a pgs variant defers the tied head's gradient: as ``memory.defer_head_grad = "auto"``
+    (with checkpointing or slabs) unless ``--defer`` / ``--no-defer`` say otherwise."""
+    if args.defer or args.no_defer:
+        return bool(args.defer)
+    return uses_ac(name) or _slabs(split_name(name)[0])
+
+
 def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk: int,
-                       slab_rows: int | None = None, mlp_tiles: int = 0, no_defer: bool = False) -> float | None:
+                       slab_rows: int | None = None, mlp_tiles: int = 0, defer: bool = True) -> float | None:
     """``pgs profile``'s prediction for a pgs variant (None for HF variants, or when it fails)."""
     if not name.startswith("pgs_"):
         return None
@@ -305,7 +322,7 @@ def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk:
         pred = predict_memory(dict(table), dtype=torch.bfloat16, chain=pf.lion8bit(1e-5), gradient_release=True,
                               activation_checkpointing=_policy(name) if uses_ac(name) else "none",
                               micro_batch_tokens=batch * seq, loss_chunk=loss_chunk,
-                              fused_update=new_path, defer_head_grad=None if new_path and not no_defer else False,
+                              fused_update=new_path, defer_head_grad=None if new_path and defer else False,
                               checkpoint_offload=_slabs(name), tied_slabs=slab_rows if _slabs(name) else None,
                               release_groups="parameter" if _per_parameter(name) else "layer",
                               mlp_tiles=mlp_tiles if _tiled(name) else 0,
@@ -328,8 +345,8 @@ def run_variant(name: str, shape: str, args, device) -> dict:
         if _tiled(name):
             out["mlp_tiles"] = args.mlp_tiles
         out["predicted_peak_gib"] = predicted_peak_gib(name, table, batch, seq, loss_chunk, SLAB_ROWS[shape],
-                                                       args.mlp_tiles, args.no_defer)
-        out["defer_head_grad"] = not args.no_defer
+                                                       args.mlp_tiles, defers(name, args))
+        out["defer_head_grad"] = defers(name, args)
     model = opt = step = None
     cuda = device.type == "cuda"
     restore_switches = apply_switches(split_switches(name)[1])
@@ -595,7 +612,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-defer", action="store_true",
                    help="pgs variants: the tied head's gradient accumulated chunk by chunk in the loss (a V×D "
                         "buffer through backward) instead of deferred and rebuilt at the end of backward (one "
-                        "head matmul less per step; not with _slabs variants)")
+                        "head matmul less per step; not with _slabs variants). Default: as pgs run's "
+                        "memory.defer_head_grad = \"auto\" (deferred with checkpointing or slabs)")
+    p.add_argument("--defer", action="store_true", help="pgs variants: always defer the tied head's gradient")
     p.add_argument("--profile", type=int, default=0,
                    help="after timing, profile this many steps (torch.profiler) and add a summary")
     p.add_argument("--host-timers", type=int, default=0,

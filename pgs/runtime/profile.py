@@ -461,8 +461,7 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   loss="dense" if spec.loss.backend == "dense" else "chunked", loss_chunk=spec.loss.chunk_size,
                   model=model,
                   # pgs run defers a tied head's gradient only with the chunked backend and when asked
-                  defer_head_grad=(None if (spec.loss.backend == "chunked"
-                                            and getattr(getattr(spec, "memory", None), "defer_head_grad", True))
+                  defer_head_grad=(None if (spec.loss.backend == "chunked" and spec.memory.head_grad_deferred())
                                    else False))
     return {"config": cfg, "kwargs": kwargs, "notes": notes, "micro_batch": micro,
             "seq_len": spec.data.max_seq_len, "options": opts}

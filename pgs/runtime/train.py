@@ -48,6 +48,7 @@ from pgs.func.losses import neftune, token_loss
 from pgs.runtime import checkpoint as ckpt
 from pgs.runtime import control
 from pgs.runtime import distributed as D
+from pgs.runtime.attention import prefer_sdpa_backend
 from pgs.runtime.bind import bind
 from pgs.runtime.data import EvalStream, TrainStream, require_packing_isolation
 from pgs.runtime.evaluate import eval_loss, read_samples, task_accuracy, task_checker
@@ -166,6 +167,7 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
     # FSDP2 keeps fp32 sharded masters and computes in bf16 (mixed precision) for a bf16 model
     mixed = "bf16" if sharded and m.dtype == "bfloat16" else None
     dtype = "float32" if mixed else m.dtype
+    prefer_sdpa_backend(m.sdpa_backend, device)
     model = build_model(path=m.path, config=config, dtype=dtype, attn_implementation=m.attn_implementation,
                         init_seed=m.init_seed, vocab_size=len(tokenizer)).to(device)
     if spec.data.packing:
@@ -288,9 +290,9 @@ def _forward(run: Run, batch, poison: bool):
 
 def _defers_head_grad(run: Run, weight) -> bool:
     """Gradient release on one process, a tied head (the input embedding's weight), the chunked
-    loss and ``memory.defer_head_grad``: the head's gradient is added into the embedding's own
+    loss and ``memory.defer_head_grad`` (``"auto"``: with checkpointing or slabs): the head's gradient is added into the embedding's own
     gradient buffer right before that weight steps (one V×D buffer, only at the end of backward)."""
-    if not (run.release and run.ctx is None and run.spec.memory.defer_head_grad and weight.requires_grad):
+    if not (run.release and run.ctx is None and run.spec.memory.head_grad_deferred() and weight.requires_grad):
         return False
     if run.spec.loss.backend != "chunked" or not hasattr(run.bound, "add_before_step"):
         return False
