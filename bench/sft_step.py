@@ -36,11 +36,11 @@ checkpointing of every decoder layer):
   SwiGLU) instead of compiled layers (pgs's own chunked loss either way).
 - any variant with ``+sf`` / ``+pool`` / ``+rng`` / ``+slow`` appended (after ``_varlen``):
   with ``TiedSlabs.SYNC_FREE`` / ``checkpointing.PINNED_POOL`` / ``checkpointing.PRESERVE_RNG``
-  on, or ``checkpointing.FAST_RECOMPUTE`` off (``SWITCHES``; docs/memory.md); ``+cudnn`` /
-  ``+fa2``: SDPA's cuDNN / FlashAttention-2 kernel first (pgs variants default to
-  ``model.sdpa_backend = "auto"``: cuDNN on Hopper; HF variants to PyTorch's order).
+  on, or ``checkpointing.FAST_RECOMPUTE`` off (``SWITCHES``; docs/memory.md).
 - any variant with ``_varlen`` appended: the same with ``attn_implementation="varlen"``
   (packed documents without cross-document attention work; docs/data.md).
+- an HF variant with ``_causal`` appended: a packed shape's rows as single causal sequences
+  (no document isolation: what ANCHORS.md's 0.6B rows measured).
 
 Default variants per shape (``SHAPE_VARIANTS``); ``--only`` picks any.  The chunked loss's
 chunk is per shape unless ``--loss-chunk`` is given (``default_loss_chunk``): 256 rows at 4B
@@ -98,6 +98,10 @@ BASE_VARIANTS = ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "hf_compiled", 
 #: documents through FlashAttention's variable-length kernel (pgs.runtime.attention); the HF
 #: variants then get the boundaries as keyword arguments, as TRL's flattening collator gives them
 VARIANTS = BASE_VARIANTS + tuple(v + "_varlen" for v in BASE_VARIANTS)
+#: suffix ``_causal`` (HF variants): the packed shapes' rows fed as single causal sequences
+#: (positions 0..S-1, no document boundaries, so documents attend to each other): the setup of
+#: shared/docs/ANCHORS.md's 0.6B rows (HF + Liger eager, 83.5k tok/s), the issue's reference
+VARIANTS += tuple(v + "_causal" for v in BASE_VARIANTS if v.startswith("hf_"))
 
 
 #: runtime switches a variant name may carry as ``+suffix`` (e.g.
@@ -106,11 +110,7 @@ VARIANTS = BASE_VARIANTS + tuple(v + "_varlen" for v in BASE_VARIANTS)
 SWITCHES = {"sf": ("pgs.runtime.release_slabs", "TiedSlabs.SYNC_FREE", "PGS_SLABS_SYNC_FREE", True),
             "pool": ("pgs.runtime.checkpointing", "PINNED_POOL", "PGS_PINNED_POOL", True),
             "rng": ("pgs.runtime.checkpointing", "PRESERVE_RNG", "PGS_CHECKPOINT_RNG", True),
-            "slow": ("pgs.runtime.checkpointing", "FAST_RECOMPUTE", "PGS_FAST_RECOMPUTE", False),
-            # SDPA's kernel: pgs variants take model.sdpa_backend's default ("auto": cuDNN on Hopper),
-            # HF variants PyTorch's order unless one of these is given
-            "cudnn": ("pgs.runtime.attention", "SDPA_BACKEND", "PGS_SDPA_BACKEND", "cudnn"),
-            "fa2": ("pgs.runtime.attention", "SDPA_BACKEND", "PGS_SDPA_BACKEND", "flash")}
+            "slow": ("pgs.runtime.checkpointing", "FAST_RECOMPUTE", "PGS_FAST_RECOMPUTE", False)}
 
 
 def split_switches(name: str) -> tuple[str, list[str]]:
@@ -141,7 +141,7 @@ def apply_switches(switches: list[str]) -> Callable[[], None]:
 
 def split_name(name: str) -> tuple[str, str]:
     """``(base variant, attention implementation)``."""
-    name = split_switches(name)[0]
+    name = split_switches(name)[0].removesuffix("_causal")
     if name.endswith("_varlen"):
         return name[: -len("_varlen")], "varlen"
     return name, "sdpa"
@@ -231,12 +231,9 @@ def _tiled(name: str) -> bool:
 def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None = None):
     """``step(ids, pos) -> loss`` for one variant (builds its optimizer and patches the model)."""
     import pgs.func as pf
-    from pgs.runtime import attention
     from pgs.runtime.attention import packed_kwargs, uses_varlen
 
     name = split_name(name)[0]
-    if name.startswith("pgs_") or attention.SDPA_BACKEND != attention.AUTO:  # as pgs run does
-        attention.prefer_sdpa_backend(attention.SDPA_BACKEND, model.device)
     from pgs.runtime.checkpointing import apply_activation_checkpointing, apply_liger, compile_layers
 
     compile_kw = {"backend": args.compile_backend} if args.compile_backend else {}
@@ -335,7 +332,7 @@ def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk:
 def run_variant(name: str, shape: str, args, device) -> dict:
     table, batch, seq = (SMALL_SHAPES if args.small else SHAPES)[shape]
     loss_chunk = args.loss_chunk or default_loss_chunk(shape)
-    packed = shape in PACKED
+    packed = shape in PACKED and not split_switches(name)[0].endswith("_causal")
     out: dict = {"variant": name, "shape": shape, "batch": batch, "seq": seq, "packed": packed,
                  "activation_checkpointing": uses_ac(name)}
     if name.startswith("pgs_"):

@@ -193,41 +193,9 @@ def test_build_model_auto_on_cpu_is_sdpa():
     assert model.config._attn_implementation == expected
 
 
-@pytest.fixture
-def sdp_order():
-    """Restores PyTorch's SDPA priority order and pgs's record of it after a test that sets them."""
-    before, preferred = torch._C._get_sdp_priority_order(), list(A._preferred)
-    yield before
-    torch._C._set_sdp_priority_order(before)
-    A._preferred[:] = preferred
+def test_the_spec_resolves_defer_head_grad():
+    from pgs.runtime.spec import MemorySpec
 
-
-def test_sdpa_backend_auto_puts_cudnn_first_only_on_hopper(monkeypatch, sdp_order):
-    from torch.nn.attention import SDPBackend
-
-    assert A.prefer_sdpa_backend("auto", "cpu") == "default"
-    assert torch._C._get_sdp_priority_order() == sdp_order
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert A.prefer_sdpa_backend("auto") == "default"  # Ampere: PyTorch's order (cuDNN measured slower)
-    assert torch._C._get_sdp_priority_order() == sdp_order
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert A.prefer_sdpa_backend("auto") == "cudnn"
-    order = torch._C._get_sdp_priority_order()
-    assert order[0] == int(SDPBackend.CUDNN_ATTENTION) and sorted(order) == sorted(sdp_order)
-    assert A.prefer_sdpa_backend("flash") == "flash"
-    order = torch._C._get_sdp_priority_order()
-    assert order[0] == int(SDPBackend.FLASH_ATTENTION) and sorted(order) == sorted(sdp_order)
-    with pytest.raises(SpecError, match="model.sdpa_backend"):
-        A.prefer_sdpa_backend("cudnnn")
-
-
-def test_the_spec_takes_sdpa_backend_and_resolves_defer_head_grad():
-    from pgs.runtime.spec import MemorySpec, ModelSpec
-
-    assert ModelSpec(config={"model_type": "qwen3"}).sdpa_backend == "auto"
-    with pytest.raises(SpecError, match="sdpa_backend"):
-        ModelSpec(config={"model_type": "qwen3"}, sdpa_backend="fa3")
     assert MemorySpec().defer_head_grad == "auto" and not MemorySpec().head_grad_deferred()
     assert MemorySpec(activation_checkpointing="full").head_grad_deferred()
     assert MemorySpec(tied_slabs=4096).head_grad_deferred()
@@ -238,11 +206,14 @@ def test_the_spec_takes_sdpa_backend_and_resolves_defer_head_grad():
 
 
 @pytest.mark.skipif(not A.varlen_available("cuda", torch.bfloat16), reason="needs CUDA and torch's varlen_attn")
-def test_one_document_per_row_takes_dense_sdpa_when_cudnn_is_preferred(sdp_order):
-    """Unpacked rows (one document each) under the cuDNN preference: dense causal SDPA, equal to
-    the reference; rows of several documents stay on the varlen kernel (also equal)."""
+def test_one_document_per_row_takes_dense_sdpa(monkeypatch):
+    """Unpacked rows (one document each) run as dense causal SDPA, rows of several documents on
+    the varlen kernel; both equal the reference."""
     torch.manual_seed(0)
-    A.prefer_sdpa_backend("cudnn", "cuda")
+    calls = []
+    dense = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or dense(*a, **k))
     for docs in ([(1024,), (1024,)], [(300, 724), (1024,)]):
         _, batch = batch_of(docs, seq_len=1024)
         pos = batch.position_ids.cuda()
@@ -250,9 +221,11 @@ def test_one_document_per_row_takes_dense_sdpa_when_cudnn_is_preferred(sdp_order
         k = torch.randn(2, 2, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(2, 2, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         out, _ = A.varlen_attention(None, q, k, v, None, **A.packed_kwargs(pos))
+        assert len(calls) == (1 if len(docs[0]) == 1 else 0)
         cu = A.cu_seqlens_from_positions(pos)
         flat = [t.transpose(1, 2).reshape(2048, t.shape[1], 128).float() for t in (q, k, v)]
         ref = A._reference(*flat, cu, 2, 1024, None).view(2, 1024, 8, 128)
+        calls.clear()
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
         go = torch.randn_like(out)
         got = torch.autograd.grad(out, (q, k, v), go)

@@ -31,23 +31,19 @@ those calls and none for a forward without a padding mask and without a cache).
 
 Not supported (refused with a message): attention dropout, sliding windows, logit softcapping.
 
-SDPA's backend (``model.sdpa_backend``, :func:`prefer_sdpa_backend`).  PyTorch picks SDPA's kernel
-by a fixed priority (FlashAttention-2 first, cuDNN last).  On Hopper (compute capability 9.x)
-cuDNN's fused attention is the faster kernel for training shapes, so ``"auto"`` puts it first
-there; PyTorch still falls back down the list for inputs cuDNN does not take.  The setting is the
-process's (it is PyTorch's global priority order).  A packed forward whose rows each hold one
-document (``cu_seqlens`` are the row boundaries: unpacked rows) then runs as dense causal SDPA, so
-it gets that kernel too.  Variable-length batches of several documents per row stay on
-FlashAttention's varlen kernel: PyTorch's cuDNN variable-length entry point
-(``aten._cudnn_attention_forward`` with ``cum_seq``) rebuilt its graph on every call (110 ms per
-layer) and its backward returned non-finite gradients on torch 2.11
-(``bench/results/s6_call1/attn_cudnn.json``).
+Rows that hold one document each (``cu_seqlens`` are the row boundaries: unpacked rows, or a
+forward without boundaries) run as dense causal SDPA instead, whose kernel PyTorch picks: on
+an H200 that is cuDNN's fused attention, 1.07 ms forward + backward per Qwen3-4B layer
+(32 q / 8 kv heads, 4096 tokens) against 2.01 ms for the varlen kernel, with the same error
+against an fp32 reference (``bench/results/s6_call2/attn_cudnn.json``).  PyTorch's cuDNN
+variable-length entry point (``aten._cudnn_attention_forward`` with ``cum_seq``) is not used:
+on torch 2.11 it rebuilt its graph on every call (110 ms per layer) and its backward returned
+non-finite gradients (``bench/results/s6_call1/attn_cudnn.json``).
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 from functools import lru_cache
 
 import torch
@@ -165,7 +161,7 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
     k = key.transpose(1, 2).reshape(batch * width, hkv, d)
     v = value.transpose(1, 2).reshape(batch * width, hkv, d)
     call = _varlen_call() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else None
-    if call is not None and _preferred[0] == "cudnn" and cu.shape[0] == batch + 1:
+    if call is not None and cu.shape[0] == batch + 1:
         # one document per row (every row starts one, so no more boundaries than rows): dense causal
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                                                enable_gqa=hkv != hq)
@@ -208,40 +204,6 @@ def register() -> str:
 
 AUTO = "auto"
 
-from pgs.runtime.spec_sections import SDPA_BACKENDS  # noqa: E402  (``model.sdpa_backend``'s values)
-
-#: What the benchmark's ``+cudnn`` switch and ``PGS_SDPA_BACKEND`` set (a spec's field wins).
-SDPA_BACKEND = os.environ.get("PGS_SDPA_BACKEND", AUTO)
-_preferred = ["default"]  # what prefer_sdpa_backend last put first
-
-
-def prefer_sdpa_backend(choice: str = AUTO, device: torch.device | str | None = None) -> str:
-    """Put SDPA's backend ``choice`` first in PyTorch's priority order (for the whole process);
-    returns the backend now first, or ``"default"`` where the order was left as PyTorch has it.
-
-    ``"auto"``: cuDNN on a Hopper GPU (compute capability 9.x), PyTorch's order elsewhere;
-    ``"cudnn"`` / ``"flash"``: that backend first wherever it is CUDA; ``"default"``: PyTorch's
-    order.  Inputs the first backend cannot take fall through to the next, as PyTorch does.
-    """
-    if choice not in SDPA_BACKENDS:
-        raise SpecError(f"model.sdpa_backend: expected one of {', '.join(SDPA_BACKENDS)}, got {choice!r}")
-    device = torch.device(device) if device is not None else None
-    cuda = torch.cuda.is_available() and (device is None or device.type == "cuda")
-    if choice == AUTO:
-        choice = "cudnn" if cuda and torch.cuda.get_device_capability(device)[0] == 9 else "default"
-    setter = getattr(torch._C, "_set_sdp_priority_order", None)
-    if choice == "default" or not cuda or setter is None:
-        _preferred[0] = "default"
-        return "default"
-    from torch.nn.attention import SDPBackend
-
-    first = SDPBackend.CUDNN_ATTENTION if choice == "cudnn" else SDPBackend.FLASH_ATTENTION
-    order = [int(first)] + [b for b in torch._C._get_sdp_priority_order() if b != int(first)]
-    setter(order)
-    if choice == "cudnn":
-        torch.backends.cuda.enable_cudnn_sdp(True)
-    _preferred[0] = choice
-    return choice
 
 
 def varlen_suits(config) -> str | None:

@@ -23,7 +23,6 @@ ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "varlen", "eager", "flash_attention_2", "flex_attention")
-SDPA_BACKENDS = ("auto", "cudnn", "flash", "default")
 FREEZE_POLICIES = ("none", "non_attention")
 SCHEDULES = ("constant", "linear_warmup", "cosine", "wsd", "power_decay")
 WSD_SHAPES = ("linear", "cosine", "1-sqrt", "power", "exponential")
@@ -111,8 +110,6 @@ class ModelSpec:
     tokenizer: str | None = attrs.field(default=None, validator=attrs.validators.optional(_str))
     dtype: str = attrs.field(default="float32", validator=_one_of(DTYPES))
     attn_implementation: str = attrs.field(default="auto", validator=_one_of(ATTN_IMPLEMENTATIONS))
-    #: SDPA's preferred kernel (pgs.runtime.attention.prefer_sdpa_backend): "auto" is cuDNN on Hopper
-    sdpa_backend: str = attrs.field(default="auto", validator=_one_of(SDPA_BACKENDS))
     freeze: str | tuple[str, ...] = attrs.field(default="none")
     trust_remote_code: bool = attrs.field(default=False, validator=_bool)
     init_seed: int = attrs.field(default=0, validator=_int_at_least(0))

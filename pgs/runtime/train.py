@@ -48,7 +48,6 @@ from pgs.func.losses import neftune, token_loss
 from pgs.runtime import checkpoint as ckpt
 from pgs.runtime import control
 from pgs.runtime import distributed as D
-from pgs.runtime.attention import prefer_sdpa_backend
 from pgs.runtime.bind import bind
 from pgs.runtime.data import EvalStream, TrainStream, require_packing_isolation
 from pgs.runtime.evaluate import eval_loss, read_samples, task_accuracy, task_checker
@@ -167,7 +166,6 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
     # FSDP2 keeps fp32 sharded masters and computes in bf16 (mixed precision) for a bf16 model
     mixed = "bf16" if sharded and m.dtype == "bfloat16" else None
     dtype = "float32" if mixed else m.dtype
-    prefer_sdpa_backend(m.sdpa_backend, device)
     model = build_model(path=m.path, config=config, dtype=dtype, attn_implementation=m.attn_implementation,
                         init_seed=m.init_seed, vocab_size=len(tokenizer)).to(device)
     if spec.data.packing:
