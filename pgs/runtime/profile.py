@@ -265,7 +265,8 @@ def predict_memory(
         fused_update: release steps with an in-place fused kernel (None: when the chain has
             one — ``lion8bit``/``adamw8bit``'s ``fused_step``, or an AdamW/Lion plan).
         defer_head_grad: the tied head's gradient joins the embedding's at the end of
-            backward (None: with release, a chunked loss and a tied head, as ``pgs run``).
+            backward (None: with release, a chunked loss, a tied head and checkpointing or tied
+            slabs, as ``pgs run``'s ``memory.defer_head_grad = "auto"``).
         loss_kernels: the chunked loss runs its two Triton passes (CUDA; ``chunk_work_bytes``
             has what each path holds per chunk).  None: yes unless ``PGS_CE_KERNELS=0`` —
             the prediction is for a CUDA run even where it is made on a CPU.
@@ -339,7 +340,10 @@ def predict_memory(
     if defer_head_grad is None:
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
         tied = head is not None and embed is not None and head.weight is embed.weight
-        defer_head_grad = bool(gradient_release and loss == "chunked" and tied and head.weight.requires_grad)
+        # as memory.defer_head_grad = "auto" (MemorySpec.head_grad_deferred): where memory is traded
+        wanted = activation_checkpointing not in (None, "none") or bool(tied_slabs)
+        defer_head_grad = bool(gradient_release and loss == "chunked" and tied and head.weight.requires_grad
+                               and wanted)
     if fused_update is None:
         from pgs.func import fused as _fused
 
