@@ -15,7 +15,9 @@ Inputs (``--inputs latest``, the default):
 - ``s6_call4/sft_06b.json``: Qwen3-0.6B 8×4096 packed, HF + Liger (SDPA with transformers'
   block mask; the rows as single causal sequences, ANCHORS.md's setup; pgs's varlen attention)
   against pgs release, all from one call.
-- ``s3_call1_converge.json``: per-step losses of HF AdamW and pgs lion8bit (lr 1e-4), 120 steps.
+- ``s6_call7/converge.json``: per-step losses of HF AdamW and pgs lion8bit (lr 1e-4), 200 steps
+  of a 256-state Markov chain (session 6; ``--converge s3_call1_converge.json``: session 3's
+  120 steps over 1024 states).
 
 ``--sft-4b``, ``--sft-06b`` and ``--converge`` name other files (relative to ``--results``).
 ``--inputs s2`` draws the session-2 plots instead, from ``s2_final_probe.json`` (pgs rows),
@@ -43,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOAL_GIB_4B = 12.0  # issue 8: <= 12 GiB peak allocated at the 4B shape, at >= HF's tok/s
 GOAL_SPEEDUP_06B = 1.25  # issue 8: >= 1.25x the best HF setup's tok/s at the 0.6B shape
 
-LATEST_FILES = dict(sft_4b="s6_call6/sft_4b.json", sft_06b="s6_call4/sft_06b.json", converge="s3_call1_converge.json")
+LATEST_FILES = dict(sft_4b="s6_call6/sft_4b.json", sft_06b="s6_call4/sft_06b.json", converge="s6_call7/converge.json")
 
 # Readable names for bench/sft_step.py's variant ids; an unknown id is shown as it is.
 VARIANT_LABELS = {
@@ -387,10 +389,17 @@ def plot_converge(path_in: str, out: str) -> str | None:
         ax.axhline(meta["entropy_floor"], color="tab:green", ls=":", lw=1)
         ax.text(n - 1, meta["entropy_floor"] + 0.1, f"chain's entropy (floor): {meta['entropy_floor']:.2f}",
                 ha="right", va="bottom", fontsize=8.5, color="tab:green")
-    ax.set_ylim(0, None)
+    # a loss spike (HF AdamW's step 118 in s6_call7 reached 25) would flatten the rest: clip the
+    # axis a little above the starting loss and say so
+    top = 1.15 * max(s[0] for s in series.values())
+    peak = max(max(s) for s in series.values())
+    ax.set_ylim(0, top)
+    if peak > top:
+        ax.text(0.5, 0.985, f"y axis clipped: a spike reaches {peak:.1f}", transform=ax.transAxes, ha="center",
+                va="top", fontsize=8, color="0.35")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (nats/token)")
-    ax.legend(fontsize=8.5, loc="upper right")
+    ax.legend(fontsize=8.5, loc="center right")
     ax.grid(alpha=0.3)
 
     if "hf_adamw" in series and len(order) > 1:
@@ -404,6 +413,7 @@ def plot_converge(path_in: str, out: str) -> str | None:
             ax_d.plot(range(len(d)), d, color=col, ls=ls, lw=1.4, label=lab.split(",")[-1].strip())
             tail.append((v, d, col, ls))
         ax_d.axhline(0, color="black", lw=0.8)
+        ax_d.set_ylim(max(-3.0, min(min(d) for _, d, _, _ in tail) - 0.2), None)
         ax_d.set_xlabel("optimizer step")
         ax_d.set_ylabel("loss − HF AdamW loss (nats/token)")
         ax_d.set_title("difference from HF AdamW", fontsize=9.5)
