@@ -30,7 +30,7 @@ from test_train import ROOT, assert_same_checkpoint, child_env, command, step_re
 RELEASE = "\n[memory]\ngradient_release = {release}\ndefer_head_grad = {defer}\n"
 
 
-def release_spec(tmp_path: Path, name: str, *, release: bool = True, defer: bool = False, **fields) -> Path:
+def release_spec(tmp_path: Path, name: str, *, release: bool = True, defer: bool | str = False, **fields) -> Path:
     """tests/test_train.py's tiny spec with grad_accum = 1, clip = 0 and a [memory] section."""
     fields.setdefault("steps", 6)
     fields.setdefault("every", 3)
@@ -38,7 +38,7 @@ def release_spec(tmp_path: Path, name: str, *, release: bool = True, defer: bool
     text = path.read_text().replace("grad_accum = 2", "grad_accum = 1")
     text = text.replace('alias = "adamw"', 'alias = "adamw"\nclip = 0')
     path.write_text(text + RELEASE.format(release="true" if release else "false",
-                                          defer="true" if defer else "false"))
+                                          defer=f'"{defer}"' if isinstance(defer, str) else str(defer).lower()))
     return path
 
 
@@ -228,6 +228,20 @@ def test_the_loop_defers_the_tied_head_gradient(tmp_path):
     assert list(run.bound._before) == [n for n, p in run.bound.params.items() if p is embed]
     loss_sum.backward()
     assert run.bound._before == {} and all(p.grad is None for p in run.model.parameters())
+
+
+def test_auto_defers_the_tied_head_gradient_only_where_memory_is_traded(tmp_path):
+    """``defer_head_grad = "auto"`` (the default): deferred with activation checkpointing or tied
+    slabs, not without (one head matmul per step saved where the V×D buffer is small)."""
+    from pgs.runtime.spec import load_spec
+    from pgs.runtime.train import _defers_head_grad, setup
+
+    for name, extra, want in (("plain", "", False), ("ckpt", 'activation_checkpointing = "full"\n', True)):
+        path = release_spec(tmp_path, name, defer="auto")
+        path.write_text(path.read_text() + extra)
+        run = setup(load_spec(path))
+        assert run.spec.memory.defer_head_grad == "auto"
+        assert _defers_head_grad(run, run.model.get_input_embeddings().weight) is want
 
 
 def test_mlp_tiles_and_per_parameter_groups_from_the_spec(tmp_path):
