@@ -237,6 +237,8 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
     from pgs.runtime.checkpointing import apply_activation_checkpointing, apply_liger, compile_layers
 
     compile_kw = {"backend": args.compile_backend} if args.compile_backend else {}
+    if getattr(args, "compile_options", None):  # inductor options for every compiled layer (HF's too)
+        compile_kw["options"] = json.loads(args.compile_options)
     if "_liger" in name:
         apply_liger(model)  # before checkpointing wraps the layers' forwards
     if _tiled(name):
@@ -623,6 +625,8 @@ def main(argv=None) -> int:
     p.add_argument("--same-process", action="store_true",
                    help="run every variant in this process (default: one child process per variant, so "
                         "that no variant's memory or compiled code can leak into the next one's peak)")
+    p.add_argument("--compile-options", default=None,
+                   help='inductor options for the compiled layers, JSON (e.g. \'{"coordinate_descent_tuning": true}\')')
     p.add_argument("--compile-backend", default=None,
                    help="torch.compile backend (default inductor; eager on CPU with --small)")
     args = p.parse_args(argv)
