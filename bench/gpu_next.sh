@@ -1,21 +1,21 @@
 #!/bin/bash
-# Prepared at the end of session 6 for the next device call (one H200; carry ".whl"), not run yet:
-# (1) the convergence check with the same optimizer on both sides (pgs adamw8bit: release, 8-bit
-# state, bf16 + stochastic rounding; against HF AdamW) and Lion at lr 3e-4, 200 steps of the
-# 256-state chain (s6_call7 had lion8bit at lr 1e-4 behind AdamW: 5.356 vs 4.890);
-# (2) Qwen3-0.6B packed with inductor's coordinate-descent tuning of the compiled layers'
-# elementwise kernels (34 ms of the 304 ms step in s6_call3), against the default and the
-# unisolated HF + Liger baseline (83.7k in s6_call4; 1.25x = 104.7k).
+# Prepared at the end of session 6 for the next device call (one H200; carry ".whl", which must
+# hold nvidia_cudnn_frontend-1.32.0-cp312-*.whl beside the other wheels, 57.6 MiB in all:
+#   pip download nvidia-cudnn-frontend==1.32.0 --no-deps --python-version 3.12 --only-binary=:all: \
+#     --platform manylinux_2_28_x86_64 -d .whl
+# ). Not run yet. The 0.6B packed step spends 79.5 of its 304 ms in FlashAttention-2 (s6_call3);
+# cuDNN's dense kernel was 1.9x faster than FA2 at the 4B shape (s6_call2). This call asks
+# whether cuDNN's THD (packed) SDPA through the frontend's torch op is exact and faster there:
+# (1) the probe: error against fp32, fwd+bwd time, a new document count, zero-length padding,
+# torch.compile; (2) Qwen3-0.6B 8x4096 packed: pgs and HF + Liger with varlen attention through
+# FA2 and through cuDNN THD (+cudnnthd), against ANCHORS.md's unisolated HF + Liger setup.
 source "$(dirname "$0")/device_env.sh"
-log converge
-timeout 200 python3 bench/sft_converge.py --steps 200 --states 256 --only hf_adamw,pgs_adamw8bit \
-  --out "$OUT/converge_adamw.json" >> "$OUT/all.log" 2>&1
-timeout "$(left 300)" python3 bench/sft_converge.py --steps 200 --states 256 --lion-lr 3e-4 --only pgs_lion8bit \
-  --out "$OUT/converge_lion3e-4.json" >> "$OUT/all.log" 2>&1
+log attn probe
+timeout 150 python3 bench/experiments/attn_cudnn.py --frontend-only "$OUT/attn_fe.json" > "$OUT/attn.log" 2>&1
 log sft 06b
-timeout "$(left 450)" python3 bench/sft_step.py --shapes qwen3-0.6b --steps 6 --warmup 2 --out "$OUT/sft_06b.json" \
-  --only hf_liger_causal,pgs_release_noac_varlen >> "$OUT/all.log" 2>&1
-timeout "$(left 580)" python3 bench/sft_step.py --shapes qwen3-0.6b --steps 6 --warmup 2 --out "$OUT/sft_06b_cdt.json" \
-  --only pgs_release_noac_varlen --compile-options '{"coordinate_descent_tuning": true}' >> "$OUT/all.log" 2>&1
+timeout "$(left 560)" python3 bench/sft_step.py --shapes qwen3-0.6b --steps 6 --warmup 3 --out "$OUT/sft_06b.json" \
+  --only hf_liger_causal,pgs_release_noac_varlen,pgs_release_noac_varlen+cudnnthd,hf_liger_varlen+cudnnthd \
+  >> "$OUT/all.log" 2>&1
 log done
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W11" "$OUT/all.log" | cut -c1-200 | tail -10
+grep "^{" "$OUT/attn.log" | cut -c1-600
+grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W11" "$OUT/all.log" | cut -c1-200 | tail -8

@@ -36,7 +36,8 @@ checkpointing of every decoder layer):
   SwiGLU) instead of compiled layers (pgs's own chunked loss either way).
 - any variant with ``+sf`` / ``+pool`` / ``+rng`` / ``+slow`` appended (after ``_varlen``):
   with ``TiedSlabs.SYNC_FREE`` / ``checkpointing.PINNED_POOL`` / ``checkpointing.PRESERVE_RNG``
-  on, or ``checkpointing.FAST_RECOMPUTE`` off (``SWITCHES``; docs/memory.md).
+  on, or ``checkpointing.FAST_RECOMPUTE`` off (``SWITCHES``; docs/memory.md); ``+cudnnthd``
+  (an experiment): ``_varlen`` attention through nvidia-cudnn-frontend's THD SDPA op.
 - any variant with ``_varlen`` appended: the same with ``attn_implementation="varlen"``
   (packed documents without cross-document attention work; docs/data.md).
 - an HF variant with ``_causal`` appended: a packed shape's rows as single causal sequences
@@ -58,6 +59,7 @@ memory is freed and the next variant runs.  JSON goes to ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -104,13 +106,30 @@ VARIANTS = BASE_VARIANTS + tuple(v + "_varlen" for v in BASE_VARIANTS)
 VARIANTS += tuple(v + "_causal" for v in BASE_VARIANTS if v.startswith("hf_"))
 
 
+@functools.lru_cache(maxsize=1)
+def _cudnn_thd_call():
+    """``attention._varlen_call``'s ``(fn, causal kwargs)`` through ``cudnn.sdpa_torch`` (THD
+    layout, ``cu_seqlens``; differentiable with ``return_lse=True``).  Not measured yet."""
+    import cudnn
+
+    sdpa = cudnn.sdpa_torch
+
+    def fn(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, **_causal):
+        return sdpa(q, k, v, scale=scale, is_causal=True, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q,
+                    max_seqlen_kv=max_k, return_lse=True)[0]
+    return fn, {}
+
+
 #: runtime switches a variant name may carry as ``+suffix`` (e.g.
 #: ``pgs_release_slabs_sub+sf+pool``): (module, attribute, environment variable, value) set for that
 #: variant only (its child process gets the variable; ``--same-process`` sets the attribute)
 SWITCHES = {"sf": ("pgs.runtime.release_slabs", "TiedSlabs.SYNC_FREE", "PGS_SLABS_SYNC_FREE", True),
             "pool": ("pgs.runtime.checkpointing", "PINNED_POOL", "PGS_PINNED_POOL", True),
             "rng": ("pgs.runtime.checkpointing", "PRESERVE_RNG", "PGS_CHECKPOINT_RNG", True),
-            "slow": ("pgs.runtime.checkpointing", "FAST_RECOMPUTE", "PGS_FAST_RECOMPUTE", False)}
+            "slow": ("pgs.runtime.checkpointing", "FAST_RECOMPUTE", "PGS_FAST_RECOMPUTE", False),
+            # experiment: the varlen path through nvidia-cudnn-frontend's THD SDPA op (its wheel
+            # carried in .whl) instead of FlashAttention-2's kernel; for HF _varlen rows too
+            "cudnnthd": ("pgs.runtime.attention", "_varlen_call", "PGS_BENCH_CUDNN_THD", _cudnn_thd_call)}
 
 
 def split_switches(name: str) -> tuple[str, list[str]]:

@@ -8,7 +8,9 @@ output and in dq/dk/dv; (2) whether autograd reaches through the forward op by i
 (3) zero-length trailing documents (padding the document count to a bucket) change nothing;
 (4) fwd+bwd time of both kernels at Qwen3-0.6B 8×4096 packed and Qwen3-4B 1×4096; (5) the
 cost of a new document count (cuDNN builds a graph per shape); (6) torch.compile through a
-torch.library custom op wrapping both.
+torch.library custom op wrapping both; (7) dense causal SDPA, cuDNN against FlashAttention-2;
+(8) with ``--frontend-only``: nvidia-cudnn-frontend's THD SDPA op (``cudnn.sdpa_torch``, its
+wheel carried in ``.whl``) against FlashAttention-2's varlen kernel (``frontend_thd``).
 """
 
 from __future__ import annotations
@@ -110,6 +112,11 @@ def main(out_path: str):
     global BIAS
     gen = torch.Generator(device=dev).manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
+    if "--frontend-only" in sys.argv:
+        frontend_thd(gen, cpu_gen)
+        with open(out_path, "w") as f:
+            json.dump(res, f, indent=1)
+        return
     shapes = {"qwen3-0.6b_8x4096": (8, 4096, 16, 8, 128, 256, 2048),
               "qwen3-4b_1x4096": (1, 4096, 32, 8, 128, 4096, 4096)}
     # (2) autograd through the forward op by itself
@@ -210,6 +217,75 @@ def dense(gen):
         say(f"dense_{label}", row)
 
 
+def frontend_thd(gen, cpu_gen):
+    """(8) nvidia-cudnn-frontend's THD (packed, ``cu_seqlens``) SDPA torch op against
+    FlashAttention-2's varlen kernel at the Qwen3-0.6B packed shape: error against an fp32
+    reference of the first row's documents, fwd+bwd time, the first call at a new document count
+    (its graph cache is keyed on it), zero-length documents padding the count to a bucket, and
+    torch.compile through the op."""
+    try:
+        import cudnn
+
+        fe = cudnn.sdpa_torch
+        say("frontend", {"version": getattr(cudnn, "__version__", "?"), "backend": cudnn.backend_version()})
+    except Exception as e:  # noqa: BLE001
+        say("frontend", f"{type(e).__name__}: {str(e)[:300]}")
+        return
+    from pgs.runtime.attention import _reference
+
+    B, W, hq, hkv, d = 8, 4096, 16, 8, 128
+    scale = d ** -0.5
+    cu = packed_cu(B, W, 256, 2048, cpu_gen)
+    q, k, v = qkv(B * W, hq, hkv, d, gen)
+    go = torch.randn(B * W, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
+
+    def f_fe(a, b, c, cu_=cu):
+        return fe(a, b, c, scale=scale, is_causal=True, cu_seqlens_q=cu_, cu_seqlens_kv=cu_, max_seqlen_q=W,
+                  max_seqlen_kv=W, return_lse=True)[0]
+
+    f_fl = lambda a, b, c: flash(a, b, c, cu, W, scale)  # noqa: E731
+    try:
+        # fp32 reference on the first row (its documents only): [W, H, D]
+        row = slice(0, W)
+        cu0 = cu[cu <= W]
+        ref_fn = lambda a, b, c: _reference(a[row].float(), b[row].float(), c[row].float(), cu0, 1, W, scale)  # noqa: E731
+        o_ref, g_ref = grads(ref_fn, q, k, v, go[row])
+        out = {}
+        for name, fn in (("flash", f_fl), ("cudnn_fe", f_fe)):
+            o, g = grads(fn, q, k, v, go)
+            # the reference saw only the first row: compare there (its gradient is zero elsewhere)
+            out[name] = {"out": rel(o[row], o_ref), "dq": rel(g[0][row], g_ref[0][row]),
+                         "dk": rel(g[1][row], g_ref[1][row]), "dv": rel(g[2][row], g_ref[2][row])}
+        say("fe_thd_rel_error_vs_fp32", out)
+        say("fe_thd_ms_fwd_bwd", {"flash": timeit(f_fl, q, k, v, go), "cudnn_fe": timeit(f_fe, q, k, v, go),
+                                   "docs": cu.numel() - 1})
+        pad = torch.cat([cu, cu[-1:].expand(64 - (cu.numel() - 1) % 64)])
+        o2, g2 = grads(f_fe, q, k, v, go)
+        o3, g3 = grads(lambda a, b, c: f_fe(a, b, c, pad), q, k, v, go)
+        say("fe_thd_zero_length_pad", {"docs_padded": pad.numel() - 1, "out_equal": bool(torch.equal(o3, o2)),
+                                       "grads_equal": all(torch.equal(a, b) for a, b in zip(g3, g2))})
+        cu2 = packed_cu(B, W, 256, 2048, cpu_gen)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        f_fe(q, k, v, cu2).backward(go)
+        torch.cuda.synchronize()
+        say("fe_thd_first_call_new_doc_count_ms", {"ms": 1e3 * (time.perf_counter() - t0), "docs": cu2.numel() - 1})
+        torch._dynamo.maybe_mark_dynamic(cu, 0)
+        c = torch.compile(lambda a, b, cc: f_fe(a, b, cc).float().square().mean(), fullgraph=True)
+        for t in (q, k, v):
+            t.grad = None
+        c(q, k, v).backward()
+        gc_ = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        f_fe(q, k, v).float().square().mean().backward()
+        say("fe_thd_compile", {"grads_equal_eager": all(torch.equal(a, t.grad) for a, t in zip(gc_, (q, k, v)))})
+    except Exception as e:  # noqa: BLE001
+        import traceback
+
+        say("fe_thd_error", f"{type(e).__name__}: {str(e)[:300]} | {traceback.format_exc()[-600:]}")
+
+
 def compile_probe(gen):
     @torch.library.custom_op("pgsprobe::cudnn_fwd", mutates_args=())
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, m: int,
@@ -270,4 +346,4 @@ def compile_probe(gen):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/attn_cudnn.json")
+    main(next((a for a in sys.argv[1:] if not a.startswith("--")), "/tmp/attn_cudnn.json"))
