@@ -56,7 +56,8 @@ VARIANT_LABELS = {
     "hf_eager_ac": "HF eager + AC",
     "hf_liger_varlen": "HF Liger + varlen attention, no AC",
     "hf_liger_causal": "HF Liger, rows as single causal sequences\n(documents not isolated; ANCHORS.md's setup), no AC",
-    "pgs_release_slabs_sub_varlen": "pgs release + sublayer ckpt + offload + slabs\n(varlen: unpacked rows as dense SDPA)",
+    "pgs_release_slabs_sub_varlen": ("pgs release + sublayer ckpt + offload + slabs\n"
+                                     "(varlen: unpacked rows as dense SDPA)"),
     "hf_compiled_varlen": "HF compiled layers + varlen attention, no AC",
     "pgs_release": "pgs release",
     "pgs_release_slabs": "pgs release + slabs",

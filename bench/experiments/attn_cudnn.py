@@ -248,7 +248,9 @@ def frontend_thd(gen, cpu_gen):
         # fp32 reference on the first row (its documents only): [W, H, D]
         row = slice(0, W)
         cu0 = cu[cu <= W]
-        ref_fn = lambda a, b, c: _reference(a[row].float(), b[row].float(), c[row].float(), cu0, 1, W, scale)  # noqa: E731
+        def ref_fn(a, b, c):
+            return _reference(a[row].float(), b[row].float(), c[row].float(), cu0, 1, W, scale)
+
         o_ref, g_ref = grads(ref_fn, q, k, v, go[row])
         out = {}
         for name, fn in (("flash", f_fl), ("cudnn_fe", f_fe)):

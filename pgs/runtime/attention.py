@@ -70,8 +70,11 @@ def _varlen_call():
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)} if "window_size" in params else None
-    if causal is None:
+    if "is_causal" in params:
+        causal = {"is_causal": True}
+    elif "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    else:
         return None
     if "enable_gqa" in params:  # later releases ask for grouped-query heads explicitly
         causal["enable_gqa"] = True
@@ -203,7 +206,6 @@ def register() -> str:
 
 
 AUTO = "auto"
-
 
 
 def varlen_suits(config) -> str | None:

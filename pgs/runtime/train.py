@@ -288,8 +288,9 @@ def _forward(run: Run, batch, poison: bool):
 
 def _defers_head_grad(run: Run, weight) -> bool:
     """Gradient release on one process, a tied head (the input embedding's weight), the chunked
-    loss and ``memory.defer_head_grad`` (``"auto"``: with checkpointing or slabs): the head's gradient is added into the embedding's own
-    gradient buffer right before that weight steps (one V×D buffer, only at the end of backward)."""
+    loss and ``memory.defer_head_grad`` (``"auto"``: with checkpointing or slabs): the head's
+    gradient is added into the embedding's own gradient buffer right before that weight steps
+    (one V×D buffer, only at the end of backward)."""
     if not (run.release and run.ctx is None and run.spec.memory.head_grad_deferred() and weight.requires_grad):
         return False
     if run.spec.loss.backend != "chunked" or not hasattr(run.bound, "add_before_step"):
