@@ -18,7 +18,7 @@ from pgs.func.base import ELEMENTWISE, Transform, chain, check_range, hp_in, ide
 from pgs.func.kernels.fused import FusedTransform, _hp_cached, hp_tensor, one_minus
 from pgs.func.layout import group_label
 from pgs.func.learning_rate import scale_by_learning_rate
-from pgs.func.lion8bit import Fused8bit, _nonzero, check_8bit_args, check_layout, fused_8bit_step
+from pgs.func.lion8bit import Fused8bit, _nonzero, check_8bit_args, check_layout, fused_8bit_step, step_hp
 from pgs.func.quant8 import Quantized8bit, init_moment, is_8bit_eligible, load_moment, moment_leaves, store_moment
 from pgs.func.weight_decay import add_decayed_weights, mask_fn
 
@@ -194,20 +194,20 @@ def adamw8bit(
 
     def quantized(ctx, g, p, moments, lr, wd, seed, donate):
         (count, bcs, bc32, hps), (m, v) = ctx, moments
-        key = (g.device, id(wd) if isinstance(wd, torch.Tensor) else wd)  # one vector per step, not per tensor
-        if key not in hps:
-            if bc32 is not None:
-                # [1−β1, β2, 1−β2, ε, 0, bc1, bc2, η, λ]: one cat of cached numbers, bc32 and the
-                # fp32 value of a tensor η or λ (fp64 → fp32, as hp_tensor converts)
-                dev = g.device
-                tail = ([_hp_cached(dev, (float(lr), float(wd)))]
-                        if not isinstance(lr, torch.Tensor) and not isinstance(wd, torch.Tensor)
-                        else [_hp_piece(dev, lr), _hp_piece(dev, wd)])
-                hps[key] = torch.cat([_hp_cached(dev, head), bc32.to(dev), *tail])
-            else:
-                hps[key] = _adam_hp(g.device, b1, b2, eps, 0.0, *bcs, lr, wd)
+        dev = g.device
+
+        def build():
+            if bc32 is None:
+                return _adam_hp(dev, b1, b2, eps, 0.0, *bcs, lr, wd)
+            # [1−β1, β2, 1−β2, ε, 0, bc1, bc2, η, λ]: one cat of cached numbers, bc32 and the
+            # fp32 value of a tensor η or λ (fp64 → fp32, as hp_tensor converts)
+            tail = ([_hp_cached(dev, (float(lr), float(wd)))]
+                    if not isinstance(lr, torch.Tensor) and not isinstance(wd, torch.Tensor)
+                    else [_hp_piece(dev, lr), _hp_piece(dev, wd)])
+            return torch.cat([_hp_cached(dev, head), bc32.to(dev), *tail])
+
         new_p, m_new, v_new = K.adam8bit(
-            g, m, v, hps[key], block_size, p=p,
+            g, m, v, step_hp(hps, dev, wd, build), block_size, p=p,
             out=p if donate else torch.empty_like(p), m_out=m if donate else None,
             v_out=v if donate else None, seed=seed)
         return new_p, (m_new, v_new)

@@ -96,6 +96,16 @@ class Fused8bit(NamedTuple):
     small_kernel: Callable | None = None
 
 
+def step_hp(hps: dict, device: torch.device, wd, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The step's hyperparameter vector for ``device`` and weight decay ``wd`` (a tensor λ by
+    identity) from the per-step memo ``hps``, built by ``build()`` once per step, not per tensor."""
+    key = (device, id(wd) if isinstance(wd, torch.Tensor) else wd)
+    hp = hps.get(key)
+    if hp is None:
+        hp = hps[key] = build()
+    return hp
+
+
 def _gather(tensors: list, dtype: torch.dtype, sizes: list) -> tuple[torch.Tensor, list]:
     """``(buffer, its views shaped like tensors)``: a NEW buffer in ``dtype`` holding ``tensors``
     one after another (shaped like the tensor when there is one), filled by one (multi-tensor)
@@ -410,11 +420,8 @@ def lion8bit(
 
     w1, w2 = one_minus(b1), one_minus(b2)
 
-    def hp(hps, device, lr, wd):  # [1−β1, 1−β2, η, λ]: one vector per step and λ, not per tensor
-        key = (device, id(wd) if isinstance(wd, torch.Tensor) else wd)
-        if key not in hps:
-            hps[key] = hp_tensor(device, w1, w2, lr, wd)
-        return hps[key]
+    def hp(hps, device, lr, wd):  # [1−β1, 1−β2, η, λ]
+        return step_hp(hps, device, wd, lambda: hp_tensor(device, w1, w2, lr, wd))
 
     def quantized(hps, g, p, moments, lr, wd, seed, donate):
         (m,) = moments
