@@ -362,13 +362,21 @@ def _checkpointed(layer: torch.nn.Module, forward, context_fn, offload: bool = F
         if not (layer.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
         kwargs = _without_cache(kwargs)
-        extra = {"preserve_rng_state": rng} if context_fn is None else {"context_fn": context_fn, "preserve_rng_state": rng}
+        extra = {"preserve_rng_state": rng}
+        if context_fn is not None:
+            extra["context_fn"] = context_fn
         if not args:
             return checkpoint(forward, use_reentrant=False, **extra, **kwargs)
         return _checkpoint_call(forward, args[0], args[1:], offload, extra, kwargs,
                                 fast and not _wants_early_stop(layer))
 
-    run._pgs_inner = forward
+    return _tagged(run, forward, context_fn, offload, rng, fast)
+
+
+def _tagged(run, inner, context_fn, offload: bool, rng: bool, fast: bool):
+    """``run`` with what ``compile_layers`` and ``remove_activation_checkpointing`` read back to
+    rebuild or undo a checkpointed layer: its own forward and the checkpoint's settings."""
+    run._pgs_inner = inner
     run._pgs_context = context_fn
     run._pgs_offload = offload
     run._pgs_rng = rng
@@ -411,14 +419,8 @@ def _checkpointed_sublayers(layer: torch.nn.Module, original, offload: bool, par
         h = _checkpoint_call(attention, hidden_states, (), offload, extra, kwargs, quick)
         return _checkpoint_call(mlp, h, (), offload, extra, {}, quick)
 
-    run._pgs_inner = original
     run._pgs_sublayer_parts = (attention, mlp)
-    run._pgs_context = None
-    run._pgs_offload = offload
-    run._pgs_rng = rng
-    run._pgs_fast = fast
-    run._pgs_inner_compiled = False
-    return run
+    return _tagged(run, original, None, offload, rng, fast)
 
 
 def remove_activation_checkpointing(model) -> None:
