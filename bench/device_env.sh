@@ -9,13 +9,18 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s)
 left() { echo $(( $1 - ($(date +%s) - T0) )); }
 log() { echo "=== $* ($(( $(date +%s) - T0 )) s)" >> "$OUT/all.log"; }
+# log_tail N: the last N lines of $OUT/all.log without warnings, tracebacks' frames, dynamo and
+# glog noise, cut at 200 characters (what a device script prints at its end).
+log_tail() {
+  grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1[0-9]" "$OUT/all.log" | cut -c1-200 | tail -"$1"
+}
 # cuda_tests SECONDS [--tb=STYLE] PYTEST_ARGS...: run pytest within SECONDS, keeping its failure
 # lines and summary in $OUT/pytest.log (and a line saying so when the timeout cut it off).
 cuda_tests() {
   local secs=$1; shift
   timeout "$secs" python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/pytest.full" 2>&1
   local rc=$?
-  grep -v "^W1129" "$OUT/pytest.full" | grep -E "Error|assert|FAILED|passed|failed" | cut -c1-400 | head -16 \
+  grep -v "^W1[0-9]" "$OUT/pytest.full" | grep -E "Error|assert|FAILED|passed|failed" | cut -c1-400 | head -16 \
     > "$OUT/pytest.log"
   [ "$rc" = 124 ] && echo "pytest: cut off by the ${secs} s timeout (no summary)" >> "$OUT/pytest.log"
   rm -f "$OUT/pytest.full"

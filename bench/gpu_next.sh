@@ -18,4 +18,4 @@ timeout "$(left 560)" python3 bench/sft_step.py --shapes qwen3-0.6b --steps 6 --
   >> "$OUT/all.log" 2>&1
 log done
 grep "^{" "$OUT/attn.log" | cut -c1-600
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W11" "$OUT/all.log" | cut -c1-200 | tail -8
+log_tail 8

@@ -17,4 +17,4 @@ timeout "$(left 450)" python3 bench/sft_step.py --shapes qwen3-0.6b --steps 6 --
 timeout "$(left 580)" python3 bench/sft_step.py --shapes qwen3-0.6b --steps 6 --warmup 2 --out "$OUT/sft_06b_cdt.json" \
   --only pgs_release_noac_varlen --compile-options '{"coordinate_descent_tuning": true}' >> "$OUT/all.log" 2>&1
 log done
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W11" "$OUT/all.log" | cut -c1-200 | tail -10
+log_tail 10

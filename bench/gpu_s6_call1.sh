@@ -18,5 +18,5 @@ timeout "$(left 580)" python3 bench/sft_step.py --shapes qwen3-0.6b --steps 6 --
 log done
 tail -30 "$OUT/attn.log" | cut -c1-400
 cat "$OUT/pytest.log"
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W11" "$OUT/all.log" | cut -c1-200 | tail -8
+log_tail 8
 python3 bench/summarize.py "$OUT"/sft_*.json

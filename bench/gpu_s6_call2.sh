@@ -17,5 +17,5 @@ timeout "$(left 570)" python3 bench/sft_step.py --shapes qwen3-0.6b --steps 6 --
 log done
 grep dense "$OUT/attn.log" | cut -c1-900
 cat "$OUT/pytest.log"
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W11" "$OUT/all.log" | cut -c1-200 | tail -10
+log_tail 10
 python3 bench/summarize.py "$OUT"/sft_*.json

@@ -10,7 +10,7 @@ log sft 06b profile
 timeout "$(left 560)" python3 bench/sft_step.py --shapes qwen3-0.6b --steps 4 --warmup 2 --profile 2 \
   --only pgs_release_noac_varlen --out "$OUT/sft_06b.json" >> "$OUT/all.log" 2>&1
 log done
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W11" "$OUT/all.log" | cut -c1-200 | tail -8
+log_tail 8
 python3 - "$OUT"/sft_4b.json "$OUT"/sft_06b.json <<'PY'
 import json, sys
 for f in sys.argv[1:]:

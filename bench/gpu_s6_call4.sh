@@ -14,5 +14,5 @@ timeout "$(left 560)" python3 bench/sft_step.py --shapes qwen3-0.6b --steps 6 --
   --only hf_liger,hf_liger_causal,hf_liger_varlen,pgs_release_noac_varlen >> "$OUT/all.log" 2>&1
 log done
 cat "$OUT/pytest.log"
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W11" "$OUT/all.log" | cut -c1-200 | tail -10
+log_tail 10
 python3 bench/summarize.py "$OUT"/sft_*.json

@@ -7,4 +7,4 @@ log sft 4b
 timeout 500 python3 bench/sft_step.py --shapes qwen3-4b --steps 16 --warmup 3 --out "$OUT/sft_4b.json" \
   --only hf_compiled_ac,pgs_release_slabs_sub_varlen,hf_compiled_ac,pgs_release_slabs_sub_varlen >> "$OUT/all.log" 2>&1
 log done
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W11" "$OUT/all.log" | cut -c1-200 | tail -8
+log_tail 8

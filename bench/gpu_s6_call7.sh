@@ -15,4 +15,4 @@ timeout "$(left 270)" python3 bench/sft_converge.py --steps 200 --states 256 --l
   --only pgs_lion8bit,hf_adamw --out "$OUT/converge.json" >> "$OUT/all.log" 2>&1
 log done
 cat "$OUT/pytest.log"
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W11" "$OUT/all.log" | cut -c1-200 | tail -6
+log_tail 6

@@ -17,4 +17,4 @@ log pytest
 timeout "$(left 500)" python3 -m pytest -q -p no:cacheprovider tests/test_release_fused.py tests/test_fused_kernels.py \
   tests/test_tiled_mlp.py tests/test_attention_varlen.py 2>&1 | tail -4 >> "$OUT/all.log"
 log done
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -50
+log_tail 50

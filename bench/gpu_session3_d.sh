@@ -7,4 +7,4 @@ log sft 0.6b
 timeout 330 python3 bench/sft_step.py --shapes qwen3-0.6b --steps 6 --warmup 2 --out "$OUT/sft_06b.json" \
   --only hf_liger,hf_compiled,hf_liger_varlen,pgs_release_noac_varlen,pgs_release_varlen,pgs_release_noac >> "$OUT/all.log" 2>&1
 log done
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -20
+log_tail 20

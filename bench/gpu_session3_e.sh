@@ -13,4 +13,4 @@ timeout "$(left 320)" python3 bench/sft_step.py --shapes qwen3-4b --steps 8 --wa
 log pytest
 timeout "$(left 370)" python3 -m pytest -q -p no:cacheprovider tests/test_tiled_mlp.py 2>&1 | tail -3 >> "$OUT/all.log"
 log done
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -30
+log_tail 30

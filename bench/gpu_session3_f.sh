@@ -11,5 +11,5 @@ log pytest
 timeout "$(left 275)" python3 -m pytest -q -p no:cacheprovider -x tests/test_tiled_mlp.py tests/test_checkpoint_sublayer.py \
   2>&1 | grep -v "^W1129" | tail -40 > "$OUT/pytest.log"
 log done
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -20
+log_tail 20
 tail -25 "$OUT/pytest.log"

@@ -20,7 +20,7 @@ log sft 06b profile
 timeout "$(left 580)" python3 bench/sft_step.py --shapes qwen3-0.6b --steps 4 --warmup 2 --profile 2 --host-timers 2 \
   --out "$OUT/sft_06b.json" --only pgs_release_noac_varlen >> "$OUT/all.log" 2>&1
 log done
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -30
+log_tail 30
 python3 - "$OUT/optim_8bit.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))

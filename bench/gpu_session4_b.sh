@@ -19,7 +19,7 @@ timeout "$(left 420)" python3 -m pytest -q -p no:cacheprovider -x tests/test_ker
   tests/test_small_kernel.py tests/test_deferred_kernels.py tests/test_release_fused.py \
   2>&1 | grep -v "^W1129" | tail -15 > "$OUT/pytest.log"
 log done
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -30
+log_tail 30
 python3 - "$OUT/optim_8bit.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))

@@ -10,4 +10,4 @@ log sft 4b profile
 timeout "$(left 560)" python3 bench/sft_step.py --shapes qwen3-4b --steps 4 --warmup 2 --profile 2 \
   --out "$OUT/sft_4b_profile.json" --only pgs_release_slabs_sub >> "$OUT/all.log" 2>&1
 log done
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -30
+log_tail 30

@@ -17,7 +17,7 @@ timeout "$(left 560)" python3 bench/optim_8bit.py "$OUT/optim_chain.json" --budg
   --only pgs_lion8bit,pgs_chain_fused,pgs_chain_fused_a16,pgs_chain_fused_lanes512,pgs_chain_fused_a16_lanes512,bnb_lion8bit \
   > "$OUT/optim_chain.log" 2>&1
 log done
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -20
+log_tail 20
 grep -E "passed|failed|^E " "$OUT/pytest.log" | head -12
 python3 - "$OUT/optim_chain.json" "$OUT/sft_4b.json" <<'PY'
 import json, sys

@@ -12,7 +12,7 @@ timeout "$(left 400)" python3 -m pytest -q -p no:cacheprovider -x tests/test_cha
 timeout "$(left 430)" python3 -m pytest -q -p no:cacheprovider tests/test_small_kernel.py tests/test_release_slabs.py \
   tests/test_release_launches.py 2>&1 | tail -3 >> "$OUT/pytest.log"
 log done
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -12
+log_tail 12
 cat "$OUT/pytest.log"
 python3 - "$OUT/sft_4b.json" <<'PY'
 import json, sys

@@ -20,5 +20,5 @@ timeout "$(left 540)" python3 bench/optim_8bit.py "$OUT/optim_chain.json" --budg
   > "$OUT/optim_chain.log" 2>&1
 log done
 cat "$OUT/pytest.log"
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -8
+log_tail 8
 python3 bench/summarize.py "$OUT/optim_chain.json" "$OUT/sft_4b.json"

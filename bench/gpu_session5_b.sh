@@ -20,6 +20,6 @@ timeout "$(left 540)" python3 bench/sft_step.py --shapes qwen3-4b --steps 8 --wa
   >> "$OUT/all.log" 2>&1
 log done
 cat "$OUT/pytest.log"
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -8
+log_tail 8
 head -75 "$OUT/spy_summary.txt"
 python3 bench/summarize.py "$OUT/sft_4b.json"

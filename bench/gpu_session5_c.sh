@@ -17,5 +17,5 @@ timeout "$(left 560)" python3 bench/sft_step.py --shapes qwen3-4b --steps 8 --wa
 log done
 for f in "$OUT"/spy.*.txt; do python3 bench/experiments/spy_summary.py "$f" --top 30 > "${f%.txt}.summary" 2>&1; done
 cat "$OUT/pytest.log"
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -8
+log_tail 8
 python3 bench/summarize.py "$OUT/sft_4b.json"

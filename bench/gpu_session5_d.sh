@@ -10,5 +10,5 @@ timeout "$(left 420)" python3 bench/sft_step.py --shapes qwen3-4b --steps 10 --w
   --only hf_compiled_ac,pgs_release_slabs_sub+sf+pool,pgs_release_slabs_sub,pgs_release,pgs_release_slabs_sub+pool \
   >> "$OUT/all.log" 2>&1
 log done
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -8
+log_tail 8
 python3 bench/summarize.py "$OUT/sft_4b.json"

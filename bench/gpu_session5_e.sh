@@ -15,5 +15,5 @@ timeout "$(left 540)" python3 bench/optim_8bit.py "$OUT/optim_chain.json" --budg
   --only pgs_lion8bit,pgs_chain_fused,pgs_chain_fused_a4_lanes64,bnb_lion8bit > "$OUT/optim_chain.log" 2>&1
 log done
 cat "$OUT/pytest.log"
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -8
+log_tail 8
 python3 bench/summarize.py "$OUT/optim_chain.json" "$OUT/sft_4b.json"

@@ -15,5 +15,5 @@ timeout "$(left 330)" python3 bench/sft_step.py --shapes qwen3-4b --steps 10 --w
   --out "$OUT/sft_4b.json" --only hf_compiled_ac,pgs_release_slabs_sub >> "$OUT/all.log" 2>&1
 log done
 cat "$OUT/pytest.log"
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -6
+log_tail 6
 python3 bench/summarize.py "$OUT/optim_chain.json" "$OUT/sft_4b.json"

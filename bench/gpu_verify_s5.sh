@@ -13,7 +13,7 @@ timeout "$(left 560)" python3 bench/sft_step.py --shapes qwen3-4b --steps 10 --w
   --out "$OUT/sft_4b.json" --only hf_compiled_ac,pgs_release_slabs_sub,pgs_release >> "$OUT/all.log" 2>&1
 log done
 cat "$OUT/pytest.log"
-grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1129" "$OUT/all.log" | cut -c1-200 | tail -6
+log_tail 6
 python3 bench/summarize.py "$OUT/sft_4b.json"
 # (3) Qwen3-0.6B 8x4096 packed without the head-gradient deferral (one head matmul less per
 # step; memory is not the constraint there), against the default, HF + Liger + varlen in the
