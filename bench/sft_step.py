@@ -109,12 +109,17 @@ VARIANTS += tuple(v + "_causal" for v in BASE_VARIANTS if v.startswith("hf_"))
 @functools.lru_cache(maxsize=1)
 def _cudnn_thd_call():
     """``attention._varlen_call``'s ``(fn, causal kwargs)`` through ``cudnn.sdpa_torch`` (THD
-    layout, ``cu_seqlens``; differentiable with ``return_lse=True``).  Not measured yet."""
+    layout, ``cu_seqlens``; differentiable with ``return_lse=True``).  Its graphs are cached per
+    document count, so the count is padded with zero-length documents to a multiple of 64 (one
+    graph per bucket; s7_call1 ran it unpadded: a build at every new count)."""
     import cudnn
 
     sdpa = cudnn.sdpa_torch
 
     def fn(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, **_causal):
+        pad = (-(cu_q.shape[0] - 1)) % 64
+        cu_q = torch.cat([cu_q, cu_q[-1:].expand(pad)])
+        cu_k = cu_q if cu_k is None else torch.cat([cu_k, cu_k[-1:].expand(pad)])
         return sdpa(q, k, v, scale=scale, is_causal=True, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q,
                     max_seqlen_kv=max_k, return_lse=True)[0]
     return fn, {}

@@ -112,6 +112,11 @@ def main(out_path: str):
     global BIAS
     gen = torch.Generator(device=dev).manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
+    if "--frontend-pad" in sys.argv:
+        frontend_pad(gen, cpu_gen)
+        with open(out_path, "w") as f:
+            json.dump(res, f, indent=1)
+        return
     if "--frontend-only" in sys.argv:
         frontend_thd(gen, cpu_gen)
         with open(out_path, "w") as f:

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Prepared at the end of session 6 for the next device call (one H200; carry ".whl", which must
+# Session 7, call 1 (prepared at the end of session 6) (one H200; carry ".whl", which must
 # hold nvidia_cudnn_frontend-1.32.0-cp312-*.whl beside the other wheels, 57.6 MiB in all:
 #   pip download nvidia-cudnn-frontend==1.32.0 --no-deps --python-version 3.12 --only-binary=:all: \
 #     --platform manylinux_2_28_x86_64 -d .whl
