@@ -17,8 +17,11 @@ stays near ln(states).
 - ``pgs_lion8bit``: bf16 weights without a master copy, ``pf.lion8bit`` run inside backward
   (``GradientRelease``, the fused in-place kernel, stochastic rounding into bf16), the
   chunked loss with the tied head's gradient deferred into the embedding's.
+- ``hf_lion8bit_bnb``: ``hf_adamw`` with bitsandbytes' ``Lion8bit`` at ``--lion-lr`` (is a
+  Lion result Lion's or pgs's?).
 - ``pgs_adamw8bit``: the same with ``pf.adamw8bit`` at AdamW's learning rate (separates the
-  optimizer's effect from the precision's).
+  optimizer's effect from the precision's); with ``--master``, the pgs variants keep an fp32
+  master copy (``master_weights="fp32"``) instead of rounding stochastically into bf16.
 
 Reported per variant: the loss of every step, the mean of the last 10, the held-out loss on
 fixed batches of the same chain, tok/s, peak allocated memory; an error string instead when a
@@ -46,7 +49,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sft_step import SHAPES, SMALL_SHAPES, build  # noqa: E402
 
-VARIANTS = ("hf_adamw", "pgs_lion8bit", "pgs_adamw8bit")
+VARIANTS = ("hf_adamw", "pgs_lion8bit", "pgs_adamw8bit", "hf_lion8bit_bnb")
 PROBS = (0.4, 0.3, 0.2, 0.1)
 
 
@@ -96,16 +99,23 @@ def setup(name: str, table: dict, device, args):
         labels[:, -1] = -100
         return labels
 
-    if name == "hf_adamw":
+    if name.startswith("hf_"):
         model.float()
-        opt = torch.optim.AdamW(model.parameters(), lr=args.adam_lr, betas=(0.9, 0.95), weight_decay=0.0,
-                                fused=device.type == "cuda")
+        if name == "hf_adamw":
+            peak = args.adam_lr
+            opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.95), weight_decay=0.0,
+                                    fused=device.type == "cuda")
+        else:  # bitsandbytes' Lion8bit on the fp32 master: is a Lion plateau Lion's or pgs's?
+            import bitsandbytes as bnb
+
+            peak = args.lion_lr
+            opt = bnb.optim.Lion8bit(model.parameters(), lr=peak, betas=(0.9, 0.99), weight_decay=0.0)
         amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
         count = [0]
 
         def step(ids):
             for group in opt.param_groups:
-                group["lr"] = lr_at(count[0], args.adam_lr, args.warmup, args.steps)
+                group["lr"] = lr_at(count[0], peak, args.warmup, args.steps)
             with amp:
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
@@ -121,7 +131,10 @@ def setup(name: str, table: dict, device, args):
         else:
             lr = pf.cosine_schedule(args.adam_lr, args.warmup, args.steps)
             chain = pf.adamw8bit(lr, b1=0.9, b2=0.95, weight_decay=0.0, backend=backend)
-        release = GradientRelease(chain, model, stochastic_rounding=True, track_grad_norm=False)
+        if args.master:  # an fp32 master copy of every parameter instead of stochastic rounding into bf16
+            release = GradientRelease(chain, model, master_weights="fp32", track_grad_norm=False)
+        else:
+            release = GradientRelease(chain, model, stochastic_rounding=True, track_grad_norm=False)
         defer = output_head(model)[0] is model.get_input_embeddings().weight
 
         def step(ids):
@@ -199,6 +212,9 @@ def main(argv=None) -> int:
     p.add_argument("--adam-lr", type=float, default=3e-4)
     p.add_argument("--lion-lr", type=float, default=5e-5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--master", action="store_true",
+                   help="pgs variants: an fp32 master copy of the weights instead of bf16 + stochastic rounding "
+                        "(HF's precision: separates the precision's effect from the path's)")
     p.add_argument("--triton-on-cpu", action="store_true", help="8-bit kernels in Triton's interpreter (CPU)")
     args = p.parse_args(argv)
     args.steps = args.steps or (8 if args.small else 80)

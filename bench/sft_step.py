@@ -36,8 +36,9 @@ checkpointing of every decoder layer):
   SwiGLU) instead of compiled layers (pgs's own chunked loss either way).
 - any variant with ``+sf`` / ``+pool`` / ``+rng`` / ``+slow`` appended (after ``_varlen``):
   with ``TiedSlabs.SYNC_FREE`` / ``checkpointing.PINNED_POOL`` / ``checkpointing.PRESERVE_RNG``
-  on, or ``checkpointing.FAST_RECOMPUTE`` off (``SWITCHES``; docs/memory.md); ``+cudnnthd``
-  (an experiment): ``_varlen`` attention through nvidia-cudnn-frontend's THD SDPA op.
+  on, or ``checkpointing.FAST_RECOMPUTE`` off (``SWITCHES``; docs/memory.md); ``+cudnnthd`` /
+  ``+fa2``: ``_varlen`` attention on cuDNN's THD kernel / FlashAttention-2 (``model.varlen_kernel``
+  "cudnn" / "flash"; without either, "auto": cuDNN on an H200 with nvidia-cudnn-frontend).
 - any variant with ``_varlen`` appended: the same with ``attn_implementation="varlen"``
   (packed documents without cross-document attention work; docs/data.md).
 - an HF variant with ``_causal`` appended: a packed shape's rows as single causal sequences
@@ -59,7 +60,6 @@ memory is freed and the next variant runs.  JSON goes to ``--out``.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import math
@@ -106,25 +106,6 @@ VARIANTS = BASE_VARIANTS + tuple(v + "_varlen" for v in BASE_VARIANTS)
 VARIANTS += tuple(v + "_causal" for v in BASE_VARIANTS if v.startswith("hf_"))
 
 
-@functools.lru_cache(maxsize=1)
-def _cudnn_thd_call():
-    """``attention._varlen_call``'s ``(fn, causal kwargs)`` through ``cudnn.sdpa_torch`` (THD
-    layout, ``cu_seqlens``; differentiable with ``return_lse=True``).  Its graphs are cached per
-    document count, so the count is padded with zero-length documents to a multiple of 64 (one
-    graph per bucket; s7_call1 ran it unpadded: a build at every new count)."""
-    import cudnn
-
-    sdpa = cudnn.sdpa_torch
-
-    def fn(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, **_causal):
-        pad = (-(cu_q.shape[0] - 1)) % 64
-        cu_q = torch.cat([cu_q, cu_q[-1:].expand(pad)])
-        cu_k = cu_q if cu_k is None else torch.cat([cu_k, cu_k[-1:].expand(pad)])
-        return sdpa(q, k, v, scale=scale, is_causal=True, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q,
-                    max_seqlen_kv=max_k, return_lse=True)[0]
-    return fn, {}
-
-
 #: runtime switches a variant name may carry as ``+suffix`` (e.g.
 #: ``pgs_release_slabs_sub+sf+pool``): (module, attribute, environment variable, value) set for that
 #: variant only (its child process gets the variable; ``--same-process`` sets the attribute)
@@ -132,9 +113,14 @@ SWITCHES = {"sf": ("pgs.runtime.release_slabs", "TiedSlabs.SYNC_FREE", "PGS_SLAB
             "pool": ("pgs.runtime.checkpointing", "PINNED_POOL", "PGS_PINNED_POOL", True),
             "rng": ("pgs.runtime.checkpointing", "PRESERVE_RNG", "PGS_CHECKPOINT_RNG", True),
             "slow": ("pgs.runtime.checkpointing", "FAST_RECOMPUTE", "PGS_FAST_RECOMPUTE", False),
-            # experiment: the varlen path through nvidia-cudnn-frontend's THD SDPA op (its wheel
-            # carried in .whl) instead of FlashAttention-2's kernel; for HF _varlen rows too
-            "cudnnthd": ("pgs.runtime.attention", "_varlen_call", "PGS_BENCH_CUDNN_THD", _cudnn_thd_call)}
+            # the packed-attention kernel (model.varlen_kernel; "auto" picks cuDNN's THD kernel on an
+            # H200 when nvidia-cudnn-frontend is installed): for the pgs and HF _varlen rows alike
+            "fa2": ("pgs.runtime.attention", "_kernel", "PGS_BENCH_VARLEN_KERNEL", "flash"),
+            "cudnnthd": ("pgs.runtime.attention", "_kernel", "PGS_BENCH_VARLEN_KERNEL", "cudnn")}
+
+
+def _env_value(value) -> str:
+    return value if isinstance(value, str) else "1" if value else "0"
 
 
 def split_switches(name: str) -> tuple[str, list[str]]:
@@ -601,7 +587,7 @@ def run_child(name: str, shape: str, argv) -> dict:
         out = os.path.join(tmp, "one.json")
         cmd = [sys.executable, os.path.abspath(__file__), *keep, "--same-process", "--only", name,
                "--shapes", shape, "--out", out]
-        env = dict(os.environ, **{SWITCHES[s][2]: "1" if SWITCHES[s][3] else "0" for s in split_switches(name)[1]})
+        env = dict(os.environ, **{SWITCHES[s][2]: _env_value(SWITCHES[s][3]) for s in split_switches(name)[1]})
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         try:
             with open(out) as f:

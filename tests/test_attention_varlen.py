@@ -233,3 +233,111 @@ def test_one_document_per_row_takes_dense_sdpa(monkeypatch):
         ref = A._reference(*flat, cu, 2, 1024, None).view(2, 1024, 8, 128)
         calls.clear()
         _assert_bf16_close(out, ref, (q, k, v))
+
+
+# --------------------------------------------------------------- the packed kernel (model.varlen_kernel)
+
+
+@pytest.fixture
+def kernel_choice():
+    """Restore the process-wide kernel choice after a test that changes it."""
+    before = A._kernel
+    yield
+    A._kernel = before
+
+
+@pytest.mark.parametrize("docs", [1, 2, 63, 64, 65, 130])
+def test_pad_documents_appends_zero_length_documents_to_the_bucket(docs):
+    cu = torch.cumsum(torch.randint(1, 50, (docs + 1,)), 0).to(torch.int32)
+    cu[0] = 0
+    padded = A.pad_documents(cu, 64)
+    assert (padded.numel() - 1) % 64 == 0 and padded.numel() - 1 >= docs
+    assert padded.numel() - 1 - docs < 64  # the smallest bucket that holds them
+    assert torch.equal(padded[: cu.numel()], cu)  # the real boundaries untouched
+    assert (padded[cu.numel():] == cu[-1]).all()  # every added document is empty
+    assert padded.dtype == cu.dtype
+
+
+def test_the_spec_and_the_setter_refuse_an_unknown_kernel(kernel_choice):
+    from pgs.runtime.spec import ModelSpec
+
+    assert ModelSpec(config={"model_type": "qwen3"}, varlen_kernel="flash").varlen_kernel == "flash"
+    assert ModelSpec(config={"model_type": "qwen3"}).varlen_kernel == "auto"
+    with pytest.raises(SpecError, match="varlen_kernel"):
+        ModelSpec(config={"model_type": "qwen3"}, varlen_kernel="fa3")
+    with pytest.raises(SpecError, match="model.varlen_kernel"):
+        A.set_varlen_kernel("fa3")
+
+
+def test_cudnn_without_the_frontend_is_refused_where_cuda_is(monkeypatch, kernel_choice):
+    monkeypatch.setattr(A, "_cudnn_thd", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SpecError, match="nvidia-cudnn-frontend"):
+        A.set_varlen_kernel("cudnn")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    A.set_varlen_kernel("cudnn")  # no CUDA: the reference path runs whatever the choice
+    assert A._kernel == "cudnn"
+
+
+@pytest.mark.parametrize("choice, frontend, capability, expected", [
+    ("auto", True, (9, 0), "cudnn"), ("auto", True, (8, 0), "flash"), ("auto", True, (10, 0), "flash"),
+    ("auto", False, (9, 0), "flash"), ("flash", True, (9, 0), "flash"), ("cudnn", True, (8, 0), "cudnn"),
+])
+def test_the_kernel_resolves_per_choice_frontend_and_device(monkeypatch, kernel_choice, choice, frontend,
+                                                            capability, expected):
+    monkeypatch.setattr(A, "_cudnn_thd", (lambda: object()) if frontend else (lambda: None))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(A, "_resolved", {})
+    A._kernel = choice
+    assert A._resolve(7) == expected
+    assert A._resolved == {(choice, 7): expected}  # what the compiled layers read
+
+
+def test_build_model_sets_the_kernel_choice(kernel_choice):
+    build_model(config=dict(model_type="qwen3", head_dim=8, **TINY), varlen_kernel="flash")
+    assert A._kernel == "flash"
+    with pytest.raises(SpecError, match="varlen_kernel"):
+        build_model(config=dict(model_type="qwen3", head_dim=8, **TINY), varlen_kernel="nope")
+
+
+_CUDNN = A.varlen_available("cuda", torch.bfloat16) and A._cudnn_thd() is not None
+
+
+@pytest.mark.skipif(not _CUDNN, reason="needs CUDA, torch's varlen_attn and nvidia-cudnn-frontend")
+@pytest.mark.parametrize("docs", [[(300, 500, 224), (1024,)], [(100,) * 10 + (24,), (512, 512)]])
+def test_cuda_cudnn_kernel_equals_the_reference_path(docs):
+    """cuDNN's THD kernel (document count padded to its bucket) against the fp32 reference."""
+    torch.manual_seed(0)
+    _, batch = batch_of(docs, seq_len=1024)
+    cu = A.cu_seqlens_from_positions(batch.position_ids).cuda()
+    q = torch.randn(2 * 1024, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2 * 1024, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2 * 1024, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = A._cudnn_varlen(q, k, v, cu, 1024, None)
+    ref = A._reference(q.float(), k.float(), v.float(), cu, 2, 1024, None)
+    _assert_bf16_close(out, ref, (q, k, v))
+
+
+@pytest.mark.skipif(not _CUDNN, reason="needs CUDA, torch's varlen_attn and nvidia-cudnn-frontend")
+def test_cuda_the_chosen_kernel_runs(monkeypatch, kernel_choice):
+    """Packed rows go to cuDNN under "cudnn" (and "auto" on compute capability 9.0), to
+    FlashAttention-2 under "flash"; both equal the reference."""
+    torch.manual_seed(0)
+    calls = []
+    real = A._cudnn_varlen
+    monkeypatch.setattr(A, "_cudnn_varlen", lambda *a: calls.append(1) or real(*a))
+    _, batch = batch_of([(300, 724), (1024,)], seq_len=1024)
+    pos = batch.position_ids.cuda()
+    cu = A.cu_seqlens_from_positions(pos)
+    auto_cudnn = torch.cuda.get_device_capability() in A.CUDNN_AUTO_CAPABILITIES
+    for choice, expect in (("cudnn", 1), ("flash", 0), ("auto", int(auto_cudnn))):
+        A.set_varlen_kernel(choice)
+        q = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(2, 2, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(2, 2, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out, _ = A.varlen_attention(None, q, k, v, None, **A.packed_kwargs(pos))
+        assert len(calls) == expect, choice
+        calls.clear()
+        flat = [t.transpose(1, 2).reshape(2048, t.shape[1], 128).float() for t in (q, k, v)]
+        ref = A._reference(*flat, cu, 2, 1024, None).view(2, 1024, 8, 128)
+        _assert_bf16_close(out, ref, (q, k, v))

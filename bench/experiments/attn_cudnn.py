@@ -293,6 +293,61 @@ def frontend_thd(gen, cpu_gen):
         say("fe_thd_error", f"{type(e).__name__}: {str(e)[:300]} | {traceback.format_exc()[-600:]}")
 
 
+def frontend_pad(gen, cpu_gen):
+    """(9) with ``--frontend-pad``: is the frontend's THD backward deterministic (two calls,
+    same inputs); how far apart are a call with the document count padded by zero-length
+    documents to a multiple of 64 and the unpadded call, against FA2's own run-to-run spread;
+    fwd+bwd time padded; the first call of each new count inside one bucket (no build
+    expected)."""
+    import cudnn
+
+    fe = cudnn.sdpa_torch
+    B, W, hq, hkv, d = 8, 4096, 16, 8, 128
+    scale = d ** -0.5
+
+    def pad64(cu):
+        return torch.cat([cu, cu[-1:].expand((-(cu.numel() - 1)) % 64)])
+
+    def f_fe(a, b, c, cu_):
+        return fe(a, b, c, scale=scale, is_causal=True, cu_seqlens_q=cu_, cu_seqlens_kv=cu_, max_seqlen_q=W,
+                  max_seqlen_kv=W, return_lse=True)[0]
+
+    cu = packed_cu(B, W, 256, 2048, cpu_gen)
+    q, k, v = qkv(B * W, hq, hkv, d, gen)
+    go = torch.randn(B * W, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
+    try:
+        o1, g1 = grads(lambda a, b, c: f_fe(a, b, c, cu), q, k, v, go)
+        o2, g2 = grads(lambda a, b, c: f_fe(a, b, c, cu), q, k, v, go)
+        o3, g3 = grads(lambda a, b, c: f_fe(a, b, c, pad64(cu)), q, k, v, go)
+        f1 = grads(lambda a, b, c: flash(a, b, c, cu, W, scale), q, k, v, go)
+        f2 = grads(lambda a, b, c: flash(a, b, c, cu, W, scale), q, k, v, go)
+        say("fe_pad_determinism", {
+            "fe_repeat_grads_equal": [bool(torch.equal(a, b)) for a, b in zip(g1, g2)],
+            "fe_repeat_rel": [rel(a, b) for a, b in zip(g1, g2)],
+            "fe_pad_out_equal": bool(torch.equal(o1, o3)),
+            "fe_pad_rel": [rel(a, b) for a, b in zip(g3, g1)],
+            "flash_repeat_rel": [rel(a, b) for a, b in zip(f2[1], f1[1])],
+            "fe_vs_flash_rel": [rel(a, b) for a, b in zip(g1, f1[1])]})
+        cp = pad64(cu)
+        say("fe_pad_ms_fwd_bwd", {"flash": timeit(lambda a, b, c: flash(a, b, c, cu, W, scale), q, k, v, go),
+                                  "cudnn_fe": timeit(lambda a, b, c: f_fe(a, b, c, cu), q, k, v, go),
+                                  "cudnn_fe_pad64": timeit(lambda a, b, c: f_fe(a, b, c, cp), q, k, v, go),
+                                  "docs": cu.numel() - 1})
+        firsts = []
+        for _ in range(6):
+            c2 = packed_cu(B, W, 256, 2048, cpu_gen)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            f_fe(q, k, v, pad64(c2)).backward(go)
+            torch.cuda.synchronize()
+            firsts.append({"docs": c2.numel() - 1, "ms": 1e3 * (time.perf_counter() - t0)})
+        say("fe_pad_first_calls", firsts)
+    except Exception as e:  # noqa: BLE001
+        import traceback
+
+        say("fe_pad_error", f"{type(e).__name__}: {str(e)[:300]} | {traceback.format_exc()[-600:]}")
+
+
 def compile_probe(gen):
     @torch.library.custom_op("pgsprobe::cudnn_fwd", mutates_args=())
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, m: int,

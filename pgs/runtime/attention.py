@@ -39,6 +39,18 @@ against an fp32 reference (``bench/results/s6_call2/attn_cudnn.json``).  PyTorch
 variable-length entry point (``aten._cudnn_attention_forward`` with ``cum_seq``) is not used:
 on torch 2.11 it rebuilt its graph on every call (110 ms per layer) and its backward returned
 non-finite gradients (``bench/results/s6_call1/attn_cudnn.json``).
+
+On an H100/H200 (compute capability 9.0) the packed rows go to cuDNN's THD attention through
+nvidia-cudnn-frontend's torch op (``cudnn.sdpa_torch``; the ``gpu`` extra installs it) when it is
+installed: 2.08 ms forward + backward per Qwen3-0.6B layer (8×4096 tokens, 36 documents of
+256-2048) against 3.24 ms for FlashAttention-2, with the same output error against fp32 and
+bit-identical gradients from run to run (``bench/results/s7_call1``, ``s7_call3``); the whole
+Qwen3-0.6B packed step goes from 103.0k to 111.7k tok/s (s7_call3).  cuDNN builds and caches
+one graph per document count (157 ms each), so the count is padded with zero-length documents
+(bit-identical results) to a multiple of :data:`CUDNN_DOC_BUCKET`: a few graphs per run instead
+of one per step.  ``model.varlen_kernel`` picks the kernel: ``"auto"`` (cuDNN on compute
+capability 9.0 when the frontend is installed, FlashAttention-2 otherwise), ``"cudnn"`` or
+``"flash"``.  Head dims up to 256 (multiples of 8) go to cuDNN; others to FlashAttention-2.
 """
 
 from __future__ import annotations
@@ -81,6 +93,82 @@ def _varlen_call():
     return varlen_attn, causal
 
 
+#: What ``model.varlen_kernel`` may say.
+VARLEN_KERNELS = ("auto", "cudnn", "flash")
+#: cuDNN's graphs are cached per document count (157 ms to build one): counts are padded with
+#: zero-length documents to a multiple of this.  Padding costs about 0.024 ms of forward +
+#: backward per padded document per 0.6B layer (36 documents padded to 64: 2.74 ms against
+#: 2.08 ms, s7_call3), yet a bucket of 16 made the 0.6B step 3.8x slower (29.2k against
+#: 111.7k tok/s, s7_call4; not yet explained: graph builds or recompiles), so 64 it is.
+CUDNN_DOC_BUCKET = 64
+#: The compute capabilities where ``"auto"`` picks cuDNN (measured: H200).
+CUDNN_AUTO_CAPABILITIES = ((9, 0),)
+_kernel = "auto"
+#: (choice, CUDA device index) -> "cudnn" or "flash": filled outside the compiled layers
+#: (``set_varlen_kernel``, ``hf_implementation``, ``packed_kwargs``) so that tracing reads a dict.
+_resolved: dict[tuple[str, int], str] = {}
+
+
+@lru_cache(maxsize=1)
+def _cudnn_thd():
+    """nvidia-cudnn-frontend's THD SDPA op (``cudnn.sdpa_torch``), or None when not installed."""
+    try:
+        import cudnn
+
+        return cudnn.sdpa_torch
+    except Exception:  # noqa: BLE001 - missing, or a build without the torch op: not used
+        return None
+
+
+def set_varlen_kernel(name: str) -> None:
+    """Choose the packed-attention kernel (``model.varlen_kernel``) for this process.
+
+    ``"cudnn"`` where CUDA is present but the frontend is not installed is a :class:`SpecError`;
+    on a machine without CUDA every choice runs the reference path.
+    """
+    global _kernel
+    if name not in VARLEN_KERNELS:
+        raise SpecError(f"model.varlen_kernel: expected one of {', '.join(VARLEN_KERNELS)}, got {name!r}")
+    if name == "cudnn" and torch.cuda.is_available() and _cudnn_thd() is None:
+        raise SpecError("model.varlen_kernel: \"cudnn\" needs nvidia-cudnn-frontend (pip install "
+                        "\"nvidia-cudnn-frontend>=1.32\", or pgs's gpu extra); use \"auto\" or \"flash\"")
+    _kernel = name
+    _prime()
+
+
+def _resolve(index: int) -> str:
+    """The kernel packed rows on CUDA device ``index`` go to under the current choice."""
+    choice = _resolved.get((_kernel, index))
+    if choice is None:
+        cudnn = _cudnn_thd() is not None
+        if _kernel == "auto":
+            cudnn = cudnn and torch.cuda.get_device_capability(index) in CUDNN_AUTO_CAPABILITIES
+        choice = _resolved[(_kernel, index)] = "cudnn" if cudnn and _kernel != "flash" else "flash"
+    return choice
+
+
+def _prime() -> None:
+    """Resolve the current CUDA device's kernel now, outside any compiled layer."""
+    if torch.cuda.is_available():
+        try:
+            _resolve(torch.cuda.current_device())
+        except (RuntimeError, AssertionError):  # no usable device after all: resolved at first use
+            pass
+
+
+def pad_documents(cu: Tensor, multiple: int) -> Tensor:
+    """``cu_seqlens`` with zero-length documents appended (the last boundary repeated) until the
+    count of documents is a multiple of ``multiple``."""
+    return torch.cat([cu, cu[-1:].expand((-(cu.shape[0] - 1)) % multiple)])
+
+
+def _cudnn_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float | None) -> Tensor:
+    """Causal attention within each document of ``cu`` through cuDNN's THD kernel."""
+    cu = pad_documents(cu, CUDNN_DOC_BUCKET)
+    return _cudnn_thd()(q, k, v, scale=scale, is_causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                        max_seqlen_q=longest, max_seqlen_kv=longest, return_lse=True)[0]
+
+
 def varlen_available(device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> bool:
     """True when the fused kernel path runs for tensors on ``device`` in ``dtype``."""
     device = torch.device(device) if device is not None else None
@@ -108,6 +196,8 @@ def packed_kwargs(position_ids: Tensor) -> dict:
     """The keyword arguments that carry the document boundaries to :func:`varlen_attention`."""
     cu = cu_seqlens_from_positions(position_ids)
     width = int(position_ids.shape[-1])
+    if position_ids.is_cuda:  # the kernel choice for this device, before any compiled layer reads it
+        _resolve(position_ids.device.index)
     try:  # one compiled graph whatever the number of documents
         torch._dynamo.maybe_mark_dynamic(cu, 0)
     except Exception:  # noqa: BLE001 - only an optimisation
@@ -170,9 +260,12 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
                                                                enable_gqa=hkv != hq)
         return out.transpose(1, 2), None
     if call is not None:
-        fn, causal = call
         longest = int(kwargs.get("max_length_q") or width)
-        out = fn(q, k, v, cu, cu, longest, longest, scale=scaling, **causal)
+        if d % 8 == 0 and d <= 256 and (_resolved.get((_kernel, query.device.index)) or _resolve(query.device.index)) == "cudnn":
+            out = _cudnn_varlen(q, k, v, cu, longest, scaling)
+        else:
+            fn, causal = call
+            out = fn(q, k, v, cu, cu, longest, longest, scale=scaling, **causal)
     else:
         out = _reference(q, k, v, cu.to(query.device), batch, width, scaling)
     return out.view(batch, width, hq, d), None
@@ -232,6 +325,7 @@ def hf_implementation(name: str | None, config=None) -> str | None:
     if name == AUTO:
         name = SPEC_NAME if varlen_available() and (config is None or varlen_suits(config) is None) else "sdpa"
     if name == SPEC_NAME:
+        _prime()
         return register()
     return name
 

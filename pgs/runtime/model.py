@@ -67,6 +67,7 @@ def build_model(
     config: dict[str, Any] | None = None,
     dtype: str | torch.dtype | None = "float32",
     attn_implementation: str | None = "auto",
+    varlen_kernel: str = "auto",
     init_seed: int = 0,
     vocab_size: int | None = None,
 ):
@@ -74,13 +75,15 @@ def build_model(
 
     ``path``: a local HF folder (weights + config.json).  ``config``: an architecture table
     (random init under ``torch.manual_seed(init_seed)``; ``vocab_size`` fills in the
-    tokenizer's size when the table has none).  Exactly one of the two.
+    tokenizer's size when the table has none).  Exactly one of the two.  ``varlen_kernel``:
+    the packed-attention kernel (``pgs.runtime.attention.set_varlen_kernel``).
     """
     from transformers import AutoModelForCausalLM
 
-    from pgs.runtime.attention import hf_implementation
+    from pgs.runtime.attention import hf_implementation, set_varlen_kernel
 
     torch_dtype = resolve_dtype(dtype)
+    set_varlen_kernel(varlen_kernel)
     if (path is None) == (config is None):
         raise SpecError("model: give exactly one of model.path (a local folder) or model.config (an architecture)")
     if path is not None:

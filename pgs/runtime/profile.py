@@ -527,7 +527,7 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
     m = spec.model
     with dev:  # random init on the GPU: minutes faster than on the host at 4B
         model = build_model(path=m.path, config=m.config, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                            init_seed=m.init_seed).to(dev)
+                            varlen_kernel=m.varlen_kernel, init_seed=m.init_seed).to(dev)
     freeze(model, m.freeze)
     if int(opts.get("mlp_tiles", 0)) > 1:
         from pgs.runtime.tiled_mlp import apply_mlp_tiles

@@ -23,6 +23,7 @@ ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "varlen", "eager", "flash_attention_2", "flex_attention")
+VARLEN_KERNELS = ("auto", "cudnn", "flash")  # pgs.runtime.attention.VARLEN_KERNELS
 FREEZE_POLICIES = ("none", "non_attention")
 SCHEDULES = ("constant", "linear_warmup", "cosine", "wsd", "power_decay")
 WSD_SHAPES = ("linear", "cosine", "1-sqrt", "power", "exponential")
@@ -110,6 +111,7 @@ class ModelSpec:
     tokenizer: str | None = attrs.field(default=None, validator=attrs.validators.optional(_str))
     dtype: str = attrs.field(default="float32", validator=_one_of(DTYPES))
     attn_implementation: str = attrs.field(default="auto", validator=_one_of(ATTN_IMPLEMENTATIONS))
+    varlen_kernel: str = attrs.field(default="auto", validator=_one_of(VARLEN_KERNELS))
     freeze: str | tuple[str, ...] = attrs.field(default="none")
     trust_remote_code: bool = attrs.field(default=False, validator=_bool)
     init_seed: int = attrs.field(default=0, validator=_int_at_least(0))
