@@ -12,12 +12,13 @@ Inputs (``--inputs latest``, the default):
   call (session 6; a variant's repeats are drawn as one point at their mean, the range in its
   label).  ``--sft-4b s3_call6_sft_4b.json`` draws session 3's call (more pgs variants),
   ``--only-4b`` picks variants of the file.
-- ``s6_call4/sft_06b.json``: Qwen3-0.6B 8×4096 packed, HF + Liger (SDPA with transformers'
-  block mask; the rows as single causal sequences, ANCHORS.md's setup; pgs's varlen attention)
-  against pgs release, all from one call.
-- ``s6_call7/converge.json``: per-step losses of HF AdamW and pgs lion8bit (lr 1e-4), 200 steps
-  of a 256-state Markov chain (session 6; ``--converge s3_call1_converge.json``: session 3's
-  120 steps over 1024 states).
+- ``s7_call3/sft_06b.json``: Qwen3-0.6B 8×4096 packed, HF + Liger (the rows as single causal
+  sequences, ANCHORS.md's setup; pgs's varlen attention) against pgs release with cuDNN's and
+  with FlashAttention-2's packed kernel, all from one call (``--sft-06b s6_call4/sft_06b.json``:
+  session 6's call, with HF + Liger on SDPA's block mask).
+- ``s7_call4/converge_500.json``: per-step losses of HF AdamW and pgs lion8bit (lr 1e-4), 500
+  steps of a 256-state Markov chain (session 7; ``--converge s6_call7/converge.json``: 200 steps;
+  ``s3_call1_converge.json``: session 3's 120 steps over 1024 states).
 
 ``--sft-4b``, ``--sft-06b`` and ``--converge`` name other files (relative to ``--results``).
 ``--inputs s2`` draws the session-2 plots instead, from ``s2_final_probe.json`` (pgs rows),
@@ -45,7 +46,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOAL_GIB_4B = 12.0  # issue 8: <= 12 GiB peak allocated at the 4B shape, at >= HF's tok/s
 GOAL_SPEEDUP_06B = 1.25  # issue 8: >= 1.25x the best HF setup's tok/s at the 0.6B shape
 
-LATEST_FILES = dict(sft_4b="s6_call6/sft_4b.json", sft_06b="s6_call4/sft_06b.json", converge="s6_call7/converge.json")
+LATEST_FILES = dict(sft_4b="s6_call6/sft_4b.json", sft_06b="s7_call3/sft_06b.json",
+                    converge="s7_call4/converge_500.json")
 
 # Readable names for bench/sft_step.py's variant ids; an unknown id is shown as it is.
 VARIANT_LABELS = {
@@ -82,10 +84,11 @@ LABEL_OFFSET_06B = {
     "hf_liger": (-12, -44, "right"),
     "hf_liger_causal": (-14, -62, "right"),
     "hf_compiled": (-12, -44, "right"),
-    "hf_liger_varlen": (-14, 26, "right"),
+    "hf_liger_varlen": (-34, -30, "right"),
     "pgs_release_noac_varlen": (-16, 52, "right"),
     "pgs_release_varlen": (12, -6, "left"),
     "pgs_release_noac": (-22, 30, "right"),
+    "pgs_release_noac_varlen+fa2": (-34, 6, "right"),
 }
 
 
@@ -278,15 +281,15 @@ def panel_06b(fig, gs, rows: list[dict], name: str) -> None:
                 f"best HF with SDPA (the issue's baseline):\n{label_of(best['variant']).splitlines()[0]}, "
                 f"{best['tok_s']:,.0f} tok/s", fontsize=8, va="top")
         ax.axhline(goal, color="tab:red", ls=":", lw=1.4)
-        ax.text(ax.get_xlim()[1] - 1, goal + ymax * 0.008,
+        ax.text(1, goal + ymax * 0.008,
                 f"goal: {GOAL_SPEEDUP_06B:g}× best HF SDPA = {goal:,.0f} tok/s", color="tab:red", fontsize=8.5,
-                va="bottom", ha="right")
+                va="bottom", ha="left")
     else:
         note(f"{name}: no HF SDPA row: no goal line in the 0.6B panel")
     if best_var:
         ax.axhline(best_var["tok_s"], color="0.45", ls="--", lw=0.9)
-        ax.text(1, best_var["tok_s"] + ymax * 0.008, "HF + varlen tok/s\n(not an issue baseline)",
-                color="0.3", fontsize=8, va="bottom", ha="left")
+        ax.text(1, best_var["tok_s"] - ymax * 0.008, "HF + varlen tok/s\n(not an issue baseline)",
+                color="0.3", fontsize=8, va="top", ha="left")
     for r in rows:
         ax.scatter(r["peak_gib"], r["tok_s"], **style(r))
         extra = ""
@@ -297,7 +300,9 @@ def panel_06b(fig, gs, rows: list[dict], name: str) -> None:
         put_label(ax, r, row_text(r, extra), LABEL_OFFSET_06B)
     ax.set_xlabel("peak allocated memory (GiB)")
     ax.set_ylabel("throughput (tokens/s)")
-    ax.set_title("Qwen3-0.6B, 8×4096 packed (HF: AdamW; pgs: release + lion8bit)", fontsize=10, loc="left")
+    ax.set_title("Qwen3-0.6B, 8×4096 packed (HF: AdamW; pgs: release + lion8bit)\nvarlen: cuDNN's THD kernel "
+                 "from session 7 (model.varlen_kernel auto), FlashAttention-2 before and with [+fa2]",
+                 fontsize=9.5, loc="left")
     ax.grid(alpha=0.3)
     legend = [plt.Line2D([], [], ls="none", marker="s", color="black", ms=8, label="HF, SDPA attention"),
               plt.Line2D([], [], ls="none", marker="s", mfc="white", mec="black", mew=2, ms=8,
@@ -352,6 +357,7 @@ def converge_style(v: str, meta: dict):
         "hf_adamw": (f"HF: fp32 weights, torch AdamW{lr(adam)}", "black", "-", 2.6),
         "pgs_adamw8bit": (f"pgs: bf16 + SR, adamw8bit{lr(adam)}", "tab:orange", "--", 1.6),
         "pgs_lion8bit": (f"pgs: bf16 + SR, lion8bit{lr(lion)}", "tab:blue", "-", 1.6),
+        "hf_lion8bit_bnb": (f"HF: fp32 weights, bitsandbytes Lion8bit{lr(lion)}", "tab:purple", "-.", 1.6),
     }.get(v, (v, None, "-", 1.4))
 
 

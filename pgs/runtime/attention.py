@@ -47,8 +47,8 @@ installed: 2.08 ms forward + backward per Qwen3-0.6B layer (8×4096 tokens, 36 d
 bit-identical gradients from run to run (``bench/results/s7_call1``, ``s7_call3``); the whole
 Qwen3-0.6B packed step goes from 103.0k to 111.7k tok/s (s7_call3).  cuDNN builds and caches
 one graph per document count (157 ms each), so the count is padded with zero-length documents
-(bit-identical results) to a multiple of :data:`CUDNN_DOC_BUCKET`: a few graphs per run instead
-of one per step.  ``model.varlen_kernel`` picks the kernel: ``"auto"`` (cuDNN on compute
+(bit-identical results; at least two, see :func:`pad_documents`) to a multiple of
+:data:`CUDNN_DOC_BUCKET`: a few graphs per run instead of one per step.  ``model.varlen_kernel`` picks the kernel: ``"auto"`` (cuDNN on compute
 capability 9.0 when the frontend is installed, FlashAttention-2 otherwise), ``"cudnn"`` or
 ``"flash"``.  Head dims up to 256 (multiples of 8) go to cuDNN; others to FlashAttention-2.
 """
@@ -98,8 +98,10 @@ VARLEN_KERNELS = ("auto", "cudnn", "flash")
 #: cuDNN's graphs are cached per document count (157 ms to build one): counts are padded with
 #: zero-length documents to a multiple of this.  Padding costs about 0.024 ms of forward +
 #: backward per padded document per 0.6B layer (36 documents padded to 64: 2.74 ms against
-#: 2.08 ms, s7_call3), yet a bucket of 16 made the 0.6B step 3.8x slower (29.2k against
-#: 111.7k tok/s, s7_call4; not yet explained: graph builds or recompiles), so 64 it is.
+#: 2.08 ms, s7_call3).  A bucket of 16 measured 29.2k instead of 111.7k tok/s (s7_call4): one
+#: step's count needed a single padding document, and dynamo's specialisation of that size
+#: recompiled every layer inside the 8 timed steps (``pad_documents``'s ``minimum`` now avoids
+#: it; not yet measured on the GPU).  64 is the measured bucket.
 CUDNN_DOC_BUCKET = 64
 #: The compute capabilities where ``"auto"`` picks cuDNN (measured: H200).
 CUDNN_AUTO_CAPABILITIES = ((9, 0),)
@@ -156,15 +158,21 @@ def _prime() -> None:
             pass
 
 
-def pad_documents(cu: Tensor, multiple: int) -> Tensor:
-    """``cu_seqlens`` with zero-length documents appended (the last boundary repeated) until the
-    count of documents is a multiple of ``multiple``."""
-    return torch.cat([cu, cu[-1:].expand((-(cu.shape[0] - 1)) % multiple)])
+def pad_documents(cu: Tensor, multiple: int, minimum: int = 0) -> Tensor:
+    """``cu_seqlens`` with at least ``minimum`` zero-length documents appended (the last boundary
+    repeated), and then more until the count of documents is a multiple of ``multiple``.
+
+    Under torch.compile the number appended is symbolic, and dynamo specialises a size of 0 or
+    1 (a guard that recompiles the layer when a step's count needs 0 or 1 more documents after
+    others needed more: a recompile of every compiled layer, seconds, in s7_call4); ``minimum=2``
+    keeps it out of that range.
+    """
+    return torch.cat([cu, cu[-1:].expand((-(cu.shape[0] - 1 + minimum)) % multiple + minimum)])
 
 
 def _cudnn_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float | None) -> Tensor:
     """Causal attention within each document of ``cu`` through cuDNN's THD kernel."""
-    cu = pad_documents(cu, CUDNN_DOC_BUCKET)
+    cu = pad_documents(cu, CUDNN_DOC_BUCKET, minimum=2)
     return _cudnn_thd()(q, k, v, scale=scale, is_causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu,
                         max_seqlen_q=longest, max_seqlen_kv=longest, return_lse=True)[0]
 
