@@ -44,13 +44,13 @@ On an H100/H200 (compute capability 9.0) the packed rows go to cuDNN's THD atten
 nvidia-cudnn-frontend's torch op (``cudnn.sdpa_torch``; the ``gpu`` extra installs it) when it is
 installed: 2.08 ms forward + backward per Qwen3-0.6B layer (8×4096 tokens, 36 documents of
 256-2048) against 3.24 ms for FlashAttention-2, with the same output error against fp32 and
-bit-identical gradients from run to run (``bench/results/s7_call1``, ``s7_call3``); the whole
+gradients within bf16 error (``bench/results/s7_call1``, ``s7_call3``); the whole
 Qwen3-0.6B packed step goes from 103.0k to 111.7k tok/s (s7_call3).  cuDNN builds and caches
 one graph per document count (157 ms each), so the count is padded with zero-length documents
-(bit-identical results; at least two, see :func:`pad_documents`) to a multiple of
-:data:`CUDNN_DOC_BUCKET`: a few graphs per run instead of one per step.  ``model.varlen_kernel`` picks the kernel: ``"auto"`` (cuDNN on compute
-capability 9.0 when the frontend is installed, FlashAttention-2 otherwise), ``"cudnn"`` or
-``"flash"``.  Head dims up to 256 (multiples of 8) go to cuDNN; others to FlashAttention-2.
+(outputs bit-identical; at least two, see :func:`pad_documents`) to a multiple of
+:data:`CUDNN_DOC_BUCKET`: a few graphs per run instead of one per step.
+``model.varlen_kernel`` picks the kernel: ``"auto"`` (cuDNN on compute capability 9.0 when the
+frontend is installed, FlashAttention-2 otherwise), ``"cudnn"`` or ``"flash"``.  Head dims up to 256 (multiples of 8) go to cuDNN; others to FlashAttention-2.
 """
 
 from __future__ import annotations
