@@ -72,6 +72,40 @@ def sample(ids, succ, batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
     return ids[out]
 
 
+def byte_corpus(max_bytes: int = 64 << 20) -> tuple[torch.Tensor, dict]:
+    """The bytes of this Python's standard-library sources (``*.py`` under the stdlib folder,
+    sorted paths, up to ``max_bytes``) as a uint8 tensor, and what they are (text that is on
+    every machine, with no network: learning on it is gradual, from byte frequencies to
+    words and syntax, where the Markov chain's is one sharp step)."""
+    import glob
+    import hashlib
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    paths = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
+    chunks, size = [], 0
+    for path in paths:
+        with open(path, "rb") as f:
+            b = f.read()
+        chunks.append(b)
+        size += len(b)
+        if size >= max_bytes:
+            break
+    blob = b"".join(chunks)[:max_bytes]
+    info = {"corpus": f"python {platform.python_version()} stdlib *.py", "files": len(chunks), "bytes": len(blob),
+            "sha256_16": hashlib.sha256(blob).hexdigest()[:16]}
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8), info
+
+
+def sample_bytes(corpus: torch.Tensor, ids: torch.Tensor, batch: int, seq: int, lo: int, hi: int,
+                 g: torch.Generator) -> torch.Tensor:
+    """``batch`` windows of ``seq`` bytes starting in ``[lo, hi - seq)``, each byte mapped to its
+    token id (``ids[byte]``)."""
+    starts = torch.randint(lo, hi - seq, (batch,), generator=g)
+    windows = torch.stack([corpus[s:s + seq] for s in starts.tolist()]).long()
+    return ids[windows]
+
+
 def entropy_floor() -> float:
     return -sum(p * math.log(p) for p in PROBS)
 
@@ -208,6 +242,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; 2 with --small)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024; 32 with --small)")
     p.add_argument("--states", type=int, default=None, help="Markov states (default 1024; 64 with --small)")
+    p.add_argument("--data", choices=("markov", "bytes"), default="markov",
+                   help="markov: the chain over --states ids; bytes: windows of this Python's standard-library "
+                        "sources, one token per byte (the last 5%% held out)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 10; 2 with --small)")
     p.add_argument("--adam-lr", type=float, default=3e-4)
     p.add_argument("--lion-lr", type=float, default=5e-5)
@@ -228,10 +265,18 @@ def main(argv=None) -> int:
         p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     table = dict((SMALL_SHAPES["tiny"] if args.small else SHAPES["qwen3-0.6b"])[0])
-    ids, succ = markov_source(table["vocab_size"], args.states, args.seed)
     g = torch.Generator().manual_seed(args.seed + 1)
-    data = [sample(ids, succ, args.batch, args.seq, g) for _ in range(args.steps)]
-    held_out = [sample(ids, succ, args.batch, args.seq, g) for _ in range(2)]
+    corpus_info = {}
+    if args.data == "bytes":
+        corpus, corpus_info = byte_corpus()
+        ids = torch.randperm(table["vocab_size"], generator=torch.Generator().manual_seed(args.seed))[:256]
+        cut = int(corpus.numel() * 0.95)
+        data = [sample_bytes(corpus, ids, args.batch, args.seq, 0, cut, g) for _ in range(args.steps)]
+        held_out = [sample_bytes(corpus, ids, args.batch, args.seq, cut, corpus.numel(), g) for _ in range(2)]
+    else:
+        ids, succ = markov_source(table["vocab_size"], args.states, args.seed)
+        data = [sample(ids, succ, args.batch, args.seq, g) for _ in range(args.steps)]
+        held_out = [sample(ids, succ, args.batch, args.seq, g) for _ in range(2)]
     results = []
     for name in variants:
         r = run_variant(name, table, data, held_out, device, args)
@@ -243,7 +288,11 @@ def main(argv=None) -> int:
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "argv": sys.argv[1:], "steps": args.steps, "batch": args.batch,
             "seq": args.seq, "states": args.states, "warmup": args.warmup, "adam_lr": args.adam_lr,
-            "lion_lr": args.lion_lr, "entropy_floor": entropy_floor(), "uniform_loss": math.log(args.states)}
+            "lion_lr": args.lion_lr, "data": args.data, **corpus_info}
+    if args.data == "markov":  # the bytes' floor is unknown: no floor line
+        meta.update(entropy_floor=entropy_floor(), uniform_loss=math.log(args.states))
+    else:
+        meta.update(uniform_loss=math.log(256), states=256)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
