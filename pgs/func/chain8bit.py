@@ -55,7 +55,7 @@ from pgs.func._common import increment
 from pgs.func.adagc import AdaGCState
 from pgs.func.hyperball import HyperballState
 from pgs.func.kernels.fused import hp_tensor, one_minus, sr_seed
-from pgs.func.layout import SEGMENT_LANES, group_label
+from pgs.func.layout import group_label, segment_slots
 from pgs.func.learning_rate import lr_value
 from pgs.func.lion8bit import ScaleByLion8bitState
 from pgs.func.mona import MonaState
@@ -132,8 +132,7 @@ def _segment_sums(blocks: torch.Tensor, grp) -> torch.Tensor:
     if hit is None or hit[0] is not grp or hit[2] != lanes:
         if len(_SEG_INDEX) > 64:
             _SEG_INDEX.clear()
-        idx = grp.block_seg * lanes + torch.arange(grp.num_blocks, device=grp.block_seg.device) % lanes
-        hit = _SEG_INDEX[id(grp)] = (grp, idx, lanes)
+        hit = _SEG_INDEX[id(grp)] = (grp, segment_slots(grp, lanes), lanes)
     c = blocks.shape[0]
     part = torch.zeros(grp.num_tensors * lanes, c, dtype=torch.float32, device=blocks.device)
     part.index_add_(0, hit[1], blocks.t())

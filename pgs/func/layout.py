@@ -310,9 +310,15 @@ def _segment_sum(blocks: torch.Tensor, g: Group) -> torch.Tensor:
     tensor instead, and the slots are summed afterwards.
     """
     lanes = SEGMENT_LANES
-    idx = g.block_seg * lanes + torch.arange(g.num_blocks, device=blocks.device) % lanes
+    idx = segment_slots(g, lanes)
     part = torch.zeros(g.num_tensors * lanes, dtype=torch.float32, device=blocks.device).index_add_(0, idx, blocks)
     return part.view(g.num_tensors, lanes).sum(1)
+
+
+def segment_slots(g: Group, lanes: int) -> torch.Tensor:
+    """The slot each block of ``g`` adds into for a per-tensor sum split over ``lanes`` partial
+    sums: ``tensor * lanes + block % lanes`` (``[num_blocks]``, on ``g``'s device)."""
+    return g.block_seg * lanes + torch.arange(g.num_blocks, device=g.block_seg.device) % lanes
 
 
 def reduced(sums, reduce_sum: Callable | None):
