@@ -271,6 +271,12 @@ def test_the_spec_and_the_setter_refuse_an_unknown_kernel(kernel_choice):
         A.set_varlen_kernel("fa3")
 
 
+def test_the_spec_knows_the_same_kernels_as_the_attention_module():
+    from pgs.runtime import spec_sections
+
+    assert spec_sections.VARLEN_KERNELS == A.VARLEN_KERNELS
+
+
 def test_cudnn_without_the_frontend_is_refused_where_cuda_is(monkeypatch, kernel_choice):
     monkeypatch.setattr(A, "_cudnn_thd", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

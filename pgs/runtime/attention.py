@@ -50,7 +50,8 @@ one graph per document count (157 ms each), so the count is padded with zero-len
 (outputs bit-identical; at least two, see :func:`pad_documents`) to a multiple of
 :data:`CUDNN_DOC_BUCKET`: a few graphs per run instead of one per step.
 ``model.varlen_kernel`` picks the kernel: ``"auto"`` (cuDNN on compute capability 9.0 when the
-frontend is installed, FlashAttention-2 otherwise), ``"cudnn"`` or ``"flash"``.  Head dims up to 256 (multiples of 8) go to cuDNN; others to FlashAttention-2.
+frontend is installed, FlashAttention-2 otherwise), ``"cudnn"`` or ``"flash"``.  Head dims up
+to 256 (multiples of 8) go to cuDNN; others to FlashAttention-2.
 """
 
 from __future__ import annotations
@@ -269,7 +270,8 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
         return out.transpose(1, 2), None
     if call is not None:
         longest = int(kwargs.get("max_length_q") or width)
-        if d % 8 == 0 and d <= 256 and (_resolved.get((_kernel, query.device.index)) or _resolve(query.device.index)) == "cudnn":
+        kernel = _resolved.get((_kernel, query.device.index)) or _resolve(query.device.index)
+        if kernel == "cudnn" and d % 8 == 0 and d <= 256:
             out = _cudnn_varlen(q, k, v, cu, longest, scaling)
         else:
             fn, causal = call
