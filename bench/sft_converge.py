@@ -143,7 +143,8 @@ def setup(name: str, table: dict, device, args):
             import bitsandbytes as bnb
 
             peak = args.lion_lr
-            opt = bnb.optim.Lion8bit(model.parameters(), lr=peak, betas=(0.9, 0.99), weight_decay=0.0)
+            opt = bnb.optim.Lion8bit(model.parameters(), lr=peak, betas=(args.lion_b1, args.lion_b2),
+                                     weight_decay=args.lion_wd)
         amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
         count = [0]
 
@@ -161,7 +162,7 @@ def setup(name: str, table: dict, device, args):
         backend = "triton" if args.triton_on_cpu else "auto"
         if name == "pgs_lion8bit":
             lr = pf.cosine_schedule(args.lion_lr, args.warmup, args.steps)
-            chain = pf.lion8bit(lr, b1=0.9, b2=0.99, backend=backend)
+            chain = pf.lion8bit(lr, b1=args.lion_b1, b2=args.lion_b2, weight_decay=args.lion_wd, backend=backend)
         else:
             lr = pf.cosine_schedule(args.adam_lr, args.warmup, args.steps)
             chain = pf.adamw8bit(lr, b1=0.9, b2=0.95, weight_decay=0.0, backend=backend)
@@ -248,6 +249,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 10; 2 with --small)")
     p.add_argument("--adam-lr", type=float, default=3e-4)
     p.add_argument("--lion-lr", type=float, default=5e-5)
+    p.add_argument("--lion-b1", type=float, default=0.9, help="Lion's update interpolation β1 (default 0.9)")
+    p.add_argument("--lion-b2", type=float, default=0.99, help="Lion's momentum β2 (default 0.99)")
+    p.add_argument("--lion-wd", type=float, default=0.0,
+                   help="Lion's decoupled weight decay λ (the update adds lr·λ·θ; default 0, as AdamW's here)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--master", action="store_true",
                    help="pgs variants: an fp32 master copy of the weights instead of bf16 + stochastic rounding "
@@ -288,7 +293,7 @@ def main(argv=None) -> int:
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "argv": sys.argv[1:], "steps": args.steps, "batch": args.batch,
             "seq": args.seq, "states": args.states, "warmup": args.warmup, "adam_lr": args.adam_lr,
-            "lion_lr": args.lion_lr, "data": args.data, **corpus_info}
+            "lion_lr": args.lion_lr, "lion_betas": [args.lion_b1, args.lion_b2], "lion_wd": args.lion_wd, "data": args.data, **corpus_info}
     if args.data == "markov":  # the bytes' floor is unknown: no floor line
         meta.update(entropy_floor=entropy_floor(), uniform_loss=math.log(args.states))
     else:
