@@ -254,6 +254,9 @@ def main(argv=None) -> int:
     p.add_argument("--lion-wd", type=float, default=0.0,
                    help="Lion's decoupled weight decay λ (the update adds lr·λ·θ; default 0, as AdamW's here)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--untie", action="store_true",
+                   help="the shape with an untied output head (tie_word_embeddings false): Lion's frequency "
+                        "plateau on tied, large-vocabulary models (bench/experiments/lion_plateau.py)")
     p.add_argument("--master", action="store_true",
                    help="pgs variants: an fp32 master copy of the weights instead of bf16 + stochastic rounding "
                         "(HF's precision: separates the precision's effect from the path's)")
@@ -270,6 +273,8 @@ def main(argv=None) -> int:
         p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     table = dict((SMALL_SHAPES["tiny"] if args.small else SHAPES["qwen3-0.6b"])[0])
+    if args.untie:
+        table["tie_word_embeddings"] = False
     g = torch.Generator().manual_seed(args.seed + 1)
     corpus_info = {}
     if args.data == "bytes":
@@ -293,7 +298,7 @@ def main(argv=None) -> int:
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "argv": sys.argv[1:], "steps": args.steps, "batch": args.batch,
             "seq": args.seq, "states": args.states, "warmup": args.warmup, "adam_lr": args.adam_lr,
-            "lion_lr": args.lion_lr, "lion_betas": [args.lion_b1, args.lion_b2], "lion_wd": args.lion_wd, "data": args.data, **corpus_info}
+            "lion_lr": args.lion_lr, "lion_betas": [args.lion_b1, args.lion_b2], "lion_wd": args.lion_wd, "untied": args.untie, "data": args.data, **corpus_info}
     if args.data == "markov":  # the bytes' floor is unknown: no floor line
         meta.update(entropy_floor=entropy_floor(), uniform_loss=math.log(args.states))
     else:
