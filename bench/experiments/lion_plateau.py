@@ -7,7 +7,8 @@ trained for ``--steps`` steps of 4×128 tokens from ``bench/sft_converge.py``'s 
 (``--data bytes``: windows of the stdlib's sources, one token per byte) with Lion written out in
 plain fp32 torch (no pgs, no 8-bit state): ``c = β1·m + (1-β1)·g; θ -= lr·sign(c);
 m = β2·m + (1-β2)·g`` (arXiv 2302.06675), warm-up 10 + cosine.  ``--emb adamw`` steps the tied
-embedding with AdamW (lr 3× Lion's) instead; ``--all-adamw`` steps everything with AdamW.
+embedding with AdamW (lr 3× Lion's) instead; ``--all-adamw`` steps everything with AdamW; ``--freeze-unused`` zeroes the tied
+embedding's gradient on the rows of ids the data never uses (sign(0) = 0: Lion leaves them).
 Prints the mean of the last 10 losses and every 15th loss.  About 3 minutes on two CPU cores.
 
     python bench/experiments/lion_plateau.py [--untie] [--vocab 512] [--data bytes] [--all-adamw]
@@ -27,6 +28,8 @@ ap.add_argument("--b1", type=float, default=0.9); ap.add_argument("--b2", type=f
 ap.add_argument("--vocab", type=int, default=151936); ap.add_argument("--untie", action="store_true")
 ap.add_argument("--emb", choices=("lion", "adamw", "lion_lr0.1"), default="lion")
 ap.add_argument("--data", default="markov"); ap.add_argument("--all-adamw", action="store_true")
+ap.add_argument("--freeze-unused", action="store_true",
+                help="zero the tied embedding's gradient on the rows of ids the data never uses")
 a = ap.parse_args()
 torch.set_num_threads(2)
 table = dict(model_type="qwen3", hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
@@ -50,6 +53,10 @@ for t, x in enumerate(data):
     lr = C.lr_at(t, a.lr, 10, a.steps)
     loss = model(input_ids=x, labels=x).loss
     loss.backward()
+    if a.freeze_unused:
+        keep = torch.zeros(a.vocab, 1)
+        keep[ids] = 1
+        emb.grad.mul_(keep)
     with torch.no_grad():
         for p, m in zip(params, mom):
             if (p is emb and a.emb == "adamw") or a.all_adamw:  # AdamW (β 0.9/0.95, lr 3× Lion's) for the tied embedding
