@@ -312,9 +312,10 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
 def defers(name: str, args) -> bool:
     """Whether a pgs variant defers the tied head's gradient: as ``memory.defer_head_grad = "auto"``
     (with checkpointing or slabs) unless ``--defer`` / ``--no-defer`` say otherwise."""
-    if args.defer or args.no_defer:
-        return bool(args.defer)
-    return uses_ac(name) or _slabs(split_name(name)[0])
+    from pgs.runtime.spec_sections import head_grad_wanted
+
+    setting = bool(args.defer) if (args.defer or args.no_defer) else "auto"
+    return head_grad_wanted(setting, "full" if uses_ac(name) else "none", _slabs(split_name(name)[0]))
 
 
 def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk: int,
@@ -331,7 +332,7 @@ def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk:
         pred = predict_memory(dict(table), dtype=torch.bfloat16, chain=pf.lion8bit(1e-5), gradient_release=True,
                               activation_checkpointing=_policy(name) if uses_ac(name) else "none",
                               micro_batch_tokens=batch * seq, loss_chunk=loss_chunk,
-                              fused_update=new_path, defer_head_grad=None if new_path and defer else False,
+                              fused_update=new_path, defer_head_grad=new_path and defer,
                               checkpoint_offload=_slabs(name), tied_slabs=slab_rows if _slabs(name) else None,
                               release_groups="parameter" if _per_parameter(name) else "layer",
                               mlp_tiles=mlp_tiles if _tiled(name) else 0,

@@ -155,6 +155,54 @@ def test_release_and_checkpointing_lower_the_peak():
     assert dense["loss"] > plain["loss"]
 
 
+def test_defer_head_grad_setting_as_pgs_run_resolves_it():
+    """``"auto"`` (or None) defers with checkpointing or slabs only; an explicit True defers
+    without them too (``pgs run`` does); none of it where the head is not tied."""
+    kw = dict(chain=pf.lion8bit(1e-4), gradient_release=True, micro_batch_tokens=512, loss_chunk=128)
+    for tied in (True, False):
+        cfg = config(tied, layers=2, hidden=64, inter=128)
+        never = predict_memory(cfg, defer_head_grad=False, **kw)
+        assert predict_memory(cfg, defer_head_grad="auto", **kw) == never
+        assert predict_memory(cfg, **kw) == never
+        always = predict_memory(cfg, defer_head_grad=True, **kw)
+        assert (always != never) == tied
+        ac = dict(kw, activation_checkpointing="full")
+        assert predict_memory(cfg, **ac) == predict_memory(cfg, defer_head_grad=True, **ac)
+        assert (predict_memory(cfg, **ac) != predict_memory(cfg, defer_head_grad=False, **ac)) == tied
+
+
+@pytest.mark.parametrize("setting, toml", [("auto", ""), (True, "defer_head_grad = true"),
+                                           (False, "defer_head_grad = false")])
+def test_plan_hands_the_spec_setting_to_the_prediction(tmp_path, setting, toml):
+    from pgs.runtime.profile import plan_from_spec
+    from pgs.runtime.spec import load_spec
+
+    spec_file = tmp_path / "spec.toml"
+    spec_file.write_text(f"""
+[model]
+config = {{ model_type = "qwen3", hidden_size = 32, intermediate_size = 64, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8, vocab_size = 96 }}
+tokenizer = "pgs:quickstart/tokenizer"
+dtype = "bfloat16"
+
+[data]
+max_seq_len = 64
+sources = [{{ path = "pgs:quickstart/train.jsonl", weight = 1.0 }}]
+
+[optimizer]
+alias = "lion8bit"
+clip = 0
+
+[memory]
+gradient_release = true
+{toml}
+
+[train]
+steps = 10
+batch_size = 2
+""")
+    assert plan_from_spec(load_spec(spec_file))["kwargs"]["defer_head_grad"] == setting
+
+
 def test_profile_spec_on_cpu(tmp_path):
     from rich.console import Console
 

@@ -239,7 +239,7 @@ def predict_memory(
     gqa_native: bool = True,
     model=None,
     fused_update: bool | None = None,
-    defer_head_grad: bool | None = None,
+    defer_head_grad: bool | str | None = None,
     loss_kernels: bool | None = None,
     tied_slabs: int | None = None,
     mlp_tiles: int = 0,
@@ -264,9 +264,10 @@ def predict_memory(
         model: a (meta or real) model to size instead of building one from the config.
         fused_update: release steps with an in-place fused kernel (None: when the chain has
             one — ``lion8bit``/``adamw8bit``'s ``fused_step``, or an AdamW/Lion plan).
-        defer_head_grad: the tied head's gradient joins the embedding's at the end of
-            backward (None: with release, a chunked loss, a tied head and checkpointing or tied
-            slabs, as ``pgs run``'s ``memory.defer_head_grad = "auto"``).
+        defer_head_grad: ``memory.defer_head_grad``: the tied head's gradient joins the
+            embedding's at the end of backward, where ``pgs run`` can defer it (release, a
+            chunked loss, a trainable tied head).  ``"auto"`` (or None): with checkpointing or
+            tied slabs; True: always there; False: never.
         loss_kernels: the chunked loss runs its two Triton passes (CUDA; ``chunk_work_bytes``
             has what each path holds per chunk).  None: yes unless ``PGS_CE_KERNELS=0`` —
             the prediction is for a CUDA run even where it is made on a CPU.
@@ -337,11 +338,13 @@ def predict_memory(
     v, h = c.vocab_size, c.hidden_size
     b = torch.empty((), dtype=dt).element_size()
     n = int(micro_batch_tokens)
-    if defer_head_grad is None:
+    if defer_head_grad is not False:  # where pgs run can defer, as the setting asks
+        from pgs.runtime.spec_sections import head_grad_wanted
+
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
         tied = head is not None and embed is not None and head.weight is embed.weight
-        # as memory.defer_head_grad = "auto" (MemorySpec.head_grad_deferred): where memory is traded
-        wanted = activation_checkpointing not in (None, "none") or bool(tied_slabs)
+        wanted = head_grad_wanted("auto" if defer_head_grad is None else defer_head_grad, activation_checkpointing,
+                                  tied_slabs)
         defer_head_grad = bool(gradient_release and loss == "chunked" and tied and head.weight.requires_grad
                                and wanted)
     if fused_update is None:
@@ -465,8 +468,7 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   loss="dense" if spec.loss.backend == "dense" else "chunked", loss_chunk=spec.loss.chunk_size,
                   model=model,
                   # pgs run defers a tied head's gradient only with the chunked backend and when asked
-                  defer_head_grad=(None if (spec.loss.backend == "chunked" and spec.memory.head_grad_deferred())
-                                   else False))
+                  defer_head_grad=spec.memory.defer_head_grad if spec.loss.backend == "chunked" else False)
     return {"config": cfg, "kwargs": kwargs, "notes": notes, "micro_batch": micro,
             "seq_len": spec.data.max_seq_len, "options": opts}
 

@@ -313,9 +313,15 @@ class MemorySpec:
         matmul per step (6% of a Qwen3-0.6B 8×4096 step, s6_call1) and saves one V×D buffer
         through backward (0.29 GiB there against 41 GiB of activations; 0.72 GiB of a 12 GiB
         Qwen3-4B run)."""
-        if self.defer_head_grad == "auto":
-            return self.activation_checkpointing != "none" or self.tied_slabs > 0
-        return bool(self.defer_head_grad)
+        return head_grad_wanted(self.defer_head_grad, self.activation_checkpointing, self.tied_slabs)
+
+
+def head_grad_wanted(setting: bool | str, activation_checkpointing: str | None, tied_slabs: int | None) -> bool:
+    """``memory.defer_head_grad`` resolved (``MemorySpec.head_grad_deferred``, ``pgs profile``'s
+    prediction): ``"auto"`` defers with activation checkpointing or tied slabs, a bool says itself."""
+    if setting == "auto":
+        return activation_checkpointing not in (None, "none") or bool(tied_slabs)
+    return bool(setting)
 
 
 SECTIONS: dict[str, type] = {
