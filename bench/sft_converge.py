@@ -97,6 +97,29 @@ def byte_corpus(max_bytes: int = 64 << 20) -> tuple[torch.Tensor, dict]:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8), info
 
 
+def bpe_corpus(max_bytes: int = 16 << 20, vocab: int = 151_936) -> tuple[torch.Tensor, dict]:
+    """``byte_corpus``'s text tokenized by a byte-level BPE trained on it (``tokenizers``, merges
+    of pairs seen at least twice, at most ``vocab`` tokens; ~5 s on two CPU cores): token ids as a
+    long tensor and what they are.  Like SFT text through a real tokenizer, the data uses tens of
+    thousands of ids with a Zipf-like spread and leaves the rest of a large vocabulary unseen
+    (16 MiB of the stdlib: ~54k tokens learned, ~48k ids used, unigram entropy ~6.8 nats)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    corpus, info = byte_corpus(max_bytes)
+    lines = bytes(corpus.numpy()).decode("utf-8", errors="replace").split("\n")
+    docs = ["\n".join(lines[i:i + 200]) for i in range(0, len(lines), 200)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=vocab, min_frequency=2, show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    ids = torch.tensor([i for e in tok.encode_batch(docs) for i in e.ids], dtype=torch.long)
+    counts = torch.bincount(ids).double()
+    p = counts[counts > 0] / counts.sum()
+    info.update(tokenizer_vocab=tok.get_vocab_size(), tokens=ids.numel(), ids_used=int((counts > 0).sum()),
+                unigram_entropy=float(-(p * p.log()).sum()))
+    return ids, info
+
+
 def sample_bytes(corpus: torch.Tensor, ids: torch.Tensor, batch: int, seq: int, lo: int, hi: int,
                  g: torch.Generator) -> torch.Tensor:
     """``batch`` windows of ``seq`` bytes starting in ``[lo, hi - seq)``, each byte mapped to its
@@ -118,14 +141,20 @@ def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * frac))
 
 
-def setup(name: str, table: dict, device, args):
-    """(model, step(ids) -> loss float tensor, eval(ids) -> loss sum, valid)."""
+def setup(name: str, table: dict, device, args, init: dict | None = None):
+    """(model, step(ids) -> loss float tensor, eval(ids) -> loss sum, valid).  ``init``: a state
+    dict (the warm start's fp32 weights) loaded over the random init, after HF's upcast to fp32
+    and into pgs's bf16 weights (rounded to nearest)."""
     import pgs.func as pf
     from pgs.func.losses import token_loss
     from pgs.runtime.model import final_hidden, output_head
     from pgs.runtime.release import GradientRelease
 
     model = build(table, device)
+    if name.startswith("hf_"):
+        model.float()
+    if init is not None:
+        model.load_state_dict(init)
     pos_of = lambda ids: torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # noqa: E731
 
     def labels_of(ids):
@@ -134,7 +163,6 @@ def setup(name: str, table: dict, device, args):
         return labels
 
     if name.startswith("hf_"):
-        model.float()
         if name == "hf_adamw":
             peak = args.adam_lr
             opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.95), weight_decay=0.0,
@@ -194,12 +222,27 @@ def setup(name: str, table: dict, device, args):
     return model, step, evaluate
 
 
-def run_variant(name: str, table: dict, data: list, held_out: list, device, args) -> dict:
+def warm_start(table: dict, data: list, device, args) -> tuple[dict, list]:
+    """Train the random init with ``hf_adamw`` (fp32, AdamW at ``--adam-lr``, its own warm-up +
+    cosine over ``len(data)`` steps) on ``data``; return its weights (fp32, on the CPU) and losses:
+    the shared start of a fine-tuning comparison."""
+    warm_args = argparse.Namespace(**{**vars(args), "steps": len(data)})
+    model, step, _ = setup("hf_adamw", table, device, warm_args)
+    losses = [float(x) for x in [step(ids.to(device)) for ids in data]]
+    state = {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in model.state_dict().items()}
+    del model, step
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return state, losses
+
+
+def run_variant(name: str, table: dict, data: list, held_out: list, device, args, init: dict | None = None) -> dict:
     out: dict = {"variant": name}
     model = step = None
     cuda = device.type == "cuda"
     try:
-        model, step, evaluate = setup(name, table, device, args)
+        model, step, evaluate = setup(name, table, device, args, init)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -243,9 +286,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; 2 with --small)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024; 32 with --small)")
     p.add_argument("--states", type=int, default=None, help="Markov states (default 1024; 64 with --small)")
-    p.add_argument("--data", choices=("markov", "bytes"), default="markov",
+    p.add_argument("--data", choices=("markov", "bytes", "bpe"), default="markov",
                    help="markov: the chain over --states ids; bytes: windows of this Python's standard-library "
-                        "sources, one token per byte (the last 5%% held out)")
+                        "sources, one token per byte; bpe: the same text through a byte-level BPE trained on it "
+                        "(tens of thousands of ids used; the last 5%% held out for both)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 10; 2 with --small)")
     p.add_argument("--adam-lr", type=float, default=3e-4)
     p.add_argument("--lion-lr", type=float, default=5e-5)
@@ -254,6 +298,11 @@ def main(argv=None) -> int:
     p.add_argument("--lion-wd", type=float, default=0.0,
                    help="Lion's decoupled weight decay λ (the update adds lr·λ·θ; default 0, as AdamW's here)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-start", type=int, default=0, metavar="STEPS",
+                   help="fine-tuning, not training from scratch: first train the random init with hf_adamw for "
+                        "STEPS steps on other data (bytes/bpe: the first 45%% of the text, the variants then the "
+                        "next 50%%; markov: another chain of the same size), and start every variant from those "
+                        "weights")
     p.add_argument("--untie", action="store_true",
                    help="the shape with an untied output head (tie_word_embeddings false): Lion's frequency "
                         "plateau on tied, large-vocabulary models (bench/experiments/lion_plateau.py)")
@@ -277,19 +326,34 @@ def main(argv=None) -> int:
         table["tie_word_embeddings"] = False
     g = torch.Generator().manual_seed(args.seed + 1)
     corpus_info = {}
-    if args.data == "bytes":
-        corpus, corpus_info = byte_corpus()
-        ids = torch.randperm(table["vocab_size"], generator=torch.Generator().manual_seed(args.seed))[:256]
+    warm_data: list = []
+    if args.data in ("bytes", "bpe"):
+        if args.data == "bytes":
+            corpus, corpus_info = byte_corpus()
+            ids = torch.randperm(table["vocab_size"], generator=torch.Generator().manual_seed(args.seed))[:256]
+        else:
+            corpus, corpus_info = bpe_corpus(vocab=table["vocab_size"])
+            ids = torch.arange(table["vocab_size"])  # the tokenizer's own ids: the model's first rows
         cut = int(corpus.numel() * 0.95)
-        data = [sample_bytes(corpus, ids, args.batch, args.seq, 0, cut, g) for _ in range(args.steps)]
+        lo = int(corpus.numel() * 0.45) if args.warm_start else 0
+        warm_data = [sample_bytes(corpus, ids, args.batch, args.seq, 0, lo, g) for _ in range(args.warm_start)]
+        data = [sample_bytes(corpus, ids, args.batch, args.seq, lo, cut, g) for _ in range(args.steps)]
         held_out = [sample_bytes(corpus, ids, args.batch, args.seq, cut, corpus.numel(), g) for _ in range(2)]
     else:
+        if args.warm_start:
+            w_ids, w_succ = markov_source(table["vocab_size"], args.states, args.seed + 1000)
+            warm_data = [sample(w_ids, w_succ, args.batch, args.seq, g) for _ in range(args.warm_start)]
         ids, succ = markov_source(table["vocab_size"], args.states, args.seed)
         data = [sample(ids, succ, args.batch, args.seq, g) for _ in range(args.steps)]
         held_out = [sample(ids, succ, args.batch, args.seq, g) for _ in range(2)]
+    init, warm_losses = None, []
+    if args.warm_start:
+        init, warm_losses = warm_start(table, warm_data, device, args)
+        print(f"warm start: {args.warm_start} hf_adamw steps, loss {warm_losses[0]:.3f} -> last10 "
+              f"{sum(warm_losses[-10:]) / len(warm_losses[-10:]):.3f}", flush=True)
     results = []
     for name in variants:
-        r = run_variant(name, table, data, held_out, device, args)
+        r = run_variant(name, table, data, held_out, device, args, init)
         results.append(r)
         summary = r.get("error") or (f"loss {r['losses'][0]:.3f} -> last10 {r['last10_mean']:.3f}, held-out "
                                      f"{r['held_out_loss']:.3f}, {r['tok_s']:.0f} tok/s, "
@@ -298,11 +362,14 @@ def main(argv=None) -> int:
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "argv": sys.argv[1:], "steps": args.steps, "batch": args.batch,
             "seq": args.seq, "states": args.states, "warmup": args.warmup, "adam_lr": args.adam_lr,
-            "lion_lr": args.lion_lr, "lion_betas": [args.lion_b1, args.lion_b2], "lion_wd": args.lion_wd, "untied": args.untie, "data": args.data, **corpus_info}
+            "lion_lr": args.lion_lr, "lion_betas": [args.lion_b1, args.lion_b2], "lion_wd": args.lion_wd, "untied": args.untie, "data": args.data, "warm_start": args.warm_start,
+            "warm_start_losses": warm_losses, **corpus_info}
     if args.data == "markov":  # the bytes' floor is unknown: no floor line
         meta.update(entropy_floor=entropy_floor(), uniform_loss=math.log(args.states))
-    else:
+    elif args.data == "bytes":
         meta.update(uniform_loss=math.log(256), states=256)
+    else:
+        meta.update(uniform_loss=math.log(corpus_info["ids_used"]), states=corpus_info["ids_used"])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)

@@ -4,7 +4,8 @@ and what removes it?
 
 A 2-layer, 64-wide Qwen3 with Qwen3's vocabulary (151,936, tied embeddings unless ``--untie``)
 trained for ``--steps`` steps of 4×128 tokens from ``bench/sft_converge.py``'s 256-state chain
-(``--data bytes``: windows of the stdlib's sources, one token per byte) with Lion written out in
+(``--data bytes``: windows of the stdlib's sources, one token per byte; ``--data bpe``: the
+same text through a byte-level BPE trained on it) with Lion written out in
 plain fp32 torch (no pgs, no 8-bit state): ``c = β1·m + (1-β1)·g; θ -= lr·sign(c);
 m = β2·m + (1-β2)·g`` (arXiv 2302.06675), warm-up 10 + cosine.  ``--emb adamw`` steps the tied
 embedding with AdamW (lr 3× Lion's) instead; ``--all-adamw`` steps everything with AdamW; ``--freeze-unused`` zeroes the tied
@@ -31,12 +32,16 @@ ap.add_argument("--data", default="markov"); ap.add_argument("--all-adamw", acti
 ap.add_argument("--freeze-unused", action="store_true",
                 help="zero the tied embedding's gradient on the rows of ids the data never uses")
 a = ap.parse_args()
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("THREADS", "2")))
 table = dict(model_type="qwen3", hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=a.vocab, tie_word_embeddings=not a.untie,
              max_position_embeddings=4096)
 g = torch.Generator().manual_seed(1)
-if a.data == "bytes":
+if a.data == "bpe":  # the same text through a BPE trained on it: ~48k ids used, a Zipf-like spread
+    corpus, _ = C.bpe_corpus(vocab=a.vocab)
+    ids = torch.arange(a.vocab)
+    data = [C.sample_bytes(corpus, ids, 4, 128, 0, corpus.numel(), g) for _ in range(a.steps)]
+elif a.data == "bytes":
     corpus, _ = C.byte_corpus(8 << 20)
     ids = torch.randperm(a.vocab, generator=torch.Generator().manual_seed(0))[:256]
     data = [C.sample_bytes(corpus, ids, 4, 128, 0, corpus.numel(), g) for _ in range(a.steps)]
