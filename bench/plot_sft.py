@@ -6,26 +6,29 @@
 
 Inputs (``--inputs latest``, the default):
 
-- ``s6_call6/sft_4b.json``: Qwen3-4B 1×4096 (``bench/sft_step.py``: ``results``, one row per
+- ``s8_call5/sft_4b.json``: Qwen3-4B 1×4096 (``bench/sft_step.py``: ``results``, one row per
   variant run with ``tok_s``, ``peak_gib``, ``mfu``): HF compiled layers + AC against pgs release
   with sublayer checkpoints, offloaded inputs and tied slabs, each run twice, alternated, in one
-  call (session 6; a variant's repeats are drawn as one point at their mean, the range in its
+  call (session 8, as session 6's s6_call6; a variant's repeats are drawn as one point at their mean, the range in its
   label).  ``--sft-4b s3_call6_sft_4b.json`` draws session 3's call (more pgs variants),
   ``--only-4b`` picks variants of the file.
 - ``s7_call3/sft_06b.json``: Qwen3-0.6B 8×4096 packed, HF + Liger (the rows as single causal
   sequences, ANCHORS.md's setup; pgs's varlen attention) against pgs release with cuDNN's and
   with FlashAttention-2's packed kernel, all from one call (``--sft-06b s6_call4/sft_06b.json``:
   session 6's call, with HF + Liger on SDPA's block mask).
-- ``s7_call4/converge_500.json``: per-step losses of HF AdamW and pgs lion8bit (lr 1e-4), 500
-  steps of a 256-state Markov chain (session 7; ``--converge s6_call7/converge.json``: 200 steps;
-  ``s3_call1_converge.json``: session 3's 120 steps over 1024 states).
+- ``LATEST_CONVERGE``: per-step losses of ``bench/sft_converge.py`` runs, one image each:
+  ``s8_call4/finetune_bpe.json`` (fine-tuning on BPE text from shared AdamW-trained weights:
+  HF AdamW, pgs lion8bit, bitsandbytes Lion8bit, pgs adamw8bit) as ``sft_converge.png``,
+  ``s8_call2/converge_bpe.json`` (the same text from scratch) as ``sft_converge_scratch.png``,
+  ``s7_call4/converge_500.json`` (500 steps of a 256-state Markov chain from scratch) as
+  ``sft_converge_markov.png``.  ``--converge FILE`` draws one file as ``sft_converge.png``.
 
 ``--sft-4b``, ``--sft-06b`` and ``--converge`` name other files (relative to ``--results``).
 ``--inputs s2`` draws the session-2 plots instead, from ``s2_final_probe.json`` (pgs rows),
 ``s2_final_hf_4b.json``, ``s2_final_hf_06b.json`` (HF rows) and ``s2_converge.json``.
 
 Outputs: ``sft_4b_memory_speed.png`` (peak allocated GiB vs tok/s, 4B and 0.6B panels) and
-``sft_converge.png`` (loss vs step). A missing file or row is skipped with a note on stderr.
+``sft_converge*.png`` (loss vs step). A missing file or row is skipped with a note on stderr.
 Needs matplotlib only (Agg backend, no display).
 """
 
@@ -46,8 +49,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOAL_GIB_4B = 12.0  # issue 8: <= 12 GiB peak allocated at the 4B shape, at >= HF's tok/s
 GOAL_SPEEDUP_06B = 1.25  # issue 8: >= 1.25x the best HF setup's tok/s at the 0.6B shape
 
-LATEST_FILES = dict(sft_4b="s6_call6/sft_4b.json", sft_06b="s7_call3/sft_06b.json",
-                    converge="s7_call4/converge_500.json")
+LATEST_FILES = dict(sft_4b="s8_call5/sft_4b.json", sft_06b="s7_call3/sft_06b.json")
+# (bench/sft_converge.py JSON, image name): fine-tuning on BPE text (the issue's check), the same
+# text from scratch, and session 7's Markov chain from scratch
+LATEST_CONVERGE = (("s8_call4/finetune_bpe.json", "sft_converge.png"),
+                   ("s8_call2/converge_bpe.json", "sft_converge_scratch.png"),
+                   ("s7_call4/converge_500.json", "sft_converge_markov.png"))
 
 # Readable names for bench/sft_step.py's variant ids; an unknown id is shown as it is.
 VARIANT_LABELS = {
@@ -361,10 +368,27 @@ def converge_style(v: str, meta: dict):
     }.get(v, (v, None, "-", 1.4))
 
 
-CONVERGE_ORDER = ("hf_adamw", "pgs_adamw8bit", "pgs_lion8bit")
+CONVERGE_ORDER = ("hf_adamw", "pgs_adamw8bit", "pgs_lion8bit", "hf_lion8bit_bnb")
 
 
-def plot_converge(path_in: str, out: str) -> str | None:
+def data_text(meta: dict) -> str:
+    """What a convergence run trained on, from its meta (older files have no ``data``: the chain)."""
+    data = meta.get("data", "markov")
+    if data == "bpe":
+        what = (f"the stdlib's sources through a BPE of {meta.get('tokenizer_vocab', '?')} tokens, "
+                f"{meta.get('ids_used', '?')} ids used")
+    elif data == "bytes":
+        what = "the stdlib's sources, one token per byte"
+    else:
+        what = f"Markov chain over {meta.get('states', '?')} ids"
+    if meta.get("warm_start"):
+        what += f"; every variant from the weights of {meta['warm_start']} HF AdamW steps on other text"
+    else:
+        what += "; random init"
+    return what
+
+
+def plot_converge(path_in: str, out: str, name: str = "sft_converge.png") -> str | None:
     conv = load(path_in)
     if not conv:
         return None
@@ -387,10 +411,15 @@ def plot_converge(path_in: str, out: str) -> str | None:
         if "last10_mean" in r and "held_out_loss" in r:
             lab += f": last-10 mean {r['last10_mean']:.3f}, held-out {r['held_out_loss']:.3f}"
         ax.plot(range(len(series[v])), series[v], label=lab, color=col, ls=ls, lw=lw)
-    if "uniform_loss" in meta:
+    top = 1.15 * max(s[0] for s in series.values())
+    if "uniform_loss" in meta and meta["uniform_loss"] < top:
         ax.axhline(meta["uniform_loss"], color="0.4", ls=":", lw=1)
         ax.text(n - 1, meta["uniform_loss"] + 0.1,
                 f"uniform over the {meta.get('states', '?')} ids: {meta['uniform_loss']:.2f}",
+                ha="right", va="bottom", fontsize=8.5, color="0.3")
+    if "unigram_entropy" in meta:
+        ax.axhline(meta["unigram_entropy"], color="0.4", ls="--", lw=0.8)
+        ax.text(n - 1, meta["unigram_entropy"] + 0.1, f"unigram entropy: {meta['unigram_entropy']:.2f}",
                 ha="right", va="bottom", fontsize=8.5, color="0.3")
     if "entropy_floor" in meta:
         ax.axhline(meta["entropy_floor"], color="tab:green", ls=":", lw=1)
@@ -398,15 +427,16 @@ def plot_converge(path_in: str, out: str) -> str | None:
                 ha="right", va="bottom", fontsize=8.5, color="tab:green")
     # a loss spike (HF AdamW's step 118 in s6_call7 reached 25) would flatten the rest: clip the
     # axis a little above the starting loss and say so
-    top = 1.15 * max(s[0] for s in series.values())
     peak = max(max(s) for s in series.values())
-    ax.set_ylim(0, top)
+    low = min(min(s) for s in series.values())
+    # from 0 where a floor is drawn (the chain's entropy); else from a nat below the lowest loss
+    ax.set_ylim(0 if "entropy_floor" in meta else max(0.0, int(low) - 1.0), top)
     if peak > top:
-        ax.text(0.5, 0.985, f"y axis clipped: a spike reaches {peak:.1f}", transform=ax.transAxes, ha="center",
-                va="top", fontsize=8, color="0.35")
+        ax.text(0.02, 0.02, f"y axis clipped: a spike reaches {peak:.1f}", transform=ax.transAxes, ha="left",
+                va="bottom", fontsize=8, color="0.35")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (nats/token)")
-    ax.legend(fontsize=8.5, loc="center right")
+    ax.legend(fontsize=8.5, loc="upper right")
     ax.grid(alpha=0.3)
 
     if "hf_adamw" in series and len(order) > 1:
@@ -445,10 +475,10 @@ def plot_converge(path_in: str, out: str) -> str | None:
 
     fig.suptitle(f"Convergence, Qwen3-0.6B shape on one {meta.get('device', 'GPU')}: same init, same "
                  f"{meta.get('steps', n)} batches of {meta.get('batch', '?')}×{meta.get('seq', '?')} tokens "
-                 f"({os.path.basename(path_in)})\n(Markov chain over {meta.get('states', '?')} ids, warm-up "
-                 f"{meta.get('warmup', '?')} + cosine; all variants from one run)", fontsize=10)
+                 f"({os.path.relpath(path_in, os.path.dirname(os.path.dirname(path_in)))})\n{data_text(meta)};\n"
+                 f"warm-up {meta.get('warmup', '?')} + cosine, all variants from one run", fontsize=10)
     fig.tight_layout()
-    path = os.path.join(out, "sft_converge.png")
+    path = os.path.join(out, name)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -658,18 +688,18 @@ def main(argv=None) -> int:
     ap.add_argument("--sft-06b", default=LATEST_FILES["sft_06b"], help="0.6B bench/sft_step.py JSON (with --inputs latest)")
     ap.add_argument("--only-4b", default="", help="comma-separated variants of the 4B file to draw (default: all)")
     ap.add_argument("--converge", default=None,
-                    help="bench/sft_converge.py JSON (default: s3_call1_converge.json, or s2_converge.json "
-                         "with --inputs s2)")
+                    help="one bench/sft_converge.py JSON drawn as sft_converge.png (default: the three of "
+                         "LATEST_CONVERGE, or s2_converge.json with --inputs s2)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.inputs == "s2":
         mem = plot_memory_speed_s2(args.results, args.out)
-        conv_file = args.converge or "s2_converge.json"
+        convs = [(args.converge or "s2_converge.json", "sft_converge.png")]
     else:
         mem = plot_memory_speed(args.results, args.out, args.sft_4b, args.sft_06b,
                                 [v for v in args.only_4b.split(",") if v] or None)
-        conv_file = args.converge or LATEST_FILES["converge"]
-    wrote = [p for p in (mem, plot_converge(os.path.join(args.results, conv_file), args.out)) if p]
+        convs = [(args.converge, "sft_converge.png")] if args.converge else list(LATEST_CONVERGE)
+    wrote = [p for p in [mem] + [plot_converge(os.path.join(args.results, f), args.out, png) for f, png in convs] if p]
     for p in wrote:
         print(f"wrote {os.path.relpath(p)} ({os.path.getsize(p) / 1024:.0f} KiB)")
     return 0 if wrote else 1
