@@ -23,6 +23,13 @@ stays near ln(states).
   optimizer's effect from the precision's); with ``--master``, the pgs variants keep an fp32
   master copy (``master_weights="fp32"``) instead of rounding stochastically into bf16.
 
+Data (``--data``): the chain above (``markov``, the default); ``bytes``: windows of this
+Python's standard-library sources, one token per byte; ``bpe``: the same text through a
+byte-level BPE trained on it (tens of thousands of ids used, the rest of the vocabulary unseen,
+as SFT text through a real tokenizer).  ``--warm-start N`` makes it a fine-tuning comparison:
+the random init is first trained N steps by ``hf_adamw`` on other data (the first 45% of the
+text, or another chain) and every variant starts from those weights.
+
 Reported per variant: the loss of every step, the mean of the last 10, the held-out loss on
 fixed batches of the same chain, tok/s, peak allocated memory; an error string instead when a
 variant fails.  JSON to ``--out``.
@@ -102,7 +109,8 @@ def bpe_corpus(max_bytes: int = 16 << 20, vocab: int = 151_936) -> tuple[torch.T
     of pairs seen at least twice, at most ``vocab`` tokens; ~5 s on two CPU cores): token ids as a
     long tensor and what they are.  Like SFT text through a real tokenizer, the data uses tens of
     thousands of ids with a Zipf-like spread and leaves the rest of a large vocabulary unseen
-    (16 MiB of the stdlib: ~54k tokens learned, ~48k ids used, unigram entropy ~6.8 nats)."""
+    (Python 3.11's stdlib, 16 MiB: ~54k tokens learned, ~48k ids used, unigram entropy 6.8 nats;
+    3.12's on the H200 machine, 10.7 MB: 40,387 tokens, 35,435 ids used, 6.73 nats)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     corpus, info = byte_corpus(max_bytes)
@@ -362,7 +370,8 @@ def main(argv=None) -> int:
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "argv": sys.argv[1:], "steps": args.steps, "batch": args.batch,
             "seq": args.seq, "states": args.states, "warmup": args.warmup, "adam_lr": args.adam_lr,
-            "lion_lr": args.lion_lr, "lion_betas": [args.lion_b1, args.lion_b2], "lion_wd": args.lion_wd, "untied": args.untie, "data": args.data, "warm_start": args.warm_start,
+            "lion_lr": args.lion_lr, "lion_betas": [args.lion_b1, args.lion_b2], "lion_wd": args.lion_wd,
+            "untied": args.untie, "data": args.data, "warm_start": args.warm_start,
             "warm_start_losses": warm_losses, **corpus_info}
     if args.data == "markov":  # the bytes' floor is unknown: no floor line
         meta.update(entropy_floor=entropy_floor(), uniform_loss=math.log(args.states))
