@@ -3,7 +3,7 @@
 and what removes it?
 
 A 2-layer, 64-wide Qwen3 with Qwen3's vocabulary (151,936, tied embeddings unless ``--untie``)
-trained for ``--steps`` steps of 4×128 tokens from ``bench/sft_converge.py``'s 256-state chain
+trained for ``--steps`` steps of ``--batch``×128 tokens (default 4) from ``bench/sft_converge.py``'s 256-state chain
 (``--data bytes``: windows of the stdlib's sources, one token per byte; ``--data bpe``: the
 same text through a byte-level BPE trained on it) with Lion written out in
 plain fp32 torch (no pgs, no 8-bit state): ``c = β1·m + (1-β1)·g; θ -= lr·sign(c);
@@ -12,7 +12,8 @@ embedding with AdamW (lr 3× Lion's) instead; ``--all-adamw`` steps everything w
 embedding's gradient on the rows of ids the data never uses (sign(0) = 0: Lion leaves them).
 Prints the mean of the last 10 losses and every 15th loss.  About 3 minutes on two CPU cores.
 
-    python bench/experiments/lion_plateau.py [--untie] [--vocab 512] [--data bytes] [--all-adamw]
+    python bench/experiments/lion_plateau.py [--untie] [--vocab 512] [--data bytes|bpe] [--all-adamw]
+    python bench/experiments/lion_plateau.py --data bpe --vocab 8192 --bpe-vocab 8192 --batch 32   # session 8
 """
 import argparse
 import os
@@ -31,6 +32,11 @@ ap.add_argument("--emb", choices=("lion", "adamw", "lion_lr0.1"), default="lion"
 ap.add_argument("--data", default="markov"); ap.add_argument("--all-adamw", action="store_true")
 ap.add_argument("--freeze-unused", action="store_true",
                 help="zero the tied embedding's gradient on the rows of ids the data never uses")
+ap.add_argument("--batch", type=int, default=4, help="sequences of 128 tokens per step (default 4)")
+ap.add_argument("--bpe-vocab", type=int, default=0,
+                help="--data bpe: the tokenizer's vocabulary (default: the model's); with --vocab equal to it "
+                     "every id is in use")
+ap.add_argument("--adam-lr-mult", type=float, default=3.0, help="AdamW's lr as a multiple of --lr (default 3)")
 a = ap.parse_args()
 torch.set_num_threads(int(os.environ.get("THREADS", "2")))
 table = dict(model_type="qwen3", hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
@@ -38,16 +44,16 @@ table = dict(model_type="qwen3", hidden_size=64, intermediate_size=192, num_hidd
              max_position_embeddings=4096)
 g = torch.Generator().manual_seed(1)
 if a.data == "bpe":  # the same text through a BPE trained on it: ~48k ids used, a Zipf-like spread
-    corpus, _ = C.bpe_corpus(vocab=a.vocab)
+    corpus, _ = C.bpe_corpus(vocab=a.bpe_vocab or a.vocab)
     ids = torch.arange(a.vocab)
-    data = [C.sample_bytes(corpus, ids, 4, 128, 0, corpus.numel(), g) for _ in range(a.steps)]
+    data = [C.sample_bytes(corpus, ids, a.batch, 128, 0, corpus.numel(), g) for _ in range(a.steps)]
 elif a.data == "bytes":
     corpus, _ = C.byte_corpus(8 << 20)
     ids = torch.randperm(a.vocab, generator=torch.Generator().manual_seed(0))[:256]
-    data = [C.sample_bytes(corpus, ids, 4, 128, 0, corpus.numel(), g) for _ in range(a.steps)]
+    data = [C.sample_bytes(corpus, ids, a.batch, 128, 0, corpus.numel(), g) for _ in range(a.steps)]
 else:
     ids, succ = C.markov_source(a.vocab, 256, 0)
-    data = [C.sample(ids, succ, 4, 128, g) for _ in range(a.steps)]
+    data = [C.sample(ids, succ, a.batch, 128, g) for _ in range(a.steps)]
 model = build(table, torch.device("cpu")).float()
 params = [p for p in model.parameters() if p.requires_grad]
 mom = [torch.zeros_like(p) for p in params]
@@ -70,7 +76,7 @@ for t, x in enumerate(data):
                 v.mul_(0.95).addcmul_(p.grad, p.grad, value=0.05)
                 mh = m / (1 - 0.9 ** (t + 1))
                 vh = v / (1 - 0.95 ** (t + 1))
-                p.addcdiv_(mh, vh.sqrt().add_(1e-8), value=-3 * lr)
+                p.addcdiv_(mh, vh.sqrt().add_(1e-8), value=-a.adam_lr_mult * lr)
                 p.grad = None
                 continue
             if p is emb and a.emb == "lion_lr0.1":
@@ -81,5 +87,5 @@ for t, x in enumerate(data):
             p.add_(c.sign(), alpha=-lr_p)
             m.mul_(a.b2).add_(p.grad, alpha=1 - a.b2)
             p.grad = None
-    L.append(float(loss))
+    L.append(float(loss.detach()))
 print("fp32 lion" if not a.all_adamw else "fp32 adamw", vars(a), round(sum(L[-10:]) / 10, 3), [round(v, 2) for v in L[::15]], flush=True)
