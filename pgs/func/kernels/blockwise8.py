@@ -558,6 +558,34 @@ def _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask,
 
 
 @triton.jit
+def _early_param(p_ptr, offs, mask, MASKED: tl.constexpr, APPLY: tl.constexpr, EARLY_P: tl.constexpr):
+    """The parameter, loaded with the program's first loads when ``APPLY and EARLY_P`` (every load
+    in flight at once, see ``pgs.func.kernels.EARLY_P``); otherwise a placeholder that
+    ``_write_step`` replaces."""
+    if APPLY and EARLY_P:
+        return _ld(p_ptr, offs, mask, 0.0, MASKED)
+    else:
+        return 0.0
+
+
+@triton.jit
+def _write_step(out_ptr, p_ptr, p, u, lr_ptr, offs, mask, seed_ptr, APPLY: tl.constexpr, SR: tl.constexpr,
+                RNG: tl.constexpr, MASKED: tl.constexpr, EARLY_P: tl.constexpr):
+    """The step kernels' output.  APPLY: out = p − η(u + λ·p), η and λ at ``lr_ptr[0]``,
+    ``lr_ptr[1]``, stochastically rounded into a bf16 ``out`` with SR (``p`` from
+    ``_early_param``, loaded here without EARLY_P).  Otherwise out = u, the direction."""
+    if APPLY:
+        lr = tl.load(lr_ptr)
+        wd = tl.load(lr_ptr + 1)
+        if not EARLY_P:
+            p = _ld(p_ptr, offs, mask, 0.0, MASKED)
+        p = p.to(tl.float32)
+        _store_param(out_ptr, offs, mask, p - lr * (u + wd * p), seed_ptr, SR, RNG, MASKED)
+    else:
+        _st(out_ptr, offs, u.to(out_ptr.dtype.element_ty), mask, MASKED)
+
+
+@triton.jit
 def _lion8bit_body(
     pid, g_ptr, p_ptr, out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr,
     qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
@@ -569,8 +597,7 @@ def _lion8bit_body(
     w1 = tl.load(hp_ptr + 0)
     w2 = tl.load(hp_ptr + 1)
     g = _ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
-    if APPLY and EARLY_P:  # every load of the program in flight at once (see ``EARLY_P``)
-        p = _ld(p_ptr, offs, mask, 0.0, MASKED)
+    p = _early_param(p_ptr, offs, mask, MASKED, APPLY, EARLY_P)
     m = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, True, DEQ_TABLE, MASKED, TABLE)
     d = g - m
     c = m + w1 * d
@@ -581,15 +608,7 @@ def _lion8bit_body(
     codes, absmax = _quantize_rows(m, mids_ptr, btab_ptr, midp_ptr, True, ENC, TABLE)
     _st(codes_out_ptr, offs, codes, mask, MASKED)
     _st(absmax_out_ptr, rows, absmax, rmask, MASKED)
-    if APPLY:
-        lr = tl.load(hp_ptr + 2)
-        wd = tl.load(hp_ptr + 3)
-        if not EARLY_P:
-            p = _ld(p_ptr, offs, mask, 0.0, MASKED)
-        p = p.to(tl.float32)
-        _store_param(out_ptr, offs, mask, p - lr * (u + wd * p), seed_ptr, SR, RNG, MASKED)
-    else:
-        _st(out_ptr, offs, u.to(out_ptr.dtype.element_ty), mask, MASKED)
+    _write_step(out_ptr, p_ptr, p, u, hp_ptr + 2, offs, mask, seed_ptr, APPLY, SR, RNG, MASKED, EARLY_P)
 
 
 @triton.jit
@@ -644,8 +663,7 @@ def _adam8bit_body(
     bc1 = tl.load(hp_ptr + 5)
     bc2 = tl.load(hp_ptr + 6)
     g = _ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
-    if APPLY and EARLY_P:
-        p = _ld(p_ptr, offs, mask, 0.0, MASKED)
+    p = _early_param(p_ptr, offs, mask, MASKED, APPLY, EARLY_P)
     m = _load_moment(mcodes_ptr, mabsmax_ptr, qmap_m_ptr, rows, offs, mask, rmask, True, DEQ_TABLE, MASKED, TABLE)
     v = _load_moment(vcodes_ptr, vabsmax_ptr, qmap_v_ptr, rows, offs, mask, rmask, False, DEQ_TABLE, MASKED, TABLE)
     m = m + w1 * (g - m)
@@ -667,15 +685,7 @@ def _adam8bit_body(
     codes, absmax = _quantize_rows(v, mids_v_ptr, btab_v_ptr, midp_v_ptr, False, ENC_V, TABLE)
     _st(vcodes_out_ptr, offs, codes, mask, MASKED)
     _st(vabsmax_out_ptr, rows, absmax, rmask, MASKED)
-    if APPLY:
-        lr = tl.load(hp_ptr + 7)
-        wd = tl.load(hp_ptr + 8)
-        if not EARLY_P:
-            p = _ld(p_ptr, offs, mask, 0.0, MASKED)
-        p = p.to(tl.float32)
-        _store_param(out_ptr, offs, mask, p - lr * (u + wd * p), seed_ptr, SR, RNG, MASKED)
-    else:
-        _st(out_ptr, offs, u.to(out_ptr.dtype.element_ty), mask, MASKED)
+    _write_step(out_ptr, p_ptr, p, u, hp_ptr + 7, offs, mask, seed_ptr, APPLY, SR, RNG, MASKED, EARLY_P)
 
 
 @triton.jit
