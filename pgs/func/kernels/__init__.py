@@ -291,9 +291,13 @@ def _adam8bit(g, m: Quantized8bit, v: Quantized8bit, hp: torch.Tensor, block_siz
 
 
 def _fusion() -> dict:
-    # only the non-default is passed: the default launch stays exactly what it was (Dynamo's
-    # traced path, OPAQUE=0, then sees no extra launch option)
-    return {} if FP_FUSION else {"enable_fp_fusion": False}
+    """``enable_fp_fusion`` as ``FP_FUSION`` says, passed explicitly: Triton 3.9 warns that its
+    default (on) becomes off in 3.10, which would silently change these kernels' code and
+    rounding.  Under Dynamo's trace (the traced path, ``OPAQUE=0``) only the non-default is
+    passed, so that launch sees no option it did not see before."""
+    if FP_FUSION and _compiling():
+        return {}
+    return {"enable_fp_fusion": FP_FUSION}
 
 
 def _step_opts() -> dict:
