@@ -175,6 +175,21 @@ def test_hash_rng_is_a_bijection_per_seed():
     assert np.unique(h(x)).size == x.size
 
 
+@pytest.mark.parametrize("fusion", [True, False])
+def test_step_launches_pass_fp_fusion_explicitly(fusion, monkeypatch):
+    """Every 8-bit step launch names ``enable_fp_fusion`` (= ``FP_FUSION``) instead of leaving
+    it to Triton's default, which Triton 3.10 turns from on to off."""
+    seen = []
+    monkeypatch.setattr(K, "FP_FUSION", fusion)
+    monkeypatch.setattr(K, "_launch", lambda kernel, grid, args, kw: seen.append(kw))
+    n = 2 * B
+    g, p = torch.randn(n), torch.randn(n)
+    m, v = _moment(n, True, 1), _moment(n, False, 2)
+    K._lion8bit(g, m, torch.tensor([0.1, 0.01, 1e-2, 0.1]), B, p=p)
+    K._adam8bit(g, m, v, torch.tensor([0.1, 0.999, 0.001, 1e-8, 0.0, 0.27, 0.003, 1e-2, 0.1]), B, p=p)
+    assert len(seen) == 2 and all(kw.get("enable_fp_fusion") is fusion for kw in seen)
+
+
 @pytest.mark.parametrize("fusion", [False, True], ids=["nofma", "fma"])
 @pytest.mark.parametrize("which", ["lion", "adam"])
 def test_unmasked_and_masked_bodies_agree(which, fusion, monkeypatch):
