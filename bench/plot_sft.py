@@ -382,7 +382,8 @@ def data_text(meta: dict) -> str:
     else:
         what = f"Markov chain over {meta.get('states', '?')} ids"
     if meta.get("warm_start"):
-        what += f"; every variant from the weights of {meta['warm_start']} HF AdamW steps on other text"
+        other = "another chain" if data == "markov" else "other text"
+        what += f"; every variant from the weights of {meta['warm_start']} HF AdamW steps on {other}"
     else:
         what += "; random init"
     return what
