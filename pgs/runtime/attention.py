@@ -101,8 +101,8 @@ VARLEN_KERNELS = ("auto", "cudnn", "flash")
 #: backward per padded document per 0.6B layer (36 documents padded to 64: 2.74 ms against
 #: 2.08 ms, s7_call3).  A bucket of 16 measured 29.2k instead of 111.7k tok/s (s7_call4): one
 #: step's count needed a single padding document, and dynamo's specialisation of that size
-#: recompiled every layer inside the 8 timed steps (``pad_documents``'s ``minimum`` now avoids
-#: it; not yet measured on the GPU).  64 is the measured bucket.
+#: recompiled every layer inside the 8 timed steps; ``pad_documents``'s ``minimum`` avoids it
+#: (bucket 64 with it: 111.4k tok/s, s8_call1).
 CUDNN_DOC_BUCKET = 64
 #: The compute capabilities where ``"auto"`` picks cuDNN (measured: H200).
 CUDNN_AUTO_CAPABILITIES = ((9, 0),)
@@ -270,8 +270,7 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
         return out.transpose(1, 2), None
     if call is not None:
         longest = int(kwargs.get("max_length_q") or width)
-        kernel = _resolved.get((_kernel, query.device.index)) or _resolve(query.device.index)
-        if kernel == "cudnn" and d % 8 == 0 and d <= 256:
+        if _resolve(query.device.index) == "cudnn" and d % 8 == 0 and d <= 256:
             out = _cudnn_varlen(q, k, v, cu, longest, scaling)
         else:
             fn, causal = call
