@@ -66,3 +66,24 @@ def test_inspect_prints_samples_and_statistics():
     text = out.getvalue()
     assert "eval.jsonl:1" in text and "packing efficiency" in text
     assert stats.samples == 200 and stats.dropped == 0 and 0 < stats.trained_fraction < 1
+
+
+def test_long_chats_are_long_multi_turn_and_the_shipped_file_regenerates(tmp_path):
+    """The packed-throughput specs' data (pgs:bench/chats.jsonl): 256 multi-turn chats whose
+    tokenized lengths spread over roughly 300-3000 tokens, every assistant turn supervised."""
+    from pgs.runtime.data.synthetic import long_chats, main
+
+    assert long_chats(5, seed=1) == long_chats(5, seed=1) != long_chats(5, seed=2)
+    assert main(["--long-chats", "256", "--out", str(tmp_path / "chats.jsonl")]) == 0
+    shipped = "pgs/assets/bench/chats.jsonl"
+    assert (tmp_path / "chats.jsonl").read_bytes() == open(shipped, "rb").read()
+    tok = AutoTokenizer.from_pretrained(os.path.join(ASSETS, "tokenizer"))
+    lengths = []
+    for line in list(open(shipped))[:64]:
+        chat = json.loads(line)
+        ids, mask = encode_chat(tok, chat["messages"], chat["tools"])
+        turns = sum(m["role"] == "assistant" for m in chat["messages"])
+        assert turns >= 5 and ids.count(tok.convert_tokens_to_ids("<|im_end|>")) >= turns
+        assert 0.1 < sum(mask) / len(ids) < 0.6
+        lengths.append(len(ids))
+    assert 250 <= min(lengths) and max(lengths) <= 3300 and max(lengths) - min(lengths) > 1500

@@ -12,6 +12,7 @@ checks a generated continuation against that turn (the sum, or the tool call's n
 arguments).  Regenerate the quickstart assets with::
 
     python -m pgs.runtime.data.synthetic --out pgs/assets/quickstart
+    python -m pgs.runtime.data.synthetic --long-chats 256 --out pgs/assets/bench/chats.jsonl
 
 Everything is deterministic given ``--seed``.
 """
@@ -118,6 +119,36 @@ def generate(n: int, seed: int, weather_share: float = 0.25, exclude: set[str] |
         exclude.add(prompt)
         samples.append(sample)
     return samples
+
+
+#: Tokens of one turn under the quickstart tokenizer and template, on average within a
+#: conversation (measured over 256 chats), plus the 35-token tool header once.
+_TURN_TOKENS = {"add": 23, "weather": 67}
+
+
+def long_chat(rng: random.Random, target_tokens: int, weather_share: float = 0.25) -> dict[str, Any]:
+    """One multi-turn conversation of about ``target_tokens`` tokens (quickstart tokenizer):
+    addition and weather exchanges, one after another, every assistant turn supervised.
+
+    The packed-throughput specs train on these: documents of a realistic length mix
+    (hundreds to thousands of tokens), several supervised turns each, a tool header.
+    """
+    messages: list[dict] = []
+    tokens = 35  # the tool header
+    while tokens < target_tokens:
+        if rng.random() < weather_share:
+            messages += make_weather(rng)["messages"]
+            tokens += _TURN_TOKENS["weather"]
+        else:
+            messages += make_addition(rng)["messages"]
+            tokens += _TURN_TOKENS["add"]
+    return {"task": "chat", "messages": messages, "tools": [WEATHER_TOOL]}
+
+
+def long_chats(n: int, seed: int, min_tokens: int = 300, max_tokens: int = 3000) -> list[dict]:
+    """``n`` conversations of ``min_tokens``-``max_tokens`` tokens each (uniform), deterministic in ``seed``."""
+    rng = random.Random(seed)
+    return [long_chat(rng, rng.randint(min_tokens, max_tokens)) for _ in range(n)]
 
 
 def eval_prompt(sample: dict) -> tuple[list[dict], list[dict] | None]:
@@ -247,7 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=int, default=2500)
     parser.add_argument("--eval", type=int, default=200)
     parser.add_argument("--vocab-size", type=int, default=768)
+    parser.add_argument("--long-chats", type=int, default=0, metavar="N",
+                        help="write N multi-turn chats of 300-3000 tokens to OUT (a .jsonl file) instead")
     args = parser.parse_args(argv)
+    if args.long_chats:
+        write_jsonl(args.out, long_chats(args.long_chats, args.seed))
+        print(f"wrote {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB)")
+        return 0
     write_quickstart(args.out, args.seed, args.train, args.eval, args.vocab_size)
     total = sum(
         os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(args.out) for f in files
