@@ -22,9 +22,11 @@ uses).
 
 from __future__ import annotations
 
+import itertools
 import re
-from typing import Any
+from typing import Any, Sequence
 
+import numpy as np
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from pgs.errors import DataError
@@ -166,15 +168,115 @@ def encode_chat(
     text, spans = assistant_spans(
         tokenizer, messages, tools, last_turn_only=last_turn_only, supervise_empty_think=supervise_empty_think
     )
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(encoded["input_ids"])
-    mask = [False] * len(ids)
-    k = 0
-    for i, (start, stop) in enumerate(encoded["offset_mapping"]):
-        while k < len(spans) and start >= spans[k][1]:
-            k += 1
-        if k == len(spans):
-            break
-        if stop > spans[k][0] and stop > start:
-            mask[i] = True
-    return ids, mask
+    ((ids, offsets),) = _tokenize(tokenizer, [text])
+    return ids, train_mask(offsets, spans).tolist()
+
+
+def encode_chats(
+    tokenizer,
+    conversations: Sequence[tuple[list[dict[str, Any]], list[dict] | None]],
+    *,
+    last_turn_only: bool = False,
+    supervise_empty_think: bool = False,
+) -> list[tuple[list[int], list[bool]] | Exception]:
+    """:func:`encode_chat` of many ``(messages, tools)`` at once: equal results, one batch call.
+
+    The texts are rendered one by one and tokenized in one batch (the fast tokenizer's
+    ``encode_batch``, parallel over documents where the tokenizer has threads).  A
+    conversation that fails (a template that refuses it) gives its exception in its place
+    instead of raising, so that the caller meets the failures in order, as it would calling
+    :func:`encode_chat` on each.
+    """
+    out: list[Any] = []
+    texts: list[str] = []
+    for messages, tools in conversations:
+        try:
+            text, spans = assistant_spans(
+                tokenizer, messages, tools, last_turn_only=last_turn_only,
+                supervise_empty_think=supervise_empty_think,
+            )
+        except Exception as err:  # noqa: BLE001 - handed back in its place, raised by the caller
+            out.append(err)
+            continue
+        out.append(spans)
+        texts.append(text)
+    encoded = iter(_tokenize(tokenizer, texts)) if texts else iter(())
+    for i, item in enumerate(out):
+        if not isinstance(item, Exception):
+            ids, offsets = next(encoded)
+            out[i] = (ids, train_mask(offsets, item).tolist())
+    return out
+
+
+def train_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Which tokens overlap a span: ``offsets`` is ``[n, 2]`` (character start, stop per token).
+
+    The rule of a scan that walks the tokens and the sorted spans together (the rule
+    ``apply_chat_template(return_assistant_tokens_mask=True)`` uses): token ``i`` belongs to
+    the first span that ends after the furthest token start seen so far, when the token ends
+    after that span starts and is not empty.  Vectorised: the span index of every token is a
+    search of the running maximum of the starts in the running maximum of the span ends.
+    """
+    n = len(offsets)
+    if n == 0 or not len(spans):
+        return np.zeros(n, dtype=bool)
+    span = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    starts, stops = offsets[:, 0], offsets[:, 1]
+    k = np.searchsorted(np.maximum.accumulate(span[:, 1]), np.maximum.accumulate(starts), side="right")
+    inside = k < len(span)
+    opens = span[np.minimum(k, len(span) - 1), 0]
+    return inside & (stops > opens) & (stops > starts)
+
+
+def _offsets(pairs) -> np.ndarray:
+    flat = np.fromiter(itertools.chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs))
+    return flat.reshape(-1, 2)
+
+
+_WRAPPER_METHODS = ("__call__", "_call_one", "encode_plus", "batch_encode_plus", "_encode_plus",
+                    "_batch_encode_plus", "set_truncation_and_padding")
+_plain_wrapper: dict[type, bool] = {}
+
+
+def _backend(tokenizer):
+    """The Rust tokenizer behind a stock HF fast tokenizer, when calling it directly gives
+    exactly what ``tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)``
+    gives: the wrapper's encoding methods are the stock ones (no subclass adds its own
+    processing), no padding or truncation is configured on the Rust tokenizer (the wrapper
+    would switch them off first), and special tokens are split as the wrapper would set it.
+    ``None`` otherwise: the wrapper is called, which is always right, only slower."""
+    kind = type(tokenizer)
+    plain = _plain_wrapper.get(kind)
+    if plain is None:
+        try:
+            from transformers import PreTrainedTokenizerFast
+        except ImportError:  # pragma: no cover - transformers is a dependency
+            plain = False
+        else:
+            plain = issubclass(kind, PreTrainedTokenizerFast) and all(
+                getattr(kind, name, None) is getattr(PreTrainedTokenizerFast, name, None) for name in _WRAPPER_METHODS
+            )
+        _plain_wrapper[kind] = plain
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not plain or backend is None:
+        return None
+    try:
+        if backend.padding is not None or backend.truncation is not None:
+            return None
+        if bool(backend.encode_special_tokens) != bool(getattr(tokenizer, "split_special_tokens", False)):
+            return None
+    except AttributeError:  # an older tokenizers without these properties
+        return None
+    return backend
+
+
+def _tokenize(tokenizer, texts: list[str]) -> list[tuple[list[int], np.ndarray]]:
+    """``(input_ids, offsets [n, 2])`` of each text, without special tokens added."""
+    backend = _backend(tokenizer)
+    if backend is not None:
+        return [(e.ids, _offsets(e.offsets)) for e in backend.encode_batch(texts, add_special_tokens=False)]
+    out = []
+    for text in texts:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        out.append((list(encoded["input_ids"]), _offsets(encoded["offset_mapping"])))
+    return out
