@@ -12,9 +12,11 @@ token of the same document when that token is trained, else -100.
 from __future__ import annotations
 
 import bisect
+import itertools
 from typing import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 IGNORE_INDEX = -100
@@ -98,27 +100,44 @@ def collate(rows: Sequence[Sequence[Document]], pad_id: int, seq_len: int | None
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
     labels = torch.full((batch, width), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((batch, width), dtype=torch.long)
-    cu_seqlens = []
-    num_docs = trained = 0
-    for r, row in enumerate(rows):
+    docs = [doc for row in rows for doc in row]
+    lengths = np.fromiter((len(doc) for doc in docs), dtype=np.int64, count=len(docs))
+    total = int(lengths.sum())
+    trained = 0
+    if total:
+        # Every document of the batch end to end, then each row's run copied into its row.
+        ids = np.fromiter(itertools.chain.from_iterable(d.input_ids for d in docs), dtype=np.int64, count=total)
+        mask = np.fromiter(itertools.chain.from_iterable(d.train_mask for d in docs), dtype=bool, count=total)
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        present = lengths > 0
+        # labels[p] = the next token of the same document where it is trained (Document.labels)
+        flat_labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
+        flat_labels[:-1] = np.where(mask[1:], ids[1:], IGNORE_INDEX)
+        flat_labels[ends[present] - 1] = IGNORE_INDEX
+        positions = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+        # Document.num_trained summed: trained tokens less each document's first token
+        trained = int(mask.sum()) - int(mask[starts[present]].sum())
+        ids_view, labels_view, positions_view = input_ids.numpy(), labels.numpy(), position_ids.numpy()
         at = 0
-        bounds = [0]
-        for doc in row:
-            n = len(doc)
-            input_ids[r, at:at + n] = torch.tensor(doc.input_ids, dtype=torch.long)
-            labels[r, at:at + n] = torch.tensor(doc.labels(), dtype=torch.long)
-            position_ids[r, at:at + n] = torch.arange(n)
+        for r, n in enumerate(used):
+            ids_view[r, :n] = ids[at:at + n]
+            labels_view[r, :n] = flat_labels[at:at + n]
+            positions_view[r, :n] = positions[at:at + n]
             at += n
-            bounds.append(at)
-            trained += doc.num_trained
-        num_docs += len(row)
-        cu_seqlens.append(torch.tensor(bounds, dtype=torch.int32))
+    cu_seqlens = []
+    first = 0
+    for row in rows:
+        bounds = np.zeros(len(row) + 1, dtype=np.int32)
+        np.cumsum(lengths[first:first + len(row)], out=bounds[1:])
+        cu_seqlens.append(torch.from_numpy(bounds).clone())
+        first += len(row)
     return PackedBatch(
         input_ids=input_ids,
         labels=labels,
         position_ids=position_ids,
         cu_seqlens=cu_seqlens,
-        num_docs=num_docs,
+        num_docs=len(docs),
         num_trained_tokens=trained,
         num_tokens=sum(used),
     )
