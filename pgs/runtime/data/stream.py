@@ -18,7 +18,7 @@ import random
 from typing import Iterator
 
 from pgs.errors import DataError
-from pgs.runtime.data.chat import encode_chat
+from pgs.runtime.data.chat import encode_chat, encode_chats
 from pgs.runtime.data.config import DataConfig, DataSource
 from pgs.runtime.data.packing import Document, PackedBatch, best_fit_decreasing, collate
 from pgs.runtime.data.records import Conversation, read_conversations
@@ -35,7 +35,7 @@ def encode_document(conversation: Conversation, tokenizer, config: DataConfig, s
     keeping no trained token, or (``on_bad_record="skip"``) a template that refused it.
     """
     try:
-        ids, mask = encode_chat(
+        encoded = encode_chat(
             tokenizer,
             conversation.messages,
             conversation.tools,
@@ -43,10 +43,20 @@ def encode_document(conversation: Conversation, tokenizer, config: DataConfig, s
             supervise_empty_think=config.supervise_empty_think,
         )
     except DataError as err:
+        encoded = err
+    return _document(conversation, encoded, config, stats)
+
+
+def _document(conversation: Conversation, encoded, config: DataConfig, stats: DataStats) -> Document | None:
+    """``encode_document``'s policy on an ``encode_chat`` result, or the exception it raised."""
+    if isinstance(encoded, DataError):
         if config.on_bad_record != "skip":
-            raise DataError(f"{conversation.origin}: {err}") from None
+            raise DataError(f"{conversation.origin}: {encoded}") from None
         stats.bad_records += 1
         return None
+    if isinstance(encoded, BaseException):
+        raise encoded
+    ids, mask = encoded
     stats.records += 1
     if len(ids) > config.max_seq_len:
         if config.truncation == "drop":
@@ -118,22 +128,40 @@ class TrainStream:
         documents: list[Document] = []
         misses = 0
         records = sum(len(s) for s in self._sources)
+        config = self.config
         while len(documents) < self.pack_window:
-            s, i = self._order.next()
-            document = encode_document(self._sources[s].read(i), self.tokenizer, self.config, stats)
-            if document is None:
-                misses += 1
-                if misses > records and not documents:
-                    raise DataError(
-                        f"{self.config.sources[s].path}: no record fits data.max_seq_len="
-                        f"{self.config.max_seq_len} with a trained token ({stats.dropped} dropped)"
-                    )
-                continue
-            documents.append(document)
-        sequences = pack_documents(documents, self.config)
-        random.Random(f"{self.config.seed}:{self._window}").shuffle(sequences)
+            # Draw as many records as documents are missing (never more: each gives at most
+            # one), tokenize them in one batch, then take the outcomes in draw order exactly as
+            # one at a time would: the same counts, the same first error.
+            draws = [self._order.next() for _ in range(self.pack_window - len(documents))]
+            read: list = []
+            for s, i in draws:
+                try:
+                    read.append(self._sources[s].read(i))
+                except Exception as err:  # noqa: BLE001 - raised in its turn below
+                    read.append(err)
+            readable = [c for c in read if not isinstance(c, BaseException)]
+            encoded = iter(encode_chats(
+                self.tokenizer, [(c.messages, c.tools) for c in readable],
+                last_turn_only=config.last_turn_only, supervise_empty_think=config.supervise_empty_think,
+            ))
+            for (s, _), conversation in zip(draws, read):
+                if isinstance(conversation, BaseException):
+                    raise conversation
+                document = _document(conversation, next(encoded), config, stats)
+                if document is None:
+                    misses += 1
+                    if misses > records and not documents:
+                        raise DataError(
+                            f"{config.sources[s].path}: no record fits data.max_seq_len="
+                            f"{config.max_seq_len} with a trained token ({stats.dropped} dropped)"
+                        )
+                    continue
+                documents.append(document)
+        sequences = pack_documents(documents, config)
+        random.Random(f"{config.seed}:{self._window}").shuffle(sequences)
         stats.sequences += len(sequences)
-        stats.sequence_capacity += len(sequences) * self.config.max_seq_len
+        stats.sequence_capacity += len(sequences) * config.max_seq_len
         return sequences
 
     def _next_sequence(self) -> list[Document]:
