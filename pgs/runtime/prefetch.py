@@ -45,6 +45,38 @@ def tensors_of(batch: Any) -> list[torch.Tensor]:
     return out
 
 
+def copy_ahead(batch: Any, device: torch.device, stream: "torch.cuda.Stream", *, pin_memory: bool = True):
+    """Issue the copy of ``batch``'s tensors to ``device`` on ``stream``; returns ``(moved, ready)``.
+
+    Host tensors are pinned first (unless already pinned, or ``pin_memory`` is off) so that the
+    ``non_blocking`` copy is truly asynchronous; ``ready`` is an event recorded on ``stream``
+    after the copies.  Nothing waits: hand the batch out with :func:`hand_over`.
+    """
+
+    def move(x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and pin_memory and not x.is_pinned():
+            x = x.pin_memory()
+        return x.to(device, non_blocking=True)
+
+    with torch.cuda.stream(stream):
+        moved = map_tensors(move, batch)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    return moved, ready
+
+
+def hand_over(batch: Any, ready: "torch.cuda.Event", device: torch.device) -> Any:
+    """Make ``device``'s current stream wait for ``ready`` (an event, not a host sync) and record
+    the batch's device tensors on it, so the caching allocator does not reuse their memory
+    while the compute stream may still read them.  Returns ``batch``."""
+    current = torch.cuda.current_stream(device)
+    current.wait_event(ready)
+    for x in tensors_of(batch):
+        if x.device.type == "cuda":
+            x.record_stream(current)
+    return batch
+
+
 class CUDAPrefetcher:
     """Iterate ``batches`` with the next one already on ``device``.  See the module docstring.
 
@@ -78,26 +110,11 @@ class CUDAPrefetcher:
         while pending is not None:
             batch, ready = pending
             pending = self._launch(source, stream)  # the next copy starts before we hand this one out
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(ready)
-            for x in tensors_of(batch):
-                if x.device.type == "cuda":
-                    x.record_stream(current)
-            yield batch
+            yield hand_over(batch, ready, self.device)
 
     def _launch(self, source: Iterator[Any], stream: torch.cuda.Stream):
         try:
             batch = next(source)
         except StopIteration:
             return None
-
-        def move(x: torch.Tensor) -> torch.Tensor:
-            if x.device.type == "cpu" and self.pin_memory and not x.is_pinned():
-                x = x.pin_memory()
-            return x.to(self.device, non_blocking=True)
-
-        with torch.cuda.stream(stream):
-            moved = map_tensors(move, batch)
-            ready = torch.cuda.Event()
-            ready.record(stream)
-        return moved, ready
+        return copy_ahead(batch, self.device, stream, pin_memory=self.pin_memory)
