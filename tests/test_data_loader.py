@@ -283,6 +283,20 @@ def test_the_worker_tokenizes_with_its_own_tokenizer(files, tok):
 def test_bad_arguments(files, tok):
     with pytest.raises(ValueError, match="grad_accum"):
         make_loader(mixed(files), tok, grad_accum=0)
+    with pytest.raises(ValueError, match="ahead"):
+        make_loader(mixed(files), tok, ahead=0)
+
+
+def test_the_queue_holds_a_window_of_steps_unless_bounded(files, tok):
+    with make_loader(mixed(files), tok, micro_batch=1, grad_accum=1) as auto:
+        auto.next_step()
+        read_ahead(auto)
+        per_window = loader_module.window_steps(auto.stream.state_dict(), 1)
+        assert per_window > 2 and auto._worker.queue.maxsize >= per_window + 1
+    with make_loader(mixed(files), tok, micro_batch=1, grad_accum=1, ahead=2) as bounded:
+        bounded.next_step()
+        read_ahead(bounded)
+        assert bounded._worker.queue.maxsize == 2
 
 
 @pytest.mark.cuda

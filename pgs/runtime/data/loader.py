@@ -7,8 +7,14 @@ time: ``next_step()`` is the ``grad_accum`` micro-batches of the next step, alre
 * a daemon **worker thread** calls ``stream.next_batch(micro_batch)`` ``grad_accum`` times per
   step (reading, templating, tokenizing, packing and collating), captures
   ``stream.state_dict()`` right after each step's batches, pins the tensors (only where CUDA
-  is), and puts ``(batches, state)`` into a queue of ``ahead`` steps.  The heavy parts
-  (the Rust tokenizer, torch's copies) run without the GIL;
+  is), and puts ``(batches, state)`` into a bounded queue.  The heavy parts (the Rust
+  tokenizer, torch's copies) run without the GIL.  The stream's work comes in bursts: a
+  whole pack window (512 documents) is tokenized and packed when the previous one is used
+  up, seconds of work at once, then its steps are cheap to collate.  So by default
+  (``ahead=None``) the queue holds a window's worth of steps plus one: when the worker
+  reaches the end of a window, the steps it has queued cover the next window's build, as
+  long as the pipeline makes tokens faster than training uses them (bench/data_pipeline.py).
+  ``ahead=N`` bounds it to exactly ``N`` steps;
 * on CUDA the consumer copies a step to the device **one step ahead**: when step ``k`` is
   handed out, the ``non_blocking`` copy of step ``k+1`` from pinned memory is already issued
   on a side stream (if the worker has it ready; otherwise it is issued when asked for).
@@ -47,6 +53,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import math
 import queue
 import threading
 import time
@@ -66,6 +73,8 @@ from pgs.runtime.prefetch import copy_ahead, hand_over, map_tensors
 POLL_S = 0.1
 #: How long ``close()`` waits for the worker to finish the batch it is building.
 CLOSE_WAIT_S = 30.0
+#: The queue's size under ``ahead=None`` until the first window tells how many steps it holds.
+MIN_AUTO_AHEAD = 2
 
 
 class DataWorkerFailed(PgsError, RuntimeError):
@@ -109,15 +118,36 @@ def _make_step(stream: TrainStream, micro_batch: int, grad_accum: int, stop: thr
     return batches, stream.state_dict()
 
 
+def window_steps(state: dict, sequences_per_step: int) -> int:
+    """Optimizer steps in one pack window, on average so far (from a stream ``state_dict``)."""
+    windows = state["window"] + 1 if state["built"] else state["window"]
+    if windows <= 0:
+        return 0
+    return math.ceil(state["stats"]["sequences"] / windows / sequences_per_step)
+
+
+def _deepen(out: queue.Queue, depth: int) -> None:
+    with out.mutex:
+        if depth > out.maxsize:
+            out.maxsize = depth
+            out.not_full.notify_all()
+
+
 def _produce(stream: TrainStream, micro_batch: int, grad_accum: int, pin: bool,
-             out: queue.Queue, stop: threading.Event) -> None:
-    """The worker thread: steps into ``out`` until ``stop``; an exception goes in last."""
+             out: queue.Queue, stop: threading.Event, auto_depth: bool) -> None:
+    """The worker thread: steps into ``out`` until ``stop``; an exception goes in last.
+
+    With ``auto_depth`` the queue grows to a window's worth of steps plus one (module
+    docstring), measured from the windows built so far."""
+    per_step = micro_batch * grad_accum * stream.world_size
     try:
         while not stop.is_set():
             step = _make_step(stream, micro_batch, grad_accum, stop)
             if step is None:
                 return
             batches, state = step
+            if auto_depth:
+                _deepen(out, window_steps(state, per_step) + 1)
             if pin:
                 batches = [map_tensors(_pin, b) for b in batches]
             if not _put(out, (batches, state), stop):
@@ -129,11 +159,11 @@ def _produce(stream: TrainStream, micro_batch: int, grad_accum: int, pin: bool,
 class _Worker:
     """One producer thread over the stream, from the position the stream is at."""
 
-    def __init__(self, stream: TrainStream, micro_batch: int, grad_accum: int, ahead: int, pin: bool):
-        self.queue: queue.Queue = queue.Queue(maxsize=ahead)
+    def __init__(self, stream: TrainStream, micro_batch: int, grad_accum: int, ahead: int | None, pin: bool):
+        self.queue: queue.Queue = queue.Queue(maxsize=ahead or MIN_AUTO_AHEAD)
         self.stop = threading.Event()
         self.thread = threading.Thread(
-            target=_produce, args=(stream, micro_batch, grad_accum, pin, self.queue, self.stop),
+            target=_produce, args=(stream, micro_batch, grad_accum, pin, self.queue, self.stop, ahead is None),
             name="pgs-data-worker", daemon=True,
         )
         self.thread.start()
@@ -180,22 +210,25 @@ class StepLoader:
         grad_accum: micro-batches per optimizer step.
         device: where the batches go; CUDA: pinned memory, ``non_blocking`` copies on a side
             stream, one step ahead; CPU: the batches as they are.
-        ahead: steps the worker may have ready in its queue (>= 1).
+        ahead: steps the worker may have ready in its queue: ``None`` (default) a pack window's
+            worth plus one, so the next window's build hides behind them; an int (>= 1) exactly
+            that many.
         threaded: False gives the synchronous path (each step made when asked, same API).
         stall_timeout: seconds ``next_step`` waits for a step from a live worker before it
             gives up with :class:`DataWorkerFailed` (``None``: wait as long as it lives).
     """
 
     def __init__(self, stream: TrainStream, micro_batch: int, grad_accum: int, device: torch.device | str, *,
-                 ahead: int = 2, threaded: bool = True, stall_timeout: float | None = 600.0):
-        for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum), ("ahead", ahead)):
+                 ahead: int | None = None, threaded: bool = True, stall_timeout: float | None = 600.0):
+        checked = [("micro_batch", micro_batch), ("grad_accum", grad_accum)] + ([] if ahead is None else [("ahead", ahead)])
+        for name, value in checked:
             if int(value) < 1:
                 raise ValueError(f"StepLoader: {name} must be >= 1, got {value}")
         self.stream = stream
         self.micro_batch = int(micro_batch)
         self.grad_accum = int(grad_accum)
         self.device = torch.device(device)
-        self.ahead = int(ahead)
+        self.ahead = None if ahead is None else int(ahead)
         self.threaded = bool(threaded)
         self.stall_timeout = stall_timeout
         self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
