@@ -10,6 +10,7 @@ indexing pass that validates every record is timed apart).
     PYTHONPATH=. python bench/data_pipeline.py                      # defaults: 3 windows of 512
     PYTHONPATH=. python bench/data_pipeline.py --profile 25          # cProfile, top 25 by tottime
     PYTHONPATH=. python bench/data_pipeline.py --loader              # also StepLoader, threaded
+    PYTHONPATH=. python bench/data_pipeline.py --all-cores --overlap 60   # steps fed by StepLoader
 
 Target (issue 19): >= 300k tokens/s on one core.
 """
@@ -37,6 +38,69 @@ def one_core() -> None:
         os.sched_setaffinity(0, {cores[0]})
 
 
+def overlap(config, tokenizer, args) -> dict:
+    """Median time of training-like steps: batches already there, StepLoader, synchronous path.
+
+    A step consumes its batch on the device, launches ``--launches`` small ops (host work that
+    needs the GIL, like a training step's Python) and keeps the device busy ``--step-ms``
+    (``torch.cuda._sleep``; ``time.sleep`` without CUDA), then waits for the device.
+    """
+    import statistics
+
+    import torch
+
+    from pgs.runtime.data import TrainStream
+    from pgs.runtime.data.loader import StepLoader
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    cycles_per_ms = 0
+    if cuda:  # calibrate torch.cuda._sleep
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        torch.cuda.synchronize()
+        cycles_per_ms = int(10_000_000 / start.elapsed_time(end))
+    acc = torch.zeros(1024, device=device)
+
+    def step(batches) -> None:
+        nonlocal acc
+        for b in batches:
+            acc = acc + b.input_ids.reshape(-1)[:1024].float()
+        for _ in range(args.launches):
+            acc = acc * 1.0001 + 0.0001
+        if cuda:
+            torch.cuda._sleep(int(args.step_ms * cycles_per_ms))
+            torch.cuda.synchronize()
+        else:
+            time.sleep(args.step_ms / 1000)
+
+    def timed(next_step) -> float:
+        for _ in range(3):
+            step(next_step())
+        times = []
+        for _ in range(args.overlap):
+            started = time.perf_counter()
+            step(next_step())
+            times.append(time.perf_counter() - started)
+        return statistics.median(times), sum(times) / len(times), max(times)
+
+    def loader(threaded: bool) -> StepLoader:
+        return StepLoader(TrainStream(config, tokenizer, pack_window=args.pack_window), args.micro_batch, 1,
+                          device, threaded=threaded, ahead=args.ahead)
+
+    with loader(False) as ready_source:
+        ready = ready_source.next_step()
+    out = {"device": str(device), "step_tokens": sum(b.num_tokens for b in ready), "ahead": args.ahead}
+    out["ready"] = timed(lambda: ready)
+    with loader(True) as threaded:
+        out["threaded"] = timed(threaded.next_step)
+    with loader(False) as sync:
+        out["sync"] = timed(sync.next_step)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="CPU throughput of TrainStream (tokenize + template + pack + collate).")
     parser.add_argument("--conversations", type=int, default=1536, help="conversations in the temp JSONL")
@@ -48,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all-cores", action="store_true", help="do not pin to one core")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile the timed part, print top N")
     parser.add_argument("--loader", action="store_true", help="also time StepLoader (threaded, CPU device)")
+    parser.add_argument("--overlap", type=int, default=0, metavar="STEPS",
+                        help="also time STEPS training-like steps fed by StepLoader (threaded and not) against "
+                             "steps whose batches are ready (use with --all-cores; CUDA if present)")
+    parser.add_argument("--ahead", type=int, default=None, help="StepLoader(ahead=): default a window's worth")
+    parser.add_argument("--step-ms", type=float, default=300.0, help="--overlap: device time of one step")
+    parser.add_argument("--launches", type=int, default=3000, help="--overlap: small ops launched per step (host work)")
     parser.add_argument("--out", help="write the numbers as JSON here")
     args = parser.parse_args(argv)
 
@@ -71,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     stream = TrainStream(config, tokenizer, pack_window=args.pack_window)
     index_s = time.perf_counter() - started
 
-    # Warm up: the first window (jinja compiles the template once, caches fill).
-    first = stream.next_batch(args.micro_batch)
+    # Warm-up on a stream of its own: jinja compiles the template, caches fill, and the first
+    # window tells how many batches a window makes.  The timed stream starts fresh, so the
+    # timed batches pay for every window they use (``--windows`` of them).
+    stream.next_batch(args.micro_batch)
     per_window = stream.stats.sequences
-    want_batches = max(1, int(args.windows * per_window / args.micro_batch))
+    want_batches = max(1, round(args.windows * per_window / args.micro_batch))
+    stream = TrainStream(config, tokenizer, pack_window=args.pack_window)
     profiler = cProfile.Profile() if args.profile else None
     tokens = padded = 0
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -106,18 +179,19 @@ def main(argv: list[str] | None = None) -> int:
         "one_core": not args.all_cores,
         "torch": torch.__version__,
     }
-    del first
     if args.loader:
         from pgs.runtime.data.loader import StepLoader
 
         stream = TrainStream(config, tokenizer, pack_window=args.pack_window)
-        with StepLoader(stream, args.micro_batch, 1, torch.device("cpu"), ahead=2) as loader:
-            loader.next_step()
+        with StepLoader(stream, args.micro_batch, 1, torch.device("cpu"), ahead=args.ahead) as loader:
             got = 0
             started = time.perf_counter()
             for _ in range(want_batches):
                 got += sum(b.num_tokens for b in loader.next_step())
             result["loader_tokens_per_s"] = round(got / (time.perf_counter() - started))
+
+    if args.overlap:
+        result["overlap"] = overlap(config, tokenizer, args)
 
     print(f"data pipeline (CPU, {'1 core' if not args.all_cores else 'all cores'}): "
           f"{result['tokens_per_s']:,} tokens/s  ({tokens:,} tokens in {seconds:.2f} s, "
@@ -128,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
           f"({cpu_seconds:.2f} CPU s; below the wall-clock figure's time when other work shares the core)")
     if "loader_tokens_per_s" in result:
         print(f"StepLoader (threaded, CPU device): {result['loader_tokens_per_s']:,} tokens/s")
+    if "overlap" in result:
+        o = result["overlap"]
+        print(f"{args.overlap} steps of {o['step_tokens']:,} tokens ({args.launches} launches + {args.step_ms:.0f} ms "
+              f"on {o['device']}; StepLoader ahead={o['ahead']}), s/step median / mean / max:")
+        for name in ("ready", "threaded", "sync"):
+            print(f"  {name:9s} {o[name][0]:.4f} / {o[name][1]:.4f} / {o[name][2]:.4f}")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     if args.out:
