@@ -2,7 +2,8 @@
 
 A model comes from a local folder (``model.path``, weights and config) or from an
 architecture config (``model.config``, a table with ``model_type`` and sizes) with a
-random init seeded by ``model.init_seed``.  No hub downloads: both are local.
+random init seeded by ``model.init_seed``, run on the training device itself (a 4B's init
+took ~3 minutes on the CPU).  No hub downloads: both are local.
 
 The loss never sees logits.  :func:`final_hidden` runs the base model (``model.model``) on
 a packed batch with restarted ``position_ids``, ``use_cache=False`` and no attention mask
@@ -13,6 +14,8 @@ chunk of rows at a time.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import re
 from typing import Any, Sequence
@@ -61,6 +64,15 @@ def build_config(config: dict[str, Any]):
         raise SpecError(f"model.config.model_type: {err}") from None
 
 
+def _init_device(device: torch.device | str | None) -> torch.device:
+    """``device`` as a concrete device (a CUDA device gets its index); None: the default device
+    (the CPU, or the device of an enclosing ``with torch.device(...)``)."""
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def build_model(
     *,
     path: str | None = None,
@@ -70,20 +82,27 @@ def build_model(
     varlen_kernel: str = "auto",
     init_seed: int = 0,
     vocab_size: int | None = None,
+    device: torch.device | str | None = None,
 ):
-    """A ``transformers`` causal LM in training mode, on the CPU, in ``dtype``.
+    """A ``transformers`` causal LM in training mode, on ``device``, in ``dtype``.
 
-    ``path``: a local HF folder (weights + config.json).  ``config``: an architecture table
-    (random init under ``torch.manual_seed(init_seed)``; ``vocab_size`` fills in the
-    tokenizer's size when the table has none).  Exactly one of the two.  ``varlen_kernel``:
-    the packed-attention kernel (``pgs.runtime.attention.set_varlen_kernel``).
+    ``path``: a local HF folder (weights + config.json), loaded straight onto ``device``.
+    ``config``: an architecture table (random init; ``vocab_size`` fills in the tokenizer's size
+    when the table has none), initialised directly on ``device`` under ``init_seed``: the CPU's
+    generator and that device's are seeded with it inside ``fork_rng`` (the caller's random
+    state is untouched).  The same seed gives the same weights on the same kind of device; a CPU
+    and a CUDA init differ (different generators).  Exactly one of the two.  ``device``: None
+    is the default device (the CPU, or that of an enclosing ``with torch.device(...)``).
+    ``varlen_kernel``: the packed-attention kernel (``pgs.runtime.attention.set_varlen_kernel``).
     """
     from transformers import AutoModelForCausalLM
 
     from pgs.runtime.attention import hf_implementation, set_varlen_kernel
 
     torch_dtype = resolve_dtype(dtype)
+    device = _init_device(device)
     set_varlen_kernel(varlen_kernel)
+    cuda = device if device.type == "cuda" else None
     if (path is None) == (config is None):
         raise SpecError("model: give exactly one of model.path (a local folder) or model.config (an architecture)")
     if path is not None:
@@ -94,9 +113,15 @@ def build_model(
         attn_implementation = hf_implementation(
             attn_implementation, AutoConfig.from_pretrained(path, local_files_only=True)
             if attn_implementation == "auto" else None)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True
-        )
+        # straight onto the device where transformers can (its device_map needs accelerate); else
+        # on the CPU (whatever device an enclosing context names) and then moved
+        direct = device.type not in ("cpu", "meta") and importlib.util.find_spec("accelerate") is not None
+        with contextlib.nullcontext() if direct else torch.device("cpu"):
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True,
+                device_map=device if direct else None,
+            )
+        model.to(device)
     else:
         table = dict(config)
         if vocab_size is not None:
@@ -104,9 +129,10 @@ def build_model(
         hf_config = build_config(table)
         attn_implementation = hf_implementation(attn_implementation, hf_config)
         hf_config._attn_implementation = attn_implementation
-        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        with torch.random.fork_rng(devices=list(range(devices))):
-            torch.manual_seed(int(init_seed))
+        with torch.random.fork_rng(devices=[device.index] if cuda else [], device_type="cuda"), torch.device(device):
+            torch.random.default_generator.manual_seed(int(init_seed))
+            if cuda:
+                torch.cuda.default_generators[device.index].manual_seed(int(init_seed))
             model = AutoModelForCausalLM.from_config(
                 hf_config, dtype=torch_dtype, attn_implementation=attn_implementation
             )
