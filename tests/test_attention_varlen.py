@@ -4,6 +4,12 @@ kernel against that reference in the CUDA-marked test)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -294,6 +300,7 @@ def test_cudnn_without_the_frontend_is_refused_where_cuda_is(monkeypatch, kernel
 def test_the_kernel_resolves_per_choice_frontend_and_device(monkeypatch, kernel_choice, choice, frontend,
                                                             capability, expected):
     monkeypatch.setattr(A, "_cudnn_thd", (lambda: object()) if frontend else (lambda: None))
+    monkeypatch.setattr(A, "_cudnn_probe", lambda index: None)  # the first use passes
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
     monkeypatch.setattr(A, "_resolved", {})
     A._kernel = choice
@@ -340,6 +347,7 @@ def test_cuda_the_chosen_kernel_runs(monkeypatch, kernel_choice):
     auto_cudnn = torch.cuda.get_device_capability() in A.CUDNN_AUTO_CAPABILITIES
     for choice, expect in (("cudnn", 1), ("flash", 0), ("auto", int(auto_cudnn))):
         A.set_varlen_kernel(choice)
+        calls.clear()  # the first resolution's probe calls the kernel too
         q = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(2, 2, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(2, 2, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -372,3 +380,203 @@ def test_padding_inside_a_compiled_layer_does_not_recompile_per_count():
         assert torch.equal(out, layer(x, cu))
     assert counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
+
+
+# ------------------------------------- the packed kernel never crashes a run (issue 19): load, probe, fall back
+
+
+def test_the_frontend_modules_it_needs_are_imported_eagerly():
+    """The backward's lazily imported packed-LSE module is among those loaded up front."""
+    assert "cudnn.sdpa.packed_lse" in A.CUDNN_MODULES and "cudnn.sdpa.fwd.torch_op" in A.CUDNN_MODULES
+    assert set(A.CUDNN_OPS) == {"sdpa_fwd", "sdpa_bwd", "_packed_lse_to_padded"}
+
+
+def _fake_frontend(monkeypatch, broken: str | None = None):
+    """A stand-in ``cudnn`` package in sys.modules (its SDPA modules importable, ``broken`` not)."""
+    import importlib.machinery
+
+    op = object()
+    names = ["cudnn", "cudnn.sdpa", "cudnn.sdpa.fwd", *A.CUDNN_MODULES]
+    for name in names:
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        module.__path__ = []
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules["cudnn"].sdpa_torch = op
+    if broken is not None:
+        monkeypatch.setitem(sys.modules, broken, None)  # importing it raises ImportError
+    monkeypatch.setattr(A, "_cudnn_fn", None)
+    return op
+
+
+def test_the_loader_imports_every_module_and_checks_the_ops(monkeypatch):
+    op = _fake_frontend(monkeypatch)
+    monkeypatch.setattr(A, "CUDNN_OPS", ("sdpa_fwd", "_pgs_no_such_op"))  # one op that no import registers
+    fn, installed, why = A._cudnn_load.__wrapped__()
+    assert fn is None and installed
+    assert why.startswith("its import registered no torch.ops.cudnn.") and "_pgs_no_such_op" in why
+    monkeypatch.setattr(A, "CUDNN_OPS", ())
+    assert A._cudnn_load.__wrapped__() == (op, True, None)
+    assert A._cudnn_fn is op  # what the compiled layers call
+
+
+def test_a_module_that_does_not_import_is_a_reason(monkeypatch):
+    _fake_frontend(monkeypatch, broken="cudnn.sdpa.packed_lse")
+    monkeypatch.setattr(A, "CUDNN_OPS", ())
+    fn, installed, why = A._cudnn_load.__wrapped__()
+    assert fn is None and installed and "cudnn.sdpa.packed_lse" in why and "\n" not in why
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch, kernel_choice):
+    """A CUDA device 0 of compute capability 9.0 with the frontend loaded (nothing resolved yet)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(A, "_cudnn_load", lambda: (object(), True, None))
+    monkeypatch.setattr(A, "_resolved", {})
+    monkeypatch.setattr(A, "_probed", {})
+
+
+_CRASH = "AttributeError: '_OpNamespace' 'cudnn' object has no attribute '_packed_lse_to_padded'"
+
+
+def test_auto_falls_back_to_flash_with_one_warning_when_the_probe_fails(monkeypatch, fake_cuda, capsys):
+    probes = []
+    monkeypatch.setattr(A, "_cudnn_probe", lambda index: probes.append(index) or _CRASH)
+    A.set_varlen_kernel("auto")
+    assert A._resolved == {("auto", 0): "flash"}  # recorded: every layer reads the same kernel
+    for _ in range(3):  # later layers and steps ask again: no second probe, no second warning
+        assert A._resolve(0) == "flash"
+    assert probes == [0]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pgs: warning: ") and "_packed_lse_to_padded" in lines[0]
+    assert "FlashAttention-2" in lines[0]
+
+
+def test_auto_keeps_cudnn_when_the_probe_passes(monkeypatch, fake_cuda, capsys):
+    monkeypatch.setattr(A, "_cudnn_probe", lambda index: None)
+    A.set_varlen_kernel("auto")
+    assert A._resolved == {("auto", 0): "cudnn"}
+    assert capsys.readouterr().err == ""
+
+
+def test_explicit_cudnn_that_fails_the_probe_is_a_spec_error(monkeypatch, fake_cuda):
+    from pgs.errors import EXIT_BAD_INPUT
+
+    monkeypatch.setattr(A, "_cudnn_probe", lambda index: _CRASH)
+    with pytest.raises(SpecError, match=r"model\.varlen_kernel: \"cudnn\" failed its first") as info:
+        A.set_varlen_kernel("cudnn")
+    assert "\n" not in str(info.value) and "_packed_lse_to_padded" in str(info.value)
+    assert info.value.exit_code == EXIT_BAD_INPUT
+    assert ("cudnn", 0) not in A._resolved
+
+
+def test_a_frontend_that_does_not_load_falls_back_or_refuses(monkeypatch, fake_cuda, capsys):
+    why = "its SDPA op did not load (ImportError: no module named cudnn.sdpa.packed_lse)"
+    monkeypatch.setattr(A, "_cudnn_load", lambda: (None, True, why))
+    monkeypatch.setattr(A, "_cudnn_probe", lambda index: pytest.fail("no probe without an op"))
+    A.set_varlen_kernel("auto")
+    assert A._resolved == {("auto", 0): "flash"}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pgs: warning: ") and "packed_lse" in err[0]
+    with pytest.raises(SpecError, match="installed but its SDPA op did not load"):
+        A.set_varlen_kernel("cudnn")
+    # not installed at all: "auto" takes FlashAttention-2 silently, as planned
+    monkeypatch.setattr(A, "_cudnn_load", lambda: (None, False, "nvidia-cudnn-frontend is not installed"))
+    monkeypatch.setattr(A, "_resolved", {})
+    A.set_varlen_kernel("auto")
+    assert A._resolved == {("auto", 0): "flash"} and capsys.readouterr().err == ""
+
+
+def test_build_model_resolves_the_kernel_before_any_layer_runs(monkeypatch, fake_cuda, capsys):
+    probes = []
+    monkeypatch.setattr(A, "_cudnn_probe", lambda index: probes.append(index) or _CRASH)
+    arch = dict(model_type="qwen3", head_dim=8, **TINY)
+    build_model(config=arch, attn_implementation="sdpa")  # no packed kernel used: none probed
+    assert probes == [] and A._resolved == {}
+    build_model(config=arch, attn_implementation="varlen")
+    assert A._resolved == {("auto", 0): "flash"} and probes == [0]
+    assert capsys.readouterr().err.count("pgs: warning:") == 1
+    with pytest.raises(SpecError, match="model.varlen_kernel"):
+        build_model(config=arch, attn_implementation="varlen", varlen_kernel="cudnn")
+
+
+def _right(q, k, v, cu, longest, scale):
+    return A._reference(q, k, v, cu, 1, longest, scale)
+
+
+class _BackwardCrash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q):
+        return q.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise AttributeError("'_OpNamespace' 'cudnn' object has no attribute '_packed_lse_to_padded'")
+
+
+@pytest.mark.parametrize("kernel, verdict", [
+    (_right, None),
+    (lambda q, k, v, cu, n, s: _BackwardCrash.apply(_right(q, k, v, cu, n, s)), "AttributeError: '_OpNamespace'"),
+    (lambda q, k, v, cu, n, s: _right(q, k, v, cu, n, s) * 1.5, "its output is off the reference"),
+    (lambda q, k, v, cu, n, s: _right(q, k, v, cu, n, s) * float("nan"), "its output is not finite"),
+    (lambda q, k, v, cu, n, s: _right(q, k.flip(0), v, cu, n, s), "its output is off the reference"),
+    (lambda q, k, v, cu, n, s: 1 / 0, "ZeroDivisionError"),
+])
+def test_the_probe_runs_forward_and_backward_against_the_reference(kernel, verdict):
+    """On the CPU with stand-in kernels: a right one passes; a crash in backward, wrong or
+    non-finite numbers each give a one-line reason."""
+    why = A.probe_kernel(kernel, torch.device("cpu"))
+    if verdict is None:
+        assert why is None
+    else:
+        assert why is not None and why.startswith(verdict) and "\n" not in why
+
+
+_PACKED_LAYER = textwrap.dedent('''
+    import torch
+    from pgs.runtime import attention as A
+    from pgs.runtime.checkpointing import compile_layers
+    from pgs.runtime.model import build_model, final_hidden
+
+    config = dict(model_type="qwen3", vocab_size=512, hidden_size=512, intermediate_size=1024,
+                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                  max_position_embeddings=2048)
+    model = build_model(config=config, dtype="bfloat16", device="cuda")  # varlen_kernel "auto"
+    assert A.uses_varlen(model)
+    compile_layers(model)
+    rows = [(300, 500, 224), (100,) * 10 + (24,)]
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows]).cuda()
+    ids = torch.randint(0, 512, pos.shape, device="cuda")
+    for step in range(2):
+        h = final_hidden(model, ids, pos)
+        h.float().square().mean().backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        model.zero_grad()
+    torch.cuda.synchronize()
+    print("kernel", A._resolve(torch.cuda.current_device()))
+''')
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not A.varlen_available("cuda", torch.bfloat16), reason="needs CUDA and torch's varlen_attn")
+def test_cuda_fresh_processes_run_a_compiled_packed_layer_with_the_default_kernel(tmp_path):
+    """Issue 19: fresh processes (the frontend's modules not yet imported), each a compiled packed
+    forward + backward through pgs's varlen attention under the default kernel.  Where "auto" picks
+    cuDNN, each must run it (no fallback warning): the eager imports, not the fallback, are the fix."""
+    script = tmp_path / "packed_layer.py"
+    script.write_text(_PACKED_LAYER)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=str(tmp_path)) for _ in range(5)]
+    results = [p.communicate(timeout=600) for p in procs]
+    expected = ("cudnn" if A._cudnn_thd() is not None
+                and torch.cuda.get_device_capability() in A.CUDNN_AUTO_CAPABILITIES else "flash")
+    for proc, (out, err) in zip(procs, results):
+        assert proc.returncode == 0, err[-3000:]
+        assert f"kernel {expected}" in out, (out, err[-3000:])
+        if expected == "cudnn":
+            assert "pgs: warning: cuDNN" not in err, err[-3000:]

@@ -51,12 +51,19 @@ one graph per document count (157 ms each), so the count is padded with zero-len
 :data:`CUDNN_DOC_BUCKET`: a few graphs per run instead of one per step.
 ``model.varlen_kernel`` picks the kernel: ``"auto"`` (cuDNN on compute capability 9.0 when the
 frontend is installed, FlashAttention-2 otherwise), ``"cudnn"`` or ``"flash"``.  Head dims up
-to 256 (multiples of 8) go to cuDNN; others to FlashAttention-2.
+to 256 (multiples of 8) go to cuDNN; others to FlashAttention-2.  The choice is made once per
+process and device, eagerly (``set_varlen_kernel``, which ``build_model`` calls), and recorded
+for every layer: the frontend modules the op needs are imported then (the backward's lazy import
+inside a compiled layer crashed 2 H200 runs in 5 at step 1, issue 19), its ops are checked, and
+a tiny forward + backward probes it (:func:`probe_kernel`).  Where any of that fails, ``"auto"``
+falls back to FlashAttention-2 with one ``pgs: warning:`` line and ``"cudnn"`` is a
+:class:`SpecError`.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from functools import lru_cache
 
 import torch
@@ -112,51 +119,195 @@ _kernel = "auto"
 _resolved: dict[tuple[str, int], str] = {}
 
 
+#: The nvidia-cudnn-frontend modules behind ``cudnn.sdpa_torch``: the op itself (``sdpa_fwd``,
+#: ``sdpa_bwd`` and their autograd), the varlen metadata it prepares, and the packed-LSE repadding
+#: that its backward imports lazily (``torch.ops.cudnn._packed_lse_to_padded``).  Left to that
+#: lazy import inside a compiled layer's backward, 2 runs in 5 failed at step 1 on an H200
+#: (``'_OpNamespace' 'cudnn' object has no attribute '_packed_lse_to_padded'``, issue 19; 8 fresh
+#: processes in 8 of a compiled two-layer packed model): all of them are imported eagerly when
+#: the kernel is resolved, outside any compiled region.
+CUDNN_MODULES = ("cudnn.sdpa.varlen_metadata", "cudnn.sdpa.packed_lse", "cudnn.sdpa.fwd.torch_op")
+#: The ``torch.ops.cudnn`` ops those modules register and the forward + backward call.
+CUDNN_OPS = ("sdpa_fwd", "sdpa_bwd", "_packed_lse_to_padded")
+#: The loaded op (``cudnn.sdpa_torch``) once resolved: what the compiled layers call (a global,
+#: not a cached loader, so that tracing never reaches an import).
+_cudnn_fn = None
+#: CUDA device index -> why cuDNN's op failed its first forward + backward there (None: it passed).
+_probed: dict[int, str | None] = {}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    line = text[0] if text else ""
+    line = f"{type(err).__name__}: {line}" if line else type(err).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
 @lru_cache(maxsize=1)
-def _cudnn_thd():
-    """nvidia-cudnn-frontend's THD SDPA op (``cudnn.sdpa_torch``), or None when not installed."""
+def _cudnn_load() -> tuple:
+    """``(op, installed, why)``: nvidia-cudnn-frontend's THD SDPA op (``cudnn.sdpa_torch``) with
+    every module it needs imported (:data:`CUDNN_MODULES`) and its ops registered
+    (:data:`CUDNN_OPS`), else None and why (``installed``: whether the package is there at all)."""
+    global _cudnn_fn
+    import importlib
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("cudnn") is None:
+            return None, False, "nvidia-cudnn-frontend is not installed"
+    except (ImportError, ValueError) as err:
+        return None, False, _first_line(err)
     try:
         import cudnn
 
-        return cudnn.sdpa_torch
-    except Exception:  # noqa: BLE001 - missing, or a build without the torch op: not used
-        return None
+        for name in CUDNN_MODULES:
+            importlib.import_module(name)
+        missing = [op for op in CUDNN_OPS if not hasattr(torch.ops.cudnn, op)]
+        if missing:
+            return None, True, f"its import registered no torch.ops.cudnn.{', '.join(missing)}"
+        fn = cudnn.sdpa_torch
+    except Exception as err:  # noqa: BLE001 - a broken or partial install: not used
+        return None, True, f"its SDPA op did not load ({_first_line(err)})"
+    _cudnn_fn = fn
+    return fn, True, None
 
 
-def set_varlen_kernel(name: str) -> None:
-    """Choose the packed-attention kernel (``model.varlen_kernel``) for this process.
+def _cudnn_thd():
+    """nvidia-cudnn-frontend's THD SDPA op (``cudnn.sdpa_torch``), or None when it is not
+    installed or does not load (:func:`_cudnn_load` says why)."""
+    return _cudnn_load()[0]
 
-    ``"cudnn"`` where CUDA is present but the frontend is not installed is a :class:`SpecError`;
-    on a machine without CUDA every choice runs the reference path.
+
+def set_varlen_kernel(name: str, device: torch.device | str | None = None, *, prime: bool = True) -> None:
+    """Choose the packed-attention kernel (``model.varlen_kernel``) for this process and, with
+    ``prime``, resolve it now for ``device`` (a CUDA device; by default the current one): the
+    imports and the first-use probe run here, outside any compiled layer.  (``build_model``
+    leaves that to :func:`hf_implementation`, which resolves it only for a model that uses it.)
+
+    ``"cudnn"`` where CUDA is present but the frontend is not installed, does not load, or fails
+    its first forward + backward (:func:`_cudnn_probe`) is a :class:`SpecError`; ``"auto"`` then
+    falls back to FlashAttention-2 (with one warning line when the frontend is installed).  On a
+    machine without CUDA every choice runs the reference path.
     """
     global _kernel
     if name not in VARLEN_KERNELS:
         raise SpecError(f"model.varlen_kernel: expected one of {', '.join(VARLEN_KERNELS)}, got {name!r}")
     if name == "cudnn" and torch.cuda.is_available() and _cudnn_thd() is None:
-        raise SpecError("model.varlen_kernel: \"cudnn\" needs nvidia-cudnn-frontend (pip install "
-                        "\"nvidia-cudnn-frontend>=1.32\", or pgs's gpu extra); use \"auto\" or \"flash\"")
+        _, installed, why = _cudnn_load()
+        if not installed or why is None:
+            raise SpecError("model.varlen_kernel: \"cudnn\" needs nvidia-cudnn-frontend (pip install "
+                            "\"nvidia-cudnn-frontend>=1.32\", or pgs's gpu extra); use \"auto\" or \"flash\"")
+        raise SpecError(f"model.varlen_kernel: \"cudnn\": nvidia-cudnn-frontend is installed but {why}; "
+                        "use \"auto\" or \"flash\"")
     _kernel = name
-    _prime()
+    if prime:
+        _prime(device)
+
+
+def _cudnn_probe(index: int) -> str | None:
+    """Why cuDNN's THD op fails its first forward + backward on CUDA device ``index``
+    (:func:`probe_kernel` on :func:`_cudnn_varlen`), or None; asked once per device.
+
+    Run at resolution time, outside any compiled layer: a first-use failure (an op the backward
+    cannot find, a graph cuDNN will not build) then costs a fallback instead of the run.  Its
+    graphs are not ones a run reuses: 0.65 s once per process on an H200.
+    """
+    if index not in _probed:
+        try:
+            with torch.cuda.device(index):
+                _probed[index] = probe_kernel(_cudnn_varlen, torch.device("cuda", index))
+        except Exception as err:  # noqa: BLE001 - a device that cannot even be selected
+            _probed[index] = _first_line(err)
+    return _probed[index]
+
+
+def probe_kernel(fn, device: torch.device) -> str | None:
+    """Why the packed kernel ``fn(q, k, v, cu_seqlens, longest, scale)`` fails a tiny eager causal
+    forward + backward on ``device`` (three documents in 256 tokens, 4 query and 2 key/value heads
+    of 128, bf16), against :func:`_reference` in fp32; None when it passes (outputs and gradients
+    finite and within bf16 tolerance: 2e-2 for the output, 5e-2 for the gradients)."""
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            g = torch.Generator(device=device).manual_seed(0)
+            q, k, v = (torch.randn(256, h, 128, generator=g, device=device, dtype=torch.bfloat16).requires_grad_()
+                       for h in (4, 2, 2))
+            cu = torch.tensor([0, 100, 160, 256], dtype=torch.int32, device=device)
+            out = fn(q, k, v, cu, 256, None)
+            go = torch.randn(out.shape, generator=g, device=device, dtype=out.dtype)
+            got = torch.autograd.grad(out, (q, k, v), go)
+            ref = _reference(q.float(), k.float(), v.float(), cu, 1, 256, None)
+            want = torch.autograd.grad(ref, (q, k, v), go.float())
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    except Exception as err:  # noqa: BLE001 - whatever the first use raises is the verdict
+        return _first_line(err)
+    checks = (("output", out, ref, 2e-2),) + tuple(zip(("dq", "dk", "dv"), got, want, (5e-2,) * 3))
+    for name, a, b, tol in checks:
+        a, b = a.detach().float(), b.detach().float()
+        if a.shape != b.shape:
+            return f"its {name} has shape {tuple(a.shape)}, not {tuple(b.shape)}"
+        if not bool(torch.isfinite(a).all()):
+            return f"its {name} is not finite"
+        excess = float(((a - b).abs() - tol * b.abs()).max())  # assert_close's atol = rtol = tol
+        if excess > tol:
+            return f"its {name} is off the reference by {excess:.3g} beyond bf16 tolerance"
+    return None
+
+
+def _warn(message: str) -> None:
+    print(f"pgs: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _choose(kernel: str, index: int) -> str:
+    """``"cudnn"`` or ``"flash"`` for packed rows on CUDA device ``index`` under ``kernel``."""
+    if kernel == "flash":
+        return "flash"
+    if kernel == "auto" and torch.cuda.get_device_capability(index) not in CUDNN_AUTO_CAPABILITIES:
+        return "flash"
+    if _cudnn_thd() is None:
+        _, installed, why = _cudnn_load()
+        if kernel == "cudnn":
+            raise SpecError(f"model.varlen_kernel: \"cudnn\" cannot run on cuda:{index} "
+                            f"({why or 'nvidia-cudnn-frontend is not installed'}); "
+                            "use \"auto\" or \"flash\"")
+        if installed and why is not None:  # installed but broken: say so; absent: FA-2 is the plan
+            _warn(f"cuDNN packed attention did not load ({why}); packed rows use FlashAttention-2")
+        return "flash"
+    if torch.compiler.is_compiling():  # no kernels can run while tracing (resolved eagerly before)
+        return "cudnn"
+    why = _cudnn_probe(index)
+    if why is None:
+        return "cudnn"
+    if kernel == "cudnn":
+        raise SpecError(f"model.varlen_kernel: \"cudnn\" failed its first forward + backward on cuda:{index} "
+                        f"({why}); use \"auto\" or \"flash\"")
+    _warn(f"cuDNN packed attention failed its first forward + backward on cuda:{index} ({why}); packed rows "
+          "use FlashAttention-2 (model.varlen_kernel = \"flash\" chooses it without this warning)")
+    return "flash"
 
 
 def _resolve(index: int) -> str:
-    """The kernel packed rows on CUDA device ``index`` go to under the current choice."""
+    """The kernel packed rows on CUDA device ``index`` go to under the current choice (decided
+    once per choice and device, and recorded: every layer then reads the same answer)."""
     choice = _resolved.get((_kernel, index))
     if choice is None:
-        cudnn = _cudnn_thd() is not None
-        if _kernel == "auto":
-            cudnn = cudnn and torch.cuda.get_device_capability(index) in CUDNN_AUTO_CAPABILITIES
-        choice = _resolved[(_kernel, index)] = "cudnn" if cudnn and _kernel != "flash" else "flash"
+        choice = _resolved[(_kernel, index)] = _choose(_kernel, index)
     return choice
 
 
-def _prime() -> None:
-    """Resolve the current CUDA device's kernel now, outside any compiled layer."""
+def _prime(device: torch.device | str | None = None) -> None:
+    """Resolve the kernel of CUDA ``device`` (default: the current one) now, outside any compiled
+    layer; nothing for a device that is not CUDA."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type != "cuda":
+        return
     if torch.cuda.is_available():
         try:
-            _resolve(torch.cuda.current_device())
+            index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+            torch.cuda.get_device_capability(index)
         except (RuntimeError, AssertionError):  # no usable device after all: resolved at first use
-            pass
+            return
+        _resolve(index)
 
 
 def pad_documents(cu: Tensor, multiple: int, minimum: int = 0) -> Tensor:
@@ -174,8 +325,9 @@ def pad_documents(cu: Tensor, multiple: int, minimum: int = 0) -> Tensor:
 def _cudnn_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float | None) -> Tensor:
     """Causal attention within each document of ``cu`` through cuDNN's THD kernel."""
     cu = pad_documents(cu, CUDNN_DOC_BUCKET, minimum=2)
-    return _cudnn_thd()(q, k, v, scale=scale, is_causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                        max_seqlen_q=longest, max_seqlen_kv=longest, return_lse=True)[0]
+    fn = _cudnn_fn or _cudnn_thd()  # the global once loaded: compiled layers never reach the loader
+    return fn(q, k, v, scale=scale, is_causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+              max_seqlen_q=longest, max_seqlen_kv=longest, return_lse=True)[0]
 
 
 def varlen_available(device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> bool:
@@ -324,17 +476,18 @@ def varlen_suits(config) -> str | None:
     return None
 
 
-def hf_implementation(name: str | None, config=None) -> str | None:
+def hf_implementation(name: str | None, config=None, device: torch.device | str | None = None) -> str | None:
     """The name to hand transformers for a spec's ``attn_implementation`` (registers ours).
 
     ``"auto"`` (the spec's default): ``"varlen"`` where its kernel runs (CUDA, a torch with
     ``varlen_attn``) and ``config`` (when given) has plain full attention without dropout;
-    ``"sdpa"`` otherwise.
+    ``"sdpa"`` otherwise.  For ``"varlen"`` the packed kernel is resolved now for ``device``
+    (a CUDA device; by default the current one), see :func:`set_varlen_kernel`.
     """
     if name == AUTO:
         name = SPEC_NAME if varlen_available() and (config is None or varlen_suits(config) is None) else "sdpa"
     if name == SPEC_NAME:
-        _prime()
+        _prime(device)
         return register()
     return name
 

@@ -93,7 +93,8 @@ def build_model(
     state is untouched).  The same seed gives the same weights on the same kind of device; a CPU
     and a CUDA init differ (different generators).  Exactly one of the two.  ``device``: None
     is the default device (the CPU, or that of an enclosing ``with torch.device(...)``).
-    ``varlen_kernel``: the packed-attention kernel (``pgs.runtime.attention.set_varlen_kernel``).
+    ``varlen_kernel``: the packed-attention kernel (``pgs.runtime.attention.set_varlen_kernel``;
+    resolved here for ``device`` when the model uses it).
     """
     from transformers import AutoModelForCausalLM
 
@@ -101,7 +102,7 @@ def build_model(
 
     torch_dtype = resolve_dtype(dtype)
     device = _init_device(device)
-    set_varlen_kernel(varlen_kernel)
+    set_varlen_kernel(varlen_kernel, prime=False)  # resolved below, where the model uses it
     cuda = device if device.type == "cuda" else None
     if (path is None) == (config is None):
         raise SpecError("model: give exactly one of model.path (a local folder) or model.config (an architecture)")
@@ -112,7 +113,7 @@ def build_model(
 
         attn_implementation = hf_implementation(
             attn_implementation, AutoConfig.from_pretrained(path, local_files_only=True)
-            if attn_implementation == "auto" else None)
+            if attn_implementation == "auto" else None, device=cuda)
         # straight onto the device where transformers can (its device_map needs accelerate); else
         # on the CPU (whatever device an enclosing context names) and then moved
         direct = device.type not in ("cpu", "meta") and importlib.util.find_spec("accelerate") is not None
@@ -127,7 +128,7 @@ def build_model(
         if vocab_size is not None:
             table.setdefault("vocab_size", int(vocab_size))
         hf_config = build_config(table)
-        attn_implementation = hf_implementation(attn_implementation, hf_config)
+        attn_implementation = hf_implementation(attn_implementation, hf_config, device=cuda)
         hf_config._attn_implementation = attn_implementation
         with torch.random.fork_rng(devices=[device.index] if cuda else [], device_type="cuda"), torch.device(device):
             torch.random.default_generator.manual_seed(int(init_seed))
