@@ -167,7 +167,8 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
     mixed = "bf16" if sharded and m.dtype == "bfloat16" else None
     dtype = "float32" if mixed else m.dtype
     model = build_model(path=m.path, config=config, dtype=dtype, attn_implementation=m.attn_implementation,
-                        varlen_kernel=m.varlen_kernel, init_seed=m.init_seed, vocab_size=len(tokenizer)).to(device)
+                        varlen_kernel=m.varlen_kernel, init_seed=m.init_seed, vocab_size=len(tokenizer),
+                        device=device)
     if spec.data.packing:
         verdict = require_packing_isolation(model, spec.data.allow_packing_leakage)
         if not verdict.isolates and (not sharded or ctx.is_main):
