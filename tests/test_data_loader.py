@@ -1,11 +1,11 @@
-"""StepLoader: the worker thread's steps equal the synchronous path's, resume is exact with a
-worker that has read ahead, failures surface in next_step (never a hang), close ends the
-thread.  Also the data pipeline's fast paths against their plain definitions."""
+"""StepLoader: the worker's steps (process or thread) equal the synchronous path's, resume is
+exact with a worker that has read ahead, failures surface in next_step (never a hang), close
+ends the worker.  Also the data pipeline's fast paths against their plain definitions."""
 
 from __future__ import annotations
 
-import itertools
 import json
+import os
 import random
 import threading
 import time
@@ -24,6 +24,36 @@ from pgs.runtime.data.synthetic import generate, write_jsonl
 
 TOKENIZER = "pgs/assets/quickstart/tokenizer"
 POISONED_LINES = (12, 29)  # 1-based lines of bad.jsonl whose record the strict template refuses
+WORKERS = ["process", "thread"]
+
+
+class FlakyStream(TrainStream):
+    """Raises at its ``fail_at``-th ``next_batch`` (module level: a worker process unpickles it)."""
+
+    fail_at = 3
+    calls = 0
+
+    def next_batch(self, batch_size):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError(f"tokenizer exploded at call {self.fail_at}")
+        return super().next_batch(batch_size)
+
+
+class DyingStream(TrainStream):
+    """Its worker ends at once, saying nothing (a process exits 3, a thread returns)."""
+
+    def next_batch(self, batch_size):
+        if threading.current_thread() is threading.main_thread():
+            os._exit(3)  # in a worker process
+        raise SystemExit  # a thread's silent end (the worker forwards it; see the thread test)
+
+
+class StuckStream(TrainStream):
+    """Never makes a batch (a stalled worker)."""
+
+    def next_batch(self, batch_size):
+        time.sleep(3600)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +90,8 @@ def mixed(files, **kw):
     return DataConfig(sources=[DataSource(a, weight=3.0), DataSource(b, weight=1.0)], max_seq_len=160, **kw)
 
 
-def make_loader(config, tokenizer, *, micro_batch=2, grad_accum=3, pack_window=16, **kw):
-    return StepLoader(TrainStream(config, tokenizer, pack_window=pack_window), micro_batch, grad_accum,
+def make_loader(config, tokenizer, *, micro_batch=2, grad_accum=3, pack_window=16, kind=TrainStream, **kw):
+    return StepLoader(kind(config, tokenizer, pack_window=pack_window), micro_batch, grad_accum,
                       torch.device("cpu"), **kw)
 
 
@@ -72,7 +102,7 @@ def assert_same_step(got, want):
             x, y = getattr(g, name), getattr(w, name)
             assert x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()), name
         assert len(g.cu_seqlens) == len(w.cu_seqlens)
-        assert all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(g.cu_seqlens, w.cu_seqlens))
+        assert all(x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()) for x, y in zip(g.cu_seqlens, w.cu_seqlens))
         assert (g.num_docs, g.num_trained_tokens, g.num_tokens) == (w.num_docs, w.num_trained_tokens, w.num_tokens)
         assert all(type(v) is int for v in (g.num_docs, g.num_trained_tokens, g.num_tokens))
 
@@ -86,48 +116,58 @@ def wait_until(predicate, what, limit=60.0):
         time.sleep(0.01)
 
 
-def read_ahead(loader):
-    wait_until(lambda: loader._worker.queue.full(), "the worker filling its queue")
+def read_ahead(loader, steps=2):
+    """Wait until the worker has ``steps`` steps ready that were not handed out."""
+    wait_until(lambda: loader._worker.queue.qsize() >= steps, "the worker reading ahead")
 
 
 # -- order ---------------------------------------------------------------------------------
-def test_threaded_steps_equal_the_synchronous_path_and_the_stream(files, tok):
+@pytest.mark.parametrize("worker", WORKERS)
+def test_worker_steps_equal_the_synchronous_path_and_the_stream(files, tok, worker):
     steps = 24  # several windows of 16 documents
     plain = TrainStream(mixed(files), tok, pack_window=16)
-    with make_loader(mixed(files), tok, threaded=False) as sync, make_loader(mixed(files), tok) as threaded:
+    with make_loader(mixed(files), tok, threaded=False) as sync, make_loader(mixed(files), tok, worker=worker) as ahead:
+        assert ahead.worker == worker
         for _ in range(steps):
             want = [plain.next_batch(2) for _ in range(3)]
-            s, t = sync.next_step(), threaded.next_step()
+            s, t = sync.next_step(), ahead.next_step()
             assert_same_step(s, want)
             assert_same_step(t, want)
-            assert sync.state_dict() == threaded.state_dict() == plain.state_dict()
-            assert threaded.stats.as_dict() == plain.stats.as_dict()
+            assert sync.state_dict() == ahead.state_dict() == plain.state_dict()
+            assert ahead.stats.as_dict() == plain.stats.as_dict()
 
 
-def test_cpu_batches_are_not_pinned_or_copied(files, tok):
-    with make_loader(mixed(files), tok) as loader:
+@pytest.mark.parametrize("worker", WORKERS)
+def test_cpu_batches_are_not_pinned_or_copied(files, tok, worker):
+    with make_loader(mixed(files), tok, worker=worker) as loader:
         for batch in loader.next_step():
             assert batch.input_ids.device.type == "cpu" and not batch.input_ids.is_pinned()
 
 
-def test_state_dict_is_the_consumed_position_not_the_read_ahead(files, tok):
+@pytest.mark.parametrize("worker", WORKERS)
+def test_state_dict_is_the_consumed_position_not_the_read_ahead(files, tok, worker):
     plain = TrainStream(mixed(files), tok, pack_window=16)
-    with make_loader(mixed(files), tok, ahead=3) as loader:
-        assert loader.state_dict() == plain.state_dict()  # before any step
+    with make_loader(mixed(files), tok, ahead=3, worker=worker) as loader:
+        start = loader.stream.state_dict()
+        assert loader.state_dict() == plain.state_dict() == start  # before any step
         for _ in range(5):
             loader.next_step()
             [plain.next_batch(2) for _ in range(3)]
-        read_ahead(loader)
+        read_ahead(loader, 3)
         state = loader.state_dict()
         assert state == plain.state_dict()
-        assert state != loader.stream.state_dict()  # the worker's own stream is further on
+        if worker == "thread":
+            assert state != loader.stream.state_dict()  # the worker's own stream is further on
+        else:
+            assert loader.stream.state_dict() == start  # the process has a copy; this one stays
         json.dumps(state)
 
 
 # -- resume --------------------------------------------------------------------------------
+@pytest.mark.parametrize("worker", WORKERS)
 @pytest.mark.parametrize("steps", [0, 1, 3, 7])
-def test_resume_mid_window_is_exact_with_a_worker_that_read_ahead(files, tok, steps):
-    with make_loader(mixed(files), tok, ahead=2) as first:
+def test_resume_mid_window_is_exact_with_a_worker_that_read_ahead(files, tok, steps, worker):
+    with make_loader(mixed(files), tok, ahead=2, worker=worker) as first:
         for _ in range(steps):
             first.next_step()
         read_ahead(first)
@@ -135,9 +175,10 @@ def test_resume_mid_window_is_exact_with_a_worker_that_read_ahead(files, tok, st
         assert steps == 0 or 0 < state["taken"] < 8, "the position should be inside a window"  # 16 docs -> ~8 rows
         expected = [first.next_step() for _ in range(6)]
         # a fresh loader, as after a restart
-        with make_loader(mixed(files), tok) as resumed:
+        with make_loader(mixed(files), tok, worker=worker) as resumed:
             read_ahead(resumed)  # it read ahead from the start; load_state_dict drops that
             resumed.load_state_dict(state)
+            assert resumed.state_dict() == state
             for want in expected:
                 assert_same_step(resumed.next_step(), want)
         # the same loader, back to the saved position while its worker is ahead
@@ -148,16 +189,27 @@ def test_resume_mid_window_is_exact_with_a_worker_that_read_ahead(files, tok, st
 
 
 def test_resume_matches_the_synchronous_path(files, tok):
-    with make_loader(mixed(files), tok) as threaded:
+    with make_loader(mixed(files), tok) as ahead:
         for _ in range(4):
-            threaded.next_step()
-        state = threaded.state_dict()
-        want = [threaded.next_step() for _ in range(4)]
+            ahead.next_step()
+        state = ahead.state_dict()
+        want = [ahead.next_step() for _ in range(4)]
     with make_loader(mixed(files), tok, threaded=False) as sync:
         sync.load_state_dict(state)
         for w in want:
             assert_same_step(sync.next_step(), w)
         assert sync.stats.bad_records == 0
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_a_state_of_other_data_is_refused_by_load_state_dict(files, tok, worker):
+    with make_loader(mixed(files), tok, worker=worker) as loader:
+        state = loader.state_dict()
+    with make_loader(mixed(files, seed=5), tok, worker=worker) as other:
+        with pytest.raises(DataError, match="seed"):
+            other.load_state_dict(state)
+        with pytest.raises(DataError, match="seed"):
+            other.next_step()
 
 
 # -- failures ------------------------------------------------------------------------------
@@ -170,54 +222,40 @@ def first_error(loader, limit=200):
     raise AssertionError("no error within the limit")
 
 
-def test_bad_record_is_a_data_error_naming_file_and_line(files, strict_tok):
+@pytest.mark.parametrize("worker", WORKERS)
+def test_bad_record_is_a_data_error_naming_file_and_line(files, strict_tok, worker):
     _, _, bad = files
     config = DataConfig(sources=[bad], max_seq_len=160)
-    with make_loader(config, strict_tok, threaded=False) as sync, make_loader(config, strict_tok) as threaded:
+    with make_loader(config, strict_tok, threaded=False) as sync, \
+            make_loader(config, strict_tok, worker=worker) as ahead:
         want_step, want = first_error(sync)
-        got_step, got = first_error(threaded)
+        got_step, got = first_error(ahead)
+        with pytest.raises(DataError) as again:  # raised again, not a hang
+            ahead.next_step()
     assert isinstance(got, DataError) and type(got) is type(want)
     assert got.exit_code == EXIT_BAD_INPUT
-    assert got_step == want_step and str(got) == str(want)
+    assert got_step == want_step and str(got) == str(want) == str(again.value)
     assert any(str(got).startswith(f"{bad}:{line}: ") for line in POISONED_LINES), str(got)
     assert "poisoned record" in str(got)
 
 
-def test_bad_record_error_is_raised_again_not_a_hang(files, strict_tok):
-    _, _, bad = files
-    with make_loader(DataConfig(sources=[bad], max_seq_len=160), strict_tok) as loader:
-        _, err = first_error(loader)
-        with pytest.raises(DataError) as again:
-            loader.next_step()
-        assert str(again.value) == str(err)
-
-
-def test_skipped_bad_records_give_the_synchronous_batches(files, strict_tok):
+@pytest.mark.parametrize("worker", WORKERS)
+def test_skipped_bad_records_give_the_synchronous_batches(files, strict_tok, worker):
     _, _, bad = files
     config = DataConfig(sources=[bad], max_seq_len=160, on_bad_record="skip")
-    with make_loader(config, strict_tok, threaded=False) as sync, make_loader(config, strict_tok) as threaded:
+    with make_loader(config, strict_tok, threaded=False) as sync, \
+            make_loader(config, strict_tok, worker=worker) as ahead:
         for _ in range(20):
-            assert_same_step(threaded.next_step(), sync.next_step())
-            assert threaded.state_dict() == sync.state_dict()
-        assert threaded.stats.bad_records > 0
+            assert_same_step(ahead.next_step(), sync.next_step())
+            assert ahead.state_dict() == sync.state_dict()
+        assert ahead.stats.bad_records > 0
 
 
-@pytest.mark.parametrize("threaded", [True, False])
-def test_any_worker_exception_is_raised_with_its_type_in_next_step(files, tok, threaded):
-    stream = TrainStream(mixed(files), tok, pack_window=16)
-    reference = [TrainStream(mixed(files), tok, pack_window=16).next_batch(2) for _ in range(1)]
-    calls = itertools.count(1)
-    real = stream.next_batch
-
-    def flaky(batch_size):
-        if next(calls) == 3:
-            raise RuntimeError("tokenizer exploded at call 3")
-        return real(batch_size)
-
-    stream.next_batch = flaky
-    with StepLoader(stream, 2, 1, "cpu", threaded=threaded) as loader:
-        first = loader.next_step()
-        assert_same_step(first, reference)
+@pytest.mark.parametrize("threaded,worker", [(True, "process"), (True, "thread"), (False, "process")])
+def test_any_worker_exception_is_raised_with_its_type_in_next_step(files, tok, threaded, worker):
+    reference = TrainStream(mixed(files), tok, pack_window=16).next_batch(2)
+    with make_loader(mixed(files), tok, grad_accum=1, kind=FlakyStream, threaded=threaded, worker=worker) as loader:
+        assert_same_step(loader.next_step(), [reference])
         loader.next_step()
         state = loader.state_dict()
         with pytest.raises(RuntimeError, match="tokenizer exploded at call 3"):
@@ -227,54 +265,59 @@ def test_any_worker_exception_is_raised_with_its_type_in_next_step(files, tok, t
         assert loader.state_dict() == state  # the failed step was not handed out
 
 
-def test_a_worker_that_ends_silently_is_an_error_not_a_hang(files, tok, monkeypatch):
+def test_a_worker_thread_that_ends_silently_is_an_error_not_a_hang(files, tok, monkeypatch):
     monkeypatch.setattr(loader_module, "_produce", lambda *args: None)
-    with make_loader(mixed(files), tok) as loader:
-        with pytest.raises(DataWorkerFailed, match="ended without a step") as err:
+    with make_loader(mixed(files), tok, worker="thread") as loader:
+        with pytest.raises(DataWorkerFailed, match="thread ended without a step") as err:
             loader.next_step()
         assert err.value.exit_code == 1
 
 
-def test_a_stalled_worker_is_an_error_not_a_hang(files, tok):
-    stream = TrainStream(mixed(files), tok, pack_window=16)
-    release = threading.Event()
+def test_a_worker_process_that_dies_is_an_error_not_a_hang(files, tok):
+    with make_loader(mixed(files), tok, kind=DyingStream, worker="process") as loader:
+        with pytest.raises(DataWorkerFailed, match=r"process ended \(exit code 3\) without a step") as err:
+            loader.next_step()
+        assert err.value.exit_code == 1
 
-    def stuck(batch_size):
-        release.wait()
-        raise RuntimeError("released")
 
-    stream.next_batch = stuck
-    loader = StepLoader(stream, 2, 1, "cpu", stall_timeout=0.5)
-    thread = loader._worker.thread
+@pytest.mark.parametrize("worker", WORKERS)
+def test_a_stalled_worker_is_an_error_not_a_hang(files, tok, worker, monkeypatch):
+    if worker == "thread":  # a thread cannot be ended from outside: let it out after the check
+        release = threading.Event()
+        monkeypatch.setattr(StuckStream, "next_batch", lambda self, n: release.wait() and None)
+    loader = make_loader(mixed(files), tok, kind=StuckStream, worker=worker, stall_timeout=0.5)
+    handle = loader._worker.thread if worker == "thread" else loader._worker.process
     try:
         with pytest.raises(DataWorkerFailed, match="stalled"):
             loader.next_step()
     finally:
-        release.set()
-        loader.close()
-    thread.join(timeout=30)
-    assert not thread.is_alive()
+        if worker == "thread":
+            release.set()
+        loader.close()  # a stalled process is ended here
+    handle.join(timeout=30)
+    assert not handle.is_alive()
 
 
 # -- close ---------------------------------------------------------------------------------
-def test_close_is_idempotent_and_ends_the_thread(files, tok):
-    loader = make_loader(mixed(files), tok, ahead=1)
+@pytest.mark.parametrize("worker", WORKERS)
+def test_close_is_idempotent_and_ends_the_worker(files, tok, worker):
+    loader = make_loader(mixed(files), tok, ahead=1, worker=worker)
     loader.next_step()
-    read_ahead(loader)  # the worker is blocked on a full queue
-    thread = loader._worker.thread
+    read_ahead(loader, 1)  # the worker is waiting for room
+    handle = loader._worker.thread if worker == "thread" else loader._worker.process
     loader.close()
-    assert not thread.is_alive()
+    assert not handle.is_alive()
     loader.close()
     with pytest.raises(RuntimeError, match="closed"):
         loader.next_step()
-    with make_loader(mixed(files), tok) as other:
-        thread = other._worker.thread
-    assert not thread.is_alive()
+    with make_loader(mixed(files), tok, worker=worker) as other:
+        handle = other._worker.thread if worker == "thread" else other._worker.process
+    assert not handle.is_alive()
 
 
-def test_the_worker_tokenizes_with_its_own_tokenizer(files, tok):
+def test_a_worker_thread_tokenizes_with_its_own_tokenizer(files, tok):
     stream = TrainStream(mixed(files), tok, pack_window=16)
-    with StepLoader(stream, 2, 1, "cpu") as loader:
+    with StepLoader(stream, 2, 1, "cpu", worker="thread") as loader:
         assert stream.tokenizer is not tok and stream.tokenizer.chat_template == tok.chat_template
         loader.next_step()
     assert StepLoader(TrainStream(mixed(files), tok), 1, 1, "cpu", threaded=False).stream.tokenizer is tok
@@ -285,34 +328,39 @@ def test_bad_arguments(files, tok):
         make_loader(mixed(files), tok, grad_accum=0)
     with pytest.raises(ValueError, match="ahead"):
         make_loader(mixed(files), tok, ahead=0)
+    with pytest.raises(ValueError, match="worker"):
+        make_loader(mixed(files), tok, worker="fiber")
 
 
-def test_the_queue_holds_a_window_of_steps_unless_bounded(files, tok):
-    with make_loader(mixed(files), tok, micro_batch=1, grad_accum=1) as auto:
+def test_the_worker_keeps_a_window_of_steps_unless_bounded(files, tok):
+    with make_loader(mixed(files), tok, micro_batch=1, grad_accum=1, worker="thread") as auto:
         auto.next_step()
         read_ahead(auto)
+        wait_until(lambda: auto._worker.queue.full(), "the thread worker filling its queue")
         per_window = loader_module.window_steps(auto.stream.state_dict(), 1)
         assert per_window > 2 and auto._worker.queue.maxsize >= per_window + 1
-    with make_loader(mixed(files), tok, micro_batch=1, grad_accum=1, ahead=2) as bounded:
+    with make_loader(mixed(files), tok, micro_batch=1, grad_accum=1, ahead=2, worker="thread") as bounded:
         bounded.next_step()
         read_ahead(bounded)
         assert bounded._worker.queue.maxsize == 2
+    with make_loader(mixed(files), tok, micro_batch=1, grad_accum=1, worker="process") as auto:
+        auto.next_step()
+        read_ahead(auto, 4)  # more than the two it starts with: it measured a window
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_steps_are_on_the_device_and_equal_the_cpu_path(files, tok):
+@pytest.mark.parametrize("worker", WORKERS)
+def test_cuda_steps_are_on_the_device_and_equal_the_cpu_path(files, tok, worker):
     device = torch.device("cuda")
+    want, want_states = [], []
     with make_loader(mixed(files), tok, threaded=False) as cpu_path:
-        want = [cpu_path.next_step() for _ in range(12)]
-        want_states = []
-    with make_loader(mixed(files), tok) as cpu_states:
         for _ in range(12):
-            cpu_states.next_step()
-            want_states.append(cpu_states.state_dict())
+            want.append(cpu_path.next_step())
+            want_states.append(cpu_path.state_dict())
     for threaded in (True, False):
         stream = TrainStream(mixed(files), tok, pack_window=16)
-        with StepLoader(stream, 2, 3, device, threaded=threaded) as loader:
+        with StepLoader(stream, 2, 3, device, threaded=threaded, worker=worker) as loader:
             for w, state in zip(want, want_states):
                 got = loader.next_step()
                 for b in got:
@@ -381,7 +429,7 @@ def test_a_configured_tokenizer_is_called_through_its_wrapper(tok):
 
 
 def reference_collate(rows, pad_id, seq_len=None):
-    """collate in its original per-document form."""
+    """collate in its original per-document form (padding positions 0)."""
     used = [sum(len(d) for d in row) for row in rows]
     width = max([seq_len or 0, *used, 1])
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -415,6 +463,8 @@ def test_collate_equals_its_per_document_form():
         got = collate(rows, 3, seq_len)
         ids, labels, pos, cu, docs, trained, tokens = reference_collate(rows, 3, seq_len)
         assert torch.equal(got.input_ids, ids) and torch.equal(got.labels, labels)
-        assert torch.equal(got.position_ids, pos)
+        for r, row in enumerate(rows):  # the documents' positions (padding's are packing's to define)
+            n = sum(len(d) for d in row)
+            assert torch.equal(got.position_ids[r, :n], pos[r, :n])
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got.cu_seqlens, cu))
         assert (got.num_docs, got.num_trained_tokens, got.num_tokens) == (docs, trained, tokens)
