@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import threading
 import time
 
@@ -296,6 +297,37 @@ def test_a_stalled_worker_is_an_error_not_a_hang(files, tok, worker, monkeypatch
         loader.close()  # a stalled process is ended here
     handle.join(timeout=30)
     assert not handle.is_alive()
+
+
+KILLED_PARENT = """
+import os, signal, sys
+from transformers import AutoTokenizer
+from pgs.runtime.data import DataConfig, TrainStream
+from pgs.runtime.data.loader import StepLoader
+
+if __name__ == "__main__":
+    tok = AutoTokenizer.from_pretrained({tokenizer!r})
+    stream = TrainStream(DataConfig(sources=[{path!r}], max_seq_len=160), tok, pack_window=16)
+    loader = StepLoader(stream, 2, 1, "cpu")
+    loader.next_step()
+    print(loader._worker.process.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_parent_takes_its_worker_process_with_it(files, tmp_path):
+    """A SIGKILLed training process leaves no worker holding its pipes open (a caller
+    waiting for its output would hang)."""
+    import subprocess
+
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_PARENT.format(tokenizer=os.path.abspath(TOKENIZER), path=files[0]))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == -9, done.stderr[-2000:]
+    worker = int(done.stdout.split()[0])
+    wait_until(lambda: not os.path.exists(f"/proc/{worker}") or "Z" in open(f"/proc/{worker}/stat").read().split()[2],
+               "the worker process ending")
 
 
 # -- close ---------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ from __future__ import annotations
 import copy
 import math
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
 import queue
@@ -240,21 +241,32 @@ def _portable(err: BaseException) -> tuple[BaseException, str]:
     return err, text
 
 
-def _parent_alive(pid: int) -> bool:
+def _die_with(sentinel) -> None:
+    mp.connection.wait([sentinel])
+    os._exit(0)
+
+
+def _detach() -> None:
+    """Live and die with the parent only.  A session of its own: signals sent to the parent's
+    process group (Ctrl-C, a scheduler's SIGTERM) are the parent's to handle (it checkpoints
+    and stops), not a reason for the worker to die under it.  A watcher thread ends the
+    process the moment the parent is gone, even a SIGKILLed parent (whose pipes would
+    otherwise stay open in this process)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        os.setsid()
+    except (AttributeError, OSError):
+        pass
+    parent = mp.parent_process()
+    if parent is not None:
+        threading.Thread(target=_die_with, args=(parent.sentinel,), name="pgs-data-parent", daemon=True).start()
 
 
-def _serve(sys_path: list[str], parent: int, template: bytes, state: dict | None, micro_batch: int,
+def _serve(sys_path: list[str], template: bytes, state: dict | None, micro_batch: int,
            grad_accum: int, ahead: int | None, out, stop, consumed) -> None:
     """The worker process: the pickled stream, moved to ``state`` (then ``("ready", state)``),
     makes steps into ``out`` while fewer than the depth are unconsumed; an error goes in last."""
     sys.path[:] = sys_path  # as a spawned child would have it (the fork server's is its own)
+    _detach()
     try:
         torch.set_num_threads(1)
         stream = pickle.loads(template)
@@ -266,8 +278,6 @@ def _serve(sys_path: list[str], parent: int, template: bytes, state: dict | None
         made = 0
         while not stop.is_set():
             if made - consumed.value >= depth:
-                if not _parent_alive(parent):
-                    break
                 stop.wait(POLL_S)
                 continue
             step = _make_step(stream, micro_batch, grad_accum, stop)
@@ -306,7 +316,7 @@ class _ProcessWorker:
         self.consumed = context.Value("q", 0, lock=False)  # steps taken; written here only
         self.process = context.Process(
             target=_serve,
-            args=(list(sys.path), os.getpid(), template, state, micro_batch, grad_accum, ahead,
+            args=(list(sys.path), template, state, micro_batch, grad_accum, ahead,
                   self.queue, self.stop, self.consumed),
             name="pgs-data-worker", daemon=True,
         )
@@ -332,9 +342,10 @@ class _ProcessWorker:
         return f"the process ended (exit code {self.process.exitcode})"
 
     def halt(self, wait: float | None) -> bool:
-        """Stop the process: asked first, then terminated, then killed; True once it ended."""
+        """Stop the process: asked first (a second at most: what it makes next is dropped
+        anyway), then terminated, then killed; True once it ended."""
         self.stop.set()
-        self.process.join(timeout=wait)
+        self.process.join(timeout=min(1.0, 1.0 if wait is None else wait))
         for end in (self.process.terminate, self.process.kill):
             if not self.process.is_alive():
                 break
