@@ -23,7 +23,7 @@ def test_labels_are_shifted_inside_each_document():
     assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 0, 0]]
     # position 3 (last of a) must not predict 5 (first of b)
     assert batch.labels.tolist() == [[IGNORE, 3, 4, IGNORE, 6, 7, IGNORE, IGNORE, IGNORE]]
-    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 0]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1]]  # the padding: one document
     assert batch.cu_seqlens[0].tolist() == [0, 4, 7]
     assert batch.cu_seqlens[0].dtype == torch.int32
     assert batch.num_docs == 2 and batch.num_trained_tokens == 4 and batch.num_tokens == 7
@@ -35,7 +35,7 @@ def test_padding_rows_are_ignored():
     batch = collate([[doc([1, 2], [0, 1])], []], pad_id=9)
     assert batch.input_ids.tolist() == [[1, 2], [9, 9]]
     assert batch.labels[1].tolist() == [IGNORE, IGNORE]
-    assert batch.position_ids[1].tolist() == [0, 0]
+    assert batch.position_ids.tolist() == [[0, 1], [0, 1]]  # an all-padding row is one document
 
 
 def test_best_fit_decreasing_fills_fullest_bin():

@@ -342,8 +342,8 @@ def varlen_available(device: torch.device | str | None = None, dtype: torch.dtyp
 
 def cu_seqlens_from_positions(position_ids: Tensor) -> Tensor:
     """Document boundaries ``[0, l1, l1+l2, ..., B*S]`` (int32) of the flattened ``[B, S]``
-    packed rows: a document starts wherever the position is 0 (each row starts one; a padding
-    token at position 0 is a one-token document)."""
+    packed rows: a document starts wherever the position is 0 (each row starts one; collate
+    numbers a row's trailing padding 0, 1, ..., so the padding is one document)."""
     flat = position_ids.reshape(-1)
     starts = (flat == 0).nonzero().flatten()
     # the first token of a row begins a document whatever its position says: rows never share one

@@ -72,8 +72,9 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
 class PackedBatch:
     """A batch of packed sequences, ready for a HF causal LM.
 
-    ``input_ids``, ``labels``, ``position_ids``: ``[B, S]`` long.  Padding: pad token,
-    label -100, position 0 (each padding token is then its own one-token "document").
+    ``input_ids``, ``labels``, ``position_ids``: ``[B, S]`` long.  Padding (at the end of a
+    row): pad token, label -100, positions 0, 1, 2, ... (the padding is one document of its own,
+    never attended to by the row's real documents, which end before it).
     ``cu_seqlens``: per row, an int32 tensor of document boundaries ``[0, l1, l1+l2, ...]``
     (padding not included).  ``num_trained_tokens`` counts labels != -100; it can be 0 for an
     all-padding batch (eval on a rank with fewer samples), which the loss must divide safely.
@@ -125,6 +126,13 @@ def collate(rows: Sequence[Sequence[Document]], pad_id: int, seq_len: int | None
             labels_view[r, :n] = flat_labels[at:at + n]
             positions_view[r, :n] = positions[at:at + n]
             at += n
+    # the padding at the end of a row is one document of its own (positions 0, 1, ...), so the
+    # packed-attention kernels see one more document per padded row, not one per padding token
+    # (a count that would change with every batch)
+    ramp = torch.arange(width, dtype=torch.long)
+    for r, n in enumerate(used):
+        if n < width:
+            position_ids[r, n:] = ramp[:width - n]
     cu_seqlens = []
     first = 0
     for row in rows:

@@ -177,10 +177,13 @@ class TrainStream:
 
     # -- public ------------------------------------------------------------------------
     def next_batch(self, batch_size: int) -> PackedBatch:
-        """This rank's share of the next ``batch_size * world_size`` packed sequences."""
+        """This rank's share of the next ``batch_size * world_size`` packed sequences, as a
+        ``[batch_size, data.max_seq_len]`` batch (padded to the full length)."""
         rows = [self._next_sequence() for _ in range(batch_size * self.world_size)]
         mine = rows[self.rank * batch_size:(self.rank + 1) * batch_size]
-        return collate(mine, self._pad_id)
+        # always max_seq_len wide: one shape for every step, so compiled layers and kernel plans
+        # are built once (rows padded to their batch's longest recompiled at every new width)
+        return collate(mine, self._pad_id, seq_len=self.config.max_seq_len)
 
     def __iter__(self) -> Iterator[list[Document]]:
         """The global stream of packed sequences (each a list of documents), endless."""
