@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(p)
     p.add_argument("--resume", metavar="auto|PATH",
                    help="'auto': the newest complete checkpoint of the run folder, if any; or a checkpoint folder")
+    p.add_argument("--profile", metavar="A:B", default=None,
+                   help="write a torch profiler trace of steps A to B to <run dir>/profile/ (docs/cli.md)")
     p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
                    help="processes (GPUs) on this host; N > 1 relaunches through torchrun")
     p.set_defaults(func=cmd_run)
@@ -168,8 +170,13 @@ def cmd_run(args) -> int:
         raise SpecError(f"--resume: no such checkpoint: {args.resume}")
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch_torchrun(args, spec)
+    profile = None
+    if args.profile:
+        from pgs.runtime.trace import parse_steps
+
+        profile = parse_steps(args.profile)
     train = _component("pgs.runtime.train", "pgs run")
-    return int(train.run(spec, resume=args.resume, spec_path=os.path.abspath(args.spec)) or 0)
+    return int(train.run(spec, resume=args.resume, spec_path=os.path.abspath(args.spec), profile=profile) or 0)
 
 
 def cmd_validate(args) -> int:

@@ -227,6 +227,7 @@ def test_final_export_loads_with_transformers_and_generates(tmp_path):
 
 def test_micro_batches_divide_by_the_steps_valid_tokens(tmp_path):
     """grad_accum = 2 x batch 2 gives the gradient of one token-mean over all 4 sequences."""
+    from pgs.runtime.data import TrainStream
     from pgs.runtime.spec import load_spec
     from pgs.runtime.train import setup, train_step
     from pgs.runtime import control
@@ -234,8 +235,8 @@ def test_micro_batches_divide_by_the_steps_valid_tokens(tmp_path):
     spec_path = tiny_spec(tmp_path, "ga", steps=4)
     spec = load_spec(spec_path)
     run = setup(spec)
-    batches = [run.stream.next_batch(2) for _ in range(2)]
-    run.stream = setup(spec).stream  # rewind: the step draws the same two micro-batches
+    stream = TrainStream(spec.data, run.tokenizer)  # the same two micro-batches as the step's
+    batches = [stream.next_batch(2) for _ in range(2)]
 
     # Expected: one backward of (Σ all losses) / (Σ all valid tokens) on a copy of the model.
     from pgs.func.losses import token_loss
@@ -279,11 +280,12 @@ def test_an_all_masked_micro_batch_adds_nothing_and_no_nan(tmp_path):
     grads = []
     for with_masked in (False, True):
         run = setup(spec)
+        run.loader.close()
         batch = run.stream.next_batch(2)
         masked = attrs.evolve(batch, labels=torch.full_like(batch.labels, -100), num_trained_tokens=0)
         # [batch, batch] has the same token-mean gradient as [batch, all-masked].
         queue = [batch, masked] if with_masked else [batch, batch]
-        run.stream.next_batch = lambda size, q=queue: q.pop(0)
+        run.loader.next_step = lambda q=queue: list(q)
         captured = {}
         original = run.bound.step
 

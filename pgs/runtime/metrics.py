@@ -20,7 +20,8 @@ from typing import Any, Sequence
 METRICS_FILE = "metrics.jsonl"
 
 #: Keys shown on the console, in this order, when present.
-CONSOLE_KEYS = ("loss", "lr", "grad_norm", "entropy", "tokens_per_s", "eval_loss", "eval_accuracy")
+CONSOLE_KEYS = ("loss", "lr", "grad_norm", "entropy", "tokens_per_s", "mem_gib", "reserved_gib", "eval_loss",
+                "eval_accuracy")
 
 
 def _clean(value: Any) -> Any:
@@ -146,5 +147,9 @@ def _fmt(key: str, value: Any) -> str:
             return f"{key} {value:.2e}"
         if key == "tokens_per_s":
             return f"tok/s {value:,.0f}"
+        if key == "mem_gib":
+            return f"peak {value:.2f} GiB"
+        if key == "reserved_gib":
+            return f"reserved {value:.2f} GiB"
         return f"{key} {value:.4g}"
     return f"{key} {value}"

@@ -193,16 +193,21 @@ def sum_of_squares(norms: list) -> torch.Tensor | None:
     return torch.stack([n if n.device == dev else n.to(dev) for n in norms]).square().sum()
 
 
-def release_metrics(states: dict, steps: int, last_sumsq: torch.Tensor | None) -> dict[str, Any]:
+def release_metrics(states: dict, steps: int, last_sumsq: torch.Tensor | None, *,
+                    tensors: bool = False) -> dict[str, Any]:
     """What a release logs: the lr of the last step (read from the first group's state — every
-    group steps once per backward with the same schedule), ‖g‖ of the last backward, steps."""
+    group steps once per backward with the same schedule), ‖g‖ of the last backward, steps.
+
+    ``tensors=True`` leaves lr and ‖g‖ as 0-d device tensors (no host read: the training loop
+    copies them to the host asynchronously and reads them a step later)."""
+    read = (lambda x: x.detach().reshape(())) if tensors else float
     out: dict[str, Any] = {"release_steps": steps}
     for path, x in T.leaves_with_paths(next(iter(states.values()))):
         if isinstance(x, torch.Tensor) and x.numel() == 1 and path.rsplit(".", 1)[-1] in ("lr", "learning_rate"):
-            out["lr"] = float(x)
+            out["lr"] = read(x)
             break
     if last_sumsq is not None:
-        out["grad_norm"] = float(last_sumsq.sqrt())
+        out["grad_norm"] = read(last_sumsq.sqrt())
     return out
 
 
@@ -523,12 +528,14 @@ class GradientRelease:
         desc = {"groups": self.groups, "masters": sorted(self.masters)}
         return torch.frombuffer(bytearray(json.dumps(desc, sort_keys=True).encode()), dtype=torch.uint8).clone()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
         """Every group's chain state as ``{group.path: tensor}`` (safetensors-ready), the fp32
-        masters under ``__master__.{name}``, and a fingerprint of the grouping."""
-        d = pf.state_to_dict(self.states)
+        masters under ``__master__.{name}``, and a fingerprint of the grouping.  ``device``:
+        copy each tensor straight there (``"cpu"`` for a checkpoint: no device memory added)."""
+        d = pf.state_to_dict(self.states, device)
         for n, m in self.masters.items():
-            d[_MASTER_PREFIX + n] = m.detach().contiguous().clone()
+            d[_MASTER_PREFIX + n] = (m.detach().contiguous().clone() if device is None
+                                     else m.detach().to(device, copy=True).contiguous())
         d[_LAYOUT_KEY] = self._fingerprint()
         return d
 
@@ -555,10 +562,10 @@ class GradientRelease:
                     out.add(int(x))
         return out
 
-    def last_metrics(self) -> dict[str, Any]:
+    def last_metrics(self, *, tensors: bool = False) -> dict[str, Any]:
         """lr (used by the last step), grad_norm (‖g‖ over all gradients of the last backward,
-        if tracked), and ``release_steps``."""
-        return release_metrics(self.states, self.steps, self._last_sumsq)
+        if tracked), and ``release_steps``; ``tensors=True``: lr and grad_norm as device tensors."""
+        return release_metrics(self.states, self.steps, self._last_sumsq, tensors=tensors)
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer's state (chain states plus fp32 masters)."""

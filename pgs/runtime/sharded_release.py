@@ -241,9 +241,10 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
             h.remove()
         self._handles = []
 
-    def last_metrics(self) -> dict[str, Any]:
-        """lr (used by the last step), grad_norm (of the last backward), ``release_steps``."""
-        return release_metrics(self.states, self.steps, self._last_sumsq)
+    def last_metrics(self, *, tensors: bool = False) -> dict[str, Any]:
+        """lr (used by the last step), grad_norm (of the last backward), ``release_steps``;
+        ``tensors=True``: lr and grad_norm as device tensors."""
+        return release_metrics(self.states, self.steps, self._last_sumsq, tensors=tensors)
 
     # -- state for checkpoints (as ShardedBoundOptimizer's, keys prefixed by the unit) ------
     def checkpoint_state(self) -> dict[str, torch.Tensor]:

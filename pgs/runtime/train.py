@@ -50,9 +50,11 @@ from pgs.runtime import control
 from pgs.runtime import distributed as D
 from pgs.runtime.bind import bind
 from pgs.runtime.data import EvalStream, TrainStream, require_packing_isolation
+from pgs.runtime.data.loader import StepLoader
 from pgs.runtime.evaluate import eval_loss, read_samples, task_accuracy, task_checker
 from pgs.runtime.export import export_hf
 from pgs.runtime.metrics import MetricsLog
+from pgs.runtime.trace import Profiler
 from pgs.runtime.model import build_model, freeze, load_tokenizer, output_head, parameter_bytes
 
 #: Eval prompts answered by greedy generation when the eval data has a known checker.
@@ -84,6 +86,8 @@ class Run:
     best_step: int | None = None
     entropy_low: bool = False
     log: MetricsLog | None = None
+    loader: Any = None  # data.StepLoader: the steps' batches, prepared ahead on a worker thread
+    step_clock: float | None = None  # perf_counter at the end of the last step (None: restart the clock)
 
     def counters(self) -> dict:
         return {
@@ -92,7 +96,7 @@ class Run:
             "best_step": self.best_step,
             "entropy_low": self.entropy_low,
             "skips": self.skips.state_dict(),
-            "data": self.stream.state_dict(),
+            "data": self.loader.state_dict(),
         }
 
 
@@ -136,6 +140,18 @@ def apply_memory(model, memory) -> None:
         checkpointing.compile_layers(model)
 
 
+def configure_allocator(device: torch.device) -> None:
+    """Expandable segments for CUDA's caching allocator, unless ``PYTORCH_CUDA_ALLOC_CONF``
+    says otherwise.  Variable-length packed batches, recomputed layers and the chunked loss
+    allocate blocks of ever-changing sizes; with fixed segments the allocator keeps reserving
+    new ones that the freed blocks cannot be split to fit (the 0.6B packed run reserved 56 GiB
+    for 46 allocated), and with expandable segments one mapping per stream grows and shrinks
+    instead, so reserved stays next to allocated (docs/memory.md, "Allocator")."""
+    if device.type != "cuda" or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        return
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
 def _steps_per_epoch(spec, tokenizer) -> int:
     from pgs.runtime.data.inspect import dataset_stats
 
@@ -158,6 +174,7 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
         check_world_size(spec.train, world)
     seed_everything(spec.train.seed)
     device = ctx.device if sharded else _device(spec.train.device)
+    configure_allocator(device)
     m = spec.model
     tokenizer = load_tokenizer(m.tokenizer or m.path)
     config = None
@@ -206,13 +223,15 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
         bound = bind(chain, model, compile=spec.optimizer.compile, jit=spec.optimizer.jit,
                      stochastic_rounding=mem.stochastic_rounding)
     stream = TrainStream(spec.data, tokenizer, rank=ctx.rank if sharded else 0, world_size=world)
+    micro_batch = spec.train.batch_size // (spec.train.grad_accum * world)
+    loader = StepLoader(stream, micro_batch, spec.train.grad_accum, device)
     noise = None
     if spec.loss.neftune_alpha > 0:
         noise = torch.Generator(device=device).manual_seed(spec.train.seed)
     return Run(
         spec=spec, run_dir=spec.checkpoint.dir, device=device, model=model, tokenizer=tokenizer, bound=bound,
         stream=stream, objective=spec.build_objective(), total_steps=total,
-        micro_batch=spec.train.batch_size // (spec.train.grad_accum * world), noise=noise,
+        micro_batch=micro_batch, noise=noise, loader=loader,
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
         chain_has_norm="grad_norm" in bound.last_metrics(), release=bool(mem.gradient_release),
         ctx=ctx if sharded else None,
@@ -235,7 +254,7 @@ def restore(run: Run, folder: str) -> None:
         run.bound.load_state_dict(saved.optimizer)
         ckpt.restore_rng(saved.rng, run.noise)
         t, step = saved.trainer, saved.step
-    run.stream.load_state_dict(t["data"])
+    run.loader.load_state_dict(t["data"])
     run.skips.load_state_dict(t["skips"])
     run.step = step
     run.trained_tokens = int(t["trained_tokens"])
@@ -255,7 +274,7 @@ def save(run: Run) -> str:
         D.barrier()
         return folder
     folder = ckpt.save(
-        run.run_dir, step, model=run.model, optimizer_state=run.bound.state_dict(),
+        run.run_dir, step, model=run.model, optimizer_state=run.bound.state_dict(device="cpu"),
         rng=ckpt.capture_rng(run.noise), trainer=run.counters(), spec_toml=run.spec.to_toml(),
         crash_hook=lambda stage: stage == "optimizer" and control.crash_point("checkpoint_write", step),
     )
@@ -264,7 +283,11 @@ def save(run: Run) -> str:
 
 
 def _forward(run: Run, batch, poison: bool):
-    """Forward of one micro-batch; returns (loss_sum tensor with its graph, entropy_sum, valid)."""
+    """Forward of one micro-batch; returns (loss_sum tensor with its graph, entropy_sum tensor).
+
+    Nothing here reads a device value on the host: the entropy stays on the device until the
+    step's record is read (:class:`StepRecord`), and the valid-token count is the batch's own
+    (known on the host from the labels)."""
     dev = run.device
     ids, pos, labels = batch.input_ids.to(dev), batch.position_ids.to(dev), batch.labels.to(dev)
     embed_noise = None
@@ -283,8 +306,8 @@ def _forward(run: Run, batch, poison: bool):
         slabs = getattr(run.bound, "tied_slabs", None)
         run.bound.add_before_step(weight, result.head_grad if slabs else result.head_grad.add_to)
     loss_sum = result.loss_sum * float("nan") if poison else result.loss_sum
-    entropy = result.entropy_sum if result.entropy_sum is not None else torch.zeros(())
-    return loss_sum, float(entropy), int(result.num_valid)
+    entropy = result.entropy_sum.detach() if result.entropy_sum is not None else torch.zeros((), device=h.device)
+    return loss_sum, entropy
 
 
 def _defers_head_grad(run: Run, weight) -> bool:
@@ -301,31 +324,79 @@ def _defers_head_grad(run: Run, weight) -> bool:
 
 
 def _loss(run: Run, batch, n_valid_global: int, poison: bool):
-    """Forward + backward of one micro-batch; returns its detached (loss_sum, entropy_sum, valid)."""
-    loss_sum, entropy, valid = _forward(run, batch, poison)
+    """Forward + backward of one micro-batch; returns its detached (loss_sum, entropy_sum) tensors."""
+    loss_sum, entropy = _forward(run, batch, poison)
     (loss_sum / max(n_valid_global, 1)).backward()
-    return float(loss_sum.detach()), entropy, valid
+    return loss_sum.detach(), entropy
 
 
-def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) -> tuple[dict, list[int]]:
-    """One optimizer step (or a skipped one); returns its metrics and the agreed flags."""
+class StepRecord:
+    """A step's metrics whose numbers still live on the device (entropy, lr, ‖g‖, a loss that
+    was not read for the control plane): they are stacked, copied to pinned host memory with
+    ``non_blocking=True`` and an event recorded, so no host read stalls the queue.  The loop
+    reads a record (:meth:`read`) one step later, when that copy is long done; reading it at
+    once would drain the GPU's queue at the end of every step, leaving it idle while the host
+    prepares and launches the next one."""
+
+    def __init__(self, values: dict[str, Any], finish):
+        self._finish = finish  # plain numbers -> the metrics.jsonl record
+        self._host = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
+        self._keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+        self._buffer: torch.Tensor | None = None
+        self._event = None
+        self._record: dict | None = None
+        if self._keys:
+            stacked = torch.stack([values[k].detach().reshape(()).to(torch.float64) for k in self._keys])
+            if stacked.device.type == "cuda":
+                self._buffer = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+                self._buffer.copy_(stacked, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
+            else:
+                self._buffer = stacked
+
+    def read(self) -> dict:
+        """The record with plain numbers (waits for the copy only if it is still in flight)."""
+        if self._record is None:
+            if self._event is not None:
+                self._event.synchronize()
+            values = dict(self._host)
+            if self._keys:
+                values.update(zip(self._keys, self._buffer.tolist()))
+            self._record = self._finish(values)
+        return self._record
+
+    def __getitem__(self, key: str):
+        return self.read()[key]
+
+
+def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) -> tuple[StepRecord, list[int]]:
+    """One optimizer step (or a skipped one); returns its metrics (read them with ``.read()``)
+    and the agreed flags.
+
+    With gradient release the step's one host read before backward is its loss, for the
+    agreement on finiteness (``control.agree``) that decides whether backward runs at all;
+    everything else that is logged is read a step later (:class:`StepRecord`)."""
     started = time.perf_counter()
-    batches = [run.stream.next_batch(run.micro_batch) for _ in range(run.spec.train.grad_accum)]
+    batches = run.loader.next_step()
     # the loss's denominator: valid tokens of the whole step, on every rank (before any forward)
     n_valid = D.global_count(sum(b.num_trained_tokens for b in batches))
     poison = (run.step + 1) in control.hook_steps("PGS_TEST_NAN_STEPS")
-    loss_sum = entropy_sum = 0.0
+    loss_parts, entropy_parts = [], []
     pending = None
     for batch in batches:
         if run.release:  # the update runs inside backward: agree on the loss before it
-            pending, e, _ = _forward(run, batch, poison)
-            l = float(pending.detach())
+            pending, e = _forward(run, batch, poison)
+            l = pending.detach()
         else:
-            l, e, _ = _loss(run, batch, n_valid, poison)
-        loss_sum, entropy_sum = loss_sum + l, entropy_sum + e
+            l, e = _loss(run, batch, n_valid, poison)
+        loss_parts.append(l)
+        entropy_parts.append(e)
+    loss_sum = float(sum(loss_parts))  # the control plane's read: every micro-batch's loss
     nonfinite = not math.isfinite(loss_sum) or n_valid == 0
     flags = control.agree([signals.received, wall.spent(), nonfinite, 0])
-    record: dict[str, Any] = {}
+    opt: dict[str, Any] = {}
+    grad_norm = None
     if run.release:
         if flags[control.NONFINITE]:
             del pending  # no backward: the chain state and the weights stay as they were
@@ -333,8 +404,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
         else:
             (pending / max(n_valid, 1)).backward()  # every group steps inside this call
             run.bound.finish()
-            opt = run.bound.last_metrics()
-            record.update(lr=opt.get("lr"), grad_norm=opt.get("grad_norm"))
+            opt = run.bound.last_metrics(tensors=True)
     elif flags[control.NONFINITE]:
         run.bound.zero_grad()
     else:
@@ -344,29 +414,54 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
         run.bound.zero_grad()
         opt = run.bound.last_metrics()
         flags[control.SPIKE] = control.agree([0, 0, 0, int(opt.get("spike", False))])[control.SPIKE]
-        record.update(lr=opt.get("lr"), grad_norm=opt.get("grad_norm", grad_norm))
     skipped = bool(flags[control.NONFINITE] or flags[control.SPIKE])
     run.skips.record(skipped)
     run.step += 1
     run.trained_tokens += 0 if flags[control.NONFINITE] else n_valid
-    elapsed = time.perf_counter() - started
     tokens = sum(b.num_tokens for b in batches)
+    entropy = torch.stack([e.to(entropy_parts[0].device).reshape(()).float() for e in entropy_parts]).sum()
     if run.ctx is not None:  # the logged loss and throughput are the whole step's
-        sums = D.all_reduce_sum(torch.tensor([loss_sum, entropy_sum, float(tokens)], dtype=torch.float64))
-        loss_sum, entropy_sum, tokens = float(sums[0]), float(sums[1]), int(sums[2])
-    record = {
-        "step": run.step,
-        "loss": loss_sum / max(n_valid, 1),
-        **{k: v for k, v in record.items() if v is not None},
-        "entropy": entropy_sum / max(n_valid, 1),
-        "valid_tokens": n_valid,
-        "trained_tokens": run.trained_tokens,
-        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-        "skipped": int(skipped),
-        "skipped_total": run.skips.skipped,
-        "spike": int(bool(flags[control.SPIKE])),
-    }
-    return record, flags
+        sums = D.all_reduce_sum(torch.tensor([loss_sum, float(entropy), float(tokens)], dtype=torch.float64))
+        loss_sum, entropy, tokens = float(sums[0]), float(sums[1]), int(sums[2])
+    values = {"lr": opt.get("lr"), "grad_norm": opt.get("grad_norm", grad_norm), "entropy": entropy}
+    values = {k: v for k, v in values.items() if v is not None}
+    ended = time.perf_counter()
+    # the step's period: from the end of the previous step's launches (or this step's start) to
+    # the end of this one's; with the queue kept full this is the device's time per step
+    elapsed = ended - (run.step_clock if run.step_clock is not None else started)
+    run.step_clock = ended
+    stamp = round(time.time(), 3)
+    step, trained, skipped_total, spike = run.step, run.trained_tokens, run.skips.skipped, int(bool(flags[control.SPIKE]))
+    memory = _memory_gib(run.device)
+
+    def finish(v: dict) -> dict:
+        return {
+            "time": stamp,
+            "step": step,
+            "loss": loss_sum / max(n_valid, 1),
+            **{k: v[k] for k in ("lr", "grad_norm") if k in v},
+            "entropy": v["entropy"] / max(n_valid, 1),
+            "valid_tokens": n_valid,
+            "trained_tokens": trained,
+            "tokens": tokens,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "step_seconds": elapsed,
+            **memory,
+            "skipped": int(skipped),
+            "skipped_total": skipped_total,
+            "spike": spike,
+        }
+
+    return StepRecord(values, finish), flags
+
+
+def _memory_gib(device: torch.device) -> dict:
+    """Peak allocated and reserved device memory of the run so far, GiB (host-side counters of
+    the caching allocator: no sync).  Empty off CUDA."""
+    if device.type != "cuda":
+        return {}
+    return {"mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
 
 
 def evaluate(run: Run) -> dict:
@@ -452,7 +547,8 @@ def watch_entropy(run: Run, record: dict) -> None:
     run.entropy_low = low
 
 
-def run(spec, *, resume: str | None = None, spec_path: str | None = None) -> int:
+def run(spec, *, resume: str | None = None, spec_path: str | None = None,
+        profile: tuple[int, int] | None = None) -> int:
     """Train ``spec`` to the end, or until a stop; returns the process exit code.
 
     ``resume``: None (fresh), ``"auto"`` (newest complete checkpoint in ``checkpoint.dir``,
@@ -463,7 +559,7 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None) -> int
     ctx = D.init(device=spec.train.device) if D.launched() else None
     together = False  # every rank reached the same exit (then they leave the group together)
     try:
-        code = _train(spec, resume, wall, ctx)
+        code = _train(spec, resume, wall, ctx, profile)
         together = True
         return code
     except (HaltError, PreflightRefused) as err:
@@ -505,7 +601,8 @@ def freeze_gc() -> None:
     gc.freeze()
 
 
-def _train(spec, resume: str | None, wall: control.WallClock, ctx: D.DistContext | None = None) -> int:
+def _train(spec, resume: str | None, wall: control.WallClock, ctx: D.DistContext | None = None,
+           profile: tuple[int, int] | None = None) -> int:
     run_dir = spec.checkpoint.dir
     r = setup(spec, ctx)
     main = is_main(r)
@@ -530,32 +627,55 @@ def _train(spec, resume: str | None, wall: control.WallClock, ctx: D.DistContext
         r.log.write({"step": r.step, "event": "resume", "from": folder})
     evals = bool(spec.data.eval) and spec.train.eval_every > 0
     slow = float(os.environ.get("PGS_TEST_SLOW_STEP", "0") or 0)
+    profiler = Profiler(run_dir, profile, r.device) if profile and main else None
     try:
         with control.StopSignals() as signals:
             if evals and r.step == 0:
                 eval_and_keep_best(r)
             r.log.start(r.step)
             frozen = False
+            last: StepRecord | None = None  # the previous step's record, read once this step is launched
+
+            def emit(step_record: StepRecord) -> dict:
+                record = step_record.read()
+                r.log.step(record)
+                watch_entropy(r, record)
+                return record
+
             while r.step < r.total_steps:
-                record, flags = train_step(r, signals, wall)
+                if profiler is not None:
+                    profiler.before(r.step + 1)
+                step_record, flags = train_step(r, signals, wall)
+                if profiler is not None:
+                    profiler.after(r.step)
                 if not frozen:  # see freeze_gc
                     freeze_gc()
                     frozen = True
                 control.crash_point("step", r.step)
-                r.log.step(record)
-                if record["skipped"]:
+                if last is not None:
+                    emit(last)
+                last = step_record
+                if flags[control.NONFINITE] or flags[control.SPIKE]:
+                    emit(last)
+                    last = None
                     r.log.write({"step": r.step, "event": "skip", "nonfinite": flags[control.NONFINITE],
                                  "spike": flags[control.SPIKE]})
-                watch_entropy(r, record)
                 verdict = r.skips.verdict()
-                if verdict is not None:
-                    raise control.halt(run_dir, verdict, step=r.step, details=r.skips.state_dict())
-                if evals and (r.step % spec.train.eval_every == 0 or r.step == r.total_steps):
-                    eval_and_keep_best(r)
+                evaluating = evals and (r.step % spec.train.eval_every == 0 or r.step == r.total_steps)
                 stop = flags[control.SIGNAL] or flags[control.WALL]
                 every = spec.checkpoint.every
-                if stop or (every and r.step % every == 0) or r.step == r.total_steps:
+                saving = stop or (every and r.step % every == 0) or r.step == r.total_steps
+                if last is not None and (verdict is not None or evaluating or saving):
+                    emit(last)  # the record goes before whatever this step ends with
+                    last = None
+                if verdict is not None:
+                    raise control.halt(run_dir, verdict, step=r.step, details=r.skips.state_dict())
+                if evaluating:
+                    eval_and_keep_best(r)
+                    r.step_clock = None  # evaluation is not a training step's time
+                if saving:
                     path = save(r)
+                    r.step_clock = None
                     if stop:
                         if flags[control.SIGNAL]:
                             code = control.exit_code_for_signal(flags[control.SIGNAL])
@@ -568,9 +688,14 @@ def _train(spec, resume: str | None, wall: control.WallClock, ctx: D.DistContext
                         return code
                 if slow:
                     time.sleep(slow)
+            if last is not None:
+                emit(last)
             if spec.checkpoint.export:
                 _export(r, os.path.join(run_dir, "final"), {"step": r.step})
-            r.log.write({"step": r.step, "event": "done"})
+            r.log.write({"step": r.step, "event": "done", **_memory_gib(r.device)})
     finally:
+        if profiler is not None:
+            profiler.close()
+        r.loader.close()
         r.log.close()
     return EXIT_OK
