@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 from pgs.runtime import checkpointing, control
@@ -61,3 +62,38 @@ def test_a_step_record_reads_back_the_numbers_the_step_computed():
     record = StepRecord({"a": torch.tensor(1.5), "b": 2, "c": torch.tensor([3.25])},
                         lambda v: {"sum": v["a"] + v["b"] + v["c"], "b": v["b"]})
     assert record.read() == {"sum": 6.75, "b": 2} and record["sum"] == 6.75
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_thirty_real_data_steps_compile_and_plan_once(tmp_path):
+    """Issue 19 on the GPU: the product loop (gradient release, compiled layers with inductor,
+    packed documents through the varlen kernel, bf16) over 30 steps of the bundled long chats:
+    after the first two steps no frame is compiled again, whatever the rows' document counts and
+    fills.  (cuDNN's own graph cache, keyed by the bucketed document count, is not counted here.)"""
+    from torch._dynamo.utils import counters
+
+    from pgs.runtime.spec import load_spec
+    from pgs.runtime.train import setup, train_step
+
+    spec = load_spec(tiny_spec(tmp_path, "steady_cuda", steps=32), [
+        "memory.compile_layers=true", "memory.gradient_release=true", "memory.stochastic_rounding=true",
+        "optimizer.alias=lion8bit", "optimizer.clip=0", "optimizer.args={}", "train.grad_accum=1",
+        "model.dtype=bfloat16", "model.attn_implementation=varlen", "data.max_seq_len=1024",
+        'data.sources=["pgs:bench/chats.jsonl"]', 'data.eval=""', "model.config.max_position_embeddings=4096"])
+    torch._dynamo.reset()
+    run = setup(spec)
+    with control.StopSignals() as signals:
+        for _ in range(2):
+            train_step(run, signals, control.WallClock(None))
+        torch.cuda.synchronize()
+        frames = _compiles(counters["frames"]), counters["stats"]["unique_graphs"]
+        fills = set()
+        for _ in range(28):
+            record, _ = train_step(run, signals, control.WallClock(None))
+            fills.add(record["tokens"])
+        torch.cuda.synchronize()
+    run.loader.close()
+    assert len(fills) > 5
+    assert (_compiles(counters["frames"]), counters["stats"]["unique_graphs"]) == frames

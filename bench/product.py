@@ -1,0 +1,288 @@
+"""The product path as the benchmark: ``pgs run`` on a shipped spec, and its HF peer on the same data.
+
+For each spec this runs, in one call and one after the other:
+
+1. ``pgs run SPEC`` through the real CLI (a child process: spec -> data pipeline -> loop ->
+   checkpoint), for ``--steps`` steps with one checkpoint save inside the run, and reads
+   everything from the run itself: ``metrics.jsonl``'s per-step records (time stamps, tokens,
+   step seconds, peak allocated and reserved memory) and the launch-to-first-step time.  The
+   device's used memory (``nvidia-smi``, CUDA context included) is sampled beside it.
+2. The HF peer (``--peer``, a ``bench/sft_step.py`` HF variant: ``hf_liger_causal`` for the packed
+   0.6B, ``hf_compiled_ac`` for the 4B) on the same spec's model config and the same batches
+   from pgs's data pipeline (``TrainStream``), the trained-token masks as HF labels; rows are fed
+   as single causal sequences for ``_causal`` variants (ANCHORS.md's setup), else with positions
+   restarting per document.
+3. Optionally (``--harness VARIANT``) ``bench/sft_step.py``'s own figure for the same shape
+   (random tokens already on the device), the number the product is held to.
+
+"mean" counts every step from ``--skip``+1 to N by the run's own time stamps (checkpoint save
+and stalls included); "median" and "max/median" are over the steps' own periods after the
+skipped ones.  Results go to ``--out`` as JSON and a Markdown table on stdout::
+
+    python bench/product.py --spec specs/qwen3_0.6b_packed.toml --peer hf_liger_causal \\
+        --harness pgs_release_noac_varlen --steps 40 --out bench/results/product_06b.json
+    python bench/product.py --spec specs/qwen3_4b_12gib.toml --peer hf_compiled_ac --steps 40
+
+On the CPU, ``--small`` runs the same path at a tiny shape (a smoke run of this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
+         "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.head_dim=16",
+         "model.config.vocab_size=512", "data.max_seq_len=512", "model.dtype=float32", "memory.compile_layers=false",
+         "memory.stochastic_rounding=false", "memory.tied_slabs=0", "memory.offload_checkpoints=false",
+         "schedule.warmup=2"]
+
+
+class GpuMemory:
+    """Samples the device's used memory (nvidia-smi: CUDA contexts included) every ``period`` s."""
+
+    def __init__(self, period: float = 0.5):
+        self.period, self.samples, self._stop = period, [], threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                      "-i", "0"], capture_output=True, text=True, timeout=5).stdout
+                self.samples.append((time.time(), float(out.strip().splitlines()[0]) / 1024))
+            except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+                return
+            self._stop.wait(self.period)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def summarize(records: list[dict], skip: int) -> dict:
+    """Throughput and step-time figures of a run's step records (see the module docstring)."""
+    steps = [r for r in records if "loss" in r and "tokens" in r]
+    if len(steps) <= skip + 1:
+        return {"error": f"only {len(steps)} steps logged"}
+    timed = steps[skip:]
+    span = timed[-1]["time"] - timed[0]["time"]
+    tokens = sum(r["tokens"] for r in timed[1:])
+    periods = [r["step_seconds"] for r in timed]
+    median = statistics.median(periods)
+    out = {"steps": len(steps), "mean_tok_s": tokens / span if span > 0 else None,
+           "median_step_s": median, "median_tok_s": statistics.median(r["tokens"] for r in timed) / median,
+           "max_over_median": max(periods) / median, "slow_steps": [r["step"] for r in timed if r["step_seconds"] > 1.5 * median],
+           "mean_tokens_per_step": tokens / max(len(timed) - 1, 1)}
+    peaks = [r for r in records if "mem_gib" in r]
+    if peaks:
+        out["max_allocated_gib"] = max(r["mem_gib"] for r in peaks)
+        out["max_reserved_gib"] = max(r["reserved_gib"] for r in peaks)
+    return out
+
+
+def run_pgs(spec: str, args, workdir: str) -> dict:
+    """``pgs run`` in a child process; the figures from its metrics.jsonl."""
+    run_dir = os.path.join(workdir, "run")
+    every = max(1, args.steps // 2)
+    sets = [f"train.steps={args.steps}", f"checkpoint.dir={run_dir}", f"checkpoint.every={every}",
+            "checkpoint.keep=1", "train.log_every=5"] + (SMALL if args.small else []) + args.set
+    cmd = [sys.executable, "-m", "pgs", "run", spec] + [x for s in sets for x in ("--set", s)]
+    if args.profile:
+        cmd += ["--profile", args.profile]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    started = time.time()
+    with GpuMemory() if args.nvidia_smi else _Null() as smi:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    out = {"setup": "pgs run", "spec": spec, "command": " ".join(cmd[1:]), "returncode": proc.returncode}
+    if proc.returncode != 0:
+        out["error"] = (proc.stderr or proc.stdout)[-3000:]
+        return out
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as handle:
+        records = [json.loads(line) for line in handle]
+    steps = [r for r in records if "loss" in r and "tokens" in r]
+    out["launch_to_step1_s"] = steps[0]["time"] - started if steps else None
+    out.update(summarize(records, args.skip))
+    out["first_steps_s"] = [round(r["step_seconds"], 3) for r in steps[:args.skip]]
+    out["step_s"] = [round(r["step_seconds"], 3) for r in steps[args.skip:]]
+    out["last_loss"] = steps[-1]["loss"] if steps else None
+    if smi is not None and smi.samples:
+        out["nvidia_smi_max_gib"] = max(g for _, g in smi.samples)
+        train_end = steps[-1]["time"] if steps else started
+        out["nvidia_smi_train_max_gib"] = max((g for t, g in smi.samples if t <= train_end), default=None)
+    out["stderr_tail"] = proc.stderr[-1500:]
+    if args.profile:
+        out["profile_dir"] = os.path.join(run_dir, "profile")
+    return out
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def run_peer(spec_path: str, args) -> dict:
+    """The HF peer (a bench/sft_step.py HF variant) on the spec's model and data, in this process."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import sft_step  # noqa: E402 - the bench's variants, so that peers are built one way everywhere
+
+    from pgs.runtime.data import TrainStream
+    from pgs.runtime.model import load_tokenizer
+    from pgs.runtime.spec import load_spec
+
+    spec = load_spec(spec_path, (SMALL if args.small else []) + args.set)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    table = dict(spec.model.config)
+    tokenizer = load_tokenizer(spec.model.tokenizer)
+    stream = TrainStream(spec.data, tokenizer)
+    name = args.peer
+    causal = name.endswith("_causal")
+    peer_args = argparse.Namespace(compile_backend=None, compile_options=None, small=args.small, triton_on_cpu=False,
+                                   mlp_tiles=4, defer=False, no_defer=False)
+    out: dict = {"setup": name, "spec": spec_path}
+    model = sft_step.build(table, device, "sdpa" if causal or "_varlen" not in name else "varlen")
+    if not (spec.model.dtype == "bfloat16"):
+        model = model.to(getattr(torch, spec.model.dtype))
+    step, _opt = sft_step.variant_setup(sft_step.split_switches(name)[0], model, peer_args, 0)
+    base = sft_step.split_switches(name)[0]
+    plain = base.removesuffix("_causal")
+
+    def batch_for_hf():
+        b = stream.next_batch(spec.train.batch_size)
+        ids = b.input_ids.to(device, non_blocking=True)
+        # pgs's labels are shifted targets; HF shifts inside its loss, so give them unshifted
+        labels = torch.full_like(b.labels, -100)
+        labels[:, 1:] = b.labels[:, :-1]
+        pos = (torch.arange(ids.shape[1]).expand_as(ids) if causal else b.position_ids).to(device)
+        return ids, pos, labels.to(device), b.num_tokens
+
+    hf_step = _hf_step(model, _opt, plain)
+    times, tokens = [], []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(args.steps):
+        ids, pos, labels, n = batch_for_hf()
+        t0 = time.perf_counter()
+        loss = hf_step(ids, pos, labels)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        tokens.append(n)
+    del step
+    timed, counted = times[args.skip:], tokens[args.skip:]
+    median = statistics.median(timed)
+    out.update(mean_tok_s=sum(counted) / sum(timed), median_step_s=median, max_over_median=max(timed) / median,
+               steps=args.steps, last_loss=float(loss), step_s=[round(t, 3) for t in timed],
+               mean_tokens_per_step=sum(counted) / len(counted))
+    if device.type == "cuda":
+        out["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    return out
+
+
+def _hf_step(model, opt, name: str):
+    """One HF training step with the trained-token labels (sft_step's variants train on all tokens)."""
+    import torch
+
+    from pgs.runtime.attention import packed_kwargs, uses_varlen
+
+    varlen = uses_varlen(model)
+
+    def step(ids, pos, labels):
+        extra = packed_kwargs(pos) if varlen else {}
+        loss = model(input_ids=ids, position_ids=pos, labels=labels, **extra).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def run_harness(args) -> dict:
+    """bench/sft_step.py's own figure for the spec's shape (random tokens on the device)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "harness.json")
+        shape = "tiny" if args.small else args.harness_shape
+        cmd = [sys.executable, os.path.join(ROOT, "bench", "sft_step.py"), "--shapes", shape, "--only", args.harness,
+               "--steps", "8", "--warmup", "3", "--out", path] + (["--small"] if args.small else [])
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0 or not os.path.exists(path):
+            return {"setup": f"bench/sft_step.py {args.harness}", "error": proc.stderr[-2000:]}
+        result = json.load(open(path))["results"][0]
+    return {"setup": f"bench/sft_step.py {args.harness}", "mean_tok_s": result.get("tok_s"),
+            "max_allocated_gib": result.get("peak_gib"), "error": result.get("error")}
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| setup | mean tok/s | median step s | max/median | max alloc GiB | max reserved GiB | nvidia-smi GiB | launch→step 1 s |",
+            "|---|---|---|---|---|---|---|---|"]
+
+    def f(x, fmt):
+        return "" if x is None else format(x, fmt)
+
+    for r in results:
+        if r.get("error"):
+            rows.append(f"| {r['setup']} | error: {str(r['error']).splitlines()[-1][:120]} |||||||")
+            continue
+        rows.append(f"| {r['setup']} | {f(r.get('mean_tok_s'), ',.0f')} | {f(r.get('median_step_s'), '.3f')} | "
+                    f"{f(r.get('max_over_median'), '.2f')} | {f(r.get('max_allocated_gib'), '.3f')} | "
+                    f"{f(r.get('max_reserved_gib'), '.3f')} | {f(r.get('nvidia_smi_max_gib'), '.2f')} | "
+                    f"{f(r.get('launch_to_step1_s'), '.1f')} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--spec", required=True, help="a shipped spec (specs/*.toml)")
+    p.add_argument("--steps", type=int, default=40, help="steps of each setup")
+    p.add_argument("--skip", type=int, default=4, help="warm-up steps left out of the figures")
+    p.add_argument("--peer", default="", help="the HF peer: a bench/sft_step.py HF variant (empty: none)")
+    p.add_argument("--harness", default="", help="also bench/sft_step.py's figure for this variant")
+    p.add_argument("--harness-shape", default="qwen3-0.6b", help="its shape (bench/sft_step.py SHAPES)")
+    p.add_argument("--profile", default="", metavar="A:B", help="pgs run --profile A:B (trace in the run folder)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="spec overrides for both")
+    p.add_argument("--order", default="pgs,peer,harness", help="which setups, in which order")
+    p.add_argument("--small", action="store_true", help="a tiny shape on the CPU (a smoke run of this script)")
+    p.add_argument("--workdir", default="", help="where the run folder goes (default: a temporary folder)")
+    p.add_argument("--out", default="", help="JSON results")
+    args = p.parse_args(argv)
+    args.nvidia_smi = not args.small
+    workdir = args.workdir or tempfile.mkdtemp(prefix="pgs-product-")
+    results = []
+    for which in args.order.split(","):
+        if which == "pgs":
+            results.append(run_pgs(args.spec, args, workdir))
+        elif which == "peer" and args.peer:
+            results.append(run_peer(args.spec, args))
+        elif which == "harness" and args.harness:
+            results.append(run_harness(args))
+        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("step_s", "stderr_tail")}) if results else "",
+              flush=True)
+    print(table(results))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as handle:
+            json.dump({"spec": args.spec, "steps": args.steps, "skip": args.skip, "results": results}, handle, indent=1)
+    return 0 if all(not r.get("error") for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
