@@ -97,3 +97,29 @@ def test_cuda_thirty_real_data_steps_compile_and_plan_once(tmp_path):
     run.loader.close()
     assert len(fills) > 5
     assert (_compiles(counters["frames"]), counters["stats"]["unique_graphs"]) == frames
+
+
+def test_profile_traces_the_asked_steps_of_the_run(tmp_path):
+    """`pgs run --profile 2:3`: a Chrome trace with those steps marked and an operator table."""
+    import json
+
+    from pgs.cli import main
+
+    spec = tiny_spec(tmp_path, "prof", steps=4)
+    assert main(["run", str(spec), "--profile", "2:3"]) == 0
+    folder = tmp_path / "prof" / "profile"
+    events = json.loads((folder / "trace.json").read_text())["traceEvents"]
+    marks = {e["name"] for e in events if str(e.get("name", "")).startswith("pgs.step.")}
+    assert marks == {"pgs.step.2", "pgs.step.3"}
+    assert "Self CPU" in (folder / "ops.txt").read_text()
+
+
+def test_a_malformed_profile_range_is_one_line_and_exit_2(tmp_path, capsys):
+    from pgs.cli import main
+
+    spec = tiny_spec(tmp_path, "badprof", steps=4)
+    for bad in ("3", "a:b", "4:2", "0:1"):
+        assert main(["run", str(spec), "--profile", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--profile" in err[0], err
+    assert not (tmp_path / "badprof").exists()
