@@ -39,7 +39,8 @@ def one_core() -> None:
 
 
 def overlap(config, tokenizer, args) -> dict:
-    """Median time of training-like steps: batches already there, StepLoader, synchronous path.
+    """Time of training-like steps: batches already there, StepLoader with a worker process,
+    with a worker thread, and the synchronous path (median, mean, max seconds a step).
 
     A step consumes its batch on the device, launches ``--launches`` small ops (host work that
     needs the GIL, like a training step's Python) and keeps the device busy ``--step-ms``
@@ -86,16 +87,17 @@ def overlap(config, tokenizer, args) -> dict:
             times.append(time.perf_counter() - started)
         return statistics.median(times), sum(times) / len(times), max(times)
 
-    def loader(threaded: bool) -> StepLoader:
+    def loader(threaded: bool, worker: str = "process") -> StepLoader:
         return StepLoader(TrainStream(config, tokenizer, pack_window=args.pack_window), args.micro_batch, 1,
-                          device, threaded=threaded, ahead=args.ahead)
+                          device, threaded=threaded, worker=worker, ahead=args.ahead)
 
     with loader(False) as ready_source:
         ready = ready_source.next_step()
     out = {"device": str(device), "step_tokens": sum(b.num_tokens for b in ready), "ahead": args.ahead}
     out["ready"] = timed(lambda: ready)
-    with loader(True) as threaded:
-        out["threaded"] = timed(threaded.next_step)
+    for worker in ("process", "thread"):
+        with loader(True, worker) as ahead:
+            out[worker] = timed(ahead.next_step)
     with loader(False) as sync:
         out["sync"] = timed(sync.next_step)
     return out
@@ -206,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         o = result["overlap"]
         print(f"{args.overlap} steps of {o['step_tokens']:,} tokens ({args.launches} launches + {args.step_ms:.0f} ms "
               f"on {o['device']}; StepLoader ahead={o['ahead']}), s/step median / mean / max:")
-        for name in ("ready", "threaded", "sync"):
-            print(f"  {name:9s} {o[name][0]:.4f} / {o[name][1]:.4f} / {o[name][2]:.4f}")
+        for name, what in (("ready", "batches ready (no data work)"), ("process", "StepLoader, worker process"),
+                           ("thread", "StepLoader, worker thread"), ("sync", "StepLoader(threaded=False)")):
+            print(f"  {what:29s} {o[name][0]:.4f} / {o[name][1]:.4f} / {o[name][2]:.4f}")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     if args.out:

@@ -10,9 +10,13 @@ time: ``next_step()`` is the ``grad_accum`` micro-batches of the next step, alre
   (``worker="process"``) it is a daemon process, started from a fork server with a pickled
   copy of the stream: measured (bench/data_pipeline.py ``--overlap``), a worker *thread*
   never let a step wait for data, but while it built a pack window it held the GIL so much
-  that a training thread launching 3000 small ops took ~1.1 s instead of ~0.03 s for them,
+  that a training thread launching 3000 small ops took up to ~1.2 s instead of ~0.03 s for them,
   about the time of the build itself; a process leaves the training thread its interpreter.
-  ``worker="thread"`` keeps the daemon thread (no start-up cost, the live stream object);
+  ``worker="thread"`` keeps the daemon thread (no start-up cost, the live stream object).
+  The process has a session of its own (signals to the trainer's process group are the
+  trainer's to handle) and ends the moment its parent is gone.  It imports the main module,
+  as any spawned child does: a script needs the ``if __name__ == "__main__":`` guard (the
+  ``pgs`` command and ``python -m pgs`` have it);
 * the stream's work comes in bursts: a whole pack window (512 documents) is tokenized and
   packed when the previous one is used up, seconds of work at once, then its steps are cheap
   to collate.  So by default (``ahead=None``) the worker keeps a window's worth of steps
