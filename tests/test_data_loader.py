@@ -342,6 +342,8 @@ def test_close_is_idempotent_and_ends_the_worker(files, tok, worker):
     loader.close()
     with pytest.raises(RuntimeError, match="closed"):
         loader.next_step()
+    with pytest.raises(RuntimeError, match="closed"):
+        loader.load_state_dict(loader.state_dict())
     with make_loader(mixed(files), tok, worker=worker) as other:
         handle = other._worker.thread if worker == "thread" else other._worker.process
     assert not handle.is_alive()

@@ -474,13 +474,13 @@ class StepLoader:
         """Return to a saved position: steps made ahead are dropped, the worker restarts there.
 
         A state the stream refuses (other data) raises its ``DataError`` here."""
+        if self._closed:
+            raise RuntimeError("StepLoader.load_state_dict: the loader is closed")
         self._stop_worker(wait=self.stall_timeout, strict=True)
         self._pending = None
         self._error = self._error_tb = None
         self._stalled = False
         if self.threaded and self.worker == "process":
-            if self._closed:
-                return
             self._start(state)
             ready = self._take(block=True, want="ready")
             self._state = ready[1]
@@ -491,7 +491,7 @@ class StepLoader:
             self._error, self._error_tb = err, err.__traceback__
             raise
         self._state = self.stream.state_dict()
-        if self.threaded and not self._closed:
+        if self.threaded:
             self._start(None)
 
     def close(self) -> None:
