@@ -172,6 +172,7 @@ def adamw8bit(
 
         fast = pf.compile(pf.adamw8bit(1e-4, weight_decay=0.1), donate=True)
     """
+    check_range("learning_rate", learning_rate, 0.0, None, who="adamw8bit")
     direction = scale_by_adam8bit(b1, b2, eps, 0.0, block_size, min_8bit_size, quantize, backend)
     decay = add_decayed_weights(weight_decay, mask) if _nonzero(weight_decay) else identity()
     base = chain(direction, decay, scale_by_learning_rate(learning_rate))

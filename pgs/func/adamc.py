@@ -103,6 +103,7 @@ def adamc(learning_rate=1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1
 
     Paper: arXiv 2506.02285.
     """
+    check_range("learning_rate", learning_rate, 0.0, None, who="adamc")
     peak = peak_lr if peak_lr is not None else schedule_peak(learning_rate, horizon)
     return chain(
         scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pgs.func.adam import scale_by_adam
-from pgs.func.base import Transform, chain, identity
+from pgs.func.base import Transform, chain, check_range, identity
 from pgs.func.learning_rate import scale_by_learning_rate
 from pgs.func.lion import scale_by_lion
 from pgs.func.sgd import scale_by_sgd_momentum
@@ -26,6 +26,7 @@ def adamw(
 
     θ ← θ − η_t (m̂/(sqrt(v̂)+ε) + λθ).  Equals ``torch.optim.AdamW`` (arXiv 1711.05101).
     """
+    check_range("learning_rate", learning_rate, 0.0, None, who="adamw")
     return chain(
         scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
         add_decayed_weights(weight_decay, mask) if _nonzero(weight_decay) else identity(),
@@ -45,6 +46,7 @@ def lion(
 
     θ ← θ − η_t (sign(β1 m + (1−β1) g) + λθ).
     """
+    check_range("learning_rate", learning_rate, 0.0, None, who="lion")
     return chain(
         scale_by_lion(b1, b2, mu_dtype=mu_dtype),
         add_decayed_weights(weight_decay, mask) if _nonzero(weight_decay) else identity(),
@@ -57,6 +59,7 @@ def sgd(learning_rate=1e-2, momentum: float = 0.0, nesterov: bool = False, weigh
 
     g ← g + λθ ; b ← μb + g ; u = g + μb (nesterov) or b ; θ ← θ − η u.
     """
+    check_range("learning_rate", learning_rate, 0.0, None, who="sgd")
     return chain(
         add_decayed_weights(weight_decay, mask) if _nonzero(weight_decay) else identity(),
         scale_by_sgd_momentum(momentum, nesterov) if (_nonzero(momentum) or nesterov) else identity(),

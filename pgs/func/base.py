@@ -181,6 +181,9 @@ def check_range(name: str, value, lo=None, hi=None, *, lo_open=False, hi_open=Fa
         return
     v = hp_value(value)
     if v is None:
+        if isinstance(value, str):
+            raise InvalidArgument(f"{who}: {name} must be a number, got the string {value!r} "
+                                  "(write the number without quotes)")
         raise InvalidArgument(f"{who}: {name} must be a number, got {type(value).__name__}")
     if math.isnan(v):
         raise InvalidArgument(f"{who}: {name} is NaN")

@@ -111,6 +111,7 @@ def adamh(learning_rate=1e-2, b1: float = 0.9, b2: float = 0.95, eps: float = 1e
 
     Paper: arXiv 2606.16899.
     """
+    check_range("learning_rate", learning_rate, 0.0, None, who="adamh")
     return chain(scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype), hyperball(learning_rate, mask))
 
 
@@ -133,6 +134,8 @@ def muonh(learning_rate=0.02, momentum: float = 0.95, nesterov: bool = True, ns_
 
     Paper: arXiv 2606.16899.
     """
+    check_range("learning_rate", learning_rate, 0.0, None, who="muonh")
+    check_range("adam_lr", adam_lr, 0.0, None, who="muonh")
     m = chain(scale_by_muon(momentum, nesterov, ns_steps, ns_coefficients, adjust_lr="none", ns_dtype=ns_dtype),
               hyperball(learning_rate))
     f = chain(scale_by_adam(b1, b2, adam_eps), hyperball(adam_lr, fallback_mask))

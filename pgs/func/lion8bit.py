@@ -413,6 +413,7 @@ def lion8bit(
         state = fast.init(params)
         params, state = fast.step(grads, state, params)
     """
+    check_range("learning_rate", learning_rate, 0.0, None, who="lion8bit")
     direction = scale_by_lion8bit(b1, b2, block_size, min_8bit_size, quantize, backend)
     decay = add_decayed_weights(weight_decay, mask) if _nonzero(weight_decay) else identity()
     base = chain(direction, decay, scale_by_learning_rate(learning_rate))

@@ -462,6 +462,8 @@ def muon(
 
     if fallback not in ("adamw", "lion"):
         raise InvalidArgument(f"muon: fallback={fallback!r}, expected 'adamw' or 'lion'")
+    check_range("learning_rate", learning_rate, 0.0, None, who="muon")
+    check_range("adam_lr", adam_lr, 0.0, None, who="muon")
     check_range("weight_decay", weight_decay, 0.0, None, who="muon")
     branch = muon_matrices(learning_rate, momentum, nesterov, ns_steps, ns_coefficients, eps, adjust_lr,
                            weight_decay, ns_dtype, mu_dtype)

@@ -123,6 +123,14 @@ def _convert(name: str, value, where: str):
     return value
 
 
+def _hint(key: str, value, params) -> str:
+    """What to say after an unknown argument: torch's ``betas`` is pgs's b1 and b2."""
+    if key == "betas" and "b1" in params and "b2" in params:
+        b1, b2 = (value if isinstance(value, (list, tuple)) and len(value) == 2 else (0.9, 0.999))
+        return f" (pgs uses b1 and b2 (betas=(b1, b2)): write b1 = {b1}, b2 = {b2})"
+    return suggest(key, list(params))
+
+
 def make_transform(name: str, args: dict, *, where: str, schedule=None, alias: bool = False):
     """Call the ``pgs.func`` factory ``name`` with checked ``args``; errors name ``where``.
 
@@ -138,7 +146,7 @@ def make_transform(name: str, args: dict, *, where: str, schedule=None, alias: b
     kwargs = {}
     for key, value in args.items():
         if key not in params and not takes_any:
-            raise SpecError(f"{arg_where}.{key}: unknown argument of {name}{suggest(key, list(params))}")
+            raise SpecError(f"{arg_where}.{key}: unknown argument of {name}{_hint(key, value, params)}")
         kwargs[key] = _convert(key, value, f"{arg_where}.{key}")
     if "learning_rate" in params and "learning_rate" not in kwargs and schedule is not None:
         kwargs["learning_rate"] = schedule

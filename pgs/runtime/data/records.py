@@ -47,6 +47,19 @@ class RecordProblem(ValueError):
     """A problem with one record; the reader adds file:line and turns it into DataError."""
 
 
+def json_reason(err: ValueError) -> str:
+    """The whole reason of a decoding error, with where it happened: ``json``'s ``msg`` alone is
+    cut (``"Invalid control character at"``), its ``str`` counts lines of a one-line record."""
+    if isinstance(err, json.JSONDecodeError):
+        where = f"line {err.lineno} column {err.colno}" if err.lineno > 1 else f"column {err.colno}"
+        reason = err.msg[:-3] if err.msg.endswith(" at") else err.msg
+        found = err.doc[err.pos:err.pos + 1] if 0 <= err.pos < len(err.doc) else ""
+        if found and (not found.isprintable() or found.isspace()):
+            reason += f" {found!r}"  # a raw tab or newline inside a string: name it
+        return f"{reason} at {where}"
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
 def detect_format(record: dict) -> str:
     """Which shape a parsed record has (``messages``, ``sharegpt`` or ``prompt_completion``)."""
     if "messages" in record:
@@ -72,7 +85,7 @@ def _tool_call(call: Any, where: str) -> dict:
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as err:
-            raise RecordProblem(f"{where}: tool call arguments are not valid JSON ({err.msg})") from None
+            raise RecordProblem(f"{where}: tool call arguments are not valid JSON ({json_reason(err)})") from None
     if not isinstance(arguments, dict):
         raise RecordProblem(f"{where}: tool call arguments must be an object")
     out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
@@ -183,8 +196,7 @@ def parse_line(line: str | bytes, origin: str, format: str = "auto") -> Conversa
     try:
         record = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        msg = getattr(err, "msg", None) or str(err).splitlines()[0]
-        raise DataError(f"{origin}: malformed JSON ({msg})") from None
+        raise DataError(f"{origin}: malformed JSON ({json_reason(err)})") from None
     try:
         messages, tools = parse_record(record, format)
     except RecordProblem as err:
