@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(p)
     p.add_argument("--resume", metavar="auto|PATH",
                    help="'auto': the newest complete checkpoint of the run folder, if any; or a checkpoint folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start fresh in a run folder that already holds a run: move that run aside to "
+                        "<dir>.old-<timestamp> first")
     p.add_argument("--profile", metavar="A:B", default=None,
                    help="write a torch profiler trace of steps A to B to <run dir>/profile/ (docs/cli.md)")
     p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
@@ -168,6 +171,8 @@ def cmd_run(args) -> int:
     spec = _load(args)
     if args.resume not in (None, "auto") and not os.path.exists(args.resume):
         raise SpecError(f"--resume: no such checkpoint: {args.resume}")
+    if args.overwrite and args.resume is not None:
+        raise SpecError("--overwrite starts over, --resume continues: give one of them")
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch_torchrun(args, spec)
     profile = None
@@ -176,7 +181,9 @@ def cmd_run(args) -> int:
 
         profile = parse_steps(args.profile)
     train = _component("pgs.runtime.train", "pgs run")
-    return int(train.run(spec, resume=args.resume, spec_path=os.path.abspath(args.spec), profile=profile) or 0)
+    extra = {"overwrite": True} if args.overwrite else {}
+    return int(train.run(spec, resume=args.resume, spec_path=os.path.abspath(args.spec), profile=profile,
+                         **extra) or 0)
 
 
 def cmd_validate(args) -> int:
@@ -231,6 +238,15 @@ def _launch_torchrun(args, spec) -> int:
     from pgs.runtime.spec import check_world_size
 
     check_world_size(spec.train, args.nproc)  # refuse before starting N processes
+    if args.resume is None:  # refuse (or move the old run aside) once, before N processes start
+        from pgs.runtime import checkpoint
+
+        if args.overwrite:
+            aside = checkpoint.move_aside(spec.checkpoint.dir)
+            if aside is not None:
+                print(f"pgs: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)
+        else:
+            checkpoint.refuse_existing_run(spec.checkpoint.dir)
     forwarded = ["run", os.path.abspath(args.spec)]
     for assignment in args.overrides:
         forwarded += ["--set", assignment]

@@ -15,6 +15,7 @@ EXIT_TRIPWIRE = 80  # a health tripwire halted the run
 EXIT_SKIP_CAP = 81  # non-finite losses / spikes exceeded the skip cap
 EXIT_WALL_BUDGET = 82  # max_wall_seconds spent (a checkpoint was written first)
 EXIT_PREFLIGHT = 83  # preflight refused (output not writable, not enough disk, ...)
+EXIT_DISK_FULL = 84  # the disk filled while writing a checkpoint or an export (the previous one is kept)
 
 
 class PgsError(Exception):
@@ -55,3 +56,15 @@ class PreflightRefused(PgsError):
     """A preflight check refused to start (exit 83)."""
 
     exit_code = EXIT_PREFLIGHT
+
+
+class DiskFull(PgsError):
+    """The disk filled while a checkpoint (or an export) was being written (exit 84).
+
+    The partial temporary folder has been removed; earlier checkpoints are untouched."""
+
+    exit_code = EXIT_DISK_FULL
+
+
+class RunExists(PgsError):
+    """``pgs run`` without ``--resume`` into a run folder that already holds a run (exit 2)."""

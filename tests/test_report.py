@@ -69,3 +69,75 @@ def test_report_errors(tmp_path: Path, capsys):
     assert cli.main(["report", str(tmp_path)]) == 2
     assert "no metrics records yet" in capsys.readouterr().err
     assert summary_rows(read_metrics(str(tmp_path / "metrics.jsonl"))) == [("records", "0")]
+
+
+# -- issue 29: only the latest run of a reused file; log/zoomed loss; per-task accuracy; clip
+def _lines(rows) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_only_the_latest_run_of_the_file_is_read(tmp_path: Path):
+    """A second fresh run appended to the same file (step 0 again, as before pgs run refused
+    a used folder) starts a new run; a resume continues its run."""
+    first = [{"step": s, "loss": 5.0 - s / 100} for s in range(1, 801)]
+    second = [{"step": 0, "eval_loss": 6.0}] + [{"step": s, "loss": 4.0 - s / 10} for s in range(1, 9)]
+    resumed = [{"step": 4, "event": "resume", "from": "step_4"}] + [{"step": s, "loss": 1.0} for s in (5, 6)]
+    (tmp_path / "metrics.jsonl").write_text(_lines(first + second[:5] + resumed), encoding="utf-8")
+    m = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [x for x, _ in m.series["loss"]] == [1, 2, 3, 4, 5, 6]  # nothing from the 800-step run
+    assert m.series["eval_loss"] == [(0, 6.0)]
+    assert m.earlier_runs == 1 and m.earlier_records == 800
+    rows = dict(summary_rows(m))
+    assert rows["earlier runs in the file"] == "1 (800 records, not read)" and rows["last step"] == "6"
+
+
+def test_a_start_event_begins_a_run(tmp_path: Path):
+    rows = [{"step": 0, "event": "start"}, {"step": 0, "eval_loss": 3.0}, {"step": 1, "loss": 2.0},
+            {"step": 0, "event": "start"}, {"step": 0, "eval_loss": 2.5}]
+    (tmp_path / "metrics.jsonl").write_text(_lines(rows), encoding="utf-8")
+    m = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert m.series == {"eval_loss": [(0, 2.5)]} and m.earlier_runs == 1
+
+
+def test_loss_zoom_task_accuracies_and_clip_line(tmp_path: Path, monkeypatch):
+    from pgs.runtime import report
+
+    rows = []
+    for step in range(1, 101):
+        rows.append({"step": step, "loss": 8.0 if step < 10 else 1.0 / step, "grad_norm": 0.5 + step / 50})
+        if step % 25 == 0:
+            rows.append({"step": step, "eval_loss": 1.0, "eval_accuracy": step / 100,
+                         "eval_accuracy_add": step / 200, "eval_accuracy_weather": 1.0})
+    (tmp_path / "metrics.jsonl").write_text(_lines(rows), encoding="utf-8")
+    (tmp_path / "spec.resolved.toml").write_text("[optimizer]\nclip = 1.0\n[schedule]\nwarmup = 10\n",
+                                                 encoding="utf-8")
+    drawn = {}
+    import matplotlib.figure
+
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def capture(fig, path, *a, **k):
+        drawn[Path(path).name] = fig
+        return real_savefig(fig, path, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
+    out = dict(report.write_report(str(tmp_path)))
+    assert out["best eval_accuracy_add"] == "0.5 (step 100)"
+    loss_axes = drawn["loss.png"].axes
+    assert len(loss_axes) == 2 and loss_axes[0].get_yscale() == "log"
+    zoomed = [x for line in loss_axes[1].get_lines() for x in line.get_xdata()]
+    assert min(zoomed) > 10  # past the warm-up
+    labels = {line.get_label() for line in drawn["eval_accuracy.png"].axes[0].get_lines()}
+    assert {"eval_accuracy", "eval_accuracy_add", "eval_accuracy_weather"} <= labels
+    grad = drawn["grad_norm.png"].axes[0]
+    clip_lines = [line for line in grad.get_lines() if line.get_label() == "clip = 1"]
+    assert clip_lines and set(clip_lines[0].get_ydata()) == {1.0}
+
+
+def test_no_clip_line_without_a_clip(tmp_path: Path):
+    from pgs.runtime.report import _clip_threshold
+
+    assert _clip_threshold({"optimizer": {"clip": 0.0}}) is None
+    assert _clip_threshold({}) is None
+    assert _clip_threshold({"optimizer": {"chain": [{"name": "clip_by_global_norm", "max_norm": 0.5}]}}) == 0.5
+    assert _clip_threshold({"optimizer": {"chain": [{"name": "clip_by_global_norm", "args": {"max_norm": 2}}]}}) == 2

@@ -18,19 +18,22 @@ here reads a pickle (safetensors and JSON only).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
 import sys
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Iterator
 
 import attrs
 import torch
 from safetensors.torch import load_file, save_file
 
-from pgs.errors import PgsError
+from pgs.errors import DiskFull, PgsError, RunExists
 from pgs.runtime.control import fsync_dir
 
 FORMAT_VERSION = 1
@@ -151,6 +154,72 @@ def publish(tmp: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# -- a full disk ----------------------------------------------------------------------------
+_DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+_DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "StorageFull", "QuotaExceeded")
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+    """True when ``err`` (or an exception it was raised from) is a full disk or an exhausted quota.
+
+    ``OSError`` carries ``errno``; safetensors' ``SafetensorError`` and DCP's
+    ``CheckpointException`` carry only the OS's text, so that is checked too."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _DISK_FULL_ERRNOS:
+            return True
+        if any(text in str(err) for text in _DISK_FULL_TEXT):
+            return True
+        failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+        for failure in (failures.values() if isinstance(failures, dict) else ()):
+            inner = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(inner, BaseException) and is_disk_full(inner):
+                return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{n / 2**20:.1f} MiB"
+
+
+def disk_full_error(final: str, need_bytes: int, what: str = "checkpoint",
+                    contents: str = "weights + optimizer state") -> DiskFull:
+    """The one line for a disk that filled while writing ``final`` (``need_bytes``: the estimate)."""
+    run_dir = os.path.dirname(os.path.abspath(final))
+    try:
+        free = f", {_gib(shutil.disk_usage(run_dir).free)} free now"
+    except OSError:
+        free = ""
+    kept = [path for _, path in step_folders(run_dir) if path != final and problem(path, hashes=False) is None]
+    previous = f"the previous checkpoint {kept[0]} is intact" if kept else "no earlier checkpoint exists"
+    return DiskFull(
+        f"disk full while writing the {what} {final}: it needs about {_gib(need_bytes)} "
+        f"({need_bytes:,} bytes of {contents}){free}; the partial folder was removed and "
+        f"{previous}; free space, then continue with pgs run SPEC --resume auto"
+    )
+
+
+@contextlib.contextmanager
+def disk_full_guard(tmp: str, final: str, need_bytes: int, what: str = "checkpoint",
+                    contents: str = "weights + optimizer state") -> Iterator[None]:
+    """Turn a full disk inside the block into ``DiskFull`` (exit 84), removing ``tmp`` first."""
+    try:
+        yield
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise disk_full_error(final, need_bytes, what, contents) from None
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of a collection of tensors (a dict's values or an iterable; DTensors by global size)."""
+    values = tensors.values() if isinstance(tensors, dict) else tensors
+    return sum(int(t.numel()) * t.element_size() for t in values if isinstance(t, torch.Tensor))
+
+
 def save(
     run_dir: str,
     step: int,
@@ -164,14 +233,23 @@ def save(
 ) -> str:
     """Write ``<run_dir>/step_<step>`` durably; returns its path.
 
-    ``crash_hook(stage)`` is called between files (tests kill the process there).
+    ``crash_hook(stage)`` is called between files (tests kill the process there).  A full
+    disk (``ENOSPC``, an exhausted quota) removes the temporary folder and raises
+    ``DiskFull`` (exit 84) naming the folder and the bytes a checkpoint needs.
     """
     final = os.path.join(run_dir, f"step_{step}")
     tmp = os.path.join(run_dir, f".step_{step}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    hook = crash_hook or (lambda stage: None)
     tensors, aliases = model_tensors(model)
+    need = tensor_bytes(tensors) + tensor_bytes(optimizer_state) + tensor_bytes(rng)
+    with disk_full_guard(tmp, final, need):
+        os.makedirs(tmp)
+        _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, trainer, spec_toml,
+                    crash_hook or (lambda stage: None))
+    return final
+
+
+def _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, trainer, spec_toml, hook) -> None:
     save_file(tensors, os.path.join(tmp, MODEL_FILE), metadata={"format": "pt", "pgs": "model"})
     hook("model")
     save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in optimizer_state.items()},
@@ -184,7 +262,6 @@ def save(
     hook("manifest")
     write_manifest(tmp, step, [MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, TRAINER_FILE, SPEC_FILE])
     publish(tmp, final)
-    return final
 
 
 # -- finding and verifying ----------------------------------------------------------------
@@ -315,3 +392,44 @@ def purge(run_dir: str, keep: int | None) -> list[str]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+# -- a run folder that already holds a run ---------------------------------------------------
+def existing_run(run_dir: str) -> list[str]:
+    """What in ``run_dir`` shows that a run already wrote there: a non-empty ``metrics.jsonl``,
+    ``step_<N>`` folders, ``final/``, ``best/`` (empty when there is nothing of a run)."""
+    if not os.path.isdir(run_dir):
+        return []
+    found = []
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        found.append("metrics.jsonl")
+    found += [os.path.basename(path) for _, path in step_folders(run_dir)]
+    found += [name for name in ("best", "final") if os.path.isdir(os.path.join(run_dir, name))]
+    return found
+
+
+def refuse_existing_run(run_dir: str) -> None:
+    """``RunExists`` (exit 2) when ``run_dir`` holds a run: a fresh start would mix with it."""
+    found = existing_run(run_dir)
+    if not found:
+        return
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    raise RunExists(
+        f"checkpoint.dir: {run_dir} already holds a run ({shown}); continue it with --resume auto, "
+        f"or start over with --overwrite (moves it aside to {run_dir.rstrip(os.sep)}.old-<timestamp>)"
+    )
+
+
+def move_aside(run_dir: str) -> str | None:
+    """Rename ``run_dir`` to ``<run_dir>.old-<timestamp>`` (``--overwrite``); returns the new
+    path, or None when there was nothing of a run to move."""
+    if not existing_run(run_dir):
+        return None
+    base = f"{os.path.abspath(run_dir).rstrip(os.sep)}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside, n = base, 1
+    while os.path.exists(aside):
+        n += 1
+        aside = f"{base}-{n}"
+    os.rename(run_dir, aside)
+    return aside

@@ -119,16 +119,30 @@ def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], 
         "optim": opt_state,
         "rng": {_rng_key(_rank()): ckpt.capture_rng(noise_generator)},
     }
-    dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    need = ckpt.tensor_bytes(state["model"]) + ckpt.tensor_bytes(opt_state)  # global sizes (DTensors)
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    except BaseException as err:  # DCP's CheckpointException (a BaseException) carries every rank's failure
+        if isinstance(err, (KeyboardInterrupt, SystemExit)) or not ckpt.is_disk_full(err):
+            raise
+        _barrier()
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ckpt.disk_full_error(final, need) from None
     per_rank = sorted(k for k in opt_state if k.startswith("__rank"))
     per_rank_any = _broadcast_any(bool(per_rank))
-    failure = None
+    failure, full = None, False
     if _rank() == 0:
         try:
             _publish(tmp, final, step, trainer, spec_toml, per_rank_any, per_rank)
         except Exception as err:  # every rank must hear of it, not wait in a barrier
             failure = f"{type(err).__name__}: {_first_line(err)}"
-    failure = _broadcast(failure)
+            full = ckpt.is_disk_full(err)
+            if full:
+                shutil.rmtree(tmp, ignore_errors=True)
+    failure, full = _broadcast((failure, full))
+    if full:
+        raise ckpt.disk_full_error(final, need)
     if failure is not None:
         raise CheckpointError(f"writing {final} failed on rank 0: {failure}")
     return final

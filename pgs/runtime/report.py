@@ -5,6 +5,12 @@ The reader is tolerant: a record may carry any subset of the keys (``step``, ``l
 ``skipped``, ...), non-numeric and non-finite values are ignored, and a line that is not
 JSON (a run killed mid-write leaves a torn last line) is counted, not fatal.  A plot is
 drawn only for series that have points.
+
+Only the latest run of the file is read: records after the last fresh start.  A fresh start
+is a ``{"event": "start"}`` record, or (files written before that record existed) a step
+lower than the one before it without a ``resume`` event in between; a ``resume`` event
+continues the run it resumes (``pgs run --resume`` has already cut the records after its
+checkpoint).
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ PLOTS: dict[str, tuple[str, str, tuple[str, ...], bool]] = {
     "eval_accuracy.png": ("eval accuracy", "accuracy", ("eval_accuracy",), False),
 }
 
+#: Per-task accuracies (``evaluate.task_accuracy``) are drawn on eval_accuracy.png too.
+TASK_ACCURACY = "eval_accuracy_"
+
 
 class ReportError(PgsError):
     """The run folder has nothing to report (exit 2)."""
@@ -40,6 +49,8 @@ class Metrics:
     series: dict[str, list[tuple[float, float]]] = attrs.field(factory=dict)
     records: int = 0
     bad_lines: int = 0
+    earlier_records: int = 0  # records of earlier runs in the same file (not read)
+    earlier_runs: int = 0
 
     def last(self, key: str) -> float | None:
         points = self.series.get(key)
@@ -70,6 +81,7 @@ def read_metrics(path: str) -> Metrics:
     except FileNotFoundError:
         raise ReportError(f"{path}: no such file (is this a run folder? it has no metrics.jsonl)") from None
     with handle:
+        last_step: float | None = None
         for line in handle:
             if not line.strip():
                 continue
@@ -82,11 +94,22 @@ def read_metrics(path: str) -> Metrics:
                 metrics.bad_lines += 1
                 continue
             step = _number(record.get("step"))
+            event = record.get("event")
+            if event == "resume":
+                last_step = step
+            elif metrics.records and (event == "start" or (step is not None and last_step is not None
+                                                             and step < last_step)):
+                metrics.earlier_records += metrics.records  # a fresh start: what came before is another run
+                metrics.earlier_runs += 1
+                metrics.series.clear()
+                metrics.records = 0
+            if step is not None and event != "resume":
+                last_step = step
             x = step if step is not None else float(metrics.records)
             metrics.records += 1
             for key, value in record.items():
                 v = _number(value)
-                if v is not None and key != "step":
+                if v is not None and key not in ("step", "time"):
                     metrics.series.setdefault(key, []).append((x, v))
     return metrics
 
@@ -94,6 +117,9 @@ def read_metrics(path: str) -> Metrics:
 def summary_rows(metrics: Metrics) -> list[tuple[str, str]]:
     """``(what, value)`` rows of the summary table."""
     rows: list[tuple[str, str]] = [("records", f"{metrics.records}")]
+    if metrics.earlier_runs:
+        rows.append(("earlier runs in the file", f"{metrics.earlier_runs} ({metrics.earlier_records} records, "
+                                                 "not read)"))
     if metrics.bad_lines:
         rows.append(("unreadable lines", f"{metrics.bad_lines}"))
     steps = [x for points in metrics.series.values() for x, _ in points]
@@ -106,7 +132,8 @@ def summary_rows(metrics: Metrics) -> list[tuple[str, str]]:
 
     add("first train loss", metrics.series["loss"][0][1] if metrics.series.get("loss") else None)
     add("last train loss", metrics.last("loss"))
-    for key, lowest in (("eval_loss", True), ("eval_accuracy", False)):
+    tasks = sorted(k for k in metrics.series if k.startswith(TASK_ACCURACY))
+    for key, lowest in (("eval_loss", True), ("eval_accuracy", False), *((k, False) for k in tasks)):
         best = metrics.best(key, lowest)
         if best is not None:
             add(f"last {key}", metrics.last(key))
@@ -129,21 +156,77 @@ def _markdown(rows: Iterable[tuple[str, str]], run_dir: str, plots: list[str]) -
     return "\n".join(lines) + "\n"
 
 
-def _entropy_floor(run_dir: str) -> float | None:
-    """``train.entropy_warn`` from the run's resolved spec, to draw on the entropy plot."""
+def _resolved_spec(run_dir: str) -> dict:
+    """The run's ``spec.resolved.toml`` as a table ({} when absent or unreadable)."""
     import tomllib
 
-    path = os.path.join(run_dir, "spec.resolved.toml")
     try:
-        with open(path, "rb") as f:
-            value = tomllib.load(f).get("train", {}).get("entropy_warn")
+        with open(os.path.join(run_dir, "spec.resolved.toml"), "rb") as f:
+            return tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError):
+        return {}
+
+
+def _entropy_floor(run_dir: str, spec: dict | None = None) -> float | None:
+    """``train.entropy_warn`` from the run's resolved spec, to draw on the entropy plot."""
+    spec = _resolved_spec(run_dir) if spec is None else spec
+    train = spec.get("train", {})
+    return (_number(train.get("entropy_warn")) or None) if isinstance(train, dict) else None
+
+
+def _clip_threshold(spec: dict) -> float | None:
+    """The global-norm clip of the run (``optimizer.clip``, or a ``clip_by_global_norm`` entry
+    of ``optimizer.chain``), to draw on the grad-norm plot; None when it does not clip."""
+    optimizer = spec.get("optimizer", {})
+    if not isinstance(optimizer, dict):
         return None
-    return _number(value) or None
+    clip = _number(optimizer.get("clip"))
+    if clip is not None and clip > 0:
+        return clip
+    for entry in optimizer.get("chain") or []:
+        if isinstance(entry, dict) and entry.get("name") == "clip_by_global_norm":
+            args = entry.get("args") if isinstance(entry.get("args"), dict) else entry
+            value = _number(args.get("max_norm"))
+            if value is not None and value > 0:
+                return value
+    return None
 
 
-def draw_plots(metrics: Metrics, out_dir: str, entropy_warn: float | None = None) -> list[str]:
-    """Write one PNG per plot that has data; returns the file names written."""
+def _warmup(spec: dict) -> int:
+    schedule = spec.get("schedule", {})
+    value = _number(schedule.get("warmup")) if isinstance(schedule, dict) else None
+    return int(value) if value else 0
+
+
+def _zoom_start(metrics: Metrics, warmup: int) -> float | None:
+    """The first step of the loss plot's zoomed panel: past warm-up (the schedule's, at least
+    5% of the run), or None when too few train-loss points would remain."""
+    points = metrics.series.get("loss") or []
+    if len(points) < 8:
+        return None
+    last = max(x for x, _ in points)
+    start = max(float(warmup), 0.05 * last)
+    return start if sum(1 for x, _ in points if x > start) >= 4 else None
+
+
+def _draw(ax, metrics: Metrics, keys: list[str], after: float | None = None) -> None:
+    for key in keys:
+        points = [(x, y) for x, y in metrics.series[key] if after is None or x > after]
+        if not points:
+            continue
+        xs, ys = zip(*points)
+        style = {"marker": "o", "markersize": 3} if key.startswith("eval") else {"linewidth": 1.2}
+        ax.plot(xs, ys, label=key, **style)
+
+
+def draw_plots(metrics: Metrics, out_dir: str, entropy_warn: float | None = None, *,
+               clip: float | None = None, warmup: int = 0) -> list[str]:
+    """Write one PNG per plot that has data; returns the file names written.
+
+    ``loss.png``: the whole run on a log axis (the warm-up's drop would squeeze a linear one)
+    and, beside it, the steps past warm-up on a linear axis.  ``eval_accuracy.png`` has the
+    per-task accuracies too; ``grad_norm.png`` the clip threshold (``clip``), ``entropy.png``
+    the warning floor (``entropy_warn``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,22 +234,35 @@ def draw_plots(metrics: Metrics, out_dir: str, entropy_warn: float | None = None
 
     written = []
     for filename, (title, ylabel, keys, log) in PLOTS.items():
+        if filename == "eval_accuracy.png":
+            keys = keys + tuple(sorted(k for k in metrics.series if k.startswith(TASK_ACCURACY)))
         present = [k for k in keys if metrics.series.get(k)]
         if not present:
             continue
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for key in present:
-            xs, ys = zip(*metrics.series[key])
-            style = {"marker": "o", "markersize": 3} if key.startswith("eval") else {"linewidth": 1.2}
-            ax.plot(xs, ys, label=key, **style)
+        positive = all(v > 0 for k in present for _, v in metrics.series[k])
+        zoom = _zoom_start(metrics, warmup) if filename == "loss.png" else None
+        if zoom is not None:
+            fig, (ax, right) = plt.subplots(1, 2, figsize=(11, 4))
+            _draw(right, metrics, present, after=zoom)
+            right.set(title=f"{title} after step {zoom:g} (past warm-up)", xlabel="step", ylabel=ylabel)
+            right.grid(alpha=0.3)
+        else:
+            fig, ax = plt.subplots(figsize=(7, 4))
+        _draw(ax, metrics, present)
+        extra = False
         if filename == "entropy.png" and entropy_warn:
             ax.axhline(entropy_warn, color="red", linestyle="--", linewidth=1, label="entropy_warn")
-        if log and all(v > 0 for k in present for _, v in metrics.series[k]):
+            extra = True
+        if filename == "grad_norm.png" and clip:
+            ax.axhline(clip, color="red", linestyle="--", linewidth=1, label=f"clip = {clip:g}")
+            extra = True
+        if (log or filename == "loss.png") and positive:
             ax.set_yscale("log")
+            title = f"{title} (log scale)" if filename == "loss.png" else title
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         ax.grid(alpha=0.3)
-        if len(present) > 1 or (filename == "entropy.png" and entropy_warn):
-            ax.legend()
+        if len(present) > 1 or extra:
+            ax.legend(fontsize="small")
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, filename), dpi=110)
         plt.close(fig)
@@ -188,7 +284,9 @@ def write_report(run_dir: str, console=None) -> list[tuple[str, str]]:
     out_dir = os.path.join(run_dir, "report")
     os.makedirs(out_dir, exist_ok=True)
     try:
-        plots = draw_plots(metrics, out_dir, _entropy_floor(run_dir))
+        spec = _resolved_spec(run_dir)
+        plots = draw_plots(metrics, out_dir, _entropy_floor(run_dir, spec), clip=_clip_threshold(spec),
+                           warmup=_warmup(spec))
     except ImportError:
         plots = []
         console.print("[yellow]warning:[/] matplotlib is not installed (pip install 'pgs[plot]'); no plots drawn")

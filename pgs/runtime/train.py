@@ -43,7 +43,7 @@ import attrs
 import numpy as np
 import torch
 
-from pgs.errors import EXIT_OK, EXIT_WALL_BUDGET, HaltError, PreflightRefused
+from pgs.errors import EXIT_OK, EXIT_WALL_BUDGET, DiskFull, HaltError, PreflightRefused
 from pgs.func.losses import neftune, token_loss
 from pgs.runtime import checkpoint as ckpt
 from pgs.runtime import control
@@ -514,7 +514,9 @@ def _export(run: Run, out_dir: str, info: dict) -> None:
 
         dcp.export_hf(run.model, run.tokenizer, out_dir, info=info)
     else:
-        export_hf(run.model, run.tokenizer, out_dir, info=info)
+        tmp = os.path.join(os.path.dirname(os.path.abspath(out_dir)), f".{os.path.basename(out_dir)}.tmp-{os.getpid()}")
+        with ckpt.disk_full_guard(tmp, out_dir, parameter_bytes(run.model), "export", "weights"):
+            export_hf(run.model, run.tokenizer, out_dir, info=info)
 
 
 def _improves(metric: str, value: float, best: float | None) -> bool:
@@ -548,13 +550,23 @@ def watch_entropy(run: Run, record: dict) -> None:
 
 
 def run(spec, *, resume: str | None = None, spec_path: str | None = None,
-        profile: tuple[int, int] | None = None) -> int:
+        profile: tuple[int, int] | None = None, overwrite: bool = False) -> int:
     """Train ``spec`` to the end, or until a stop; returns the process exit code.
 
     ``resume``: None (fresh), ``"auto"`` (newest complete checkpoint in ``checkpoint.dir``,
-    fresh if none) or a checkpoint folder.  Exit codes: 0 done, 128+signum after a signal,
-    82 wall budget (both after a checkpoint), 81 skip cap (``HALT.json``), 83 preflight.
+    fresh if none) or a checkpoint folder.  A fresh start (``resume`` None) refuses a run
+    folder that already holds a run (``RunExists``, exit 2) unless ``overwrite``, which moves
+    the old run aside to ``<dir>.old-<timestamp>``.  Exit codes: 0 done, 128+signum after a
+    signal, 82 wall budget (both after a checkpoint), 81 skip cap (``HALT.json``), 83
+    preflight, 84 disk full while writing a checkpoint.
     """
+    if resume is None:  # before the process group: no rank has written anything yet
+        if not overwrite:
+            ckpt.refuse_existing_run(spec.checkpoint.dir)
+        elif int(os.environ.get("RANK", "0")) == 0:
+            aside = ckpt.move_aside(spec.checkpoint.dir)
+            if aside is not None:
+                print(f"pgs: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)
     wall = control.WallClock(spec.train.max_wall_seconds or None)
     ctx = D.init(device=spec.train.device) if D.launched() else None
     together = False  # every rank reached the same exit (then they leave the group together)
@@ -565,6 +577,11 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
     except (HaltError, PreflightRefused) as err:
         print(f"pgs: {err}", file=sys.stderr, flush=True)
         together = isinstance(err, HaltError)  # halts are decided on agreed flags
+        return err.exit_code
+    except DiskFull as err:
+        if ctx is None or ctx.is_main:
+            print(f"pgs: error: {err}", file=sys.stderr, flush=True)
+        together = ctx is not None  # every rank raises it together (dcp.save agrees on it)
         return err.exit_code
     finally:
         if ctx is not None and ctx.distributed:
@@ -625,6 +642,8 @@ def _train(spec, resume: str | None, wall: control.WallClock, ctx: D.DistContext
     if folder is not None:
         r.log.say(f"pgs: resumed from {folder} at step {r.step}")
         r.log.write({"step": r.step, "event": "resume", "from": folder})
+    else:  # pgs report reads the records after the last fresh start
+        r.log.write({"step": r.step, "event": "start"})
     evals = bool(spec.data.eval) and spec.train.eval_every > 0
     slow = float(os.environ.get("PGS_TEST_SLOW_STEP", "0") or 0)
     profiler = Profiler(run_dir, profile, r.device) if profile and main else None
