@@ -231,3 +231,58 @@ def as_tensor_like(x, ref: torch.Tensor) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(device=ref.device)
     return x
+
+
+# ----------------------------------------------------------------------------------------
+# a chain must end in a step: its updates are *added* to the parameters
+
+#: Stages that turn a direction into a step (−η_t·u, or a step on a sphere).
+STEP_STAGES = frozenset({"scale_by_learning_rate", "hyperball"})
+#: pgs building blocks that only shape a direction: the update keeps the gradient's sign.
+DIRECTION_STAGES = frozenset({
+    "identity", "scale_by_adam", "scale_by_adam8bit", "scale_by_lion", "scale_by_lion8bit", "scale_by_muon",
+    "scale_by_sage", "scale_by_sgd_momentum", "clip_by_global_norm", "clip_by_norm_per_tensor", "zclip", "adagc",
+    "mona", "add_decayed_weights", "add_corrected_decayed_weights",
+})
+
+
+def _has_step(t: Transform) -> bool | None:
+    """True: every parameter's update goes through a step stage; False: some parameter's
+    does not (the update is a raw direction); None: a transform pgs does not know decides."""
+    if t.name in STEP_STAGES:
+        return True
+    if t.name == "partition":  # every branch must step
+        found = [_has_step(c) for c in t.children]
+        return False if False in found else (None if None in found else True)
+    if t.name == "masked":  # the unmasked parameters pass through unchanged
+        return None if _has_step(t.children[0]) is None else False
+    if t.children:  # chain, accumulate, inject_hyperparams, fused wrappers: any stage steps
+        found = [_has_step(c) for c in t.children]
+        return True if True in found else (None if None in found else False)
+    return False if t.name in DIRECTION_STAGES else None
+
+
+def _describe(t: Transform) -> str:
+    if t.name == "chain" and t.children:
+        return ", ".join(_describe(c) for c in t.children)
+    return t.name
+
+
+def no_step_stage(chain: Transform) -> str | None:
+    """Why ``chain`` would climb the loss (a sentence), or None.
+
+    The runtime adds a chain's updates to the parameters, so a chain of directions alone
+    (``scale_by_adam()`` with no ``scale_by_learning_rate``) moves *up* the gradient with a
+    step of 1.  Said only when every stage is a pgs transform; a transform of the user's own
+    is trusted.  ``scale_by_learning_rate(lr, flip_sign=False)`` ascends on purpose and passes.
+    """
+    if _has_step(chain) is not False:
+        return None
+    where = f"the chain ({_describe(chain)})"
+    if chain.name == "partition":
+        for c in chain.children:
+            if _has_step(c) is False:
+                where = f"a partition branch ({_describe(c)})"
+                break
+    return (f"{where} has no learning-rate stage: its updates would be added to the parameters as "
+            "they are, climbing the loss; end it with scale_by_learning_rate(lr) (or hyperball(lr))")

@@ -28,6 +28,7 @@ import torch
 import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
+from pgs.func.base import no_step_stage
 
 _LAYOUT_KEY = "__pgs_layout__"
 
@@ -63,6 +64,9 @@ class BoundOptimizer:
     ):
         if not isinstance(chain, pf.Transform):
             raise InvalidArgument(f"bind: expected a pgs.func.Transform, got {type(chain).__name__}")
+        why = no_step_stage(chain)
+        if why:
+            raise InvalidArgument(f"bind: {why}")
         params = trainable_parameters(module_or_params, "bind")
         self.chain = chain
         self.params = params

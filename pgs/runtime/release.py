@@ -77,7 +77,7 @@ import torch
 import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
-from pgs.func.base import GLOBAL
+from pgs.func.base import GLOBAL, no_step_stage
 from pgs.runtime.bind import trainable_parameters
 from pgs.runtime.release_slabs import TiedSlabs, slab_refusal  # noqa: F401  (slab_refusal: re-exported)
 
@@ -295,7 +295,7 @@ class GradientRelease:
                                   "(each group's update runs on its own sub-tree)")
         if not isinstance(chain, pf.Transform):
             raise InvalidArgument(f"GradientRelease: expected a pgs.func.Transform, got {type(chain).__name__}")
-        why = refusal(chain, grad_accum)
+        why = refusal(chain, grad_accum) or no_step_stage(chain)
         if why:
             raise InvalidArgument(f"GradientRelease: {why}")
         if master_weights not in (None, *MASTER_DTYPES):

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
-from pgs.func.base import ELEMENTWISE
+from pgs.func.base import ELEMENTWISE, no_step_stage
 from pgs.runtime.distributed import reshard
 
 #: Leaf transforms (by name) that are not elementwise and forward ``reduce_sum`` /
@@ -103,6 +103,9 @@ class ShardedBoundOptimizer:
                  stochastic_rounding: bool = False):
         if not isinstance(chain, pf.Transform):
             raise InvalidArgument(f"bind_sharded: expected a pgs.func.Transform, got {type(chain).__name__}")
+        why = no_step_stage(chain)
+        if why:
+            raise InvalidArgument(f"bind_sharded: {why}")
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not params:
             raise InvalidArgument("bind_sharded: the module has no trainable parameters")

@@ -57,6 +57,7 @@ import torch.distributed as dist
 import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
+from pgs.func.base import no_step_stage
 from pgs.runtime.release import Arrivals, refusal, release_metrics, released_step
 from pgs.runtime.sharded_bind import RANK_KEY, ShardedBoundOptimizer, _is_dtensor, local, refuse_unaware
 
@@ -116,7 +117,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
                                   "(each unit's update runs on its own sub-tree)")
         if not isinstance(chain, pf.Transform):
             raise InvalidArgument(f"{who}: expected a pgs.func.Transform, got {type(chain).__name__}")
-        why = refusal(chain, grad_accum)
+        why = refusal(chain, grad_accum) or no_step_stage(chain)
         if why:
             raise InvalidArgument(f"{who}: {why}")
         if not isinstance(model, FSDPModule):

@@ -207,8 +207,11 @@ def build_schedule(spec: Spec, total_steps: int | None = None):
 
 
 def build_chain(spec: Spec, total_steps: int | None = None, schedule=None):
-    """The ``[optimizer]`` as one ``pgs.func.Transform``; the learning rate is ``schedule``."""
+    """The ``[optimizer]`` as one ``pgs.func.Transform``; the learning rate is ``schedule``.
+
+    A chain that would climb the loss (no learning-rate stage) is refused."""
     import pgs.func as pf
+    from pgs.func.base import no_step_stage
 
     if schedule is None:
         schedule = build_schedule(spec, total_steps)
@@ -218,8 +221,16 @@ def build_chain(spec: Spec, total_steps: int | None = None, schedule=None):
             make_transform(e.name, e.args, where=f"optimizer.chain[{i}]", schedule=schedule)
             for i, e in enumerate(opt.chain)
         ]
-        return pf.chain(*parts)
+        chain = pf.chain(*parts)
+        why = no_step_stage(chain)
+        if why:  # the [schedule] reaches it through { name = "scale_by_learning_rate" }
+            entry = '{ name = "scale_by_learning_rate" }'
+            raise SpecError(f"optimizer.chain: {why.replace('scale_by_learning_rate(lr)', entry)}")
+        return chain
     alias = make_transform(opt.alias, opt.args, where="optimizer", schedule=schedule, alias=True)
+    why = no_step_stage(alias)
+    if why:
+        raise SpecError(f"optimizer.alias: {why}")
     if opt.clip > 0:
         return pf.chain(pf.clip_by_global_norm(opt.clip), alias)
     return alias
