@@ -485,6 +485,6 @@ def print_summary(spec, facts: dict) -> None:
                            f"grad_accum {t.grad_accum}, device {t.device}")
     table.add_row("run folder", spec.run_dir)
     console.print(table)
-    for warning in facts["warnings"]:
-        console.print(f"[yellow]warning:[/] {warning}")
+    for warning in facts["warnings"] + (stats.warnings() if stats is not None else []):
+        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
     console.print("[green]ok[/]: the spec is runnable")

@@ -11,6 +11,11 @@ that the tokenizer's own chat template renders, in one of two ways:
   right after an assistant message's text.  Every assistant turn in the full render starts
   after a header and ends after the first end-of-turn marker that follows.
 
+An *empty* assistant turn (no content, no tool calls, no reasoning) is not trained: left in,
+it would teach the model to end its turn at once, the only token it holds being the
+end-of-turn marker.  Its tokens stay as context; :func:`empty_assistant_turns` counts them
+(``DataStats.empty_assistant_turns``).
+
 A template that opens an assistant turn with an empty think block (``<think>\\n\\n</think>``)
 gets that block left out of the mask unless ``supervise_empty_think`` is asked for: the model
 should not learn to emit empty reasoning.
@@ -140,9 +145,28 @@ def assistant_spans(
                 start = empty.end()
             trimmed.append((start, stop))
         spans = trimmed
+    turns = [m for m in messages if m.get("role") == "assistant"]
+    if len(spans) == len(turns):  # one span per assistant turn, in order: leave the empty ones out
+        pairs = list(zip(spans, turns))[-1:] if last_turn_only else list(zip(spans, turns))
+        return text, [span for span, turn in pairs if not is_empty_turn(turn)]
     if last_turn_only:
         spans = spans[-1:]
     return text, spans
+
+
+def is_empty_turn(message: dict[str, Any]) -> bool:
+    """An assistant message with nothing to learn: no content, tool calls or reasoning."""
+    return (message.get("role") == "assistant" and not message.get("tool_calls")
+            and not str(message.get("content") or "").strip()
+            and not str(message.get("reasoning_content") or "").strip())
+
+
+def empty_assistant_turns(messages: list[dict[str, Any]], last_turn_only: bool = False) -> int:
+    """How many of the assistant turns that would be trained are empty (and so are not)."""
+    turns = [m for m in messages if m.get("role") == "assistant"]
+    if last_turn_only:
+        turns = turns[-1:]
+    return sum(is_empty_turn(m) for m in turns)
 
 
 def encode_chat(

@@ -21,6 +21,7 @@ class DataStats:
     dropped_too_long: int = 0  # longer than max_seq_len under truncation = "drop"
     truncated: int = 0  # cut to max_seq_len under truncation = "truncate"
     dropped_no_trained: int = 0  # would keep no trained token (never trained all-masked)
+    empty_assistant_turns: int = 0  # assistant turns with no content, tool calls or reasoning: not trained
     sequences: int = 0  # packed sequences (bins) built
     sequence_capacity: int = 0  # sequences * max_seq_len
 
@@ -45,6 +46,15 @@ class DataStats:
             if hasattr(self, name):
                 setattr(self, name, int(value))
 
+    def warnings(self) -> list[str]:
+        """One line per thing in these counts worth a user's look (``pgs data inspect``, ``pgs validate``)."""
+        out = []
+        if self.empty_assistant_turns:
+            n = self.empty_assistant_turns
+            out.append(f"{n} empty assistant turn{'s' if n != 1 else ''} (no content, tool calls or reasoning) "
+                       "left untrained; fill or remove them in the data")
+        return out
+
     def summary(self) -> list[tuple[str, str]]:
         """``(name, value)`` rows for a report."""
         return [
@@ -56,6 +66,7 @@ class DataStats:
             ("dropped: too long", f"{self.dropped_too_long}"),
             ("dropped: no trained token", f"{self.dropped_no_trained}"),
             ("truncated", f"{self.truncated}"),
+            ("empty assistant turns (not trained)", f"{self.empty_assistant_turns}"),
             ("packed sequences", f"{self.sequences}"),
             ("packing efficiency", f"{self.packing_efficiency:.1%}"),
         ]

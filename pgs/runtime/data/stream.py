@@ -18,7 +18,7 @@ import random
 from typing import Iterator
 
 from pgs.errors import DataError
-from pgs.runtime.data.chat import encode_chat, encode_chats
+from pgs.runtime.data.chat import empty_assistant_turns, encode_chat, encode_chats
 from pgs.runtime.data.config import DataConfig, DataSource
 from pgs.runtime.data.packing import Document, PackedBatch, best_fit_decreasing, collate
 from pgs.runtime.data.records import Conversation, read_conversations
@@ -58,6 +58,7 @@ def _document(conversation: Conversation, encoded, config: DataConfig, stats: Da
         raise encoded
     ids, mask = encoded
     stats.records += 1
+    stats.empty_assistant_turns += empty_assistant_turns(conversation.messages, config.last_turn_only)
     if len(ids) > config.max_seq_len:
         if config.truncation == "drop":
             stats.dropped_too_long += 1
