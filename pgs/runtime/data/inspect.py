@@ -5,6 +5,8 @@ The CLI command is wired by the lead; this module gives it :func:`inspect_datase
 
 from __future__ import annotations
 
+import itertools
+
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -17,11 +19,19 @@ from pgs.runtime.data.stream import encode_document, pack_documents
 
 TRAINED_STYLE = "bold green on grey15"
 CONTEXT_STYLE = "dim"
+#: Around each run of trained tokens when the output is not a terminal (no colours to show them).
+TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"
 
 
-def render_document(document: Document, tokenizer) -> Text:
-    """The document's text, trained tokens highlighted, context dimmed."""
+def render_document(document: Document, tokenizer, plain: bool = False) -> Text:
+    """The document's text, trained tokens highlighted, context dimmed; ``plain``: no styles,
+    each run of trained tokens between ``[[`` and ``]]`` (for a file or a pipe)."""
     text = Text()
+    if plain:
+        for trained, run in itertools.groupby(zip(document.input_ids, document.train_mask), key=lambda x: x[1]):
+            piece = tokenizer.decode([token for token, _ in run])
+            text.append(f"{TRAINED_OPEN}{piece}{TRAINED_CLOSE}" if trained else piece)
+        return text
     for token, trained in zip(document.input_ids, document.train_mask):
         text.append(tokenizer.decode([token]), style=TRAINED_STYLE if trained else CONTEXT_STYLE)
     return text
@@ -61,18 +71,21 @@ def _count_packing(window: list[Document], config: DataConfig, stats: DataStats)
 
 def inspect_dataset(config: DataConfig, tokenizer, n: int = 5, console: Console | None = None,
                     max_records: int | None = None) -> DataStats:
-    """Print the first ``n`` samples (trained tokens highlighted) and the dataset statistics."""
+    """Print the first ``n`` samples (trained tokens highlighted; between ``[[ ]]`` when the
+    console is not a terminal) and the dataset statistics."""
     console = console or Console()
     shown: list[Document] = []
     stats = dataset_stats(config, tokenizer, max_records, shown, n)
     for document in shown:
         trained = document.num_trained
         console.rule(f"{document.origin}  ({len(document)} tokens, {trained} trained)")
-        console.print(render_document(document, tokenizer))
+        console.print(render_document(document, tokenizer, plain=not console.is_terminal))
     table = Table(title="data statistics", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
     for name, value in stats.summary():
         table.add_row(name, value)
     console.print(table)
+    for warning in stats.warnings():
+        console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
     return stats
