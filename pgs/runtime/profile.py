@@ -428,7 +428,12 @@ def memory_options(spec) -> dict[str, Any]:
 def _spec_model_config(spec):
     m = spec.model
     if m.config is not None:
-        return _hf_config(dict(m.config))
+        table = dict(m.config)
+        if not table.get("vocab_size"):  # as pgs run builds it: the tokenizer's vocabulary
+            from pgs.runtime.model import load_tokenizer
+
+            table["vocab_size"] = len(load_tokenizer(m.tokenizer or m.path))
+        return _hf_config(table)
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(m.path, local_files_only=True, trust_remote_code=m.trust_remote_code)
@@ -494,9 +499,14 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
     table = Table(title=title)
     table.add_column("category")
     table.add_column("predicted GiB", justify="right")
-    for k in (*CATEGORIES, "total", "peak"):
+    for k in CATEGORIES:
         table.add_row(k, f"{pred[k] / GiB:.3f}")
+    table.add_section()
+    table.add_row("total (sum of the above, if all were live at once)", f"{pred['total'] / GiB:.3f}")
+    table.add_row("peak (what is live together at the worst phase)", f"{pred['peak'] / GiB:.3f}")
     console.print(table)
+    console.print(f"vocabulary {_text_config(plan['config']).vocab_size:,}; the peak is the figure to compare with "
+                  "a GPU (add allocator slack and the CUDA context)", soft_wrap=True, highlight=False)
     if measured is not None:
         mt = Table(title="measured on " + torch.cuda.get_device_name())
         mt.add_column("phase")
@@ -528,7 +538,8 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
     torch.cuda.reset_peak_memory_stats()
     m = spec.model
     with dev:  # random init on the GPU: minutes faster than on the host at 4B
-        model = build_model(path=m.path, config=m.config, dtype=m.dtype, attn_implementation=m.attn_implementation,
+        config = None if m.config is None else {**m.config, "vocab_size": _text_config(plan["config"]).vocab_size}
+        model = build_model(path=m.path, config=config, dtype=m.dtype, attn_implementation=m.attn_implementation,
                             varlen_kernel=m.varlen_kernel, init_seed=m.init_seed).to(dev)
     freeze(model, m.freeze)
     if int(opts.get("mlp_tiles", 0)) > 1:
