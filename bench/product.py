@@ -160,9 +160,7 @@ def run_peer(spec_path: str, args) -> dict:
     model = sft_step.build(table, device, "sdpa" if causal or "_varlen" not in name else "varlen")
     if not (spec.model.dtype == "bfloat16"):
         model = model.to(getattr(torch, spec.model.dtype))
-    step, _opt = sft_step.variant_setup(sft_step.split_switches(name)[0], model, peer_args, 0)
-    base = sft_step.split_switches(name)[0]
-    plain = base.removesuffix("_causal")
+    hf_step, _opt = sft_step.variant_setup(sft_step.split_switches(name)[0], model, peer_args, 0)
 
     def batch_for_hf():
         b = stream.next_batch(spec.train.batch_size)
@@ -173,7 +171,6 @@ def run_peer(spec_path: str, args) -> dict:
         pos = (torch.arange(ids.shape[1]).expand_as(ids) if causal else b.position_ids).to(device)
         return ids, pos, labels.to(device), b.num_tokens
 
-    hf_step = _hf_step(model, _opt, plain)
     times, tokens = [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -185,7 +182,6 @@ def run_peer(spec_path: str, args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         tokens.append(n)
-    del step
     timed, counted = times[args.skip:], tokens[args.skip:]
     median = statistics.median(timed)
     out.update(mean_tok_s=sum(counted) / sum(timed), median_step_s=median, max_over_median=max(timed) / median,
@@ -195,25 +191,6 @@ def run_peer(spec_path: str, args) -> dict:
         out["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     return out
-
-
-def _hf_step(model, opt, name: str):
-    """One HF training step with the trained-token labels (sft_step's variants train on all tokens)."""
-    import torch
-
-    from pgs.runtime.attention import packed_kwargs, uses_varlen
-
-    varlen = uses_varlen(model)
-
-    def step(ids, pos, labels):
-        extra = packed_kwargs(pos) if varlen else {}
-        loss = model(input_ids=ids, position_ids=pos, labels=labels, **extra).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
 
 
 def run_harness(args) -> dict:

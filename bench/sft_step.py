@@ -266,9 +266,9 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
 
         varlen = uses_varlen(model)
 
-        def step(ids, pos):
+        def step(ids, pos, labels=None):  # labels: HF's unshifted targets (default: every token)
             extra = packed_kwargs(pos) if varlen else {}
-            loss = model(input_ids=ids, position_ids=pos, labels=ids, **extra).loss
+            loss = model(input_ids=ids, position_ids=pos, labels=ids if labels is None else labels, **extra).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
