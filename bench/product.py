@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -96,6 +97,7 @@ def summarize(records: list[dict], skip: int) -> dict:
 def run_pgs(spec: str, args, workdir: str) -> dict:
     """``pgs run`` in a child process; the figures from its metrics.jsonl."""
     run_dir = os.path.join(workdir, "run")
+    shutil.rmtree(run_dir, ignore_errors=True)  # the bench's own scratch folder: a fresh run each time
     every = max(1, args.steps // 2)
     sets = [f"train.steps={args.steps}", f"checkpoint.dir={run_dir}", f"checkpoint.every={every}",
             "checkpoint.keep=1", "train.log_every=5"] + (SMALL if args.small else []) + args.set
