@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 
-from pgs.errors import EXIT_BAD_INPUT, DataError, PgsError, SpecError
+from pgs.errors import EXIT_BAD_INPUT, PgsError, SpecError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
@@ -187,6 +187,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_validate(args) -> int:
+    from pgs.runtime.preflight import check_resources  # the same checks pgs run makes, then the data
+
     spec = _load(args)
     found = check_resources(spec, records=args.records)
     print_summary(spec, found)
@@ -203,7 +205,9 @@ def cmd_report(args) -> int:
 def cmd_data_inspect(args) -> int:
     spec = _load(args)
     inspect = _component("pgs.runtime.data.inspect", "pgs data inspect")
-    tokenizer = load_tokenizer(spec.model)
+    from pgs.runtime.preflight import load_tokenizer
+
+    tokenizer = load_tokenizer(spec.model.tokenizer, spec.model.trust_remote_code)
     inspect.inspect_dataset(spec.data, tokenizer, n=args.n, max_records=args.records or None)
     return 0
 
@@ -237,6 +241,9 @@ def _launch_torchrun(args, spec) -> int:
     from pgs.runtime.launch import relaunch
     from pgs.runtime.spec import check_world_size
 
+    from pgs.runtime.preflight import preflight_spec
+
+    preflight_spec(spec)  # the checks each worker makes, once here: a worker's refusal would read as exit 1
     check_world_size(spec.train, args.nproc)  # refuse before starting N processes
     if args.resume is None:  # refuse (or move the old run aside) once, before N processes start
         from pgs.runtime import checkpoint
@@ -256,202 +263,6 @@ def _launch_torchrun(args, spec) -> int:
 
 
 # --------------------------------------------------------------------------- pgs validate
-
-
-def _quiet_transformers() -> None:
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
-def load_tokenizer(model):
-    """The tokenizer of ``model.tokenizer`` (a local folder); ``SpecError`` when it will not load."""
-    _quiet_transformers()
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(
-            model.tokenizer, local_files_only=True, trust_remote_code=model.trust_remote_code
-        )
-    except (OSError, ValueError, TypeError, KeyError) as err:
-        first = _first_line(err)
-        raise SpecError(f"model.tokenizer: cannot load a tokenizer from {model.tokenizer} ({first})") from None
-
-
-def _first_line(err: BaseException, limit: int = 200) -> str:
-    text = str(err).strip()
-    line = text.splitlines()[0] if text else type(err).__name__
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _model_config(model, vocab_size: int):
-    from transformers import AutoConfig
-
-    from pgs.runtime.spec import suggest
-
-    try:
-        if model.path is not None:
-            return AutoConfig.from_pretrained(model.path, local_files_only=True,
-                                              trust_remote_code=model.trust_remote_code)
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-        table = dict(model.config)
-        model_type = table.pop("model_type")
-        if model_type not in CONFIG_MAPPING:
-            known = list(CONFIG_MAPPING.keys())
-            raise SpecError(f"model.config.model_type: unknown architecture {model_type!r}"
-                            f"{suggest(model_type, known) or ' (see transformers model types)'}")
-        if not table.get("vocab_size"):
-            table["vocab_size"] = vocab_size
-        config = AutoConfig.for_model(model_type, **table)
-    except (OSError, ValueError, TypeError, KeyError) as err:
-        first = _first_line(err)
-        field = "model.path" if model.path is not None else "model.config"
-        raise SpecError(f"{field}: not a usable model configuration ({first})") from None
-    from pgs.runtime.attention import hf_implementation
-
-    config._attn_implementation = hf_implementation(model.attn_implementation, config)  # "auto" resolved
-    return config
-
-
-def _parameter_names(config, trust_remote_code: bool) -> dict[str, tuple[int, ...]] | None:
-    """Parameter names and shapes of the architecture, built on the meta device (no memory)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    except Exception:  # an architecture that cannot build on meta: the run will say more
-        return None
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
-def _dummy_params():
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    return {
-        "model.embed_tokens.weight": torch.randn(16, 8, generator=g),
-        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=g),
-        "model.layers.0.self_attn.q_proj.bias": torch.randn(8, generator=g),
-        "model.layers.0.input_layernorm.weight": torch.ones(8),
-        "model.layers.0.mlp.down_proj.weight": torch.randn(8, 12, generator=g),
-    }
-
-
-def _check_chain(spec) -> str:
-    """Build the chain and take two steps on a tiny parameter tree; returns its description."""
-    import torch
-
-    import pgs.func as pf
-
-    total = spec.train.steps or 100
-    chain = spec.build_chain(total_steps=total)
-    params = _dummy_params()
-    opt = pf.compile(chain, jit=False) if spec.optimizer.compile else chain
-    try:
-        state = opt.init(params)
-        for _ in range(2):
-            grads = {k: torch.randn_like(v) for k, v in params.items()}
-            updates, state = opt.update(grads, state, params)
-            params = pf.apply_updates(params, updates)
-    except PgsError as err:
-        raise SpecError(f"optimizer: the chain fails on a test parameter tree ({err})") from None
-    bad = [k for k, v in params.items() if not torch.isfinite(v).all()]
-    if bad:
-        raise SpecError(f"optimizer: the chain produced non-finite values on a test parameter tree ({bad[0]})")
-    o = spec.optimizer
-    if o.chain is not None:
-        text = " → ".join(e.name for e in o.chain)
-    else:
-        args = ", ".join(f"{k}={v}" for k, v in o.args.items())
-        text = (f"clip_by_global_norm({o.clip:g}) → " if o.clip > 0 else "") + f"{o.alias}({args})"
-    return text + (" (compiled)" if o.compile else "")
-
-
-def _check_eval(spec, tokenizer, records: int) -> int:
-    from pgs.runtime.data import DataStats, encode_document, read_conversations
-
-    stats = DataStats()
-    count = 0
-    for count, conversation in enumerate(read_conversations(spec.data.eval, "auto", "error"), start=1):
-        encode_document(conversation, tokenizer, spec.data, stats)
-        if records and count >= records:
-            break
-    if count == 0:
-        raise SpecError(f"data.eval: {spec.data.eval} has no records")
-    return count
-
-
-def check_resources(spec, records: int = 200) -> dict:
-    """What ``pgs validate`` checks beyond the spec itself; returns facts for the summary.
-
-    Loads the tokenizer, resolves the model configuration (vocabulary, freeze patterns,
-    packing isolation), runs the chain on a tiny tree and reads the first ``records``
-    records of every data file through the data pipeline.  Problems raise ``SpecError`` or
-    ``DataError``; ``facts["warnings"]`` holds what is worth saying but not fatal.
-    """
-    import re
-
-    from pgs.runtime.data.inspect import dataset_stats
-    from pgs.runtime.data.records import iter_lines
-    from pgs.runtime.data.isolation import require_packing_isolation
-
-    facts: dict = {"warnings": []}
-    tokenizer = load_tokenizer(spec.model)
-    facts["tokenizer"] = f"{len(tokenizer)} tokens"
-    config = _model_config(spec.model, len(tokenizer))
-    vocab = getattr(getattr(config, "text_config", None) or config, "vocab_size", None)
-    if isinstance(vocab, int) and vocab < len(tokenizer):
-        field = "model.config.vocab_size" if spec.model.config is not None else "model.path"
-        raise SpecError(f"{field}: the model has {vocab} embeddings but the tokenizer has {len(tokenizer)} tokens")
-    facts["model"] = f"{config.model_type}, vocab {vocab}"
-    shapes = _parameter_names(config, spec.model.trust_remote_code)
-    if shapes is None:
-        facts["warnings"].append("the architecture could not be built on the meta device; parameters not counted")
-    else:
-        total = sum(_numel(s) for s in shapes.values())
-        facts["parameters"] = f"{total / 1e6:,.2f} M"
-        if isinstance(spec.model.freeze, tuple):
-            for i, pattern in enumerate(spec.model.freeze):
-                if not any(re.search(pattern, name) for name in shapes):
-                    raise SpecError(f"model.freeze[{i}]: {pattern!r} matches no parameter of the model")
-            frozen = [n for n in shapes if any(re.search(p, n) for p in spec.model.freeze)]
-            if len(frozen) == len(shapes):
-                raise SpecError("model.freeze: these patterns freeze every parameter; nothing would train")
-            facts["frozen"] = f"{sum(_numel(shapes[n]) for n in frozen) / 1e6:,.2f} M in {len(frozen)} tensors"
-    if spec.data.packing:
-        verdict = require_packing_isolation(config, spec.data.allow_packing_leakage)
-        if not verdict.isolates:
-            facts["warnings"].append(f"packing leaks across documents: {verdict.reason}")
-    facts["chain"] = _check_chain(spec)
-    for i, source in enumerate(spec.data.sources):
-        if next(iter_lines(source.path), None) is None:
-            raise DataError(f"{source.path}: no records (data.sources[{i}] is empty)")
-    stats = dataset_stats(spec.data, tokenizer, max_records=records or None)
-    if stats.samples == 0:
-        raise SpecError("data.sources: no record of the data checked keeps a trained token within "
-                        f"max_seq_len = {spec.data.max_seq_len} (see pgs data inspect)")
-    facts["data"] = stats
-    if stats.dropped:
-        facts["warnings"].append(
-            f"{stats.dropped} of the {stats.records} records checked would be dropped "
-            f"({stats.dropped_too_long} too long, {stats.dropped_no_trained} without a trained token)"
-        )
-    if spec.data.eval is not None:
-        facts["eval"] = f"{_check_eval(spec, tokenizer, records)} records checked"
-    return facts
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def print_summary(spec, facts: dict) -> None:

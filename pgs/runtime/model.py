@@ -52,16 +52,9 @@ def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype:
 
 def build_config(config: dict[str, Any]):
     """A ``transformers`` config from a table such as ``{model_type = "qwen3", hidden_size = 64}``."""
-    from transformers import AutoConfig
+    from pgs.runtime.preflight import config_from_table
 
-    table = dict(config)
-    model_type = table.pop("model_type", None)
-    if not model_type:
-        raise SpecError("model.config: needs a model_type (e.g. \"qwen3\") to pick the architecture")
-    try:
-        return AutoConfig.for_model(str(model_type), **table)
-    except ValueError as err:
-        raise SpecError(f"model.config.model_type: {err}") from None
+    return config_from_table(config)
 
 
 def _init_device(device: torch.device | str | None) -> torch.device:
@@ -142,12 +135,11 @@ def build_model(
 
 
 def load_tokenizer(path: str):
-    """The tokenizer of a local folder (``model.tokenizer``, or the model folder itself)."""
-    from transformers import AutoTokenizer
+    """The tokenizer of a local folder (``model.tokenizer``, or the model folder itself);
+    ``SpecError`` when it will not load (``pgs.runtime.preflight.load_tokenizer``)."""
+    from pgs.runtime.preflight import load_tokenizer as load
 
-    if not path or not os.path.isdir(path):
-        raise SpecError(f"model.tokenizer: {path!r} is not a tokenizer folder")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return load(path)
 
 
 def _layer_index(name: str) -> int | None:

@@ -3,8 +3,8 @@
 ``load_spec(path, overrides)`` reads the file, applies ``--set dotted.key=value`` overrides,
 checks every field (unknown keys with a suggestion, types, ranges, conflicts, files that must
 exist, transform names and their arguments) and returns a frozen :class:`Spec` whose paths are
-absolute.  Nothing here touches a model or reads training data; ``pgs validate`` does that on
-top (``pgs/cli.py``).  Every problem is a ``SpecError`` naming the dotted field.
+absolute.  Nothing here touches a model or reads training data; ``pgs validate`` and ``pgs
+run`` do that on top, through the same checks (``pgs.runtime.preflight``).  Every problem is a ``SpecError`` naming the dotted field.
 
 The sections and their field checks live in ``spec_sections.py`` (re-exported here); building
 the optimizer chain and the schedule from a spec lives in ``spec_chain.py``;
@@ -161,13 +161,47 @@ _EXCLUSIVE = {
 }
 
 
-def apply_override(raw: dict, assignment: str) -> None:
-    """Apply one ``dotted.key[index].key=value`` to the parsed spec tables, in place."""
+_CHAIN_ARG = re.compile(r"^optimizer\.chain\[(\d+)\]\.([A-Za-z0-9_\-]+)$")
+
+
+def _swap_transform(raw: dict, key: str, value, given: dict[int, set[str]]) -> None:
+    """``--set optimizer.chain[i].name=NEW``: a new transform starts from its own defaults.
+
+    The replaced entry's other arguments belonged to the old transform (``min_8bit_size`` of
+    ``scale_by_lion8bit`` means nothing to ``muon``); only those given on the same command
+    line (``given[i]``) are kept.  The same name again changes nothing."""
+    m = _CHAIN_ARG.match(key)
+    if not m:
+        return
+    index, arg = int(m.group(1)), m.group(2)
+    chain = raw.get("optimizer", {}).get("chain") if isinstance(raw.get("optimizer"), dict) else None
+    entry = chain[index] if isinstance(chain, list) and index < len(chain) else None
+    if arg != "name":
+        given.setdefault(index, set()).add(arg)
+    elif isinstance(entry, dict) and entry.get("name") != value:
+        kept = {k: v for k, v in entry.items() if k in given.get(index, ())}
+        entry.clear()
+        entry.update(kept)
+
+
+def apply_override(raw: dict, assignment: str, given: dict[int, set[str]] | None = None) -> None:
+    """Apply one ``dotted.key[index].key=value`` to the parsed spec tables, in place.
+
+    ``given``: the chain arguments set by earlier overrides of the same command line, by entry
+    index (``load_spec`` passes one dict through all of them); a new ``optimizer.chain[i].name``
+    keeps only those of the entry's arguments.
+    """
     key, sep, text = assignment.partition("=")
     key = key.strip()
     if not sep or not key:
         raise SpecError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set train.steps=20")
     value = parse_value(text.strip())
+    _swap_transform(raw, key, value, {} if given is None else given)
+    if given is not None:  # a whole new chain or entry: no earlier argument of it applies
+        if key == "optimizer.chain":
+            given.clear()
+        elif re.match(r"^optimizer\.chain\[\d+\]$", key):
+            given.pop(int(key[len("optimizer.chain["):-1]), None)
     parts = key.split(".")
     node: Any = raw
     for depth, part in enumerate(parts):
@@ -404,6 +438,7 @@ def _check_schedule_fields(schedule: ScheduleSpec, table: dict) -> None:
 def load_spec(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Spec:
     """Read, override (``--set``), check and resolve the spec file at ``path``."""
     raw = read_toml(path)
+    given: dict[int, set[str]] = {}
     for assignment in overrides:
-        apply_override(raw, assignment)
+        apply_override(raw, assignment, given)
     return spec_from_dict(raw, Path(path).resolve().parent, source=str(Path(path).resolve()))

@@ -55,7 +55,8 @@ from pgs.runtime.evaluate import eval_loss, read_samples, task_accuracy, task_ch
 from pgs.runtime.export import export_hf
 from pgs.runtime.metrics import MetricsLog
 from pgs.runtime.trace import Profiler
-from pgs.runtime.model import build_model, freeze, load_tokenizer, output_head, parameter_bytes
+from pgs.runtime.model import build_model, freeze, output_head, parameter_bytes
+from pgs.runtime.preflight import preflight_spec
 
 #: Eval prompts answered by greedy generation when the eval data has a known checker.
 ACCURACY_SAMPLES = 48
@@ -167,6 +168,7 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
     """
     from pgs.runtime.spec import check_world_size
 
+    tokenizer = preflight_spec(spec).tokenizer  # pgs validate's checks of the model, lengths and run folder
     sharded = ctx is not None and ctx.distributed
     world = ctx.world_size if sharded else 1
     mem = spec.memory
@@ -176,7 +178,6 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
     device = ctx.device if sharded else _device(spec.train.device)
     configure_allocator(device)
     m = spec.model
-    tokenizer = load_tokenizer(m.tokenizer or m.path)
     config = None
     if m.config is not None:
         config = {k: v for k, v in m.config.items() if not (k == "vocab_size" and not v)}

@@ -1,0 +1,411 @@
+"""The checks of a spec against its tokenizer, model configuration and run folder, shared by
+``pgs validate`` and ``pgs run`` (docs/cli.md).
+
+:func:`preflight_spec` is what both commands run before anything is built: the tokenizer
+loads, the model configuration builds (an unknown ``model_type`` is one short line with a
+suggestion, for ``model.config`` and a local folder's ``config.json`` alike), the vocabulary
+covers the tokenizer, the attention heads are consistent, ``data.max_seq_len`` fits the
+model's positions, ``checkpoint.dir`` can be a folder, ``freeze`` patterns match parameters
+(counted on the meta device: no memory) and the optimizer chain takes two finite steps on a
+tiny parameter tree.  No weights are initialised and no training data is read.
+
+:func:`check_resources` is ``pgs validate``'s whole check: the preflight plus the first
+records of every data file through the real reader, chat template and length policy.
+
+Every problem is a ``SpecError`` (or ``DataError``) whose one line names the field or file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import attrs
+
+from pgs.errors import DataError, PgsError, SpecError
+
+#: ``data.max_seq_len`` allowed when the model's configuration names no
+#: ``max_position_embeddings`` (2**20 tokens; beyond it a batch alone outgrows a host).
+MAX_SEQ_LEN_UNBOUNDED = 1 << 20
+
+#: Files of a tokenizer folder (at least one must be there).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "merges.txt", "tokenizer.tiktoken")
+
+
+@attrs.define
+class Preflight:
+    """What the preflight resolved: the tokenizer, the HF config, and (when they were counted)
+    the parameters' names and shapes on the meta device."""
+
+    tokenizer: Any
+    config: Any
+    shapes: dict[str, tuple[int, ...]] | None = None
+    chain: str = ""
+    warnings: list[str] = attrs.field(factory=list)
+
+
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message (of its cause, for transformers' config
+    validation errors whose own first line says only which validator failed), cut to ``limit``."""
+    text = str(err).strip()
+    if err.__cause__ is not None and text.startswith("Class validation error"):
+        text = str(err.__cause__).strip()
+    line = text.splitlines()[0] if text else type(err).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def load_tokenizer(path: str | None, trust_remote_code: bool = False, field: str = "model.tokenizer"):
+    """The tokenizer of the local folder ``path``; one ``SpecError`` line when it will not load."""
+    _quiet_transformers()
+    if not path or not os.path.isdir(path):
+        raise SpecError(f"{field}: {path!r} is not a tokenizer folder")
+    if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise SpecError(f"{field}: {path} holds no tokenizer (none of tokenizer.json, tokenizer_config.json, "
+                        "tokenizer.model, vocab.json)")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as err:  # a folder that transformers cannot read: the user's file, not a bug
+        raise SpecError(f"{field}: cannot load a tokenizer from {path} ({first_line(err)})") from None
+
+
+# --------------------------------------------------------------------------- model configuration
+
+
+def known_model_types() -> list[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return list(CONFIG_MAPPING.keys())
+
+
+def _unknown_model_type(field: str, model_type) -> SpecError:
+    import transformers
+
+    from pgs.runtime.spec import suggest
+
+    hint = suggest(str(model_type), known_model_types())
+    return SpecError(f"{field}: unknown architecture {model_type!r}"
+                     f"{hint or f' (not a model type of transformers {transformers.__version__})'}")
+
+
+def config_from_table(table: dict[str, Any]):
+    """A ``transformers`` config from a ``model.config`` table (``model_type`` + fields)."""
+    from transformers import AutoConfig
+
+    table = dict(table)
+    model_type = table.pop("model_type", None)
+    if not model_type:
+        raise SpecError("model.config.model_type: needed (a string such as \"qwen3\") to pick the architecture")
+    if str(model_type) not in known_model_types():
+        raise _unknown_model_type("model.config.model_type", model_type)
+    try:
+        return AutoConfig.for_model(str(model_type), **table)
+    except Exception as err:  # transformers' own validation of the fields the user gave
+        raise SpecError(f"model.config: not a usable {model_type} configuration ({first_line(err)})") from None
+
+
+def config_from_folder(path: str, trust_remote_code: bool = False):
+    """The ``transformers`` config of a local model folder (its ``config.json``)."""
+    from transformers import AutoConfig
+
+    file = os.path.join(path, "config.json")
+    try:
+        with open(file, encoding="utf-8") as handle:
+            raw = json.load(handle)
+    except OSError as err:
+        raise SpecError(f"model.path: cannot read {file} ({err.strerror or err})") from None
+    except ValueError as err:
+        raise SpecError(f"model.path: {file} is not JSON ({first_line(err)})") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"model.path: {file} is not a JSON object")
+    model_type = raw.get("model_type")
+    remote = trust_remote_code and "auto_map" in raw
+    if not remote and model_type is not None and str(model_type) not in known_model_types():
+        raise _unknown_model_type(f"model.path: {file}: model_type", model_type)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as err:
+        raise SpecError(f"model.path: {file} is not a usable model configuration ({first_line(err)})") from None
+
+
+def model_config(model, vocab_size: int | None = None):
+    """The HF config of the spec's ``[model]`` (``vocab_size = 0`` takes ``vocab_size``),
+    with ``attn_implementation = "auto"`` resolved."""
+    if model.path is not None:
+        config = config_from_folder(model.path, model.trust_remote_code)
+    else:
+        table = dict(model.config)
+        if not table.get("vocab_size") and vocab_size:
+            table["vocab_size"] = vocab_size
+        config = config_from_table(table)
+    from pgs.runtime.attention import hf_implementation
+
+    config._attn_implementation = hf_implementation(model.attn_implementation, config)
+    return config
+
+
+def _text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def _config_field(model, name: str) -> str:
+    """How a message names a configuration field: ``model.config.X`` or ``<folder>/config.json: X``."""
+    if model.path is not None:
+        return f"model.path: {os.path.join(model.path, 'config.json')}: {name}"
+    return f"model.config.{name}"
+
+
+def check_architecture(model, config) -> None:
+    """Attention heads that the attention kernels can run: a whole number of query heads per
+    key/value head, a positive head dimension, a hidden size that splits into the heads when
+    the config derives the head dimension from it."""
+    c = _text_config(config)
+    heads = getattr(c, "num_attention_heads", None)
+    kv = getattr(c, "num_key_value_heads", None)
+    if isinstance(heads, int) and heads < 1:
+        raise SpecError(f"{_config_field(model, 'num_attention_heads')}: expected an integer >= 1, got {heads}")
+    if isinstance(heads, int) and isinstance(kv, int):
+        if kv < 1 or heads % kv:
+            raise SpecError(f"{_config_field(model, 'num_key_value_heads')}: {kv} does not divide "
+                            f"num_attention_heads = {heads} (each key/value head serves a whole number of "
+                            f"query heads); use a divisor of {heads}")
+    head_dim = getattr(c, "head_dim", None)
+    hidden = getattr(c, "hidden_size", None)
+    if isinstance(head_dim, int) and head_dim < 1:
+        raise SpecError(f"{_config_field(model, 'head_dim')}: expected an integer >= 1, got {head_dim}")
+    derived = head_dim is None or (model.config is not None and "head_dim" not in model.config)
+    if derived and isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads:
+        raise SpecError(f"{_config_field(model, 'hidden_size')}: {hidden} does not split into "
+                        f"num_attention_heads = {heads} heads; use a multiple of {heads} or give head_dim")
+
+
+def position_limit(config) -> tuple[int | None, str]:
+    """The longest sequence the model's positions cover, and where that number comes from:
+    ``max_position_embeddings`` (times a RoPE scaling ``factor`` > 1 when the config has one)."""
+    c = _text_config(config)
+    limit = getattr(c, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit < 1:
+        return None, ""
+    rope = getattr(c, "rope_scaling", None) or getattr(c, "rope_parameters", None)
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    if isinstance(factor, (int, float)) and factor > 1:
+        return int(limit * factor), f"max_position_embeddings = {limit} x rope factor {factor:g}"
+    return limit, f"max_position_embeddings = {limit}"
+
+
+def check_seq_len(spec, config) -> None:
+    """``data.max_seq_len`` within the model's positions (or within ``MAX_SEQ_LEN_UNBOUNDED``
+    when the config names none)."""
+    length = spec.data.max_seq_len
+    limit, source = position_limit(config)
+    if limit is not None:
+        if length > limit:
+            where = "model.path's config.json" if spec.model.path is not None else "model.config"
+            raise SpecError(f"data.max_seq_len: {length} is longer than the model's {source} ({where}); "
+                            f"set data.max_seq_len <= {limit}")
+    elif length > MAX_SEQ_LEN_UNBOUNDED:
+        raise SpecError(f"data.max_seq_len: {length} tokens per sequence; the model's configuration names no "
+                        f"max_position_embeddings and pgs refuses more than {MAX_SEQ_LEN_UNBOUNDED}")
+
+
+def check_run_dir(path: str) -> None:
+    """``checkpoint.dir`` is a folder or can become one: neither it nor a folder above it is a file."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise SpecError(f"checkpoint.dir: {path} is a file, expected a folder (the run folder)")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+        up = os.path.dirname(parent)
+        if up == parent:
+            break
+        parent = up
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise SpecError(f"checkpoint.dir: {path} cannot be created: {parent} is a file, not a folder")
+
+
+# --------------------------------------------------------------------------- parameters, chain
+
+
+def parameter_shapes(config, trust_remote_code: bool) -> dict[str, tuple[int, ...]] | None:
+    """Parameter names and shapes of the architecture, built on the meta device (no memory);
+    None for an architecture that cannot build there."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # an architecture that cannot build on meta: the run will say more
+        return None
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def check_freeze(freeze, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The frozen parameter names of ``model.freeze`` patterns; each pattern must match one,
+    and something must stay trainable."""
+    frozen: list[str] = []
+    if not isinstance(freeze, tuple):
+        return frozen
+    for i, pattern in enumerate(freeze):
+        if not any(re.search(pattern, name) for name in shapes):
+            raise SpecError(f"model.freeze[{i}]: {pattern!r} matches no parameter of the model")
+    frozen = [n for n in shapes if any(re.search(p, n) for p in freeze)]
+    if len(frozen) == len(shapes):
+        raise SpecError("model.freeze: these patterns freeze every parameter; nothing would train")
+    return frozen
+
+
+def _dummy_params():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.embed_tokens.weight": torch.randn(16, 8, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=g),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(8, generator=g),
+        "model.layers.0.input_layernorm.weight": torch.ones(8),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(8, 12, generator=g),
+    }
+
+
+def check_chain(spec) -> str:
+    """Build the chain and take two steps on a tiny parameter tree; returns its description."""
+    import torch
+
+    import pgs.func as pf
+
+    total = spec.train.steps or 100
+    chain = spec.build_chain(total_steps=total)
+    params = _dummy_params()
+    g = torch.Generator().manual_seed(1)  # the run's own random state stays untouched
+    opt = pf.compile(chain, jit=False) if spec.optimizer.compile else chain
+    try:
+        state = opt.init(params)
+        for _ in range(2):
+            grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+            updates, state = opt.update(grads, state, params)
+            params = pf.apply_updates(params, updates)
+    except PgsError as err:
+        raise SpecError(f"optimizer: the chain fails on a test parameter tree ({err})") from None
+    bad = [k for k, v in params.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise SpecError(f"optimizer: the chain produced non-finite values on a test parameter tree ({bad[0]})")
+    o = spec.optimizer
+    if o.chain is not None:
+        text = " → ".join(e.name for e in o.chain)
+    else:
+        args = ", ".join(f"{k}={v}" for k, v in o.args.items())
+        text = (f"clip_by_global_norm({o.clip:g}) → " if o.clip > 0 else "") + f"{o.alias}({args})"
+    return text + (" (compiled)" if o.compile else "")
+
+
+# --------------------------------------------------------------------------- the two doors
+
+
+def preflight_spec(spec, *, count_parameters: bool = False) -> Preflight:
+    """The checks ``pgs run`` makes before it builds anything, and ``pgs validate`` before it
+    reads data: tokenizer, model configuration, heads, lengths, run folder, freeze patterns,
+    chain.  Cheap: no weights, no data.  ``count_parameters``: build the parameter shapes on the
+    meta device even without ``freeze`` patterns (validate's summary counts them)."""
+    m = spec.model
+    tokenizer = load_tokenizer(m.tokenizer or m.path, m.trust_remote_code)
+    config = model_config(m, len(tokenizer))
+    vocab = getattr(_text_config(config), "vocab_size", None)
+    if isinstance(vocab, int) and vocab < len(tokenizer):
+        field = "model.config.vocab_size" if m.config is not None else "model.path"
+        raise SpecError(f"{field}: the model has {vocab} embeddings but the tokenizer has {len(tokenizer)} tokens")
+    check_architecture(m, config)
+    check_seq_len(spec, config)
+    check_run_dir(spec.checkpoint.dir)
+    found = Preflight(tokenizer=tokenizer, config=config)
+    if count_parameters or isinstance(m.freeze, tuple):
+        found.shapes = parameter_shapes(config, m.trust_remote_code)
+        if found.shapes is None:
+            found.warnings.append("the architecture could not be built on the meta device; parameters not counted")
+        else:
+            check_freeze(m.freeze, found.shapes)
+    found.chain = check_chain(spec)
+    return found
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _check_eval(spec, tokenizer, records: int) -> int:
+    from pgs.runtime.data import DataStats, encode_document, read_conversations
+
+    stats = DataStats()
+    count = 0
+    for count, conversation in enumerate(read_conversations(spec.data.eval, "auto", "error"), start=1):
+        encode_document(conversation, tokenizer, spec.data, stats)
+        if records and count >= records:
+            break
+    if count == 0:
+        raise SpecError(f"data.eval: {spec.data.eval} has no records")
+    return count
+
+
+def check_resources(spec, records: int = 200) -> dict:
+    """What ``pgs validate`` checks beyond the spec itself; returns facts for its summary.
+
+    :func:`preflight_spec` (the same checks ``pgs run`` makes), then packing isolation and the
+    first ``records`` records of every data file through the data pipeline.  Problems raise
+    ``SpecError`` or ``DataError``; ``facts["warnings"]`` holds what is worth saying but not fatal.
+    """
+    from pgs.runtime.data.inspect import dataset_stats
+    from pgs.runtime.data.isolation import require_packing_isolation
+    from pgs.runtime.data.records import iter_lines
+
+    found = preflight_spec(spec, count_parameters=True)
+    tokenizer, config = found.tokenizer, found.config
+    facts: dict = {"warnings": list(found.warnings)}
+    facts["tokenizer"] = f"{len(tokenizer)} tokens"
+    facts["model"] = f"{config.model_type}, vocab {getattr(_text_config(config), 'vocab_size', None)}"
+    if found.shapes is not None:
+        shapes = found.shapes
+        facts["parameters"] = f"{sum(_numel(s) for s in shapes.values()) / 1e6:,.2f} M"
+        if isinstance(spec.model.freeze, tuple):
+            frozen = check_freeze(spec.model.freeze, shapes)
+            facts["frozen"] = f"{sum(_numel(shapes[n]) for n in frozen) / 1e6:,.2f} M in {len(frozen)} tensors"
+    if spec.data.packing:
+        verdict = require_packing_isolation(config, spec.data.allow_packing_leakage)
+        if not verdict.isolates:
+            facts["warnings"].append(f"packing leaks across documents: {verdict.reason}")
+    facts["chain"] = found.chain
+    for i, source in enumerate(spec.data.sources):
+        if next(iter_lines(source.path), None) is None:
+            raise DataError(f"{source.path}: no records (data.sources[{i}] is empty)")
+    stats = dataset_stats(spec.data, tokenizer, max_records=records or None)
+    if stats.samples == 0:
+        raise SpecError("data.sources: no record of the data checked keeps a trained token within "
+                        f"max_seq_len = {spec.data.max_seq_len} (see pgs data inspect)")
+    facts["data"] = stats
+    if stats.dropped:
+        facts["warnings"].append(
+            f"{stats.dropped} of the {stats.records} records checked would be dropped "
+            f"({stats.dropped_too_long} too long, {stats.dropped_no_trained} without a trained token)"
+        )
+    if spec.data.eval is not None:
+        facts["eval"] = f"{_check_eval(spec, tokenizer, records)} records checked"
+    return facts
