@@ -149,11 +149,17 @@ def test_wall_budget_checkpoints_exits_82_and_resumes(tmp_path):
     assert_same_checkpoint(run_dir / "step_6", tmp_path / "ref" / "step_6")
 
 
-def test_preflight_refusal_exits_83(tmp_path):
-    blocker = tmp_path / "blocker"
-    blocker.write_text("a file where the run folder should go")
+def test_preflight_refusal_exits_83(tmp_path, monkeypatch, capsys):
+    """Too little free disk for the run's checkpoints: exit 83 and one ``pgs: error:`` line.
+    (A run folder under a file is a spec error now, exit 2 from validate and run alike:
+    tests/test_faults_validate_run.py.)"""
+    import collections
+
+    from pgs.cli import main
+
     spec = tiny_spec(tmp_path, "run", steps=4)
-    spec.write_text(spec.read_text().replace(str(tmp_path / "run"), str(blocker / "run")))
-    done = launch(spec)
-    assert done.returncode == EXIT_PREFLIGHT, done.stderr[-3000:]
-    assert "not writable" in done.stderr
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(control.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 1024))
+    assert main(["run", str(spec)]) == EXIT_PREFLIGHT
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("pgs: error: checkpoint.dir:") and "GiB free" in err[0], err

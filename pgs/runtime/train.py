@@ -576,7 +576,8 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
         together = True
         return code
     except (HaltError, PreflightRefused) as err:
-        print(f"pgs: {err}", file=sys.stderr, flush=True)
+        # a halt reports what the run did; a refusal is an error like any other (one line)
+        print(f"pgs: {'error: ' if isinstance(err, PreflightRefused) else ''}{err}", file=sys.stderr, flush=True)
         together = isinstance(err, HaltError)  # halts are decided on agreed flags
         return err.exit_code
     except DiskFull as err:
@@ -621,8 +622,15 @@ def freeze_gc() -> None:
 
 def _train(spec, resume: str | None, wall: control.WallClock, ctx: D.DistContext | None = None,
            profile: tuple[int, int] | None = None) -> int:
-    run_dir = spec.checkpoint.dir
     r = setup(spec, ctx)
+    try:
+        return _train_loop(r, spec, resume, wall, profile)
+    finally:
+        r.loader.close()  # also when a check refuses the run before its first step: no data worker left behind
+
+
+def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profile: tuple[int, int] | None) -> int:
+    run_dir = spec.checkpoint.dir
     main = is_main(r)
     control.preflight(run_dir, parameter_bytes(r.model) + _state_bytes(r.bound))
     if main:
