@@ -53,8 +53,8 @@ one graph per document count (157 ms each), so the count is padded with zero-len
 frontend is installed, FlashAttention-2 otherwise), ``"cudnn"`` or ``"flash"``.  Head dims up
 to 256 (multiples of 8) go to cuDNN; others to FlashAttention-2.  The choice is made once per
 process and device, eagerly (``set_varlen_kernel``, which ``build_model`` calls), and recorded
-for every layer: the frontend modules the op needs are imported then (the backward's lazy import
-inside a compiled layer crashed 2 H200 runs in 5 at step 1, issue 19), its ops are checked, and
+for every layer: the frontend modules the op needs are imported then (the backward's own lazy
+import, reached inside a compiled layer, can fail at the first backward), its ops are checked, and
 a tiny forward + backward probes it (:func:`probe_kernel`).  Where any of that fails, ``"auto"``
 falls back to FlashAttention-2 with one ``pgs: warning:`` line and ``"cudnn"`` is a
 :class:`SpecError`.
@@ -122,10 +122,10 @@ _resolved: dict[tuple[str, int], str] = {}
 #: The nvidia-cudnn-frontend modules behind ``cudnn.sdpa_torch``: the op itself (``sdpa_fwd``,
 #: ``sdpa_bwd`` and their autograd), the varlen metadata it prepares, and the packed-LSE repadding
 #: that its backward imports lazily (``torch.ops.cudnn._packed_lse_to_padded``).  Left to that
-#: lazy import inside a compiled layer's backward, 2 runs in 5 failed at step 1 on an H200
-#: (``'_OpNamespace' 'cudnn' object has no attribute '_packed_lse_to_padded'``, issue 19; 8 fresh
-#: processes in 8 of a compiled two-layer packed model): all of them are imported eagerly when
-#: the kernel is resolved, outside any compiled region.
+#: lazy import inside a compiled layer's backward, a fresh process can fail at its first backward
+#: (``'_OpNamespace' 'cudnn' object has no attribute '_packed_lse_to_padded'``; how often it did
+#: is in docs/performance.md): all of them are imported eagerly when the kernel is resolved,
+#: outside any compiled region.
 CUDNN_MODULES = ("cudnn.sdpa.varlen_metadata", "cudnn.sdpa.packed_lse", "cudnn.sdpa.fwd.torch_op")
 #: The ``torch.ops.cudnn`` ops those modules register and the forward + backward call.
 CUDNN_OPS = ("sdpa_fwd", "sdpa_bwd", "_packed_lse_to_padded")
