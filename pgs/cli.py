@@ -259,6 +259,8 @@ def _launch_torchrun(args, spec) -> int:
         forwarded += ["--set", assignment]
     if args.resume:
         forwarded += ["--resume", args.resume]
+    if args.profile:
+        forwarded += ["--profile", args.profile]
     return relaunch(args.nproc, forwarded, run_dir=spec.run_dir)
 
 

@@ -13,7 +13,9 @@ for ``grace_s`` (default 900 s, ``$PGS_SHUTDOWN_GRACE_S``).
 
 Exit code: torchrun reports 1 for any failed worker.  The launcher returns, in order: the
 ``exit_code`` of a ``HALT.json`` written in ``run_dir`` during this launch (81, 80, ...);
-128+signum when it passed a signal on; torchrun's own code otherwise.
+128+signum when it passed a signal on; torchrun's own code otherwise.  torchrun's stderr is
+relayed line by line, without the ``SignalException`` traceback its agent prints after a
+signal that this launcher passed on (:func:`relay_stderr`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Sequence
 
@@ -61,6 +64,31 @@ def halt_code(run_dir: str | None, since: float) -> int | None:
     return code if isinstance(code, int) and not isinstance(code, bool) else None
 
 
+def relay_stderr(source, sink, signalled) -> None:
+    """Copy torchrun's stderr (its own and its workers') line by line to ``sink``, except the
+    traceback torchrun's agent prints when it is stopped by a signal this launcher passed on
+    (``SignalException``): the workers checkpoint and stop by themselves, and ``pgs run`` reports
+    the stop in one line, so that traceback says nothing but alarm.  Any other traceback, and
+    every line when no signal was passed on (``signalled()`` false), goes through unchanged."""
+    held: list[str] = []
+    for raw in iter(source.readline, b""):
+        line = raw.decode("utf-8", "replace")
+        if held or line.startswith("Traceback (most recent call last):"):
+            held.append(line)
+            if line.startswith((" ", "\t", "Traceback", "During handling of", "The above exception")) or not line.strip():
+                continue  # still inside the traceback: its frames, or the links of a chained one
+            if not (signalled() and "SignalException" in line):
+                sink.writelines(held)
+                sink.flush()
+            held = []
+            continue
+        sink.write(line)
+        sink.flush()
+    if held:
+        sink.writelines(held)
+        sink.flush()
+
+
 def relaunch(nproc: int, args: Sequence[str], *, run_dir: str | None = None, grace_s: int | None = None) -> int:
     """Run ``pgs <args>`` under torchrun with ``nproc`` workers; return the run's verdict.
 
@@ -68,8 +96,11 @@ def relaunch(nproc: int, args: Sequence[str], *, run_dir: str | None = None, gra
     "auto"]``).  ``run_dir``: where the run writes ``HALT.json`` (the spec's checkpoint dir).
     """
     started = time.time()
-    child = subprocess.Popen(torchrun_command(nproc, args, grace_s=grace_s))
+    child = subprocess.Popen(torchrun_command(nproc, args, grace_s=grace_s), stderr=subprocess.PIPE)
     forwarded: list[int] = []
+    relay = threading.Thread(target=relay_stderr, args=(child.stderr, sys.stderr, lambda: bool(forwarded)),
+                             daemon=True)
+    relay.start()
 
     def forward(signum, frame):
         if not forwarded:
@@ -85,6 +116,7 @@ def relaunch(nproc: int, args: Sequence[str], *, run_dir: str | None = None, gra
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        relay.join(timeout=5)
     halted = halt_code(run_dir, started)
     if halted is not None:
         return halted
