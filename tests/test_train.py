@@ -281,7 +281,7 @@ def test_an_all_masked_micro_batch_adds_nothing_and_no_nan(tmp_path):
     for with_masked in (False, True):
         run = setup(spec)
         run.loader.close()
-        batch = run.stream.next_batch(2)
+        batch = run.loader.stream.next_batch(2)
         masked = attrs.evolve(batch, labels=torch.full_like(batch.labels, -100), num_trained_tokens=0)
         # [batch, batch] has the same token-mean gradient as [batch, all-masked].
         queue = [batch, masked] if with_masked else [batch, batch]

@@ -225,7 +225,7 @@ def test_the_loop_defers_the_tied_head_gradient(tmp_path):
     embed = run.model.get_input_embeddings().weight
     assert run.model.get_output_embeddings().weight is embed
     run.loader.close()  # the stream is read here directly
-    loss_sum, _ = _forward(run, run.stream.next_batch(run.micro_batch), False)
+    loss_sum, _ = _forward(run, run.loader.stream.next_batch(run.micro_batch), False)
     assert list(run.bound._before) == [n for n, p in run.bound.params.items() if p is embed]
     loss_sum.backward()
     assert run.bound._before == {} and all(p.grad is None for p in run.model.parameters())

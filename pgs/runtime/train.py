@@ -72,7 +72,6 @@ class Run:
     model: Any
     tokenizer: Any
     bound: Any  # BoundOptimizer, GradientRelease, ShardedBoundOptimizer or ShardedGradientRelease
-    stream: TrainStream
     objective: Any
     total_steps: int
     micro_batch: int
@@ -87,7 +86,7 @@ class Run:
     best_step: int | None = None
     entropy_low: bool = False
     log: MetricsLog | None = None
-    loader: Any = None  # data.StepLoader: the steps' batches, prepared ahead on a worker thread
+    loader: Any = None  # data.StepLoader: the steps' batches, prepared ahead by a worker (its position is the run's)
     step_clock: float | None = None  # perf_counter at the end of the last step (None: restart the clock)
 
     def counters(self) -> dict:
@@ -231,7 +230,7 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
         noise = torch.Generator(device=device).manual_seed(spec.train.seed)
     return Run(
         spec=spec, run_dir=spec.checkpoint.dir, device=device, model=model, tokenizer=tokenizer, bound=bound,
-        stream=stream, objective=spec.build_objective(), total_steps=total,
+        objective=spec.build_objective(), total_steps=total,
         micro_batch=micro_batch, noise=noise, loader=loader,
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
         chain_has_norm="grad_norm" in bound.last_metrics(), release=bool(mem.gradient_release),
@@ -420,7 +419,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     run.step += 1
     run.trained_tokens += 0 if flags[control.NONFINITE] else n_valid
     tokens = sum(b.num_tokens for b in batches)
-    entropy = torch.stack([e.to(entropy_parts[0].device).reshape(()).float() for e in entropy_parts]).sum()
+    entropy = torch.stack([e.reshape(()).float() for e in entropy_parts]).sum()
     if run.ctx is not None:  # the logged loss and throughput are the whole step's
         sums = D.all_reduce_sum(torch.tensor([loss_sum, float(entropy), float(tokens)], dtype=torch.float64))
         loss_sum, entropy, tokens = float(sums[0]), float(sums[1]), int(sums[2])
