@@ -14,21 +14,10 @@ import pytest
 
 from pgs.cli import main
 from pgs.errors import DataError, InvalidArgument
+from test_cli_malformed import DATA_SPEC
 
-SPEC = """\
-[model]
-config = {{ model_type = "qwen3", hidden_size = 32, intermediate_size = 64, num_hidden_layers = 1, num_attention_heads = 2, num_key_value_heads = 1, head_dim = 16 }}
-tokenizer = "pgs:quickstart/tokenizer"
-[data]
-max_seq_len = 128
-sources = [{{ path = "{data}" }}]
-[train]
-steps = 10
-batch_size = 2
-[checkpoint]
-dir = "run"
-{extra}
-"""
+# the malformed-data fixtures' tiny spec, with a run folder of its own and room for more sections
+SPEC = DATA_SPEC.replace("{path}", "{data}") + '[checkpoint]\ndir = "run"\n{extra}\n'
 
 
 def _spec(tmp_path: Path, extra: str = "", data: str = "pgs:quickstart/train.jsonl") -> Path:
