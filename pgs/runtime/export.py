@@ -14,7 +14,7 @@ import shutil
 
 from safetensors.torch import save_file
 
-from pgs.runtime.checkpoint import model_tensors, publish
+from pgs.runtime.checkpoint import disk_full_guard, model_tensors, publish, tensor_bytes
 
 EXPORT_INFO = "pgs_export.json"
 
@@ -30,22 +30,24 @@ def export_hf(model, tokenizer, out_dir: str, *, info: dict | None = None) -> st
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     tensors, _aliases = model_tensors(model)
-    # Weights under the names transformers expects; tied copies are re-tied by the config.
-    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    config = model.config
-    dtype = next(iter(tensors.values())).dtype if tensors else None
-    if dtype is not None:
-        config.dtype = dtype
-    config.save_pretrained(tmp)
-    generation = _generation_config(model, tokenizer)
-    if generation is not None:
-        generation.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    with open(os.path.join(tmp, EXPORT_INFO), "w", encoding="utf-8") as handle:
-        json.dump(info or {}, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-    publish(tmp, out_dir)
+    # a full disk is one line (exit 84), the temporary removed and the published folder kept
+    with disk_full_guard(tmp, out_dir, tensor_bytes(tensors), "export", "weights"):
+        # Weights under the names transformers expects; tied copies are re-tied by the config.
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        dtype = next(iter(tensors.values())).dtype if tensors else None
+        if dtype is not None:
+            config.dtype = dtype
+        config.save_pretrained(tmp)
+        generation = _generation_config(model, tokenizer)
+        if generation is not None:
+            generation.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, EXPORT_INFO), "w", encoding="utf-8") as handle:
+            json.dump(info or {}, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+        publish(tmp, out_dir)
     return out_dir
 
 

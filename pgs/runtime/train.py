@@ -514,9 +514,7 @@ def _export(run: Run, out_dir: str, info: dict) -> None:
 
         dcp.export_hf(run.model, run.tokenizer, out_dir, info=info)
     else:
-        tmp = os.path.join(os.path.dirname(os.path.abspath(out_dir)), f".{os.path.basename(out_dir)}.tmp-{os.getpid()}")
-        with ckpt.disk_full_guard(tmp, out_dir, parameter_bytes(run.model), "export", "weights"):
-            export_hf(run.model, run.tokenizer, out_dir, info=info)
+        export_hf(run.model, run.tokenizer, out_dir, info=info)
 
 
 def _improves(metric: str, value: float, best: float | None) -> bool:
