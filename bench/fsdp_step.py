@@ -5,7 +5,7 @@
 
 The launcher runs this same file under ``torch.distributed.run`` once per world size in
 ``--nprocs``; each run builds a random-init Qwen3 (HF transformers, sdpa) from its config,
-shards it with ``pgs.runtime.distributed.shard_model`` (bf16 compute, fp32 reduce, fp32
+shards it with ``pgs.runtime.dist.fsdp.shard_model`` (bf16 compute, fp32 reduce, fp32
 sharded master weights), binds AdamW with ``bind_sharded``, and times full steps (forward
 through the root, chunked loss over the global token count, backward, sharded AdamW step,
 one control-plane all-reduce).  Each rank processes ``--batch`` rows of ``--seq`` tokens, so
@@ -38,10 +38,10 @@ SMALL = dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_si
 def worker(args) -> None:
     import pgs.func as pf
     from pgs.func.losses import token_loss
-    from pgs.runtime import control
-    from pgs.runtime import distributed as D
-    from pgs.runtime.model import build_model
-    from pgs.runtime.sharded_bind import bind_sharded
+    from pgs.runtime.loop import control
+    from pgs.runtime.dist import fsdp as D
+    from pgs.runtime.model.build import build_model
+    from pgs.runtime.optim.sharded_bind import bind_sharded
 
     ctx = D.init(single=True)  # FSDP2 on 1 GPU too: the same code path, 1 vs 2 ranks
     cfg = dict(SMALL if args.small else QWEN3_1_7B)

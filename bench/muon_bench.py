@@ -189,7 +189,7 @@ def main() -> None:
         record(f"fast[{vname(kernel, fold)}]", ms, err)
 
     # the same through the execution layer: pf.compile(muon_matrices(...), donate=True).step on
-    # parameters and gradients re-homed into the flat layout's buffers (as pgs.runtime.bind does)
+    # parameters and gradients re-homed into the flat layout's buffers (as pgs.runtime.optim.bound does)
     best_kernel = "auto"  # what pf.compile(muon_matrices(...)) uses by default
 
     def compiled():

@@ -155,8 +155,8 @@ def setup(name: str, table: dict, device, args, init: dict | None = None):
     and into pgs's bf16 weights (rounded to nearest)."""
     import pgs.func as pf
     from pgs.func.losses import token_loss
-    from pgs.runtime.model import final_hidden, output_head
-    from pgs.runtime.release import GradientRelease
+    from pgs.runtime.model.build import final_hidden, output_head
+    from pgs.runtime.optim.release import GradientRelease
 
     model = build(table, device)
     if name.startswith("hf_"):

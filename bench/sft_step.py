@@ -28,15 +28,15 @@ checkpointing of every decoder layer):
   dense V×D gradient at the end of backward); ``pgs_release_slabs_pg``: the same with one
   release group per parameter (a layer's gradients never all exist at once) (docs/memory.md);
   ``pgs_release_slabs_pg_tiled``: and each decoder MLP computed in ``--mlp-tiles`` token slices
-  (``pgs.runtime.tiled_mlp``); ``pgs_release_tiled``: ``pgs_release`` with the tiled MLP only.
+  (``pgs.runtime.model.tiled_mlp``); ``pgs_release_tiled``: ``pgs_release`` with the tiled MLP only.
 - ``pgs_release_slabs_pg_sub``, ``pgs_release_slabs_sub``: the slab variants with the
   ``"sublayer"`` checkpoint policy (each layer's attention half and MLP half checkpointed
   apart, both inputs offloaded), per-parameter or per-layer release groups.
 - ``pgs_release_noac_liger``: ``pgs_release_noac`` with Liger's layer kernels (RMSNorm, RoPE,
   SwiGLU) instead of compiled layers (pgs's own chunked loss either way).
 - any variant with ``+sf`` / ``+pool`` / ``+rng`` / ``+slow`` appended (after ``_varlen``):
-  with ``TiedSlabs.SYNC_FREE`` / ``checkpointing.PINNED_POOL`` / ``checkpointing.PRESERVE_RNG``
-  on, or ``checkpointing.FAST_RECOMPUTE`` off (``SWITCHES``; docs/memory.md); ``+cudnnthd`` /
+  with ``TiedSlabs.SYNC_FREE`` / ``layers.PINNED_POOL`` / ``layers.PRESERVE_RNG``
+  on, or ``layers.FAST_RECOMPUTE`` off (``SWITCHES``; docs/memory.md); ``+cudnnthd`` /
   ``+fa2``: ``_varlen`` attention on cuDNN's THD kernel / FlashAttention-2 (``model.varlen_kernel``
   "cudnn" / "flash"; without either, "auto": cuDNN on an H200 with nvidia-cudnn-frontend).
 - any variant with ``_varlen`` appended: the same with ``attn_implementation="varlen"``
@@ -97,7 +97,7 @@ BASE_VARIANTS = ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "hf_compiled", 
                  "pgs_release_slabs", "pgs_release_slabs_pg", "pgs_release_slabs_pg_tiled", "pgs_release_tiled",
                  "pgs_release_noac_liger", "pgs_release_slabs_pg_sub", "pgs_release_slabs_sub")
 #: every variant also runs with ``attn_implementation="varlen"`` (suffix ``_varlen``): packed
-#: documents through FlashAttention's variable-length kernel (pgs.runtime.attention); the HF
+#: documents through FlashAttention's variable-length kernel (pgs.runtime.model.attention); the HF
 #: variants then get the boundaries as keyword arguments, as TRL's flattening collator gives them
 VARIANTS = BASE_VARIANTS + tuple(v + "_varlen" for v in BASE_VARIANTS)
 #: suffix ``_causal`` (HF variants): the packed shapes' rows fed as single causal sequences
@@ -109,14 +109,14 @@ VARIANTS += tuple(v + "_causal" for v in BASE_VARIANTS if v.startswith("hf_"))
 #: runtime switches a variant name may carry as ``+suffix`` (e.g.
 #: ``pgs_release_slabs_sub+sf+pool``): (module, attribute, environment variable, value) set for that
 #: variant only (its child process gets the variable; ``--same-process`` sets the attribute)
-SWITCHES = {"sf": ("pgs.runtime.release_slabs", "TiedSlabs.SYNC_FREE", "PGS_SLABS_SYNC_FREE", True),
-            "pool": ("pgs.runtime.checkpointing", "PINNED_POOL", "PGS_PINNED_POOL", True),
-            "rng": ("pgs.runtime.checkpointing", "PRESERVE_RNG", "PGS_CHECKPOINT_RNG", True),
-            "slow": ("pgs.runtime.checkpointing", "FAST_RECOMPUTE", "PGS_FAST_RECOMPUTE", False),
+SWITCHES = {"sf": ("pgs.runtime.optim.tied_slabs", "TiedSlabs.SYNC_FREE", "PGS_SLABS_SYNC_FREE", True),
+            "pool": ("pgs.runtime.model.layers", "PINNED_POOL", "PGS_PINNED_POOL", True),
+            "rng": ("pgs.runtime.model.layers", "PRESERVE_RNG", "PGS_CHECKPOINT_RNG", True),
+            "slow": ("pgs.runtime.model.layers", "FAST_RECOMPUTE", "PGS_FAST_RECOMPUTE", False),
             # the packed-attention kernel (model.varlen_kernel; "auto" picks cuDNN's THD kernel on an
             # H200 when nvidia-cudnn-frontend is installed): for the pgs and HF _varlen rows alike
-            "fa2": ("pgs.runtime.attention", "_kernel", "PGS_BENCH_VARLEN_KERNEL", "flash"),
-            "cudnnthd": ("pgs.runtime.attention", "_kernel", "PGS_BENCH_VARLEN_KERNEL", "cudnn")}
+            "fa2": ("pgs.runtime.model.attention", "_kernel", "PGS_BENCH_VARLEN_KERNEL", "flash"),
+            "cudnnthd": ("pgs.runtime.model.attention", "_kernel", "PGS_BENCH_VARLEN_KERNEL", "cudnn")}
 
 
 def _env_value(value) -> str:
@@ -182,7 +182,7 @@ PACKED = {"qwen3-0.6b", "tiny"}
 def build(table: dict, device: torch.device, attn: str = "sdpa"):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pgs.runtime.attention import hf_implementation
+    from pgs.runtime.model.attention import hf_implementation
 
     cfg_table = dict(table)
     cfg = AutoConfig.for_model(cfg_table.pop("model_type"), **cfg_table)
@@ -241,10 +241,10 @@ def _tiled(name: str) -> bool:
 def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None = None):
     """``step(ids, pos) -> loss`` for one variant (builds its optimizer and patches the model)."""
     import pgs.func as pf
-    from pgs.runtime.attention import packed_kwargs, uses_varlen
+    from pgs.runtime.model.attention import packed_kwargs, uses_varlen
 
     name = split_name(name)[0]
-    from pgs.runtime.checkpointing import apply_activation_checkpointing, apply_liger, compile_layers
+    from pgs.runtime.model.layers import apply_activation_checkpointing, apply_liger, compile_layers
 
     compile_kw = {"backend": args.compile_backend} if args.compile_backend else {}
     if getattr(args, "compile_options", None):  # inductor options for every compiled layer (HF's too)
@@ -252,7 +252,7 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
     if "_liger" in name:
         apply_liger(model)  # before checkpointing wraps the layers' forwards
     if _tiled(name):
-        from pgs.runtime.tiled_mlp import apply_mlp_tiles
+        from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 
         apply_mlp_tiles(model, args.mlp_tiles)
     if uses_ac(name):  # HF: torch.utils.checkpoint, as transformers' gradient checkpointing
@@ -277,8 +277,8 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
         return step, opt
 
     from pgs.func.losses import token_loss
-    from pgs.runtime.model import final_hidden, output_head
-    from pgs.runtime.release import GradientRelease
+    from pgs.runtime.model.build import final_hidden, output_head
+    from pgs.runtime.optim.release import GradientRelease
 
     if name not in ("pgs_release_eager", "pgs_release_noac_liger"):
         compile_layers(model, **compile_kw)
@@ -312,7 +312,7 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
 def defers(name: str, args) -> bool:
     """Whether a pgs variant defers the tied head's gradient: as ``memory.defer_head_grad = "auto"``
     (with checkpointing or slabs) unless ``--defer`` / ``--no-defer`` say otherwise."""
-    from pgs.runtime.spec_sections import head_grad_wanted
+    from pgs.runtime.spec.sections import head_grad_wanted
 
     setting = bool(args.defer) if (args.defer or args.no_defer) else "auto"
     return head_grad_wanted(setting, "full" if uses_ac(name) else "none", _slabs(split_name(name)[0]))
@@ -326,7 +326,7 @@ def predicted_peak_gib(name: str, table: dict, batch: int, seq: int, loss_chunk:
     name = split_name(name)[0]
     try:
         import pgs.func as pf
-        from pgs.runtime.profile import GiB, predict_memory
+        from pgs.runtime.tools.profile import GiB, predict_memory
 
         new_path = name != "pgs_release_unfused"
         pred = predict_memory(dict(table), dtype=torch.bfloat16, chain=pf.lion8bit(1e-5), gradient_release=True,
@@ -423,8 +423,10 @@ def run_variant(name: str, shape: str, args, device) -> dict:
 
 def _hot_functions(opt) -> list:
     """(owner, attribute, label) of the runtime functions whose host time the bench reports."""
-    from pgs.runtime import checkpointing, release, release_slabs
-    from pgs.runtime.checkpointing import OffloadedInput
+    from pgs.runtime.model import layers
+    from pgs.runtime.optim import release
+    from pgs.runtime.optim import tied_slabs as release_slabs
+    from pgs.runtime.model.layers import OffloadedInput
 
     arrivals = getattr(opt, "_arrivals", None)  # the release's hook target is bound at construction
     return [(arrivals, "on_complete", "release group step (incl. tied slabs)"),
@@ -433,7 +435,7 @@ def _hot_functions(opt) -> list:
             (OffloadedInput, "__init__", "offload to host"),
             (OffloadedInput, "get", "offload: get back"),
             (OffloadedInput, "prefetch", "offload: prefetch"),
-            (checkpointing, "_checkpoint_call", "checkpointed call (forward)")]
+            (layers, "_checkpoint_call", "checkpointed call (forward)")]
 
 
 def _patch(opt, wrap) -> Callable[[], None]:

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _load(args):
-    from pgs.runtime.spec import load_spec
+    from pgs.runtime.spec.load import load_spec
 
     return load_spec(args.spec, args.overrides)
 
@@ -177,17 +177,17 @@ def cmd_run(args) -> int:
         return _launch_torchrun(args, spec)
     profile = None
     if args.profile:
-        from pgs.runtime.trace import parse_steps
+        from pgs.runtime.loop.trace import parse_steps
 
         profile = parse_steps(args.profile)
-    train = _component("pgs.runtime.train", "pgs run")
+    train = _component("pgs.runtime.loop.train", "pgs run")
     extra = {"overwrite": True} if args.overwrite else {}
     return int(train.run(spec, resume=args.resume, spec_path=os.path.abspath(args.spec), profile=profile,
                          **extra) or 0)
 
 
 def cmd_validate(args) -> int:
-    from pgs.runtime.preflight import check_resources  # the same checks pgs run makes, then the data
+    from pgs.runtime.spec.preflight import check_resources  # the same checks pgs run makes, then the data
 
     spec = _load(args)
     found = check_resources(spec, records=args.records)
@@ -196,7 +196,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from pgs.runtime.report import write_report
+    from pgs.runtime.tools.report import write_report
 
     write_report(args.run_dir)
     return 0
@@ -205,7 +205,7 @@ def cmd_report(args) -> int:
 def cmd_data_inspect(args) -> int:
     spec = _load(args)
     inspect = _component("pgs.runtime.data.inspect", "pgs data inspect")
-    from pgs.runtime.preflight import load_tokenizer
+    from pgs.runtime.spec.preflight import load_tokenizer
 
     tokenizer = load_tokenizer(spec.model.tokenizer, spec.model.trust_remote_code)
     inspect.inspect_dataset(spec.data, tokenizer, n=args.n, max_records=args.records or None)
@@ -215,7 +215,7 @@ def cmd_data_inspect(args) -> int:
 def cmd_profile(args) -> int:
     spec = _load(args)
     profile = None
-    for module in ("pgs.runtime.profile", "pgs.runtime.train"):
+    for module in ("pgs.runtime.tools.profile", "pgs.runtime.loop.train"):
         try:
             profile = getattr(_component(module, "pgs profile"), "profile", None)
         except NotAvailable:
@@ -223,7 +223,7 @@ def cmd_profile(args) -> int:
         if profile is not None:
             break
     if profile is None:
-        raise NotAvailable("pgs profile needs pgs.runtime.profile, which is not part of this installation yet")
+        raise NotAvailable("pgs profile needs pgs.runtime.tools.profile, which is not part of this installation yet")
     return int(profile(spec, measure=args.measure, spec_path=os.path.abspath(args.spec)) or 0)
 
 
@@ -238,15 +238,15 @@ def _launch_torchrun(args, spec) -> int:
     ``HALT.json`` written during this launch decides the code, else 128+signum after a
     forwarded signal, else torchrun's.
     """
-    from pgs.runtime.launch import relaunch
-    from pgs.runtime.spec import check_world_size
+    from pgs.runtime.dist.launch import relaunch
+    from pgs.runtime.spec.load import check_world_size
 
-    from pgs.runtime.preflight import preflight_spec
+    from pgs.runtime.spec.preflight import preflight_spec
 
     preflight_spec(spec)  # the checks each worker makes, once here: a worker's refusal would read as exit 1
     check_world_size(spec.train, args.nproc)  # refuse before starting N processes
     if args.resume is None:  # refuse (or move the old run aside) once, before N processes start
-        from pgs.runtime import checkpoint
+        from pgs.runtime.store import checkpoint
 
         if args.overwrite:
             aside = checkpoint.move_aside(spec.checkpoint.dir)

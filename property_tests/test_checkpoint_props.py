@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pgs.runtime.checkpointing import apply_activation_checkpointing
+from pgs.runtime.model.layers import apply_activation_checkpointing
 
 
 def _model(layers: int, heads: int, kv: int, head_dim: int, inter: int, vocab: int, seed: int):

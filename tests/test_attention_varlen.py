@@ -15,9 +15,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from pgs.errors import SpecError
-from pgs.runtime import attention as A
+from pgs.runtime.model import attention as A
 from pgs.runtime.data import Document, collate, packing_isolation
-from pgs.runtime.model import build_model, final_hidden
+from pgs.runtime.model.build import build_model, final_hidden
 
 TINY = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -115,7 +115,7 @@ def test_dropout_and_sliding_windows_are_refused():
 
 
 def test_the_spec_accepts_varlen():
-    from pgs.runtime.spec import ModelSpec
+    from pgs.runtime.spec.load import ModelSpec
 
     assert ModelSpec(config={"model_type": "qwen3"}, attn_implementation="varlen").attn_implementation == "varlen"
     with pytest.raises(Exception, match="attn_implementation"):
@@ -207,7 +207,7 @@ def test_build_model_auto_on_cpu_is_sdpa():
 
 
 def test_the_spec_resolves_defer_head_grad():
-    from pgs.runtime.spec import MemorySpec
+    from pgs.runtime.spec.load import MemorySpec
 
     assert MemorySpec().defer_head_grad == "auto" and not MemorySpec().head_grad_deferred()
     assert MemorySpec(activation_checkpointing="full").head_grad_deferred()
@@ -268,7 +268,7 @@ def test_pad_documents_appends_zero_length_documents_to_the_bucket(docs, minimum
 
 
 def test_the_spec_and_the_setter_refuse_an_unknown_kernel(kernel_choice):
-    from pgs.runtime.spec import ModelSpec
+    from pgs.runtime.spec.load import ModelSpec
 
     assert ModelSpec(config={"model_type": "qwen3"}, varlen_kernel="flash").varlen_kernel == "flash"
     assert ModelSpec(config={"model_type": "qwen3"}).varlen_kernel == "auto"
@@ -279,9 +279,9 @@ def test_the_spec_and_the_setter_refuse_an_unknown_kernel(kernel_choice):
 
 
 def test_the_spec_knows_the_same_kernels_as_the_attention_module():
-    from pgs.runtime import spec_sections
+    from pgs.runtime.spec import sections
 
-    assert spec_sections.VARLEN_KERNELS == A.VARLEN_KERNELS
+    assert sections.VARLEN_KERNELS == A.VARLEN_KERNELS
 
 
 def test_cudnn_without_the_frontend_is_refused_where_cuda_is(monkeypatch, kernel_choice):
@@ -537,9 +537,9 @@ def test_the_probe_runs_forward_and_backward_against_the_reference(kernel, verdi
 
 _PACKED_LAYER = textwrap.dedent('''
     import torch
-    from pgs.runtime import attention as A
-    from pgs.runtime.checkpointing import compile_layers
-    from pgs.runtime.model import build_model, final_hidden
+    from pgs.runtime.model import attention as A
+    from pgs.runtime.model.layers import compile_layers
+    from pgs.runtime.model.build import build_model, final_hidden
 
     config = dict(model_type="qwen3", vocab_size=512, hidden_size=512, intermediate_size=1024,
                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=128,

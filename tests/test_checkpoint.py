@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import pgs.func as pf
-from pgs.runtime import checkpoint as ckpt
-from pgs.runtime import export as export_mod
-from pgs.runtime import train as train_mod
-from pgs.runtime.bind import bind
-from pgs.runtime.export import export_hf
-from pgs.runtime.model import build_model
+from pgs.runtime.store import checkpoint as ckpt
+from pgs.runtime.store import export as export_mod
+from pgs.runtime.loop import train as train_mod
+from pgs.runtime.optim.bound import bind
+from pgs.runtime.store.export import export_hf
+from pgs.runtime.model.build import build_model
 
 ARCH = dict(model_type="qwen3", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
             num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,

@@ -12,15 +12,15 @@ import torch
 
 import pgs.func as pf
 from pgs.errors import InvalidArgument
-from pgs.runtime.bind import bind
-from pgs.runtime.checkpointing import (
+from pgs.runtime.optim.bound import bind
+from pgs.runtime.model.layers import (
     OffloadedInput,
     apply_activation_checkpointing,
     compile_layers,
     decoder_layers,
     remove_activation_checkpointing,
 )
-from pgs.runtime.release import GradientRelease
+from pgs.runtime.optim.release import GradientRelease
 from test_checkpointing import IDS, loss_and_grads, tiny_model
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pgs.errors import InvalidArgument
-from pgs.runtime.checkpointing import apply_activation_checkpointing, compile_layers, decoder_layers
+from pgs.runtime.model.layers import apply_activation_checkpointing, compile_layers, decoder_layers
 from test_checkpointing import IDS, loss_and_grads, tiny_model
 
 

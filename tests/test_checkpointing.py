@@ -11,15 +11,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import pgs.func as pf
 from pgs.errors import InvalidArgument, MissingExtra
-from pgs.runtime.bind import bind
-from pgs.runtime.checkpointing import (
+from pgs.runtime.optim.bound import bind
+from pgs.runtime.model.layers import (
     apply_activation_checkpointing,
     apply_liger,
     compile_layers,
     decoder_layers,
     remove_activation_checkpointing,
 )
-from pgs.runtime.release import GradientRelease
+from pgs.runtime.optim.release import GradientRelease
 
 VOCAB = 96
 
@@ -164,7 +164,7 @@ def test_rng_state_kept_only_for_models_that_draw(policy, monkeypatch):
     """A model with dropout recomputes with the forward's masks (the RNG state is saved and
     restored); without the saved state its gradients would differ, which the last part checks.
     A model without dropout skips the save (``_pgs_rng`` False) and still matches."""
-    import pgs.runtime.checkpointing as ckpt
+    import pgs.runtime.model.layers as ckpt
 
     plain = tiny_model()
     assert not ckpt.model_draws_random(plain)
@@ -206,7 +206,7 @@ def test_recompute_path_taken_and_exact(policy, offload, monkeypatch):
     checkpointed call and gives the unchecked model's loss and gradients bit for bit; with a
     frozen embedding the first layer's input needs no gradient, so that call falls back to
     ``torch.utils.checkpoint`` and its parameters still get theirs."""
-    import pgs.runtime.checkpointing as ckpt
+    import pgs.runtime.model.layers as ckpt
 
     calls = []
     real = ckpt._Recompute.apply
@@ -278,7 +278,7 @@ def test_recompute_frees_its_output_before_the_nested_backward(monkeypatch):
     second half of the test keeps it on purpose and sees the check fail."""
     import weakref
 
-    import pgs.runtime.checkpointing as ckpt
+    import pgs.runtime.model.layers as ckpt
 
     def run(keep: list | None):
         model = tiny_model()
@@ -310,7 +310,7 @@ def test_model_draws_random_reads_modules_and_configs():
     other names do not."""
     from types import SimpleNamespace
 
-    from pgs.runtime.checkpointing import model_draws_random
+    from pgs.runtime.model.layers import model_draws_random
 
     class Net(torch.nn.Module):
         def __init__(self, p=0.0, **attrs):

@@ -11,7 +11,7 @@ import pytest
 
 from pgs import cli
 from pgs.errors import HaltError
-from pgs.runtime.spec import Spec
+from pgs.runtime.spec.load import Spec
 
 SPEC = """\
 [model]
@@ -38,8 +38,8 @@ def spec_file(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def fake_train(monkeypatch):
-    """A stand-in for ``pgs.runtime.train`` that records its call and returns ``module.code``."""
-    module = types.ModuleType("pgs.runtime.train")
+    """A stand-in for ``pgs.runtime.loop.train`` that records its call and returns ``module.code``."""
+    module = types.ModuleType("pgs.runtime.loop.train")
     module.calls = []
     module.code = 0
 
@@ -50,7 +50,7 @@ def fake_train(monkeypatch):
         return module.code
 
     module.run = run
-    monkeypatch.setitem(sys.modules, "pgs.runtime.train", module)
+    monkeypatch.setitem(sys.modules, "pgs.runtime.loop.train", module)
     return module
 
 
@@ -101,17 +101,17 @@ def test_bugs_keep_their_traceback(spec_file: Path, fake_train):
 
 
 def test_run_without_the_training_loop(spec_file: Path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "pgs.runtime.train", None)  # import fails as if absent
+    monkeypatch.setitem(sys.modules, "pgs.runtime.loop.train", None)  # import fails as if absent
     assert cli.main(["run", str(spec_file)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("pgs: error: pgs run needs pgs.runtime.train") and err.count("\n") == 1
+    assert err.startswith("pgs: error: pgs run needs pgs.runtime.loop.train") and err.count("\n") == 1
 
 
 def test_profile_without_its_module(spec_file: Path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "pgs.runtime.profile", None)
-    monkeypatch.setitem(sys.modules, "pgs.runtime.train", None)
+    monkeypatch.setitem(sys.modules, "pgs.runtime.tools.profile", None)
+    monkeypatch.setitem(sys.modules, "pgs.runtime.loop.train", None)
     assert cli.main(["profile", str(spec_file)]) == 1
-    assert "pgs profile needs pgs.runtime.profile" in capsys.readouterr().err
+    assert "pgs profile needs pgs.runtime.tools.profile" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

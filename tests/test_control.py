@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from pgs.errors import EXIT_PREFLIGHT, EXIT_SKIP_CAP, EXIT_WALL_BUDGET, HaltError, PreflightRefused
-from pgs.runtime import control
+from pgs.runtime.loop import control
 
 from test_train import assert_same_checkpoint, launch, records, step_records, tiny_spec
 

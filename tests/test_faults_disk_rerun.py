@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from pgs import cli
 from pgs.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL
-from pgs.runtime import checkpoint as ckpt
-from pgs.runtime import dcp
+from pgs.runtime.store import checkpoint as ckpt
+from pgs.runtime.store import dcp
 from tests.test_train import records, step_records, tiny_spec
 
 
@@ -93,7 +93,7 @@ def test_disk_full_mid_checkpoint_is_one_line_exit_84_and_resume_continues(tmp_p
 
 
 def test_disk_full_while_exporting_final_is_exit_84(tmp_path, monkeypatch, capsys):
-    from pgs.runtime import export
+    from pgs.runtime.store import export
 
     spec = tiny_spec(tmp_path, "run", steps=3, every=3, export="true")
 
@@ -136,7 +136,7 @@ def test_dcp_save_on_a_full_disk_removes_its_temporary(tmp_path, monkeypatch):
     """The sharded path (one process, no group): DCP's writer hits a full disk."""
     import pgs.func as pf
     from pgs.errors import DiskFull
-    from pgs.runtime.bind import bind
+    from pgs.runtime.optim.bound import bind
     from torch.distributed.checkpoint import FileSystemWriter
 
     model = torch.nn.Linear(4, 4)
@@ -220,7 +220,7 @@ def test_a_folder_without_a_run_is_not_refused(tmp_path):
 def test_report_after_overwrite_and_resume_reads_one_run(tmp_path, capsys):
     """End to end: a killed-before-checkpoint run continued with --resume auto (no checkpoint:
     a fresh start appended to the same file) reports only the new run."""
-    from pgs.runtime.report import read_metrics
+    from pgs.runtime.tools.report import read_metrics
 
     spec = tiny_spec(tmp_path, "run", steps=3, every=0)
     run_dir = tmp_path / "run"

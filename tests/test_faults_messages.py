@@ -86,7 +86,7 @@ def test_bind_refuses_a_chain_without_a_learning_rate_stage():
 
     import pgs.func as pf
     from pgs.runtime import bind
-    from pgs.runtime.release import GradientRelease
+    from pgs.runtime.optim.release import GradientRelease
 
     model = torch.nn.Linear(4, 4)
     with pytest.raises(InvalidArgument) as err:
@@ -156,8 +156,8 @@ def test_an_empty_assistant_turn_is_not_trained_and_is_counted(tmp_path, capsys)
 def test_profile_uses_the_tokenizer_vocabulary_and_labels_total_and_peak(tmp_path):
     from rich.console import Console
 
-    from pgs.runtime.profile import GiB, plan_from_spec, predict_memory, profile
-    from pgs.runtime.spec import load_spec
+    from pgs.runtime.tools.profile import GiB, plan_from_spec, predict_memory, profile
+    from pgs.runtime.spec.load import load_spec
 
     spec = load_spec(_spec(tmp_path))
     plan = plan_from_spec(spec)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pgs.cli import main
-from pgs.runtime.spec import ASSETS_DIR, ChainEntry, load_spec
+from pgs.runtime.spec.load import ASSETS_DIR, ChainEntry, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ASSETS_DIR / "quickstart" / "tokenizer"
@@ -123,7 +123,7 @@ def test_max_seq_len_above_folder_positions(tmp_path, capsys):
 
 
 def test_max_seq_len_at_the_limit_is_fine(tmp_path):
-    from pgs.runtime.preflight import check_seq_len, config_from_table, position_limit
+    from pgs.runtime.spec.preflight import check_seq_len, config_from_table, position_limit
 
     spec = load_spec(_spec(tmp_path), ["data.max_seq_len=128"])
     config = config_from_table({**spec.model.config, "vocab_size": 512})
@@ -218,7 +218,7 @@ def test_position_limit_rope_factor_and_none(tmp_path):
     from types import SimpleNamespace
 
     from pgs.errors import SpecError
-    from pgs.runtime.preflight import MAX_SEQ_LEN_UNBOUNDED, check_seq_len, position_limit
+    from pgs.runtime.spec.preflight import MAX_SEQ_LEN_UNBOUNDED, check_seq_len, position_limit
 
     scaled = SimpleNamespace(max_position_embeddings=32768, rope_scaling={"rope_type": "yarn", "factor": 4.0})
     assert position_limit(scaled) == (131072, "max_position_embeddings = 32768 x rope factor 4")

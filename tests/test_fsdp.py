@@ -164,8 +164,8 @@ def test_dcp_resume_bit_exact(equivalence):
 
 def test_dcp_reshard_two_ranks_to_one_process(equivalence):
     """The step-10 checkpoint of 2 ranks, loaded by one process, trains on to the same bits."""
-    from pgs.runtime import dcp
-    from pgs.runtime.bind import bind
+    from pgs.runtime.store import dcp
+    from pgs.runtime.optim.bound import bind
 
     out, refs, _ = equivalence
     model = H.tiny_model(True)
@@ -187,9 +187,9 @@ def test_hf_export_gathered_to_rank0(equivalence):
 
 
 def test_8bit_state_is_per_rank_and_refuses_resharding(equivalence):
-    from pgs.runtime import dcp
-    from pgs.runtime.bind import bind
-    from pgs.runtime.checkpoint import CheckpointError
+    from pgs.runtime.store import dcp
+    from pgs.runtime.optim.bound import bind
+    from pgs.runtime.store.checkpoint import CheckpointError
 
     out, _, (r0, r1) = equivalence
     for r in (r0, r1):
@@ -226,7 +226,7 @@ def stopped(tmp_path_factory):
 
 
 def test_sigterm_to_one_rank_stops_both_at_one_step(stopped):
-    from pgs.runtime import dcp
+    from pgs.runtime.store import dcp
 
     out, codes, (r0, r1) = stopped
     assert codes == [143, 143], _logs(out)
@@ -257,7 +257,7 @@ def test_nan_on_one_rank_halts_both(stopped):
 
 
 def test_unaware_transforms_are_named():
-    from pgs.runtime.sharded_bind import unaware_transforms
+    from pgs.runtime.optim.sharded_bind import unaware_transforms
 
     assert unaware_transforms(pf.adamw(1e-3)) == []
     assert unaware_transforms(pf.chain(pf.clip_by_global_norm(1.0), pf.lion(1e-4))) == []
@@ -283,7 +283,8 @@ def test_reduce_hook_is_applied_once_per_tree():
 
 
 def test_launch_command_and_timeout(monkeypatch):
-    from pgs.runtime import distributed, launch
+    from pgs.runtime.dist import fsdp as distributed
+    from pgs.runtime.dist import launch
 
     cmd = launch.torchrun_command(2, ["run", "spec.toml"], grace_s=60, python="py")
     assert cmd == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -5,7 +5,7 @@ single-process reference and starts it as ``python tests/test_fsdp_harness.py SC
 once per rank, with the environment torchrun would give (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT).
 
-The loop is the distributed skeleton of ``pgs.runtime.train``: final hidden states through
+The loop is the distributed skeleton of ``pgs.runtime.loop.train``: final hidden states through
 the root's forward, the chunked loss divided by the GLOBAL valid-token count, one MAX
 all-reduce of the control flags per step (``control.agree``), skip / halt / stop decided on
 the agreed flags only, DCP checkpoints.  Data: a deterministic synthetic global batch per
@@ -28,8 +28,9 @@ from pgs.errors import EXIT_SKIP_CAP, HaltError
 from pgs.func.base import MATRIX, EmptyState, Transform
 from pgs.func.losses import token_loss
 from pgs.func.muon import newton_schulz
-from pgs.runtime import control, dcp
-from pgs.runtime import distributed as D
+from pgs.runtime.loop import control
+from pgs.runtime.store import dcp
+from pgs.runtime.dist import fsdp as D
 
 VOCAB, SEQ, ROWS, WORLD = 64, 16, 2, 2  # ROWS rows per rank, WORLD ranks in the tests
 STEPS = 20
@@ -112,7 +113,7 @@ def valid(labels) -> int:
 # -- the single-process reference --------------------------------------------------------
 def reference(name: str, steps: int, *, start=None):
     """A plain (unsharded) run of ``steps`` steps, each one micro-batch per rank block."""
-    from pgs.runtime.bind import bind
+    from pgs.runtime.optim.bound import bind
 
     factory, tied = CHAINS[name]
     threads = torch.get_num_threads()
@@ -142,7 +143,7 @@ def full_params(model) -> dict[str, torch.Tensor]:
 def build(name: str, ctx):
     factory, tied = CHAINS[name]
     model = D.shard_model(tiny_model(tied), ctx.mesh)
-    from pgs.runtime.sharded_bind import bind_sharded
+    from pgs.runtime.optim.sharded_bind import bind_sharded
 
     return model, bind_sharded(factory(), model, trust=TRUST)
 
@@ -220,7 +221,7 @@ def scenario_equivalence(ctx, out: str) -> dict:
             torch.save(final, os.path.join(out, f"{name}.pt"))
     # 8-bit state of a shard: per-rank keys, bit-exact round trip on the same world size
     model, _ = build("adamw", ctx)
-    from pgs.runtime.sharded_bind import bind_sharded
+    from pgs.runtime.optim.sharded_bind import bind_sharded
 
     opt = bind_sharded(pf.lion8bit(1e-3, block_size=64, min_8bit_size=64), model)
     train(model, opt, ctx, 1, 2)
@@ -263,8 +264,8 @@ CHECKPOINT_MODES = {"none": None, "full": ("full", False, True), "full_torch": (
 
 def scenario_checkpointing(ctx, out: str) -> dict:
     """AdamW, 3 steps, each checkpoint mode; rank 0 saves the gathered weights per mode."""
-    from pgs.runtime.checkpointing import apply_activation_checkpointing
-    from pgs.runtime.sharded_bind import bind_sharded
+    from pgs.runtime.model.layers import apply_activation_checkpointing
+    from pgs.runtime.optim.sharded_bind import bind_sharded
 
     for mode, how in CHECKPOINT_MODES.items():
         model = tiny_model(True)

@@ -1,4 +1,4 @@
-"""Gradient release per FSDP2 unit (``pgs.runtime.sharded_release``) on 2 gloo ranks (CPU).
+"""Gradient release per FSDP2 unit (``pgs.runtime.optim.sharded_release``) on 2 gloo ranks (CPU).
 
 One 2-rank run (tests/test_fsdp_release_harness.py, ranks started with torchrun's
 environment by tests/test_fsdp.py's ``start``/``finish``, bounded by a timeout so that a
@@ -118,7 +118,7 @@ def test_release_dcp_resume_bit_exact(released):
 
 
 def test_global_transform_is_refused_with_the_reason():
-    from pgs.runtime.sharded_release import ShardedGradientRelease
+    from pgs.runtime.optim.sharded_release import ShardedGradientRelease
 
     model = H.tiny_model(True)
     chain = pf.chain(pf.clip_by_global_norm(1.0), pf.adamw(1e-3))

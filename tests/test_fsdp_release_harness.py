@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 import pgs.func as pf
-from pgs.runtime import dcp
-from pgs.runtime import distributed as D
+from pgs.runtime.store import dcp
+from pgs.runtime.dist import fsdp as D
 
 HERE = Path(__file__).resolve().parent
 STEPS = 10
@@ -48,15 +48,15 @@ CHAINS = {
 
 
 def build(name: str, ctx, *, release: bool):
-    from pgs.runtime.sharded_bind import bind_sharded
-    from pgs.runtime.sharded_release import ShardedGradientRelease
+    from pgs.runtime.optim.sharded_bind import bind_sharded
+    from pgs.runtime.optim.sharded_release import ShardedGradientRelease
 
     factory, tied = CHAINS[name]
     model = H.tiny_model(tied)
     if name.endswith("_unused"):
         model.model.layers[0].register_parameter("pgs_unused", torch.nn.Parameter(torch.ones(8, 4)))
     if name.endswith("_ckpt"):
-        from pgs.runtime.checkpointing import apply_activation_checkpointing
+        from pgs.runtime.model.layers import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, "sublayer", offload=True)
     model = D.shard_model(model, ctx.mesh)

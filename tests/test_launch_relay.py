@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 
-from pgs.runtime.launch import relay_stderr
+from pgs.runtime.dist.launch import relay_stderr
 
 SIGNAL_TRACEBACK = """\
 Traceback (most recent call last):
@@ -18,7 +18,7 @@ torch.distributed.elastic.multiprocessing.api.SignalException: Process 41 got si
 """
 OTHER_TRACEBACK = """\
 Traceback (most recent call last):
-  File "pgs/runtime/train.py", line 1, in <module>
+  File "pgs/runtime/loop/train.py", line 1, in <module>
     boom()
 RuntimeError: a real bug
 

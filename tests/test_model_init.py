@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pgs.runtime.model import build_model
+from pgs.runtime.model.build import build_model
 
 TINY = dict(
     model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -22,7 +22,7 @@ def _old_cpu_init(config: dict, seed: int, dtype=torch.float32):
     """What build_model did before it took a device: HF's init on the CPU under torch.manual_seed."""
     from transformers import AutoModelForCausalLM
 
-    from pgs.runtime.model import build_config
+    from pgs.runtime.model.build import build_config
 
     hf_config = build_config(config)
     hf_config._attn_implementation = "sdpa"
@@ -90,7 +90,7 @@ def test_the_init_is_hf_s_and_leaves_the_caller_s_random_state_alone():
 
 
 def test_the_default_device_context_is_honoured():
-    """``device=None`` inside ``with torch.device(...)`` builds there (pgs.runtime.profile does that)."""
+    """``device=None`` inside ``with torch.device(...)`` builds there (pgs.runtime.tools.profile does that)."""
     with torch.device("meta"):
         model = build_model(config=TINY, attn_implementation="sdpa")
     assert all(p.device.type == "meta" for p in model.parameters())

@@ -10,9 +10,9 @@ import torch
 
 import pgs.func as pf
 from pgs.errors import InvalidArgument
-from pgs.runtime.bind import bind
-from pgs.runtime.profile import activation_bytes, activation_parts, model_bytes, predict_memory
-from pgs.runtime.release import GradientRelease
+from pgs.runtime.optim.bound import bind
+from pgs.runtime.tools.profile import activation_bytes, activation_parts, model_bytes, predict_memory
+from pgs.runtime.optim.release import GradientRelease
 
 VOCAB = 96
 
@@ -29,7 +29,7 @@ def real_model(cfg, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).train()  # as pgs.runtime.model builds it
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).train()  # as pgs.runtime.model.build builds it
 
 
 CHAINS = {
@@ -174,8 +174,8 @@ def test_defer_head_grad_setting_as_pgs_run_resolves_it():
 @pytest.mark.parametrize("setting, toml", [("auto", ""), (True, "defer_head_grad = true"),
                                            (False, "defer_head_grad = false")])
 def test_plan_hands_the_spec_setting_to_the_prediction(tmp_path, setting, toml):
-    from pgs.runtime.profile import plan_from_spec
-    from pgs.runtime.spec import load_spec
+    from pgs.runtime.tools.profile import plan_from_spec
+    from pgs.runtime.spec.load import load_spec
 
     spec_file = tmp_path / "spec.toml"
     spec_file.write_text(f"""
@@ -206,8 +206,8 @@ batch_size = 2
 def test_profile_spec_on_cpu(tmp_path):
     from rich.console import Console
 
-    from pgs.runtime.profile import profile
-    from pgs.runtime.spec import load_spec
+    from pgs.runtime.tools.profile import profile
+    from pgs.runtime.spec.load import load_spec
 
     spec_file = tmp_path / "spec.toml"
     spec_file.write_text("""
@@ -242,7 +242,7 @@ batch_size = 2
 def test_compiled_activation_formula_is_close_to_inductors_saved_tensors(dtype):
     """``compiled=True``: what inductor's partitioner saves for compiled Qwen3 layers (CPU
     inductor here), within 6% of the formula (equal to the byte at these shapes, torch 2.13)."""
-    from pgs.runtime.checkpointing import compile_layers
+    from pgs.runtime.model.layers import compile_layers
 
     cfg = config(layers=2, hidden=128, inter=384)
     model = real_model(cfg, dtype)

@@ -8,8 +8,8 @@ import torch
 
 import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
-from pgs.runtime.bind import bind
-from pgs.runtime.release import GradientRelease, group_of, group_parameters
+from pgs.runtime.optim.bound import bind
+from pgs.runtime.optim.release import GradientRelease, group_of, group_parameters
 
 VOCAB = 96
 

@@ -8,9 +8,9 @@ import torch
 
 import pgs.func as pf
 from pgs.func.losses import token_loss
-from pgs.runtime.bind import bind
-from pgs.runtime.model import final_hidden, output_head
-from pgs.runtime.release import GradientRelease
+from pgs.runtime.optim.bound import bind
+from pgs.runtime.model.build import final_hidden, output_head
+from pgs.runtime.optim.release import GradientRelease
 from test_release import VOCAB, batches, tiny_model
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import pgs.func as pf
-from pgs.runtime.bind import bind
-from pgs.runtime.release import GradientRelease
+from pgs.runtime.optim.bound import bind
+from pgs.runtime.optim.release import GradientRelease
 from test_release import batches, loss_of, run_release, tiny_model
 
 pytestmark = pytest.mark.skipif(

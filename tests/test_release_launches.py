@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pgs.func as pf
-from pgs.runtime.release import GradientRelease
+from pgs.runtime.optim.release import GradientRelease
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 counting = pytest.mark.skipif(not INTERPRET, reason="counts the CPU path with the 8-bit kernels in Triton's interpreter")

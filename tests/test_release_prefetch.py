@@ -8,7 +8,7 @@ import attrs
 import pytest
 import torch
 
-from pgs.runtime.prefetch import CUDAPrefetcher, map_tensors, tensors_of
+from pgs.runtime.data.prefetch import CUDAPrefetcher, map_tensors, tensors_of
 
 
 class Pair(NamedTuple):

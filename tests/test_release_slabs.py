@@ -11,8 +11,8 @@ import pgs.func as pf
 from pgs.errors import InvalidArgument
 from pgs.func.losses import token_loss
 from pgs.func.quant8 import Quantized8bit
-from pgs.runtime.model import final_hidden, output_head
-from pgs.runtime.release import GradientRelease
+from pgs.runtime.model.build import final_hidden, output_head
+from pgs.runtime.optim.release import GradientRelease
 from test_release import batches, tiny_model
 
 CHAINS = {  # 8-bit state on the 96×32 embedding: blocks of 64 elements = 2 rows
@@ -170,7 +170,7 @@ def test_pgs_run_with_tied_slabs_matches_the_deferred_run(tmp_path):
 ])
 def test_spec_refusals(tmp_path, sets, message):
     from pgs.errors import SpecError
-    from pgs.runtime.spec import load_spec
+    from pgs.runtime.spec.load import load_spec
     from test_train_release import release_spec
 
     path = release_spec(tmp_path, "bad")
@@ -187,7 +187,7 @@ def test_spec_refusals(tmp_path, sets, message):
 
 
 def test_profile_replaces_the_tied_gradient_by_a_slab():
-    from pgs.runtime.profile import predict_memory
+    from pgs.runtime.tools.profile import predict_memory
 
     cfg = dict(model_type="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=32768, tie_word_embeddings=True)
@@ -206,8 +206,8 @@ def test_profile_replaces_the_tied_gradient_by_a_slab():
 
 
 def test_pgs_profile_reads_tied_slabs_from_the_spec(tmp_path):
-    from pgs.runtime.profile import plan_from_spec
-    from pgs.runtime.spec import load_spec
+    from pgs.runtime.tools.profile import plan_from_spec
+    from pgs.runtime.spec.load import load_spec
     from test_train_release import release_spec
 
     path = release_spec(tmp_path, "prof", defer=True)
@@ -255,7 +255,7 @@ def test_sync_free_slab_step(monkeypatch):
     """``TiedSlabs.SYNC_FREE``: the slab step sizes nothing by the data (no ``torch.unique``,
     no ``.tolist()`` / ``.item()``), equals the default step, and a NaN row gradient stays in
     its own row.  (Off by default: slower on the H200 so far, see the attribute.)"""
-    from pgs.runtime.release_slabs import TiedSlabs
+    from pgs.runtime.optim.tied_slabs import TiedSlabs
 
     data = batches(2)
     ref_model = tiny_model()

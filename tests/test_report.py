@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pgs import cli
-from pgs.runtime.report import ReportError, read_metrics, summary_rows, write_report
+from pgs.runtime.tools.report import ReportError, read_metrics, summary_rows, write_report
 
 
 def _write_metrics(run: Path) -> None:
@@ -100,7 +100,7 @@ def test_a_start_event_begins_a_run(tmp_path: Path):
 
 
 def test_loss_zoom_task_accuracies_and_clip_line(tmp_path: Path, monkeypatch):
-    from pgs.runtime import report
+    from pgs.runtime.tools import report
 
     rows = []
     for step in range(1, 101):
@@ -135,7 +135,7 @@ def test_loss_zoom_task_accuracies_and_clip_line(tmp_path: Path, monkeypatch):
 
 
 def test_no_clip_line_without_a_clip(tmp_path: Path):
-    from pgs.runtime.report import _clip_threshold
+    from pgs.runtime.tools.report import _clip_threshold
 
     assert _clip_threshold({"optimizer": {"clip": 0.0}}) is None
     assert _clip_threshold({}) is None

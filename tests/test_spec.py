@@ -13,8 +13,8 @@ import torch
 
 import pgs.func as pf
 from pgs.errors import SpecError
-from pgs.runtime.spec import ASSETS_DIR, Spec, apply_override, dumps, load_spec, parse_value, spec_from_dict
-from pgs.runtime.spec_chain import alias_names, compile_mask, transform_names
+from pgs.runtime.spec.load import ASSETS_DIR, Spec, apply_override, dumps, load_spec, parse_value, spec_from_dict
+from pgs.runtime.spec.chain import alias_names, compile_mask, transform_names
 
 SPEC = """\
 [model]

@@ -1,4 +1,4 @@
-"""Sequence-tiled gated MLP (``pgs.runtime.tiled_mlp``): same outputs and gradients as the
+"""Sequence-tiled gated MLP (``pgs.runtime.model.tiled_mlp``): same outputs and gradients as the
 module's own forward, one gradient per weight per backward, no second MLP forward in the
 recompute of a checkpointed layer."""
 
@@ -10,9 +10,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import pgs.func as pf
 from pgs.errors import InvalidArgument
-from pgs.runtime import tiled_mlp as T
-from pgs.runtime.checkpointing import apply_activation_checkpointing, compile_layers
-from pgs.runtime.release import GradientRelease
+from pgs.runtime.model import tiled_mlp as T
+from pgs.runtime.model.layers import apply_activation_checkpointing, compile_layers
+from pgs.runtime.optim.release import GradientRelease
 
 CFG = dict(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=8, max_position_embeddings=64)

@@ -87,7 +87,7 @@ def command(spec: Path, resume: str | None = None) -> list[str]:
     """``python -m pgs run`` once the CLI exists; until then the same call through ``python -c``."""
     if importlib.util.find_spec("pgs.__main__") is not None:
         return [sys.executable, "-m", "pgs", "run", str(spec)] + (["--resume", resume] if resume else [])
-    code = ("import sys; from pgs.runtime.spec import load_spec; from pgs.runtime.train import run; "
+    code = ("import sys; from pgs.runtime.spec.load import load_spec; from pgs.runtime.loop.train import run; "
             "sys.exit(run(load_spec(sys.argv[1]), resume=sys.argv[2] or None, spec_path=sys.argv[1]))")
     return [sys.executable, "-c", code, str(spec), resume or ""]
 
@@ -228,9 +228,9 @@ def test_final_export_loads_with_transformers_and_generates(tmp_path):
 def test_micro_batches_divide_by_the_steps_valid_tokens(tmp_path):
     """grad_accum = 2 x batch 2 gives the gradient of one token-mean over all 4 sequences."""
     from pgs.runtime.data import TrainStream
-    from pgs.runtime.spec import load_spec
-    from pgs.runtime.train import setup, train_step
-    from pgs.runtime import control
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.loop.train import setup, train_step
+    from pgs.runtime.loop import control
 
     spec_path = tiny_spec(tmp_path, "ga", steps=4)
     spec = load_spec(spec_path)
@@ -240,7 +240,7 @@ def test_micro_batches_divide_by_the_steps_valid_tokens(tmp_path):
 
     # Expected: one backward of (Σ all losses) / (Σ all valid tokens) on a copy of the model.
     from pgs.func.losses import token_loss
-    from pgs.runtime.model import final_hidden, output_head
+    from pgs.runtime.model.build import final_hidden, output_head
     import copy
 
     twin = copy.deepcopy(run.model)
@@ -272,9 +272,9 @@ def test_an_all_masked_micro_batch_adds_nothing_and_no_nan(tmp_path):
     """A micro-batch with no trained token contributes 0 (not 0/0) and leaves the gradient alone."""
     import attrs
 
-    from pgs.runtime import control
-    from pgs.runtime.spec import load_spec
-    from pgs.runtime.train import setup, train_step
+    from pgs.runtime.loop import control
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.loop.train import setup, train_step
 
     spec = load_spec(tiny_spec(tmp_path, "masked", steps=4))
     grads = []
@@ -307,8 +307,8 @@ def test_the_loop_freezes_the_heap_once_after_its_first_step(tmp_path, monkeypat
     and leaves the live objects in the collector's permanent generation."""
     import gc
 
-    from pgs.runtime import train as T
-    from pgs.runtime.spec import load_spec
+    from pgs.runtime.loop import train as T
+    from pgs.runtime.spec.load import load_spec
 
     at = []
     real = T.freeze_gc

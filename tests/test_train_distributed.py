@@ -153,7 +153,7 @@ def test_two_ranks_equal_one_process_and_sigterm_resume_is_exact(tmp_path):
 def test_the_global_batch_must_split_over_the_processes(tmp_path, monkeypatch):
     from pgs.cli import main
     from pgs.errors import SpecError
-    from pgs.runtime.spec import load_spec
+    from pgs.runtime.spec.load import load_spec
 
     spec = spec_for(tmp_path, "odd", ranks=2)
     monkeypatch.setenv("WORLD_SIZE", "3")  # under torchrun with 3 workers: 4 rows do not split
@@ -167,4 +167,4 @@ def test_the_global_batch_must_split_over_the_processes(tmp_path, monkeypatch):
 
 
 # memory.gradient_release with several processes is no longer refused: it runs per FSDP unit
-# (pgs.runtime.sharded_release), checked end to end in tests/test_fsdp_release.py.
+# (pgs.runtime.optim.sharded_release), checked end to end in tests/test_fsdp_release.py.

@@ -43,8 +43,8 @@ def release_spec(tmp_path: Path, name: str, *, release: bool = True, defer: bool
 
 
 def _run_in_process(spec_path: Path) -> int:
-    from pgs.runtime.spec import load_spec
-    from pgs.runtime.train import run
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.loop.train import run
 
     return run(load_spec(spec_path))
 
@@ -71,10 +71,10 @@ def test_release_run_equals_the_bound_run_bit_for_bit(tmp_path):
 
 
 def test_nonfinite_loss_is_skipped_before_backward(tmp_path, monkeypatch):
-    from pgs.runtime import control
-    from pgs.runtime.release import GradientRelease
-    from pgs.runtime.spec import load_spec
-    from pgs.runtime.train import setup, train_step
+    from pgs.runtime.loop import control
+    from pgs.runtime.optim.release import GradientRelease
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.loop.train import setup, train_step
 
     run = setup(load_spec(release_spec(tmp_path, "nan", steps=4)))
     assert isinstance(run.bound, GradientRelease) and run.release
@@ -130,7 +130,7 @@ REFUSALS = [
 @pytest.mark.parametrize("overrides,message", REFUSALS)
 def test_refusals_name_the_field(tmp_path, overrides, message):
     from pgs.errors import SpecError
-    from pgs.runtime.spec import load_spec
+    from pgs.runtime.spec.load import load_spec
 
     path = release_spec(tmp_path, "bad")
     if "chain" in overrides:  # a chain replaces the alias, its args and its clip
@@ -154,8 +154,8 @@ def test_pgs_validate_exits_2_on_a_refused_spec(tmp_path):
 
 
 def test_memory_section_round_trips_and_profile_reads_it(tmp_path):
-    from pgs.runtime.profile import memory_options
-    from pgs.runtime.spec import load_spec
+    from pgs.runtime.tools.profile import memory_options
+    from pgs.runtime.spec.load import load_spec
 
     spec = load_spec(release_spec(tmp_path, "mem"), ["memory.activation_checkpointing=\"selective\"",
                                                       "memory.checkpoint_every=2"])
@@ -175,20 +175,21 @@ def test_memory_section_round_trips_and_profile_reads_it(tmp_path):
 
 def test_activation_checkpointing_from_the_spec_keeps_the_loss(tmp_path, monkeypatch):
     """[memory] activation_checkpointing (and offload_checkpoints) reach the model; the loss is unchanged."""
-    from pgs.runtime import checkpointing, control
-    from pgs.runtime.spec import load_spec
-    from pgs.runtime.train import setup, train_step
+    from pgs.runtime.model import layers
+    from pgs.runtime.loop import control
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.loop.train import setup, train_step
 
     offloads = []
-    real = checkpointing.apply_activation_checkpointing
-    monkeypatch.setattr(checkpointing, "apply_activation_checkpointing",
+    real = layers.apply_activation_checkpointing
+    monkeypatch.setattr(layers, "apply_activation_checkpointing",
                         lambda *a, **k: offloads.append(k.get("offload")) or real(*a, **k))
     losses = []
     for policy, offload in (("none", False), ("full", False), ("full", True), ("sublayer", True)):
         sets = [f'memory.activation_checkpointing="{policy}"', f"memory.offload_checkpoints={str(offload).lower()}"]
         run = setup(load_spec(release_spec(tmp_path, f"ac_{policy}_{offload}"), sets))
-        layers = run.model.model.layers
-        assert all(("_pgs_forward_before_checkpointing" in layer.__dict__) == (policy != "none") for layer in layers)
+        decoder = run.model.model.layers
+        assert all(("_pgs_forward_before_checkpointing" in layer.__dict__) == (policy != "none") for layer in decoder)
         with control.StopSignals() as signals:
             losses.append([train_step(run, signals, control.WallClock(None))[0]["loss"] for _ in range(2)])
     assert losses[0][0] == losses[1][0] == losses[2][0] == losses[3][0]
@@ -218,8 +219,8 @@ def _assert_close_runs(ref: Path, run: Path, step: int) -> None:
 
 
 def test_the_loop_defers_the_tied_head_gradient(tmp_path):
-    from pgs.runtime.spec import load_spec
-    from pgs.runtime.train import _forward, setup
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.loop.train import _forward, setup
 
     run = setup(load_spec(release_spec(tmp_path, "chk", defer=True)))
     embed = run.model.get_input_embeddings().weight
@@ -234,8 +235,8 @@ def test_the_loop_defers_the_tied_head_gradient(tmp_path):
 def test_auto_defers_the_tied_head_gradient_only_where_memory_is_traded(tmp_path):
     """``defer_head_grad = "auto"`` (the default): deferred with activation checkpointing or tied
     slabs, not without (one head matmul per step saved where the V×D buffer is small)."""
-    from pgs.runtime.spec import load_spec
-    from pgs.runtime.train import _defers_head_grad, setup
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.loop.train import _defers_head_grad, setup
 
     for name, extra, want in (("plain", "", False), ("ckpt", 'activation_checkpointing = "full"\n', True)):
         path = release_spec(tmp_path, name, defer="auto")
@@ -249,9 +250,9 @@ def test_mlp_tiles_and_per_parameter_groups_from_the_spec(tmp_path):
     """``[memory] mlp_tiles`` tiles every decoder MLP and ``release_groups = "parameter"`` gives
     each parameter its own group; the first step's loss is unchanged and the second's equal up
     to summation order (the tiles sum the MLP's weight gradients in another order)."""
-    from pgs.runtime import control
-    from pgs.runtime.spec import load_spec
-    from pgs.runtime.train import setup, train_step
+    from pgs.runtime.loop import control
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.loop.train import setup, train_step
 
     losses = []
     for tiles, groups in ((0, "layer"), (3, "parameter")):
@@ -260,7 +261,7 @@ def test_mlp_tiles_and_per_parameter_groups_from_the_spec(tmp_path):
         mlps = [layer.mlp for layer in run.model.model.layers]
         assert all((getattr(m.__dict__.get("forward"), "_pgs_mlp_tiles", 0)) == tiles for m in mlps)
         if groups == "parameter":  # each parameter alone, the small ones together per layer
-            from pgs.runtime.release import SMALL_PARAMETER
+            from pgs.runtime.optim.release import SMALL_PARAMETER
 
             sizes = dict((n, p.numel()) for n, p in run.model.named_parameters())
             for g, names in run.bound.groups.items():

@@ -9,7 +9,9 @@ import functools
 import pytest
 import torch
 
-from pgs.runtime import checkpointing, control
+from pgs.runtime.model import layers
+
+from pgs.runtime.loop import control
 from test_train import tiny_spec
 
 
@@ -23,11 +25,11 @@ def test_real_data_steps_compile_the_layers_once(tmp_path, monkeypatch):
     Fails when rows are padded only to their batch's longest row (a new width, a recompile)."""
     from torch._dynamo.utils import counters
 
-    from pgs.runtime.spec import load_spec
-    from pgs.runtime.train import setup, train_step
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.loop.train import setup, train_step
 
-    monkeypatch.setattr(checkpointing, "compile_layers",
-                        functools.partial(checkpointing.compile_layers, backend="eager"))
+    monkeypatch.setattr(layers, "compile_layers",
+                        functools.partial(layers.compile_layers, backend="eager"))
     spec = load_spec(tiny_spec(tmp_path, "steady", steps=12), ["memory.compile_layers=true", "train.grad_accum=1"])
     torch._dynamo.reset()
     run = setup(spec)
@@ -57,7 +59,7 @@ def test_real_data_steps_compile_the_layers_once(tmp_path, monkeypatch):
 def test_a_step_record_reads_back_the_numbers_the_step_computed():
     """The record's device numbers (entropy, lr, ‖g‖) come back through an asynchronous copy;
     reading gives the values the step computed, plain numbers beside them unchanged."""
-    from pgs.runtime.train import StepRecord
+    from pgs.runtime.loop.train import StepRecord
 
     record = StepRecord({"a": torch.tensor(1.5), "b": 2, "c": torch.tensor([3.25])},
                         lambda v: {"sum": v["a"] + v["b"] + v["c"], "b": v["b"]})
@@ -74,8 +76,8 @@ def test_cuda_thirty_real_data_steps_compile_and_plan_once(tmp_path):
     fills.  (cuDNN's own graph cache, keyed by the bucketed document count, is not counted here.)"""
     from torch._dynamo.utils import counters
 
-    from pgs.runtime.spec import load_spec
-    from pgs.runtime.train import setup, train_step
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.loop.train import setup, train_step
 
     spec = load_spec(tiny_spec(tmp_path, "steady_cuda", steps=32), [
         "memory.compile_layers=true", "memory.gradient_release=true", "memory.stochastic_rounding=true",

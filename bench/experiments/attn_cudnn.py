@@ -236,7 +236,7 @@ def frontend_thd(gen, cpu_gen):
     except Exception as e:  # noqa: BLE001
         say("frontend", f"{type(e).__name__}: {str(e)[:300]}")
         return
-    from pgs.runtime.attention import _reference
+    from pgs.runtime.model.attention import _reference
 
     B, W, hq, hkv, d = 8, 4096, 16, 8, 128
     scale = d ** -0.5

@@ -243,7 +243,7 @@ def part_b():
 
     import pgs.func as pf
     from pgs.func.kernels import elementwise as E
-    from pgs.runtime.bind import bind
+    from pgs.runtime.optim.bound import bind
     from test_release import batches, loss_of, run_release, tiny_model
 
     print("== B: fused fp32 AdamW (GradientRelease) and bind, each against an fp64 run of bind (3 steps)")

@@ -42,7 +42,7 @@ if _ARGS:
 import torch  # noqa: E402
 
 import pgs.func as pf  # noqa: E402
-from pgs.runtime.release import GradientRelease  # noqa: E402
+from pgs.runtime.optim.release import GradientRelease  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 from test_release_launches import HOST_ONLY, counting_run, launching  # noqa: E402

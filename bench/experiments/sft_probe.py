@@ -205,7 +205,7 @@ class PgsModel:
     """One model (checkpointed, compiled layers) with ``GradientRelease(lion8bit)``; ``step(cfg)``."""
 
     def __init__(self, shape: str, args, device):
-        from pgs.runtime.checkpointing import apply_activation_checkpointing, compile_layers
+        from pgs.runtime.model.layers import apply_activation_checkpointing, compile_layers
 
         self.shape = shape
         self.table, self.batch, self.seq = (SMALL_SHAPES if args.small else SHAPES)[shape]
@@ -225,7 +225,7 @@ class PgsModel:
     def make_release(self, groups: str) -> None:
         """A fresh ``GradientRelease`` (lion8bit, SR, fused) with ``groups``; the old one's hooks go."""
         import pgs.func as pf
-        from pgs.runtime.release import GradientRelease
+        from pgs.runtime.optim.release import GradientRelease
 
         if getattr(self, "release", None) is not None:
             self.release.remove()
@@ -246,7 +246,7 @@ class PgsModel:
     def offload_inputs(self) -> None:
         """Full checkpointing with the layer inputs in pinned host memory (the compiled layer
         forwards are kept: no recompile)."""
-        from pgs.runtime.checkpointing import apply_activation_checkpointing
+        from pgs.runtime.model.layers import apply_activation_checkpointing
 
         apply_activation_checkpointing(self.model, "full", offload=True)
         self.ac = "full+offload"
@@ -268,7 +268,7 @@ class PgsModel:
         rel._arrivals.done.add(group)
 
     def remove_checkpointing(self) -> None:
-        from pgs.runtime.checkpointing import remove_activation_checkpointing
+        from pgs.runtime.model.layers import remove_activation_checkpointing
 
         remove_activation_checkpointing(self.model)  # keeps the compiled layer forwards
         self.ac = "none"
@@ -278,7 +278,7 @@ class PgsModel:
 
     def step(self, ids, pos, cfg: dict):
         from pgs.func.losses import token_loss
-        from pgs.runtime.model import final_hidden, output_head
+        from pgs.runtime.model.build import final_hidden, output_head
 
         rf = torch.profiler.record_function
         with rf("probe.step"):

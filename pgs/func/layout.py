@@ -325,7 +325,7 @@ def reduced(sums, reduce_sum: Callable | None):
     """``sums`` completed across shards: ``reduce_sum(sums)`` when a hook is given, else ``sums``.
 
     Under FSDP2 a transform sees each parameter's local shard only, so a per-tensor sum is a
-    partial sum.  The sharded binding (``pgs.runtime.sharded_bind``) passes
+    partial sum.  The sharded binding (``pgs.runtime.optim.sharded_bind``) passes
     ``extra["reduce_sum"]``: a function that sums a pytree of tensors over the ranks (one
     all-reduce for the whole tree) and returns it.  Transforms that reduce over whole
     tensors forward ``extra.get("reduce_sum")`` to ``per_tensor_sumsq`` / ``per_tensor_dot``

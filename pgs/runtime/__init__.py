@@ -1,5 +1,5 @@
 """pgs.runtime — the stateful side: models, bound optimizers, data, checkpoints, the loop."""
 
-from pgs.runtime.bind import BoundOptimizer, bind
+from pgs.runtime.optim.bound import BoundOptimizer, bind
 
 __all__ = ["BoundOptimizer", "bind"]

@@ -72,7 +72,7 @@ class DeferredHeadGrad:
     """
 
     #: ``add_to`` rebuilds each chunk with the loss's Triton gradient pass where the forward ran
-    #: it (the chunk is W's dtype, overwritten in place; ``pgs.runtime.profile`` reads this).
+    #: it (the chunk is W's dtype, overwritten in place; ``pgs.runtime.tools.profile`` reads this).
     KERNEL_PASS = True
 
     def __init__(self):

@@ -27,7 +27,7 @@ time: ``next_step()`` is the ``grad_accum`` micro-batches of the next step, alre
   ``k`` is handed out, the ``non_blocking`` copy of step ``k+1`` from pinned memory is already
   issued on a side stream (if the worker has it ready; otherwise it is issued when asked
   for).  Handing a step out makes the compute stream wait on the copy's event (no host sync)
-  and records the tensors on it (``pgs.runtime.prefetch``).  On the CPU the batches are
+  and records the tensors on it (``pgs.runtime.data.prefetch``).  On the CPU the batches are
   returned as they are.
 
 The steps come in exactly the order of the synchronous path (``threaded=False``, which
@@ -83,7 +83,7 @@ from pgs.errors import PgsError
 from pgs.runtime.data.packing import PackedBatch
 from pgs.runtime.data.stats import DataStats
 from pgs.runtime.data.stream import TrainStream
-from pgs.runtime.prefetch import copy_ahead, hand_over, map_tensors
+from pgs.runtime.data.prefetch import copy_ahead, hand_over, map_tensors
 
 #: How often a waiting consumer (or a worker with enough steps ready) looks up, in seconds.
 POLL_S = 0.1

@@ -62,7 +62,7 @@ def _dtype(d) -> torch.dtype:
 
 def _hf_config(model_config):
     if isinstance(model_config, dict):
-        from pgs.runtime.model import build_config
+        from pgs.runtime.model.build import build_config
 
         return build_config(model_config)
     return model_config
@@ -140,7 +140,7 @@ def activation_parts(
     (tests/test_profile.py); the working set of backward itself (activation gradients,
     ≈ one layer's A_none) is not included.  ``offload`` (``"full"`` only): the checkpointed
     layers' inputs live in host memory, so they keep 0 on the device; the recompute then also
-    holds the input copied back (b·h).  ``mlp_tiles = k > 1`` (``pgs.runtime.tiled_mlp``): the
+    holds the input copied back (b·h).  ``mlp_tiles = k > 1`` (``pgs.runtime.model.tiled_mlp``): the
     MLP keeps none of its 4·b·I per token (its input is the second norm's output, counted
     above) and its backward holds one tile's tensors, ≈ 8·b·I for ⌈tokens / k⌉ tokens.
     ``"sublayer"``: each layer keeps two inputs (2·b·h; 0 offloaded) and backward recomputes
@@ -286,7 +286,7 @@ def predict_memory(
                        chain=pf.lion8bit(1e-5), gradient_release=True,
                        activation_checkpointing="full", micro_batch_tokens=4096)
     """
-    from pgs.runtime.release import group_parameters
+    from pgs.runtime.optim.release import group_parameters
 
     cfg = _hf_config(model_config)
     if vocab is not None:
@@ -339,7 +339,7 @@ def predict_memory(
     b = torch.empty((), dtype=dt).element_size()
     n = int(micro_batch_tokens)
     if defer_head_grad is not False:  # where pgs run can defer, as the setting asks
-        from pgs.runtime.spec_sections import head_grad_wanted
+        from pgs.runtime.spec.sections import head_grad_wanted
 
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
         tied = head is not None and embed is not None and head.weight is embed.weight
@@ -430,7 +430,7 @@ def _spec_model_config(spec):
     if m.config is not None:
         table = dict(m.config)
         if not table.get("vocab_size"):  # as pgs run builds it: the tokenizer's vocabulary
-            from pgs.runtime.model import load_tokenizer
+            from pgs.runtime.model.build import load_tokenizer
 
             table["vocab_size"] = len(load_tokenizer(m.tokenizer or m.path))
         return _hf_config(table)
@@ -441,8 +441,8 @@ def _spec_model_config(spec):
 
 def plan_from_spec(spec, **overrides) -> dict[str, Any]:
     """Everything ``predict_memory`` needs, read from a checked spec (plus ``overrides``)."""
-    from pgs.runtime.model import freeze
-    from pgs.runtime.release import refusal
+    from pgs.runtime.model.build import freeze
+    from pgs.runtime.optim.release import refusal
 
     mem = getattr(spec, "memory", None)
     opts = {**memory_options(spec), "tied_slabs": int(getattr(mem, "tied_slabs", 0) or 0),
@@ -527,10 +527,10 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
     ``backward`` (which includes the update under gradient release) and ``step``.
     """
     from pgs.func.losses import chunked_cross_entropy, cross_entropy
-    from pgs.runtime.bind import bind
-    from pgs.runtime.checkpointing import apply_activation_checkpointing
-    from pgs.runtime.model import build_model, final_hidden, freeze, output_head
-    from pgs.runtime.release import GradientRelease
+    from pgs.runtime.optim.bound import bind
+    from pgs.runtime.model.layers import apply_activation_checkpointing
+    from pgs.runtime.model.build import build_model, final_hidden, freeze, output_head
+    from pgs.runtime.optim.release import GradientRelease
 
     opts = plan["options"]
     dev = torch.device("cuda")
@@ -543,7 +543,7 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
                             varlen_kernel=m.varlen_kernel, init_seed=m.init_seed).to(dev)
     freeze(model, m.freeze)
     if int(opts.get("mlp_tiles", 0)) > 1:
-        from pgs.runtime.tiled_mlp import apply_mlp_tiles
+        from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 
         apply_mlp_tiles(model, int(opts["mlp_tiles"]))
     apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]),

@@ -22,7 +22,7 @@ Which transforms may run sharded is checked when binding: every leaf transform w
 ``locality`` is not elementwise must be known to forward these hooks (``SHARD_AWARE``) or
 be named in ``trust=``; otherwise binding refuses (a shard-local norm is a silent bug).
 
-State leaves keep the shard-local shapes.  ``checkpoint_state()`` hands ``pgs.runtime.dcp``
+State leaves keep the shard-local shapes.  ``checkpoint_state()`` hands ``pgs.runtime.store.dcp``
 the state with every leaf that mirrors a parameter wrapped as a DTensor of that parameter's
 placement (so DCP can reshard it), scalars as replicated tensors, and any other leaf (for
 example block-wise 8-bit codes of a shard) under a per-rank key.
@@ -40,7 +40,7 @@ import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import ELEMENTWISE, no_step_stage
-from pgs.runtime.distributed import reshard
+from pgs.runtime.dist.fsdp import reshard
 
 #: Leaf transforms (by name) that are not elementwise and forward ``reduce_sum`` /
 #: ``whole_tensors`` (see the module docstring).  A transform joins by forwarding them.
@@ -92,7 +92,7 @@ class ShardedBoundOptimizer:
 
     Args:
         chain: the pure transform.
-        model: a module after ``pgs.runtime.distributed.shard_model`` (its trainable
+        model: a module after ``pgs.runtime.dist.fsdp.shard_model`` (its trainable
             parameters are DTensors); on one process a plain module also works.
         trust: names of non-elementwise leaf transforms to run although they are not in
             ``SHARD_AWARE`` (you have checked that they forward the hooks).
@@ -127,7 +127,7 @@ class ShardedBoundOptimizer:
                                           "expected Shard(0) on the data-parallel mesh (FSDP2's default)")
         elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise InvalidArgument("bind_sharded: several processes but no parameter is sharded; "
-                                  "call pgs.runtime.distributed.shard_model(model) first")
+                                  "call pgs.runtime.dist.fsdp.shard_model(model) first")
         if self.group is not None:
             refuse_unaware(chain, trust, "bind_sharded")
         self.chain = chain
@@ -250,7 +250,7 @@ class ShardedBoundOptimizer:
 
     def last_metrics(self) -> dict[str, Any]:
         """As ``BoundOptimizer.last_metrics`` (0-d state leaves are the same on every rank)."""
-        from pgs.runtime.bind import BoundOptimizer
+        from pgs.runtime.optim.bound import BoundOptimizer
 
         return BoundOptimizer.last_metrics(self)  # reads only self.state
 

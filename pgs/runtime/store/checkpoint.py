@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pgs.errors import DiskFull, PgsError, RunExists
-from pgs.runtime.control import fsync_dir
+from pgs.runtime.loop.control import fsync_dir
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"

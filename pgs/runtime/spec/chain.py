@@ -22,7 +22,7 @@ import re
 from typing import Callable
 
 from pgs.errors import PgsError, SpecError
-from pgs.runtime.spec import Spec, suggest
+from pgs.runtime.spec.load import Spec, suggest
 
 #: Parameter names of factories that wrap other transforms (not expressible as a chain entry).
 _WRAPPER_ARGS = {"opt", "inner", "transforms", "named", "factory"}
@@ -297,7 +297,7 @@ def check_memory(spec: Spec, chain) -> None:
                         "cannot run inside backward (the global norm is unknown until backward ends); set "
                         "optimizer.clip = 0, or write an optimizer.chain with a per-tensor clip "
                         "({ name = \"clip_by_norm_per_tensor\", ... })")
-    from pgs.runtime.release import refusal
+    from pgs.runtime.optim.release import refusal
 
     why = refusal(chain, 1)
     if why:
@@ -310,7 +310,7 @@ def check_memory(spec: Spec, chain) -> None:
         raise SpecError(f"memory.gradient_release: {where} cannot run inside backward: {why}; "
                         "remove it or set memory.gradient_release = false")
     if mem.tied_slabs:
-        from pgs.runtime.release import slab_refusal
+        from pgs.runtime.optim.release import slab_refusal
 
         why = slab_refusal(chain)
         if why:

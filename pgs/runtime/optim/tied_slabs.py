@@ -1,8 +1,8 @@
 """Gradient release's tied weight stepped in row slabs (``GradientRelease(..., tied_slabs=rows)``).
 
-``TiedSlabs(release, model, rows)`` is what ``GradientRelease`` (pgs/runtime/release.py) makes
+``TiedSlabs(release, model, rows)`` is what ``GradientRelease`` (pgs/runtime/optim/release.py) makes
 when ``tied_slabs`` is set: it checks the chain and the weight, and replaces the input
-embedding's forward (``pgs.runtime.model.row_grad_embedding``) so that its backward keeps the
+embedding's forward (``pgs.runtime.model.build.row_grad_embedding``) so that its backward keeps the
 looked-up rows' gradients instead of building a dense V×D gradient.  When the weight's group
 steps, ``step(release, group)`` steps the weight slab by slab over the vocabulary: each slab's
 gradient is the rows' sums that fall in it plus each ``add_before_step`` contribution's
@@ -65,7 +65,7 @@ class TiedSlabs:
 
     def __init__(self, release, model, rows) -> None:
         """Check ``tied_slabs`` and make the input embedding hand over its rows' gradients."""
-        from pgs.runtime.model import TokenRowGrads, row_grad_embedding
+        from pgs.runtime.model.build import TokenRowGrads, row_grad_embedding
 
         if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
             raise InvalidArgument(f"GradientRelease: tied_slabs={rows!r} must be None or an int >= 1 (rows per slab)")

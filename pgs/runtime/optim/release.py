@@ -60,7 +60,7 @@ slab over the vocabulary at the end of backward: each slab's gradient is the row
 fall in it plus each ``add_before_step`` contribution's ``add_rows_to`` (the deferred head
 gradient rebuilt for those vocabulary rows only), then the chain's update on the slab alone.
 Needs an elementwise chain (``slab_refusal``); equal to the dense path up to summation order.
-The machinery is ``TiedSlabs`` in pgs/runtime/release_slabs.py.
+The machinery is ``TiedSlabs`` in pgs/runtime/optim/tied_slabs.py.
 
 Non-finite losses: the update happens inside backward, so a step cannot be skipped after
 the fact; check the loss before calling ``backward``.
@@ -78,8 +78,8 @@ import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import GLOBAL, no_step_stage
-from pgs.runtime.bind import trainable_parameters
-from pgs.runtime.release_slabs import TiedSlabs, slab_refusal  # noqa: F401  (slab_refusal: re-exported)
+from pgs.runtime.optim.bound import trainable_parameters
+from pgs.runtime.optim.tied_slabs import TiedSlabs, slab_refusal  # noqa: F401  (slab_refusal: re-exported)
 
 _LAYOUT_KEY = "__pgs_release_groups__"
 _MASTER_PREFIX = "__master__."
@@ -347,7 +347,7 @@ class GradientRelease:
         self._slab_name: str | None = None
         self._row_grads = None
         self._slabs: TiedSlabs | None = None
-        if tied_slabs is not None:  # the tied weight in row slabs: pgs/runtime/release_slabs.py
+        if tied_slabs is not None:  # the tied weight in row slabs: pgs/runtime/optim/tied_slabs.py
             self._slabs = TiedSlabs(self, model, tied_slabs)
             self.tied_slabs, self._slab_name, self._row_grads = tied_slabs, self._slabs.name, self._slabs.row_grads
         self._handles = [p.register_post_accumulate_grad_hook(self._arrivals.hook_for(self._group_of[n]))

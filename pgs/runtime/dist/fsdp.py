@@ -1,7 +1,7 @@
 """Data parallelism with FSDP2: the process group, the mesh, and how a model is sharded.
 
 One process per device, started by ``torchrun`` (or ``pgs run --nproc N``, which re-executes
-itself under it, see ``pgs.runtime.launch``).  :func:`init` reads the launcher's
+itself under it, see ``pgs.runtime.dist.launch``).  :func:`init` reads the launcher's
 environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and
 opens the default process group with a timeout that is ours to choose; :func:`shard_model`
 wraps every decoder layer and the root in ``fully_shard``.
@@ -197,7 +197,7 @@ def mixed_precision_policy(mixed_precision: str | None):
 
 
 def _final_hidden(self, input_ids, position_ids, *, embed_noise=None):
-    from pgs.runtime.model import final_hidden
+    from pgs.runtime.model.build import final_hidden
 
     return final_hidden(self, input_ids, position_ids, embed_noise=embed_noise)
 

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from pgs.func.losses import token_loss
-from pgs.runtime.model import final_hidden, output_head
+from pgs.runtime.model.build import final_hidden, output_head
 
 
 @torch.no_grad()

@@ -288,7 +288,7 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError("a checkpointed layer's recompute (pgs.runtime.checkpointing._Recompute) runs a nested "
+            raise RuntimeError("a checkpointed layer's recompute (pgs.runtime.model.layers._Recompute) runs a nested "
                                "backward, which torch.autograd.grad and backward(inputs=...) cannot see; use "
                                "loss.backward(), or apply_activation_checkpointing(..., fast_recompute=False)")
         x = ctx.held.get() if ctx.held is not None else ctx.saved_tensors[0]
@@ -325,7 +325,7 @@ def _fast_ok(x, rest: tuple, extra: dict, kwargs: dict) -> bool:
 
 
 def _wants_early_stop(layer) -> bool:
-    """A tiled MLP (``pgs.runtime.tiled_mlp``) saves only its input, and the recompute of
+    """A tiled MLP (``pgs.runtime.model.tiled_mlp``) saves only its input, and the recompute of
     ``torch.utils.checkpoint`` stops once that is saved again (its early stop): the MLP's forward
     is not run a second time.  ``_Recompute`` runs the whole forward, so those layers keep
     ``torch.utils.checkpoint``."""

@@ -1,10 +1,10 @@
 """Gradient release under FSDP2: each unit's chain runs as soon as its reduce-scatter is done.
 
-``ShardedGradientRelease(chain, model)`` is ``GradientRelease`` (``pgs.runtime.release``) for
-a model sharded by ``pgs.runtime.distributed.shard_model``, and has the surface of
-``ShardedBoundOptimizer`` (``pgs.runtime.sharded_bind``): the chain runs on the local
+``ShardedGradientRelease(chain, model)`` is ``GradientRelease`` (``pgs.runtime.optim.release``) for
+a model sharded by ``pgs.runtime.dist.fsdp.shard_model``, and has the surface of
+``ShardedBoundOptimizer`` (``pgs.runtime.optim.sharded_bind``): the chain runs on the local
 shards (``p.to_local()``) with ``extra["reduce_sum"]`` / ``extra["whole_tensors"]``, and
-``checkpoint_state()`` / ``load_checkpoint_state()`` feed ``pgs.runtime.dcp``.  The
+``checkpoint_state()`` / ``load_checkpoint_state()`` feed ``pgs.runtime.store.dcp``.  The
 difference is *when*: inside backward, one FSDP unit (a decoder layer; the root: embeddings,
 final norm, head) at a time, right after FSDP2 has reduce-scattered that unit's gradients;
 then the unit's sharded gradients are set to None.  So at most one unit's sharded gradients
@@ -58,8 +58,8 @@ import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import no_step_stage
-from pgs.runtime.release import Arrivals, refusal, release_metrics, released_step
-from pgs.runtime.sharded_bind import RANK_KEY, ShardedBoundOptimizer, _is_dtensor, local, refuse_unaware
+from pgs.runtime.optim.release import Arrivals, refusal, release_metrics, released_step
+from pgs.runtime.optim.sharded_bind import RANK_KEY, ShardedBoundOptimizer, _is_dtensor, local, refuse_unaware
 
 #: Group key of the parameters that the root FSDP unit manages (embeddings, final norm, head).
 ROOT_GROUP = "root"
@@ -100,7 +100,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
 
     Args:
         chain: any ``pgs.func.Transform`` without ``global`` parts (and shard-aware).
-        model: a module after ``pgs.runtime.distributed.shard_model``.
+        model: a module after ``pgs.runtime.dist.fsdp.shard_model``.
         trust: as ``bind_sharded``.
         stochastic_rounding: as ``pf.apply_updates``.
         grad_accum: must be 1 (refused otherwise, with the reason).
@@ -121,8 +121,8 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         if why:
             raise InvalidArgument(f"{who}: {why}")
         if not isinstance(model, FSDPModule):
-            raise InvalidArgument(f"{who}: the model is not sharded; call pgs.runtime.distributed.shard_model "
-                                  "first (or use pgs.runtime.release.GradientRelease on one process)")
+            raise InvalidArgument(f"{who}: the model is not sharded; call pgs.runtime.dist.fsdp.shard_model "
+                                  "first (or use pgs.runtime.optim.release.GradientRelease on one process)")
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not params:
             raise InvalidArgument(f"{who}: the module has no trainable parameters")

@@ -1,7 +1,7 @@
 """The sections of a run spec (``[model]``, ``[optimizer]``, ``[schedule]``, ``[loss]``,
 ``[train]``, ``[checkpoint]``, ``[log]``, ``[memory]``; ``[data]`` is ``DataConfig``): frozen attrs
 classes whose validators check every field's type and range and name it in a ``SpecError``.
-``pgs.runtime.spec`` assembles them into a ``Spec`` (and re-exports these names).
+``pgs.runtime.spec.load`` assembles them into a ``Spec`` (and re-exports these names).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "varlen", "eager", "flash_attention_2", "flex_attention")
-VARLEN_KERNELS = ("auto", "cudnn", "flash")  # pgs.runtime.attention.VARLEN_KERNELS
+VARLEN_KERNELS = ("auto", "cudnn", "flash")  # pgs.runtime.model.attention.VARLEN_KERNELS
 FREEZE_POLICIES = ("none", "non_attention")
 SCHEDULES = ("constant", "linear_warmup", "cosine", "wsd", "power_decay")
 WSD_SHAPES = ("linear", "cosine", "1-sqrt", "power", "exponential")
@@ -269,7 +269,7 @@ class MemorySpec:
     """``[memory]``: trading compute or precision for memory (docs/memory.md).
 
     ``gradient_release`` runs the chain inside backward, one decoder layer at a time
-    (``pgs.runtime.release``); it needs ``train.grad_accum = 1``, ``optimizer.clip = 0`` and
+    (``pgs.runtime.optim.release``); it needs ``train.grad_accum = 1``, ``optimizer.clip = 0`` and
     a chain without global transforms.  ``activation_checkpointing`` (``"none"``, ``"full"``,
     ``"selective"``) applies to layers ``0, k, 2k, …`` with ``k = checkpoint_every``.
     ``compile_layers`` compiles each decoder layer; ``liger`` patches in Liger's kernels.
@@ -287,7 +287,7 @@ class MemorySpec:
     (``"layer"`` or ``"parameter"``) is what steps together inside backward: a decoder layer's
     parameters, or each parameter as soon as its gradient exists (a layer's gradients then never
     all exist at once).  ``mlp_tiles`` (0: off) computes each decoder layer's gated MLP in that
-    many token slices, forward and backward (``pgs.runtime.tiled_mlp``): the MLP's
+    many token slices, forward and backward (``pgs.runtime.model.tiled_mlp``): the MLP's
     [tokens, intermediate] tensors never exist whole.
     """
 

@@ -52,7 +52,7 @@ def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype:
 
 def build_config(config: dict[str, Any]):
     """A ``transformers`` config from a table such as ``{model_type = "qwen3", hidden_size = 64}``."""
-    from pgs.runtime.preflight import config_from_table
+    from pgs.runtime.spec.preflight import config_from_table
 
     return config_from_table(config)
 
@@ -86,12 +86,12 @@ def build_model(
     state is untouched).  The same seed gives the same weights on the same kind of device; a CPU
     and a CUDA init differ (different generators).  Exactly one of the two.  ``device``: None
     is the default device (the CPU, or that of an enclosing ``with torch.device(...)``).
-    ``varlen_kernel``: the packed-attention kernel (``pgs.runtime.attention.set_varlen_kernel``;
+    ``varlen_kernel``: the packed-attention kernel (``pgs.runtime.model.attention.set_varlen_kernel``;
     resolved here for ``device`` when the model uses it).
     """
     from transformers import AutoModelForCausalLM
 
-    from pgs.runtime.attention import hf_implementation, set_varlen_kernel
+    from pgs.runtime.model.attention import hf_implementation, set_varlen_kernel
 
     torch_dtype = resolve_dtype(dtype)
     device = _init_device(device)
@@ -136,8 +136,8 @@ def build_model(
 
 def load_tokenizer(path: str):
     """The tokenizer of a local folder (``model.tokenizer``, or the model folder itself);
-    ``SpecError`` when it will not load (``pgs.runtime.preflight.load_tokenizer``)."""
-    from pgs.runtime.preflight import load_tokenizer as load
+    ``SpecError`` when it will not load (``pgs.runtime.spec.preflight.load_tokenizer``)."""
+    from pgs.runtime.spec.preflight import load_tokenizer as load
 
     return load(path)
 
@@ -200,10 +200,10 @@ def final_hidden(model, input_ids: Tensor, position_ids: Tensor, *, embed_noise=
 
     ``position_ids`` restart at each document; no attention mask and no cache, so that
     transformers isolates the documents (with ``attn_implementation = "varlen"`` the boundaries
-    go to the packed-attention kernel instead, see ``pgs.runtime.attention``).  ``embed_noise(embeds) -> embeds`` (NEFTune) is
+    go to the packed-attention kernel instead, see ``pgs.runtime.model.attention``).  ``embed_noise(embeds) -> embeds`` (NEFTune) is
     applied to the input embeddings when given.
     """
-    from pgs.runtime.attention import packed_kwargs, uses_varlen
+    from pgs.runtime.model.attention import packed_kwargs, uses_varlen
 
     base = model.base_model
     kwargs = dict(position_ids=position_ids, use_cache=False)

@@ -97,7 +97,7 @@ def known_model_types() -> list[str]:
 def _unknown_model_type(field: str, model_type) -> SpecError:
     import transformers
 
-    from pgs.runtime.spec import suggest
+    from pgs.runtime.spec.load import suggest
 
     hint = suggest(str(model_type), known_model_types())
     return SpecError(f"{field}: unknown architecture {model_type!r}"
@@ -154,7 +154,7 @@ def model_config(model, vocab_size: int | None = None):
         if not table.get("vocab_size") and vocab_size:
             table["vocab_size"] = vocab_size
         config = config_from_table(table)
-    from pgs.runtime.attention import hf_implementation
+    from pgs.runtime.model.attention import hf_implementation
 
     config._attn_implementation = hf_implementation(model.attn_implementation, config)
     return config

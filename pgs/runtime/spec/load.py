@@ -4,7 +4,7 @@
 checks every field (unknown keys with a suggestion, types, ranges, conflicts, files that must
 exist, transform names and their arguments) and returns a frozen :class:`Spec` whose paths are
 absolute.  Nothing here touches a model or reads training data; ``pgs validate`` and ``pgs
-run`` do that on top, through the same checks (``pgs.runtime.preflight``).  Every problem is a ``SpecError`` naming the dotted field.
+run`` do that on top, through the same checks (``pgs.runtime.spec.preflight``).  Every problem is a ``SpecError`` naming the dotted field.
 
 The sections and their field checks live in ``spec_sections.py`` (re-exported here); building
 the optimizer chain and the schedule from a spec lives in ``spec_chain.py``;
@@ -22,8 +22,8 @@ import attrs
 
 from pgs.errors import SpecError
 from pgs.runtime.data.config import DataConfig, DataSource
-from pgs.runtime.spec_toml import dumps, parse_value, read_toml  # noqa: F401  (re-exported)
-from pgs.runtime.spec_sections import (  # noqa: F401  (re-exported)
+from pgs.runtime.spec.toml import dumps, parse_value, read_toml  # noqa: F401  (re-exported)
+from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     ASSET_PREFIX,
     ASSETS_DIR,
     DTYPES,
@@ -82,13 +82,13 @@ class Spec:
 
     def build_schedule(self, total_steps: int | None = None):
         """The ``[schedule]`` as a ``pgs.func`` schedule; ``total = 0`` becomes ``total_steps``."""
-        from pgs.runtime.spec_chain import build_schedule
+        from pgs.runtime.spec.chain import build_schedule
 
         return build_schedule(self, total_steps)
 
     def build_chain(self, total_steps: int | None = None, schedule=None):
         """The ``[optimizer]`` as one pure ``pgs.func.Transform`` (learning rate = the schedule)."""
-        from pgs.runtime.spec_chain import build_chain
+        from pgs.runtime.spec.chain import build_chain
 
         return build_chain(self, total_steps, schedule)
 
@@ -103,7 +103,7 @@ class Spec:
 
     def build_objective(self):
         """The ``[loss]`` objective instance (``pgs.func.losses``), with ``loss.args``."""
-        from pgs.runtime.spec_chain import build_objective
+        from pgs.runtime.spec.chain import build_objective
 
         return build_objective(self.loss)
 
@@ -404,7 +404,7 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
     _check_schedule_fields(sections["schedule"], raw.get("schedule", {}))
     spec = Spec(**sections, source=source)
 
-    from pgs.runtime.spec_chain import check_spec
+    from pgs.runtime.spec.chain import check_spec
 
     check_spec(spec)
     return spec

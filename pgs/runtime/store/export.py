@@ -14,7 +14,7 @@ import shutil
 
 from safetensors.torch import save_file
 
-from pgs.runtime.checkpoint import disk_full_guard, model_tensors, publish, tensor_bytes
+from pgs.runtime.store.checkpoint import disk_full_guard, model_tensors, publish, tensor_bytes
 
 EXPORT_INFO = "pgs_export.json"
 

@@ -3,7 +3,7 @@
 The launcher process starts ``python -m torch.distributed.run --standalone
 --nproc-per-node N -m pgs <same arguments>`` and waits.  Each worker finds torchrun's
 environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...) and runs the distributed path
-(``pgs.runtime.distributed.init``); it does not relaunch because ``LOCAL_RANK`` is set.
+(``pgs.runtime.dist.fsdp.init``); it does not relaunch because ``LOCAL_RANK`` is set.
 
 Signals: SIGTERM / SIGINT sent to the launcher are passed on to torchrun, which passes them
 to every worker; the workers stop together at the next step boundary, checkpoint and exit

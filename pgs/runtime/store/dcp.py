@@ -9,7 +9,7 @@ A distributed checkpoint is ``<run_dir>/step_<N>/``::
     spec.resolved.toml    the spec of the run (rank 0)
     COMPLETE              manifest (size + sha256 of every file above), written last
 
-It has the same life as a single-process checkpoint (``pgs.runtime.checkpoint``): written
+It has the same life as a single-process checkpoint (``pgs.runtime.store.checkpoint``): written
 into ``.step_<N>.tmp-<pid>`` (rank 0's pid), fsynced, renamed, and valid only when its
 ``COMPLETE`` manifest matches (``checkpoint.problem`` / ``latest`` / ``purge`` work on it
 unchanged).  Every rank calls :func:`save` and :func:`load` at the same point: both are
@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 import pgs.func as pf
-from pgs.runtime import checkpoint as ckpt
-from pgs.runtime.checkpoint import CheckpointError
+from pgs.runtime.store import checkpoint as ckpt
+from pgs.runtime.store.checkpoint import CheckpointError
 
 DCP_INFO = "dcp.json"
 DCP_FORMAT = "pgs-dcp-1"
@@ -306,7 +306,7 @@ def export_hf(model, tokenizer, out_dir: str, *, info: dict | None = None) -> st
     Collective: every rank calls it; rank 0 writes; every rank returns after the folder is
     published.  A tied output head is written once (transformers re-ties it from the config).
     """
-    from pgs.runtime.export import export_hf as write_hf
+    from pgs.runtime.store.export import export_hf as write_hf
 
     tensors = gathered_state_dict(model)
     failure = None

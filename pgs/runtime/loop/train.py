@@ -45,18 +45,18 @@ import torch
 
 from pgs.errors import EXIT_OK, EXIT_WALL_BUDGET, DiskFull, HaltError, PreflightRefused
 from pgs.func.losses import neftune, token_loss
-from pgs.runtime import checkpoint as ckpt
-from pgs.runtime import control
-from pgs.runtime import distributed as D
-from pgs.runtime.bind import bind
+from pgs.runtime.store import checkpoint as ckpt
+from pgs.runtime.loop import control
+from pgs.runtime.dist import fsdp as D
+from pgs.runtime.optim.bound import bind
 from pgs.runtime.data import EvalStream, TrainStream, require_packing_isolation
 from pgs.runtime.data.loader import StepLoader
-from pgs.runtime.evaluate import eval_loss, read_samples, task_accuracy, task_checker
-from pgs.runtime.export import export_hf
-from pgs.runtime.metrics import MetricsLog
-from pgs.runtime.trace import Profiler
-from pgs.runtime.model import build_model, freeze, output_head, parameter_bytes
-from pgs.runtime.preflight import preflight_spec
+from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
+from pgs.runtime.store.export import export_hf
+from pgs.runtime.loop.metrics import MetricsLog
+from pgs.runtime.loop.trace import Profiler
+from pgs.runtime.model.build import build_model, freeze, output_head, parameter_bytes
+from pgs.runtime.spec.preflight import preflight_spec
 
 #: Eval prompts answered by greedy generation when the eval data has a known checker.
 ACCURACY_SAMPLES = 48
@@ -125,19 +125,19 @@ def is_main(run: Run) -> bool:
 
 def apply_memory(model, memory) -> None:
     """Liger kernels, activation checkpointing and per-layer compile from ``[memory]``, in place."""
-    from pgs.runtime import checkpointing
+    from pgs.runtime.model import layers
 
     if memory.liger:
-        checkpointing.apply_liger(model)
+        layers.apply_liger(model)
     if getattr(memory, "mlp_tiles", 0) > 1:
-        from pgs.runtime.tiled_mlp import apply_mlp_tiles
+        from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 
         apply_mlp_tiles(model, memory.mlp_tiles)
     if memory.activation_checkpointing != "none":
-        checkpointing.apply_activation_checkpointing(model, memory.activation_checkpointing, memory.checkpoint_every,
+        layers.apply_activation_checkpointing(model, memory.activation_checkpointing, memory.checkpoint_every,
                                                      offload=getattr(memory, "offload_checkpoints", False))
     if memory.compile_layers:
-        checkpointing.compile_layers(model)
+        layers.compile_layers(model)
 
 
 def configure_allocator(device: torch.device) -> None:
@@ -165,7 +165,7 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
     ``ctx``: the distributed context (``distributed.init()``) when several processes train
     together; the model is then sharded (FSDP2) and the chain bound to the shards.
     """
-    from pgs.runtime.spec import check_world_size
+    from pgs.runtime.spec.load import check_world_size
 
     tokenizer = preflight_spec(spec).tokenizer  # pgs validate's checks of the model, lengths and run folder
     sharded = ctx is not None and ctx.distributed
@@ -195,7 +195,7 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
     total = spec.total_steps(None if spec.train.steps is not None else _steps_per_epoch(spec, tokenizer))
     chain = spec.build_chain(total)
     if sharded:
-        from pgs.runtime.sharded_bind import bind_sharded
+        from pgs.runtime.optim.sharded_bind import bind_sharded
 
         D.shard_model(model, ctx.mesh, mixed_precision=mixed)
         if getattr(mem, "tied_slabs", 0):
@@ -206,14 +206,14 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
         if mem.gradient_release:
             # each FSDP unit's chain runs right after its reduce-scatter, inside backward; a bf16
             # model already has fp32 sharded masters (mixed precision), so master_weights adds nothing
-            from pgs.runtime.sharded_release import ShardedGradientRelease
+            from pgs.runtime.optim.sharded_release import ShardedGradientRelease
 
             bound = ShardedGradientRelease(chain, model, stochastic_rounding=mem.stochastic_rounding,
                                            grad_accum=spec.train.grad_accum)
         else:
             bound = bind_sharded(chain, model, stochastic_rounding=mem.stochastic_rounding)
     elif mem.gradient_release:
-        from pgs.runtime.release import GradientRelease
+        from pgs.runtime.optim.release import GradientRelease
 
         bound = GradientRelease(chain, model, stochastic_rounding=mem.stochastic_rounding,
                                 master_weights=None if mem.master_weights == "none" else mem.master_weights,
@@ -243,7 +243,7 @@ def restore(run: Run, folder: str) -> None:
 
     A DCP folder (several processes) is loaded by every rank through ``dcp.load``.
     """
-    from pgs.runtime import dcp
+    from pgs.runtime.store import dcp
 
     if run.ctx is not None or dcp.is_dcp(folder):
         t = dcp.load(folder, model=run.model, optimizer=run.bound, noise_generator=run.noise)
@@ -265,7 +265,7 @@ def save(run: Run) -> str:
     """Write ``step_<N>`` (durably), then purge old ones beyond ``checkpoint.keep``."""
     step = run.step
     if run.ctx is not None:
-        from pgs.runtime import dcp
+        from pgs.runtime.store import dcp
 
         folder = dcp.save(run.run_dir, step, model=run.model, optimizer=run.bound, trainer=run.counters(),
                           spec_toml=run.spec.to_toml(), noise_generator=run.noise)
@@ -510,7 +510,7 @@ def _sharded_eval_loss(run: Run) -> dict:
 
 def _export(run: Run, out_dir: str, info: dict) -> None:
     if run.ctx is not None:
-        from pgs.runtime import dcp
+        from pgs.runtime.store import dcp
 
         dcp.export_hf(run.model, run.tokenizer, out_dir, info=info)
     else:
@@ -602,7 +602,7 @@ def _state_bytes(bound) -> int:
 def _resolve(r: Run, resume: str | None) -> str | None:
     if r.ctx is None or resume is None:
         return ckpt.resolve(r.run_dir, resume)
-    from pgs.runtime import dcp
+    from pgs.runtime.store import dcp
 
     return dcp.latest(r.run_dir) if resume == "auto" else resume  # dcp.load verifies it
 

@@ -1,0 +1,1 @@
+"""The training loop and its services: control plane, evaluation, metrics, profiler trace."""

@@ -1,0 +1,1 @@
+"""The inspection commands: `pgs profile` (memory prediction) and `pgs report` (plots)."""
