@@ -19,7 +19,7 @@ from pgs.runtime.data.config import DataConfig
 
 #: ``"pgs:quickstart/train.jsonl"`` names a file bundled with the package.
 ASSET_PREFIX = "pgs:"
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"  # pgs/assets
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "varlen", "eager", "flash_attention_2", "flex_attention")
