@@ -213,7 +213,7 @@ def setup(name: str, table: dict, device, args, init: dict | None = None):
             W, bias, softcap = output_head(model)
             r = token_loss(h, W, labels_of(ids), bias=bias, softcap=softcap, chunk_size=2048, defer_head_grad=defer)
             if defer:
-                release.add_before_step(W, r.head_grad.add_to)
+                release.before_step(W, r.head_grad.add_to)
             loss = r.loss_sum / r.num_valid
             loss.backward()
             return loss.detach()

@@ -301,7 +301,7 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
         labels[:, -1] = -100  # as HF's shifted loss: the last position has no target
         r = token_loss(h, W, labels, bias=bias, softcap=softcap, chunk_size=loss_chunk, defer_head_grad=defer)
         if defer:  # in row slabs the release rebuilds the head's rows slab by slab: hand it the object
-            release.add_before_step(W, r.head_grad if slabs else r.head_grad.add_to)
+            release.before_step(W, r.head_grad if slabs else r.head_grad.add_to)
         loss = r.loss_sum / r.num_valid
         loss.backward()  # the update runs inside
         return loss.detach()

@@ -40,6 +40,10 @@ class DataError(PgsError):
     """Bad training data: names file:line and the problem."""
 
 
+class CheckpointError(PgsError):
+    """A checkpoint that cannot be resumed from (names the folder and what is wrong)."""
+
+
 class MissingExtra(PgsError, ImportError):
     """An optional backend was asked for but its package is not installed (names the extra)."""
 

@@ -73,7 +73,7 @@ def train(model, opt, ctx, first: int, last: int, report: dict | None = None) ->
         if report is not None:
             left = [k for k, p in model.named_parameters() if p.grad is not None]
             report["grads_left"] = report.get("grads_left", 0) + len(left)
-            report.setdefault("grad_norms", []).append(opt.last_metrics().get("grad_norm"))
+            report.setdefault("grad_norms", []).append(opt.metrics().grad_norm)
             report.setdefault("streamed", []).append(opt.last_streamed)
         opt.step()
         opt.zero_grad()

@@ -71,7 +71,7 @@ def test_equals_bind_exactly(name, groups):
         assert torch.equal(p, q), n
     assert rel.counts() == {3}  # every group's count advanced once per step
     assert rel.steps == 3
-    assert rel.last_metrics()["lr"] == ref.last_metrics()["lr"]
+    assert rel.metrics().lr == ref.metrics().lr
 
 
 def test_grouping():
@@ -112,7 +112,7 @@ def test_grad_norm_matches_global_norm():
     loss_of(a, data[0]).backward()
     expected = bind(pf.sgd(1e-2), a).grad_norm()
     rel = run_release(b, pf.sgd(1e-2), data)
-    assert rel.last_metrics()["grad_norm"] == pytest.approx(expected, rel=1e-5)
+    assert rel.metrics().grad_norm == pytest.approx(expected, rel=1e-5)
 
 
 def test_unused_parameter_steps_with_zero_grad_like_bind():

@@ -1,5 +1,5 @@
 """The tied head's gradient deferred into the embedding's hook (``token_loss(...,
-defer_head_grad=True)`` + ``GradientRelease.add_before_step``) equals the plain chunked loss."""
+defer_head_grad=True)`` + ``GradientRelease.before_step``) equals the plain chunked loss."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def step_loss(model, ids, release=None):
     r = token_loss(h, W, labels, bias=bias, softcap=softcap, chunk_size=7, defer_head_grad=defer)
     if defer:
         seen = {}
-        release.add_before_step(W, lambda g: (seen.setdefault("emb_part", g.clone()), r.head_grad.add_to(g)))
+        release.before_step(W, lambda g: (seen.setdefault("emb_part", g.clone()), r.head_grad.add_to(g)))
         (r.loss_sum / r.num_valid).backward()
         return seen
     (r.loss_sum / r.num_valid).backward()
@@ -50,13 +50,13 @@ def test_deferred_equals_plain_over_steps():
     assert rel.counts() == {3}
 
 
-def test_add_before_step_refuses_strangers_and_zero_grad_drops():
+def test_before_step_refuses_strangers_and_zero_grad_drops():
     model = tiny_model()
     rel = GradientRelease(pf.sgd(1e-2), model)
     with pytest.raises(Exception, match="not one of"):
-        rel.add_before_step(torch.nn.Parameter(torch.ones(2)), lambda g: None)
+        rel.before_step(torch.nn.Parameter(torch.ones(2)), lambda g: None)
     called = []
-    rel.add_before_step(model.model.embed_tokens.weight, lambda g: called.append(1))
+    rel.before_step(model.model.embed_tokens.weight, lambda g: called.append(1))
     rel.zero_grad()
     step_loss(model, batches(1)[0])
     assert called == []

@@ -118,7 +118,7 @@ def _layer_step_ops(chain, triton_runs, *, track_grad_norm=True):
     rel, seen = group_step_ops(_model(), chain, triton_runs, track_grad_norm=track_grad_norm)
     assert rel.fused_group_steps == 2 * len(rel.groups)  # every group took the fused path
     if track_grad_norm:
-        assert rel.last_metrics()["grad_norm"] > 0
+        assert rel.metrics().grad_norm > 0
     return seen["model.layers.0"]
 
 

@@ -77,7 +77,7 @@ def test_nonfinite_loss_is_skipped_before_backward(tmp_path, monkeypatch):
     from pgs.runtime.loop.train import setup, train_step
 
     run = setup(load_spec(release_spec(tmp_path, "nan", steps=4)))
-    assert isinstance(run.bound, GradientRelease) and run.release
+    assert isinstance(run.bound, GradientRelease) and run.bound.in_backward
     before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     state = {k: v.clone() for k, v in run.bound.state_dict().items()}
     monkeypatch.setenv("PGS_TEST_NAN_STEPS", "1")

@@ -82,7 +82,7 @@ def group_step_ops(chain, *, track_grad_norm: bool, layers: int = 2, hidden: int
     rel, out = _group_step_ops(tiny_qwen3(layers, hidden), chain, _patch_interpreter(),
                                track_grad_norm=track_grad_norm, stochastic_rounding=stochastic_rounding)
     if track_grad_norm:
-        rel.last_metrics()
+        rel.metrics()
     return out
 
 
@@ -122,7 +122,7 @@ def host_time(opt: str, track_grad_norm: bool = True, layers: int = 8, backwards
         for _ in range(backwards):
             model(x, labels=x, use_cache=False).loss.backward()
             if track_grad_norm:
-                rel.last_metrics()
+                rel.metrics()
         times = sorted(times[5 * layers:])
         return times[len(times) // 2] / 1e3
     finally:

@@ -298,7 +298,7 @@ class PgsModel:
                         with rf("probe.defer_add"):
                             hg.add_to(buf)
 
-                    self.release.add_before_step(W, add)
+                    self.release.before_step(W, add)
                 loss = r.loss_sum / r.num_valid
             with rf("probe.bwd"):
                 loss.backward()

@@ -15,6 +15,8 @@ from pgs.func.layout import per_tensor_apply, per_tensor_sumsq, reduced
 class ClipByGlobalNormState(NamedTuple):
     norm: torch.Tensor  # fp32: the global norm of the last incoming updates (before clipping)
 
+    reports = (("grad_norm", "norm"),)  # pgs.func.reported
+
 
 def global_norm(tree, layout=None, reduce_sum=None) -> torch.Tensor:
     """sqrt(Σ_i ‖g_i‖²) over every leaf, in fp32 (``reduce_sum``: the sharding hook, see ``layout.reduced``).

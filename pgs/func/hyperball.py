@@ -27,6 +27,8 @@ class HyperballState(NamedTuple):
     lr: torch.Tensor  # float64: η_t of the last update
     radius: object  # fp32 per-tensor R = ‖W_0‖_F (0-d per leaf, or [num_tensors] per flat group)
 
+    reports = (("lr", "lr"),)  # pgs.func.reported
+
 
 def hyperball(learning_rate, mask=None, eps: float = 1e-12) -> Transform:
     """The last stage of a chain: turn a base direction u into a step on the sphere ‖W‖_F = R.

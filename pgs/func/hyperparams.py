@@ -17,6 +17,8 @@ class InjectHyperparamsState(NamedTuple):
     hyperparams: dict  # name -> 0-d float64 tensor (the value used by the last update)
     inner_state: Any
 
+    reports = (("lr", "hyperparams.learning_rate"),)  # pgs.func.reported
+
 
 def inject_hyperparams(factory: Callable[..., Transform], static_args: tuple[str, ...] = ()):
     """Wrap a transform factory so its numeric hyperparameters live in state as 0-d tensors.

@@ -15,6 +15,8 @@ class ScaleByLearningRateState(NamedTuple):
     count: torch.Tensor  # int32: updates applied so far (the schedule's step)
     lr: torch.Tensor  # float64: the learning rate used by the last update (readable for logging)
 
+    reports = (("lr", "lr"),)  # pgs.func.reported
+
 
 def lr_value(lr, count):
     """The learning rate at ``count`` as a float64 0-d tensor on count's device."""

@@ -27,6 +27,8 @@ class ZClipState(NamedTuple):
     spike: torch.Tensor  # bool: whether the last step was a spike
     skipped: torch.Tensor  # int32: spikes skipped so far (mode "skip")
 
+    reports = (("grad_norm", "norm"), ("spike", "spike"), ("spikes_skipped", "skipped"))  # pgs.func.reported
+
 
 def zclip(alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 25, mode: str = "clip",
           max_grad_norm: float | None = None, eps: float = 1e-6, clip_factor: float = 1.0) -> Transform:

@@ -20,7 +20,7 @@ Qwen3-4B).  Deferred, the forward keeps only what rebuilds G per chunk — the v
 indices, gates and LSEs (a few bytes per token) and h — and backward hands autograd no
 gradient for W; instead ``result.head_grad.add_to(W.grad)`` adds s·Σ_k Gₖᵀ H_k into the
 gradient buffer the weight already has (from the embedding) when the caller decides, e.g.
-in the tied weight's post-accumulate-grad hook (``GradientRelease.add_before_step``).  Cost:
+in the tied weight's post-accumulate-grad hook (``GradientRelease.before_step``).  Cost:
 one more head matmul per chunk (the logits are rebuilt, with the same Triton gradient pass as
 the forward where it ran: the chunk in W's dtype, in place); one V·D gradient buffer, and only
 at the end of backward.  Gradients equal the plain path's up to summation order.

@@ -48,7 +48,7 @@ from pgs.func.losses import neftune, token_loss
 from pgs.runtime.store import checkpoint as ckpt
 from pgs.runtime.loop import control
 from pgs.runtime.dist import fsdp as D
-from pgs.runtime.optim.bound import bind
+from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
 from pgs.runtime.data import EvalStream, TrainStream, require_packing_isolation
 from pgs.runtime.data.loader import StepLoader
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
@@ -71,14 +71,13 @@ class Run:
     device: torch.device
     model: Any
     tokenizer: Any
-    bound: Any  # BoundOptimizer, GradientRelease, ShardedBoundOptimizer or ShardedGradientRelease
+    bound: Optimizer  # pgs.runtime.optim: the binder make_optimizer chose
     objective: Any
     total_steps: int
     micro_batch: int
     noise: torch.Generator | None
     skips: control.SkipCounter
     chain_has_norm: bool = False
-    release: bool = False
     ctx: Any = None  # distributed.DistContext when several processes train together
     step: int = 0
     trained_tokens: int = 0
@@ -195,33 +194,9 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
     total = spec.total_steps(None if spec.train.steps is not None else _steps_per_epoch(spec, tokenizer))
     chain = spec.build_chain(total)
     if sharded:
-        from pgs.runtime.optim.sharded_bind import bind_sharded
-
         D.shard_model(model, ctx.mesh, mixed_precision=mixed)
-        if getattr(mem, "tied_slabs", 0):
-            from pgs.errors import SpecError
-
-            raise SpecError("memory.tied_slabs: the row-slab step of the tied weight runs on one process; "
-                            "set tied_slabs = 0 with several processes")
-        if mem.gradient_release:
-            # each FSDP unit's chain runs right after its reduce-scatter, inside backward; a bf16
-            # model already has fp32 sharded masters (mixed precision), so master_weights adds nothing
-            from pgs.runtime.optim.sharded_release import ShardedGradientRelease
-
-            bound = ShardedGradientRelease(chain, model, stochastic_rounding=mem.stochastic_rounding,
-                                           grad_accum=spec.train.grad_accum)
-        else:
-            bound = bind_sharded(chain, model, stochastic_rounding=mem.stochastic_rounding)
-    elif mem.gradient_release:
-        from pgs.runtime.optim.release import GradientRelease
-
-        bound = GradientRelease(chain, model, stochastic_rounding=mem.stochastic_rounding,
-                                master_weights=None if mem.master_weights == "none" else mem.master_weights,
-                                grad_accum=spec.train.grad_accum, tied_slabs=getattr(mem, "tied_slabs", 0) or None,
-                                groups=getattr(mem, "release_groups", "layer"))
-    else:
-        bound = bind(chain, model, compile=spec.optimizer.compile, jit=spec.optimizer.jit,
-                     stochastic_rounding=mem.stochastic_rounding)
+    bound = make_optimizer(chain, model, mem, sharded=sharded, grad_accum=spec.train.grad_accum,
+                           compile=spec.optimizer.compile, jit=spec.optimizer.jit)
     stream = TrainStream(spec.data, tokenizer, rank=ctx.rank if sharded else 0, world_size=world)
     micro_batch = spec.train.batch_size // (spec.train.grad_accum * world)
     loader = StepLoader(stream, micro_batch, spec.train.grad_accum, device)
@@ -233,7 +208,7 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
         objective=spec.build_objective(), total_steps=total,
         micro_batch=micro_batch, noise=noise, loader=loader,
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
-        chain_has_norm="grad_norm" in bound.last_metrics(), release=bool(mem.gradient_release),
+        chain_has_norm=bound.metrics().grad_norm is not None,
         ctx=ctx if sharded else None,
     )
 
@@ -302,9 +277,7 @@ def _forward(run: Run, batch, poison: bool):
     result = token_loss(h, weight, labels, backend=loss.backend, objective=run.objective, bias=bias,
                         softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size, defer_head_grad=defer)
     if defer and result.head_grad is not None:  # joins the embedding's gradient in the tied weight's hook
-        # in row slabs (memory.tied_slabs) the release rebuilds it slab by slab: hand it the object
-        slabs = getattr(run.bound, "tied_slabs", None)
-        run.bound.add_before_step(weight, result.head_grad if slabs else result.head_grad.add_to)
+        run.bound.before_step(weight, result.head_grad)
     loss_sum = result.loss_sum * float("nan") if poison else result.loss_sum
     entropy = result.entropy_sum.detach() if result.entropy_sum is not None else torch.zeros((), device=h.device)
     return loss_sum, entropy
@@ -315,9 +288,10 @@ def _defers_head_grad(run: Run, weight) -> bool:
     loss and ``memory.defer_head_grad`` (``"auto"``: with checkpointing or slabs): the head's
     gradient is added into the embedding's own gradient buffer right before that weight steps
     (one V×D buffer, only at the end of backward)."""
-    if not (run.release and run.ctx is None and run.spec.memory.head_grad_deferred() and weight.requires_grad):
+    if not (run.bound.in_backward and run.bound.defers_contributions and run.spec.memory.head_grad_deferred()
+            and weight.requires_grad):
         return False
-    if run.spec.loss.backend != "chunked" or not hasattr(run.bound, "add_before_step"):
+    if run.spec.loss.backend != "chunked":
         return False
     embed = run.model.get_input_embeddings()
     return embed is not None and embed.weight is weight
@@ -385,7 +359,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     loss_parts, entropy_parts = [], []
     pending = None
     for batch in batches:
-        if run.release:  # the update runs inside backward: agree on the loss before it
+        if run.bound.in_backward:  # the update runs inside backward: agree on the loss before it
             pending, e = _forward(run, batch, poison)
             l = pending.detach()
         else:
@@ -395,25 +369,22 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     loss_sum = float(sum(loss_parts))  # the control plane's read: every micro-batch's loss
     nonfinite = not math.isfinite(loss_sum) or n_valid == 0
     flags = control.agree([signals.received, wall.spent(), nonfinite, 0])
-    opt: dict[str, Any] = {}
+    opt = StepMetrics()
     grad_norm = None
-    if run.release:
-        if flags[control.NONFINITE]:
-            del pending  # no backward: the chain state and the weights stay as they were
-            run.bound.zero_grad()
-        else:
-            (pending / max(n_valid, 1)).backward()  # every group steps inside this call
-            run.bound.finish()
-            opt = run.bound.last_metrics(tensors=True)
-    elif flags[control.NONFINITE]:
+    if flags[control.NONFINITE]:
+        del pending  # no backward (release): the chain state and the weights stay as they were
         run.bound.zero_grad()
+    elif run.bound.in_backward:
+        (pending / max(n_valid, 1)).backward()  # every group steps inside this call
+        run.bound.step()  # completes what backward started (groups that got no gradient)
+        opt = run.bound.metrics(tensors=True)
     else:
         # The chain's clip keeps the pre-clip norm in its state; measure it only when it does not.
         grad_norm = None if run.chain_has_norm else run.bound.grad_norm()
         run.bound.step()
         run.bound.zero_grad()
-        opt = run.bound.last_metrics()
-        flags[control.SPIKE] = control.agree([0, 0, 0, int(opt.get("spike", False))])[control.SPIKE]
+        opt = run.bound.metrics()
+        flags[control.SPIKE] = control.agree([0, 0, 0, int(opt.spike)])[control.SPIKE]
     skipped = bool(flags[control.NONFINITE] or flags[control.SPIKE])
     run.skips.record(skipped)
     run.step += 1
@@ -423,7 +394,8 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     if run.ctx is not None:  # the logged loss and throughput are the whole step's
         sums = D.all_reduce_sum(torch.tensor([loss_sum, float(entropy), float(tokens)], dtype=torch.float64))
         loss_sum, entropy, tokens = float(sums[0]), float(sums[1]), int(sums[2])
-    values = {"lr": opt.get("lr"), "grad_norm": opt.get("grad_norm", grad_norm), "entropy": entropy}
+    values = {"lr": opt.lr, "grad_norm": opt.grad_norm if opt.grad_norm is not None else grad_norm,
+              "entropy": entropy}
     values = {k: v for k, v in values.items() if v is not None}
     ended = time.perf_counter()
     # the step's period: from the end of the previous step's launches (or this step's start) to
@@ -589,16 +561,6 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
             D.shutdown()
 
 
-def _state_bytes(bound) -> int:
-    if hasattr(bound, "state_bytes"):
-        return int(bound.state_bytes())
-    if hasattr(bound, "state_dict"):
-        return sum(t.numel() * t.element_size() for t in bound.state_dict().values())
-    import pgs.func as pf
-
-    return int(pf.state_bytes(bound.state))
-
-
 def _resolve(r: Run, resume: str | None) -> str | None:
     if r.ctx is None or resume is None:
         return ckpt.resolve(r.run_dir, resume)
@@ -629,7 +591,7 @@ def _train(spec, resume: str | None, wall: control.WallClock, ctx: D.DistContext
 def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profile: tuple[int, int] | None) -> int:
     run_dir = spec.checkpoint.dir
     main = is_main(r)
-    control.preflight(run_dir, parameter_bytes(r.model) + _state_bytes(r.bound))
+    control.preflight(run_dir, parameter_bytes(r.model) + r.bound.state_bytes())
     if main:
         ckpt.remove_stale_temporaries(run_dir)
     D.barrier()

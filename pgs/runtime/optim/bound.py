@@ -26,9 +26,10 @@ from typing import Any
 import torch
 
 import pgs.func as pf
-from pgs.errors import InvalidArgument, TreeMismatch
+from pgs.errors import CheckpointError, InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import no_step_stage
+from pgs.runtime.optim.interface import StepMetrics, step_metrics
 
 _LAYOUT_KEY = "__pgs_layout__"
 
@@ -48,7 +49,11 @@ def trainable_parameters(module_or_params, who: str) -> dict[str, torch.Tensor]:
 
 
 class BoundOptimizer:
-    """A pure chain bound to live parameters.  See the module docstring."""
+    """A pure chain bound to live parameters (a ``pgs.runtime.optim.Optimizer``).  See the
+    module docstring."""
+
+    in_backward = False
+    defers_contributions = True
 
     def __init__(
         self,
@@ -73,6 +78,7 @@ class BoundOptimizer:
         self.compiled = bool(compile)
         self.stochastic_rounding = stochastic_rounding
         self._last_grads = None
+        self._before: dict[str, list] = {}
         if self.compiled:
             self.flat = pf.compile(chain, jit=jit, donate=donate, align=align, stochastic_rounding=stochastic_rounding,
                                    fused=fused)
@@ -101,9 +107,31 @@ class BoundOptimizer:
         return {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
 
     # -- the torch.optim-like surface -------------------------------------------------
+    def before_step(self, param: torch.Tensor, contribution) -> None:
+        """At the next ``step()``, add ``contribution`` into ``param``'s gradient first (a function
+        ``fn(grad)`` adding in place, or an object with ``add_to(grad)``); dropped by ``zero_grad``."""
+        name = next((n for n, p in self.params.items() if p is param), None)
+        if name is None:
+            raise InvalidArgument("BoundOptimizer.before_step: not one of the bound parameters")
+        fn = contribution if callable(contribution) else getattr(contribution, "add_to", None)
+        if not callable(fn):
+            raise InvalidArgument("BoundOptimizer.before_step: expected fn(grad) or an object with add_to(grad)")
+        self._before.setdefault(name, []).append(fn)
+
+    @torch.no_grad()
+    def _run_before(self) -> None:
+        for name, fns in self._before.items():
+            p = self.params[name]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            for fn in fns:
+                fn(p.grad)
+        self._before.clear()
+
     @torch.no_grad()
     def step(self, **extra) -> None:
         """Apply the chain to the current gradients and update the parameters in place."""
+        self._run_before()
         if self.compiled:
             for p, v in zip(self.params.values(), self._grad_views):
                 if p.grad is not v:
@@ -130,6 +158,7 @@ class BoundOptimizer:
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (the flat path zeroes its gradient buffers and keeps the views)."""
+        self._before.clear()
         if self.compiled:
             for b in self.grad_bufs.values():
                 b.zero_()
@@ -175,25 +204,26 @@ class BoundOptimizer:
         else:
             self.state = new
 
+    def dcp_state(self) -> dict[str, torch.Tensor]:
+        """The state as DCP entries (by path, no fingerprint); the per-parameter path only, so
+        that one process can load what several wrote (``pgs.runtime.store.dcp``)."""
+        if self.compiled:
+            raise CheckpointError("a sharded checkpoint loads into an optimizer bound without compile=True only")
+        return pf.state_to_dict(self.state)
+
+    def load_dcp_state(self, loaded: dict[str, torch.Tensor]) -> None:
+        if self.compiled:
+            raise CheckpointError("a sharded checkpoint loads into an optimizer bound without compile=True only")
+        self.state = pf.state_from_dict(self.state, {k: v.detach().clone() for k, v in loaded.items()})
+
+    def state_bytes(self) -> int:
+        """Bytes of the chain's state."""
+        return int(pf.state_bytes(self.state))
+
     # -- what the runtime logs ----------------------------------------------------------
-    def last_metrics(self) -> dict[str, Any]:
-        """lr (the one used by the last step), grad_norm (if a clip or zclip recorded it), spike flags."""
-        out: dict[str, Any] = {}
-        for path, x in T.leaves_with_paths(self.state):
-            if not isinstance(x, torch.Tensor) or x.numel() != 1:
-                continue
-            leaf = path.rsplit(".", 1)[-1]
-            if leaf == "lr" and "lr" not in out:
-                out["lr"] = float(x)
-            elif leaf == "learning_rate" and "lr" not in out:
-                out["lr"] = float(x)
-            elif leaf == "norm" and "grad_norm" not in out:
-                out["grad_norm"] = float(x)
-            elif leaf == "spike":
-                out["spike"] = bool(x)
-            elif leaf == "skipped":
-                out["spikes_skipped"] = int(x)
-        return out
+    def metrics(self, *, tensors: bool = False) -> StepMetrics:
+        """What the chain's state reports for the last step (``pf.reported_metrics``)."""
+        return step_metrics(self.state, tensors=tensors)
 
     @torch.no_grad()
     def grad_norm(self) -> float:

@@ -49,7 +49,7 @@ rounding inside the 8-bit kernels) — no update tensor, no fp32 temporaries.  T
 the chain's own, so the fused and the plain path share checkpoints; ``fused=False`` forces
 the plain path.
 
-Deferred contributions.  ``add_before_step(param, fn)`` runs ``fn(param.grad)`` right before
+Deferred contributions.  ``before_step(param, fn)`` runs ``fn(param.grad)`` right before
 ``param``'s group steps in the coming backward: how the chunked loss's deferred head gradient
 (``token_loss(..., defer_head_grad=True)``) joins a tied embedding's own gradient, so that one
 V×D gradient buffer exists, and only at the end of backward (docs/memory.md).
@@ -57,7 +57,7 @@ V×D gradient buffer exists, and only at the end of backward (docs/memory.md).
 Row slabs (``tied_slabs=rows``, opt-in).  The input embedding's backward keeps its looked-up
 rows' gradients instead of building a dense V×D gradient, and the weight is stepped slab by
 slab over the vocabulary at the end of backward: each slab's gradient is the rows' sums that
-fall in it plus each ``add_before_step`` contribution's ``add_rows_to`` (the deferred head
+fall in it plus each ``before_step`` contribution's ``add_rows_to`` (the deferred head
 gradient rebuilt for those vocabulary rows only), then the chain's update on the slab alone.
 Needs an elementwise chain (``slab_refusal``); equal to the dense path up to summation order.
 The machinery is ``TiedSlabs`` in pgs/runtime/optim/tied_slabs.py.
@@ -75,10 +75,11 @@ from typing import Any, Callable
 import torch
 
 import pgs.func as pf
-from pgs.errors import InvalidArgument, TreeMismatch
+from pgs.errors import CheckpointError, InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import GLOBAL, no_step_stage
 from pgs.runtime.optim.bound import trainable_parameters
+from pgs.runtime.optim.interface import StepMetrics
 from pgs.runtime.optim.tied_slabs import TiedSlabs, slab_refusal  # noqa: F401  (slab_refusal: re-exported)
 
 _LAYOUT_KEY = "__pgs_release_groups__"
@@ -194,21 +195,16 @@ def sum_of_squares(norms: list) -> torch.Tensor | None:
 
 
 def release_metrics(states: dict, steps: int, last_sumsq: torch.Tensor | None, *,
-                    tensors: bool = False) -> dict[str, Any]:
-    """What a release logs: the lr of the last step (read from the first group's state — every
-    group steps once per backward with the same schedule), ‖g‖ of the last backward, steps.
+                    tensors: bool = False) -> StepMetrics:
+    """What a release reports: the lr of the last step (declared by the first group's state —
+    every group steps once per backward with the same schedule), ‖g‖ of the last backward, steps.
 
     ``tensors=True`` leaves lr and ‖g‖ as 0-d device tensors (no host read: the training loop
     copies them to the host asynchronously and reads them a step later)."""
     read = (lambda x: x.detach().reshape(())) if tensors else float
-    out: dict[str, Any] = {"release_steps": steps}
-    for path, x in T.leaves_with_paths(next(iter(states.values()))):
-        if isinstance(x, torch.Tensor) and x.numel() == 1 and path.rsplit(".", 1)[-1] in ("lr", "learning_rate"):
-            out["lr"] = read(x)
-            break
-    if last_sumsq is not None:
-        out["grad_norm"] = read(last_sumsq.sqrt())
-    return out
+    lr = pf.reported_metrics(next(iter(states.values()))).get("lr")
+    return StepMetrics(lr=None if lr is None else read(lr),
+                       grad_norm=None if last_sumsq is None else read(last_sumsq.sqrt()), release_steps=steps)
 
 
 class Arrivals:
@@ -262,7 +258,7 @@ class GradientRelease:
         master_weights: None, or ``"fp32"`` to keep fp32 masters of low-precision parameters.
         grad_accum: must be 1 (refused otherwise, with the reason).
         track_grad_norm: keep ‖g‖ of every gradient as they stream by (one multi-tensor norm
-            per group), for ``last_metrics``, which reduces Σ‖g‖² once when it reads it.
+            per group), for ``metrics``, which reduces Σ‖g‖² once when it reads it.
         apply_chunk: elements per slab when writing θ + u back (bounds the fp32 temporaries).
         fused: step a group with the chain's fused update-and-apply kernel where it has one
             (``lion8bit``, ``adamw8bit``: their ``fused_step``; ``adamw``/``lion``: the kernels of
@@ -271,10 +267,13 @@ class GradientRelease:
             must be the ``nn.Module``) never gets a dense gradient; its backward keeps the
             looked-up rows' gradients, and at the end of backward the weight is stepped slab by
             slab over the vocabulary, each slab's gradient built from those rows and from the
-            row-addressable contributions of ``add_before_step`` (a deferred head gradient).
+            row-addressable contributions of ``before_step`` (a deferred head gradient).
             Needs an elementwise chain (``slab_refusal``), the weight alone in its group, and
             8-bit blocks that are whole slabs (``block_size`` divides rows·D).  docs/memory.md.
     """
+
+    in_backward = True
+    defers_contributions = True
 
     def __init__(
         self,
@@ -471,7 +470,7 @@ class GradientRelease:
             live.view(-1)[lo:lo + step].copy_(piece)
 
     # -- the public surface -----------------------------------------------------------------
-    def add_before_step(self, param: torch.Tensor, fn: Callable[[torch.Tensor], Any]) -> None:
+    def before_step(self, param: torch.Tensor, fn: Callable[[torch.Tensor], Any]) -> None:
         """In the coming backward, call ``fn(param.grad)`` right before ``param``'s group steps
         (``fn`` adds into the gradient buffer in place; a zero buffer is made when ``param`` got
         no gradient).  How a tied head's deferred gradient (``token_loss(...,
@@ -479,10 +478,10 @@ class GradientRelease:
         buffer exists, and only at the end of backward.  Dropped by ``zero_grad()``."""
         name = self._name_of.get(id(param))
         if name is None:
-            raise InvalidArgument("GradientRelease.add_before_step: not one of the released parameters")
+            raise InvalidArgument("GradientRelease.before_step: not one of the released parameters")
         if name == self._slab_name:
             if not callable(getattr(fn, "add_rows_to", None)):
-                raise InvalidArgument(f"GradientRelease.add_before_step: {name!r} is stepped in row slabs "
+                raise InvalidArgument(f"GradientRelease.before_step: {name!r} is stepped in row slabs "
                                       "(tied_slabs), so a contribution must add rows: pass an object with "
                                       "add_rows_to(out, r0, r1) (e.g. result.head_grad), not a whole-tensor function")
         elif not callable(fn) and callable(getattr(fn, "add_to", None)):
@@ -562,10 +561,21 @@ class GradientRelease:
                     out.add(int(x))
         return out
 
-    def last_metrics(self, *, tensors: bool = False) -> dict[str, Any]:
+    def metrics(self, *, tensors: bool = False) -> StepMetrics:
         """lr (used by the last step), grad_norm (‖g‖ over all gradients of the last backward,
         if tracked), and ``release_steps``; ``tensors=True``: lr and grad_norm as device tensors."""
         return release_metrics(self.states, self.steps, self._last_sumsq, tensors=tensors)
+
+    def grad_norm(self) -> float | None:
+        """‖g‖ of the last backward (None before the first, or untracked)."""
+        return None if self._last_sumsq is None else float(self._last_sumsq.sqrt())
+
+    def dcp_state(self) -> dict[str, torch.Tensor]:
+        raise CheckpointError("gradient release on one process writes single-process checkpoints, not DCP")
+
+    def load_dcp_state(self, loaded: dict[str, torch.Tensor]) -> None:
+        raise CheckpointError("a sharded (DCP) checkpoint cannot be loaded into gradient release on one process; "
+                              "resume it with as many processes as wrote it, or without gradient_release")
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer's state (chain states plus fp32 masters)."""

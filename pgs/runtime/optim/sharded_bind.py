@@ -22,7 +22,7 @@ Which transforms may run sharded is checked when binding: every leaf transform w
 ``locality`` is not elementwise must be known to forward these hooks (``SHARD_AWARE``) or
 be named in ``trust=``; otherwise binding refuses (a shard-local norm is a silent bug).
 
-State leaves keep the shard-local shapes.  ``checkpoint_state()`` hands ``pgs.runtime.store.dcp``
+State leaves keep the shard-local shapes.  ``dcp_state()`` hands ``pgs.runtime.store.dcp``
 the state with every leaf that mirrors a parameter wrapped as a DTensor of that parameter's
 placement (so DCP can reshard it), scalars as replicated tensors, and any other leaf (for
 example block-wise 8-bit codes of a shard) under a per-rank key.
@@ -37,10 +37,11 @@ import torch
 import torch.distributed as dist
 
 import pgs.func as pf
-from pgs.errors import InvalidArgument, TreeMismatch
+from pgs.errors import CheckpointError, InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import ELEMENTWISE, no_step_stage
 from pgs.runtime.dist.fsdp import reshard
+from pgs.runtime.optim.interface import StepMetrics, step_metrics
 
 #: Leaf transforms (by name) that are not elementwise and forward ``reduce_sum`` /
 #: ``whole_tensors`` (see the module docstring).  A transform joins by forwarding them.
@@ -88,7 +89,8 @@ def refuse_unaware(chain: pf.Transform, trust: Sequence[str], who: str) -> None:
 
 
 class ShardedBoundOptimizer:
-    """A pure chain bound to the local shards of FSDP2 parameters.  See the module docstring.
+    """A pure chain bound to the local shards of FSDP2 parameters (a
+    ``pgs.runtime.optim.Optimizer``).  See the module docstring.
 
     Args:
         chain: the pure transform.
@@ -98,6 +100,9 @@ class ShardedBoundOptimizer:
             ``SHARD_AWARE`` (you have checked that they forward the hooks).
         stochastic_rounding: as ``pf.apply_updates``.
     """
+
+    in_backward = False
+    defers_contributions = False
 
     def __init__(self, chain: pf.Transform, model: torch.nn.Module, *, trust: Sequence[str] = (),
                  stochastic_rounding: bool = False):
@@ -248,11 +253,25 @@ class ShardedBoundOptimizer:
         """The global norm of the current gradients over all shards (fp32)."""
         return float(pf.global_norm(self._local_grads(), None, self.hooks().get("reduce_sum")))
 
-    def last_metrics(self) -> dict[str, Any]:
-        """As ``BoundOptimizer.last_metrics`` (0-d state leaves are the same on every rank)."""
-        from pgs.runtime.optim.bound import BoundOptimizer
+    def metrics(self, *, tensors: bool = False) -> StepMetrics:
+        """As ``BoundOptimizer.metrics`` (0-d state leaves are the same on every rank)."""
+        return step_metrics(self.state, tensors=tensors)
 
-        return BoundOptimizer.last_metrics(self)  # reads only self.state
+    def before_step(self, param: torch.Tensor, contribution) -> None:
+        raise InvalidArgument(f"{type(self).__name__}.before_step: a contribution to a sharded gradient is not "
+                              "supported (defer_head_grad needs one process)")
+
+    def state_dict(self, device=None) -> dict[str, torch.Tensor]:
+        raise CheckpointError(f"{type(self).__name__}: sharded optimizer state is saved with DCP "
+                              "(pgs.runtime.store.dcp, dcp_state)")
+
+    def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
+        raise CheckpointError(f"{type(self).__name__}: sharded optimizer state is loaded with DCP "
+                              "(pgs.runtime.store.dcp, load_dcp_state)")
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's chain state."""
+        return int(pf.state_bytes(self.state))
 
     # -- state for checkpoints ----------------------------------------------------------
     def _mirror(self, path: str, x: torch.Tensor) -> str | None:
@@ -265,7 +284,7 @@ class ShardedBoundOptimizer:
                 return name if x.shape == local(p).shape else None
         return None
 
-    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+    def dcp_state(self) -> dict[str, torch.Tensor]:
         """The state for DCP: DTensors for leaves that mirror a parameter, replicated
         tensors for scalars, per-rank keys for anything else.  Values share storage with
         the live state (DCP loads in place)."""
@@ -288,10 +307,10 @@ class ShardedBoundOptimizer:
 
     def per_rank_keys(self) -> list[str]:
         """State paths saved per rank (cannot be resharded to another world size)."""
-        return [k for k in self.checkpoint_state() if k.startswith(RANK_KEY.format(rank=self.rank))]
+        return [k for k in self.dcp_state() if k.startswith(RANK_KEY.format(rank=self.rank))]
 
-    def load_checkpoint_state(self, loaded: dict[str, torch.Tensor]) -> None:
-        """Restore the state from what ``checkpoint_state()`` returned after a DCP load."""
+    def load_dcp_state(self, loaded: dict[str, torch.Tensor]) -> None:
+        """Restore the state from what ``dcp_state()`` returned after a DCP load."""
         prefix = RANK_KEY.format(rank=self.rank) + "."
         flat = {}
         for k, v in loaded.items():

@@ -4,7 +4,7 @@
 a model sharded by ``pgs.runtime.dist.fsdp.shard_model``, and has the surface of
 ``ShardedBoundOptimizer`` (``pgs.runtime.optim.sharded_bind``): the chain runs on the local
 shards (``p.to_local()``) with ``extra["reduce_sum"]`` / ``extra["whole_tensors"]``, and
-``checkpoint_state()`` / ``load_checkpoint_state()`` feed ``pgs.runtime.store.dcp``.  The
+``dcp_state()`` / ``load_dcp_state()`` feed ``pgs.runtime.store.dcp``.  The
 difference is *when*: inside backward, one FSDP unit (a decoder layer; the root: embeddings,
 final norm, head) at a time, right after FSDP2 has reduce-scattered that unit's gradients;
 then the unit's sharded gradients are set to None.  So at most one unit's sharded gradients
@@ -40,7 +40,7 @@ received no gradient (unused in this forward) are stepped with zero gradients wh
 ends (a callback queued on the autograd engine after FSDP2's own final callback), as
 ``ShardedBoundOptimizer`` would; ``finish()`` / ``step()`` do the same by hand and are
 no-ops after a normal backward.  The end-of-backward callback also all-reduces Σ‖g‖² of
-the step once (``last_metrics()["grad_norm"]``): every rank must run the same backwards.
+the step once (``metrics().grad_norm``): every rank must run the same backwards.
 
 Exactness: for elementwise chains (AdamW, Lion) each element's update is the same
 arithmetic as in ``ShardedBoundOptimizer.step`` on the same reduced gradient, so the weights
@@ -58,6 +58,7 @@ import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import no_step_stage
+from pgs.runtime.optim.interface import StepMetrics
 from pgs.runtime.optim.release import Arrivals, refusal, release_metrics, released_step
 from pgs.runtime.optim.sharded_bind import RANK_KEY, ShardedBoundOptimizer, _is_dtensor, local, refuse_unaware
 
@@ -106,6 +107,8 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         grad_accum: must be 1 (refused otherwise, with the reason).
         track_grad_norm: Σ‖g‖² over the shards as they stream by, all-reduced once per backward.
     """
+
+    in_backward = True
 
     def __init__(self, chain: pf.Transform, model: torch.nn.Module, *, trust: Sequence[str] = (),
                  stochastic_rounding: bool = False, grad_accum: int = 1, track_grad_norm: bool = True):
@@ -242,13 +245,13 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
             h.remove()
         self._handles = []
 
-    def last_metrics(self, *, tensors: bool = False) -> dict[str, Any]:
+    def metrics(self, *, tensors: bool = False) -> StepMetrics:
         """lr (used by the last step), grad_norm (of the last backward), ``release_steps``;
         ``tensors=True``: lr and grad_norm as device tensors."""
         return release_metrics(self.states, self.steps, self._last_sumsq, tensors=tensors)
 
     # -- state for checkpoints (as ShardedBoundOptimizer's, keys prefixed by the unit) ------
-    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+    def dcp_state(self) -> dict[str, torch.Tensor]:
         from torch.distributed.tensor import DTensor
 
         out: dict[str, torch.Tensor] = {}
@@ -256,7 +259,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
             out.update(self._entry(path, x, DTensor))
         return out
 
-    def load_checkpoint_state(self, loaded: dict[str, torch.Tensor]) -> None:
+    def load_dcp_state(self, loaded: dict[str, torch.Tensor]) -> None:
         prefix = RANK_KEY.format(rank=self.rank) + "."
         flat = {(k[len(prefix):] if k.startswith(prefix) else k): local(v).detach().clone() for k, v in loaded.items()}
         try:

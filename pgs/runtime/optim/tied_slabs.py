@@ -5,7 +5,7 @@ when ``tied_slabs`` is set: it checks the chain and the weight, and replaces the
 embedding's forward (``pgs.runtime.model.build.row_grad_embedding``) so that its backward keeps the
 looked-up rows' gradients instead of building a dense V×D gradient.  When the weight's group
 steps, ``step(release, group)`` steps the weight slab by slab over the vocabulary: each slab's
-gradient is the rows' sums that fall in it plus each ``add_before_step`` contribution's
+gradient is the rows' sums that fall in it plus each ``before_step`` contribution's
 ``add_rows_to`` (the deferred head gradient rebuilt for those vocabulary rows only), then the
 chain's update on the slab alone (the fused kernel on the slab's views of parameter and state,
 or the plain update on a one-leaf sub-tree).  Needs an elementwise chain (``slab_refusal``);

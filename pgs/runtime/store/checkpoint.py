@@ -33,7 +33,7 @@ import attrs
 import torch
 from safetensors.torch import load_file, save_file
 
-from pgs.errors import DiskFull, PgsError, RunExists
+from pgs.errors import CheckpointError, DiskFull, PgsError, RunExists  # noqa: F401  (CheckpointError: re-exported)
 from pgs.runtime.loop.control import fsync_dir
 
 FORMAT_VERSION = 1
@@ -45,10 +45,6 @@ TRAINER_FILE = "trainer.json"
 SPEC_FILE = "spec.resolved.toml"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_DIR = re.compile(r"^\.(step_\d+|best|final)\.tmp-\d+$")
-
-
-class CheckpointError(PgsError):
-    """A checkpoint that cannot be resumed from (names the folder and what is wrong)."""
 
 
 @attrs.frozen

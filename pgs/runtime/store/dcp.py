@@ -17,7 +17,7 @@ collectives, and no rank returns before the folder is published (no rank-depende
 return around a save).
 
 What is saved: the model state (``get_model_state_dict``: DTensor shards) and the chain
-state (``ShardedBoundOptimizer.checkpoint_state``: leaves that mirror a parameter are
+state (``Optimizer.dcp_state``: leaves that mirror a parameter are
 DTensors of its placement, scalars are replicated, anything else — 8-bit codes of a shard —
 is per rank), plus each rank's RNG states.
 
@@ -41,7 +41,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import pgs.func as pf
 from pgs.runtime.store import checkpoint as ckpt
 from pgs.runtime.store.checkpoint import CheckpointError
 
@@ -82,15 +81,6 @@ def _model_state(model) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model)
 
 
-def _optimizer_state(optimizer) -> dict[str, torch.Tensor]:
-    """The optimizer's state as DCP entries (a ``ShardedBoundOptimizer`` or a plain ``BoundOptimizer``)."""
-    if hasattr(optimizer, "checkpoint_state"):
-        return optimizer.checkpoint_state()
-    if getattr(optimizer, "compiled", False):
-        raise CheckpointError("a sharded checkpoint loads into an optimizer bound without compile=True only")
-    return pf.state_to_dict(optimizer.state)
-
-
 def _rng_key(rank: int) -> str:
     return f"rank{rank}"
 
@@ -113,7 +103,7 @@ def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], 
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    opt_state = _optimizer_state(optimizer)
+    opt_state = optimizer.dcp_state()
     state = {
         "model": _model_state(model),
         "optim": opt_state,
@@ -239,7 +229,7 @@ def load(folder: str, *, model, optimizer, noise_generator: torch.Generator | No
             f"{folder}: written by {meta['world_size']} ranks with per-rank optimizer state "
             f"({meta.get('per_rank_example')!r}: block-wise 8-bit state of a shard cannot be resharded); "
             f"resume with --nproc {meta['world_size']}")
-    state = {"model": _model_state(model), "optim": _optimizer_state(optimizer)}
+    state = {"model": _model_state(model), "optim": optimizer.dcp_state()}
     if same_world:
         state["rng"] = {_rng_key(_rank()): ckpt.capture_rng(noise_generator)}
     try:
@@ -249,10 +239,7 @@ def load(folder: str, *, model, optimizer, noise_generator: torch.Generator | No
     except Exception as err:  # DCP raises a CheckpointException carrying every rank's failure
         raise CheckpointError(f"{folder}: cannot load into this model/optimizer: {_first_line(err)}") from err
     set_model_state_dict(model, state["model"])
-    if hasattr(optimizer, "load_checkpoint_state"):
-        optimizer.load_checkpoint_state(state["optim"])
-    else:
-        optimizer.state = pf.state_from_dict(optimizer.state, {k: v.detach().clone() for k, v in state["optim"].items()})
+    optimizer.load_dcp_state(state["optim"])
     if same_world:
         ckpt.restore_rng(state["rng"][_rng_key(_rank())], noise_generator)
     with open(os.path.join(folder, ckpt.TRAINER_FILE), encoding="utf-8") as handle:

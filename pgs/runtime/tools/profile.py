@@ -569,13 +569,13 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
         W, bias, softcap = output_head(model)
         fn = cross_entropy if spec.loss.backend == "dense" else chunked_cross_entropy
         kw = {} if spec.loss.backend == "dense" else {"chunk_size": spec.loss.chunk_size}
-        slabs = getattr(opt, "tied_slabs", None) and spec.loss.backend != "dense"
+        slabs = opts["gradient_release"] and int(opts.get("tied_slabs", 0)) and spec.loss.backend != "dense"
         if slabs:  # the head's gradient deferred into the slabs, as pgs run does
             from pgs.func.losses import token_loss
 
             r = token_loss(h, W, ids, bias=bias, softcap=softcap, defer_head_grad=W.requires_grad, **kw)
             if r.head_grad is not None:
-                opt.add_before_step(W, r.head_grad)
+                opt.before_step(W, r.head_grad)
         else:
             r = fn(h, W, ids, bias=bias, softcap=softcap, **kw)
         loss = r.loss_sum / r.num_valid

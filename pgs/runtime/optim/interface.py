@@ -1,0 +1,112 @@
+"""The runtime's optimizer interface, and the one constructor that picks a binder for a run.
+
+A pure chain (``pgs.func``) knows nothing of modules, hooks or processes.  A *binder* holds its
+state next to a model's parameters and applies it; the training loop, checkpoints and tools talk
+to every binder through :class:`Optimizer` only.  Four binders implement it:
+
+================================  ==========================  ============================
+binder                            when the chain runs          parameters
+================================  ==========================  ============================
+``BoundOptimizer`` (bound.py)      ``step()`` after backward    whole tensors (flat buffers
+                                                               with ``compile=True``)
+``GradientRelease`` (release.py)   inside backward, per group   whole tensors, gradients freed
+                                                               as each group steps
+``ShardedBoundOptimizer``          ``step()`` after backward    FSDP2 shards
+(sharded_bind.py)
+``ShardedGradientRelease``         inside backward, per unit    FSDP2 shards
+(sharded_release.py)
+================================  ==========================  ============================
+
+:func:`pgs.runtime.optim.make.make_optimizer` is the only place that chooses among them, from
+``[memory]``, ``[optimizer]`` and the process layout; ``pgs.runtime.loop.train`` and ``pgs
+profile`` call it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+import pgs.func as pf
+
+
+@attrs.frozen
+class StepMetrics:
+    """What the last optimizer step reports (None: the chain or binder does not track it).
+
+    ``lr``: the learning rate the step used.  ``grad_norm``: ‖g‖ before any clipping (kept by a
+    clip/ZClip stage, or measured by a release over the backward's gradients).  ``spike``: the
+    chain's spike detector (ZClip) skipped this step's update.  ``spikes_skipped``: how many it
+    has skipped so far.  ``release_steps``: backwards a release has stepped.  With
+    ``tensors=True`` the numbers may be 0-d device tensors (no host read)."""
+
+    lr: Any = None
+    grad_norm: Any = None
+    spike: bool = False
+    spikes_skipped: int | None = None
+    release_steps: int | None = None
+
+
+@runtime_checkable
+class Optimizer(Protocol):
+    """A pure chain bound to a model's trainable parameters.
+
+    ``in_backward``: True when the chain runs inside backward (gradient release): the loop must
+    agree on the loss before backward, and ``step()`` only completes what backward started.
+    """
+
+    in_backward: bool
+
+    def step(self) -> None:
+        """Apply the chain to the current gradients (after backward), or finish a release."""
+
+    def zero_grad(self) -> None:
+        """Drop gradients and any pending ``before_step`` contribution."""
+
+    def before_step(self, param: torch.Tensor, contribution: Any) -> None:
+        """Add ``contribution`` into ``param``'s gradient right before ``param`` steps.
+
+        ``contribution``: a function ``fn(grad)`` adding in place, or an object with
+        ``add_to(grad)`` (and ``add_rows_to(out, r0, r1)`` where the weight steps in row slabs),
+        e.g. ``token_loss(..., defer_head_grad=True).head_grad``.  Binders that cannot do it
+        raise ``InvalidArgument``; :attr:`defers_contributions` says which can."""
+
+    @property
+    def defers_contributions(self) -> bool:
+        """Whether ``before_step`` is supported."""
+
+    def metrics(self, *, tensors: bool = False) -> StepMetrics:
+        """What the last step reports (see :class:`StepMetrics`)."""
+
+    def grad_norm(self) -> float | None:
+        """‖g‖ of the current (or, for a release, the last backward's) gradients."""
+
+    def state_dict(self, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The state for a single-process checkpoint, ``{key: tensor}`` with a layout fingerprint."""
+
+    def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
+        """Restore ``state_dict``'s output; refuses another parameter layout."""
+
+    def dcp_state(self) -> dict[str, torch.Tensor]:
+        """The state as entries of a sharded (DCP) checkpoint: leaves that mirror a parameter
+        keyed by path (DTensors on several processes), the rest per rank."""
+
+    def load_dcp_state(self, loaded: dict[str, torch.Tensor]) -> None:
+        """Restore entries shaped like ``dcp_state()``'s, as loaded by DCP."""
+
+    def state_bytes(self) -> int:
+        """Bytes the optimizer holds beyond the model (chain state, fp32 masters)."""
+
+
+def step_metrics(state: Any, *, tensors: bool = False) -> StepMetrics:
+    """The :class:`StepMetrics` that a chain's state reports (``pf.reported_metrics``)."""
+    found = pf.reported_metrics(state)
+    read = (lambda x: x.detach().reshape(())) if tensors else (lambda x: x.item())
+    return StepMetrics(
+        lr=read(found["lr"]) if "lr" in found else None,
+        grad_norm=read(found["grad_norm"]) if "grad_norm" in found else None,
+        spike=bool(found["spike"]) if "spike" in found else False,
+        spikes_skipped=int(found["spikes_skipped"]) if "spikes_skipped" in found else None,
+    )

@@ -1,0 +1,45 @@
+"""``make_optimizer``: the one place that picks a binder for a run (``pgs.runtime.optim.interface``)."""
+
+from __future__ import annotations
+
+import torch
+
+import pgs.func as pf
+from pgs.errors import SpecError
+from pgs.runtime.optim.bound import BoundOptimizer
+from pgs.runtime.optim.interface import Optimizer
+from pgs.runtime.optim.release import GradientRelease
+from pgs.runtime.optim.sharded_bind import ShardedBoundOptimizer
+from pgs.runtime.optim.sharded_release import ShardedGradientRelease
+
+
+def make_optimizer(chain: pf.Transform, model: torch.nn.Module, memory, *, sharded: bool = False,
+                   grad_accum: int = 1, compile: bool = False, jit: bool = False) -> Optimizer:
+    """The binder for a run: ``memory`` is the spec's ``[memory]`` (``MemorySpec``), ``sharded``
+    whether ``model`` is FSDP2-sharded over several processes, ``compile``/``jit`` the spec's
+    ``optimizer.compile``/``optimizer.jit`` (flat fused buffers; the plain binder only).
+
+    =====================  ======================  ==========================
+    ``gradient_release``   one process              several processes
+    =====================  ======================  ==========================
+    false                  ``BoundOptimizer``       ``ShardedBoundOptimizer``
+    true                   ``GradientRelease``      ``ShardedGradientRelease``
+    =====================  ======================  ==========================
+    """
+    tied_slabs = int(getattr(memory, "tied_slabs", 0) or 0)
+    if sharded:
+        if tied_slabs:
+            raise SpecError("memory.tied_slabs: the row-slab step of the tied weight runs on one process; "
+                            "set tied_slabs = 0 with several processes")
+        if memory.gradient_release:
+            # each FSDP unit's chain runs right after its reduce-scatter, inside backward; a bf16
+            # model already has fp32 sharded masters (mixed precision), so master_weights adds nothing
+            return ShardedGradientRelease(chain, model, stochastic_rounding=memory.stochastic_rounding,
+                                          grad_accum=grad_accum)
+        return ShardedBoundOptimizer(chain, model, stochastic_rounding=memory.stochastic_rounding)
+    if memory.gradient_release:
+        return GradientRelease(chain, model, stochastic_rounding=memory.stochastic_rounding,
+                               master_weights=None if memory.master_weights == "none" else memory.master_weights,
+                               grad_accum=grad_accum, tied_slabs=tied_slabs or None,
+                               groups=getattr(memory, "release_groups", "layer"))
+    return BoundOptimizer(chain, model, compile=compile, jit=jit, stochastic_rounding=memory.stochastic_rounding)
