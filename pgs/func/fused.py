@@ -12,6 +12,9 @@ never synchronises and nothing recompiles.
 The state produced is the chain's own state (same NamedTuples, same buffers), so a run can
 switch between the fused kernel, the compiled graph and the reference path at any step.
 Everything else falls back to the generic ``torch.compile`` graph.
+
+Papers: AdamW, Loshchilov & Hutter arXiv 1711.05101 (Adam: Kingma & Ba arXiv 1412.6980);
+Lion, Chen et al. arXiv 2302.06675.
 """
 
 from __future__ import annotations
