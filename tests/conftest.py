@@ -9,8 +9,10 @@ def kernels_on(monkeypatch):
     """Route the chunked loss through its Triton passes: compiled on CUDA, else the interpreter.
 
     Returns the device the test should use."""
+    from pgs.func import kernels
+
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        monkeypatch.setenv("PGS_TRITON_ON_CPU", "1")
-    monkeypatch.setenv("PGS_CE_KERNELS", "1")
+        monkeypatch.setattr(kernels, "CONFIG", kernels.CONFIG.evolve(triton_on_cpu=True))
+    monkeypatch.setattr(kernels, "CONFIG", kernels.CONFIG.evolve(ce_kernels=True))
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pgs.func as pf
+from pgs.func.step import NO_CONTEXT
 from pgs.errors import InvalidArgument
 
 SHAPES = {"w": (64, 96), "e": (128, 64), "b": (96,)}  # two 8-bit tensors, one fp32 (< 4096)
@@ -195,8 +196,8 @@ def test_small_leaves_stepped_as_one_equal_leaf_by_leaf(alias, donate):
     def run(keys):
         p = {k: params[k].clone() for k in keys}
         state = opt.init(p)
-        out_p, out_s = opt.fused_step({k: grads[k].clone() for k in keys}, state, p, layout=None, donate=donate,
-                                      stochastic_rounding=False, extra={})
+        out_p, out_s = opt.fused_step({k: grads[k].clone() for k in keys}, state, p, ctx=NO_CONTEXT, donate=donate,
+                                      stochastic_rounding=False)
         return out_p, out_s
 
     together, state = run(list(shapes))

@@ -1,7 +1,7 @@
 """The deferred head gradient rebuilt with the loss's Triton pass equals the plain chunked loss's
 head gradient; ``hp_tensor`` builds the same vector without creating device tensors from numbers.
 
-On the CPU the kernels run in the Triton interpreter (``PGS_TRITON_ON_CPU=1``), as in
+On the CPU the kernels run in the Triton interpreter (``KernelConfig(triton_on_cpu=True)``), as in
 tests/test_losses_kernels.py.
 """
 

@@ -75,10 +75,10 @@ def whole_matrix_transform() -> Transform:
     def init(params, **extra):
         return EmptyState()
 
-    def update(updates, state, params=None, **extra):
+    def update(updates, state, params=None, *, ctx=pf.NO_CONTEXT, **extra):
         pairs = [(p, u) for p, u in pf.leaves_with_paths(updates) if u is not None and u.ndim >= 2]
         op = lambda fulls: [newton_schulz(f, dtype=torch.float32) for f in fulls]  # noqa: E731
-        hook = extra.get("whole_tensors")
+        hook = ctx.whole_tensors
         mats = [u for _, u in pairs]
         done = op(mats) if hook is None else hook(op, [p for p, _ in pairs], mats)
         new = dict(zip([p for p, _ in pairs], done))

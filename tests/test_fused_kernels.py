@@ -1,7 +1,7 @@
 """The fused AdamW / Lion Triton kernels (pgs.func.fused) equal the reference chain.
 
 On CPU they run in Triton's interpreter (TRITON_INTERPRET=1, set by the root conftest) when
-PGS_TRITON_ON_CPU=1; on CUDA they run compiled.
+KernelConfig(triton_on_cpu=True); on CUDA they run compiled.
 """
 
 import copy
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import pgs.func as pf
+from pgs.func import kernels as K
 from pgs.func import fused
 from pgs.runtime import bind
 
@@ -41,7 +42,7 @@ CHAINS = {
 
 @pytest.mark.parametrize("name", list(CHAINS))
 def test_fused_kernel_equals_reference_over_steps(name, monkeypatch):
-    monkeypatch.setenv("PGS_TRITON_ON_CPU", "1")
+    monkeypatch.setattr(K, "CONFIG", K.KernelConfig(triton_on_cpu=True))
     m_ref, m_fast = _model(), None
     m_fast = copy.deepcopy(m_ref)
     ref = bind(CHAINS[name](), m_ref)
@@ -72,7 +73,7 @@ def test_match_recognises_only_exact_chains():
 
 
 def test_not_used_on_cpu_unless_asked(monkeypatch):
-    monkeypatch.delenv("PGS_TRITON_ON_CPU", raising=False)
+    monkeypatch.setattr(K, "CONFIG", K.KernelConfig(triton_on_cpu=False))
     if torch.cuda.is_available():
         pytest.skip("CPU behaviour")
     opt = bind(pf.adamw(1e-3), _model(), compile=True, jit=False)

@@ -111,10 +111,8 @@ def test_fused_step_matches_generic_chain(make, donate):
             torch.testing.assert_close(da[k].cpu(), db[k], rtol=1e-5, atol=1e-7, msg=k)
 
 
-@pytest.mark.parametrize("rng", [0, 1], ids=["philox", "hash"])
-def test_stochastic_rounding_is_unbiased(rng, monkeypatch):
+def test_stochastic_rounding_is_unbiased():
     """Mean over many draws of the bf16 parameter equals the fp32 update (to 1% of an ulp·√n)."""
-    monkeypatch.setattr(K, "RNG", rng)
     n, draws = 4 * B, 64
     p = torch.full((n,), 1.0, dtype=torch.bfloat16, device=DEV)  # bf16 ulp at 1.0 is 2^-7
     g = torch.ones(n, device=DEV)
@@ -142,11 +140,9 @@ def _sr_step(seed, n=8 * B):
     return out.float().cpu()
 
 
-@pytest.mark.parametrize("rng", [0, 1], ids=["philox", "hash"])
-def test_stochastic_rounding_streams(rng, monkeypatch):
+def test_stochastic_rounding_streams():
     """Noise is a function of (seed, offset): the same seed repeats the result exactly,
     another seed gives another pattern, and neighbouring elements are not correlated."""
-    monkeypatch.setattr(K, "RNG", rng)
     a, b, c = _sr_step(5), _sr_step(5), _sr_step(6)
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
@@ -177,10 +173,10 @@ def test_hash_rng_is_a_bijection_per_seed():
 
 @pytest.mark.parametrize("fusion", [True, False])
 def test_step_launches_pass_fp_fusion_explicitly(fusion, monkeypatch):
-    """Every 8-bit step launch names ``enable_fp_fusion`` (= ``FP_FUSION``) instead of leaving
-    it to Triton's default, which Triton 3.10 turns from on to off."""
+    """Every 8-bit step launch names ``enable_fp_fusion`` (= ``KernelConfig.fp_fusion``) instead
+    of leaving it to Triton's default, which Triton 3.10 turns from on to off."""
     seen = []
-    monkeypatch.setattr(K, "FP_FUSION", fusion)
+    monkeypatch.setattr(K, "CONFIG", K.KernelConfig(fp_fusion=fusion))
     monkeypatch.setattr(K, "_launch", lambda kernel, grid, args, kw: seen.append(kw))
     n = 2 * B
     g, p = torch.randn(n), torch.randn(n)
@@ -197,7 +193,7 @@ def test_unmasked_and_masked_bodies_agree(which, fusion, monkeypatch):
     a partial last block; and a buffer split into several launches (MAX_LAUNCH) equals one
     launch.
 
-    Without FMA contraction (``FP_FUSION=False``) bit for bit, on the interpreter and on a GPU.
+    Without FMA contraction (``KernelConfig.fp_fusion=False``) bit for bit, on the interpreter and on a GPU.
     With it (the default) the compiler picks which product of ``a·b + c·d`` to fuse per
     element position and per body (sm_90 PTX of the AdamW body), and a MAX_LAUNCH piece whose
     length is a multiple of 16 is a separately specialised compile: values then differ by an
@@ -210,7 +206,7 @@ def test_unmasked_and_masked_bodies_agree(which, fusion, monkeypatch):
     g = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(DEV)
     p = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(DEV)
     m, v = _to(_moment(n, True, 1), DEV), _to(_moment(n, False, 2), DEV)
-    monkeypatch.setattr(K, "FP_FUSION", fusion)
+    monkeypatch.setattr(K, "CONFIG", K.KernelConfig(fp_fusion=fusion))
 
     def run():
         if which == "lion":
@@ -220,11 +216,11 @@ def test_unmasked_and_masked_bodies_agree(which, fusion, monkeypatch):
         out, mq, vq = K.adam8bit(g, m, v, hp, B, p=p)
         return [out, mq.codes, mq.absmax, vq.codes, vq.absmax]
 
-    monkeypatch.setattr(K, "SPLIT", True)
+    monkeypatch.setattr(K, "CONFIG", K.CONFIG.evolve(split=True))
     split = run()
-    monkeypatch.setattr(K, "SPLIT", False)
+    monkeypatch.setattr(K, "CONFIG", K.CONFIG.evolve(split=False))
     masked = run()
-    monkeypatch.setattr(K, "SPLIT", True)
+    monkeypatch.setattr(K, "CONFIG", K.CONFIG.evolve(split=True))
     monkeypatch.setattr(K, "MAX_LAUNCH", 2 * R * B)
     chunked = run()
     names = ["out", "m codes", "m absmax", "v codes", "v absmax"]
@@ -246,34 +242,8 @@ def test_unmasked_and_masked_bodies_agree(which, fusion, monkeypatch):
                 torch.testing.assert_close(x, a, rtol=1e-5, atol=2.5e-2, msg=where)
 
 
-@pytest.mark.parametrize("enc,enc_v", [(0, 0), (1, 1), (2, 0), (3, 3)])
-def test_adam_encoders_agree(enc, enc_v, monkeypatch):
-    """Every encoder pairing gives the same AdamW step (codes bit for bit)."""
-    n = 2 * K.ROWS * B + 3
-    g = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(DEV)
-    m, v = _to(_moment(n, True, 1), DEV), _to(_moment(n, False, 2), DEV)
-    hp = torch.tensor([0.1, 0.999, 0.001, 1e-8, 0.0, 0.27, 0.003], device=DEV)
-    monkeypatch.setattr(K, "ENC", 0)
-    monkeypatch.setattr(K, "ENC_V", 0)
-    ref = K.adam8bit(g, m, v, hp, B)
-    monkeypatch.setattr(K, "ENC", enc)
-    monkeypatch.setattr(K, "ENC_V", enc_v)
-    got = K.adam8bit(g, m, v, hp, B)
-    assert torch.equal(got[0], ref[0])
-    for a, b in zip(got[1:], ref[1:]):
-        assert torch.equal(a.codes, b.codes) and torch.equal(a.absmax, b.absmax)
-
-
-@pytest.mark.parametrize("fast", [False, True])
-def test_adam_fast_division_stays_close(fast, monkeypatch):
-    """FAST_DIV (per-step reciprocals, approximate sqrt and division) stays within the
-    direction tolerance of the reference."""
-    monkeypatch.setattr(K, "FAST_DIV", fast)
-    test_adam_direction_matches_reference(4 * B + 3)
-
-
 # ----------------------------------------------------------------------------------------
-# the gather-free quantizer / decoder against the reference, bit for bit
+# the quantizer / decoder against the reference, bit for bit
 
 
 def _nan_equal(a, b):
@@ -287,30 +257,23 @@ def _assert_same_outputs(got: dict, want: dict, what: str) -> None:
             else torch.equal(got[name], want[name]), f"{what}: {name} differs"
 
 
-ENCODERS = (0, 1, 2, 3)  # arithmetic, 16-bit / 32-bit bucket table, whole-word table
-
-
 def _check_exact(x, signed, block=B):
-    """Triton quantize (every encoder) → codes/absmax equal to the reference; dequantize too."""
+    """Triton quantize → codes/absmax equal to the reference; dequantize too."""
     q = dynamic_map(signed)
     ref = quantize_blockwise(x, q, block)
-    for enc in ENCODERS:
-        got = K.quantize(x.to(DEV), signed, block, enc=enc)
-        bad = (got.codes.cpu() != ref.codes).nonzero().flatten()
-        assert bad.numel() == 0, (enc, x[bad[:8]].tolist(), got.codes.cpu()[bad[:8]].tolist(),
-                                  ref.codes[bad[:8]].tolist())
-        assert _nan_equal(got.absmax.cpu(), ref.absmax)
+    got = K.quantize(x.to(DEV), signed, block)
+    bad = (got.codes.cpu() != ref.codes).nonzero().flatten()
+    assert bad.numel() == 0, (x[bad[:8]].tolist(), got.codes.cpu()[bad[:8]].tolist(), ref.codes[bad[:8]].tolist())
+    assert _nan_equal(got.absmax.cpu(), ref.absmax)
     want = dequantize_blockwise(ref, q, block)
-    for table in (False, True):
-        assert _nan_equal(K.dequantize(_to(ref, DEV), signed, block, table=table).cpu(), want)
+    assert _nan_equal(K.dequantize(_to(ref, DEV), signed, block).cpu(), want)
 
 
 @pytest.mark.parametrize("signed", [True, False])
-@pytest.mark.parametrize("table", [False, True])
-def test_decode_every_code_exactly(signed, table):
-    """The arithmetic decode rebuilds all 256 fp32 map entries bit for bit."""
+def test_decode_every_code_exactly(signed):
+    """The decode returns all 256 fp32 map entries bit for bit."""
     codes = torch.arange(256, dtype=torch.uint8, device=DEV)
-    got = K.dequantize(Quantized8bit(codes, torch.ones(4, device=DEV)), signed, B, table=table).cpu()
+    got = K.dequantize(Quantized8bit(codes, torch.ones(4, device=DEV)), signed, B).cpu()
     want = dynamic_map(signed)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
@@ -369,26 +332,6 @@ def test_quantize_random_blocks_exactly(signed):
     _check_exact(x[: 5 * B + 13], signed)  # a partial last block
 
 
-@pytest.mark.parametrize("signed", [True, False])
-def test_midpoints_sit_where_the_arithmetic_puts_them(signed):
-    """Every fp32 midpoint lies within 1e-5 bins of the position the kernel assumes for it
-    (0.2 / Y0 below a level's first code, 1..F−1 inside, F − 0.25 below 1.0), far inside the
-    NEAR window: so device approximations of log2/exp2 (≤ ~1e-4 bins) never flip a code."""
-    from pgs.func.kernels import blockwise8 as bw
-
-    pm = midpoints(dynamic_map(signed)).double()
-    pm = pm[pm > 0]
-    k, worst = 0, 0.0
-    for lev in range(7):
-        f = 2**lev if signed else 2 ** (lev + 1)
-        ylo = (bw.Y0_S if signed else bw.Y0_U).value if lev == 0 else 0.2
-        for yk in [ylo, *range(1, f), *([f - 0.25] if lev == 6 else [])]:
-            worst = max(worst, abs((float(pm[k]) * 10.0 ** (6 - lev) - 0.1) * f / 0.9 - yk))
-            k += 1
-    assert k == pm.numel()
-    assert worst < 1e-5 < bw.NEAR.value / 40
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_auto_backend_picks_triton_and_matches_reference():
@@ -437,7 +380,7 @@ def test_whole_chain_through_kernels(jit, monkeypatch):
     """adagc → mona → lion8bit → hyperball with the Triton direction kernel, on flat groups
     whose lengths are not multiples of ROWS·BLOCK, with zeros/denormals/−0/huge values, under
     ``pf.compile(jit=...)`` (compiled: the kernel runs as the opaque ``pgs::lion8bit_direction``
-    op), with the bounds checks on when ``PGS_8BIT_CHECK=1``; equals the torch reference."""
+    op); equals the torch reference."""
     torch.manual_seed(0)
     shapes = {"a.weight": (7, 3 * B + 5), "b.weight": (5 * B + 3,), "c.weight": (2, 2 * B), "n.weight": (9,)}
     params = {k: torch.randn(s).to(DEV) for k, s in shapes.items()}
@@ -498,15 +441,12 @@ def test_direction_op_under_compile(which):
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="the interpreter's bounds checks (CHECK mode)")
-@pytest.mark.parametrize("enc", [0, 1, 2, 3])
-def test_bounds_checks_hold(enc, monkeypatch):
-    """``PGS_8BIT_CHECK`` mode: every table index in range and no unmasked access past the
-    end, for both kernels, every encoder, a partial last program, and special values (zero
-    blocks, denormals, −0, NaN and inf gradients); and the check does fire on a bad index."""
+def test_bounds_checks_hold(monkeypatch):
+    """``blockwise8.CHECK`` mode: every table index in range and no unmasked access past the
+    end, for both kernels, a partial last program, and special values (zero blocks,
+    denormals, −0, NaN and inf gradients); and the check does fire on a bad index."""
     bw = K._module()
     monkeypatch.setattr(bw, "CHECK", triton.language.constexpr(True))
-    monkeypatch.setattr(K, "ENC", enc)
-    monkeypatch.setattr(K, "ENC_V", enc)
     R = max(K.ROWS, K.LION_ROWS)
     n = R * B + 3 * B + 11
     g = torch.randn(n, generator=torch.Generator().manual_seed(3))
@@ -519,7 +459,7 @@ def test_bounds_checks_hold(enc, monkeypatch):
     m, v = _moment(n, True, 4), _moment(n, False, 5)
     K.lion8bit(g, m, torch.tensor([0.1, 0.01, 1e-2, 0.1]), B, p=p, seed=torch.tensor([7]))
     K.adam8bit(g, m, v, torch.tensor([0.1, 0.999, 0.001, 1e-8, 0.0, 0.27, 0.003, 1e-2, 0.1]), B, p=p)
-    K.quantize(g, True, B, enc=enc)
+    K.quantize(g, True, B)
 
     @triton.jit
     def bad(t, o, SIZE: triton.language.constexpr):
@@ -530,212 +470,17 @@ def test_bounds_checks_hold(enc, monkeypatch):
         bad[(1,)](torch.arange(8, dtype=torch.int32), torch.empty(4, dtype=torch.int32), 8)
 
 
-# ----------------------------------------------------------------------------------------
-# TABLE gather mode (issue #4): each program holds the decode map and the encoder's bucket
-# table in registers and picks entries by tl.gather; everything must equal the default mode
-
-
-GATHER_MODES = ("gather", "gather_dec")
-
-
-def _require_tl_gather():
-    """Skip, saying why, where this Triton cannot run ``tl.gather`` (absent, or the CPU
-    interpreter / the GPU backend rejects it); so the gather tests never pass vacuously."""
-    tl = triton.language
-    where = "the CPU interpreter" if DEV == "cpu" else "the GPU backend"
-    if not hasattr(tl, "gather"):
-        pytest.skip(f"triton {triton.__version__} has no tl.gather: TABLE='gather' cannot run on {where}")
-
-    @triton.jit
-    def probe(t_ptr, i_ptr, o_ptr):
-        r = tl.arange(0, 8)
-        tl.store(o_ptr + r, tl.gather(tl.load(t_ptr + r), tl.load(i_ptr + r), 0))
-
-    t = torch.arange(8, dtype=torch.int32, device=DEV) * 3
-    i = torch.tensor([7, 0, 3, 3, 1, 6, 2, 5], dtype=torch.int32, device=DEV)
-    o = torch.full((8,), -1, dtype=torch.int32, device=DEV)
-    try:
-        probe[(1,)](t, i, o)
-    except Exception as e:  # noqa: BLE001 - any failure means: not supported here
-        pytest.skip(f"tl.gather is not supported by {where} (triton {triton.__version__}): "
-                    f"{type(e).__name__}: {str(e)[:200]}")
-    assert torch.equal(o, t[i.long()]), f"tl.gather on {where} returned wrong entries: {o.tolist()}"
-
-
-def test_table_mode_names():
-    assert K.TABLE == os.environ.get("PGS_8BIT_TABLE", "global")
-    assert [K._table(m) for m in ("global", "gather", "gather_dec")] == [0, 1, 2]
-    with pytest.raises(ValueError, match="PGS_8BIT_TABLE"):
-        K._table("shared")
-
-
-@pytest.mark.parametrize("wide", [False, True], ids=["enc1", "enc2"])
-@pytest.mark.parametrize("signed", [True, False])
-def test_table_gather_window_equals_full_table(signed, wide):
-    """The register slice of the bucket table, with the index clamped into it as the kernel
-    does, returns the full table's entry for every bucket (every non-negative fp32 word)."""
-    from pgs.func.kernels import blockwise8 as bw
-    from pgs.func.quant8 import bucket_table
-
-    lo, size, hi = ((bw.GLO_S, bw.GSIZE_S, bw.GHI_S) if signed else (bw.GLO_U, bw.GSIZE_U, bw.GHI_U))
-    lo, size, hi = lo.value, size.value, hi.value
-    assert size & (size - 1) == 0 and hi == lo + size - 1 and lo > 0
-    full, _ = bucket_table(signed, wide=wide)
-    idx = torch.arange(full.numel())
-    assert torch.equal(full[idx.clamp(lo, hi)], full)
-    assert size <= (2048 if signed else 4096)  # what the kernel holds per program
-
-
-def _special_grad(n, seed):
-    g = torch.randn(n, generator=torch.Generator().manual_seed(seed))
-    g[:B] = 0.0
-    g[B:B + 5] = -0.0
-    g[B + 5:B + 9] = 1e-40
-    g[2 * B] = float("nan")
-    g[3 * B + 1] = float("inf")
-    g[3 * B + 2] = -float("inf")
-    g[4 * B:5 * B] *= 1e-30
-    return g
-
-
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN/inf gradients
-@pytest.mark.parametrize("enc", [2, 1, 0, 3])
-@pytest.mark.parametrize("mode", GATHER_MODES)
-@pytest.mark.parametrize("which", ["lion", "adam"])
-def test_table_gather_steps_equal_global(which, mode, enc, monkeypatch):
-    """Fused steps (apply with stochastic rounding into bf16 parameters, and the direction)
-    in TABLE gather modes equal the default mode bit for bit: parameters, codes, absmax,
-    direction; both bodies (full programs and a partial last one), special gradients (zero,
-    −0, denormal, NaN, ±inf, tiny blocks).  On the CPU every table index is also
-    bounds-checked (CHECK mode).  On a GPU, FMA contraction is off: two compiles of one
-    expression may contract differently (see test_unmasked_and_masked_bodies_agree)."""
-    _require_tl_gather()
-    if DEV == "cpu":
-        monkeypatch.setattr(K._module(), "CHECK", triton.language.constexpr(True))
-    else:
-        monkeypatch.setattr(K, "FP_FUSION", False)
-    monkeypatch.setattr(K, "ENC", enc)
-    monkeypatch.setattr(K, "ENC_V", enc)
-    R = K.LION_ROWS if which == "lion" else K.ROWS
-    n = 2 * R * B + 6 * B + 5
-    g = _special_grad(n, 0).to(DEV)
-    p = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEV)
-    m, v = _to(_moment(n, True, 1), DEV), _to(_moment(n, False, 2), DEV)
-    seed = torch.tensor([12345], dtype=torch.int64, device=DEV)
-
-    def run():
-        if which == "lion":
-            new_p, mq = K.lion8bit(g, m, torch.tensor([0.1, 0.01, 1e-2, 0.1], device=DEV), B, p=p.clone(), seed=seed)
-            u, mu = K.lion8bit(g, m, torch.tensor([0.1, 0.01], device=DEV), B)
-            return dict(p=new_p, m_codes=mq.codes, m_absmax=mq.absmax, u=u, u_codes=mu.codes, u_absmax=mu.absmax)
-        hp = [0.1, 0.999, 0.001, 1e-8, 0.0, 0.27, 0.003]
-        new_p, mq, vq = K.adam8bit(g, m, v, torch.tensor(hp + [1e-2, 0.1], device=DEV), B, p=p.clone(), seed=seed)
-        u, _, _ = K.adam8bit(g, m, v, torch.tensor(hp, device=DEV), B)
-        return dict(p=new_p, m_codes=mq.codes, m_absmax=mq.absmax, v_codes=vq.codes, v_absmax=vq.absmax, u=u)
-
-    monkeypatch.setattr(K, "TABLE", "global")
-    want = run()
-    monkeypatch.setattr(K, "TABLE", mode)
-    got = run()
-    assert not torch.equal(got["p"], p), "the step changed no parameter: nothing was compared"
-    _assert_same_outputs(got, want, f"{which} {mode} ENC={enc} (against TABLE=global)")
-
-
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize("signed", [True, False])
-def test_table_gather_quantize_and_decode_exactly(signed):
-    """The quantizer in gather mode (bucket encoders ENC 1/2 from the register slice) gives
-    the reference's codes for every midpoint, map entry and their fp32 neighbours, and for
-    wide-range, zero, NaN, ±inf, sub-MIN_SCALE and denormal blocks; the register decode
-    map rebuilds all 256 entries bit for bit."""
-    _require_tl_gather()
-    q = dynamic_map(signed)
-    s = _adversarial(signed)
-    per = B - 1
-    nb = -(-s.numel() // per)
-    body = torch.zeros(nb * per)
-    body[: s.numel()] = s
-    x = torch.cat([torch.full((nb, 1), 1.0), body.view(nb, per)], dim=1).reshape(-1)
-    g = torch.Generator().manual_seed(5)
-    y = torch.randn(24 * B, generator=g) * 10.0 ** torch.empty(24).uniform_(-30, 3, generator=g).repeat_interleave(B)
-    y[2 * B + 7] = float("nan")
-    y[3 * B + 1] = float("inf")
-    y[4 * B + 2] = -float("inf")
-    y[5 * B:6 * B] = torch.randn(B, generator=g) * MIN_SCALE * 0.3
-    y[6 * B:7 * B] = torch.randn(B, generator=g) * 1e-44
-    x = torch.cat([x, y if signed else y.abs(), torch.zeros(B + 3)])
-    ref = quantize_blockwise(x, q, B)
-    for enc in (1, 2):
-        got = K.quantize(x.to(DEV), signed, B, enc=enc, table="gather")
-        bad = (got.codes.cpu() != ref.codes).nonzero().flatten()
-        assert bad.numel() == 0, (enc, x[bad[:8]].tolist(), got.codes.cpu()[bad[:8]].tolist(),
-                                  ref.codes[bad[:8]].tolist())
-        assert _nan_equal(got.absmax.cpu(), ref.absmax)
-    codes = torch.arange(256, dtype=torch.uint8, device=DEV)
-    dec = K.dequantize(Quantized8bit(codes, torch.ones(4, device=DEV)), signed, B, table=True, mode="gather").cpu()
-    assert torch.equal(dec.view(torch.int32), q.view(torch.int32))
-    assert _nan_equal(K.dequantize(_to(ref, DEV), signed, B, table=True, mode="gather").cpu(),
-                      dequantize_blockwise(ref, q, B))
-
-
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN/inf gradients
-@pytest.mark.parametrize("which", ["lion", "adam"])
-def test_early_parameter_load_equals_late(which, monkeypatch):
-    """``EARLY_P`` (the parameter loaded with the gradient, before the codes are stored) and a
-    register cap (``MAXNREG``, ignored by the interpreter) give the default step bit for bit,
-    in place (outputs aliasing the inputs, as gradient release runs them) and out of place;
-    both bodies, special gradients.  On a GPU, FMA contraction is off (see
-    test_unmasked_and_masked_bodies_agree)."""
-    if DEV != "cpu":
-        monkeypatch.setattr(K, "FP_FUSION", False)
-    R = K.LION_ROWS if which == "lion" else K.ROWS
-    n = 2 * R * B + 3 * B + 7
-    g = _special_grad(n, 0).to(DEV)
-    p0 = torch.randn(n, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEV)
-    m0, v0 = _to(_moment(n, True, 4), DEV), _to(_moment(n, False, 5), DEV)
-    seed = torch.tensor([777], dtype=torch.int64, device=DEV)
-
-    def clone(q):
-        return type(q)(q.codes.clone(), q.absmax.clone())
-
-    def run(in_place: bool):
-        p, m, v = p0.clone(), clone(m0), clone(v0)
-        if which == "lion":
-            hp = torch.tensor([0.1, 0.01, 1e-2, 0.1], device=DEV)
-            if in_place:
-                K.lion8bit(g, m, hp, B, p=p, out=p, m_out=m, seed=seed)
-                return dict(p=p, codes=m.codes, absmax=m.absmax)
-            new_p, mq = K.lion8bit(g, m, hp, B, p=p, seed=seed)
-            return dict(p=new_p, codes=mq.codes, absmax=mq.absmax)
-        hp = torch.tensor([0.1, 0.999, 0.001, 1e-8, 0.0, 0.27, 0.003, 1e-2, 0.1], device=DEV)
-        if in_place:
-            K.adam8bit(g, m, v, hp, B, p=p, out=p, m_out=m, v_out=v, seed=seed)
-            return dict(p=p, codes=m.codes, absmax=m.absmax, v_codes=v.codes, v_absmax=v.absmax)
-        new_p, mq, vq = K.adam8bit(g, m, v, hp, B, p=p, seed=seed)
-        return dict(p=new_p, codes=mq.codes, absmax=mq.absmax, v_codes=vq.codes, v_absmax=vq.absmax)
-
-    for in_place in (True, False):
-        monkeypatch.setattr(K, "EARLY_P", False)
-        monkeypatch.setattr(K, "MAXNREG", None)
-        want = run(in_place)
-        monkeypatch.setattr(K, "EARLY_P", True)
-        monkeypatch.setattr(K, "MAXNREG", 64)
-        got = run(in_place)
-        assert not torch.equal(got["p"], p0), "the step changed no parameter: nothing was compared"
-        _assert_same_outputs(got, want, f"{which} in_place={in_place}")
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast launch path exists on GPUs only")
 @pytest.mark.parametrize("which", ["lion", "adam"])
 def test_fast_launch_equals_triton_launch(which, monkeypatch):
-    """``FAST_LAUNCH`` (the compiled kernel called directly once cached) gives the results of
+    """``KernelConfig.fast_launch`` (the compiled kernel called directly once cached) gives the results of
     ``kernel[grid](...)`` bit for bit, over repeated in-place steps (cache hits), on a
     16-byte-aligned tensor and on an unaligned view (another specialisation, another entry)."""
     R = K.LION_ROWS if which == "lion" else K.ROWS
     n = 3 * R * B + 2 * B + 5
 
     def run(fast: bool, offset: int):
-        monkeypatch.setattr(K, "FAST_LAUNCH", fast)
+        monkeypatch.setattr(K, "CONFIG", K.KernelConfig(fast_launch=fast))
         K._COMPILED.clear()
         gen = torch.Generator().manual_seed(7)
         g = torch.randn(n + offset, generator=gen).bfloat16().to(DEV)[offset:]

@@ -1,7 +1,7 @@
 """The chunked loss's two-pass Triton kernels (``pgs.func.losses.triton_ce``) equal the torch path.
 
 On the CPU they run in the Triton interpreter (the root conftest sets TRITON_INTERPRET=1 when
-there is no CUDA; ``PGS_TRITON_ON_CPU=1`` routes the chunked loss through them); on a GPU the
+there is no CUDA; ``KernelConfig(triton_on_cpu=True)`` routes the chunked loss through them); on a GPU the
 same tests run the compiled kernels.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from pgs.func import kernels as K
 
 from pgs.func.losses import OBJECTIVES, chunked, token_loss
 
@@ -38,7 +40,7 @@ def test_kernel_path_is_taken(kernels_on, monkeypatch):
     monkeypatch.setattr(chunked, "_kernel_chunk", lambda *a: calls.append(1) or real(*a))
     run(h, W, labels, chunk_size=8)
     assert calls, "the Triton path did not run"
-    monkeypatch.setenv("PGS_CE_KERNELS", "0")
+    monkeypatch.setattr(K, "CONFIG", K.CONFIG.evolve(ce_kernels=False))
     calls.clear()
     run(h, W, labels, chunk_size=8)
     assert not calls
@@ -52,7 +54,7 @@ def test_kernels_equal_torch_path_fp32(kernels_on, monkeypatch, objective, softc
     if objective == "cadft":
         kw["doc_ids"] = doc_ids
     fast, fh, fw = run(h, W, labels, **kw)
-    monkeypatch.setenv("PGS_CE_KERNELS", "0")
+    monkeypatch.setattr(K, "CONFIG", K.CONFIG.evolve(ce_kernels=False))
     ref, rh, rw = run(h, W, labels, **kw)
     for field in ("loss_sum", "entropy_sum", "target_prob_sum", "z_loss_sum"):
         torch.testing.assert_close(getattr(fast, field), getattr(ref, field), rtol=2e-5, atol=2e-5)
@@ -67,7 +69,7 @@ def test_kernels_bf16_as_close_to_fp64_as_torch_path(kernels_on, monkeypatch):
     h64, W64 = (t.detach().double().requires_grad_() for t in (h, W))
     ref, rh, rw = run(h64, W64, labels, chunk_size=16)
     fast, fh, fw = run(h, W, labels, chunk_size=16)
-    monkeypatch.setenv("PGS_CE_KERNELS", "0")
+    monkeypatch.setattr(K, "CONFIG", K.CONFIG.evolve(ce_kernels=False))
     slow, sh, sw = run(h, W, labels, chunk_size=16)
     for a, b, r in ((fh, sh, rh), (fw, sw, rw)):
         err_fast = (a.double() - r).abs().max().item()
@@ -93,9 +95,9 @@ def test_large_logits_and_softcap_limits(kernels_on, monkeypatch):
         W.mul_(300.0)
     for softcap in (None, 5.0):
         fast, fh, fw = run(h, W, labels, chunk_size=32, softcap=softcap)
-        monkeypatch.setenv("PGS_CE_KERNELS", "0")
+        monkeypatch.setattr(K, "CONFIG", K.CONFIG.evolve(ce_kernels=False))
         ref, rh, rw = run(h, W, labels, chunk_size=32, softcap=softcap)
-        monkeypatch.setenv("PGS_CE_KERNELS", "1")
+        monkeypatch.setattr(K, "CONFIG", K.CONFIG.evolve(ce_kernels=True))
         assert torch.isfinite(fast.loss_sum) and torch.isfinite(fh).all() and torch.isfinite(fw).all()
         torch.testing.assert_close(fast.loss_sum, ref.loss_sum, rtol=1e-5, atol=1e-2)
         torch.testing.assert_close(fh, rh, rtol=1e-4, atol=1e-4)

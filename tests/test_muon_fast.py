@@ -234,27 +234,23 @@ def test_auto_kernel_on_gpu_against_fp64(kind, shape):
 # -- which kernel "auto" picks ------------------------------------------------------------------
 
 def test_auto_is_cublas_on_cpu_and_for_fp32_iterations(monkeypatch):
-    monkeypatch.delenv(M.NS_KERNEL_ENV, raising=False)
     assert M._pick_kernel("auto", torch.zeros(2, 8, 16, dtype=torch.bfloat16)) == "cublas"
     monkeypatch.setattr(ns, "auto_symmetric", lambda device: True)  # as on an sm_90 GPU
     assert M._pick_kernel("auto", torch.zeros(2, 8, 16, dtype=torch.float32)) == "cublas"
 
 
 @needs_triton
-def test_auto_picks_the_tuned_config_per_shape_and_the_env_overrides(monkeypatch):
-    monkeypatch.delenv(M.NS_KERNEL_ENV, raising=False)
+def test_auto_picks_the_tuned_config_per_shape_and_an_explicit_kernel_wins(monkeypatch):
     monkeypatch.setattr(ns, "auto_symmetric", lambda device: True)  # as on an sm_90 GPU
     for (r, c), config in ns.TUNED.items():
         assert config in ns.CONFIGS
         assert M._pick_kernel("auto", torch.empty(0, r, c, dtype=torch.bfloat16)) == config
     assert M._pick_kernel("auto", torch.empty(0, 96, 80, dtype=torch.bfloat16)) == ns.DEFAULT_CONFIG
-    monkeypatch.setenv(M.NS_KERNEL_ENV, "cublas")
-    assert M._pick_kernel("auto", torch.empty(0, 2048, 2048, dtype=torch.bfloat16)) == "cublas"
+    assert M._pick_kernel("cublas", torch.empty(0, 2048, 2048, dtype=torch.bfloat16)) == "cublas"
     assert M._pick_kernel("m64n64k64s4w4", torch.empty(0, 8, 8, dtype=torch.bfloat16, device=DEV)) in (
-        "m64n64k64s4w4", "cublas")  # an explicit ns_kernel= wins over the env
-    monkeypatch.setenv(M.NS_KERNEL_ENV, "nope")
+        "m64n64k64s4w4", "cublas")  # an explicit ns_kernel= wins over "auto"
     with pytest.raises(Exception, match="ns_kernel"):
-        M._pick_kernel("auto", torch.empty(0, 8, 8, dtype=torch.bfloat16))
+        M._pick_kernel("nope", torch.empty(0, 8, 8, dtype=torch.bfloat16))
 
 
 # -- the symmetric kernel (upper tiles, mirrored, fused epilogue) --------------------------------

@@ -2,7 +2,7 @@
 plain path (the chain's ``update`` then ``θ + u``).
 
 On the CPU the Triton kernels run in Triton's interpreter (the root conftest sets
-``TRITON_INTERPRET=1``): ``backend="triton"`` for the 8-bit chains, ``PGS_TRITON_ON_CPU=1``
+``TRITON_INTERPRET=1``): ``backend="triton"`` for the 8-bit chains, ``KernelConfig(triton_on_cpu=True)``
 for the AdamW/Lion kernels of ``pgs.func.fused``.  Sizes stay tiny (the interpreter is slow).
 """
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import pgs.func as pf
+from pgs.func import kernels as K
 from pgs.runtime.optim.bound import bind
 from pgs.runtime.optim.release import GradientRelease
 from test_release import batches, loss_of, run_release, tiny_model
@@ -68,7 +69,7 @@ def test_adamw_lion_kernels_equal_bind(name, monkeypatch):
     bias is not: computing 1 − β from an fp32 β in the kernel (what the GPU did before the
     hyperparameters became a float64-derived tensor) gave 20× the RMS error on every tensor.
     """
-    monkeypatch.setenv("PGS_TRITON_ON_CPU", "1")
+    monkeypatch.setattr(K, "CONFIG", K.KernelConfig(triton_on_cpu=True))
     make = {"adamw": lambda: pf.adamw(1e-2, weight_decay=0.1), "lion": lambda: pf.lion(1e-3, weight_decay=0.1)}[name]
     data = [x.to(DEV) for x in batches(3)]
 

@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pgs.func as pf
+from pgs.func.step import StepContext
 from pgs.runtime.optim.release import GradientRelease
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -231,10 +232,10 @@ def test_small_leaves_in_place_equal_out_of_place(alias, wd, lr, monkeypatch):
     reference: the same bf16 parameters and moments bit for bit, stochastic rounding included
     (the same draw over the same concatenation), next to 8-bit leaves.  On a GPU this compares
     the multi-tensor kernels with the per-tensor ones.  (Lion's Triton route for small leaves,
-    ``SMALL_KERNEL``, is off here: it draws other noise; test_small_kernel_route_matches.)"""
+    ``KernelConfig.small_kernel``, is off here: it draws other noise; test_small_kernel_route_matches.)"""
     from pgs.func import kernels as K
 
-    monkeypatch.setattr(K, "SMALL_KERNEL", False)
+    monkeypatch.setattr(K, "CONFIG", K.CONFIG.evolve(small_kernel=False))
     gen = torch.Generator().manual_seed(0)
     shapes = {"w": (64, 80), "n1": (100,), "n2": (3, 7), "n3": (32,)}
     params = {k: torch.randn(s, generator=gen).bfloat16().to(DEV) for k, s in shapes.items()}
@@ -247,8 +248,8 @@ def test_small_leaves_in_place_equal_out_of_place(alias, wd, lr, monkeypatch):
         state = opt.init(p)
         torch.manual_seed(5)
         for i, g in enumerate(steps):
-            p, state = opt.fused_step(g, state, p, layout=None, donate=donate, stochastic_rounding=True,
-                                      extra={"sr_offset": 2})
+            p, state = opt.fused_step(g, state, p, ctx=StepContext(sr_offset=2), donate=donate,
+                                      stochastic_rounding=True)
         return p, pf.state_to_dict(state)
 
     (pa, sa), (pb, sb) = run(False), run(True)
@@ -262,7 +263,7 @@ def test_small_leaves_in_place_equal_out_of_place(alias, wd, lr, monkeypatch):
 @pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="Triton: a GPU or the interpreter")
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 def test_small_kernel_route_matches(wd, monkeypatch):
-    """Lion's small leaves through one Triton launch (``SMALL_KERNEL``, in place) against the
+    """Lion's small leaves through one Triton launch (``KernelConfig.small_kernel``, in place) against the
     multi-tensor torch route: moments to an ulp of their operands (FMA contraction), bf16
     parameters bit for bit without stochastic rounding except where c = m + (1−β1)(g − m)
     sits within that ulp of 0 (sign flips: rare); with stochastic rounding, after one step,
@@ -276,12 +277,12 @@ def test_small_kernel_route_matches(wd, monkeypatch):
     opt = pf.lion8bit(1e-2, weight_decay=wd, backend="triton")
 
     def run(kernel, sr, n=3):
-        monkeypatch.setattr(K, "SMALL_KERNEL", kernel)
+        monkeypatch.setattr(K, "CONFIG", K.CONFIG.evolve(small_kernel=kernel))
         p = {k: v.clone() for k, v in params.items()}
         state = opt.init(p)
         for g in steps[:n]:
-            p, state = opt.fused_step(g, state, p, layout=None, donate=True, stochastic_rounding=sr,
-                                      extra={"sr_offset": 0})
+            p, state = opt.fused_step(g, state, p, ctx=StepContext(sr_offset=0), donate=True,
+                                      stochastic_rounding=sr)
         return p, pf.state_to_dict(state)
 
     (pa, sa), (pb, sb) = run(False, False), run(True, False)

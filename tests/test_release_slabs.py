@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import pgs.func as pf
+from pgs.func import kernels as K
 from pgs.errors import InvalidArgument
 from pgs.func.losses import token_loss
 from pgs.func.quant8 import Quantized8bit
@@ -119,7 +120,7 @@ def test_fused_slabs_and_triton_rebuild(name, monkeypatch):
     """The fused per-tensor kernel on the slab's views of param/codes/absmax (or AdamW's fp32
     moments), the head part rebuilt by the loss's Triton pass (interpreter on the CPU): equal
     to the fused deferred path."""
-    monkeypatch.setenv("PGS_TRITON_ON_CPU", "1")
+    monkeypatch.setattr(K, "CONFIG", K.KernelConfig(triton_on_cpu=True))
     if name == "adamw":
         chain = lambda: pf.adamw(1e-3, weight_decay=0.1)  # noqa: E731
     else:
@@ -229,7 +230,7 @@ def test_each_slab_rounds_with_its_own_stream():
     offsets, inner = [], rel._fused_step
 
     def spy(fg, state, fp, **kw):
-        offsets.append((list(fg), kw["extra"]["sr_offset"]))
+        offsets.append((list(fg), kw["ctx"].sr_offset))
         return inner(fg, state, fp, **kw)
 
     rel._fused_step = spy

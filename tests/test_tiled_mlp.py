@@ -159,6 +159,7 @@ def test_swiglu_kernel_matches_the_torch_formulas(monkeypatch, dtype):
     """The Triton pass (the interpreter here, as on CPU CI) against the torch fallback."""
     import os
 
+    from pgs.func import kernels as K
     from pgs.func.kernels import swiglu as S
 
     if not S.HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
@@ -167,7 +168,7 @@ def test_swiglu_kernel_matches_the_torch_formulas(monkeypatch, dtype):
     g, u, dh = (torch.randn(3, 1001, generator=gen).mul(4).to(dtype) for _ in range(3))
     outs = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("PGS_TRITON_ON_CPU", flag)
+        monkeypatch.setattr(K, "CONFIG", K.KernelConfig(triton_on_cpu=flag == "1"))
         assert S._use_triton(g) == (flag == "1")
         fwd = S.swiglu_forward_(g.clone(), u.clone())
         bwd = S.swiglu_backward_(g.clone(), u.clone(), dh.clone())

@@ -51,8 +51,11 @@ from pgs.func.reported import reported_metrics
 from pgs.func.state_io import state_from_dict, state_to_dict
 from pgs.func.weight_decay import add_decayed_weights
 from pgs.func.tree import leaves_with_paths, tree_map
+from pgs.func.step import NO_CONTEXT, StepContext
+from pgs.func.plan import FLAT, RELEASE, SHARDED, Placement, Plan, PlanEntry, plan_for
+from pgs.func.kernels.config import KernelConfig
 
-# -- research transforms (issue 3) ------------------------------------------------------
+# -- research transforms: AdaGC, AdamC, EMA/merging, Hyperball, MONA, Muon, SAGE, ZClip ---
 from pgs.func.adagc import AdaGCState, adagc
 from pgs.func.adamc import AddCorrectedDecayState, adamc, add_corrected_decayed_weights, schedule_peak
 from pgs.func.ema import EmaState, ema, ema_params
@@ -62,14 +65,12 @@ from pgs.func.mona import MonaState, mona
 from pgs.func.muon import ScaleByMuonState, muon, muon_route, newton_schulz, scale_by_muon
 from pgs.func.sage import ScaleBySageState, sage, scale_by_sage
 from pgs.func.zclip import ZClipState, zclip
-# -- end research transforms ------------------------------------------------------------
 
-# -- issue 4: 8-bit optimizer state and fused execution ------------------------------------
+# -- 8-bit optimizer state (block-wise quantization) and fused execution ------------------
 from pgs.func.adam8bit import ScaleByAdam8bitState, adamw8bit, scale_by_adam8bit
 from pgs.func.kernels.fused import FusedTransform
 from pgs.func.lion8bit import ScaleByLion8bitState, lion8bit, scale_by_lion8bit
 from pgs.func.quant8 import Quantized8bit, dequantize_blockwise, dynamic_map, quantize_blockwise
 from pgs.func.state_bytes import state_bytes, state_bytes_per_param
-# -- end issue 4
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -15,6 +15,7 @@ from pgs.func._common import increment, zero_count
 from pgs.func.base import GLOBAL, Transform, check_range
 from pgs.func.layout import per_tensor_apply, per_tensor_sumsq
 from pgs.func.zclip import _f32
+from pgs.func.step import NO_CONTEXT, StepContext
 
 
 class AdaGCState(NamedTuple):
@@ -61,16 +62,16 @@ def adagc(lambda_rel: float = 1.05, beta: float = 0.98, lambda_abs: float = 1.0,
     check_range("warmup_steps", warmup_steps, 0.0, None, who=who)
     check_range("eps", eps, 0.0, None, who=who)
 
-    def init(params, **extra):
-        sq = per_tensor_sumsq(params, extra.get("layout"), extra.get("reduce_sum"))
+    def init(params, *, ctx: StepContext = NO_CONTEXT, **extra):
+        sq = per_tensor_sumsq(params, ctx.layout, ctx.reduce_sum)
         return AdaGCState(zero_count(params), T.tree_map(torch.zeros_like, sq))
 
-    def update(updates, state, params=None, **extra):
-        layout = extra.get("layout")
+    def update(updates, state, params=None, *, ctx: StepContext = NO_CONTEXT, **extra):
+        layout = ctx.layout
         count = increment(state.count)
         first = count == 1
         warm = (count < warmup_steps) | first
-        sq = per_tensor_sumsq(updates, layout, extra.get("reduce_sum"))  # sharded: all-reduced
+        sq = per_tensor_sumsq(updates, layout, ctx.reduce_sum)  # sharded: all-reduced
         norms = T.tree_map(torch.sqrt, sq)
         total = None
         for x in T.leaves(sq):
@@ -100,6 +101,6 @@ def adagc(lambda_rel: float = 1.05, beta: float = 0.98, lambda_abs: float = 1.0,
         return per_tensor_apply(scale, updates, h, layout=layout), AdaGCState(count, gamma)
 
     # the warmup reads the global norm, hence GLOBAL (after warmup it is per-tensor)
-    return Transform(init, update, name="adagc", locality=GLOBAL,
+    return Transform(init, update, name="adagc", locality=GLOBAL, shard_aware=True,
                      fused=("adagc", dict(lambda_rel=lambda_rel, beta=beta, lambda_abs=lambda_abs,
                                           warmup_steps=warmup_steps, eps=eps)))  # pgs.func.chain8bit

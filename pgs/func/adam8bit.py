@@ -21,6 +21,7 @@ from pgs.func.learning_rate import scale_by_learning_rate
 from pgs.func.lion8bit import Fused8bit, _nonzero, check_8bit_args, check_layout, fused_8bit_step, step_hp
 from pgs.func.quant8 import Quantized8bit, init_moment, is_8bit_eligible, load_moment, moment_leaves, store_moment
 from pgs.func.weight_decay import add_decayed_weights, mask_fn
+from pgs.func.step import NO_CONTEXT, StepContext
 
 
 class ScaleByAdam8bitState(NamedTuple):
@@ -113,8 +114,8 @@ def scale_by_adam8bit(
     check_8bit_args(who, block_size, min_8bit_size, backend)
     eligible = is_8bit_eligible(min_8bit_size)
 
-    def init(params, **extra):
-        layout = extra.get("layout")
+    def init(params, *, ctx: StepContext = NO_CONTEXT, **extra):
+        layout = ctx.layout
         check_layout(layout, block_size, who)
         labels = group_label(layout, params, eligible)
 
@@ -124,8 +125,8 @@ def scale_by_adam8bit(
 
         return ScaleByAdam8bitState(zero_count(params), moments(True), moments(False))
 
-    def update(updates, state, params=None, **extra):
-        check_layout(extra.get("layout"), block_size, who)
+    def update(updates, state, params=None, *, ctx: StepContext = NO_CONTEXT, **extra):
+        check_layout(ctx.layout, block_size, who)
         m_leaves = moment_leaves(updates, state.mu, who)
         v_leaves = moment_leaves(updates, state.nu, who)
         u_leaves, spec = T.flatten(updates)

@@ -18,6 +18,7 @@ from pgs.func.layout import group_label
 from pgs.func.learning_rate import lr_value as _lr_value, scale_by_learning_rate
 from pgs.func.muon import is_hidden_matrix
 from pgs.func.weight_decay import mask_fn
+from pgs.func.step import NO_CONTEXT, StepContext
 
 
 class AddCorrectedDecayState(NamedTuple):
@@ -58,10 +59,10 @@ def add_corrected_decayed_weights(weight_decay: float, learning_rate, peak_lr, n
     def init(params, **extra):
         return AddCorrectedDecayState(zero_count(params))
 
-    def update(updates, state, params=None, **extra):
+    def update(updates, state, params=None, *, ctx: StepContext = NO_CONTEXT, **extra):
         if params is None and any(x is not None for x in T.leaves(updates)):
             raise InvalidArgument(f"{who}: update() needs params")
-        layout = extra.get("layout")
+        layout = ctx.layout
         labels = group_label(layout, updates, fn)
         gamma = _lr_value(learning_rate, state.count)
         peak = peak_lr.to(gamma) if isinstance(peak_lr, torch.Tensor) else torch.full_like(gamma, float(peak_lr))

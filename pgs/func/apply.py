@@ -1,4 +1,8 @@
-"""Applying updates to parameters, with optional stochastic rounding into bf16."""
+"""Applying updates to parameters, with optional stochastic rounding into bf16.
+
+Stochastic rounding keeps small updates to low-precision weights unbiased in expectation
+(Gupta et al., "Deep Learning with Limited Numerical Precision", arXiv 1502.02551).
+"""
 
 from __future__ import annotations
 

@@ -2,10 +2,15 @@
 
 A ``Transform`` is ``init(params, **extra) -> state`` and
 ``update(updates, state, params=None, **extra) -> (updates, state)``.  Neither mutates its
-inputs.  ``extra`` carries call-time context: the loss (``loss=...``) for transforms that
-want it, and ``layout=`` when the chain runs on the flat execution layer (see
-``pgs.func.layout``), in which case the trees hold one flat buffer per group instead of one
-tensor per parameter.
+inputs.  ``extra`` carries the caller's keyword arguments (the loss, ``loss=...``, for
+transforms that want it) and the runtime context ``ctx=`` (``pgs.func.step.StepContext``:
+the flat layout, the sharding hooks, the stochastic-rounding offset).  A transform that
+needs the context declares it, ``update(updates, state, params=None, *, ctx=NO_CONTEXT,
+**extra)``; combinators forward ``extra`` whole.
+
+What a transform needs from the tree is declared by its ``locality`` (elementwise,
+per-tensor, matrix, global) and ``shard_aware``; how a chain may run fused is decided by the
+plan registry (``pgs.func.plan``), never by the executors themselves.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from pgs.errors import InvalidArgument
 from pgs.func import tree as T
 from pgs.func.layout import call_init, call_update
+from pgs.func.step import context_of
 
 #: How far a transform looks across the tree; the runtime uses it to decide what may run
 #: inside backward (gradient release) and what must be all-reduced under FSDP2.
@@ -55,8 +61,12 @@ class Transform:
         align: element alignment this transform needs for each tensor's start in a flat
             buffer (block-wise quantization needs its block size).
         children: the transforms this one wraps (for introspection).
-        fused: ``(kind, hyperparameters)`` for building blocks that a fused kernel of the
-            execution layer can replace (``pgs.func.fused``); None for the rest.
+        fused: ``(kind, hyperparameters)`` for building blocks that a registered fused plan
+            can recognise inside a chain (``pgs.func.plan``); None for the rest.
+        shard_aware: True when a non-elementwise transform is correct on FSDP2 shards: it
+            forwards ``ctx.reduce_sum`` to its reductions (or runs whole matrices through
+            ``ctx.whole_tensors``).  The sharded binders refuse non-elementwise transforms
+            without it.
     """
 
     init: Callable[..., Any]
@@ -68,6 +78,7 @@ class Transform:
     align: int = 1
     children: tuple = ()
     fused: Any = None
+    shard_aware: bool = False
 
     def all_group_by(self) -> tuple:
         out = list(self.group_by)
@@ -125,7 +136,7 @@ def named_chain(*named: tuple[str, Transform]) -> Transform:
         if not isinstance(state, dict) or list(state) != names:
             raise InvalidArgument(f"chain state keys {list(state) if isinstance(state, dict) else type(state).__name__} "
                                   f"do not match the chain's transforms {names}")
-        if params is not None and "layout" not in extra:
+        if params is not None and context_of(extra).layout is None:
             # once per call, so that a mismatch names its leaf instead of failing inside a
             # kernel (the flat path has checked against its layout already)
             T.check_like(updates, params, "updates", "params")

@@ -1,4 +1,4 @@
-"""The fused step of ``chain(adagc, mona, scale_by_lion8bit, hyperball)`` (issue #4).
+"""The fused step of ``chain(adagc, mona, scale_by_lion8bit, hyperball)``.
 
 ``pf.compile(pf.chain(pf.adagc(), pf.mona(), pf.scale_by_lion8bit(), pf.hyperball(lr)))``
 recognises this exact four-stage pattern (``match``) and its ``step`` then runs three
@@ -16,7 +16,7 @@ others).  One kernel: ĝ = h_i g; MONA (A2; Δ = ĝ − prev, A ← β A + (1−
 Lion with a block-wise 8-bit momentum (Chen et al. arXiv 2302.06675, Dettmers et al.
 arXiv 2110.02861; A4, A5): c = β1 m + (1−β1) G̃, u = sign(c), m ← β2 m + (1−β2) G̃, m
 dequantized and requantized in registers with the codes of ``blockwise8.lion8bit_kernel``.
-On tensors hyperball constrains it stores u in 2 bits (``PACK``; or int8) and per-block Σu²,
+On tensors hyperball constrains it stores u in 2 bits (int8 for odd block sizes) and per-block Σu²,
 Σθu, Σθ²; on the others it applies θ ← θ + rnd(−η u) directly (hyperball's base rule).
 
 Hyperball (Wen et al. arXiv 2606.16899, Algorithm 1; A1) on the host over ``[num_tensors]``:
@@ -44,7 +44,6 @@ path in distribution, not bit for bit.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -60,29 +59,23 @@ from pgs.func.learning_rate import lr_value
 from pgs.func.lion8bit import ScaleByLion8bitState
 from pgs.func.mona import MonaState
 from pgs.func.quant8 import Quantized8bit
+from pgs.func.step import StepContext
 
 #: Blocks per program of the passes (4 warps: one warp per 256-element block).  Pass B holds
-#: more live values than the Lion kernel (g, prev, acc, θ), so it starts at 4 (Lion uses 8).
-#: Module attributes read at every launch; env ``PGS_CHAIN_ROWS``, ``PGS_CHAIN_ROWS_C``,
-#: ``PGS_CHAIN_WARPS`` (untuned: the H200 decides).
-ROWS = int(os.environ.get("PGS_CHAIN_ROWS", "4"))
-#: Blocks per program of pass A (Σg² per block: a pure stream, bigger programs).  16: the
-#: H200 measured 16 with ``LANES = 512`` at 9.23 / 9.27 ms back to back against 9.66 / 9.72 ms
-#: for 4 with 64 lanes (Qwen3-1.7B shapes, two runs: s4_call6, s5_call1).
-ROWS_A = int(os.environ.get("PGS_CHAIN_ROWS_A", "16"))
+#: more live values than the Lion kernel (g, prev, acc, θ), so it uses 4 (Lion uses 8).
+ROWS = 4
+#: Blocks per program of pass A (Σg² per block: a pure stream, bigger programs; measured on
+#: the H200 together with ``LANES``, docs/performance.md).
+ROWS_A = 16
 #: Slots per tensor of the per-block → per-tensor sums (consecutive blocks add into different
-#: slots, then the slots are summed): 512, fewer atomics on one address than the layout's
-#: ``SEGMENT_LANES`` (64) (see ``ROWS_A``).  ``PGS_CHAIN_LANES``.
-LANES = int(os.environ.get("PGS_CHAIN_LANES", "512"))
-ROWS_C = int(os.environ.get("PGS_CHAIN_ROWS_C", "8"))
-NUM_WARPS = int(os.environ.get("PGS_CHAIN_WARPS", "4"))
-#: The direction between pass B and pass C: 2 bits per element (4 per byte) instead of one
-#: int8: 0.5 instead of 2 B/param of traffic, for an in-register repacking of each thread's
-#: contiguous elements (offline sm_90 SASS: pass B +0, pass C +7.5 instructions per element,
-#: no shared memory; ``bench/experiments/chain8bit_sass.py``).  ``PGS_CHAIN_PACK=0`` stores int8.
-PACK = os.environ.get("PGS_CHAIN_PACK", "1") == "1"
-#: calls of the fused step that ran the kernels (tests check that the fused path was taken)
-calls = 0
+#: slots, then the slots are summed): fewer atomics on one address than the layout's
+#: ``SEGMENT_LANES`` (64).
+LANES = 512
+ROWS_C = 8
+NUM_WARPS = 4
+#: The direction between pass B and pass C is stored in 2 bits per element (4 per byte):
+#: 0.5 instead of 2 B/param of traffic, for an in-register repacking of each thread's
+#: contiguous elements; block sizes that are not a multiple of 4 store one int8 per element.
 
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _PATTERN = ("adagc", "mona", "lion8bit", "hyperball")
@@ -147,9 +140,9 @@ def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
     warmup_steps = ada["warmup_steps"]
     learning_rate, hb_eps = hb["learning_rate"], hb["eps"]
 
-    def fused_step(fg, state, fp, *, layout, donate, stochastic_rounding, extra):
-        global calls
-        if layout is None or (extra and extra.get("reduce_sum") is not None) or layout.align != bs:
+    def fused_step(fg, state, fp, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
+        layout = ctx.layout
+        if layout is None or ctx.reduce_sum is not None or layout.align != bs:
             return None
         if list(state) != list(keys) or set(fg) != set(fp) or not fg:
             return None
@@ -169,10 +162,8 @@ def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
                 return None
         from pgs.func.kernels import chain8bit as KC
 
-        calls += 1
         dev = next(iter(fg.values())).device
-        table = K._table()
-        code, mids, btab, midp = K._maps(True, dev, K.ENC)
+        code, btab = K._maps(True, dev)
 
         # -- pass A + AdaGC's per-tensor clip factor (adagc.py's arithmetic, op for op) --
         count = increment(s_ada.count)
@@ -227,7 +218,7 @@ def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
             else:
                 m_o = m if donate else torch.empty_like(m)
             nbk = grp.num_blocks
-            pack = PACK and bs % 4 == 0
+            pack = bs % 4 == 0
             if on:
                 u8 = torch.empty(grp.size // 4 if pack else grp.size, dtype=torch.uint8 if pack else torch.int8,
                                  device=dev)
@@ -252,11 +243,10 @@ def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
                     fl(prev), fl(acc), fl(prev_o), fl(acc_o),
                     codes_i, absmax_i, codes_o, absmax_o, m_i, m_oi,
                     u_i, uu, pu, pp,
-                    code, mids, btab, midp, hp_b, K._chunk_seed(seed, ci), n,
+                    code, btab, hp_b, K._chunk_seed(seed, ci), n,
                     BLOCK=bs, ROWS=ROWS, GDT=_DT[g.dtype], PDT=_DT[p.dtype], ADT=_DT[acc.dtype], Q8=q8, PROJ=on,
                     SR=sr and not on,
-                    DEQ_TABLE=K.DEQ_TABLE, ENC=K.ENC, RNG=K.RNG, SPLIT=K.SPLIT, TABLE=table, PACK=pack,
-                    num_warps=NUM_WARPS, **K._fusion(),
+                    PACK=pack, num_warps=NUM_WARPS, **K._split(), **K._fusion(),
                 )
             new_p[k], new_prev[k], new_acc[k], new_mu[k] = out, prev_o, acc_o, m_o
             if on:
@@ -278,8 +268,8 @@ def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
                 KC.chain_c_kernel[(-(-nb // ROWS_C),)](
                     p.view(-1)[e], _dir_slice(u8, s, n, pack), out.view(-1)[e], grp.block_seg[b0:b0 + nb],
                     coef.contiguous(), shrink.contiguous(), K._chunk_seed(seed, ci), n,
-                    BLOCK=bs, ROWS=ROWS_C, GDT=_DT[fg[k].dtype], PDT=_DT[p.dtype], SR=sr, RNG=K.RNG, SPLIT=K.SPLIT,
-                    PACK=pack, num_warps=NUM_WARPS, **K._fusion(),
+                    BLOCK=bs, ROWS=ROWS_C, GDT=_DT[fg[k].dtype], PDT=_DT[p.dtype], SR=sr,
+                    PACK=pack, num_warps=NUM_WARPS, **K._split(), **K._fusion(),
                 )
 
         new_state = dict(state)

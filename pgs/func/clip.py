@@ -10,6 +10,7 @@ from pgs.func import tree as T
 from pgs.func._common import device_of
 from pgs.func.base import GLOBAL, PER_TENSOR, Transform, check_range
 from pgs.func.layout import per_tensor_apply, per_tensor_sumsq, reduced
+from pgs.func.step import NO_CONTEXT, StepContext
 
 
 class ClipByGlobalNormState(NamedTuple):
@@ -66,8 +67,8 @@ def clip_by_global_norm(max_norm: float) -> Transform:
     def init(params, **extra):
         return ClipByGlobalNormState(torch.zeros((), dtype=torch.float32, device=device_of(params)))
 
-    def update(updates, state, params=None, **extra):
-        norm = global_norm(updates, extra.get("layout"), extra.get("reduce_sum"))
+    def update(updates, state, params=None, *, ctx: StepContext = NO_CONTEXT, **extra):
+        norm = global_norm(updates, ctx.layout, ctx.reduce_sum)
         scale = max_norm / torch.clamp(norm, min=max_norm)
         def one(g):
             cd = torch.promote_types(g.dtype, torch.float32)
@@ -76,7 +77,7 @@ def clip_by_global_norm(max_norm: float) -> Transform:
         out = T.tree_map(one, updates)
         return out, ClipByGlobalNormState(norm)
 
-    return Transform(init, update, name="clip_by_global_norm", locality=GLOBAL)
+    return Transform(init, update, name="clip_by_global_norm", locality=GLOBAL, shard_aware=True)
 
 
 class ClipByNormPerTensorState(NamedTuple):
@@ -87,17 +88,17 @@ def clip_by_norm_per_tensor(max_norm: float) -> Transform:
     """Scale each tensor so that its own norm is at most ``max_norm``: ĝ_i = g_i·c/max(‖g_i‖, c).
 
     Per-tensor, so it can run inside backward (gradient release) and on FSDP2 shards (the norm
-    is all-reduced through ``extra["reduce_sum"]``).  Paper: arXiv 1211.5063 (norm clipping).
+    is all-reduced through ``ctx.reduce_sum``).  Paper: arXiv 1211.5063 (norm clipping).
     """
     check_range("max_norm", max_norm, 0.0, None, lo_open=True, who="clip_by_norm_per_tensor")
 
-    def init(params, **extra):
-        layout = extra.get("layout")
-        return ClipByNormPerTensorState(T.tree_map(torch.zeros_like, per_tensor_sumsq(params, layout, extra.get("reduce_sum"))))
+    def init(params, *, ctx: StepContext = NO_CONTEXT, **extra):
+        layout = ctx.layout
+        return ClipByNormPerTensorState(T.tree_map(torch.zeros_like, per_tensor_sumsq(params, layout, ctx.reduce_sum)))
 
-    def update(updates, state, params=None, **extra):
-        layout = extra.get("layout")
-        norms = T.tree_map(torch.sqrt, per_tensor_sumsq(updates, layout, extra.get("reduce_sum")))
+    def update(updates, state, params=None, *, ctx: StepContext = NO_CONTEXT, **extra):
+        layout = ctx.layout
+        norms = T.tree_map(torch.sqrt, per_tensor_sumsq(updates, layout, ctx.reduce_sum))
         scales = T.tree_map(lambda n: max_norm / torch.clamp(n, min=max_norm), norms)
 
         def one(g, s):
@@ -106,4 +107,5 @@ def clip_by_norm_per_tensor(max_norm: float) -> Transform:
 
         return per_tensor_apply(one, updates, scales, layout=layout), ClipByNormPerTensorState(norms)
 
-    return Transform(init, update, name="clip_by_norm_per_tensor", locality=PER_TENSOR)
+    return Transform(init, update, name="clip_by_norm_per_tensor", locality=PER_TENSOR,
+                     shard_aware=True)

@@ -10,6 +10,7 @@ from pgs.errors import InvalidArgument
 from pgs.func import tree as T
 from pgs.func.base import Transform, widest_locality
 from pgs.func.layout import call_init, call_update, group_label
+from pgs.func.step import NO_CONTEXT, StepContext
 
 
 def labels_fn(labels, who: str) -> Callable[[str, torch.Tensor], Hashable]:
@@ -74,13 +75,15 @@ def partition(transforms: dict, labels) -> Transform:
                 )
         return labs
 
-    def init(params, **extra):
-        layout = extra.get("layout")
+    def init(params, *, ctx: StepContext = NO_CONTEXT, **extra):
+        layout = ctx.layout
         labs = checked_labels(params, layout)
+        extra = {**extra, "ctx": ctx}
         return {str(k): call_init(t, _select(params, labs, k, layout), extra) for k, t in transforms.items()}
 
-    def update(updates, state, params=None, **extra):
-        layout = extra.get("layout")
+    def update(updates, state, params=None, *, ctx: StepContext = NO_CONTEXT, **extra):
+        layout = ctx.layout
+        extra = {**extra, "ctx": ctx}
         if params is not None and layout is None:
             T.check_like(updates, params, "updates", "params")  # name a mismatched leaf up front
         labs = checked_labels(updates, layout)

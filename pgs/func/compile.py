@@ -16,6 +16,10 @@
 
 Gradients that already are views of the layout's buffers (the runtime arranges this with
 ``FlatChain.bind_buffers``) are read with no copy; otherwise they are gathered once.
+
+Whether ``step`` runs a fused kernel instead of the generic graph is the plan registry's
+decision (``pgs.func.plan.plan_for(opt, FLAT)``); the transforms see the layout as
+``ctx.layout`` of their ``StepContext``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pgs.func import tree as T
 from pgs.func.apply import stochastic_round_to_bf16
 from pgs.func.base import Transform
 from pgs.func.layout import Layout, call_init, call_update
+from pgs.func.plan import FLAT, Plan, plan_for
+from pgs.func.step import context_of
 
 
 class FlatChain:
@@ -50,12 +56,8 @@ class FlatChain:
         self._compile_options = compile_options or {}
         self._update_fn = None
         self._step_fn = None
-        from pgs.func import fused as _fused
-
-        self.fused_plan = _fused.match(opt) if fused else None
-        from pgs.func import chain8bit as _chain8bit  # adagc → mona → lion8bit → hyperball (issue 4)
-
-        self.chain_step = _chain8bit.match(opt) if fused else None
+        #: the fused plan ``step`` tries first (None: always the generic graph)
+        self.plan: Plan | None = plan_for(opt, FLAT) if fused else None
 
     # -- layout ------------------------------------------------------------------------
     def layout_for(self, params) -> Layout:
@@ -76,7 +78,7 @@ class FlatChain:
     def init(self, params, **extra):
         layout = self.layout_for(params)
         flat_p = layout.flatten(params, what="params")
-        return call_init(self.opt, flat_p, {**extra, "layout": layout})
+        return call_init(self.opt, flat_p, {**extra, "ctx": context_of(extra).evolve(layout=layout)})
 
     def update(self, updates, state, params=None, **extra):
         """Same contract and results as ``opt.update`` on the per-parameter tree."""
@@ -121,26 +123,20 @@ class FlatChain:
         return layout.unflatten(new_p), new_s
 
     def step_flat(self, flat_grads: dict, state, flat_params: dict, **extra):
-        # -- hook (issue 4, 8-bit optimizers): a chain may offer a fused update-and-apply
-        # (pgs.func.kernels.fused.FusedTransform); it returns None where it cannot fuse.
-        fused = getattr(self.opt, "fused_step", None) or self.chain_step
-        if fused is not None:
-            out = fused(flat_grads, state, flat_params, layout=self.layout, donate=self.donate,
-                        stochastic_rounding=self.stochastic_rounding, extra=extra)
+        if self.plan is not None:  # a fused update-and-apply; None where it cannot serve this call
+            ctx = context_of(extra).evolve(layout=self.layout)
+            rest = {k: v for k, v in extra.items() if k != "ctx"}
+            out = self.plan.step(flat_grads, state, flat_params, ctx=ctx, donate=self.donate,
+                                 stochastic_rounding=self.stochastic_rounding, extra=rest)
             if out is not None:
                 return out
-        # -- end hook
-        if self.uses_fused_kernel():  # hand-written AdamW/Lion kernels (pgs.func.fused)
-            from pgs.func import fused as _fused
-
-            return _fused.step(self.fused_plan, self.layout, flat_grads, state, flat_params, donate=self.donate)
         if self._step_fn is None:
             self._step_fn = self._build(self._flat_step)
         return self._step_fn(flat_grads, state, flat_params, extra)
 
     def uses_fused_kernel(self) -> bool:
-        """True when ``step`` runs a hand-written fused kernel (see ``pgs.func.fused``)."""
-        if self.fused_plan is None or self.stochastic_rounding or self.layout is None:
+        """True when ``step`` runs the hand-written AdamW/Lion kernels (``pgs.func.fused``)."""
+        if self.plan is None or self.plan.name != "adamw_lion" or self.stochastic_rounding or self.layout is None:
             return False
         from pgs.func import fused as _fused
 
@@ -148,13 +144,13 @@ class FlatChain:
 
     # -- internals ---------------------------------------------------------------------
     def _flat_update(self, fu, state, fp, extra):
-        u, s = call_update(self.opt, fu, state, fp, {**extra, "layout": self.layout})
+        u, s = call_update(self.opt, fu, state, fp, {**extra, "ctx": context_of(extra).evolve(layout=self.layout)})
         if self.donate:
             s = _donate(state, s)
         return u, s
 
     def _flat_step(self, fg, state, fp, extra):
-        u, s = call_update(self.opt, fg, state, fp, {**extra, "layout": self.layout})
+        u, s = call_update(self.opt, fg, state, fp, {**extra, "ctx": context_of(extra).evolve(layout=self.layout)})
         new_p = {}
         for k, p in fp.items():
             cd = torch.promote_types(p.dtype, torch.float32)
@@ -219,8 +215,9 @@ def compile(opt: Transform, *, jit: bool = True, donate: bool = False, align: in
         align: element alignment of each tensor inside its group (a multiple of every
             transform's own ``align``, e.g. the 8-bit block size).
         stochastic_rounding: ``step`` rounds bf16 parameters stochastically.
-        fused: let ``step`` use a hand-written kernel when the chain is one it implements
-            exactly (AdamW, Lion; see ``pgs.func.fused``) and the device supports it.
+        fused: let ``step`` use the fused plan the registry has for the chain
+            (``pgs.func.plan``: the 8-bit and Muon chains' own steps, AdamW/Lion kernels, the
+            AdaGC/MONA/Lion8bit/hyperball passes) where the device supports it.
 
     Example::
 

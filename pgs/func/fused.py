@@ -1,9 +1,9 @@
-"""Fused kernels standing in for recognised chains on the flat layout.
+"""Fused AdamW/Lion kernels standing in for recognised chains (the ``adamw_lion`` entry of
+the plan registry, ``pgs.func.plan``).
 
-``pf.compile`` first asks ``match(opt)`` whether the chain is one that a hand-written kernel
-implements exactly: ``chain(scale_by_adam | scale_by_lion, [add_decayed_weights],
+``match(opt)`` says whether the chain is one that a hand-written kernel implements exactly: ``chain(scale_by_adam | scale_by_lion, [add_decayed_weights],
 scale_by_learning_rate)`` with Python-number hyperparameters (identities anywhere are
-ignored).  If so, and the buffers live on a device the kernel runs on, ``FlatChain.step``
+ignored).  If so, and the buffers live on a device the kernel runs on, the plan's step
 runs one kernel per group that reads gradient, parameter and moments once and writes
 parameter and moments once — the byte floor.  The per-step scalars (lr from the schedule,
 bias corrections) are computed first by a few 0-d tensor ops on the device, so the host
@@ -12,11 +12,12 @@ never synchronises and nothing recompiles.
 The state produced is the chain's own state (same NamedTuples, same buffers), so a run can
 switch between the fused kernel, the compiled graph and the reference path at any step.
 Everything else falls back to the generic ``torch.compile`` graph.
+
+Papers: AdamW, Loshchilov & Hutter arXiv 1711.05101 (Adam: Kingma & Ba arXiv 1412.6980);
+Lion, Chen et al. arXiv 2302.06675.
 """
 
 from __future__ import annotations
-
-import os
 
 import attrs
 import torch
@@ -24,6 +25,7 @@ import torch
 from pgs.func._common import increment
 from pgs.func.layout import Layout, group_label
 from pgs.func.learning_rate import ScaleByLearningRateState, lr_value
+from pgs.func.step import StepContext
 
 
 @attrs.frozen
@@ -89,7 +91,29 @@ def available_on(devs: set[str]) -> bool:
     if devs == {"cuda"}:
         return True
     # On CPU only in Triton's interpreter, and only when asked (tests): it is slow.
-    return devs == {"cpu"} and os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("PGS_TRITON_ON_CPU") == "1"
+    from pgs.func import kernels
+
+    return devs == {"cpu"} and kernels.triton_on_cpu()
+
+
+def plan_step(plan: FusedPlan):
+    """The registry's step function for ``plan``: None (the generic path) where the kernels
+    do not run, i.e. devices without them, or stochastic rounding (the kernels round to
+    nearest) of a flat layout or of bf16 parameters."""
+
+    def fused_step(grads, state, params, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
+        layout = ctx.layout
+        if layout is not None:
+            if stochastic_rounding or not available(layout):
+                return None
+        else:
+            if not available_on({t.device.type for t in params.values()}):
+                return None
+            if stochastic_rounding and any(p.dtype == torch.bfloat16 for p in params.values()):
+                return None
+        return step(plan, layout, grads, state, params, donate=donate)
+
+    return fused_step
 
 
 def step(plan: FusedPlan, layout: Layout, grads: dict, state: dict, params: dict, *, donate: bool):

@@ -20,6 +20,7 @@ from pgs.func.layout import group_label, per_tensor_apply, per_tensor_sumsq
 from pgs.func.learning_rate import lr_value as _lr_value
 from pgs.func.muon import NS_COEFFICIENTS, muon_route, scale_by_muon
 from pgs.func.weight_decay import mask_fn
+from pgs.func.step import NO_CONTEXT, StepContext
 
 
 class HyperballState(NamedTuple):
@@ -63,19 +64,19 @@ def hyperball(learning_rate, mask=None, eps: float = 1e-12) -> Transform:
     def constrained(path, p) -> bool:
         return p.ndim >= 2 and (user is None or bool(user(path, p)))
 
-    def init(params, **extra):
-        layout = extra.get("layout")
+    def init(params, *, ctx: StepContext = NO_CONTEXT, **extra):
+        layout = ctx.layout
         count = zero_count(params)
-        radius = T.tree_map(torch.sqrt, per_tensor_sumsq(params, layout, extra.get("reduce_sum")))
+        radius = T.tree_map(torch.sqrt, per_tensor_sumsq(params, layout, ctx.reduce_sum))
         return HyperballState(count, _lr_value(learning_rate, count), radius)
 
-    def update(updates, state, params=None, **extra):
+    def update(updates, state, params=None, *, ctx: StepContext = NO_CONTEXT, **extra):
         if params is None and any(x is not None for x in T.leaves(updates)):
             raise InvalidArgument(f"{who}: update() needs params (the sphere is the parameter's)")
-        layout = extra.get("layout")
+        layout = ctx.layout
         lr = _lr_value(learning_rate, state.count)
         labels = group_label(layout, updates, constrained)
-        rsum = extra.get("reduce_sum")  # sharded: shard-local sums, all-reduced
+        rsum = ctx.reduce_sum  # sharded: shard-local sums, all-reduced
         u_norm = T.tree_map(torch.sqrt, per_tensor_sumsq(updates, layout, rsum))
 
         # W̃ = W − (η R/‖u‖) u, in fp32 (on unconstrained leaves the result is discarded)
@@ -99,7 +100,7 @@ def hyperball(learning_rate, mask=None, eps: float = 1e-12) -> Transform:
             out = {k: (None if u is None else (on_sphere[k] if labels[k] else plain(u))) for k, u in updates.items()}
         return out, HyperballState(increment(state.count), lr, state.radius)
 
-    return Transform(init, update, name="hyperball", locality=PER_TENSOR, group_by=(constrained,),
+    return Transform(init, update, name="hyperball", locality=PER_TENSOR, shard_aware=True, group_by=(constrained,),
                      fused=("hyperball", dict(learning_rate=learning_rate, eps=eps)))  # pgs.func.chain8bit
 
 

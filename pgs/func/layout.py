@@ -12,7 +12,7 @@ reductions are then two steps: a reduction over each block, and a segment sum of
 results (``index_add``) — no loop over tensors.  Block-wise 8-bit quantization uses the same
 blocks.
 
-Transforms see the layout through ``extra["layout"]``; the helpers in this module
+Transforms see the layout as ``ctx.layout`` (``pgs.func.step.StepContext``); the helpers in this module
 (``per_tensor_sumsq``, ``per_tensor_apply``, ``group_label``) make the same transform code
 run on both the per-parameter tree and the flat tree.
 """
@@ -179,8 +179,8 @@ class Layout:
 
         A plain ``dict`` of tensors whose leaves are the same objects, at the same addresses and
         shapes, as the last zero-copy flatten under the same ``what`` gets that result again
-        without walking the tree (a step over 310 bound views paid ~1.5 ms of host time per
-        tree for the walk, the checks and the views; issue #4)."""
+        without walking the tree: the walk, the checks and the views are host time on every
+        step over bound views (docs/performance.md)."""
         hit = self._cached_views(tree, dtype, what)
         if hit is not None:
             return hit
@@ -269,7 +269,7 @@ def group_label(layout: Layout | None, tree, fn: Callable[[str, torch.Tensor], H
 def per_tensor_sumsq(tree, layout: Layout | None = None, reduce_sum: Callable | None = None):
     """Per-tensor sums of squares in fp32: a 0-d tensor per leaf, or ``[num_tensors]`` per group.
 
-    ``reduce_sum``: the sharding hook (see ``reduced``); pass ``extra.get("reduce_sum")``.
+    ``reduce_sum``: the sharding hook (see ``reduced``); pass ``ctx.reduce_sum``.
     """
     if layout is None:
         return reduced(T.tree_map(lambda x: x.float().pow(2).sum(), tree), reduce_sum)
@@ -325,10 +325,10 @@ def reduced(sums, reduce_sum: Callable | None):
     """``sums`` completed across shards: ``reduce_sum(sums)`` when a hook is given, else ``sums``.
 
     Under FSDP2 a transform sees each parameter's local shard only, so a per-tensor sum is a
-    partial sum.  The sharded binding (``pgs.runtime.optim.sharded_bind``) passes
-    ``extra["reduce_sum"]``: a function that sums a pytree of tensors over the ranks (one
-    all-reduce for the whole tree) and returns it.  Transforms that reduce over whole
-    tensors forward ``extra.get("reduce_sum")`` to ``per_tensor_sumsq`` / ``per_tensor_dot``
+    partial sum.  The sharded binding passes ``StepContext.reduce_sum``: a function that
+    sums a pytree of tensors over the ranks (one all-reduce for the whole tree) and returns
+    it.  Transforms that reduce over whole tensors forward ``ctx.reduce_sum`` to
+    ``per_tensor_sumsq`` / ``per_tensor_dot``
     / ``global_norm``; on one process the hook is absent and nothing changes.
     """
     return sums if reduce_sum is None else reduce_sum(sums)
@@ -353,23 +353,34 @@ def per_tensor_apply(fn: Callable, tree, *scalar_trees, layout: Layout | None = 
     return out
 
 
+def _without_layout(extra: dict) -> dict:
+    """``extra`` with its step context's layout removed (what a non-flat transform sees)."""
+    ctx = extra.get("ctx")
+    return {**extra, "ctx": ctx.evolve(layout=None)}
+
+
+def _flat_layout(extra: dict):
+    ctx = extra.get("ctx")
+    return None if ctx is None else ctx.layout
+
+
 def call_init(t, params, extra: dict):
-    """Call ``t.init``, handing a non-flat transform per-parameter views on the flat layout."""
-    layout = extra.get("layout")
+    """Call ``t.init``, handing a non-flat transform per-parameter views on the flat layout.
+
+    ``extra``: the keyword arguments of the call, the ``StepContext`` under ``"ctx"``."""
+    layout = _flat_layout(extra)
     if layout is not None and not t.flat_ok:
-        rest = {k: v for k, v in extra.items() if k != "layout"}
-        return t.init(layout.unflatten(params), **rest)
+        return t.init(layout.unflatten(params), **_without_layout(extra))
     return t.init(params, **extra)
 
 
 def call_update(t, updates, state, params, extra: dict):
     """Call ``t.update``; on the flat layout a non-flat transform gets views (zero-copy in)."""
-    layout = extra.get("layout")
+    layout = _flat_layout(extra)
     if layout is not None and not t.flat_ok:
-        rest = {k: v for k, v in extra.items() if k != "layout"}
         uv = layout.unflatten(updates)
         pv = None if params is None else layout.unflatten(params)
-        new_u, new_s = t.update(uv, state, pv, **rest)
+        new_u, new_s = t.update(uv, state, pv, **_without_layout(extra))
         keys = set(updates)
         flat = layout.flatten(new_u, what="updates")
         return {k: v for k, v in flat.items() if k in keys}, new_s

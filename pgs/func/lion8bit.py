@@ -28,6 +28,7 @@ from pgs.func.quant8 import (
     store_moment,
 )
 from pgs.func.weight_decay import add_decayed_weights, mask_fn
+from pgs.func.step import NO_CONTEXT, StepContext
 
 
 class ScaleByLion8bitState(NamedTuple):
@@ -235,22 +236,23 @@ def _step_small(kind: Fused8bit, ctx, keys: list, fg, fp, old, lr, wd, stochasti
 
 def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size: int, learning_rate,
                     weight_decay, mask) -> Callable:
-    """The ``fused_step`` of ``chain(<8-bit direction>, add_decayed_weights, scale_by_learning_rate)``.
+    """The fused step of ``chain(<8-bit direction>, add_decayed_weights, scale_by_learning_rate)``.
 
     One kernel per 8-bit leaf (update and apply, in place with ``donate``); small leaves take
     the reference direction and an fp32 apply.  ``layout`` None means ``fg`` is a
     per-parameter tree (gradient release steps one group of whole tensors; each tensor is its
-    own run of quantization blocks, as ``init`` made it); ``extra["sr_offset"]`` keeps the
+    own run of quantization blocks, as ``init`` made it); ``ctx.sr_offset`` keeps the
     stochastic-rounding seeds of different release groups apart.  Returns None (use the
     generic path) where a leaf cannot take the kernel.
     """
 
-    def fused_step(fg, state, fp, *, layout, donate, stochastic_rounding, extra):
+    def fused_step(fg, state, fp, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
         if not quantize or any(
             not K.use_triton(backend, g, block_size) for g in fg.values() if g is not None
         ):
             return None
-        sr_base = int(extra.get("sr_offset", 0)) if extra else 0
+        layout = ctx.layout
+        sr_base = ctx.sr_offset
         n_dir, n_dec, n_lr = list(state)
         s_dir, s_lr = state[n_dir], state[n_lr]
         # a constant learning rate reaches the kernels as a number: its hyperparameter vector
@@ -353,8 +355,8 @@ def scale_by_lion8bit(
     check_8bit_args(who, block_size, min_8bit_size, backend)
     eligible = is_8bit_eligible(min_8bit_size)
 
-    def init(params, **extra):
-        layout = extra.get("layout")
+    def init(params, *, ctx: StepContext = NO_CONTEXT, **extra):
+        layout = ctx.layout
         check_layout(layout, block_size, who)
         labels = group_label(layout, params, eligible)
         return ScaleByLion8bitState(
@@ -362,8 +364,8 @@ def scale_by_lion8bit(
             T.tree_map_with_path(lambda path, x: init_moment(x, quantize and labels[path], block_size, True), params),
         )
 
-    def update(updates, state, params=None, **extra):
-        check_layout(extra.get("layout"), block_size, who)
+    def update(updates, state, params=None, *, ctx: StepContext = NO_CONTEXT, **extra):
+        check_layout(ctx.layout, block_size, who)
         m_leaves = moment_leaves(updates, state.mu, who)
         u_leaves, spec = T.flatten(updates)
         w1, w2 = one_minus(b1), one_minus(b2)
@@ -439,7 +441,7 @@ def lion8bit(
         """The small leaves in one Triton launch per ≤ 4 (``kernels/small.py``), in place:
         False where it cannot (tensor hyperparameters, dtypes, no GPU or interpreter)."""
         (ms,) = moments
-        if not K.SMALL_KERNEL or any(isinstance(x, torch.Tensor) for x in (w1, w2, wd)):
+        if not K.CONFIG.small_kernel or any(isinstance(x, torch.Tensor) for x in (w1, w2, wd)):
             return False
         from pgs.func.kernels import small as KS
 

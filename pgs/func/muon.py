@@ -24,6 +24,7 @@ from pgs.func.base import MATRIX, Transform, chain, check_range, hp_in
 from pgs.func.combine import partition
 from pgs.func.learning_rate import scale_by_learning_rate
 from pgs.func.weight_decay import add_decayed_weights
+from pgs.func.step import NO_CONTEXT, StepContext
 
 #: Path fragments that mark an embedding or an output head: those go to the fallback.
 EMBED_OR_HEAD = ("embed", "lm_head", "wte", "wpe")
@@ -113,11 +114,6 @@ def orthogonalize(mats: list[torch.Tensor], steps: int, coefficients, eps, dtype
     return out
 
 
-#: Newton–Schulz product kernels of the fast path: "cublas" (torch bmm/baddbmm) or a
-#: symmetric Triton tile configuration (pgs.func.kernels.ns.CONFIGS).
-NS_KERNEL_ENV = "PGS_MUON_NS_KERNEL"
-
-
 def ns_kernels() -> tuple[str, ...]:
     from pgs.func.kernels import ns
 
@@ -191,15 +187,13 @@ def _use_triton(elementwise: str, tensors) -> bool:
 
 
 def _pick_kernel(ns_kernel: str, x: torch.Tensor) -> str:
-    """The NS product kernel for batch ``x``: ``ns_kernel``, or for "auto" the env override or
+    """The NS product kernel for batch ``x``: ``ns_kernel``, or for "auto"
     the measured choice (the symmetric kernel, tuned config per shape, for a bf16 iteration on
     sm_90; cuBLAS otherwise).  A symmetric config asked for an fp32/fp64 iteration, or on a
     CPU outside Triton's interpreter, falls back to cuBLAS."""
-    import os
-
     from pgs.func.kernels import ns
 
-    kernel = (os.environ.get(NS_KERNEL_ENV, "") or "auto") if ns_kernel == "auto" else ns_kernel
+    kernel = ns_kernel
     if kernel == "auto":
         sym = x.dtype == torch.bfloat16 and ns.auto_symmetric(x.device)
         return ns.tuned_config(x.shape[-2], x.shape[-1]) if sym else "cublas"
@@ -249,7 +243,7 @@ def muon_fused_step(
        straight into its slot of the group's [B, m, n] batch, with per-block sums of squares
        (the Frobenius norm needs no second read);
     2. the batch is normalised and iterated (``newton_schulz_batched``: cuBLAS or the
-       symmetric Triton kernel, ``ns_kernel``; env ``PGS_MUON_NS_KERNEL`` overrides "auto";
+       symmetric Triton kernel, ``ns_kernel``;
        ``fold`` (default: on with the symmetric kernel only) writes aX + BX as (B + aI)X);
     3. one elementwise pass per tensor writes θ (into ``out[i]``, default ``params[i]``, in
        place), in fp32 arithmetic, cast or stochastically rounded (bf16 parameters; the Triton
@@ -381,7 +375,7 @@ def scale_by_muon(
     def init(params, **extra):
         return ScaleByMuonState(zero_count(params), zeros_state(params, mu_dtype))
 
-    def update(updates, state, params=None, **extra):
+    def update(updates, state, params=None, *, ctx: StepContext = NO_CONTEXT, **extra):
         g_leaves, spec = T.flatten(updates)  # absent (None) leaves are not listed
         m_leaves = T.leaves(state.mu)
         if len(m_leaves) != len(g_leaves):
@@ -409,7 +403,7 @@ def scale_by_muon(
                     for o, a, t in zip(orth, as_mats, whole)]
 
         # sharded: each matrix is gathered to an owner rank, orthogonalized, re-sharded
-        hook = extra.get("whole_tensors")
+        hook = ctx.whole_tensors
         done = op(mats) if hook is None else hook(op, [paths[i] for i in where], mats)
         out = [None] * len(g_leaves)
         for k, i in enumerate(where):
@@ -417,7 +411,7 @@ def scale_by_muon(
         mu_tree = T.unflatten(new_m, spec)
         return T.unflatten(out, spec), ScaleByMuonState(increment(state.count), mu_tree)
 
-    return Transform(init, update, name="scale_by_muon", locality=MATRIX, flat_ok=False)
+    return Transform(init, update, name="scale_by_muon", locality=MATRIX, flat_ok=False, shard_aware=True)
 
 
 def muon(
@@ -513,8 +507,9 @@ def muon_matrices(
     decay = [add_decayed_weights(weight_decay)] if _nonzero(weight_decay) else []
     base = chain(inner, *decay, scale_by_learning_rate(learning_rate))
 
-    def fused_step(fg, state, fp, *, layout, donate, stochastic_rounding, extra):
-        if layout is None or extra.get("whole_tensors") is not None:
+    def fused_step(fg, state, fp, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
+        layout = ctx.layout
+        if layout is None or ctx.whole_tensors is not None:
             return None
         names = list(state)
         s_dir, s_lr = state[names[0]], state[names[-1]]
@@ -562,19 +557,20 @@ def _muon_partition_step(branch: Transform, other: Transform, route):
     chain's ``update`` and an fp32 apply (the generic flat step, eager).
     """
 
-    def fused_step(fg, state, fp, *, layout, donate, stochastic_rounding, extra):
+    def fused_step(fg, state, fp, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
         from pgs.func.apply import stochastic_round_to_bf16
         from pgs.func.compile import _donate
         from pgs.func.layout import call_update, group_label
 
-        if layout is None or extra.get("whole_tensors") is not None:
+        layout = ctx.layout
+        if layout is None or ctx.whole_tensors is not None:
             return None
         labs = group_label(layout, fp, route)
 
         def part(tree, want):
             return {k: v for k, v in tree.items() if labs.get(k) == want}
 
-        got = branch.fused_step(part(fg, "muon"), state["muon"], part(fp, "muon"), layout=layout,
+        got = branch.fused_step(part(fg, "muon"), state["muon"], part(fp, "muon"), ctx=ctx,
                                 donate=donate, stochastic_rounding=stochastic_rounding, extra=extra)
         if got is None:
             return None
@@ -582,7 +578,7 @@ def _muon_partition_step(branch: Transform, other: Transform, route):
         fg_f, fp_f = part(fg, "fallback"), part(fp, "fallback")
         s_fb = state["fallback"]
         if fp_f:
-            u, s_new = call_update(other, fg_f, s_fb, fp_f, {**extra, "layout": layout})
+            u, s_new = call_update(other, fg_f, s_fb, fp_f, {**(extra or {}), "ctx": ctx})
             for k, p in fp_f.items():
                 if u.get(k) is None:
                     new_p[k] = p

@@ -94,25 +94,15 @@ def _positive_midpoints(signed: bool) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def bucket_table(signed: bool, wide: bool = False, word: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lookup tables of the device encoder ``blockwise8._encode_bucket`` (CPU tensors).
+def bucket_table(signed: bool) -> torch.Tensor:
+    """Lookup table of the device encoder ``blockwise8._encode_bucket`` (a CPU tensor).
 
     A value t ≥ 0 (any fp32 bit pattern with the sign bit clear) falls in bucket
     ``bits(t) >> S``, S = 23 − MB; the table covers all of them (values above 1 count as 1,
     the clamp; the lines a kernel never touches cost no cache).  Per bucket, c = #{positive
-    midpoints < the bucket's first value}, and the one midpoint M inside the bucket, if any.
-
-    - ``wide=False``: int16 entries ``c << 8 | h``, h = the 8 bits of M just below the bucket
-      bits (0xFF if no midpoint); ties of those 8 bits are broken against the exact M.
-    - ``wide=True``: int32 entries ``c << 24 | (bits(M) mod 2^S)`` (2^S if no midpoint): the
-      whole decision is one integer compare, no second lookup.
-    - ``word=True``: indexed by the whole fp32 word ``bits(s) >>> S`` (sign included, 2^(32−S)
-      entries) and holding the final code: int32 ``code0 << 24 | K``, code = code0 + [L ≥ K]
-      with L = the low S bits of |s| for s ≥ 0 and their complement for s < 0 (so the
-      mirrored midpoints compare the same way, ties still to the lower code); K = 2^S + 1
-      never adds.  NaN words give 255.  (A normalised value is never ±inf: |x| ≤ absmax.)
-
-    Returns ``(table, positive midpoints + [inf])``.
+    midpoints < the bucket's first value}, and the one midpoint M inside the bucket, if any,
+    as int32 entries ``c << 24 | (bits(M) mod 2^S)`` (2^S if no midpoint): the whole
+    decision is one integer compare.
     """
     signed = bool(signed)
     mb = BUCKET_MANTISSA_BITS[signed]
@@ -125,34 +115,10 @@ def bucket_table(signed: bool, wide: bool = False, word: bool = False) -> tuple[
     bucket = pbits >> shift
     if bool((bucket[1:] == bucket[:-1]).any()):  # pragma: no cover - a construction invariant
         raise AssertionError("bucket_table: a bucket holds two midpoints")
-    if word:
-        never = (1 << shift) + 1
-        has = torch.zeros(size, dtype=torch.bool)
-        has[bucket] = True
-        mlow = torch.zeros(size, dtype=torch.long)
-        mlow[bucket] = pbits & ((1 << shift) - 1)
-        if signed:
-            pos0, pos_k = 127 + c, torch.where(has, mlow + 1, never)
-            neg0 = torch.where(has & (c <= 126), 126 - c, 127 - c.clamp(max=127))
-            neg_k = torch.where(has & (c <= 126), (1 << shift) - mlow, never)
-        else:
-            pos0, pos_k = c, torch.where(has, mlow + 1, never)
-            neg0, neg_k = torch.zeros_like(c), torch.full_like(c, never)
-        nan = torch.arange(size) >= (0x7F800000 >> shift)  # shares its bucket with inf
-        pos0, pos_k = torch.where(nan, 255, pos0), torch.where(nan, never, pos_k)
-        neg0, neg_k = torch.where(nan, 255, neg0), torch.where(nan, never, neg_k)
-        word_ = torch.cat([pos0 << 24 | pos_k, neg0 << 24 | neg_k])
-        table = torch.where(word_ >= 2**31, word_ - 2**32, word_).to(torch.int32)
-    elif wide:
-        low = torch.full((size,), 1 << shift, dtype=torch.long)
-        low[bucket] = pbits & ((1 << shift) - 1)
-        word = c << 24 | low
-        table = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)  # as uint32 bits
-    else:
-        h = torch.full((size,), 0xFF, dtype=torch.long)
-        h[bucket] = (pbits >> (shift - 8)) & 0xFF
-        table = (c << 8 | h).to(torch.int32).to(torch.int16)  # entries >= 0x8000 wrap; the kernel masks
-    return table, torch.cat([pos, torch.tensor([float("inf")])])
+    low = torch.full((size,), 1 << shift, dtype=torch.long)
+    low[bucket] = pbits & ((1 << shift) - 1)
+    word = c << 24 | low
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)  # as uint32 bits
 
 
 def _check_block_size(block_size: int, who: str) -> int:

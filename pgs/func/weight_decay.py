@@ -10,6 +10,7 @@ from pgs.errors import InvalidArgument
 from pgs.func import tree as T
 from pgs.func.base import ELEMENTWISE, EmptyState, Transform, check_range
 from pgs.func.layout import group_label
+from pgs.func.step import NO_CONTEXT, StepContext
 
 
 def mask_fn(mask, who: str) -> Callable[[str, torch.Tensor], bool] | None:
@@ -48,10 +49,10 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> Transform:
     def init(params, **extra):
         return EmptyState()
 
-    def update(updates, state, params=None, **extra):
+    def update(updates, state, params=None, *, ctx: StepContext = NO_CONTEXT, **extra):
         if params is None:
             raise InvalidArgument(f"{who}: update() needs params")
-        layout = extra.get("layout")
+        layout = ctx.layout
         labels = group_label(layout, updates, fn) if fn is not None else None
 
         def one(path, g, p):

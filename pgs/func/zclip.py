@@ -15,6 +15,7 @@ from pgs.func import tree as T
 from pgs.func._common import device_of, increment, zero_count
 from pgs.func.base import GLOBAL, Transform, check_range
 from pgs.func.clip import global_norm
+from pgs.func.step import NO_CONTEXT, StepContext
 
 MODES = ("clip", "skip")
 
@@ -79,9 +80,9 @@ def zclip(alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 25, mo
         return ZClipState(zero_count(params), z, z.clone(), z.clone(), torch.zeros((), dtype=torch.bool, device=dev),
                           torch.zeros((), dtype=torch.int32, device=dev))
 
-    def update(updates, state, params=None, **extra):
+    def update(updates, state, params=None, *, ctx: StepContext = NO_CONTEXT, **extra):
         count = increment(state.count)
-        g = global_norm(updates, extra.get("layout"), extra.get("reduce_sum"))
+        g = global_norm(updates, ctx.layout, ctx.reduce_sum)
         alpha_, z_thr, eps_, cf = (_f32(v, g) for v in (alpha, z_thresh, eps, clip_factor))
         cap = None if max_grad_norm is None else _f32(max_grad_norm, g)
         finite = torch.isfinite(g)
@@ -118,7 +119,7 @@ def zclip(alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 25, mo
         skipped = state.skipped + (spike.to(torch.int32) if mode == "skip" else 0)
         return T.tree_map(one, updates), ZClipState(count, new_mu, new_var, g, spike, skipped)
 
-    return Transform(init, update, name="zclip", locality=GLOBAL)
+    return Transform(init, update, name="zclip", locality=GLOBAL, shard_aware=True)
 
 
 def _f32(x, ref: torch.Tensor):

@@ -14,99 +14,58 @@ Launchers take and return plain tensors; hyperparameters go in as one fp32 devic
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
 import torch
 
-from pgs.func.quant8 import Quantized8bit, bucket_table, dynamic_map, midpoints
+from pgs.func.kernels.config import KernelConfig
+from pgs.func.quant8 import Quantized8bit, bucket_table, dynamic_map
+
+#: The configuration every launcher and route reads at call time (see ``KernelConfig``).
+CONFIG = KernelConfig()
+
+
+def configure(**changes) -> KernelConfig:
+    """Replace fields of the process-wide ``CONFIG``; returns the new configuration."""
+    global CONFIG
+    CONFIG = CONFIG.evolve(**changes)
+    return CONFIG
+
+
+@contextlib.contextmanager
+def using(config: KernelConfig):
+    """Run the block under ``config``, then restore the previous ``CONFIG``."""
+    global CONFIG
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"using: expected a KernelConfig, got {type(config).__name__}")
+    old, CONFIG = CONFIG, config
+    try:
+        yield config
+    finally:
+        CONFIG = old
+
+
+def triton_on_cpu() -> bool:
+    """Whether CPU tensors may run the Triton kernels: ``CONFIG.triton_on_cpu`` and Triton's
+    own ``TRITON_INTERPRET=1`` (the interpreter)."""
+    return CONFIG.triton_on_cpu and os.environ.get("TRITON_INTERPRET") == "1"
+
 
 #: Quantization blocks per program, and warps per program: one warp per 256-element block,
 #: so each block's absmax is a warp-shuffle reduction (no shared memory, no barrier), and
 #: each thread owns 8 contiguous elements (16-byte bf16 loads, 8-byte code loads/stores).
 #: 4 blocks per program: small enough for many resident programs (latency hiding for a
 #: memory-bound kernel), large enough to amortise the per-program scalar loads.
-ROWS = int(os.environ.get("PGS_8BIT_ROWS", "4"))
-NUM_WARPS = int(os.environ.get("PGS_8BIT_WARPS", "4"))
-#: Lion8bit's own blocks per program: 8 on the H200 (8.39 ms against 8.6-9.3 ms for 4 in the
-#: same run, bench/results/optim_8bit_issue4_variants.json); AdamW8bit keeps ``ROWS`` = 4
-#: (16.4 ms with 8 against 15.9).  ``PGS_8BIT_LION_ROWS``.
-LION_ROWS = int(os.environ.get("PGS_8BIT_LION_ROWS", "8"))
-#: Dequantize by one gather per element from the 256-entry map instead of the exact
-#: arithmetic decode (``blockwise8._decode``); both give identical values.  An A/B knob for
-#: device benchmarks (the arithmetic decode costs ~40 ALU instructions, the gather an L1
-#: wavefront per distinct 128-byte line a warp touches).
-DEQ_TABLE = os.environ.get("PGS_DEQ_TABLE", "1") == "1"
-#: Requantization: 1 = one 16-bit gather per element from a bucket table plus ~20 integer
-#: instructions and a rare predicated second load (``blockwise8._encode_bucket``); 2 = one
-#: 32-bit gather (twice the table) and no second load; 3 = one 32-bit gather from a table
-#: over the whole fp32 word (sign and NaN folded in, ~10 instructions; a signed moment
-#: touches twice the cache lines); 0 = the gather-free arithmetic
-#: encoder (~55 instructions).  Same codes.  ``PGS_8BIT_ENC``.
-ENC = int(os.environ.get("PGS_8BIT_ENC", "2"))
-#: The same choice for AdamW's second moment (unsigned map).  Its normalised values spread
-#: over many binades, so a table gather touches ~16-22 cache lines per warp instruction
-#: (``bench/experiments/gather_lines.py``) against ~6 for m: the arithmetic encoder may win
-#: there; measured on the H200 the 32-bit table still wins (13.2 ms against 15.9 ms for the
-#: arithmetic encoder, 15.3 ms for ENC=ENC_V=1).  ``PGS_8BIT_ENC_V``.
-ENC_V = int(os.environ.get("PGS_8BIT_ENC_V", "2"))
-#: Stochastic-rounding noise: 1 = an integer hash of (seed, offset), ~8 instructions per
-#: element; 0 = Philox4x32-10 per element (``tl.randint``).  ``PGS_8BIT_RNG``.
-RNG = int(os.environ.get("PGS_8BIT_RNG", "1"))
-#: AdamW8bit: per-step reciprocals and an approximate sqrt/division instead of three
-#: ``div_rn`` and a ``sqrt_rn`` per element.  ``PGS_8BIT_FAST_DIV``.
-FAST_DIV = os.environ.get("PGS_8BIT_FAST_DIV", "1") == "1"
-#: Where the per-element table lookups read their table (issue #4: a warp's 32 random
-#: gathers into the 1 KiB map cost up to 8 L1 wavefronts).  "global" (default): one global
-#: load per element (inline-PTX ``ld.global.nc``).  "gather": each program loads the decode
-#: map (256 fp32) and the m/v encoders' bucket tables (ENC/ENC_V 1 or 2: the 2048 / 4096
-#: entries between the smallest midpoint and 1.0, ``blockwise8._gather_window``) once into a
-#: register tensor and indexes it with ``tl.gather`` (on the GPU lowered through shared
-#: memory).  "gather_dec": only the decode map.  Bit-identical results in every mode (tests);
-#: the speed is for the GPU to decide.  ``PGS_8BIT_TABLE``.
-TABLE = os.environ.get("PGS_8BIT_TABLE", "global")
-TABLE_MODES = {"global": 0, "gather": 1, "gather_dec": 2}
-#: Full programs run an unmasked copy of the kernel body, only the last one the masked copy.
-SPLIT = os.environ.get("PGS_8BIT_SPLIT", "1") == "1"
-#: Let the compiler contract a multiply and an add into one FMA (Triton's default).  It picks
-#: the pair per element *position* and per kernel body (sm_90 PTX of the AdamW body, Triton
-#: 3.9 offline: for one of a thread's elements it fuses ``v·β2`` into the FMA in the unmasked
-#: copy and ``(1−β2)g²`` in the masked one; likewise ``q·absmax`` or ``(1−β1)(g − m)`` for
-#: m), so the unmasked and masked bodies, and a launch specialised for
-#: n % 16 == 0 (a MAX_LAUNCH piece), round some values differently by an ulp: a code moves by
-#: 1 where a value sits at a midpoint (rare; the tests allow 1%) and a block's absmax by an
-#: ulp where its largest element moved (5 of 27 blocks in the H200 run of the bodies test).
-#: False: no contraction (explicit ``tl.math.fma`` stays), every body and launch agrees bit
-#: for bit on a GPU as in the interpreter, at +3-5 static SASS instructions per element
-#: (Lion 62.6 → 66.9, AdamW 100.2 → 105.2; sm_90, Triton 3.9; not timed).  ``PGS_8BIT_FP_FUSION``.
-FP_FUSION = os.environ.get("PGS_8BIT_FP_FUSION", "1") == "1"
-#: Load the parameter together with the gradient and the codes, before the requantization,
-#: instead of after it.  The step kernels store the new codes and absmax before they touch
-#: the parameter, and the compiler does not move a load above a store that may alias it (with
-#: ``donate`` the outputs *are* the inputs), so each program waited for DRAM twice: once for
-#: (g, codes, absmax), once for p.  Early, one wait covers all of a program's loads, at the
-#: cost of the parameter's registers held through the quantization.  H200, one run
-#: (bench/results/s4_call1_optim_8bit.json, Qwen3-1.7B shapes, steps issued back to back):
-#: Lion8bit 4.24 → 3.95 ms (0.76 → 0.82 of copy bandwidth), AdamW8bit 6.71 → 6.55 ms; with 4
-#: or 2 blocks per program, or a 64-register cap, it was slower.  ``PGS_8BIT_EARLY_P``.
-EARLY_P = os.environ.get("PGS_8BIT_EARLY_P", "1") == "1"
-#: Registers per thread the step kernels may use (ptxas ``.maxnreg``; None: the compiler's
-#: choice, 69 for Lion8bit on sm_90 = 7 programs of 128 threads per SM, 42% occupancy).
-#: ``PGS_8BIT_MAXNREG``; ignored by the CPU interpreter.
-MAXNREG = int(os.environ["PGS_8BIT_MAXNREG"]) if os.environ.get("PGS_8BIT_MAXNREG") else None
-#: Gradient release's small fp32-state leaves (norm weights) through ``kernels/small.py``: one
-#: Triton launch per ≤ 4 leaves instead of ~10 multi-tensor torch ops (Lion8bit, in place).
-#: ``PGS_SMALL_KERNEL``.
-SMALL_KERNEL = os.environ.get("PGS_SMALL_KERNEL", "1") == "1"
+ROWS = 4
+NUM_WARPS = 4
+#: Lion8bit's own blocks per program (its body holds fewer live values than AdamW8bit's;
+#: measured on the H200, docs/performance.md).
+LION_ROWS = 8
 #: Largest element count one launch covers: offsets are int32 in the kernels, so a larger
 #: buffer runs as several launches over views (each with its own noise stream).
 MAX_LAUNCH = 1 << 30
-#: Under ``torch.compile`` the launchers run as opaque custom ops (``pgs::lion8bit_direction``,
-#: ``pgs::adam8bit_direction``; the in-place ``p`` variants as a graph break): Dynamo then
-#: never traces the launcher (its cached tables, views, the kernel's own lowering by
-#: Inductor), and the kernel sees exactly the tensors an eager call would.  ``PGS_8BIT_OPAQUE=0``
-#: lets Dynamo trace the launcher (A/B for diagnostics only).
-OPAQUE = os.environ.get("PGS_8BIT_OPAQUE", "1") == "1"
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -144,12 +103,9 @@ def _module():
 
 
 @functools.lru_cache(maxsize=32)
-def _maps(signed: bool, device: torch.device, enc: int = 1):
-    """(map, midpoints, bucket table for encoder ``enc``, positive midpoints + inf) on ``device``."""
-    code = dynamic_map(signed, device)
-    mids = midpoints(code).contiguous()
-    table, midp = bucket_table(signed, wide=enc == 2, word=enc == 3)
-    return code, mids, table.to(device), midp.to(device)
+def _maps(signed: bool, device: torch.device):
+    """(the 256-entry map, the encoder's bucket table) on ``device``."""
+    return dynamic_map(signed, device), bucket_table(signed).to(device)
 
 
 def _chunks(n: int, block_size: int):
@@ -166,15 +122,6 @@ def _chunk_seed(seed, i: int):
     if seed is None or i == 0:
         return seed
     return seed + i * 0x3C6EF372  # a different noise stream per launch of one buffer
-
-
-def _table(mode=None) -> int:
-    """The kernels' ``TABLE`` constexpr for a ``TABLE`` mode name (default: the module's)."""
-    mode = TABLE if mode is None else mode
-    if mode not in TABLE_MODES:
-        raise ValueError(f"pgs.func.kernels.TABLE (PGS_8BIT_TABLE) must be one of {sorted(TABLE_MODES)}, "
-                         f"got {mode!r}")
-    return TABLE_MODES[mode]
 
 
 def _grid(n: int, block_size: int, rows: int | None = None):
@@ -194,9 +141,13 @@ def _no_seed(device) -> torch.Tensor:
 
 def lion8bit(g, m: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None, out=None, m_out=None,
              seed: torch.Tensor | None = None):
-    """One Lion step on a block-quantized momentum (see ``_lion8bit``); under
-    ``torch.compile`` an opaque op (``OPAQUE``)."""
-    if OPAQUE and _compiling():
+    """One Lion step on a block-quantized momentum (see ``_lion8bit``).
+
+    Under ``torch.compile`` the launcher runs as an opaque custom op
+    (``pgs::lion8bit_direction``; the in-place variants as a graph break): Dynamo never
+    traces the launcher (its cached tables, views, the kernel's lowering by Inductor), and
+    the kernel sees exactly the tensors an eager call would."""
+    if _compiling():
         if p is None and out is None and m_out is None and seed is None:
             d, c, a = torch.ops.pgs.lion8bit_direction(g, m.codes, m.absmax, hp, block_size)
             return d, Quantized8bit(c, a)
@@ -216,8 +167,7 @@ def _lion8bit(g, m: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None,
     """
     k = _module()
     dev = g.device
-    table = _table()
-    code, mids, btab, midp = _maps(True, dev, ENC)
+    code, btab = _maps(True, dev)
     apply = p is not None
     if out is None:
         out = torch.empty_like(p if apply else g)
@@ -233,17 +183,17 @@ def _lion8bit(g, m: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None,
         _launch(k.lion8bit_kernel, _grid(n, block_size, LION_ROWS), (
             _cut(fg, s, n, w), _cut(fp, s, n, w), _cut(fo, s, n, w),
             _cut(fc, s, n, w), _cut(m.absmax, b, nb, w), _cut(fco, s, n, w), _cut(m_out.absmax, b, nb, w),
-            code, mids, btab, midp, hp, sd if sd is not None else _no_seed(dev), n),
-            dict(BLOCK=block_size, ROWS=LION_ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
-                 ENC=ENC, RNG=RNG, SPLIT=SPLIT, TABLE=table, num_warps=NUM_WARPS, **_step_opts()))
+            code, btab, hp, sd if sd is not None else _no_seed(dev), n),
+            dict(BLOCK=block_size, ROWS=LION_ROWS, APPLY=apply, SR=seed is not None, **_split(),
+                 num_warps=NUM_WARPS, **_fusion()))
     return out, m_out
 
 
 def adam8bit(g, m: Quantized8bit, v: Quantized8bit, hp: torch.Tensor, block_size: int, *, p=None, out=None,
              m_out=None, v_out=None, seed: torch.Tensor | None = None):
     """One Adam step on block-quantized moments (see ``_adam8bit``); under ``torch.compile``
-    an opaque op (``OPAQUE``)."""
-    if OPAQUE and _compiling():
+    an opaque op (``pgs::adam8bit_direction``, as ``lion8bit``)."""
+    if _compiling():
         if p is None and out is None and m_out is None and v_out is None and seed is None:
             d, mc, ma, vc, va = torch.ops.pgs.adam8bit_direction(g, m.codes, m.absmax, v.codes, v.absmax, hp,
                                                                  block_size)
@@ -261,9 +211,8 @@ def _adam8bit(g, m: Quantized8bit, v: Quantized8bit, hp: torch.Tensor, block_siz
     """
     k = _module()
     dev = g.device
-    table = _table()
-    code_m, mids_m, btab_m, midp_m = _maps(True, dev, ENC)
-    code_v, mids_v, btab_v, midp_v = _maps(False, dev, ENC_V)
+    code_m, btab_m = _maps(True, dev)
+    code_v, btab_v = _maps(False, dev)
     apply = p is not None
     if out is None:
         out = torch.empty_like(p if apply else g)
@@ -282,41 +231,24 @@ def _adam8bit(g, m: Quantized8bit, v: Quantized8bit, hp: torch.Tensor, block_siz
             _cut(fg, s, n, w), _cut(fp, s, n, w), _cut(fo, s, n, w),
             _cut(fm, s, n, w), _cut(m.absmax, b, nb, w), _cut(fmo, s, n, w), _cut(m_out.absmax, b, nb, w),
             _cut(fv, s, n, w), _cut(v.absmax, b, nb, w), _cut(fvo, s, n, w), _cut(v_out.absmax, b, nb, w),
-            code_m, mids_m, btab_m, midp_m, code_v, mids_v, btab_v, midp_v, hp,
+            code_m, btab_m, code_v, btab_v, hp,
             sd if sd is not None else _no_seed(dev), n),
-            dict(BLOCK=block_size, ROWS=ROWS, APPLY=apply, SR=seed is not None, DEQ_TABLE=DEQ_TABLE,
-                 ENC=ENC, ENC_V=ENC_V, RNG=RNG, FAST_DIV=FAST_DIV, SPLIT=SPLIT, TABLE=table, num_warps=NUM_WARPS,
-                 **_step_opts()))
+            dict(BLOCK=block_size, ROWS=ROWS, APPLY=apply, SR=seed is not None, **_split(),
+                 num_warps=NUM_WARPS, **_fusion()))
     return out, m_out, v_out
 
 
 def _fusion() -> dict:
-    """``enable_fp_fusion`` as ``FP_FUSION`` says, passed explicitly: Triton 3.9 warns that its
-    default (on) becomes off in 3.10, which would silently change these kernels' code and
-    rounding.  Under Dynamo's trace (the traced path, ``OPAQUE=0``) only the non-default is
-    passed, so that launch sees no option it did not see before."""
-    if FP_FUSION and _compiling():
-        return {}
-    return {"enable_fp_fusion": FP_FUSION}
+    """``enable_fp_fusion`` as ``CONFIG.fp_fusion`` says, passed explicitly (Triton 3.9 warns
+    that its default changes in 3.10, which would silently change the kernels' rounding)."""
+    return {"enable_fp_fusion": CONFIG.fp_fusion}
 
 
-def _step_opts() -> dict:
-    """Launch options of the step kernels (Lion8bit, AdamW8bit): ``_fusion`` plus ``EARLY_P``
-    and ``MAXNREG``, each passed only when not the default."""
-    opts = _fusion()
-    if EARLY_P:
-        opts["EARLY_P"] = True
-    if MAXNREG and not interpreting():
-        opts["maxnreg"] = MAXNREG
-    return opts
+def _split() -> dict:
+    """The step kernels' ``SPLIT`` constexpr, passed only when not the default (True)."""
+    return {} if CONFIG.split else {"SPLIT": False}
 
 
-#: Launch the step kernels through a cache of their compiled kernels (``_launch``) instead of
-#: ``kernel[grid](...)``: Triton's launcher binds and specialises every argument and builds a
-#: cache key per call (~56 us of host time per Lion8bit launch on the H200 machine,
-#: bench/results/s4_call2_host_costs.json), and gradient release launches one per tensor inside
-#: backward, where the host is the bottleneck.  ``PGS_8BIT_FAST_LAUNCH``.
-FAST_LAUNCH = os.environ.get("PGS_8BIT_FAST_LAUNCH", "1") == "1"
 _COMPILED: dict = {}
 
 
@@ -333,10 +265,10 @@ def _spec(args: tuple) -> tuple:
 
 
 def _launch(kernel, grid: tuple, args: tuple, kw: dict) -> None:
-    """``kernel[grid](*args, **kw)``; with ``FAST_LAUNCH`` (on a GPU), later launches with the
+    """``kernel[grid](*args, **kw)``; with ``CONFIG.fast_launch`` (on a GPU), later launches with the
     same constexprs, options and specialisation call the compiled kernel's launcher directly,
     with the arguments Triton's own ``run`` would pass (every parameter, in order)."""
-    if not FAST_LAUNCH or interpreting():
+    if not CONFIG.fast_launch or interpreting():
         kernel[grid](*args, **kw)
         return
     key = (kernel, tuple(kw.items()), _spec(args))
@@ -408,39 +340,30 @@ def _(g, mcodes, mabsmax, vcodes, vabsmax, hp, block_size):
             torch.empty_like(vabsmax))
 
 
-def quantize(x: torch.Tensor, signed: bool, block_size: int, *, enc: int | None = None,
-             table: str | None = None) -> Quantized8bit:
-    """``quantize_blockwise(x, dynamic_map(signed), block_size)`` in one Triton kernel
-    (``enc`` picks the encoder, default ``ENC``; ``table`` a ``TABLE`` mode, default ``TABLE``)."""
+def quantize(x: torch.Tensor, signed: bool, block_size: int) -> Quantized8bit:
+    """``quantize_blockwise(x, dynamic_map(signed), block_size)`` in one Triton kernel."""
     k = _module()
-    enc = ENC if enc is None else int(enc)
-    tmode = _table(table)
-    code, mids, btab, midp = _maps(bool(signed), x.device, enc)
+    btab = _maps(bool(signed), x.device)[1]
     x = x.contiguous()
     n = x.numel()
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     absmax = torch.empty(max(1, -(-n // block_size)), dtype=torch.float32, device=x.device)
     k.quantize_kernel[_grid(n, block_size)](
-        _flat(x), _flat(codes), absmax, mids, btab, midp, n,
-        BLOCK=block_size, ROWS=ROWS, SIGNED=bool(signed), ENC=enc, TABLE=tmode,
-        num_warps=NUM_WARPS, **_fusion(),
+        _flat(x), _flat(codes), absmax, btab, n,
+        BLOCK=block_size, ROWS=ROWS, SIGNED=bool(signed), num_warps=NUM_WARPS, **_fusion(),
     )
     return Quantized8bit(codes, absmax)
 
 
-def dequantize(q: Quantized8bit, signed: bool, block_size: int, *, table: bool | None = None,
-               mode: str | None = None) -> torch.Tensor:
-    """``dequantize_blockwise(q, dynamic_map(signed), block_size)`` in one Triton kernel (fp32);
-    ``table`` = DEQ_TABLE, ``mode`` a ``TABLE`` mode (default ``TABLE``)."""
+def dequantize(q: Quantized8bit, signed: bool, block_size: int) -> torch.Tensor:
+    """``dequantize_blockwise(q, dynamic_map(signed), block_size)`` in one Triton kernel (fp32)."""
     k = _module()
-    tmode = _table(mode)
     codes = q.codes.contiguous()
     code = _maps(bool(signed), codes.device)[0]
     n = codes.numel()
     out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
     k.dequantize_kernel[_grid(n, block_size)](
         _flat(codes), q.absmax, _flat(out), code, n,
-        BLOCK=block_size, ROWS=ROWS, SIGNED=bool(signed),
-        DEQ_TABLE=DEQ_TABLE if table is None else bool(table), TABLE=tmode, num_warps=NUM_WARPS, **_fusion(),
+        BLOCK=block_size, ROWS=ROWS, SIGNED=bool(signed), num_warps=NUM_WARPS, **_fusion(),
     )
     return out

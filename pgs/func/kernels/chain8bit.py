@@ -11,7 +11,8 @@ per-tensor quantity is a per-block partial here and a segment sum on the host.
   (Δ = ĝ − prev, A ← βA + (1−β)Δ, G̃ = ĝ + αA; prev ← ĝ) → Lion (c = m + (1−β1)(G̃ − m),
   u = sign(c), m ← m + (1−β2)(G̃ − m), m dequantized / requantized in registers, same
   helpers and codes as ``blockwise8.lion8bit_kernel``).  Constrained (hyperball) tensors:
-  u stored in 2 bits per element (``PACK``) or as int8, plus per-block Σu², Σθu, Σθ².  Other tensors: θ ← θ + rnd(−η u)
+  u stored in 2 bits per element (``PACK``; int8 for a block size not a multiple of 4),
+  plus per-block Σu², Σθu, Σθ².  Other tensors: θ ← θ + rnd(−η u)
   written here (no pass C).
 - ``chain_c_kernel`` (pass C): θ̃ = θ − coef[seg]·u, θ ← θ + rnd(shrink[seg]·θ̃ − θ).
 
@@ -105,11 +106,10 @@ def _chain_b_body(
     prev_ptr, acc_ptr, prev_out_ptr, acc_out_ptr,
     codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr, m_ptr, m_out_ptr,
     u_ptr, uu_ptr, pu_ptr, pp_ptr,
-    qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
+    qmap_ptr, btab_ptr, hp_ptr, seed_ptr, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, GDT: tl.constexpr, PDT: tl.constexpr, ADT: tl.constexpr,
     Q8: tl.constexpr, PROJ: tl.constexpr,
-    SR: tl.constexpr, DEQ_TABLE: tl.constexpr, ENC: tl.constexpr, RNG: tl.constexpr, MASKED: tl.constexpr,
-    TABLE: tl.constexpr, PACK: tl.constexpr,
+    SR: tl.constexpr, MASKED: tl.constexpr, PACK: tl.constexpr,
 ):
     rows, offs, mask, rmask = _tile(pid, n, BLOCK, ROWS)
     first = tl.load(hp_ptr + 0)  # 1.0 at MONA's first step (Δ = 0)
@@ -125,11 +125,10 @@ def _chain_b_body(
     g = _rnd(g * h[:, None], GDT)
     # every load before the first store: the compiler keeps loads below stores that may alias
     # them (donated buffers do), so loads after a store wait one more DRAM round trip
-    # (``pgs.func.kernels.EARLY_P``)
     prev = _ld(prev_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
     acc = _ld(acc_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
     if Q8:
-        m = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, True, DEQ_TABLE, MASKED, TABLE)
+        m = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, True, MASKED)
     else:
         m = _ld(m_ptr, offs, mask, 0.0, MASKED)
     p = _ld(p_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
@@ -147,7 +146,7 @@ def _chain_b_body(
     if Q8:
         if MASKED:
             m = tl.where(mask, m, 0.0)
-        codes, absmax = _quantize_rows(m, mids_ptr, btab_ptr, midp_ptr, True, ENC, TABLE)
+        codes, absmax = _quantize_rows(m, btab_ptr, True)
         _st(codes_out_ptr, offs, codes, mask, MASKED)
         _st(absmax_out_ptr, rows, absmax, rmask, MASKED)
     else:
@@ -159,7 +158,7 @@ def _chain_b_body(
         _st(pp_ptr, rows, tl.sum(p * p, axis=1), rmask, MASKED)
     else:  # not on a sphere: θ + rnd(−η u)
         neg_lr = tl.load(hp_ptr + 6)
-        _store_param(out_ptr, offs, mask, _final(p + _rnd(u * neg_lr, GDT), PDT, SR), seed_ptr, SR, RNG, MASKED)
+        _store_param(out_ptr, offs, mask, _final(p + _rnd(u * neg_lr, GDT), PDT, SR), seed_ptr, SR, MASKED)
 
 
 @triton.jit
@@ -168,11 +167,10 @@ def chain_b_kernel(
     prev_ptr, acc_ptr, prev_out_ptr, acc_out_ptr,
     codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr, m_ptr, m_out_ptr,
     u_ptr, uu_ptr, pu_ptr, pp_ptr,
-    qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr, n,
+    qmap_ptr, btab_ptr, hp_ptr, seed_ptr, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, GDT: tl.constexpr, PDT: tl.constexpr, ADT: tl.constexpr,
     Q8: tl.constexpr, PROJ: tl.constexpr,
-    SR: tl.constexpr, DEQ_TABLE: tl.constexpr = True, ENC: tl.constexpr = 2, RNG: tl.constexpr = 1,
-    SPLIT: tl.constexpr = True, TABLE: tl.constexpr = 0, PACK: tl.constexpr = False,
+    SR: tl.constexpr, SPLIT: tl.constexpr = True, PACK: tl.constexpr = True,
 ):
     """hp = [first, α, β_mona, 1−β_mona, 1−β1, 1−β2, −η]; see the module docstring.
 
@@ -185,24 +183,24 @@ def chain_b_kernel(
         if _is_full(pid, n, BLOCK, ROWS):
             _chain_b_body(pid, g_ptr, p_ptr, out_ptr, seg_ptr, clip_ptr, prev_ptr, acc_ptr, prev_out_ptr,
                           acc_out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr, m_ptr, m_out_ptr,
-                          u_ptr, uu_ptr, pu_ptr, pp_ptr, qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr,
-                          n, BLOCK, ROWS, GDT, PDT, ADT, Q8, PROJ, SR, DEQ_TABLE, ENC, RNG, False, TABLE, PACK)
+                          u_ptr, uu_ptr, pu_ptr, pp_ptr, qmap_ptr, btab_ptr, hp_ptr, seed_ptr,
+                          n, BLOCK, ROWS, GDT, PDT, ADT, Q8, PROJ, SR, False, PACK)
         else:
             _chain_b_body(pid, g_ptr, p_ptr, out_ptr, seg_ptr, clip_ptr, prev_ptr, acc_ptr, prev_out_ptr,
                           acc_out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr, m_ptr, m_out_ptr,
-                          u_ptr, uu_ptr, pu_ptr, pp_ptr, qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr,
-                          n, BLOCK, ROWS, GDT, PDT, ADT, Q8, PROJ, SR, DEQ_TABLE, ENC, RNG, True, TABLE, PACK)
+                          u_ptr, uu_ptr, pu_ptr, pp_ptr, qmap_ptr, btab_ptr, hp_ptr, seed_ptr,
+                          n, BLOCK, ROWS, GDT, PDT, ADT, Q8, PROJ, SR, True, PACK)
     else:
         _chain_b_body(pid, g_ptr, p_ptr, out_ptr, seg_ptr, clip_ptr, prev_ptr, acc_ptr, prev_out_ptr,
                       acc_out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr, m_ptr, m_out_ptr,
-                      u_ptr, uu_ptr, pu_ptr, pp_ptr, qmap_ptr, mids_ptr, btab_ptr, midp_ptr, hp_ptr, seed_ptr,
-                      n, BLOCK, ROWS, GDT, PDT, ADT, Q8, PROJ, SR, DEQ_TABLE, ENC, RNG, True, TABLE, PACK)
+                      u_ptr, uu_ptr, pu_ptr, pp_ptr, qmap_ptr, btab_ptr, hp_ptr, seed_ptr,
+                      n, BLOCK, ROWS, GDT, PDT, ADT, Q8, PROJ, SR, True, PACK)
 
 
 @triton.jit
 def _chain_c_body(pid, p_ptr, u_ptr, out_ptr, seg_ptr, coef_ptr, shrink_ptr, seed_ptr, n,
                   BLOCK: tl.constexpr, ROWS: tl.constexpr, GDT: tl.constexpr, PDT: tl.constexpr, SR: tl.constexpr,
-                  RNG: tl.constexpr, MASKED: tl.constexpr, PACK: tl.constexpr):
+                  MASKED: tl.constexpr, PACK: tl.constexpr):
     rows, offs, mask, rmask = _tile(pid, n, BLOCK, ROWS)
     seg = _ld(seg_ptr, rows, rmask, 0, MASKED)
     coef = tl.load(coef_ptr + seg)
@@ -210,23 +208,23 @@ def _chain_c_body(pid, p_ptr, u_ptr, out_ptr, seg_ptr, coef_ptr, shrink_ptr, see
     u = _load_dir(u_ptr, rows, offs, mask, rmask, BLOCK, ROWS, PACK, MASKED)
     p = _ld(p_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
     tilde = p - u * coef[:, None]
-    _store_param(out_ptr, offs, mask, _final(p + _rnd(tilde * shrink[:, None] - p, GDT), PDT, SR), seed_ptr, SR, RNG,
+    _store_param(out_ptr, offs, mask, _final(p + _rnd(tilde * shrink[:, None] - p, GDT), PDT, SR), seed_ptr, SR,
                  MASKED)
 
 
 @triton.jit
 def chain_c_kernel(p_ptr, u_ptr, out_ptr, seg_ptr, coef_ptr, shrink_ptr, seed_ptr, n,
                    BLOCK: tl.constexpr, ROWS: tl.constexpr, GDT: tl.constexpr, PDT: tl.constexpr, SR: tl.constexpr,
-                   RNG: tl.constexpr = 1, SPLIT: tl.constexpr = True, PACK: tl.constexpr = False):
+                   SPLIT: tl.constexpr = True, PACK: tl.constexpr = True):
     """θ̃ = θ − coef[seg]·u ;  θ ← θ + rnd(shrink[seg]·θ̃ − θ)  (hyperball's projection, applied)."""
     pid = tl.program_id(0)
     if SPLIT:
         if _is_full(pid, n, BLOCK, ROWS):
             _chain_c_body(pid, p_ptr, u_ptr, out_ptr, seg_ptr, coef_ptr, shrink_ptr, seed_ptr, n,
-                          BLOCK, ROWS, GDT, PDT, SR, RNG, False, PACK)
+                          BLOCK, ROWS, GDT, PDT, SR, False, PACK)
         else:
             _chain_c_body(pid, p_ptr, u_ptr, out_ptr, seg_ptr, coef_ptr, shrink_ptr, seed_ptr, n,
-                          BLOCK, ROWS, GDT, PDT, SR, RNG, True, PACK)
+                          BLOCK, ROWS, GDT, PDT, SR, True, PACK)
     else:
         _chain_c_body(pid, p_ptr, u_ptr, out_ptr, seg_ptr, coef_ptr, shrink_ptr, seed_ptr, n,
-                      BLOCK, ROWS, GDT, PDT, SR, RNG, True, PACK)
+                      BLOCK, ROWS, GDT, PDT, SR, True, PACK)

@@ -53,14 +53,14 @@ CONFIGS = {
 DEFAULT_CONFIG = "m128n128k64s4w8"
 
 #: ``ns_kernel="auto"`` on sm_90 (H100/H200): the fastest config per (rows, cols) of the
-#: batch as it is iterated (a tall batch stays tall), measured on an H200 (bf16, Qwen3-1.7B
-#: shapes, bench/results/muon_bench_fast.json); any other shape gets DEFAULT_CONFIG, which was
-#: within 4% of the best in every measured group.
+#: batch as it is iterated (a tall batch stays tall), measured for bf16 Qwen3-1.7B shapes
+#: (docs/performance.md, "Newton-Schulz kernel configs"); any other shape gets
+#: DEFAULT_CONFIG, which was within 4% of the best in every measured group.
 TUNED = {
-    (2048, 2048): "m128n256k64s3w8",  # 16.83 ms vs 17.23 (56 matrices, pure NS5)
-    (1024, 2048): "m128n128k64s4w8",  # 4.05 ms
-    (6144, 2048): "m128n128k64s4w4",  # 39.46 ms vs 40.94
-    (2048, 6144): "m128n128k64s4w8",  # 19.88 ms
+    (2048, 2048): "m128n256k64s3w8",
+    (1024, 2048): "m128n128k64s4w8",
+    (6144, 2048): "m128n128k64s4w4",
+    (2048, 6144): "m128n128k64s4w8",
 }
 #: compute capabilities where "auto" picks the symmetric kernel (where it was measured; the
 #: 128-wide tiles' pipelines need more than 100 KB of shared memory: not every GPU has it)

@@ -2,9 +2,9 @@
 
 The 8-bit chains keep tensors under ``min_8bit_size`` elements (RMSNorm weights, q/k norms)
 with fp32 moments.  In torch ops their update is ~20 tiny kernels per group (gather, lerp,
-sign, the fp32 apply, stochastic rounding, the copies back); on a host that pays ~30 µs per
-launch (the H200 machine, ``bench/results/s4_call2_host_costs.json``) that was ~0.6 ms per
-decoder layer inside backward, where gradient release is host-bound.  Here it is one launch
+sign, the fp32 apply, stochastic rounding, the copies back), each paying the host's launch
+cost inside backward, where gradient release is host-bound (docs/performance.md has the
+measured cost per decoder layer).  Here it is one launch
 for up to ``MAX_LEAVES`` leaves, in place, with the arithmetic of the reference path:
 
     c = lerp(m, g, 1−β1);  u = sign(c);  m ← lerp(m, g, 1−β2)        (Lion, arXiv 2302.06675)
@@ -45,7 +45,7 @@ try:
 
     @triton.jit
     def _leaf_step(g_ptr, p_ptr, m_ptr, n, blk, leaf, hp_ptr, seed_ptr,
-                   BLOCK: tl.constexpr, SR: tl.constexpr, RNG: tl.constexpr, STRIDE: tl.constexpr,
+                   BLOCK: tl.constexpr, SR: tl.constexpr, STRIDE: tl.constexpr,
                    BF16: tl.constexpr):
         offs = blk * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -63,7 +63,7 @@ try:
         x = p - lr * (u + wd * p)
         if BF16:  # rounded here, stochastically or to nearest: the cast below is exact
             if SR:
-                x = _bf16_bits(x, _sr_noise(seed_ptr, leaf * STRIDE + offs, RNG))
+                x = _bf16_bits(x, _sr_noise(seed_ptr, leaf * STRIDE + offs))
             else:
                 x = _bf16_bits(x, _rne_add(x))
         tl.store(p_ptr + offs, x.to(p_ptr.dtype.element_ty), mask=mask)
@@ -71,7 +71,7 @@ try:
     @triton.jit
     def lion_small_kernel(g0, p0, m0, n0, g1, p1, m1, n1, g2, p2, m2, n2, g3, p3, m3, n3,
                           hp_ptr, seed_ptr, leaf0,
-                          BLOCK: tl.constexpr, SR: tl.constexpr, RNG: tl.constexpr, STRIDE: tl.constexpr,
+                          BLOCK: tl.constexpr, SR: tl.constexpr, STRIDE: tl.constexpr,
                           BF16: tl.constexpr):
         """Program (i, b): block b of leaf i (i < the number of leaves passed; unused slots
         repeat leaf 0 with n = 0).  hp = [1−β1, 1−β2, η, λ]; ``leaf0``: the first leaf's index
@@ -79,13 +79,13 @@ try:
         i = tl.program_id(0)
         b = tl.program_id(1)
         if i == 0:
-            _leaf_step(g0, p0, m0, n0, b, leaf0, hp_ptr, seed_ptr, BLOCK, SR, RNG, STRIDE, BF16)
+            _leaf_step(g0, p0, m0, n0, b, leaf0, hp_ptr, seed_ptr, BLOCK, SR, STRIDE, BF16)
         elif i == 1:
-            _leaf_step(g1, p1, m1, n1, b, leaf0 + 1, hp_ptr, seed_ptr, BLOCK, SR, RNG, STRIDE, BF16)
+            _leaf_step(g1, p1, m1, n1, b, leaf0 + 1, hp_ptr, seed_ptr, BLOCK, SR, STRIDE, BF16)
         elif i == 2:
-            _leaf_step(g2, p2, m2, n2, b, leaf0 + 2, hp_ptr, seed_ptr, BLOCK, SR, RNG, STRIDE, BF16)
+            _leaf_step(g2, p2, m2, n2, b, leaf0 + 2, hp_ptr, seed_ptr, BLOCK, SR, STRIDE, BF16)
         else:
-            _leaf_step(g3, p3, m3, n3, b, leaf0 + 3, hp_ptr, seed_ptr, BLOCK, SR, RNG, STRIDE, BF16)
+            _leaf_step(g3, p3, m3, n3, b, leaf0 + 3, hp_ptr, seed_ptr, BLOCK, SR, STRIDE, BF16)
 
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a dependency; kept for partial installs
@@ -126,5 +126,5 @@ def lion_small_(gs: list, ps: list, ms: list, hp: torch.Tensor, seed: torch.Tens
         blocks = -(-max(p.numel() for _, p, _ in chunk) // BLOCK)
         _launch(lion_small_kernel, (len(chunk), max(blocks, 1)),
                 (*args, hp, seed_arg, first + at),
-                dict(BLOCK=BLOCK, SR=sr, RNG=K.RNG, STRIDE=LEAF_STRIDE, BF16=ps[0].dtype == torch.bfloat16,
+                dict(BLOCK=BLOCK, SR=sr, STRIDE=LEAF_STRIDE, BF16=ps[0].dtype == torch.bfloat16,
                      num_warps=4))

@@ -13,13 +13,12 @@ Every element is computed in fp32 (fp64 for fp64 inputs) from the stored inputs 
 once to their dtype.
 Each output overwrites an input of the same element, so no [tokens, I] buffer is allocated.
 ``swiglu_forward_`` / ``swiglu_backward_`` run a Triton kernel on CUDA (and in Triton's
-interpreter on the CPU when ``PGS_TRITON_ON_CPU=1``, for the tests) and the same formulas in
+interpreter on the CPU when ``KernelConfig.triton_on_cpu``, for the tests) and the same formulas in
 torch ops elsewhere.
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import Tensor
@@ -62,7 +61,9 @@ def _use_triton(x: Tensor) -> bool:
         return False
     if x.is_cuda:
         return True
-    return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("PGS_TRITON_ON_CPU") == "1"
+    from pgs.func import kernels as K
+
+    return K.triton_on_cpu()
 
 
 def _check(*ts: Tensor) -> None:

@@ -34,11 +34,11 @@ floating-point summation order.
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import Tensor
 
+from pgs.func import kernels as K
 from pgs.func.losses.head import check_options, compute_dtype, flatten_inputs
 from pgs.func.losses.objectives import CE, TokenObjective, TokenInputs, resolve_objective
 from pgs.func.losses.result import TokenLossResult
@@ -238,16 +238,16 @@ def _use_kernels(h: Tensor, W: Tensor, plan: _Plan, grad_w: Tensor | None) -> bo
     On CUDA for fp32/bf16/fp16 logits, unless a bias gradient is needed (the kernels do not
     reduce over rows) or grad_W accumulates in another dtype than W (the kernels round the
     logit gradient to the logits' dtype).  On the CPU only under the Triton interpreter with
-    ``PGS_TRITON_ON_CPU=1`` (tests).  ``PGS_CE_KERNELS=0`` turns them off.
+    ``KernelConfig.triton_on_cpu`` (tests).  ``KernelConfig.ce_kernels=False`` turns them off
+    (``pgs.func.kernels.CONFIG``).
     """
-    if os.environ.get("PGS_CE_KERNELS", "1") == "0" or plan.need_b:
+    if not K.CONFIG.ce_kernels or plan.need_b:
         return False
     if W.dtype not in (torch.float32, torch.bfloat16, torch.float16) or h.dtype != W.dtype:
         return False
     if grad_w is not None and grad_w.dtype != W.dtype:
         return False
-    if not W.is_cuda and not (os.environ.get("TRITON_INTERPRET") == "1"
-                              and os.environ.get("PGS_TRITON_ON_CPU") == "1"):
+    if not W.is_cuda and not K.triton_on_cpu():
         return False
     try:
         import pgs.func.losses.triton_ce  # noqa: F401

@@ -41,9 +41,9 @@ Precision.  ``stochastic_rounding=True`` rounds bf16 parameters stochastically i
 low-precision parameter in the optimizer (4 more bytes per parameter); the chain sees fp32
 parameters and gradients, and the model's bf16 weights are the rounded masters.
 
-Fused update.  Where the chain has a fused update-and-apply (``lion8bit``/``adamw8bit``'s
-``fused_step``, called on the group's per-parameter tree with ``layout=None``; or a plain
-AdamW/Lion chain that ``pgs.func.fused.match`` recognises) and the device runs it, a group
+Fused update.  Where the plan registry has a fused update-and-apply for the chain inside
+backward (``pgs.func.plan.plan_for(chain, RELEASE)``: ``lion8bit``/``adamw8bit``'s own step,
+called on the group's per-parameter tree; the AdamW/Lion kernels) and the device runs it, a group
 steps with one kernel per tensor that writes parameter and state in place (stochastic
 rounding inside the 8-bit kernels) — no update tensor, no fp32 temporaries.  The state is
 the chain's own, so the fused and the plain path share checkpoints; ``fused=False`` forces
@@ -78,6 +78,8 @@ import pgs.func as pf
 from pgs.errors import CheckpointError, InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import GLOBAL, no_step_stage
+from pgs.func.plan import RELEASE, plan_for
+from pgs.func.step import StepContext
 from pgs.runtime.optim.bound import trainable_parameters
 from pgs.runtime.optim.interface import StepMetrics
 from pgs.runtime.optim.tied_slabs import TiedSlabs, slab_refusal  # noqa: F401  (slab_refusal: re-exported)
@@ -260,9 +262,9 @@ class GradientRelease:
         track_grad_norm: keep ‖g‖ of every gradient as they stream by (one multi-tensor norm
             per group), for ``metrics``, which reduces Σ‖g‖² once when it reads it.
         apply_chunk: elements per slab when writing θ + u back (bounds the fp32 temporaries).
-        fused: step a group with the chain's fused update-and-apply kernel where it has one
-            (``lion8bit``, ``adamw8bit``: their ``fused_step``; ``adamw``/``lion``: the kernels of
-            ``pgs.func.fused``) and the device runs it; False always takes the plain path.
+        fused: step a group with the fused update-and-apply that ``pgs.func.plan.plan_for``
+            has for the chain (``lion8bit``, ``adamw8bit``, ``adamw``, ``lion``) where the device
+            runs it; False always takes the plain path.
         tied_slabs: None (default), or rows per slab: the input embedding's weight (``model``
             must be the ``nn.Module``) never gets a dense gradient; its backward keeps the
             looked-up rows' gradients, and at the end of backward the weight is stepped slab by
@@ -320,13 +322,9 @@ class GradientRelease:
                                 if p.dtype in (torch.bfloat16, torch.float16)}
         self._trees: dict[str, tuple] = {}  # group -> (params tree, live params, targets): _group_tensors
         self.states = {g: chain.init(self._group_tensors(g)[0]) for g in self.groups}
-        # the fused path: a chain's own fused_step (8-bit), else a plain AdamW/Lion plan
-        self._fused_step = getattr(chain, "fused_step", None) if fused else None
-        self._fused_plan = None
-        if fused and self._fused_step is None:
-            from pgs.func import fused as _fused
-
-            self._fused_plan = _fused.match(chain)
+        # the fused path: the plan registry's step for this chain inside backward, if any
+        plan = plan_for(chain, RELEASE) if fused else None
+        self._fused_step = None if plan is None else plan.step
         # tensors before each group: distinct stochastic-rounding seeds for every tensor of a step
         self._sr_offset, at = {}, 0
         for g, names in self.groups.items():
@@ -431,22 +429,13 @@ class GradientRelease:
     def _fused_call(self, state, params: dict, grads: dict, sr_offset: int):
         """The fused update-and-apply of ``params`` (in place) from ``state``; the new state, or
         None when the chain has no fused step here (then nothing ran)."""
-        if self._fused_step is None and self._fused_plan is None:
+        if self._fused_step is None:
             return None
         if not all(t.is_contiguous() for t in (*params.values(), *grads.values())):
             return None
-        if self._fused_step is not None:
-            out = self._fused_step(grads, state, params, layout=None, donate=True,
-                                   stochastic_rounding=self.stochastic_rounding,
-                                   extra={"sr_offset": sr_offset})
-            return None if out is None else out[1]
-        from pgs.func import fused as _fused
-
-        if not _fused.available_on({t.device.type for t in params.values()}):
-            return None
-        if self.stochastic_rounding and any(p.dtype == torch.bfloat16 for p in params.values()):
-            return None  # the AdamW/Lion kernels round to nearest
-        return _fused.step(self._fused_plan, None, grads, state, params, donate=True)[1]
+        out = self._fused_step(grads, state, params, ctx=StepContext(sr_offset=sr_offset), donate=True,
+                               stochastic_rounding=self.stochastic_rounding)
+        return None if out is None else out[1]
 
     def _apply(self, name: str, param: torch.Tensor, update: torch.Tensor) -> None:
         """θ ← θ + u (``pf.apply_updates``), slab by slab, so that the fp32 temporaries of a

@@ -7,19 +7,19 @@ parameters:
 - elementwise stages (Adam, Lion, weight decay, learning rate) need nothing else: each
   element's update depends only on itself, so running them on shards is exact;
 - per-tensor and global reductions (norms for clipping, Hyperball, AdaGC) see partial sums.
-  The binding hands the chain ``extra["reduce_sum"]``, a function that sums a pytree of
+  The binding hands the chain ``ctx.reduce_sum`` (``pgs.func.step.StepContext``), a function that sums a pytree of
   tensors over the ranks in ONE all-reduce; ``pgs.func.layout.per_tensor_sumsq`` /
   ``per_tensor_dot`` and ``pgs.func.clip.global_norm`` apply it when a transform forwards it
   (``layout.reduced`` documents the contract);
 - transforms that need whole matrices (Muon's Newton–Schulz) get
-  ``extra["whole_tensors"](op, paths, tensors)``: each listed shard-local tensor is gathered
+  ``ctx.whole_tensors(op, paths, tensors)``: each listed shard-local tensor is gathered
   to an owner rank (round-robin over the list), ``op`` maps the owner's list of full tensors
   to full tensors of the same shapes (each independently), and the results are scattered
   back to shards, cast to each input's dtype.  On one process a transform calls ``op``
   directly.
 
 Which transforms may run sharded is checked when binding: every leaf transform whose
-``locality`` is not elementwise must be known to forward these hooks (``SHARD_AWARE``) or
+``locality`` is not elementwise must declare that it forwards these hooks (``shard_aware``) or
 be named in ``trust=``; otherwise binding refuses (a shard-local norm is a silent bug).
 
 State leaves keep the shard-local shapes.  ``dcp_state()`` hands ``pgs.runtime.store.dcp``
@@ -40,13 +40,11 @@ import pgs.func as pf
 from pgs.errors import CheckpointError, InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import ELEMENTWISE, no_step_stage
+from pgs.func.plan import SHARDED, plan_for
+from pgs.func.step import NO_CONTEXT, StepContext
 from pgs.runtime.dist.fsdp import reshard
 from pgs.runtime.optim.interface import StepMetrics, step_metrics
 
-#: Leaf transforms (by name) that are not elementwise and forward ``reduce_sum`` /
-#: ``whole_tensors`` (see the module docstring).  A transform joins by forwarding them.
-SHARD_AWARE = frozenset({"clip_by_global_norm", "clip_by_norm_per_tensor", "hyperball", "adagc", "zclip",
-                         "scale_by_muon"})
 #: Prefix of per-rank state keys in a checkpoint.
 RANK_KEY = "__rank{rank}__"
 
@@ -70,7 +68,7 @@ def unaware_transforms(chain: pf.Transform, trust: Sequence[str] = ()) -> list[s
         if t.children:
             for c in t.children:
                 walk(c)
-        elif t.locality != ELEMENTWISE and t.name not in SHARD_AWARE and t.name not in trust:
+        elif t.locality != ELEMENTWISE and not t.shard_aware and t.name not in trust:
             bad.append(f"{t.name} ({t.locality})")
 
     walk(chain)
@@ -84,7 +82,7 @@ def refuse_unaware(chain: pf.Transform, trust: Sequence[str], who: str) -> None:
         raise InvalidArgument(
             f"{who}: transform {bad[0]} reduces over whole tensors but does not declare "
             "sharded reductions; on shards it would see partial norms. Make it forward "
-            "extra['reduce_sum'] (or extra['whole_tensors']) and list it in trust= "
+            "ctx.reduce_sum (or ctx.whole_tensors) and list it in trust= "
             "(docs/distributed.md)")
 
 
@@ -96,8 +94,8 @@ class ShardedBoundOptimizer:
         chain: the pure transform.
         model: a module after ``pgs.runtime.dist.fsdp.shard_model`` (its trainable
             parameters are DTensors); on one process a plain module also works.
-        trust: names of non-elementwise leaf transforms to run although they are not in
-            ``SHARD_AWARE`` (you have checked that they forward the hooks).
+        trust: names of non-elementwise leaf transforms to run although they do not declare
+            ``shard_aware`` (you have checked that they forward the hooks).
         stochastic_rounding: as ``pf.apply_updates``.
     """
 
@@ -136,6 +134,7 @@ class ShardedBoundOptimizer:
         if self.group is not None:
             refuse_unaware(chain, trust, "bind_sharded")
         self.chain = chain
+        self.plan = plan_for(chain, SHARDED)  # a fused step on shards, if the registry has one
         self.model = model
         self.params = params
         self.stochastic_rounding = stochastic_rounding
@@ -145,11 +144,12 @@ class ShardedBoundOptimizer:
             self.state = chain.init(self._local_params(), **self.hooks())
 
     # -- the hooks the pure side calls --------------------------------------------------
-    def hooks(self) -> dict[str, Callable]:
-        """``extra`` entries for ``chain.init`` / ``chain.update`` (empty on one process)."""
+    def hooks(self) -> dict[str, StepContext]:
+        """The keyword arguments of ``chain.init`` / ``chain.update``: the step context with the
+        sharding hooks (empty on one process)."""
         if self.group is None:
             return {}
-        return {"reduce_sum": self.reduce_sum, "whole_tensors": self.whole_tensors}
+        return {"ctx": StepContext(reduce_sum=self.reduce_sum, whole_tensors=self.whole_tensors)}
 
     def reduce_sum(self, tree):
         """Every tensor leaf of ``tree`` summed over the ranks: one all-reduce per dtype."""
@@ -238,6 +238,15 @@ class ShardedBoundOptimizer:
         if self.group is not None:
             reshard(self.model)  # an eval forward may have left the root gathered
         params = self._local_params()
+        if self.plan is not None:
+            out = self.plan.step(self._local_grads(), self.state, params, ctx=self.hooks().get("ctx", NO_CONTEXT),
+                                 donate=True, stochastic_rounding=self.stochastic_rounding, extra=extra)
+            if out is not None:
+                new, self.state = out
+                for n, p in self.params.items():
+                    if new[n] is not params[n]:
+                        local(p).copy_(new[n])
+                return
         updates, self.state = self.chain.update(self._local_grads(), self.state, params, **self.hooks(), **extra)
         new = pf.apply_updates(params, updates, stochastic_rounding=self.stochastic_rounding)
         for n, p in self.params.items():
@@ -251,7 +260,7 @@ class ShardedBoundOptimizer:
     @torch.no_grad()
     def grad_norm(self) -> float:
         """The global norm of the current gradients over all shards (fp32)."""
-        return float(pf.global_norm(self._local_grads(), None, self.hooks().get("reduce_sum")))
+        return float(pf.global_norm(self._local_grads(), None, self.reduce_sum if self.group is not None else None))
 
     def metrics(self, *, tensors: bool = False) -> StepMetrics:
         """As ``BoundOptimizer.metrics`` (0-d state leaves are the same on every rank)."""

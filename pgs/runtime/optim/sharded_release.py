@@ -3,7 +3,7 @@
 ``ShardedGradientRelease(chain, model)`` is ``GradientRelease`` (``pgs.runtime.optim.release``) for
 a model sharded by ``pgs.runtime.dist.fsdp.shard_model``, and has the surface of
 ``ShardedBoundOptimizer`` (``pgs.runtime.optim.sharded_bind``): the chain runs on the local
-shards (``p.to_local()``) with ``extra["reduce_sum"]`` / ``extra["whole_tensors"]``, and
+shards (``p.to_local()``) with ``ctx.reduce_sum`` / ``ctx.whole_tensors``, and
 ``dcp_state()`` / ``load_dcp_state()`` feed ``pgs.runtime.store.dcp``.  The
 difference is *when*: inside backward, one FSDP unit (a decoder layer; the root: embeddings,
 final norm, head) at a time, right after FSDP2 has reduce-scattered that unit's gradients;
@@ -32,7 +32,7 @@ per-tensor norms, the gathers/scatters of ``whole_tensors`` for Muon) also line 
 ranks.  A *global* transform (global-norm clip, ZClip, AdaGC's global phase) is refused: the
 global norm is unknown while backward still runs.  ``grad_accum > 1`` and ``accumulate(...)``
 are refused (the step happens at every backward); so are transforms that are not shard-aware
-(``sharded_bind.SHARD_AWARE`` / ``trust=``), as in ``bind_sharded``.
+(``Transform.shard_aware`` / ``trust=``), as in ``bind_sharded``.
 
 State.  One chain state per unit (``chain.init`` of that unit's local shards); every unit
 steps once per backward, so the step counts advance in lockstep.  Parameters of a unit that
@@ -58,6 +58,8 @@ import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import no_step_stage
+from pgs.func.plan import SHARDED, plan_for
+from pgs.func.step import NO_CONTEXT
 from pgs.runtime.optim.interface import StepMetrics
 from pgs.runtime.optim.release import Arrivals, refusal, release_metrics, released_step
 from pgs.runtime.optim.sharded_bind import RANK_KEY, ShardedBoundOptimizer, _is_dtensor, local, refuse_unaware
@@ -143,6 +145,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
                                       "expected Shard(0) on the data-parallel mesh (FSDP2's default)")
         refuse_unaware(chain, trust, who)
         self.chain = chain
+        self.plan = plan_for(chain, SHARDED)  # a fused step on shards, if the registry has one
         self.model = model
         self.params = params
         self.stochastic_rounding = stochastic_rounding
@@ -194,14 +197,23 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
             s = sum(g.float().pow(2).sum() for g in grads.values())
             self._sumsq = s if self._sumsq is None else self._sumsq + s
         old = self.states[unit]
-        updates, self.states[unit] = self.chain.update(grads, old, params, **self.hooks())
+        out = None
+        if self.plan is not None:  # a fused update-and-apply on shards (in place), if the registry has one
+            out = self.plan.step(grads, old, params, ctx=self.hooks().get("ctx", NO_CONTEXT), donate=True,
+                                 stochastic_rounding=self.stochastic_rounding)
+        if out is None:
+            updates, self.states[unit] = self.chain.update(grads, old, params, **self.hooks())
+        else:
+            new, self.states[unit] = out
         _record_stream(old)  # allocated on another stream (init, or finish), read on this one
         del grads
         for n in names:
             self.params[n].grad = None  # frees this unit's reduce-scatter output
-        new = pf.apply_updates(params, updates, stochastic_rounding=self.stochastic_rounding)
+        if out is None:
+            new = pf.apply_updates(params, updates, stochastic_rounding=self.stochastic_rounding)
         for n in names:
-            params[n].copy_(new[n])
+            if new[n] is not params[n]:
+                params[n].copy_(new[n])
         self._arrivals.done.add(unit)
         if self._arrivals.active and not self._finishing:
             self._streamed += 1

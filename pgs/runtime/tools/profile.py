@@ -263,13 +263,13 @@ def predict_memory(
         trainable: ``name -> bool``; None trains every parameter.
         model: a (meta or real) model to size instead of building one from the config.
         fused_update: release steps with an in-place fused kernel (None: when the chain has
-            one — ``lion8bit``/``adamw8bit``'s ``fused_step``, or an AdamW/Lion plan).
+            one — ``pgs.func.plan.plan_for(chain, RELEASE)``).
         defer_head_grad: ``memory.defer_head_grad``: the tied head's gradient joins the
             embedding's at the end of backward, where ``pgs run`` can defer it (release, a
             chunked loss, a trainable tied head).  ``"auto"`` (or None): with checkpointing or
             tied slabs; True: always there; False: never.
         loss_kernels: the chunked loss runs its two Triton passes (CUDA; ``chunk_work_bytes``
-            has what each path holds per chunk).  None: yes unless ``PGS_CE_KERNELS=0`` —
+            has what each path holds per chunk).  None: ``pgs.func.kernels.CONFIG.ce_kernels`` —
             the prediction is for a CUDA run even where it is made on a CPU.
         tied_slabs: rows per slab (``GradientRelease(..., tied_slabs=rows)``, release only):
             the embedding's V×D gradient is replaced by a slab's working set at the end of
@@ -348,15 +348,14 @@ def predict_memory(
         defer_head_grad = bool(gradient_release and loss == "chunked" and tied and head.weight.requires_grad
                                and wanted)
     if fused_update is None:
-        from pgs.func import fused as _fused
+        from pgs.func.plan import RELEASE, plan_for
 
-        fused_update = bool(gradient_release and chain is not None
-                            and (getattr(chain, "fused_step", None) is not None or _fused.match(chain) is not None))
+        fused_update = bool(gradient_release and chain is not None and plan_for(chain, RELEASE) is not None)
     deferred = loss == "chunked" and defer_head_grad
     if loss_kernels is None:
-        import os
+        from pgs.func import kernels
 
-        loss_kernels = os.environ.get("PGS_CE_KERNELS", "1") != "0"
+        loss_kernels = kernels.CONFIG.ce_kernels
     if loss == "chunked":
         loss_work, rebuild_work = chunk_work_bytes(min(loss_chunk, n), v, b, loss_kernels)
         if deferred:  # grad_h, the saved h, and rows/gates/LSEs (8 B index + 2 × 4 B per token)
