@@ -1,7 +1,8 @@
 """Optimizer-step benchmark at Qwen3-1.7B shapes: pgs 8-bit vs bitsandbytes vs torch fused AdamW.
 
-    python bench/optim_8bit.py out.json            # H200: full shapes, bf16 params + grads
-    python bench/optim_8bit.py out.json --small    # CPU smoke: 2 layers, tiny dims
+    python -m bench optim-8bit              # H200: full shapes, bf16 params + grads
+    python -m bench optim-8bit --small      # CPU smoke: 2 layers, tiny dims
+    python bench/optim_8bit.py OUT.json     # the script alone (its JSON path comes first)
 
 Reports per optimizer: median ms, bytes that must move per step, the byte floor
 (bytes / 4284 GB/s, ANCHORS.md copy bandwidth) and the fraction of copy bandwidth reached

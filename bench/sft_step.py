@@ -2,10 +2,10 @@
 
 Run on one GPU (written for an H200; not a test):
 
-    python bench/sft_step.py --shapes qwen3-4b --out bench/results/sft_step_4b.json
-    python bench/sft_step.py --shapes qwen3-0.6b --out bench/results/sft_step_06b.json
-    python bench/sft_step.py --only pgs_release,hf_compiled_ac --shapes qwen3-4b
-    python bench/sft_step.py --small --out /tmp/sft_small.json      # CPU smoke, tiny shapes
+    python -m bench sft-step --shapes qwen3-4b
+    python -m bench sft-step --shapes qwen3-0.6b
+    python -m bench sft-step --only pgs_release,hf_compiled_ac --shapes qwen3-4b
+    python -m bench sft-step --small        # CPU smoke, tiny shapes
 
 Variants (every one with random-init weights from the config, bf16; ``_ac``: activation
 checkpointing of every decoder layer):
