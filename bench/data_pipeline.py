@@ -12,7 +12,7 @@ indexing pass that validates every record is timed apart).
     python -m bench data --loader                   # also StepLoader, threaded
     python -m bench data --all-cores --overlap 60   # steps fed by StepLoader
 
-Target (issue 19): >= 300k tokens/s on one core.
+Target: >= 300k tokens/s on one core (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def split_name(name: str) -> tuple[str, str]:
 
 #: rows per slab of the tied weight for the ``_slabs`` variants (rows × hidden must be a
 #: multiple of lion8bit's 256-element blocks)
-SLAB_ROWS = {"qwen3-4b": 32768, "qwen3-0.6b": 8192, "tiny": 128}  # 4B: 5 slabs (8192 until session 3)
+SLAB_ROWS = {"qwen3-4b": 32768, "qwen3-0.6b": 8192, "tiny": 128}  # 4B: 5 slabs
 SHAPE_VARIANTS = {
     "qwen3-4b": ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "pgs_release", "pgs_release_unfused"),
     "qwen3-0.6b": ("hf_compiled", "hf_liger", "hf_compiled_ac", "pgs_release_noac", "pgs_release"),
