@@ -7,12 +7,12 @@ tokens each, written to a temp JSONL), then times ``TrainStream.next_batch`` wit
 tokens/s (non-padding tokens of the batches handed out, over wall time; the one-time
 indexing pass that validates every record is timed apart).
 
-    PYTHONPATH=. python bench/data_pipeline.py                      # defaults: 3 windows of 512
-    PYTHONPATH=. python bench/data_pipeline.py --profile 25          # cProfile, top 25 by tottime
-    PYTHONPATH=. python bench/data_pipeline.py --loader              # also StepLoader, threaded
-    PYTHONPATH=. python bench/data_pipeline.py --all-cores --overlap 60   # steps fed by StepLoader
+    python -m bench data                            # defaults: 3 windows of 512
+    python -m bench data --profile 25               # cProfile, top 25 by tottime
+    python -m bench data --loader                   # also StepLoader, threaded
+    python -m bench data --all-cores --overlap 60   # steps fed by StepLoader
 
-Target (issue 19): >= 300k tokens/s on one core.
+Target: >= 300k tokens/s on one core (docs/performance.md).
 """
 
 from __future__ import annotations

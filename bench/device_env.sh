@@ -1,4 +1,4 @@
-# Sourced by the bench/gpu_*.sh device scripts (run from the repo root with ".whl" carried):
+# Sourced by bench/device.sh and bench/device_product.sh (run from the repo root with ".whl" carried):
 # installs the carried wheels into /tmp/site once, sets PYTHONPATH, OUT and T0, and defines
 # left N (seconds left of a budget of N) and log MSG (a timestamped line in $OUT/all.log).
 if [ -d .whl ] && [ ! -d /tmp/site ]; then

@@ -1,7 +1,7 @@
 """FSDP2 training-step throughput: tokens/s on 1 GPU vs 2 GPUs at Qwen3-1.7B shape.
 
-    python bench/fsdp_step.py --out bench/results/fsdp_step.json          # 2x H200
-    python bench/fsdp_step.py --small --nprocs 1 2                         # CPU smoke (gloo)
+    python -m bench fsdp                            # 2x H200
+    python -m bench fsdp --small --nprocs 1 2       # CPU smoke (gloo)
 
 The launcher runs this same file under ``torch.distributed.run`` once per world size in
 ``--nprocs``; each run builds a random-init Qwen3 (HF transformers, sdpa) from its config,

@@ -1,7 +1,8 @@
 """Peak memory and time of one loss forward + backward, per backend (not a test).
 
-    python bench/loss_memory.py results.json            # CUDA: 8×4096 tokens, V=151,936, D=1024, bf16
-    python bench/loss_memory.py --small smoke.json      # tiny CPU smoke run
+    python -m bench loss-memory             # CUDA: 8×4096 tokens, V=151,936, D=1024, bf16
+    python -m bench loss-memory --small     # tiny CPU smoke run
+    python bench/loss_memory.py OUT.json    # the script alone (its JSON path comes first)
 
 Backends: ``hf_dense`` (full logits, fp32 upcast, F.cross_entropy, as HF models do),
 ``pgs_dense``, ``chunked`` (pgs), ``liger`` and ``cce`` (when installed, CUDA only).

@@ -14,8 +14,9 @@ Not a test.  Times one optimizer step over the 28 layers' hidden matrices
 and reports milliseconds and the ratio to the Newton–Schulz matmul floor:
 FLOPs(NS5 over all matrices) / peak (789 TFLOP/s dense bf16 by default, ``--peak-tflops``).
 
-    python bench/muon_bench.py out.json            # on the GPU
-    python bench/muon_bench.py out.json --small    # CPU smoke: 2 layers, shapes / 16
+    python -m bench optim-muon              # on the GPU
+    python -m bench optim-muon --small      # CPU smoke: 2 layers, shapes / 16
+    python bench/muon_bench.py OUT.json     # the script alone (its JSON path comes first)
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Optimizer-step benchmark at Qwen3-1.7B shapes: pgs 8-bit vs bitsandbytes vs torch fused AdamW.
 
-    python bench/optim_8bit.py out.json            # H200: full shapes, bf16 params + grads
-    python bench/optim_8bit.py out.json --small    # CPU smoke: 2 layers, tiny dims
+    python -m bench optim-8bit              # H200: full shapes, bf16 params + grads
+    python -m bench optim-8bit --small      # CPU smoke: 2 layers, tiny dims
+    python bench/optim_8bit.py OUT.json     # the script alone (its JSON path comes first)
 
 Reports per optimizer: median ms, bytes that must move per step, the byte floor
 (bytes / 4284 GB/s, ANCHORS.md copy bandwidth) and the fraction of copy bandwidth reached
@@ -19,7 +20,7 @@ docs/techniques/8bit.md).
 
 The pgs rows bind the gradients as the runtime's ``bind()`` does (views of one flat buffer,
 so the step reads them in place); ``*_unbound`` rows pass separate gradient tensors, which the
-step first copies into a zero-filled flat buffer (what every pgs row measured before session 3).
+step first copies into a zero-filled flat buffer (how pgs rows were timed before they were bound).
 
 The JSON is rewritten after every row, and the rows in ``--isolate`` (default: the chain
 rows) run in a subprocess each, so a CUDA fault loses only its own row (recorded with the
@@ -204,7 +205,7 @@ def main() -> None:
     # name: (maker, kernel switches, bytes key); plain names use the defaults
     makers = {
         "pgs_lion8bit": (lion(), {}, "pgs_lion8bit"),
-        # TABLE: the tables from a register copy by tl.gather (issue #4); *_repeat: the
+        # TABLE: the tables from a register copy by tl.gather; *_repeat: the
         # defaults again after the variants (the first row runs on a cold GPU)
         "pgs_lion8bit_gather": (lion(), dict(TABLE="gather"), "pgs_lion8bit"),
         "pgs_adamw8bit_gather": (adam(), dict(TABLE="gather"), "pgs_adamw8bit"),
@@ -216,9 +217,9 @@ def main() -> None:
                                               "pgs_lion8bit"),
         "pgs_adamw8bit_gather_rows8": (adam(), dict(TABLE="gather", ROWS=8), "pgs_adamw8bit"),
         "pgs_lion8bit_repeat": (lion(), {}, "pgs_lion8bit"),
-        # session 4: the parameter loaded with the other inputs (EARLY_P), a register cap, 4 rows
+        # the parameter loaded with the other inputs (EARLY_P), a register cap, 4 rows
         "pgs_lion8bit_early": (lion(), dict(EARLY_P=True), "pgs_lion8bit"),
-        "pgs_lion8bit_late": (lion(), dict(EARLY_P=False), "pgs_lion8bit"),  # the default before session 4
+        "pgs_lion8bit_late": (lion(), dict(EARLY_P=False), "pgs_lion8bit"),  # p loaded after the stores
         "pgs_adamw8bit_late": (adam(), dict(EARLY_P=False), "pgs_adamw8bit"),
         "pgs_lion8bit_rows4_early": (lion(), dict(LION_ROWS=4, EARLY_P=True), "pgs_lion8bit"),
         "pgs_lion8bit_early_reg64": (lion(), dict(EARLY_P=True, MAXNREG=64), "pgs_lion8bit"),
@@ -227,8 +228,8 @@ def main() -> None:
         "pgs_lion8bit_sr_rows4_early": (lion(sr=True), dict(LION_ROWS=4, EARLY_P=True), "pgs_lion8bit"),
         "pgs_adamw8bit_early": (adam(), dict(EARLY_P=True), "pgs_adamw8bit"),
         "pgs_adamw8bit_rows2_early": (adam(), dict(ROWS=2, EARLY_P=True), "pgs_adamw8bit"),
-        # the gradients as separate tensors, copied into a flat buffer every step (what every row
-        # measured before session 3: +1 zero-fill and +1 copy of the gradient per step)
+        # the gradients as separate tensors, copied into a flat buffer every step (+1 zero-fill and
+        # +1 copy of the gradient per step)
         "pgs_lion8bit_unbound": (lion(bound_grads=False), {}, "pgs_lion8bit"),
         "pgs_adamw8bit_unbound": (adam(bound_grads=False), {}, "pgs_adamw8bit"),
         "pgs_lion8bit_gather_dec_w8": (lion(), dict(TABLE="gather_dec", NUM_WARPS=8), "pgs_lion8bit"),
@@ -263,7 +264,7 @@ def main() -> None:
         "pgs_chain_fused_rows2": (chain(fused=True), {"chain.ROWS": 2}, "pgs_chain"),
         "pgs_chain_fused_c16": (chain(fused=True), {"chain.ROWS_C": 16}, "pgs_chain"),
         "pgs_chain_fused_int8": (chain(fused=True), {"chain.PACK": False}, "pgs_chain"),
-        # session 4's defaults (ROWS_A 4, 64 lanes); 16 and 512 since session 5 (chain8bit.ROWS_A)
+        # the earlier pass-A setting (ROWS_A 4, 64 lanes) against the defaults (chain8bit.ROWS_A, LANES)
         "pgs_chain_fused_a4_lanes64": (chain(fused=True), {"chain.ROWS_A": 4, "chain.LANES": 64}, "pgs_chain"),
         "bnb_lion8bit": (lambda: bnb_row("Lion8bit"), {}, "bnb_lion8bit"),
         "bnb_adamw8bit": (lambda: bnb_row("AdamW8bit"), {}, "bnb_adamw8bit"),

@@ -1,7 +1,7 @@
 """Optimizer-step benchmark: pgs compiled chains vs torch.optim, same run, same shapes.
 
-    python bench/optim_step.py --out bench/results/optim_step.json          # H200
-    python bench/optim_step.py --small                                      # CPU smoke
+    python -m bench optim-step              # H200; bench/results/<date>-optim-step.json
+    python -m bench optim-step --small      # CPU smoke
 
 Reports median ms per step, the byte floor (bytes that must move / measured copy
 bandwidth) and the fraction of copy bandwidth each optimizer reaches.  Not a test: tests

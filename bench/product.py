@@ -20,9 +20,9 @@ For each spec this runs, in one call and one after the other:
 does not see one); "wall" is the same tokens over the run's time stamps, the checkpoint save
 included; "median" and "max/median" are over the steps' periods.  Results go to ``--out`` as JSON and a Markdown table on stdout::
 
-    python bench/product.py --spec specs/qwen3_0.6b_packed.toml --peer hf_liger_causal \\
-        --harness pgs_release_noac_varlen --steps 40 --out bench/results/product_06b.json
-    python bench/product.py --spec specs/qwen3_4b_12gib.toml --peer hf_compiled_ac --steps 40
+    python -m bench product --spec specs/qwen3_0.6b_packed.toml --peer hf_liger_causal \\
+        --harness pgs_release_noac_varlen --steps 40
+    python -m bench product --spec specs/qwen3_4b_12gib.toml --peer hf_compiled_ac --steps 40
 
 On the CPU, ``--small`` runs the same path at a tiny shape (a smoke run of this script).
 """

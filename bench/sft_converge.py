@@ -2,8 +2,8 @@
 
 Run on one GPU (written for an H200; not a test; ~2-3 minutes at the defaults):
 
-    python bench/sft_converge.py --out bench/results/sft_converge.json
-    python bench/sft_converge.py --small --steps 6 --out /tmp/conv.json     # CPU smoke
+    python -m bench sft-converge
+    python -m bench sft-converge --small --steps 6      # CPU smoke
 
 Every variant trains the same random init (Qwen3-0.6B shape, from its config) for the same
 steps on the same batches and with the same warm-up + cosine learning-rate shape; the

@@ -2,10 +2,10 @@
 
 Run on one GPU (written for an H200; not a test):
 
-    python bench/sft_step.py --shapes qwen3-4b --out bench/results/sft_step_4b.json
-    python bench/sft_step.py --shapes qwen3-0.6b --out bench/results/sft_step_06b.json
-    python bench/sft_step.py --only pgs_release,hf_compiled_ac --shapes qwen3-4b
-    python bench/sft_step.py --small --out /tmp/sft_small.json      # CPU smoke, tiny shapes
+    python -m bench sft-step --shapes qwen3-4b
+    python -m bench sft-step --shapes qwen3-0.6b
+    python -m bench sft-step --only pgs_release,hf_compiled_ac --shapes qwen3-4b
+    python -m bench sft-step --small        # CPU smoke, tiny shapes
 
 Variants (every one with random-init weights from the config, bf16; ``_ac``: activation
 checkpointing of every decoder layer):
@@ -158,7 +158,7 @@ def split_name(name: str) -> tuple[str, str]:
 
 #: rows per slab of the tied weight for the ``_slabs`` variants (rows × hidden must be a
 #: multiple of lion8bit's 256-element blocks)
-SLAB_ROWS = {"qwen3-4b": 32768, "qwen3-0.6b": 8192, "tiny": 128}  # 4B: 5 slabs (8192 until session 3)
+SLAB_ROWS = {"qwen3-4b": 32768, "qwen3-0.6b": 8192, "tiny": 128}  # 4B: 5 slabs
 SHAPE_VARIANTS = {
     "qwen3-4b": ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "pgs_release", "pgs_release_unfused"),
     "qwen3-0.6b": ("hf_compiled", "hf_liger", "hf_compiled_ac", "pgs_release_noac", "pgs_release"),

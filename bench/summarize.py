@@ -1,17 +1,39 @@
-"""Print the headline numbers of bench result files, one line a row (what the device scripts
-show at the end of a call): ``python bench/summarize.py RESULT.json [...]``.
+"""Print the headline numbers of bench result files, one line a row (what bench/device.sh shows
+at the end of a call): ``python bench/summarize.py RESULT.json [...]``.
 
-Reads ``bench/optim_8bit.py`` output (``rows``: ms, back to back ms, × floor, host ms) and
-``bench/sft_step.py`` output (``results``: tok/s, peak GiB, host ms per step by phase, error);
-a missing file is one line saying so.
+Rows are read from every suite's JSON: ``rows`` / ``variants`` / ``results`` as a mapping of
+name to row (optim-8bit, optim-step, optim-muon), ``results`` as a list of rows named by
+``variant``, ``backend`` or ``setup`` (sft-step, sft-converge, loss-memory, product), ``runs``
+(fsdp); numbers are rounded, and a missing or unreadable file is one line saying so.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
-OPTIM_KEYS = ("ms", "back_to_back_ms", "ratio_to_floor", "host_ms_per_step", "error")
+KEYS = ("ms", "median_ms", "back_to_back_ms", "ratio_to_floor", "over_floor", "fraction_of_copy_bw",
+        "host_ms_per_step", "tok_s", "mean_tok_s", "tokens_per_s", "scaling_efficiency", "last10_mean",
+        "held_out_loss", "peak_gib", "max_allocated_gib", "error")
+
+
+def _row(name, row) -> str:
+    if not isinstance(row, dict):
+        return f"{name:28s} {round(row, 3) if isinstance(row, float) else row}"
+    shown = {}
+    for k in KEYS:
+        v = row.get(k)
+        if v is None or v == "":
+            continue
+        if isinstance(v, dict):
+            v = {a: (round(b, 2) if isinstance(b, float) else b) for a, b in v.items() if a != "calls_per_step"}
+        elif isinstance(v, float):
+            v = round(v, 3)
+        elif isinstance(v, str):
+            v = v[:300]
+        shown[k] = v
+    return f"{name:28s} {shown}"
 
 
 def lines(path: str) -> list[str]:
@@ -20,14 +42,15 @@ def lines(path: str) -> list[str]:
             data = json.load(f)
     except (OSError, ValueError) as err:
         return [f"{path}: {err}"]
-    out = []
-    for name, row in data.get("rows", {}).items():
-        shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k in OPTIM_KEYS}
-        out.append(f"{name:28s} {shown}")
-    for r in data.get("results", []):
-        host = {k: v for k, v in (r.get("host_ms_per_step") or {}).items() if k != "calls_per_step"}
-        out.append(f"{r['variant']} {round(r.get('tok_s', 0))} {round(r.get('peak_gib', 0), 3)} {host} "
-                   f"{r.get('error', '')[:300]}")
+    out = [f"== {os.path.basename(path)}"]
+    for key in ("rows", "variants", "results", "runs"):
+        rows = data.get(key) if isinstance(data, dict) else None
+        if isinstance(rows, dict):
+            out += [_row(name, row) for name, row in rows.items()]
+        elif isinstance(rows, list):
+            for i, r in enumerate(rows):
+                name = next((r[k] for k in ("variant", "backend", "setup", "world_size") if k in r), i)
+                out.append(_row(str(name), r))
     return out
 
 

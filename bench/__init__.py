@@ -1,0 +1,1 @@
+"""Benchmarks of pgs (not part of the installed package): ``python -m bench --list``."""
