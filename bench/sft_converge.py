@@ -47,11 +47,15 @@ import sys
 import time
 import traceback
 
-if "--triton-on-cpu" in sys.argv:  # before triton is imported: its interpreter and pgs's CPU switch
+if "--triton-on-cpu" in sys.argv:  # before triton is imported: its interpreter, then pgs's CPU switch
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("PGS_TRITON_ON_CPU", "1")
 
 import torch
+
+if "--triton-on-cpu" in sys.argv:
+    from pgs.func.kernels import configure
+
+    configure(triton_on_cpu=True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sft_step import SHAPES, SMALL_SHAPES, build  # noqa: E402

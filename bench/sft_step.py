@@ -34,10 +34,7 @@ checkpointing of every decoder layer):
   apart, both inputs offloaded), per-parameter or per-layer release groups.
 - ``pgs_release_noac_liger``: ``pgs_release_noac`` with Liger's layer kernels (RMSNorm, RoPE,
   SwiGLU) instead of compiled layers (pgs's own chunked loss either way).
-- any variant with ``+sf`` / ``+pool`` / ``+rng`` / ``+slow`` appended (after ``_varlen``):
-  with ``TiedSlabs.SYNC_FREE`` / ``layers.PINNED_POOL`` / ``layers.PRESERVE_RNG``
-  on, or ``layers.FAST_RECOMPUTE`` off (``SWITCHES``; docs/memory.md); ``+cudnnthd`` /
-  ``+fa2``: ``_varlen`` attention on cuDNN's THD kernel / FlashAttention-2 (``model.varlen_kernel``
+- any variant with ``+cudnnthd`` / ``+fa2`` appended (after ``_varlen``, ``SWITCHES``): ``_varlen`` attention on cuDNN's THD kernel / FlashAttention-2 (``model.varlen_kernel``
   "cudnn" / "flash"; without either, "auto": cuDNN on an H200 with nvidia-cudnn-frontend).
 - any variant with ``_varlen`` appended: the same with ``attn_implementation="varlen"``
   (packed documents without cross-document attention work; docs/data.md).
@@ -70,11 +67,15 @@ import time
 import traceback
 from typing import Callable
 
-if "--triton-on-cpu" in sys.argv:  # before triton is imported: its interpreter and pgs's CPU switch
+if "--triton-on-cpu" in sys.argv:  # before triton is imported: its interpreter, then pgs's CPU switch
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("PGS_TRITON_ON_CPU", "1")
 
 import torch
+
+if "--triton-on-cpu" in sys.argv:
+    from pgs.func.kernels import configure
+
+    configure(triton_on_cpu=True)
 
 H200_BF16_FLOPS = 790e12
 
@@ -109,11 +110,7 @@ VARIANTS += tuple(v + "_causal" for v in BASE_VARIANTS if v.startswith("hf_"))
 #: runtime switches a variant name may carry as ``+suffix`` (e.g.
 #: ``pgs_release_slabs_sub+sf+pool``): (module, attribute, environment variable, value) set for that
 #: variant only (its child process gets the variable; ``--same-process`` sets the attribute)
-SWITCHES = {"sf": ("pgs.runtime.optim.tied_slabs", "TiedSlabs.SYNC_FREE", "PGS_SLABS_SYNC_FREE", True),
-            "pool": ("pgs.runtime.model.layers", "PINNED_POOL", "PGS_PINNED_POOL", True),
-            "rng": ("pgs.runtime.model.layers", "PRESERVE_RNG", "PGS_CHECKPOINT_RNG", True),
-            "slow": ("pgs.runtime.model.layers", "FAST_RECOMPUTE", "PGS_FAST_RECOMPUTE", False),
-            # the packed-attention kernel (model.varlen_kernel; "auto" picks cuDNN's THD kernel on an
+SWITCHES = {# the packed-attention kernel (model.varlen_kernel; "auto" picks cuDNN's THD kernel on an
             # H200 when nvidia-cudnn-frontend is installed): for the pgs and HF _varlen rows alike
             "fa2": ("pgs.runtime.model.attention", "_kernel", "PGS_BENCH_VARLEN_KERNEL", "flash"),
             "cudnnthd": ("pgs.runtime.model.attention", "_kernel", "PGS_BENCH_VARLEN_KERNEL", "cudnn")}

@@ -9,7 +9,6 @@ else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
@@ -29,12 +28,6 @@ examples:
   pgs report runs/quickstart                   plots and a summary of a run
 
 docs: docs/spec.md (every field), docs/cli.md, docs/exit-codes.md"""
-
-
-class NotAvailable(PgsError):
-    """A command whose component is not part of this installation (exit 1)."""
-
-    exit_code = 1
 
 
 # --------------------------------------------------------------------------- parser
@@ -157,16 +150,6 @@ def _load(args):
     return load_spec(args.spec, args.overrides)
 
 
-def _component(module: str, command: str):
-    """Import ``module`` for ``command``; a clear ``NotAvailable`` when it is not installed."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        if err.name != module:
-            raise  # the module exists and one of its own imports failed: a real bug
-        raise NotAvailable(f"{command} needs {module}, which is not part of this installation yet") from None
-
-
 def cmd_run(args) -> int:
     spec = _load(args)
     if args.resume not in (None, "auto") and not os.path.exists(args.resume):
@@ -174,25 +157,23 @@ def cmd_run(args) -> int:
     if args.overwrite and args.resume is not None:
         raise SpecError("--overwrite starts over, --resume continues: give one of them")
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return _launch_torchrun(args, spec)
-    profile = None
-    if args.profile:
-        from pgs.runtime.loop.trace import parse_steps
+        from pgs.runtime.dist.launch import launch_run
 
-        profile = parse_steps(args.profile)
-    train = _component("pgs.runtime.loop.train", "pgs run")
-    extra = {"overwrite": True} if args.overwrite else {}
-    return int(train.run(spec, resume=args.resume, spec_path=os.path.abspath(args.spec), profile=profile,
-                         **extra) or 0)
+        return launch_run(spec, args.spec, nproc=args.nproc, overrides=args.overrides, resume=args.resume,
+                          overwrite=args.overwrite, profile=args.profile)
+    from pgs.runtime.loop.faults import Faults
+    from pgs.runtime.loop.trace import parse_steps
+    from pgs.runtime.loop.train import run
+
+    return int(run(spec, resume=args.resume, spec_path=os.path.abspath(args.spec),
+                   profile=parse_steps(args.profile) if args.profile else None, overwrite=args.overwrite,
+                   faults=Faults.from_env()) or 0)
 
 
 def cmd_validate(args) -> int:
-    from pgs.runtime.spec.preflight import check_resources  # the same checks pgs run makes, then the data
+    from pgs.runtime.tools.validate import validate
 
-    spec = _load(args)
-    found = check_resources(spec, records=args.records)
-    print_summary(spec, found)
-    return 0
+    return validate(_load(args), records=args.records)
 
 
 def cmd_report(args) -> int:
@@ -203,101 +184,12 @@ def cmd_report(args) -> int:
 
 
 def cmd_data_inspect(args) -> int:
-    spec = _load(args)
-    inspect = _component("pgs.runtime.data.inspect", "pgs data inspect")
-    from pgs.runtime.spec.preflight import load_tokenizer
+    from pgs.runtime.tools.validate import inspect_spec
 
-    tokenizer = load_tokenizer(spec.model.tokenizer, spec.model.trust_remote_code)
-    inspect.inspect_dataset(spec.data, tokenizer, n=args.n, max_records=args.records or None)
-    return 0
+    return inspect_spec(_load(args), n=args.n, records=args.records)
 
 
 def cmd_profile(args) -> int:
-    spec = _load(args)
-    profile = None
-    for module in ("pgs.runtime.tools.profile", "pgs.runtime.loop.train"):
-        try:
-            profile = getattr(_component(module, "pgs profile"), "profile", None)
-        except NotAvailable:
-            continue
-        if profile is not None:
-            break
-    if profile is None:
-        raise NotAvailable("pgs profile needs pgs.runtime.tools.profile, which is not part of this installation yet")
-    return int(profile(spec, measure=args.measure, spec_path=os.path.abspath(args.spec)) or 0)
+    from pgs.runtime.tools.profile import profile
 
-
-# --------------------------------------------------------------------------- pgs run --nproc
-
-
-def _launch_torchrun(args, spec) -> int:
-    """Relaunch ``pgs run`` under torchrun with ``--nproc`` processes; return the run's verdict.
-
-    ``launch.relaunch``: signals to this process are passed on to the workers (which
-    checkpoint and stop together); torchrun collapses every worker's exit code to 1, so a
-    ``HALT.json`` written during this launch decides the code, else 128+signum after a
-    forwarded signal, else torchrun's.
-    """
-    from pgs.runtime.dist.launch import relaunch
-    from pgs.runtime.spec.load import check_world_size
-
-    from pgs.runtime.spec.preflight import preflight_spec
-
-    preflight_spec(spec)  # the checks each worker makes, once here: a worker's refusal would read as exit 1
-    check_world_size(spec.train, args.nproc)  # refuse before starting N processes
-    if args.resume is None:  # refuse (or move the old run aside) once, before N processes start
-        from pgs.runtime.store import checkpoint
-
-        if args.overwrite:
-            aside = checkpoint.move_aside(spec.checkpoint.dir)
-            if aside is not None:
-                print(f"pgs: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)
-        else:
-            checkpoint.refuse_existing_run(spec.checkpoint.dir)
-    forwarded = ["run", os.path.abspath(args.spec)]
-    for assignment in args.overrides:
-        forwarded += ["--set", assignment]
-    if args.resume:
-        forwarded += ["--resume", args.resume]
-    if args.profile:
-        forwarded += ["--profile", args.profile]
-    return relaunch(args.nproc, forwarded, run_dir=spec.run_dir)
-
-
-# --------------------------------------------------------------------------- pgs validate
-
-
-def print_summary(spec, facts: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    table = Table(title=f"pgs validate: {spec.source}", show_header=False, title_justify="left")
-    table.add_column("what", style="bold")
-    table.add_column("value")
-    m, t, s = spec.model, spec.train, spec.schedule
-    table.add_row("model", (m.path or "random init") + f"  [{facts.get('model', '')}]")
-    table.add_row("parameters", facts.get("parameters", "?") + (f", frozen {facts['frozen']}" if "frozen" in facts else ""))
-    table.add_row("dtype / attention", f"{m.dtype} / {m.attn_implementation}"
-                  + (f" ({m.varlen_kernel} kernel)" if m.varlen_kernel != "auto" else ""))
-    table.add_row("tokenizer", f"{m.tokenizer}  [{facts.get('tokenizer', '')}]")
-    stats = facts.get("data")
-    for src in spec.data.sources:
-        table.add_row("data source", f"{src.path}  (weight {src.weight:g}, format {src.format})")
-    if stats is not None:
-        table.add_row("data checked", f"{stats.records} records, {stats.samples} samples, "
-                                      f"{stats.trained_tokens}/{stats.tokens} tokens trained, "
-                                      f"packing {stats.packing_efficiency:.0%}")
-    table.add_row("eval", f"{spec.data.eval}  [{facts['eval']}]" if spec.data.eval else "none")
-    table.add_row("optimizer", facts.get("chain", ""))
-    peak_lr = s.peak if s.name != "constant" else s.peak
-    table.add_row("schedule", f"{s.name}, peak {peak_lr:g}, warmup {s.warmup}, total {s.total or 'train length'}")
-    table.add_row("loss", f"{spec.loss.objective} ({spec.loss.backend})")
-    length = f"{t.steps} steps" if t.steps is not None else f"{t.epochs} epochs"
-    table.add_row("train", f"{length}, batch {t.batch_size} × {spec.data.max_seq_len} tokens, "
-                           f"grad_accum {t.grad_accum}, device {t.device}")
-    table.add_row("run folder", spec.run_dir)
-    console.print(table)
-    for warning in facts["warnings"] + (stats.warnings() if stats is not None else []):
-        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
-    console.print("[green]ok[/]: the spec is runnable")
+    return int(profile(_load(args), measure=args.measure, spec_path=os.path.abspath(args.spec)) or 0)

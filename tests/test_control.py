@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from pgs.errors import EXIT_PREFLIGHT, EXIT_SKIP_CAP, EXIT_WALL_BUDGET, HaltError, PreflightRefused
 from pgs.runtime.loop import control
+from pgs.runtime.loop.faults import Faults
 
 from test_train import assert_same_checkpoint, launch, records, step_records, tiny_spec
 
@@ -104,7 +105,7 @@ def test_preflight_refuses_an_unwritable_dir_and_a_full_disk(tmp_path, monkeypat
 # -- the loop, as subprocesses -----------------------------------------------------------
 def test_nan_steps_are_skipped_without_touching_params_or_state(tmp_path):
     spec = tiny_spec(tmp_path, "run", steps=8, every=2)
-    done = launch(spec, PGS_TEST_NAN_STEPS="5,6")
+    done = launch(spec, **Faults(nan_steps={5, 6}).env())
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "run"
     rows = step_records(run_dir)
@@ -123,7 +124,7 @@ def test_nan_steps_are_skipped_without_touching_params_or_state(tmp_path):
 
 def test_skip_cap_writes_halt_and_exits_81(tmp_path):
     spec = tiny_spec(tmp_path, "run", steps=12, every=0, max_skips=2)
-    done = launch(spec, PGS_TEST_NAN_STEPS="3,4,5,6")
+    done = launch(spec, **Faults(nan_steps={3, 4, 5, 6}).env())
     assert done.returncode == EXIT_SKIP_CAP, done.stderr[-3000:]
     marker = json.loads((tmp_path / "run" / "HALT.json").read_text())
     assert marker["exit_code"] == 81 and marker["step"] == 5 and "3 consecutive" in marker["reason"]
@@ -163,3 +164,19 @@ def test_preflight_refusal_exits_83(tmp_path, monkeypatch, capsys):
     assert main(["run", str(spec)]) == EXIT_PREFLIGHT
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("pgs: error: checkpoint.dir:") and "GiB free" in err[0], err
+
+
+def test_faults_travel_through_one_variable_and_refuse_nonsense():
+    """``Faults.env()`` / ``Faults.from_env``: what a test hands a child ``pgs run`` comes back
+    equal; no variable is no fault; a bad crash point or a garbled variable is a clear error."""
+    from pgs.errors import InvalidArgument
+    from pgs.runtime.loop.faults import NO_FAULTS
+
+    faults = Faults(nan_steps={3, 1}, crash_at=("checkpoint_write", 8), slow_step_s=0.25)
+    assert Faults.from_env(faults.env()) == faults
+    assert faults.poisons(3) and not faults.poisons(2)
+    assert Faults.from_env({}) is NO_FAULTS and not NO_FAULTS.poisons(1)
+    with pytest.raises(InvalidArgument, match="crash_at: 'checkpoint' is not one of"):
+        Faults(crash_at=("checkpoint", 3))
+    with pytest.raises(InvalidArgument, match=r"\$PGS_FAULTS: not a fault description"):
+        Faults.from_env({"PGS_FAULTS": "nan_steps=5"})

@@ -21,6 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pgs.runtime.loop.faults import Faults
+
 ROOT = Path(__file__).resolve().parent.parent
 
 TINY_SPEC = """
@@ -88,12 +90,13 @@ def command(spec: Path, resume: str | None = None) -> list[str]:
     if importlib.util.find_spec("pgs.__main__") is not None:
         return [sys.executable, "-m", "pgs", "run", str(spec)] + (["--resume", resume] if resume else [])
     code = ("import sys; from pgs.runtime.spec.load import load_spec; from pgs.runtime.loop.train import run; "
-            "sys.exit(run(load_spec(sys.argv[1]), resume=sys.argv[2] or None, spec_path=sys.argv[1]))")
+            "from pgs.runtime.loop.faults import Faults; sys.exit(run(load_spec(sys.argv[1]), "
+            "resume=sys.argv[2] or None, spec_path=sys.argv[1], faults=Faults.from_env()))")
     return [sys.executable, "-c", code, str(spec), resume or ""]
 
 
 def child_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PGS_TEST_")}
+    env = {k: v for k, v in os.environ.items() if k != "PGS_FAULTS"}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -141,14 +144,14 @@ def test_sigkill_anywhere_then_resume_auto_is_bit_exact(tmp_path, reference):
     run_dir = tmp_path / "run"
 
     # 1. SIGKILL halfway through writing step_8: the weights are on disk, the rest is not.
-    first = launch(spec, PGS_TEST_CRASH_AT="checkpoint_write:8")
+    first = launch(spec, **Faults(crash_at=("checkpoint_write", 8)).env())
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     assert (run_dir / "step_4" / "COMPLETE").exists()
     assert not (run_dir / "step_8").exists()
     assert any(p.name.startswith(".step_8.tmp-") for p in run_dir.iterdir())
 
     # 2. Resume from step_4; SIGKILL right after step 14's update (step_8, step_12 written).
-    second = launch(spec, "auto", PGS_TEST_CRASH_AT="step:14")
+    second = launch(spec, "auto", **Faults(crash_at=("step", 14)).env())
     assert second.returncode == -signal.SIGKILL, second.stderr[-3000:]
     assert "resumed from" in second.stderr and "step_4" in second.stderr
     assert not any(p.name.startswith(".step_8.tmp-") for p in run_dir.iterdir()), "stale temporary kept"
@@ -175,7 +178,7 @@ def test_sigkill_anywhere_then_resume_auto_is_bit_exact(tmp_path, reference):
 def test_sigterm_checkpoints_exits_143_and_resume_continues_exactly(tmp_path, reference):
     spec = tiny_spec(tmp_path, "run")
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(command(spec), cwd=ROOT, env=child_env(PGS_TEST_SLOW_STEP=0.3),
+    proc = subprocess.Popen(command(spec), cwd=ROOT, env=child_env(**Faults(slow_step_s=0.3).env()),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

@@ -38,6 +38,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pgs.runtime.loop.faults import Faults
 from test_train import ROOT, child_env, command, records, step_records, tiny_spec
 
 TIMEOUT_S = 240
@@ -120,7 +121,7 @@ def test_two_ranks_equal_one_process_and_sigterm_resume_is_exact(tmp_path):
     # 3. SIGTERM to rank 1 only: both ranks stop at the same step, checkpoint, exit 143.
     stopped = spec_for(tmp_path, "stopped", ranks=2)
     run_dir = tmp_path / "stopped"
-    procs = start_ranks(stopped, PGS_TEST_SLOW_STEP=0.4)
+    procs = start_ranks(stopped, **Faults(slow_step_s=0.4).env())
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline:

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from test_train import ROOT, assert_same_checkpoint, child_env, command, step_records, tiny_spec
+from pgs.runtime.loop.faults import Faults
 
 RELEASE = "\n[memory]\ngradient_release = {release}\ndefer_head_grad = {defer}\n"
 
@@ -76,11 +77,10 @@ def test_nonfinite_loss_is_skipped_before_backward(tmp_path, monkeypatch):
     from pgs.runtime.spec.load import load_spec
     from pgs.runtime.loop.train import setup, train_step
 
-    run = setup(load_spec(release_spec(tmp_path, "nan", steps=4)))
+    run = setup(load_spec(release_spec(tmp_path, "nan", steps=4)), faults=Faults(nan_steps={1}))
     assert isinstance(run.bound, GradientRelease) and run.bound.in_backward
     before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     state = {k: v.clone() for k, v in run.bound.state_dict().items()}
-    monkeypatch.setenv("PGS_TEST_NAN_STEPS", "1")
     with control.StopSignals() as signals:
         record, flags = train_step(run, signals, control.WallClock(None))
         assert record["skipped"] == 1 and flags[control.NONFINITE]
@@ -104,7 +104,7 @@ def test_sigkill_then_resume_with_release_is_bit_exact(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
 
     spec = release_spec(tmp_path, "run")
-    first = subprocess.run(command(spec), cwd=ROOT, env=child_env(PGS_TEST_CRASH_AT="step:5"),
+    first = subprocess.run(command(spec), cwd=ROOT, env=child_env(**Faults(crash_at=("step", 5)).env()),
                            capture_output=True, text=True, timeout=240)
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     assert (tmp_path / "run" / "step_3" / "COMPLETE").exists()

@@ -123,3 +123,37 @@ def relaunch(nproc: int, args: Sequence[str], *, run_dir: str | None = None, gra
     if forwarded and code != 0:
         return 128 + forwarded[0]
     return code
+
+
+def launch_run(spec, spec_path: str, *, nproc: int, overrides: Sequence[str] = (), resume: str | None = None,
+               overwrite: bool = False, profile: str | None = None) -> int:
+    """``pgs run --nproc N``: relaunch the same run under torchrun; return the run's verdict.
+
+    The checks every worker would make run once here first (a worker's refusal would read as
+    exit 1), the world size is checked and the run folder refused or moved aside before N
+    processes start.  ``relaunch``: signals to this process are passed on to the workers (which
+    checkpoint and stop together); torchrun collapses every worker's exit code to 1, so a
+    ``HALT.json`` written during this launch decides the code, else 128+signum after a
+    forwarded signal, else torchrun's.
+    """
+    from pgs.runtime.spec.load import check_world_size
+    from pgs.runtime.spec.preflight import preflight_spec
+    from pgs.runtime.store import checkpoint
+
+    preflight_spec(spec)
+    check_world_size(spec.train, nproc)
+    if resume is None:
+        if overwrite:
+            aside = checkpoint.move_aside(spec.checkpoint.dir)
+            if aside is not None:
+                print(f"pgs: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)
+        else:
+            checkpoint.refuse_existing_run(spec.checkpoint.dir)
+    forwarded = ["run", os.path.abspath(spec_path)]
+    for assignment in overrides:
+        forwarded += ["--set", assignment]
+    if resume:
+        forwarded += ["--resume", resume]
+    if profile:
+        forwarded += ["--profile", profile]
+    return relaunch(nproc, forwarded, run_dir=spec.run_dir)

@@ -206,19 +206,5 @@ def preflight(run_dir: str, checkpoint_bytes: int, *, factor: float = 3.0) -> No
         )
 
 
-def hook_steps(name: str) -> set[int]:
-    """Steps listed in a test hook variable such as ``PGS_TEST_NAN_STEPS=5,6`` (empty if unset)."""
-    raw = os.environ.get(name, "")
-    return {int(x) for x in raw.replace(" ", "").split(",") if x}
-
-
-def crash_point(where: str, step: int) -> None:
-    """``PGS_TEST_CRASH_AT=<where>:<step>``: SIGKILL this process on the spot (crash tests)."""
-    want = os.environ.get("PGS_TEST_CRASH_AT")
-    if want and want == f"{where}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
-        os._exit(137)  # not reached where SIGKILL exists
-
-
 def exit_code_for_signal(signum: int) -> int:
     return 128 + int(signum)

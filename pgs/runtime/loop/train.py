@@ -24,9 +24,8 @@ docs/distributed.md): the model is sharded with FSDP2, the chain is bound to the
 each rank reads its share of the global batch, the loss divides by the global valid-token
 count, checkpoints are DCP folders written by every rank, and only rank 0 logs.
 
-Test hooks (environment): ``PGS_TEST_NAN_STEPS=5,6`` makes those steps' losses NaN;
-``PGS_TEST_CRASH_AT=checkpoint_write:<step>`` SIGKILLs the process halfway through writing
-that step's checkpoint, ``PGS_TEST_CRASH_AT=step:<step>`` right after that step's update; ``PGS_TEST_SLOW_STEP=<seconds>`` sleeps after each step.
+Tests inject faults (NaN losses, a SIGKILL mid-checkpoint or after a step, slow steps) with a
+``Faults`` object (pgs/runtime/loop/faults.py) passed to ``setup`` / ``run``.
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ from pgs.runtime.data import EvalStream, TrainStream, require_packing_isolation
 from pgs.runtime.data.loader import StepLoader
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
 from pgs.runtime.store.export import export_hf
+from pgs.runtime.loop.faults import NO_FAULTS, Faults
 from pgs.runtime.loop.metrics import MetricsLog
 from pgs.runtime.loop.trace import Profiler
 from pgs.runtime.model.build import build_model, freeze, output_head, parameter_bytes
@@ -87,6 +87,7 @@ class Run:
     log: MetricsLog | None = None
     loader: Any = None  # data.StepLoader: the steps' batches, prepared ahead by a worker (its position is the run's)
     step_clock: float | None = None  # perf_counter at the end of the last step (None: restart the clock)
+    faults: Faults = NO_FAULTS  # what a test injects (faults.py)
 
     def counters(self) -> dict:
         return {
@@ -158,7 +159,7 @@ def _steps_per_epoch(spec, tokenizer) -> int:
     return max(1, math.ceil(sequences / spec.train.batch_size))
 
 
-def setup(spec, ctx: D.DistContext | None = None) -> Run:
+def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) -> Run:
     """Model, tokenizer, bound optimizer and data stream of a fresh run (nothing restored).
 
     ``ctx``: the distributed context (``distributed.init()``) when several processes train
@@ -209,7 +210,7 @@ def setup(spec, ctx: D.DistContext | None = None) -> Run:
         micro_batch=micro_batch, noise=noise, loader=loader,
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
         chain_has_norm=bound.metrics().grad_norm is not None,
-        ctx=ctx if sharded else None,
+        ctx=ctx if sharded else None, faults=faults,
     )
 
 
@@ -251,7 +252,7 @@ def save(run: Run) -> str:
     folder = ckpt.save(
         run.run_dir, step, model=run.model, optimizer_state=run.bound.state_dict(device="cpu"),
         rng=ckpt.capture_rng(run.noise), trainer=run.counters(), spec_toml=run.spec.to_toml(),
-        crash_hook=lambda stage: stage == "optimizer" and control.crash_point("checkpoint_write", step),
+        crash_hook=lambda stage: stage == "optimizer" and run.faults.crash("checkpoint_write", step),
     )
     ckpt.purge(run.run_dir, run.spec.checkpoint.keep)
     return folder
@@ -355,7 +356,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     batches = run.loader.next_step()
     # the loss's denominator: valid tokens of the whole step, on every rank (before any forward)
     n_valid = D.global_count(sum(b.num_trained_tokens for b in batches))
-    poison = (run.step + 1) in control.hook_steps("PGS_TEST_NAN_STEPS")
+    poison = run.faults.poisons(run.step + 1)
     loss_parts, entropy_parts = [], []
     pending = None
     for batch in batches:
@@ -520,7 +521,7 @@ def watch_entropy(run: Run, record: dict) -> None:
 
 
 def run(spec, *, resume: str | None = None, spec_path: str | None = None,
-        profile: tuple[int, int] | None = None, overwrite: bool = False) -> int:
+        profile: tuple[int, int] | None = None, overwrite: bool = False, faults: Faults = NO_FAULTS) -> int:
     """Train ``spec`` to the end, or until a stop; returns the process exit code.
 
     ``resume``: None (fresh), ``"auto"`` (newest complete checkpoint in ``checkpoint.dir``,
@@ -541,7 +542,7 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
     ctx = D.init(device=spec.train.device) if D.launched() else None
     together = False  # every rank reached the same exit (then they leave the group together)
     try:
-        code = _train(spec, resume, wall, ctx, profile)
+        code = _train(spec, resume, wall, ctx, profile, faults)
         together = True
         return code
     except (HaltError, PreflightRefused) as err:
@@ -580,8 +581,8 @@ def freeze_gc() -> None:
 
 
 def _train(spec, resume: str | None, wall: control.WallClock, ctx: D.DistContext | None = None,
-           profile: tuple[int, int] | None = None) -> int:
-    r = setup(spec, ctx)
+           profile: tuple[int, int] | None = None, faults: Faults = NO_FAULTS) -> int:
+    r = setup(spec, ctx, faults)
     try:
         return _train_loop(r, spec, resume, wall, profile)
     finally:
@@ -613,7 +614,6 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
     else:  # pgs report reads the records after the last fresh start
         r.log.write({"step": r.step, "event": "start"})
     evals = bool(spec.data.eval) and spec.train.eval_every > 0
-    slow = float(os.environ.get("PGS_TEST_SLOW_STEP", "0") or 0)
     profiler = Profiler(run_dir, profile, r.device) if profile and main else None
     try:
         with control.StopSignals() as signals:
@@ -638,7 +638,7 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                 if not frozen:  # see freeze_gc
                     freeze_gc()
                     frozen = True
-                control.crash_point("step", r.step)
+                r.faults.crash("step", r.step)
                 if last is not None:
                     emit(last)
                 last = step_record
@@ -673,8 +673,8 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                         r.log.write({"step": r.step, "event": "stop", "reason": why, "exit_code": code})
                         r.log.say(f"pgs: stopped at step {r.step} ({why}); checkpoint {path}")
                         return code
-                if slow:
-                    time.sleep(slow)
+                if r.faults.slow_step_s:
+                    time.sleep(r.faults.slow_step_s)
             if last is not None:
                 emit(last)
             if spec.checkpoint.export:

@@ -20,7 +20,7 @@ checkpointed forward and restores them around the recompute, so that dropout dra
 masks twice.  That is a dozen small host calls per layer and pass, for nothing when the model
 draws no random numbers: ``apply_activation_checkpointing`` turns it off when no dropout in
 the model (modules, or any ``*dropout*`` rate of its config or of a module) is above 0
-(``model_draws_random``), unless ``PRESERVE_RNG`` (``PGS_CHECKPOINT_RNG=1``) asks for it.
+(``model_draws_random``), unless ``preserve_rng=True`` asks for it.
 
 ``every=k`` checkpoints layers 0, k, 2k, … only (layer-selective checkpointing); the others
 keep everything.  A ``"full"`` or ``"sublayer"`` layer runs through ``_Recompute`` where that is
@@ -62,11 +62,6 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     raise InvalidArgument(f"{type(model).__name__}: no decoder layers found (looked for model.layers, "
                           "model.language_model.layers, transformer.h); checkpointing and compile_layers "
                           "need a transformers decoder")
-
-
-#: Always save and restore the RNG state around checkpointed layers (``PGS_CHECKPOINT_RNG=1``);
-#: otherwise only for models that draw random numbers (``model_draws_random``).
-PRESERVE_RNG = os.environ.get("PGS_CHECKPOINT_RNG", "0") == "1"
 
 
 def _positive_rate(obj) -> bool:
@@ -158,13 +153,8 @@ class OffloadedInput:
         self.used = False
         self.previous = OffloadedInput._last.get(self.device)
         OffloadedInput._last[self.device] = weakref.ref(self)
-        self.pooled = False
         if x.is_cuda:
-            if PINNED_POOL:
-                self.host = _pinned(tuple(x.shape), x.dtype)
-                self.pooled = True
-            else:
-                self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             stream = _copy_stream(x.device)
             stream.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(stream):
@@ -211,37 +201,6 @@ class OffloadedInput:
     def release(self) -> None:
         self.live = None
 
-    def __del__(self):
-        # the buffer back to the pool: every copy into or out of it ran on the side stream,
-        # which orders it before any later use (the host never reads it)
-        if getattr(self, "pooled", False):
-            _unpin(self.host)
-
-
-#: Keep the pinned buffers of finished handles for the next ones (``_pinned``).  Off by default:
-#: measured in session 5 (Qwen3-4B <= 12 GiB), 12,705 -> 12,717 tok/s before the recompute
-#: (s5_call1) and 14,099 -> 14,115 after it (s5_call4): within noise.  ``PGS_PINNED_POOL=1``.
-PINNED_POOL = os.environ.get("PGS_PINNED_POOL", "0") == "1"
-#: Pinned host buffers of finished handles, by (shape, dtype).  A fresh ``pin_memory=True``
-#: tensor goes through the caching host allocator, which hands a block back only once the
-#: events of its copies completed; with the host running ahead of the device (no sync at the
-#: end of backward) that missed and fell back to ``cudaHostAlloc`` in the next forward.
-_PINNED: dict = {}
-_PINNED_MAX = 512
-
-
-def _pinned(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    free = _PINNED.get((shape, dtype))
-    if free:
-        return free.pop()
-    return torch.empty(shape, dtype=dtype, pin_memory=True)
-
-
-def _unpin(buf: torch.Tensor) -> None:
-    free = _PINNED.setdefault((tuple(buf.shape), buf.dtype), [])
-    if len(free) < _PINNED_MAX:
-        free.append(buf)
-
 
 def _without_cache(kwargs: dict) -> dict:
     # the recompute would write a KV cache a second time (and a selective policy would then
@@ -253,13 +212,6 @@ def _without_cache(kwargs: dict) -> dict:
         if kwargs.get(name) is not None:
             kwargs[name] = None
     return kwargs
-
-
-#: Checkpointed layers run their forward without autograd and rebuild the graph in backward
-#: (``_Recompute``) where that is exact: the layer input is the only tensor input that needs a
-#: gradient, and no RNG state needs keeping (``PGS_FAST_RECOMPUTE=0``: ``torch.utils.checkpoint``
-#: everywhere).
-FAST_RECOMPUTE = os.environ.get("PGS_FAST_RECOMPUTE", "1") == "1"
 
 
 class _Recompute(torch.autograd.Function):
@@ -438,7 +390,7 @@ def remove_activation_checkpointing(model) -> None:
 
 
 def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, offload: bool = False,
-                                   fast_recompute: bool | None = None) -> list[int]:
+                                   fast_recompute: bool = True, preserve_rng: bool = False) -> list[int]:
     """Checkpoint the decoder layers of ``model`` in place; returns the checkpointed indices.
 
     Args:
@@ -456,9 +408,10 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, 
             stream, started one layer ahead).  ``"full"`` and ``"sublayer"`` policies.
 
     The generators' state is saved and restored around each recompute only when the model
-    draws random numbers (``model_draws_random``) or ``PRESERVE_RNG`` is set.
-    ``fast_recompute`` (default ``FAST_RECOMPUTE``, on): ``"full"`` and ``"sublayer"`` layers
-    run through ``_Recompute`` where it is exact, else through ``torch.utils.checkpoint``.
+    draws random numbers (``model_draws_random``) or ``preserve_rng`` is set.
+    ``fast_recompute`` (on by default): ``"full"`` and ``"sublayer"`` layers run through
+    ``_Recompute`` where it is exact (the layer input is the only tensor input that needs a
+    gradient and no RNG state needs keeping), else through ``torch.utils.checkpoint``.
 
     Example::
 
@@ -486,8 +439,8 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, 
         if other:
             raise InvalidArgument(f"apply_activation_checkpointing: policy \"sublayer\" knows the forward of "
                                   f"{', '.join(SUBLAYER_LAYERS)}, not {', '.join(other)}; use \"full\"")
-    rng = PRESERVE_RNG or model_draws_random(model)
-    fast = FAST_RECOMPUTE if fast_recompute is None else bool(fast_recompute)
+    rng = bool(preserve_rng) or model_draws_random(model)
+    fast = bool(fast_recompute)
     done = []
     for i, layer in enumerate(layers):
         if i % every:

@@ -437,6 +437,33 @@ class GradientRelease:
                                stochastic_rounding=self.stochastic_rounding)
         return None if out is None else out[1]
 
+    # -- what TiedSlabs (tied_slabs.py) steps a slabbed weight with ----------------------------
+    def name_of(self, param: torch.Tensor) -> str | None:
+        """The name of a released parameter (None for another tensor)."""
+        return self._name_of.get(id(param))
+
+    def group_of(self, name: str) -> str:
+        """The release group a parameter steps in."""
+        return self._group_of[name]
+
+    def backward_started(self) -> None:
+        """Count this backward as started (a gradient arrived outside the parameters' hooks)."""
+        self._arrivals.touch()
+
+    def take_contributions(self, name: str) -> list:
+        """The ``before_step`` contributions pending for ``name`` (removed from the release)."""
+        return self._before.pop(name, [])
+
+    def record_norm(self, grad: torch.Tensor) -> None:
+        """Count ``grad`` in this backward's ‖g‖ (``track_grad_norm``)."""
+        if self.track_grad_norm:  # Σ‖g‖² is reduced once, when read (_last_sumsq)
+            self._norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
+
+    def fused_slab_update(self, state, params: dict, grads: dict, slab: int):
+        """The fused update-and-apply of slab ``slab`` of a slabbed weight (its own stochastic
+        rounding stream), or None where the chain has no fused step (then nothing ran)."""
+        return self._fused_call(state, params, grads, self._n_tensors + slab)
+
     def _apply(self, name: str, param: torch.Tensor, update: torch.Tensor) -> None:
         """θ ← θ + u (``pf.apply_updates``), slab by slab, so that the fp32 temporaries of a
         large tensor (the embedding: V·D) stay ``apply_chunk`` elements; elementwise, so the

@@ -14,7 +14,6 @@ equal to the dense path up to summation order (tests/test_release_slabs.py, docs
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -55,14 +54,6 @@ class TiedSlabs:
     embedding's forward; None once undone).
     """
 
-    #: Build the slab sums without a host sync (``_row_grad_sums_unsynced``).  Off by default:
-    #: on the H200 (bench/results/s4_call7_sft_4b.json) the sync-free step made the <= 12 GiB
-    #: Qwen3-4B run slower (13,629 -> 12,703 tok/s): with the host no longer held at the end of
-    #: backward, the next forward's offload copies got slower (pinned host allocations, see
-    #: ``checkpointing.PINNED_POOL``).  Session 5, with the pool and the recompute: within noise
-    #: of the default (14,046 vs 14,099 tok/s, s5_call4), so it stays off.  ``PGS_SLABS_SYNC_FREE=1``.
-    SYNC_FREE = os.environ.get("PGS_SLABS_SYNC_FREE", "0") == "1"
-
     def __init__(self, release, model, rows) -> None:
         """Check ``tied_slabs`` and make the input embedding hand over its rows' gradients."""
         from pgs.runtime.model.build import TokenRowGrads, row_grad_embedding
@@ -76,10 +67,10 @@ class TiedSlabs:
         if embed is None or not hasattr(embed, "weight"):
             raise InvalidArgument("GradientRelease: tied_slabs needs the model (an nn.Module whose "
                                   "get_input_embeddings() is an embedding), not a dict of parameters")
-        name = release._name_of.get(id(embed.weight))
+        name = release.name_of(embed.weight)
         if name is None:
             raise InvalidArgument("GradientRelease: tied_slabs: the input embedding's weight is not trainable")
-        group = release._group_of[name]
+        group = release.group_of(name)
         if release.groups[group] != [name]:
             raise InvalidArgument(f"GradientRelease: tied_slabs: the embedding's weight {name!r} shares its release "
                                   f"group {group!r} with {len(release.groups[group]) - 1} other parameters; "
@@ -104,7 +95,7 @@ class TiedSlabs:
             self.undo_embedding = row_grad_embedding(model, sink)
         except ValueError as e:
             raise InvalidArgument(f"GradientRelease: tied_slabs: {e}") from None
-        sink.on_backward = release._arrivals.touch
+        sink.on_backward = release.backward_started
         self.rows, self.name, self.block, self.row_grads = rows, name, block, sink
 
     def remove(self) -> None:
@@ -196,7 +187,8 @@ class TiedSlabs:
     def _row_grad_sums(self, W: torch.Tensor):
         """The embedding's gradient as (unique ids ascending, their summed rows in W's dtype),
         from the rows its backward kept (fp32 sums for low-precision weights).  ``torch.unique``
-        sizes its output by the data: a host sync at the end of backward (``SYNC_FREE``)."""
+        sizes its output by the data: a host sync at the end of backward (a sync-free variant measured
+        no faster: docs/performance.md)."""
         taken = self._taken_rows(W)
         if taken is None:
             return None, None
@@ -209,30 +201,6 @@ class TiedSlabs:
         del rows, inverse
         return uniq, sums.to(W.dtype)
 
-    def _row_grad_sums_unsynced(self, W: torch.Tensor):
-        """The embedding's gradient as (ids, their summed rows in W's dtype), with no host sync.
-
-        N looked-up rows give at most N distinct ids: slot j < K holds the j-th smallest
-        distinct id and the sum of its rows (fp32 sums for low-precision weights), slots K..N−1
-        hold id V (no row) and zeros.  ``torch.unique`` would size its output by K, i.e. wait
-        for the device at the end of every backward, which drained the queue the host had
-        built up during backward (the step is host-bound: the next forward then started with
-        an idle GPU)."""
-        taken = self._taken_rows(W)
-        if taken is None:
-            return None, None
-        ids, rows, acc_dtype = taken
-        del taken
-        ids, order = torch.sort(ids)
-        first = torch.ones_like(ids, dtype=torch.bool)
-        first[1:] = ids[1:] != ids[:-1]
-        slot = torch.cumsum(first, 0) - 1  # the distinct id's rank, per sorted row
-        sums = torch.zeros(ids.numel(), W.shape[1], dtype=acc_dtype, device=W.device)
-        sums.index_add_(0, slot, rows.index_select(0, order).to(acc_dtype))
-        del rows, order
-        uniq = torch.full_like(ids, W.shape[0]).scatter_(0, slot, ids)
-        return uniq, sums.to(W.dtype)
-
     def step(self, release, group: str) -> None:
         """Step the slabbed weight rows [r0, r0 + rows) at a time: the slab's gradient is
         W.grad's rows (if autograd gave one) + the embedding rows' sums that fall in it + every
@@ -242,12 +210,11 @@ class TiedSlabs:
         live = release.params[name]
         V, D = live.shape
         target = release.masters.get(name, live.detach())
-        sources = release._before.pop(name, [])
-        sync_free = self.SYNC_FREE
-        uniq, sums = self._row_grad_sums_unsynced(live) if sync_free else self._row_grad_sums(live)
+        sources = release.take_contributions(name)
+        uniq, sums = self._row_grad_sums(live)
         starts = list(range(0, V, self.rows))
         bounds = None
-        if uniq is not None and not sync_free:
+        if uniq is not None:
             edges = torch.tensor([*starts, V], device=uniq.device, dtype=uniq.dtype)
             bounds = torch.searchsorted(uniq, edges).tolist()
         full = release.states[group]
@@ -260,20 +227,15 @@ class TiedSlabs:
             if bounds is not None and bounds[s + 1] > bounds[s]:
                 lo, hi = bounds[s], bounds[s + 1]
                 g.index_add_(0, uniq[lo:hi] - r0, sums[lo:hi])
-            elif sync_free and uniq is not None:  # the slab's rows among the sums; the others add zeros to row 0
-                local = uniq - r0
-                inside = (local >= 0) & (local < r1 - r0)
-                g.index_add_(0, torch.where(inside, local, 0), torch.where(inside.unsqueeze(1), sums, 0))
             for src in sources:
                 src.add_rows_to(g, r0, r1)
             p_slab = target[r0:r1]
             g = g.to(p_slab.dtype) if g.dtype != p_slab.dtype else g
-            if release.track_grad_norm:  # Σ‖g‖² is reduced once, when read (GradientRelease._last_sumsq)
-                release._norms.append(torch.linalg.vector_norm(g, dtype=torch.float32))
+            release.record_norm(g)
             views = self._slab_state(full, live.shape, r0, r1, D)
             new = None
             if fused is not False:
-                new = release._fused_call(views, {name: p_slab}, {name: g}, release._n_tensors + s)
+                new = release.fused_slab_update(views, {name: p_slab}, {name: g}, s)
                 fused = new is not None
             if new is not None:
                 self._write_back(full, views, new, live.shape)

@@ -1,0 +1,73 @@
+"""Faults a test injects into a run: NaN losses at chosen steps, a SIGKILL at a chosen point,
+slow steps.  The loop asks its ``Run.faults``; production runs carry ``NO_FAULTS``.
+
+In-process tests pass a ``Faults`` to ``setup`` / ``run``.  Tests that start ``pgs run`` as a
+child process hand one over in a single environment variable (``Faults(...).env()`` gives
+``{"PGS_FAULTS": <json>}``), which the CLI reads once at start (``Faults.from_env``); nothing in
+the loop reads the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Mapping
+
+import attrs
+
+from pgs.errors import InvalidArgument
+
+ENV = "PGS_FAULTS"
+#: where ``crash_at`` can strike: halfway through writing a checkpoint (weights written, the
+#: rest not), or right after a step's update
+CRASH_POINTS = ("checkpoint_write", "step")
+
+
+def _crash_at(value):
+    if value is None:
+        return None
+    where, step = value
+    if where not in CRASH_POINTS:
+        raise InvalidArgument(f"Faults.crash_at: {where!r} is not one of {CRASH_POINTS}")
+    return str(where), int(step)
+
+
+@attrs.frozen
+class Faults:
+    """``nan_steps``: those steps' losses (1-based) become NaN.  ``crash_at``: ``(where, step)``,
+    SIGKILL at that point (``CRASH_POINTS``).  ``slow_step_s``: sleep that long after each step."""
+
+    nan_steps: frozenset = attrs.field(default=frozenset(), converter=lambda s: frozenset(int(x) for x in s))
+    crash_at: tuple | None = attrs.field(default=None, converter=_crash_at)
+    slow_step_s: float = attrs.field(default=0.0, converter=float)
+
+    def poisons(self, step: int) -> bool:
+        """Whether step ``step``'s loss is made NaN."""
+        return step in self.nan_steps
+
+    def crash(self, where: str, step: int) -> None:
+        """SIGKILL this process on the spot if ``crash_at`` is ``(where, step)``."""
+        if self.crash_at == (where, step):
+            os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(137)  # not reached where SIGKILL exists
+
+    def env(self) -> dict[str, str]:
+        """The environment entry that hands these faults to a child ``pgs run``."""
+        return {ENV: json.dumps({"nan_steps": sorted(self.nan_steps), "crash_at": self.crash_at,
+                                 "slow_step_s": self.slow_step_s})}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Faults":
+        """What ``env()`` handed over, or ``NO_FAULTS``."""
+        raw = environ.get(ENV)
+        if not raw:
+            return NO_FAULTS
+        try:
+            fields = json.loads(raw)
+            return cls(**fields)
+        except (ValueError, TypeError) as err:
+            raise InvalidArgument(f"${ENV}: not a fault description written by Faults.env(): {err}") from None
+
+
+NO_FAULTS = Faults()

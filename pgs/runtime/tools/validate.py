@@ -1,0 +1,60 @@
+"""Looking before training: ``pgs validate SPEC`` (every check ``pgs run`` makes before its first
+step, then the data, and a summary of what the run would be) and ``pgs data inspect SPEC`` (the
+samples as the run will see them).  docs/cli.md."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from pgs.runtime.data.inspect import inspect_dataset
+from pgs.runtime.spec.preflight import check_resources, load_tokenizer
+
+
+def validate(spec, records: int = 200) -> int:
+    """Check ``spec`` (its model, tokenizer, run folder and the first ``records`` records of each
+    data file; 0 reads all) and print the summary; a problem raises its ``PgsError``."""
+    print_summary(spec, check_resources(spec, records=records))
+    return 0
+
+
+def inspect_spec(spec, n: int = 5, records: int = 0) -> int:
+    """The first ``n`` samples with their trained tokens marked, then statistics of the data
+    (``records`` per source; 0: all), tokenised by the spec's own tokenizer."""
+    tokenizer = load_tokenizer(spec.model.tokenizer, spec.model.trust_remote_code)
+    inspect_dataset(spec.data, tokenizer, n=n, max_records=records or None)
+    return 0
+
+
+def print_summary(spec, facts: dict) -> None:
+    """The summary table of a runnable spec, then its warnings."""
+    console = Console()
+    table = Table(title=f"pgs validate: {spec.source}", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    m, t, s = spec.model, spec.train, spec.schedule
+    table.add_row("model", (m.path or "random init") + f"  [{facts.get('model', '')}]")
+    table.add_row("parameters", facts.get("parameters", "?") + (f", frozen {facts['frozen']}" if "frozen" in facts else ""))
+    table.add_row("dtype / attention", f"{m.dtype} / {m.attn_implementation}"
+                  + (f" ({m.varlen_kernel} kernel)" if m.varlen_kernel != "auto" else ""))
+    table.add_row("tokenizer", f"{m.tokenizer}  [{facts.get('tokenizer', '')}]")
+    stats = facts.get("data")
+    for src in spec.data.sources:
+        table.add_row("data source", f"{src.path}  (weight {src.weight:g}, format {src.format})")
+    if stats is not None:
+        table.add_row("data checked", f"{stats.records} records, {stats.samples} samples, "
+                                      f"{stats.trained_tokens}/{stats.tokens} tokens trained, "
+                                      f"packing {stats.packing_efficiency:.0%}")
+    table.add_row("eval", f"{spec.data.eval}  [{facts['eval']}]" if spec.data.eval else "none")
+    table.add_row("optimizer", facts.get("chain", ""))
+    peak_lr = s.peak if s.name != "constant" else s.peak
+    table.add_row("schedule", f"{s.name}, peak {peak_lr:g}, warmup {s.warmup}, total {s.total or 'train length'}")
+    table.add_row("loss", f"{spec.loss.objective} ({spec.loss.backend})")
+    length = f"{t.steps} steps" if t.steps is not None else f"{t.epochs} epochs"
+    table.add_row("train", f"{length}, batch {t.batch_size} × {spec.data.max_seq_len} tokens, "
+                           f"grad_accum {t.grad_accum}, device {t.device}")
+    table.add_row("run folder", spec.run_dir)
+    console.print(table)
+    for warning in facts["warnings"] + (stats.warnings() if stats is not None else []):
+        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+    console.print("[green]ok[/]: the spec is runnable")
