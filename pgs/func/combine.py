@@ -8,7 +8,7 @@ import torch
 
 from pgs.errors import InvalidArgument
 from pgs.func import tree as T
-from pgs.func.base import Transform, widest_locality
+from pgs.func.base import Transform, identity, widest_locality
 from pgs.func.layout import call_init, call_update, group_label
 from pgs.func.step import NO_CONTEXT, StepContext
 
@@ -115,7 +115,6 @@ class MaskedState(NamedTuple):
 
 def masked(inner: Transform, mask) -> Transform:
     """Apply ``inner`` where ``mask(path, param)`` is true; pass other updates through unchanged."""
-    from pgs.func.base import identity
 
     p = partition({True: inner, False: identity()}, mask)
 

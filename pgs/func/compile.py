@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from pgs.errors import InvalidArgument
-from pgs.func import tree as T
+from pgs.func import fused as _fused, tree as T
 from pgs.func.apply import stochastic_round_to_bf16
 from pgs.func.base import Transform
 from pgs.func.layout import Layout, call_init, call_update
@@ -138,7 +138,6 @@ class FlatChain:
         """True when ``step`` runs the hand-written AdamW/Lion kernels (``pgs.func.fused``)."""
         if self.plan is None or self.plan.name != "adamw_lion" or self.stochastic_rounding or self.layout is None:
             return False
-        from pgs.func import fused as _fused
 
         return _fused.available(self.layout)
 
@@ -146,7 +145,7 @@ class FlatChain:
     def _flat_update(self, fu, state, fp, extra):
         u, s = call_update(self.opt, fu, state, fp, {**extra, "ctx": context_of(extra).evolve(layout=self.layout)})
         if self.donate:
-            s = _donate(state, s)
+            s = T.donate(state, s)
         return u, s
 
     def _flat_step(self, fg, state, fp, extra):
@@ -161,7 +160,7 @@ class FlatChain:
                 x = p
             new_p[k] = x
         if self.donate:
-            s = _donate(state, s)
+            s = T.donate(state, s)
         return new_p, s
 
     def _build(self, fn: Callable):
@@ -183,25 +182,6 @@ class FlatChain:
             if p is not None and p.data_ptr() != v.data_ptr():
                 p.data = v
         return flat
-
-
-def _donate(old_state, new_state):
-    """Write ``new_state`` into ``old_state``'s buffers (same shapes) and return the old ones.
-
-    Only buffers (numel > 1) are donated: scalars (counters, the current lr) are returned as
-    new tensors — donating 0-d inputs gains nothing and inductor mis-handles some of them.
-    """
-    olds, spec = T.flatten(old_state)
-    news = T.leaves(new_state)
-    out = []
-    for o, n in zip(olds, news):
-        if (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o.numel() > 1
-                and o.shape == n.shape and o.dtype == n.dtype and o is not n):
-            o.copy_(n)
-            out.append(o)
-        else:
-            out.append(n)
-    return T.unflatten(out, spec)
 
 
 def compile(opt: Transform, *, jit: bool = True, donate: bool = False, align: int = 256,

@@ -20,11 +20,14 @@ import torch
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count, zeros_state
-from pgs.func.base import MATRIX, Transform, chain, check_range, hp_in
+from pgs.func.alias import adamw, lion
+from pgs.func.apply import stochastic_round_to_bf16
+from pgs.func.base import EmptyState, MATRIX, Transform, chain, check_range, hp_in
 from pgs.func.combine import partition
-from pgs.func.learning_rate import scale_by_learning_rate
-from pgs.func.weight_decay import add_decayed_weights
+from pgs.func.layout import call_update, group_label
+from pgs.func.learning_rate import ScaleByLearningRateState, lr_value, scale_by_learning_rate
 from pgs.func.step import NO_CONTEXT, StepContext
+from pgs.func.weight_decay import add_decayed_weights
 
 #: Path fragments that mark an embedding or an output head: those go to the fallback.
 EMBED_OR_HEAD = ("embed", "lm_head", "wte", "wpe")
@@ -255,7 +258,6 @@ def muon_fused_step(
     Differences from the reference are rounding only: the direction is never rounded to the
     gradient's dtype, and ‖U‖ sums in another order.
     """
-    from pgs.func.apply import stochastic_round_to_bf16
     from pgs.func.kernels import ns
     from pgs.func.kernels.fused import hp_tensor, one_minus, sr_seed
 
@@ -452,7 +454,6 @@ def muon(
 
     Paper: Jordan et al. 2024 (blog); arXiv 2502.16982.
     """
-    from pgs.func.alias import adamw, lion
 
     if fallback not in ("adamw", "lion"):
         raise InvalidArgument(f"muon: fallback={fallback!r}, expected 'adamw' or 'lion'")
@@ -499,8 +500,6 @@ def muon_matrices(
         state = fast.init(params)
         params, state = fast.step(grads, state, params)
     """
-    from pgs.func.base import EmptyState
-    from pgs.func.learning_rate import ScaleByLearningRateState, lr_value
 
     inner = scale_by_muon(momentum, nesterov, ns_steps, ns_coefficients, eps, adjust_lr, ns_dtype, mu_dtype)
     check_range("weight_decay", weight_decay, 0.0, None, who="muon")
@@ -558,9 +557,6 @@ def _muon_partition_step(branch: Transform, other: Transform, route):
     """
 
     def fused_step(fg, state, fp, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
-        from pgs.func.apply import stochastic_round_to_bf16
-        from pgs.func.compile import _donate
-        from pgs.func.layout import call_update, group_label
 
         layout = ctx.layout
         if layout is None or ctx.whole_tensors is not None:
@@ -590,7 +586,7 @@ def _muon_partition_step(branch: Transform, other: Transform, route):
                     p.copy_(x)
                     x = p
                 new_p[k] = x
-            s_fb = _donate(s_fb, s_new) if donate else s_new
+            s_fb = T.donate(s_fb, s_new) if donate else s_new
         for k, p in fp.items():
             new_p.setdefault(k, p)
         return new_p, {"muon": s_muon, "fallback": s_fb}

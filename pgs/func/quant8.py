@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from pgs.errors import InvalidArgument
+from pgs.errors import InvalidArgument, TreeMismatch
 
 #: Codes per map (8 bits).
 NUM_CODES = 256
@@ -243,8 +243,6 @@ def store_moment(x: torch.Tensor, like, block_size: int, signed: bool):
 def moment_leaves(updates, moments, who: str) -> list:
     """The moments' leaves (``Quantized8bit`` counted as one leaf), aligned with ``updates``'."""
     import torch.utils._pytree as _pt
-
-    from pgs.errors import TreeMismatch
 
     u_leaves, u_spec = _pt.tree_flatten(updates, is_leaf=lambda x: x is None)
     m_leaves, m_spec = _pt.tree_flatten(moments, is_leaf=lambda x: x is None or isinstance(x, Quantized8bit))

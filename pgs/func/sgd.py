@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from pgs.errors import InvalidArgument
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count, zeros_state
 from pgs.func.base import ELEMENTWISE, Transform, check_range, hp_cache
@@ -27,7 +28,6 @@ def scale_by_sgd_momentum(momentum: float = 0.9, nesterov: bool = False, mu_dtyp
     who = "scale_by_sgd_momentum"
     check_range("momentum", momentum, 0.0, 1.0, hi_open=True, who=who)
     if nesterov and isinstance(momentum, (int, float)) and momentum == 0:
-        from pgs.errors import InvalidArgument
 
         raise InvalidArgument(f"{who}: nesterov=True needs momentum > 0")
 

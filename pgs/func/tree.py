@@ -195,3 +195,22 @@ def tree_map_n(fn: Callable, n: int, tree: Tree, *rest: Tree) -> tuple:
         for o, r in zip(outs, res):
             o.append(r)
     return tuple(_pt.tree_unflatten(o, spec) for o in outs)
+
+
+def donate(old_state: Tree, new_state: Tree) -> Tree:
+    """Write ``new_state`` into ``old_state``'s buffers (same shapes) and return the old ones.
+
+    Only buffers (numel > 1) are donated: scalars (counters, the current lr) are returned as
+    new tensors — donating 0-d inputs gains nothing and inductor mis-handles some of them.
+    """
+    olds, spec = flatten(old_state)
+    news = leaves(new_state)
+    out = []
+    for o, n in zip(olds, news):
+        if (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o.numel() > 1
+                and o.shape == n.shape and o.dtype == n.dtype and o is not n):
+            o.copy_(n)
+            out.append(o)
+        else:
+            out.append(n)
+    return unflatten(out, spec)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from pgs.errors import SpecError
+from pgs.runtime.model.build import final_hidden
 
 #: Environment variable with the process-group timeout in seconds (default below).
 TIMEOUT_ENV = "PGS_PG_TIMEOUT_S"
@@ -197,7 +198,6 @@ def mixed_precision_policy(mixed_precision: str | None):
 
 
 def _final_hidden(self, input_ids, position_ids, *, embed_noise=None):
-    from pgs.runtime.model.build import final_hidden
 
     return final_hidden(self, input_ids, position_ids, embed_noise=embed_noise)
 

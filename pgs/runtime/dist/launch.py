@@ -29,6 +29,10 @@ import threading
 import time
 from typing import Sequence
 
+from pgs.runtime.spec.load import check_world_size
+from pgs.runtime.spec.preflight import preflight_spec
+from pgs.runtime.store import checkpoint
+
 GRACE_ENV = "PGS_SHUTDOWN_GRACE_S"
 DEFAULT_GRACE_S = 900
 HALT_FILE = "HALT.json"
@@ -136,9 +140,6 @@ def launch_run(spec, spec_path: str, *, nproc: int, overrides: Sequence[str] = (
     ``HALT.json`` written during this launch decides the code, else 128+signum after a
     forwarded signal, else torchrun's.
     """
-    from pgs.runtime.spec.load import check_world_size
-    from pgs.runtime.spec.preflight import preflight_spec
-    from pgs.runtime.store import checkpoint
 
     preflight_spec(spec)
     check_world_size(spec.train, nproc)

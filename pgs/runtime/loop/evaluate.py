@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from pgs.func.losses import token_loss
+from pgs.runtime.data import synthetic
 from pgs.runtime.model.build import final_hidden, output_head
 
 
@@ -121,7 +122,6 @@ def task_checker(samples: list[dict]):
     The quickstart's synthetic records carry ``"task"`` in ``add``/``weather``; their checker
     is ``pgs.runtime.data.synthetic.is_correct``.  Other data gets eval loss only.
     """
-    from pgs.runtime.data import synthetic
 
     if samples and all(s.get("task") in ("add", "weather") for s in samples):
         return synthetic.eval_prompt, synthetic.is_correct

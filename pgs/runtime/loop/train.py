@@ -42,21 +42,25 @@ import attrs
 import numpy as np
 import torch
 
-from pgs.errors import EXIT_OK, EXIT_WALL_BUDGET, DiskFull, HaltError, PreflightRefused
+from pgs.errors import DiskFull, EXIT_OK, EXIT_WALL_BUDGET, HaltError, PreflightRefused
 from pgs.func.losses import neftune, token_loss
-from pgs.runtime.store import checkpoint as ckpt
-from pgs.runtime.loop import control
-from pgs.runtime.dist import fsdp as D
-from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
 from pgs.runtime.data import EvalStream, TrainStream, require_packing_isolation
+from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.loader import StepLoader
+from pgs.runtime.dist import fsdp as D
+from pgs.runtime.loop import control
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
-from pgs.runtime.store.export import export_hf
-from pgs.runtime.loop.faults import NO_FAULTS, Faults
+from pgs.runtime.loop.faults import Faults, NO_FAULTS
 from pgs.runtime.loop.metrics import MetricsLog
 from pgs.runtime.loop.trace import Profiler
+from pgs.runtime.model import layers
 from pgs.runtime.model.build import build_model, freeze, output_head, parameter_bytes
+from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
+from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
+from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
+from pgs.runtime.store import checkpoint as ckpt, dcp
+from pgs.runtime.store.export import export_hf
 
 #: Eval prompts answered by greedy generation when the eval data has a known checker.
 ACCURACY_SAMPLES = 48
@@ -125,12 +129,10 @@ def is_main(run: Run) -> bool:
 
 def apply_memory(model, memory) -> None:
     """Liger kernels, activation checkpointing and per-layer compile from ``[memory]``, in place."""
-    from pgs.runtime.model import layers
 
     if memory.liger:
         layers.apply_liger(model)
     if getattr(memory, "mlp_tiles", 0) > 1:
-        from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 
         apply_mlp_tiles(model, memory.mlp_tiles)
     if memory.activation_checkpointing != "none":
@@ -153,7 +155,6 @@ def configure_allocator(device: torch.device) -> None:
 
 
 def _steps_per_epoch(spec, tokenizer) -> int:
-    from pgs.runtime.data.inspect import dataset_stats
 
     sequences = dataset_stats(spec.data, tokenizer).sequences
     return max(1, math.ceil(sequences / spec.train.batch_size))
@@ -165,7 +166,6 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     ``ctx``: the distributed context (``distributed.init()``) when several processes train
     together; the model is then sharded (FSDP2) and the chain bound to the shards.
     """
-    from pgs.runtime.spec.load import check_world_size
 
     tokenizer = preflight_spec(spec).tokenizer  # pgs validate's checks of the model, lengths and run folder
     sharded = ctx is not None and ctx.distributed
@@ -219,7 +219,6 @@ def restore(run: Run, folder: str) -> None:
 
     A DCP folder (several processes) is loaded by every rank through ``dcp.load``.
     """
-    from pgs.runtime.store import dcp
 
     if run.ctx is not None or dcp.is_dcp(folder):
         t = dcp.load(folder, model=run.model, optimizer=run.bound, noise_generator=run.noise)
@@ -241,7 +240,6 @@ def save(run: Run) -> str:
     """Write ``step_<N>`` (durably), then purge old ones beyond ``checkpoint.keep``."""
     step = run.step
     if run.ctx is not None:
-        from pgs.runtime.store import dcp
 
         folder = dcp.save(run.run_dir, step, model=run.model, optimizer=run.bound, trainer=run.counters(),
                           spec_toml=run.spec.to_toml(), noise_generator=run.noise)
@@ -483,7 +481,6 @@ def _sharded_eval_loss(run: Run) -> dict:
 
 def _export(run: Run, out_dir: str, info: dict) -> None:
     if run.ctx is not None:
-        from pgs.runtime.store import dcp
 
         dcp.export_hf(run.model, run.tokenizer, out_dir, info=info)
     else:
@@ -565,7 +562,6 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
 def _resolve(r: Run, resume: str | None) -> str | None:
     if r.ctx is None or resume is None:
         return ckpt.resolve(r.run_dir, resume)
-    from pgs.runtime.store import dcp
 
     return dcp.latest(r.run_dir) if resume == "auto" else resume  # dcp.load verifies it
 

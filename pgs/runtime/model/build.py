@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 
 from pgs.errors import SpecError
+from pgs.runtime.model.attention import hf_implementation, packed_kwargs, set_varlen_kernel, uses_varlen
+from pgs.runtime.model.config import config_from_table, load_tokenizer as load
 
 DTYPES = {
     "float32": torch.float32,
@@ -52,7 +54,6 @@ def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype:
 
 def build_config(config: dict[str, Any]):
     """A ``transformers`` config from a table such as ``{model_type = "qwen3", hidden_size = 64}``."""
-    from pgs.runtime.spec.preflight import config_from_table
 
     return config_from_table(config)
 
@@ -90,8 +91,6 @@ def build_model(
     resolved here for ``device`` when the model uses it).
     """
     from transformers import AutoModelForCausalLM
-
-    from pgs.runtime.model.attention import hf_implementation, set_varlen_kernel
 
     torch_dtype = resolve_dtype(dtype)
     device = _init_device(device)
@@ -136,8 +135,7 @@ def build_model(
 
 def load_tokenizer(path: str):
     """The tokenizer of a local folder (``model.tokenizer``, or the model folder itself);
-    ``SpecError`` when it will not load (``pgs.runtime.spec.preflight.load_tokenizer``)."""
-    from pgs.runtime.spec.preflight import load_tokenizer as load
+    ``SpecError`` when it will not load (``pgs.runtime.model.config.load_tokenizer``)."""
 
     return load(path)
 
@@ -203,7 +201,6 @@ def final_hidden(model, input_ids: Tensor, position_ids: Tensor, *, embed_noise=
     go to the packed-attention kernel instead, see ``pgs.runtime.model.attention``).  ``embed_noise(embeds) -> embeds`` (NEFTune) is
     applied to the input embeddings when given.
     """
-    from pgs.runtime.model.attention import packed_kwargs, uses_varlen
 
     base = model.base_model
     kwargs = dict(position_ids=position_ids, use_cache=False)

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from pgs.errors import InvalidArgument
 from pgs.func.kernels.swiglu import swiglu_backward_, swiglu_forward_
+from pgs.runtime.model.layers import decoder_layers
 
 _ORIGINAL = "_pgs_forward_before_mlp_tiles"
 
@@ -172,7 +173,6 @@ def apply_mlp_tiles(model, tiles: int) -> int:
     ``gate_proj``/``up_proj``/``down_proj`` modules with bias-free linears (e.g. after Liger's
     SwiGLU patch, or a mixture of experts).
     """
-    from pgs.runtime.model.layers import decoder_layers
 
     if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 0:
         raise InvalidArgument(f"apply_mlp_tiles: tiles={tiles!r} must be an int >= 0")

@@ -14,13 +14,13 @@ equal to the dense path up to summation order (tests/test_release_slabs.py, docs
 
 from __future__ import annotations
 
-
 import torch
 
 import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func.base import ELEMENTWISE
 from pgs.func.quant8 import Quantized8bit
+from pgs.runtime.model.build import TokenRowGrads, row_grad_embedding
 
 
 def slab_refusal(chain: pf.Transform) -> str | None:
@@ -56,7 +56,6 @@ class TiedSlabs:
 
     def __init__(self, release, model, rows) -> None:
         """Check ``tied_slabs`` and make the input embedding hand over its rows' gradients."""
-        from pgs.runtime.model.build import TokenRowGrads, row_grad_embedding
 
         if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
             raise InvalidArgument(f"GradientRelease: tied_slabs={rows!r} must be None or an int >= 1 (rows per slab)")

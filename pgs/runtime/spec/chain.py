@@ -19,10 +19,17 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Callable
+from typing import Callable, TYPE_CHECKING
 
+import pgs.func as pf
 from pgs.errors import PgsError, SpecError
-from pgs.runtime.spec.load import Spec, suggest
+from pgs.func.base import no_step_stage
+from pgs.func.losses import BACKENDS, OBJECTIVES
+from pgs.runtime.optim.release import refusal, slab_refusal
+from pgs.runtime.spec.sections import suggest
+
+if TYPE_CHECKING:  # the spec imports this module to build what it names
+    from pgs.runtime.spec.load import Spec
 
 #: Parameter names of factories that wrap other transforms (not expressible as a chain entry).
 _WRAPPER_ARGS = {"opt", "inner", "transforms", "named", "factory"}
@@ -68,7 +75,6 @@ def compile_mask(text: str) -> Callable:
 
 
 def _factories() -> dict[str, Callable]:
-    import pgs.func as pf
 
     out = {}
     for name in getattr(pf, "__all__", dir(pf)):
@@ -137,7 +143,6 @@ def make_transform(name: str, args: dict, *, where: str, schedule=None, alias: b
     ``where`` is the dotted field of the entry (``optimizer.chain[1]``); an unknown argument is
     reported as ``{where}.{arg}`` (or ``{where}.args.{arg}`` for an alias).
     """
-    import pgs.func as pf
 
     factory = _lookup(name, f"{where}.name" if not alias else "optimizer.alias", alias)
     params = inspect.signature(factory).parameters
@@ -175,7 +180,6 @@ def _schedule_total(spec: Spec, total_steps: int | None) -> int | None:
 
 def build_schedule(spec: Spec, total_steps: int | None = None):
     """The ``[schedule]`` as a ``pgs.func`` schedule (``step -> 0-d tensor``)."""
-    import pgs.func as pf
 
     s = spec.schedule
     total = _schedule_total(spec, total_steps)
@@ -210,8 +214,6 @@ def build_chain(spec: Spec, total_steps: int | None = None, schedule=None):
     """The ``[optimizer]`` as one ``pgs.func.Transform``; the learning rate is ``schedule``.
 
     A chain that would climb the loss (no learning-rate stage) is refused."""
-    import pgs.func as pf
-    from pgs.func.base import no_step_stage
 
     if schedule is None:
         schedule = build_schedule(spec, total_steps)
@@ -238,7 +240,6 @@ def build_chain(spec: Spec, total_steps: int | None = None, schedule=None):
 
 def build_objective(loss):
     """The ``[loss]`` objective instance, with ``loss.args`` checked against its class."""
-    from pgs.func.losses import OBJECTIVES
 
     if loss.objective not in OBJECTIVES:
         names = sorted(OBJECTIVES)
@@ -258,7 +259,6 @@ def build_objective(loss):
 
 def check_loss(loss) -> None:
     """Names and combinations of ``[loss]`` that cannot work."""
-    from pgs.func.losses import BACKENDS
 
     if loss.backend not in BACKENDS:
         raise SpecError(f"loss.backend: {loss.backend!r} is not one of {', '.join(BACKENDS)}"
@@ -297,7 +297,6 @@ def check_memory(spec: Spec, chain) -> None:
                         "cannot run inside backward (the global norm is unknown until backward ends); set "
                         "optimizer.clip = 0, or write an optimizer.chain with a per-tensor clip "
                         "({ name = \"clip_by_norm_per_tensor\", ... })")
-    from pgs.runtime.optim.release import refusal
 
     why = refusal(chain, 1)
     if why:
@@ -310,7 +309,6 @@ def check_memory(spec: Spec, chain) -> None:
         raise SpecError(f"memory.gradient_release: {where} cannot run inside backward: {why}; "
                         "remove it or set memory.gradient_release = false")
     if mem.tied_slabs:
-        from pgs.runtime.optim.release import slab_refusal
 
         why = slab_refusal(chain)
         if why:

@@ -20,9 +20,10 @@ from typing import Any, Iterable
 
 import attrs
 
+import pgs.func as pf
 from pgs.errors import SpecError
 from pgs.runtime.data.config import DataConfig, DataSource
-from pgs.runtime.spec.toml import dumps, parse_value, read_toml  # noqa: F401  (re-exported)
+from pgs.runtime.spec.chain import build_chain, build_objective, build_schedule, check_spec
 from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     ASSET_PREFIX,
     ASSETS_DIR,
@@ -49,6 +50,7 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     MemorySpec,
     SECTIONS,
 )
+from pgs.runtime.spec.toml import dumps, parse_value, read_toml  # noqa: F401  (re-exported)
 
 
 
@@ -82,13 +84,11 @@ class Spec:
 
     def build_schedule(self, total_steps: int | None = None):
         """The ``[schedule]`` as a ``pgs.func`` schedule; ``total = 0`` becomes ``total_steps``."""
-        from pgs.runtime.spec.chain import build_schedule
 
         return build_schedule(self, total_steps)
 
     def build_chain(self, total_steps: int | None = None, schedule=None):
         """The ``[optimizer]`` as one pure ``pgs.func.Transform`` (learning rate = the schedule)."""
-        from pgs.runtime.spec.chain import build_chain
 
         return build_chain(self, total_steps, schedule)
 
@@ -97,13 +97,11 @@ class Spec:
         chain = self.build_chain(total_steps)
         if not self.optimizer.compile:
             return chain
-        import pgs.func as pf
 
         return pf.compile(chain, jit=self.optimizer.jit)
 
     def build_objective(self):
         """The ``[loss]`` objective instance (``pgs.func.losses``), with ``loss.args``."""
-        from pgs.runtime.spec.chain import build_objective
 
         return build_objective(self.loss)
 
@@ -403,8 +401,6 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
     sections["checkpoint"] = attrs.evolve(ckpt, dir=resolve_path(ckpt.dir, base))
     _check_schedule_fields(sections["schedule"], raw.get("schedule", {}))
     spec = Spec(**sections, source=source)
-
-    from pgs.runtime.spec.chain import check_spec
 
     check_spec(spec)
     return spec

@@ -24,16 +24,20 @@ from typing import Any
 
 import attrs
 
+import pgs.func as pf
 from pgs.errors import DataError, PgsError, SpecError
+from pgs.runtime.data import DataStats, encode_document, read_conversations
+from pgs.runtime.data.inspect import dataset_stats
+from pgs.runtime.data.isolation import require_packing_isolation
+from pgs.runtime.data.records import iter_lines
+from pgs.runtime.model.attention import hf_implementation
+from pgs.runtime.model.config import (TOKENIZER_FILES, config_from_folder, config_from_table, first_line,  # noqa: F401
+                                      known_model_types, load_tokenizer, quiet_transformers)
+from pgs.runtime.spec.sections import suggest
 
 #: ``data.max_seq_len`` allowed when the model's configuration names no
 #: ``max_position_embeddings`` (2**20 tokens; beyond it a batch alone outgrows a host).
 MAX_SEQ_LEN_UNBOUNDED = 1 << 20
-
-#: Files of a tokenizer folder (at least one must be there).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model", "merges.txt", "tokenizer.tiktoken")
-
 
 @attrs.define
 class Preflight:
@@ -47,103 +51,6 @@ class Preflight:
     warnings: list[str] = attrs.field(factory=list)
 
 
-def first_line(err: BaseException, limit: int = 200) -> str:
-    """The first line of an exception's message (of its cause, for transformers' config
-    validation errors whose own first line says only which validator failed), cut to ``limit``."""
-    text = str(err).strip()
-    if err.__cause__ is not None and text.startswith("Class validation error"):
-        text = str(err.__cause__).strip()
-    line = text.splitlines()[0] if text else type(err).__name__
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _quiet_transformers() -> None:
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
-# --------------------------------------------------------------------------- tokenizer
-
-
-def load_tokenizer(path: str | None, trust_remote_code: bool = False, field: str = "model.tokenizer"):
-    """The tokenizer of the local folder ``path``; one ``SpecError`` line when it will not load."""
-    _quiet_transformers()
-    if not path or not os.path.isdir(path):
-        raise SpecError(f"{field}: {path!r} is not a tokenizer folder")
-    if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise SpecError(f"{field}: {path} holds no tokenizer (none of tokenizer.json, tokenizer_config.json, "
-                        "tokenizer.model, vocab.json)")
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    except Exception as err:  # a folder that transformers cannot read: the user's file, not a bug
-        raise SpecError(f"{field}: cannot load a tokenizer from {path} ({first_line(err)})") from None
-
-
-# --------------------------------------------------------------------------- model configuration
-
-
-def known_model_types() -> list[str]:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    return list(CONFIG_MAPPING.keys())
-
-
-def _unknown_model_type(field: str, model_type) -> SpecError:
-    import transformers
-
-    from pgs.runtime.spec.load import suggest
-
-    hint = suggest(str(model_type), known_model_types())
-    return SpecError(f"{field}: unknown architecture {model_type!r}"
-                     f"{hint or f' (not a model type of transformers {transformers.__version__})'}")
-
-
-def config_from_table(table: dict[str, Any]):
-    """A ``transformers`` config from a ``model.config`` table (``model_type`` + fields)."""
-    from transformers import AutoConfig
-
-    table = dict(table)
-    model_type = table.pop("model_type", None)
-    if not model_type:
-        raise SpecError("model.config.model_type: needed (a string such as \"qwen3\") to pick the architecture")
-    if str(model_type) not in known_model_types():
-        raise _unknown_model_type("model.config.model_type", model_type)
-    try:
-        return AutoConfig.for_model(str(model_type), **table)
-    except Exception as err:  # transformers' own validation of the fields the user gave
-        raise SpecError(f"model.config: not a usable {model_type} configuration ({first_line(err)})") from None
-
-
-def config_from_folder(path: str, trust_remote_code: bool = False):
-    """The ``transformers`` config of a local model folder (its ``config.json``)."""
-    from transformers import AutoConfig
-
-    file = os.path.join(path, "config.json")
-    try:
-        with open(file, encoding="utf-8") as handle:
-            raw = json.load(handle)
-    except OSError as err:
-        raise SpecError(f"model.path: cannot read {file} ({err.strerror or err})") from None
-    except ValueError as err:
-        raise SpecError(f"model.path: {file} is not JSON ({first_line(err)})") from None
-    if not isinstance(raw, dict):
-        raise SpecError(f"model.path: {file} is not a JSON object")
-    model_type = raw.get("model_type")
-    remote = trust_remote_code and "auto_map" in raw
-    if not remote and model_type is not None and str(model_type) not in known_model_types():
-        raise _unknown_model_type(f"model.path: {file}: model_type", model_type)
-    try:
-        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    except Exception as err:
-        raise SpecError(f"model.path: {file} is not a usable model configuration ({first_line(err)})") from None
-
-
 def model_config(model, vocab_size: int | None = None):
     """The HF config of the spec's ``[model]`` (``vocab_size = 0`` takes ``vocab_size``),
     with ``attn_implementation = "auto"`` resolved."""
@@ -154,7 +61,6 @@ def model_config(model, vocab_size: int | None = None):
         if not table.get("vocab_size") and vocab_size:
             table["vocab_size"] = vocab_size
         config = config_from_table(table)
-    from pgs.runtime.model.attention import hf_implementation
 
     config._attn_implementation = hf_implementation(model.attn_implementation, config)
     return config
@@ -289,8 +195,6 @@ def check_chain(spec) -> str:
     """Build the chain and take two steps on a tiny parameter tree; returns its description."""
     import torch
 
-    import pgs.func as pf
-
     total = spec.train.steps or 100
     chain = spec.build_chain(total_steps=total)
     params = _dummy_params()
@@ -353,7 +257,6 @@ def _numel(shape) -> int:
 
 
 def _check_eval(spec, tokenizer, records: int) -> int:
-    from pgs.runtime.data import DataStats, encode_document, read_conversations
 
     stats = DataStats()
     count = 0
@@ -373,9 +276,6 @@ def check_resources(spec, records: int = 200) -> dict:
     first ``records`` records of every data file through the data pipeline.  Problems raise
     ``SpecError`` or ``DataError``; ``facts["warnings"]`` holds what is worth saying but not fatal.
     """
-    from pgs.runtime.data.inspect import dataset_stats
-    from pgs.runtime.data.isolation import require_packing_isolation
-    from pgs.runtime.data.records import iter_lines
 
     found = preflight_spec(spec, count_parameters=True)
     tokenizer, config = found.tokenizer, found.config

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from pgs.runtime.store import checkpoint as ckpt
 from pgs.runtime.store.checkpoint import CheckpointError
+from pgs.runtime.store.export import export_hf as write_hf
 
 DCP_INFO = "dcp.json"
 DCP_FORMAT = "pgs-dcp-1"
@@ -293,7 +294,6 @@ def export_hf(model, tokenizer, out_dir: str, *, info: dict | None = None) -> st
     Collective: every rank calls it; rank 0 writes; every rank returns after the folder is
     published.  A tied output head is written once (transformers re-ties it from the config).
     """
-    from pgs.runtime.store.export import export_hf as write_hf
 
     tensors = gathered_state_dict(model)
     failure = None

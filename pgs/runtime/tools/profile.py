@@ -41,6 +41,14 @@ import torch
 
 import pgs.func as pf
 from pgs.errors import InvalidArgument
+from pgs.func.losses import chunked, chunked_cross_entropy, cross_entropy, token_loss
+from pgs.func.plan import RELEASE, plan_for
+from pgs.runtime.model.build import build_config, build_model, final_hidden, freeze, load_tokenizer, output_head
+from pgs.runtime.model.layers import apply_activation_checkpointing
+from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
+from pgs.runtime.optim.bound import bind
+from pgs.runtime.optim.release import GradientRelease, group_parameters, refusal
+from pgs.runtime.spec.sections import head_grad_wanted
 
 CATEGORIES = ("weights", "master_weights", "optimizer_state", "gradients", "activations", "loss", "temporaries")
 GiB = 1024**3
@@ -62,7 +70,6 @@ def _dtype(d) -> torch.dtype:
 
 def _hf_config(model_config):
     if isinstance(model_config, dict):
-        from pgs.runtime.model.build import build_config
 
         return build_config(model_config)
     return model_config
@@ -211,7 +218,6 @@ def chunk_work_bytes(rows: int, vocab: int, b: int, kernels: bool) -> tuple[int,
     ``DeferredHeadGrad.add_to``, at the end of backward): b B per element when it runs the
     same Triton pass (``DeferredHeadGrad.KERNEL_PASS``), else fp32 logits and softmax (8 B).
     """
-    from pgs.func.losses import chunked
 
     elements = int(rows) * int(vocab)
     forward = elements * (b if kernels else 12)
@@ -286,7 +292,6 @@ def predict_memory(
                        chain=pf.lion8bit(1e-5), gradient_release=True,
                        activation_checkpointing="full", micro_batch_tokens=4096)
     """
-    from pgs.runtime.optim.release import group_parameters
 
     cfg = _hf_config(model_config)
     if vocab is not None:
@@ -339,7 +344,6 @@ def predict_memory(
     b = torch.empty((), dtype=dt).element_size()
     n = int(micro_batch_tokens)
     if defer_head_grad is not False:  # where pgs run can defer, as the setting asks
-        from pgs.runtime.spec.sections import head_grad_wanted
 
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
         tied = head is not None and embed is not None and head.weight is embed.weight
@@ -348,7 +352,6 @@ def predict_memory(
         defer_head_grad = bool(gradient_release and loss == "chunked" and tied and head.weight.requires_grad
                                and wanted)
     if fused_update is None:
-        from pgs.func.plan import RELEASE, plan_for
 
         fused_update = bool(gradient_release and chain is not None and plan_for(chain, RELEASE) is not None)
     deferred = loss == "chunked" and defer_head_grad
@@ -429,7 +432,6 @@ def _spec_model_config(spec):
     if m.config is not None:
         table = dict(m.config)
         if not table.get("vocab_size"):  # as pgs run builds it: the tokenizer's vocabulary
-            from pgs.runtime.model.build import load_tokenizer
 
             table["vocab_size"] = len(load_tokenizer(m.tokenizer or m.path))
         return _hf_config(table)
@@ -440,8 +442,6 @@ def _spec_model_config(spec):
 
 def plan_from_spec(spec, **overrides) -> dict[str, Any]:
     """Everything ``predict_memory`` needs, read from a checked spec (plus ``overrides``)."""
-    from pgs.runtime.model.build import freeze
-    from pgs.runtime.optim.release import refusal
 
     mem = getattr(spec, "memory", None)
     opts = {**memory_options(spec), "tied_slabs": int(getattr(mem, "tied_slabs", 0) or 0),
@@ -525,11 +525,6 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
     Phases: ``static`` (model + optimizer state), and the peaks of ``forward``,
     ``backward`` (which includes the update under gradient release) and ``step``.
     """
-    from pgs.func.losses import chunked_cross_entropy, cross_entropy
-    from pgs.runtime.optim.bound import bind
-    from pgs.runtime.model.layers import apply_activation_checkpointing
-    from pgs.runtime.model.build import build_model, final_hidden, freeze, output_head
-    from pgs.runtime.optim.release import GradientRelease
 
     opts = plan["options"]
     dev = torch.device("cuda")
@@ -542,7 +537,6 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
                             varlen_kernel=m.varlen_kernel, init_seed=m.init_seed).to(dev)
     freeze(model, m.freeze)
     if int(opts.get("mlp_tiles", 0)) > 1:
-        from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 
         apply_mlp_tiles(model, int(opts["mlp_tiles"]))
     apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]),
@@ -570,7 +564,6 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
         kw = {} if spec.loss.backend == "dense" else {"chunk_size": spec.loss.chunk_size}
         slabs = opts["gradient_release"] and int(opts.get("tied_slabs", 0)) and spec.loss.backend != "dense"
         if slabs:  # the head's gradient deferred into the slabs, as pgs run does
-            from pgs.func.losses import token_loss
 
             r = token_loss(h, W, ids, bias=bias, softcap=softcap, defer_head_grad=W.requires_grad, **kw)
             if r.head_grad is not None:
