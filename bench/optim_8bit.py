@@ -8,11 +8,7 @@ Reports per optimizer: median ms, bytes that must move per step, the byte floor
 (bytes / 4284 GB/s, ANCHORS.md copy bandwidth) and the fraction of copy bandwidth reached
 (floor / median).  All rows come from the same run, so compare them as ratios.
 
-Rows ``pgs_lion8bit_*`` / ``pgs_adamw8bit_*`` are kernel variants (``pgs.func.kernels``
-switches: ENC / ENC_V encoders of m / v, RNG stochastic-rounding noise, SPLIT unmasked
-full programs, DEQ_TABLE, FAST_DIV, ROWS, NUM_WARPS, TABLE); the plain rows use the defaults,
-``*_before`` the kernels as they were (arithmetic encoder, Philox per element, masks
-everywhere, div_rn).  ``pgs_chain`` is the design
+``pgs_lion8bit_sr`` adds stochastic rounding of the bf16 parameters.  ``pgs_chain`` is the design
 stack ``adagc → mona → lion8bit direction → hyperball`` through ``pf.compile(jit=True)``;
 its floor counts one read of g, one read+write of θ, MONA's two bf16 buffers and the 8-bit
 momentum (a single pass; the per-tensor norms make ≥ 2 passes necessary, see
@@ -73,15 +69,6 @@ def _time(fn, iters: int, warmup: int, cuda: bool) -> float:
             fn()
             times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
-
-
-def _where(switch: str) -> tuple:
-    """(module, attribute) of a row's switch: ``chain.X`` is ``pgs.func.chain8bit.X``, else ``pgs.func.kernels.X``."""
-    if switch.startswith("chain."):
-        from pgs.func import chain8bit
-
-        return chain8bit, switch[len("chain."):]
-    return K, switch
 
 
 def _time_back_to_back(fn, iters: int) -> tuple[float, float]:
@@ -201,94 +188,39 @@ def main() -> None:
         opt = pf.chain(pf.adagc(), pf.mona(), pf.scale_by_lion8bit(), pf.hyperball(1e-5))
         return lambda: pgs_row("chain", opt, jit=jit and not fused, fused=fused)
 
-    before = dict(ENC=0, ENC_V=0, RNG=0, SPLIT=False, FAST_DIV=False, LION_ROWS=4)  # the kernels before this change
-    # name: (maker, kernel switches, bytes key); plain names use the defaults
+    # name: (maker, bytes key)
     makers = {
-        "pgs_lion8bit": (lion(), {}, "pgs_lion8bit"),
-        # TABLE: the tables from a register copy by tl.gather; *_repeat: the
-        # defaults again after the variants (the first row runs on a cold GPU)
-        "pgs_lion8bit_gather": (lion(), dict(TABLE="gather"), "pgs_lion8bit"),
-        "pgs_adamw8bit_gather": (adam(), dict(TABLE="gather"), "pgs_adamw8bit"),
-        "pgs_lion8bit_gather_dec": (lion(), dict(TABLE="gather_dec"), "pgs_lion8bit"),
-        "pgs_adamw8bit_gather_dec": (adam(), dict(TABLE="gather_dec"), "pgs_adamw8bit"),
-        "pgs_lion8bit_gather_rows16": (lion(), dict(TABLE="gather", LION_ROWS=16), "pgs_lion8bit"),
-        "pgs_lion8bit_gather_warps8": (lion(), dict(TABLE="gather", NUM_WARPS=8), "pgs_lion8bit"),
-        "pgs_lion8bit_gather_rows16_warps8": (lion(), dict(TABLE="gather", LION_ROWS=16, NUM_WARPS=8),
-                                              "pgs_lion8bit"),
-        "pgs_adamw8bit_gather_rows8": (adam(), dict(TABLE="gather", ROWS=8), "pgs_adamw8bit"),
-        "pgs_lion8bit_repeat": (lion(), {}, "pgs_lion8bit"),
-        # the parameter loaded with the other inputs (EARLY_P), a register cap, 4 rows
-        "pgs_lion8bit_early": (lion(), dict(EARLY_P=True), "pgs_lion8bit"),
-        "pgs_lion8bit_late": (lion(), dict(EARLY_P=False), "pgs_lion8bit"),  # p loaded after the stores
-        "pgs_adamw8bit_late": (adam(), dict(EARLY_P=False), "pgs_adamw8bit"),
-        "pgs_lion8bit_rows4_early": (lion(), dict(LION_ROWS=4, EARLY_P=True), "pgs_lion8bit"),
-        "pgs_lion8bit_early_reg64": (lion(), dict(EARLY_P=True, MAXNREG=64), "pgs_lion8bit"),
-        "pgs_lion8bit_rows2_early": (lion(), dict(LION_ROWS=2, EARLY_P=True), "pgs_lion8bit"),
-        "pgs_lion8bit_sr_early": (lion(sr=True), dict(EARLY_P=True), "pgs_lion8bit"),
-        "pgs_lion8bit_sr_rows4_early": (lion(sr=True), dict(LION_ROWS=4, EARLY_P=True), "pgs_lion8bit"),
-        "pgs_adamw8bit_early": (adam(), dict(EARLY_P=True), "pgs_adamw8bit"),
-        "pgs_adamw8bit_rows2_early": (adam(), dict(ROWS=2, EARLY_P=True), "pgs_adamw8bit"),
+        "pgs_lion8bit": (lion(), "pgs_lion8bit"),
+        "pgs_adamw8bit": (adam(), "pgs_adamw8bit"),
+        "pgs_lion8bit_sr": (lion(sr=True), "pgs_lion8bit"),
         # the gradients as separate tensors, copied into a flat buffer every step (+1 zero-fill and
         # +1 copy of the gradient per step)
-        "pgs_lion8bit_unbound": (lion(bound_grads=False), {}, "pgs_lion8bit"),
-        "pgs_adamw8bit_unbound": (adam(bound_grads=False), {}, "pgs_adamw8bit"),
-        "pgs_lion8bit_gather_dec_w8": (lion(), dict(TABLE="gather_dec", NUM_WARPS=8), "pgs_lion8bit"),
-        "pgs_lion8bit_gather_dec_rows16": (lion(), dict(TABLE="gather_dec", LION_ROWS=16), "pgs_lion8bit"),
-        "pgs_adamw8bit_repeat": (adam(), {}, "pgs_adamw8bit"),
-        "pgs_lion8bit_enc1": (lion(), dict(ENC=1), "pgs_lion8bit"),
-        "pgs_lion8bit_enc3": (lion(), dict(ENC=3), "pgs_lion8bit"),
-        "pgs_lion8bit_enc0": (lion(), dict(ENC=0), "pgs_lion8bit"),
-        "pgs_lion8bit_nosplit": (lion(), dict(SPLIT=False), "pgs_lion8bit"),
-        "pgs_lion8bit_deq_arith": (lion(), dict(DEQ_TABLE=False), "pgs_lion8bit"),
-        "pgs_lion8bit_rows4": (lion(), dict(LION_ROWS=4), "pgs_lion8bit"),
-        "pgs_lion8bit_warps8": (lion(), dict(NUM_WARPS=8), "pgs_lion8bit"),
-        "pgs_lion8bit_before": (lion(), before, "pgs_lion8bit"),
-        "pgs_lion8bit_sr": (lion(sr=True), {}, "pgs_lion8bit"),
-        "pgs_lion8bit_sr_philox": (lion(sr=True), dict(RNG=0), "pgs_lion8bit"),
-        "pgs_lion8bit_sr_before": (lion(sr=True), before, "pgs_lion8bit"),
-        "pgs_adamw8bit": (adam(), {}, "pgs_adamw8bit"),
-        "pgs_adamw8bit_encv0": (adam(), dict(ENC_V=0), "pgs_adamw8bit"),
-        "pgs_adamw8bit_encv3": (adam(), dict(ENC_V=3), "pgs_adamw8bit"),
-        "pgs_adamw8bit_enc3_encv3": (adam(), dict(ENC=3, ENC_V=3), "pgs_adamw8bit"),
-        "pgs_adamw8bit_enc1_encv1": (adam(), dict(ENC=1, ENC_V=1), "pgs_adamw8bit"),
-        "pgs_adamw8bit_enc1_encv0": (adam(), dict(ENC=1, ENC_V=0), "pgs_adamw8bit"),
-        "pgs_adamw8bit_div_rn": (adam(), dict(FAST_DIV=False), "pgs_adamw8bit"),
-        "pgs_adamw8bit_rows8": (adam(), dict(ROWS=8), "pgs_adamw8bit"),
-        "pgs_adamw8bit_before": (adam(), before, "pgs_adamw8bit"),
-        "pgs_chain": (chain(), {}, "pgs_chain"),
-        "pgs_chain_eager": (chain(jit=False), {}, "pgs_chain"),
+        "pgs_lion8bit_unbound": (lion(bound_grads=False), "pgs_lion8bit"),
+        "pgs_adamw8bit_unbound": (adam(bound_grads=False), "pgs_adamw8bit"),
+        "pgs_chain": (chain(), "pgs_chain"),
+        "pgs_chain_eager": (chain(jit=False), "pgs_chain"),
         # the same chain through its hand-written passes (pgs.func.chain8bit; jit is not used)
-        "pgs_chain_fused": (lambda: pgs_row("chain", pf.chain(pf.adagc(), pf.mona(), pf.scale_by_lion8bit(),
-                                                               pf.hyperball(1e-5))), {}, "pgs_chain"),
-        "pgs_chain_fused_rows8": (chain(fused=True), {"chain.ROWS": 8}, "pgs_chain"),
-        "pgs_chain_fused_rows2": (chain(fused=True), {"chain.ROWS": 2}, "pgs_chain"),
-        "pgs_chain_fused_c16": (chain(fused=True), {"chain.ROWS_C": 16}, "pgs_chain"),
-        "pgs_chain_fused_int8": (chain(fused=True), {"chain.PACK": False}, "pgs_chain"),
-        # the earlier pass-A setting (ROWS_A 4, 64 lanes) against the defaults (chain8bit.ROWS_A, LANES)
-        "pgs_chain_fused_a4_lanes64": (chain(fused=True), {"chain.ROWS_A": 4, "chain.LANES": 64}, "pgs_chain"),
-        "bnb_lion8bit": (lambda: bnb_row("Lion8bit"), {}, "bnb_lion8bit"),
-        "bnb_adamw8bit": (lambda: bnb_row("AdamW8bit"), {}, "bnb_adamw8bit"),
-        "torch_adamw_fused_bf16": (torch_row, {}, "torch_adamw_fused_bf16"),
+        "pgs_chain_fused": (chain(fused=True), "pgs_chain"),
+        "bnb_lion8bit": (lambda: bnb_row("Lion8bit"), "bnb_lion8bit"),
+        "bnb_adamw8bit": (lambda: bnb_row("AdamW8bit"), "bnb_adamw8bit"),
+        "torch_adamw_fused_bf16": (torch_row, "torch_adamw_fused_bf16"),
     }
-    # the headline rows, the before/after pair, the chain (a subprocess), the variants
-    first = ["pgs_lion8bit", "pgs_adamw8bit", "torch_adamw_fused_bf16", "bnb_lion8bit", "bnb_adamw8bit",
-             "pgs_lion8bit_before", "pgs_adamw8bit_before", "pgs_chain"]
+    # the headline rows, then the chain (a subprocess), then the rest
+    first = ["pgs_lion8bit", "pgs_adamw8bit", "torch_adamw_fused_bf16", "bnb_lion8bit", "bnb_adamw8bit", "pgs_chain"]
     last = ["pgs_chain_eager"]
     order = first + [k for k in makers if k not in first and k not in last] + last
     isolate = set(filter(None, args.isolate.split(","))) - ({next(iter(only))} if len(only) == 1 else set())
-    defaults = {k: getattr(K, k) for k in ("ENC", "ENC_V", "RNG", "SPLIT", "DEQ_TABLE", "FAST_DIV", "ROWS",
-                                            "NUM_WARPS", "LION_ROWS", "OPAQUE", "TABLE", "EARLY_P", "MAXNREG")}
     t_start = time.perf_counter()
 
     def dump():  # after every row: a crash later loses nothing already measured
         out = dict(device=torch.cuda.get_device_name() if cuda else "cpu", params=n, params_8bit=n8,
                    seconds=time.perf_counter() - t_start,
-                   tensors=len(shapes), small=args.small, kernel_defaults=defaults, rows=rows)
+                   tensors=len(shapes), small=args.small, kernel_config=str(K.CONFIG), rows=rows)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
 
     for name in order:
-        make, switches, key = makers[name]
+        make, key = makers[name]
         if only and name not in only:
             continue
         if time.perf_counter() - t_start > args.budget:
@@ -300,16 +232,13 @@ def main() -> None:
             print(name, rows[name], flush=True)
             dump()
             continue
-        saved = {k: getattr(*_where(k)) for k in switches}
         try:
-            for k, v in switches.items():
-                setattr(*_where(k), v)
             fn = make()
             ms = _time(fn, iters, warmup, cuda)
             floor = bytes_needed[key] / (COPY_GBPS * 1e9) * 1e3
             rows[name] = dict(ms=ms, bytes=bytes_needed[key], bytes_per_param=bytes_needed[key] / n,
                               floor_ms=floor, fraction_of_copy_bw=floor / ms, ratio_to_floor=ms / floor,
-                              switches=switches)
+)
             if cuda:  # the same step issued back to back (host ahead), and its kernels
                 dev_ms, host_ms = _time_back_to_back(fn, iters)
                 rows[name].update(back_to_back_ms=dev_ms, host_ms_per_step=host_ms,
@@ -319,8 +248,6 @@ def main() -> None:
         except Exception as e:  # a missing peer must not hide the other rows
             rows[name] = dict(error=f"{type(e).__name__}: {e}")
         finally:
-            for k, v in saved.items():
-                setattr(*_where(k), v)
             fn = None
         print(name, rows[name], flush=True)
         dump()
