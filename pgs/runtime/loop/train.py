@@ -570,8 +570,7 @@ def freeze_gc() -> None:
     """After the first step: collect once, then move every live object (model, compiled code,
     caches) to the garbage collector's permanent generation.  Python's full collections then
     walk only what later steps create instead of the whole heap, whose walk stalls the host
-    that launches the GPU's work (not measured on its own: it landed with session 5's
-    recompute, docs/memory.md)."""
+    that launches the GPU's work (docs/memory.md)."""
     gc.collect()
     gc.freeze()
 

@@ -33,20 +33,18 @@ Not supported (refused with a message): attention dropout, sliding windows, logi
 
 Rows that hold one document each (``cu_seqlens`` are the row boundaries: unpacked rows, or a
 forward without boundaries) run as dense causal SDPA instead, whose kernel PyTorch picks: on
-an H200 that is cuDNN's fused attention, 1.07 ms forward + backward per Qwen3-4B layer
-(32 q / 8 kv heads, 4096 tokens) against 2.01 ms for the varlen kernel, with the same error
-against an fp32 reference (``bench/results/s6_call2/attn_cudnn.json``).  PyTorch's cuDNN
-variable-length entry point (``aten._cudnn_attention_forward`` with ``cum_seq``) is not used:
-on torch 2.11 it rebuilt its graph on every call (110 ms per layer) and its backward returned
-non-finite gradients (``bench/results/s6_call1/attn_cudnn.json``).
+an H200 that is cuDNN's fused attention, about half the time of the varlen kernel per layer
+with the same error against an fp32 reference (docs/performance.md, "Attention for unpacked
+rows").  PyTorch's cuDNN variable-length entry point (``aten._cudnn_attention_forward`` with
+``cum_seq``) is not used: on torch 2.11 it rebuilt its graph on every call and its backward
+returned non-finite gradients.
 
 On an H100/H200 (compute capability 9.0) the packed rows go to cuDNN's THD attention through
 nvidia-cudnn-frontend's torch op (``cudnn.sdpa_torch``; the ``gpu`` extra installs it) when it is
-installed: 2.08 ms forward + backward per Qwen3-0.6B layer (8×4096 tokens, 36 documents of
-256-2048) against 3.24 ms for FlashAttention-2, with the same output error against fp32 and
-gradients within bf16 error (``bench/results/s7_call1``, ``s7_call3``); the whole
-Qwen3-0.6B packed step goes from 103.0k to 111.7k tok/s (s7_call3).  cuDNN builds and caches
-one graph per document count (157 ms each), so the count is padded with zero-length documents
+installed: faster than FlashAttention-2 per packed layer, with the same output error against
+fp32 and gradients within bf16 error (docs/performance.md measures both kernels and the whole
+packed step).  cuDNN builds and caches one graph per document count (a fraction of a second
+each), so the count is padded with zero-length documents
 (outputs bit-identical; at least two, see :func:`pad_documents`) to a multiple of
 :data:`CUDNN_DOC_BUCKET`: a few graphs per run instead of one per step.
 ``model.varlen_kernel`` picks the kernel: ``"auto"`` (cuDNN on compute capability 9.0 when the
@@ -103,13 +101,11 @@ def _varlen_call():
 
 #: What ``model.varlen_kernel`` may say.
 VARLEN_KERNELS = ("auto", "cudnn", "flash")
-#: cuDNN's graphs are cached per document count (157 ms to build one): counts are padded with
-#: zero-length documents to a multiple of this.  Padding costs about 0.024 ms of forward +
-#: backward per padded document per 0.6B layer (36 documents padded to 64: 2.74 ms against
-#: 2.08 ms, s7_call3).  A bucket of 16 measured 29.2k instead of 111.7k tok/s (s7_call4): one
-#: step's count needed a single padding document, and dynamo's specialisation of that size
-#: recompiled every layer inside the 8 timed steps; ``pad_documents``'s ``minimum`` avoids it
-#: (bucket 64 with it: 111.4k tok/s, s8_call1).
+#: cuDNN's graphs are cached per document count: counts are padded with zero-length documents
+#: to a multiple of this, so a run builds a few graphs instead of one per step.  Each padded
+#: document costs a little attention time (docs/performance.md); a bucket of 16 let a step
+#: need a single padding document, whose size dynamo specialised, recompiling every layer
+#: (``pad_documents``'s ``minimum`` avoids that).
 CUDNN_DOC_BUCKET = 64
 #: The compute capabilities where ``"auto"`` picks cuDNN (measured: H200).
 CUDNN_AUTO_CAPABILITIES = ((9, 0),)
@@ -316,7 +312,7 @@ def pad_documents(cu: Tensor, multiple: int, minimum: int = 0) -> Tensor:
 
     Under torch.compile the number appended is symbolic, and dynamo specialises a size of 0 or
     1 (a guard that recompiles the layer when a step's count needs 0 or 1 more documents after
-    others needed more: a recompile of every compiled layer, seconds, in s7_call4); ``minimum=2``
+    others needed more: a recompile of every compiled layer, seconds each); ``minimum=2``
     keeps it out of that range.
     """
     return torch.cat([cu, cu[-1:].expand((-(cu.shape[0] - 1 + minimum)) % multiple + minimum)])

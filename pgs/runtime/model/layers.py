@@ -249,8 +249,8 @@ class _Recompute(torch.autograd.Function):
             outs = ctx.run(x)
         ctx.run = ctx.held = None
         # through the outputs' gradient edges, not the tensors: the recomputed outputs are freed
-        # before the nested backward runs (unless the graph itself saved them).  (A loop variable
-        # left holding the last output kept 20 MiB alive at the Qwen3-4B peak: s5_call6.)
+        # before the nested backward runs (unless the graph itself saved them); a variable left
+        # holding the last output would keep it alive at the peak.
         edges, given = _gradient_edges(outs, grads)
         del outs
         if edges:
@@ -462,8 +462,7 @@ def compile_layers(model, **compile_kwargs) -> int:
     tests), and the host can run ahead of the GPU while the optimizer works inside backward
     (ANCHORS.md, "4B feasibility").  The checkpoint stays *outside* the compiled function in
     either order of the two calls: ``checkpoint(compiled_forward)``.  (Compiling around the
-    checkpoint let the partitioner keep far more: 27.5 GiB against 16.2 GiB eager at the
-    Qwen3-4B shape, H200.)
+    checkpoint lets the partitioner keep far more activations than eager: docs/memory.md.)
     ``compile_kwargs`` go to ``torch.compile`` (e.g. ``backend="eager"`` in tests).
     """
     layers = decoder_layers(model)

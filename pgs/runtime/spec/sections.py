@@ -310,9 +310,8 @@ class MemorySpec:
     def head_grad_deferred(self) -> bool:
         """``defer_head_grad`` resolved: ``"auto"`` defers where memory is what the spec trades
         for (activation checkpointing or tied slabs; slabs need it).  Deferring costs one more head
-        matmul per step (6% of a Qwen3-0.6B 8×4096 step, s6_call1) and saves one V×D buffer
-        through backward (0.29 GiB there against 41 GiB of activations; 0.72 GiB of a 12 GiB
-        Qwen3-4B run)."""
+        matmul per step and saves one V×D buffer through backward (docs/memory.md): worth it
+        where memory is tight, not where activations dwarf it."""
         return head_grad_wanted(self.defer_head_grad, self.activation_checkpointing, self.tied_slabs)
 
 
