@@ -199,7 +199,7 @@ def main() -> None:
         "pgs_adamw8bit_unbound": (adam(bound_grads=False), "pgs_adamw8bit"),
         "pgs_chain": (chain(), "pgs_chain"),
         "pgs_chain_eager": (chain(jit=False), "pgs_chain"),
-        # the same chain through its hand-written passes (pgs.func.chain8bit; jit is not used)
+        # the same chain through its hand-written passes (pgs.func.fused_chain8bit; jit is not used)
         "pgs_chain_fused": (chain(fused=True), "pgs_chain"),
         "bnb_lion8bit": (lambda: bnb_row("Lion8bit"), "bnb_lion8bit"),
         "bnb_adamw8bit": (lambda: bnb_row("AdamW8bit"), "bnb_adamw8bit"),

@@ -1,4 +1,4 @@
-"""Properties of the fused ``adagc → mona → lion8bit → hyperball`` step (``pgs.func.chain8bit``).
+"""Properties of the fused ``adagc → mona → lion8bit → hyperball`` step (``pgs.func.fused_chain8bit``).
 
 For any set of tensor shapes (sizes that are and are not multiples of the 256-element block,
 8-bit and fp32 momenta, constrained and free tensors), hyperparameters and gradients:

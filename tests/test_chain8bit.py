@@ -1,4 +1,4 @@
-"""The fused step of ``chain(adagc, mona, scale_by_lion8bit, hyperball)`` (``pgs.func.chain8bit``).
+"""The fused step of ``chain(adagc, mona, scale_by_lion8bit, hyperball)`` (``pgs.func.fused_chain8bit``).
 
 On CPU the three Triton passes run in Triton's interpreter (the root conftest sets
 ``TRITON_INTERPRET=1``); the lion stage asks for ``backend="triton"``.  The reference is the
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import pgs.func as pf
-from pgs.func import chain8bit as C
+from pgs.func import fused_chain8bit as C
 from pgs.func import kernels as K
 from pgs.func import tree as T
 from pgs.func.step import StepContext

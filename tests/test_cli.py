@@ -43,7 +43,7 @@ def fake_train(monkeypatch):
     module.calls = []
     module.code = 0
 
-    def run(spec, *, resume, spec_path, profile=None):
+    def run(spec, *, resume, spec_path, profile=None, overwrite=False, faults=None):
         module.calls.append((spec, resume, spec_path))
         if isinstance(module.code, BaseException):
             raise module.code

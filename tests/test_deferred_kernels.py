@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pgs.func.kernels import fused as F
+from pgs.func.kernels import fused_transform as F
 from pgs.func.losses import chunked, token_loss
 
 pytest.importorskip("triton")

@@ -1,4 +1,4 @@
-"""The fused AdamW / Lion Triton kernels (pgs.func.fused) equal the reference chain.
+"""The fused AdamW / Lion Triton kernels (pgs.func.fused_adamw_lion) equal the reference chain.
 
 On CPU they run in Triton's interpreter (TRITON_INTERPRET=1, set by the root conftest) when
 KernelConfig(triton_on_cpu=True); on CUDA they run compiled.
@@ -13,7 +13,7 @@ import torch
 
 import pgs.func as pf
 from pgs.func import kernels as K
-from pgs.func import fused
+from pgs.func import fused_adamw_lion as fused
 from pgs.runtime import bind
 
 pytestmark = pytest.mark.skipif(

@@ -3,7 +3,7 @@ plain path (the chain's ``update`` then ``θ + u``).
 
 On the CPU the Triton kernels run in Triton's interpreter (the root conftest sets
 ``TRITON_INTERPRET=1``): ``backend="triton"`` for the 8-bit chains, ``KernelConfig(triton_on_cpu=True)``
-for the AdamW/Lion kernels of ``pgs.func.fused``.  Sizes stay tiny (the interpreter is slow).
+for the AdamW/Lion kernels of ``pgs.func.fused_adamw_lion``.  Sizes stay tiny (the interpreter is slow).
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def test_grad_norm_costs_one_op_per_group(triton_runs):
 
 
 def test_sr_seeds_equal_per_leaf_seeds_and_stay_aligned():
-    from pgs.func.kernels.fused import sr_seed, sr_seeds
+    from pgs.func.kernels.fused_transform import sr_seed, sr_seeds
 
     for c in (0, 1, 12345, 2**31 - 2, 2**31 - 1):
         count = torch.tensor(c, dtype=torch.int32)
@@ -178,7 +178,7 @@ def test_sr_seeds_equal_per_leaf_seeds_and_stay_aligned():
 
 def test_increment_pair_saturates_like_increment():
     from pgs.func._common import increment
-    from pgs.func.kernels.fused import increment_pair
+    from pgs.func.kernels.fused_transform import increment_pair
 
     for a, b in ((0, 0), (5, 9), (2**31 - 2, 2**31 - 1), (2**31 - 1, 0)):
         ta, tb = torch.tensor(a, dtype=torch.int32), torch.tensor(b, dtype=torch.int32)
@@ -213,7 +213,7 @@ def test_stochastic_rounding_equals_the_isfinite_formulation():
 
 
 def test_hp_tensor_takes_vector_values():
-    from pgs.func.kernels.fused import hp_tensor
+    from pgs.func.kernels.fused_transform import hp_tensor
 
     bc = torch.tensor([0.1, 0.0019], dtype=torch.float64)
     lr = torch.tensor(3e-5, dtype=torch.float64)

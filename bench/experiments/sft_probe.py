@@ -84,12 +84,12 @@ def log(msg: str) -> None:
 # ----------------------------------------------------------------------------- the two patches
 
 def hp_tensor_nosync(device, *values):
-    """``pgs.func.kernels.fused.hp_tensor`` without a blocking host-to-device copy per call.
+    """``pgs.func.kernels.fused_transform.hp_tensor`` without a blocking host-to-device copy per call.
 
     Same values (each number and each tensor through float64 to float32): the numbers come
     from the module's cached device tensor (zeros where a tensor goes), the tensors are copied
     in on the device."""
-    from pgs.func.kernels import fused as F
+    from pgs.func.kernels import fused_transform as F
 
     if all(not isinstance(v, torch.Tensor) for v in values):
         return F._hp_cached(device, tuple(float(v) for v in values))
@@ -141,7 +141,7 @@ def add_to_kernels(self, out):
 def hp_tensor_sync(device, *values):
     """``hp_tensor`` as before: a ``torch.tensor(x, device=...)`` per number when any value is a
     tensor (a blocking host-to-device copy each)."""
-    from pgs.func.kernels import fused as F
+    from pgs.func.kernels import fused_transform as F
 
     if all(not isinstance(v, torch.Tensor) for v in values):
         return F._hp_cached(device, tuple(float(v) for v in values))
@@ -185,7 +185,7 @@ def set_patches(nosync: bool, kadd: bool) -> None:
     attributes, read at call time)."""
     import importlib
 
-    from pgs.func.kernels import fused as F
+    from pgs.func.kernels import fused_transform as F
     from pgs.func.losses import chunked as C
 
     # the modules themselves: ``import pgs.func.lion8bit as L`` gives the *function* lion8bit
@@ -673,7 +673,7 @@ def check_patches(device) -> dict:
 
     set_patches(True, True)
     out = {"installed": all(importlib.import_module(m).hp_tensor is hp_tensor_nosync
-                            for m in ("pgs.func.lion8bit", "pgs.func.adam8bit", "pgs.func.kernels.fused"))
+                            for m in ("pgs.func.lion8bit", "pgs.func.adam8bit", "pgs.func.kernels.fused_transform"))
            and C.DeferredHeadGrad.add_to is add_to_kernels}
     set_patches(False, False)
     out["removed"] = (importlib.import_module("pgs.func.lion8bit").hp_tensor is hp_tensor_sync

@@ -53,7 +53,7 @@ from pgs.func.weight_decay import add_decayed_weights
 from pgs.func.tree import leaves_with_paths, tree_map
 from pgs.func.step import NO_CONTEXT, StepContext
 from pgs.func.plan import FLAT, RELEASE, SHARDED, Placement, Plan, PlanEntry, plan_for
-from pgs.func.kernels.config import KernelConfig
+from pgs.func.kernels.kernel_config import KernelConfig
 
 # -- research transforms: AdaGC, AdamC, EMA/merging, Hyperball, MONA, Muon, SAGE, ZClip ---
 from pgs.func.adagc import AdaGCState, adagc
@@ -68,7 +68,7 @@ from pgs.func.zclip import ZClipState, zclip
 
 # -- 8-bit optimizer state (block-wise quantization) and fused execution ------------------
 from pgs.func.adam8bit import ScaleByAdam8bitState, adamw8bit, scale_by_adam8bit
-from pgs.func.kernels.fused import FusedTransform
+from pgs.func.kernels.fused_transform import FusedTransform
 from pgs.func.lion8bit import ScaleByLion8bitState, lion8bit, scale_by_lion8bit
 from pgs.func.quant8 import Quantized8bit, dequantize_blockwise, dynamic_map, quantize_blockwise
 from pgs.func.state_bytes import state_bytes, state_bytes_per_param

@@ -103,4 +103,4 @@ def adagc(lambda_rel: float = 1.05, beta: float = 0.98, lambda_abs: float = 1.0,
     # the warmup reads the global norm, hence GLOBAL (after warmup it is per-tensor)
     return Transform(init, update, name="adagc", locality=GLOBAL, shard_aware=True,
                      fused=("adagc", dict(lambda_rel=lambda_rel, beta=beta, lambda_abs=lambda_abs,
-                                          warmup_steps=warmup_steps, eps=eps)))  # pgs.func.chain8bit
+                                          warmup_steps=warmup_steps, eps=eps)))  # pgs.func.fused_chain8bit

@@ -15,7 +15,7 @@ from pgs.func import kernels as K
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count
 from pgs.func.base import ELEMENTWISE, Transform, chain, check_range, hp_in, identity
-from pgs.func.kernels.fused import FusedTransform, _hp_cached, hp_tensor, one_minus
+from pgs.func.kernels.fused_transform import FusedTransform, _hp_cached, hp_tensor, one_minus
 from pgs.func.layout import group_label
 from pgs.func.learning_rate import scale_by_learning_rate
 from pgs.func.lion8bit import Fused8bit, _nonzero, check_8bit_args, check_layout, fused_8bit_step, step_hp
@@ -145,7 +145,7 @@ def scale_by_adam8bit(
             out_u.append(u.to(g.dtype)), out_m.append(m_new), out_v.append(v_new)
         return T.unflatten(out_u, spec), ScaleByAdam8bitState(count, T.unflatten(out_m, spec), T.unflatten(out_v, spec))
 
-    # ``fused`` names this block for the execution layer's chain matcher (pgs.func.fused);
+    # ``fused`` names this block for the execution layer's chain matcher (pgs.func.fused_adamw_lion);
     # the 8-bit fused kernels are reached through ``adamw8bit``'s FusedTransform.
     return Transform(init, update, name="scale_by_adam8bit", locality=ELEMENTWISE,
                      group_by=(eligible,), align=block_size,

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from pgs.errors import InvalidArgument
-from pgs.func import fused as _fused, tree as T
+from pgs.func import fused_adamw_lion as _fused, tree as T
 from pgs.func.apply import stochastic_round_to_bf16
 from pgs.func.base import Transform
 from pgs.func.layout import Layout, call_init, call_update
@@ -135,7 +135,7 @@ class FlatChain:
         return self._step_fn(flat_grads, state, flat_params, extra)
 
     def uses_fused_kernel(self) -> bool:
-        """True when ``step`` runs the hand-written AdamW/Lion kernels (``pgs.func.fused``)."""
+        """True when ``step`` runs the hand-written AdamW/Lion kernels (``pgs.func.fused_adamw_lion``)."""
         if self.plan is None or self.plan.name != "adamw_lion" or self.stochastic_rounding or self.layout is None:
             return False
 

@@ -101,7 +101,7 @@ def hyperball(learning_rate, mask=None, eps: float = 1e-12) -> Transform:
         return out, HyperballState(increment(state.count), lr, state.radius)
 
     return Transform(init, update, name="hyperball", locality=PER_TENSOR, shard_aware=True, group_by=(constrained,),
-                     fused=("hyperball", dict(learning_rate=learning_rate, eps=eps)))  # pgs.func.chain8bit
+                     fused=("hyperball", dict(learning_rate=learning_rate, eps=eps)))  # pgs.func.fused_chain8bit
 
 
 def adamh(learning_rate=1e-2, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8, mask=None,

@@ -16,7 +16,7 @@ from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count
 from pgs.func.base import ELEMENTWISE, EmptyState, Transform, chain, check_range, identity
 from pgs.func.apply import stochastic_round_fp32
-from pgs.func.kernels.fused import FusedTransform, constant_lr, hp_tensor, increment_pair, one_minus, sr_seeds
+from pgs.func.kernels.fused_transform import FusedTransform, constant_lr, hp_tensor, increment_pair, one_minus, sr_seeds
 from pgs.func.layout import group_label
 from pgs.func.learning_rate import ScaleByLearningRateState, lr_value, scale_by_learning_rate
 from pgs.func.quant8 import (
@@ -384,7 +384,7 @@ def scale_by_lion8bit(
         mu = T.unflatten(out_m, spec)
         return T.unflatten(out_u, spec), ScaleByLion8bitState(increment(state.count), mu)
 
-    # ``fused`` names this block for the execution layer's chain matcher (pgs.func.fused);
+    # ``fused`` names this block for the execution layer's chain matcher (pgs.func.fused_adamw_lion);
     # the 8-bit fused kernels are reached through ``lion8bit``'s FusedTransform.
     return Transform(init, update, name="scale_by_lion8bit", locality=ELEMENTWISE,
                      group_by=(eligible,), align=block_size,
@@ -407,7 +407,7 @@ def lion8bit(
 
     θ ← θ − η_t (sign(β1 m + (1−β1) g) + λθ), m kept in 8 bits.  Under
     ``pf.compile(...).step`` on CUDA the whole chain plus the apply runs as one fused kernel
-    per flat group (``pgs.func.kernels.fused``); elsewhere it is the plain chain.
+    per flat group (``pgs.func.kernels.fused_transform``); elsewhere it is the plain chain.
 
     Example::
 

@@ -259,7 +259,7 @@ def muon_fused_step(
     gradient's dtype, and ‖U‖ sums in another order.
     """
     from pgs.func.kernels import ns
-    from pgs.func.kernels.fused import hp_tensor, one_minus, sr_seed
+    from pgs.func.kernels.fused_transform import hp_tensor, one_minus, sr_seed
 
     out = params if out is None else out
     groups: dict[tuple, list[int]] = {}
@@ -542,7 +542,7 @@ def _with_fused_step(t: Transform, fused_step) -> Transform:
     """``t`` as a FusedTransform (every field kept) offering ``fused_step`` to ``pf.compile``."""
     import dataclasses
 
-    from pgs.func.kernels.fused import FusedTransform
+    from pgs.func.kernels.fused_transform import FusedTransform
 
     return FusedTransform(**{f.name: getattr(t, f.name) for f in dataclasses.fields(Transform)},
                           fused_step=fused_step)
@@ -557,7 +557,6 @@ def _muon_partition_step(branch: Transform, other: Transform, route):
     """
 
     def fused_step(fg, state, fp, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
-
         layout = ctx.layout
         if layout is None or ctx.whole_tensors is not None:
             return None

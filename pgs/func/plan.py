@@ -23,9 +23,9 @@ Entries, in the order they are tried (the first that matches wins):
 
 - ``own``: a chain that carries its own fused step (``FusedTransform.fused_step``:
   ``lion8bit``, ``adamw8bit``, ``muon``);
-- ``adagc_mona_lion8bit_hyperball``: that exact four-stage chain (``pgs.func.chain8bit``);
+- ``adagc_mona_lion8bit_hyperball``: that exact four-stage chain (``pgs.func.fused_chain8bit``);
 - ``adamw_lion``: ``chain(scale_by_adam | scale_by_lion, [add_decayed_weights],
-  scale_by_learning_rate)`` with number hyperparameters (``pgs.func.fused``).
+  scale_by_learning_rate)`` with number hyperparameters (``pgs.func.fused_adamw_lion``).
 
 A new fused chain registers one ``PlanEntry``: a ``match(chain)`` that returns its step
 function (or None) and the placements it serves.
@@ -37,8 +37,8 @@ from typing import Callable
 
 import attrs
 
-from pgs.func import chain8bit as _chain8bit
-from pgs.func import fused as _fused
+from pgs.func import fused_chain8bit as _chain8bit
+from pgs.func import fused_adamw_lion as _fused
 from pgs.func.base import Transform
 
 

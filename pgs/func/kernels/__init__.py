@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from pgs.func.kernels.config import KernelConfig
+from pgs.func.kernels.kernel_config import KernelConfig
 from pgs.func.quant8 import Quantized8bit, bucket_table, dynamic_map
 
 #: The configuration every launcher and route reads at call time (see ``KernelConfig``).

@@ -1,7 +1,7 @@
 """Triton passes for the whole chain ``adagc → mona → scale_by_lion8bit → hyperball``.
 
 The host side (matching the chain, the per-tensor scalars, the state) is
-``pgs.func.chain8bit``; this module holds the three kernels and their launchers.  Every
+``pgs.func.fused_chain8bit``; this module holds the three kernels and their launchers.  Every
 program owns ``ROWS`` whole blocks of ``BLOCK`` elements (the quantization blocks, which are
 also the flat layout's blocks: each belongs to exactly one tensor, ``block_seg``), so every
 per-tensor quantity is a per-block partial here and a segment sum on the host.
@@ -22,9 +22,9 @@ equals it up to floating-point contraction and the order of the norms' sums.
 
 Papers: AdaGC arXiv 2502.11034 (A8); MONA's difference EMA (A2; Adan arXiv 2208.06677 for
 the defaults); Lion arXiv 2302.06675 (A4); block-wise 8-bit state arXiv 2110.02861 (A5);
-Hyperball arXiv 2606.16899 (A1).  Equations in ``pgs.func.chain8bit``.
+Hyperball arXiv 2606.16899 (A1).  Equations in ``pgs.func.fused_chain8bit``.
 
-Importing this module needs Triton (``pgs.func.chain8bit`` imports it lazily).
+Importing this module needs Triton (``pgs.func.fused_chain8bit`` imports it lazily).
 """
 
 from __future__ import annotations

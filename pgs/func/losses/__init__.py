@@ -15,7 +15,7 @@ from pgs.func.losses.chunked import (
     target_logprobs,
 )
 from pgs.func.losses.dense import cross_entropy, dense_token_loss
-from pgs.func.losses.fused import fused_cross_entropy
+from pgs.func.losses.peer_kernels import fused_cross_entropy
 from pgs.func.losses.noise import neftune, symnoise
 from pgs.func.losses.objectives import (
     CADFT,

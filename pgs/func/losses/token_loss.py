@@ -8,7 +8,7 @@ from torch import Tensor
 from pgs.errors import InvalidArgument
 from pgs.func.losses.chunked import chunked_token_loss
 from pgs.func.losses.dense import dense_token_loss
-from pgs.func.losses.fused import fused_cross_entropy
+from pgs.func.losses.peer_kernels import fused_cross_entropy
 from pgs.func.losses.objectives import CE, TokenObjective, resolve_objective
 from pgs.func.losses.result import TokenLossResult
 

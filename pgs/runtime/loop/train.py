@@ -155,7 +155,6 @@ def configure_allocator(device: torch.device) -> None:
 
 
 def _steps_per_epoch(spec, tokenizer) -> int:
-
     sequences = dataset_stats(spec.data, tokenizer).sequences
     return max(1, math.ceil(sequences / spec.train.batch_size))
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from pgs.errors import SpecError
 from pgs.runtime.model.attention import hf_implementation, packed_kwargs, set_varlen_kernel, uses_varlen
-from pgs.runtime.model.config import config_from_table, load_tokenizer as load
+from pgs.runtime.model.loading import config_from_table, load_tokenizer as load
 
 DTYPES = {
     "float32": torch.float32,
@@ -135,7 +135,7 @@ def build_model(
 
 def load_tokenizer(path: str):
     """The tokenizer of a local folder (``model.tokenizer``, or the model folder itself);
-    ``SpecError`` when it will not load (``pgs.runtime.model.config.load_tokenizer``)."""
+    ``SpecError`` when it will not load (``pgs.runtime.model.loading.load_tokenizer``)."""
 
     return load(path)
 

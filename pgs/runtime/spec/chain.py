@@ -75,7 +75,6 @@ def compile_mask(text: str) -> Callable:
 
 
 def _factories() -> dict[str, Callable]:
-
     out = {}
     for name in getattr(pf, "__all__", dir(pf)):
         obj = getattr(pf, name, None)

@@ -31,7 +31,7 @@ from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.isolation import require_packing_isolation
 from pgs.runtime.data.records import iter_lines
 from pgs.runtime.model.attention import hf_implementation
-from pgs.runtime.model.config import (TOKENIZER_FILES, config_from_folder, config_from_table, first_line,  # noqa: F401
+from pgs.runtime.model.loading import (TOKENIZER_FILES, config_from_folder, config_from_table, first_line,  # noqa: F401
                                       known_model_types, load_tokenizer, quiet_transformers)
 from pgs.runtime.spec.sections import suggest
 
@@ -257,7 +257,6 @@ def _numel(shape) -> int:
 
 
 def _check_eval(spec, tokenizer, records: int) -> int:
-
     stats = DataStats()
     count = 0
     for count, conversation in enumerate(read_conversations(spec.data.eval, "auto", "error"), start=1):

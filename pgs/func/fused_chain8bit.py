@@ -53,7 +53,7 @@ from pgs.func import tree as T
 from pgs.func._common import increment
 from pgs.func.adagc import AdaGCState
 from pgs.func.hyperball import HyperballState
-from pgs.func.kernels.fused import hp_tensor, one_minus, sr_seed
+from pgs.func.kernels.fused_transform import hp_tensor, one_minus, sr_seed
 from pgs.func.layout import group_label, segment_slots
 from pgs.func.learning_rate import lr_value
 from pgs.func.lion8bit import ScaleByLion8bitState
