@@ -154,6 +154,19 @@ def refusal(chain: pf.Transform, grad_accum: int = 1) -> str | None:
     return walk(chain, f"the chain ({chain.name})" if chain.name != "chain" else "chain")
 
 
+def check_released_chain(chain, grad_accum: int, who: str, unit: str) -> None:
+    """Refuse, naming ``who``, what a release cannot run: a compiled chain (each ``unit``'s update
+    runs on its own sub-tree), a non-transform, a chain ``refusal`` names, or one without a step."""
+    if isinstance(chain, pf.FlatChain):
+        raise InvalidArgument(f"{who}: pass the plain chain, not pf.compile(chain) "
+                              f"(each {unit}'s update runs on its own sub-tree)")
+    if not isinstance(chain, pf.Transform):
+        raise InvalidArgument(f"{who}: expected a pgs.func.Transform, got {type(chain).__name__}")
+    why = refusal(chain, grad_accum) or no_step_stage(chain)
+    if why:
+        raise InvalidArgument(f"{who}: {why}")
+
+
 def released_step(release, extra: dict) -> None:
     """``step()`` of a release: nothing to add at call time (the chain ran inside backward); ``finish()``."""
     if extra:
@@ -291,14 +304,7 @@ class GradientRelease:
         fused: bool = True,
         tied_slabs: int | None = None,
     ):
-        if isinstance(chain, pf.FlatChain):
-            raise InvalidArgument("GradientRelease: pass the plain chain, not pf.compile(chain) "
-                                  "(each group's update runs on its own sub-tree)")
-        if not isinstance(chain, pf.Transform):
-            raise InvalidArgument(f"GradientRelease: expected a pgs.func.Transform, got {type(chain).__name__}")
-        why = refusal(chain, grad_accum) or no_step_stage(chain)
-        if why:
-            raise InvalidArgument(f"GradientRelease: {why}")
+        check_released_chain(chain, grad_accum, "GradientRelease", "group")
         if master_weights not in (None, *MASTER_DTYPES):
             raise InvalidArgument(f"GradientRelease: master_weights={master_weights!r} is not None or \"fp32\"")
         params = trainable_parameters(model, "GradientRelease")

@@ -57,11 +57,10 @@ import torch.distributed as dist
 import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
-from pgs.func.base import no_step_stage
 from pgs.func.plan import SHARDED, plan_for
 from pgs.func.step import NO_CONTEXT
 from pgs.runtime.optim.interface import StepMetrics
-from pgs.runtime.optim.release import Arrivals, refusal, release_metrics, released_step
+from pgs.runtime.optim.release import Arrivals, check_released_chain, release_metrics, released_step
 from pgs.runtime.optim.sharded_bind import RANK_KEY, ShardedBoundOptimizer, _is_dtensor, local, refuse_unaware
 
 #: Group key of the parameters that the root FSDP unit manages (embeddings, final norm, head).
@@ -117,14 +116,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         from torch.distributed.fsdp import FSDPModule
 
         who = "ShardedGradientRelease"
-        if isinstance(chain, pf.FlatChain):
-            raise InvalidArgument(f"{who}: pass the plain chain, not pf.compile(chain) "
-                                  "(each unit's update runs on its own sub-tree)")
-        if not isinstance(chain, pf.Transform):
-            raise InvalidArgument(f"{who}: expected a pgs.func.Transform, got {type(chain).__name__}")
-        why = refusal(chain, grad_accum) or no_step_stage(chain)
-        if why:
-            raise InvalidArgument(f"{who}: {why}")
+        check_released_chain(chain, grad_accum, who, "unit")
         if not isinstance(model, FSDPModule):
             raise InvalidArgument(f"{who}: the model is not sharded; call pgs.runtime.dist.fsdp.shard_model "
                                   "first (or use pgs.runtime.optim.release.GradientRelease on one process)")
