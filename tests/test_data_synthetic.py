@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from pgs.runtime.data import DataConfig, encode_chat
 from pgs.runtime.data.inspect import inspect_dataset
-from pgs.runtime.data.synthetic import eval_prompt, generate, is_correct
+from pgs.runtime.data.synthetic import eval_turns, generate, is_correct
 
 ASSETS = "pgs/assets/quickstart"
 
@@ -20,17 +20,21 @@ def test_generator_is_deterministic_and_checkable():
     assert generate(50, seed=3) == generate(50, seed=3)
     assert generate(50, seed=3) != generate(50, seed=4)
     for sample in generate(40, seed=0):
-        prompt, _ = eval_prompt(sample)
-        assert prompt[-1]["role"] == "user"
-        answer = next(m for m in sample["messages"] if m["role"] == "assistant")
-        if answer.get("tool_calls"):
-            f = answer["tool_calls"][0]["function"]
-            good = "<tool_call>" + json.dumps({"name": f["name"], "arguments": f["arguments"]}) + "</tool_call>"
-            assert is_correct(sample, good + "<|im_end|>")
-            assert not is_correct(sample, good.replace(f["arguments"]["city"], "Nowhere"))
-        else:
-            assert is_correct(sample, f" {answer['content']}<|im_end|>")
-            assert not is_correct(sample, answer["content"] + "0")
+        turns = eval_turns(sample)
+        assert turns[0][0][-1]["role"] == "user"
+        right = []
+        for _, _, expected in turns:
+            if expected.get("tool_calls"):
+                f = expected["tool_calls"][0]["function"]
+                right.append("<tool_call>" + json.dumps({"name": f["name"], "arguments": f["arguments"]})
+                             + "</tool_call><|im_end|>")
+            else:
+                right.append(f" {expected['content']}<|im_end|>")
+        assert is_correct(sample, right)
+        for k in range(len(right)):  # any one turn wrong makes the whole reply wrong
+            wrong = list(right)
+            wrong[k] = wrong[k].replace("<|im_end|>", "0<|im_end|>").replace('"}}', 'x"}}')
+            assert not is_correct(sample, wrong)
 
 
 def test_shipped_assets_are_small_and_load_offline():

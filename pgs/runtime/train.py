@@ -476,8 +476,8 @@ def evaluate(run: Run) -> dict:
     samples = read_samples(spec.data.eval, ACCURACY_SAMPLES)
     checker = task_checker(samples)
     if checker is not None:
-        prompt, is_correct = checker
-        out.update(task_accuracy(run.model, run.tokenizer, samples, prompt=prompt, is_correct=is_correct))
+        turns, matches = checker
+        out.update(task_accuracy(run.model, run.tokenizer, samples, turns=turns, matches=matches))
     return out
 
 

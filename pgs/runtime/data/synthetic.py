@@ -7,9 +7,10 @@ model learns them in a couple of minutes on a CPU:
 * ``weather``: a one-tool conversation.  The user asks for the weather in a city, the
   assistant calls ``get_weather`` with that city, the tool answers, the assistant reports.
 
-:func:`eval_prompt` gives the messages up to the first assistant turn; :func:`is_correct`
-checks a generated continuation against that turn (the sum, or the tool call's name and
-arguments).  Regenerate the quickstart assets with::
+:func:`eval_turns` gives, for each assistant turn, the conversation before it; :func:`turn_matches`
+checks one generated turn exactly (the sum; the tool call's name and arguments; the relayed
+answer), and a sample is right only if all its turns are (:func:`is_correct`).  Regenerate
+the quickstart assets with::
 
     python -m pgs.runtime.data.synthetic --out pgs/assets/quickstart
     python -m pgs.runtime.data.synthetic --long-chats 256 --out pgs/assets/bench/chats.jsonl
@@ -151,38 +152,47 @@ def long_chats(n: int, seed: int, min_tokens: int = 300, max_tokens: int = 3000)
     return [long_chat(rng, rng.randint(min_tokens, max_tokens)) for _ in range(n)]
 
 
-def eval_prompt(sample: dict) -> tuple[list[dict], list[dict] | None]:
-    """The messages before the first assistant turn (what to generate from), and the tools."""
+def eval_turns(sample: dict) -> list[tuple[list[dict], list[dict] | None, dict]]:
+    """One ``(messages, tools, expected)`` per assistant turn of ``sample``: the conversation
+    before that turn (earlier turns and tool results as the record has them), the tools, and
+    the assistant message a reply must match."""
     messages = sample["messages"]
-    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    return messages[:first], sample.get("tools")
+    tools = sample.get("tools")
+    return [(messages[:i], tools, m) for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 
-def is_correct(sample: dict, generated_text: str) -> bool:
-    """Whether ``generated_text`` (the reply to :func:`eval_prompt`) is the expected answer.
+def turn_matches(expected: dict, generated_text: str) -> bool:
+    """Whether ``generated_text`` (one generated assistant turn) is ``expected``, exactly.
 
-    A plain answer must match exactly once surrounding whitespace and the end-of-turn token
-    are stripped; a tool call must name the same function with the same arguments.
+    Everything up to the first end-of-turn token counts.  Its text outside tool calls must
+    equal the expected content once surrounding whitespace is stripped, and its tool calls
+    must name the same functions with the same arguments, in order (their JSON may be spaced
+    differently).
     """
-    expected = next(m for m in sample["messages"] if m["role"] == "assistant")
-    text = generated_text.split(EOS_TOKEN)[0].strip()
-    if expected.get("tool_calls"):
-        calls = []
-        for body in _TOOL_CALL.findall(text):
-            try:
-                call = json.loads(body)
-            except json.JSONDecodeError:
-                return False
-            calls.append(call)
-        want = [
-            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-            for c in expected["tool_calls"]
-        ]
-        return calls == want
-    return text == expected["content"].strip()
+    text = generated_text.split(EOS_TOKEN)[0]
+    calls = []
+    for body in _TOOL_CALL.findall(text):
+        try:
+            calls.append(json.loads(body))
+        except json.JSONDecodeError:
+            return False
+    want = [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+        for c in expected.get("tool_calls") or []
+    ]
+    return _TOOL_CALL.sub("", text).strip() == (expected.get("content") or "").strip() and calls == want
+
+
+def is_correct(sample: dict, replies: list[str]) -> bool:
+    """Whether ``replies`` (one generated text per assistant turn of ``sample``, in order, as
+    :func:`eval_turns` prompts them) are the whole expected reply: every turn matches."""
+    if isinstance(replies, str):
+        raise TypeError("is_correct takes a list of replies, one per assistant turn, not a string")
+    expected = [turn[2] for turn in eval_turns(sample)]
+    return len(replies) == len(expected) and all(turn_matches(e, r) for e, r in zip(expected, replies))
 
 
 def write_jsonl(path: str, samples: list[dict]) -> None:
