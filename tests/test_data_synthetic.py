@@ -5,13 +5,16 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+
+import pytest
 
 from rich.console import Console
 from transformers import AutoTokenizer
 
 from pgs.runtime.data import DataConfig, encode_chat
 from pgs.runtime.data.inspect import inspect_dataset
-from pgs.runtime.data.synthetic import eval_turns, generate, is_correct
+from pgs.runtime.data.synthetic import eval_turns, generate, is_correct, sample_key
 
 ASSETS = "pgs/assets/quickstart"
 
@@ -37,6 +40,29 @@ def test_generator_is_deterministic_and_checkable():
             assert not is_correct(sample, wrong)
 
 
+def test_eval_is_held_out_and_the_sums_are_two_digit():
+    """No eval conversation is a training one: not the same sum, nor the same city,
+    temperature and condition (the relayed answer is then new too)."""
+    train = [json.loads(line) for line in open(os.path.join(ASSETS, "train.jsonl"))]
+    evaluation = [json.loads(line) for line in open(os.path.join(ASSETS, "eval.jsonl"))]
+    seen = {sample_key(s) for s in train}
+    assert len(seen) == len(train) and not seen & {sample_key(s) for s in evaluation}
+    for sample in train + evaluation:
+        if sample["task"] == "add":
+            a, b = re.fullmatch(r"What is (\d+) \+ (\d+)\?", sample["messages"][0]["content"]).groups()
+            assert 10 <= int(a) <= 99 and 10 <= int(b) <= 99
+    tasks = [s["task"] for s in evaluation]
+    assert tasks.count("add") > 100 and tasks.count("weather") > 40
+
+
+def test_asking_for_more_distinct_samples_than_remain_is_a_clear_error():
+    every_sum = {sample_key({"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                                          {"role": "assistant", "content": str(a + b)}]})
+                 for a in range(10, 100) for b in range(10, 100)}
+    with pytest.raises(ValueError, match="cannot draw 1 distinct samples"):
+        generate(1, seed=0, weather_share=0.0, exclude=every_sum)
+
+
 def test_shipped_assets_are_small_and_load_offline():
     total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(ASSETS) for f in fs)
     assert total < 1_000_000
@@ -57,7 +83,7 @@ def test_shipped_assets_are_small_and_load_offline():
 def test_regenerating_reproduces_the_shipped_assets(tmp_path):
     from pgs.runtime.data.synthetic import main
 
-    assert main(["--out", str(tmp_path), "--train", "2500", "--eval", "200"]) == 0
+    assert main(["--out", str(tmp_path)]) == 0  # the command the module's docstring gives
     for name in ("train.jsonl", "eval.jsonl", "tokenizer/tokenizer.json"):
         assert (tmp_path / name).read_bytes() == open(os.path.join(ASSETS, name), "rb").read()
 

@@ -3,7 +3,7 @@
 Two tasks, each with a short answer that can be checked exactly, small enough that a tiny
 model learns them in a couple of minutes on a CPU:
 
-* ``add``: "What is 347 + 58?" -> "405" (two- and three-digit operands);
+* ``add``: "What is 47 + 58?" -> "105" (two-digit operands);
 * ``weather``: a one-tool conversation.  The user asks for the weather in a city, the
   assistant calls ``get_weather`` with that city, the tool answers, the assistant reports.
 
@@ -77,9 +77,13 @@ TOOL_TAGS = ("<tool_call>", "</tool_call>")
 EOS_TOKEN = "<|im_end|>"
 
 
-def make_addition(rng: random.Random) -> dict[str, Any]:
-    a = rng.randint(10, 999)
-    b = rng.randint(10, 999)
+#: The addition task's operands: two-digit numbers, so 8,100 distinct questions.
+ADD_OPERANDS = (10, 99)
+
+
+def make_addition(rng: random.Random, operands: tuple[int, int] = ADD_OPERANDS) -> dict[str, Any]:
+    a = rng.randint(*operands)
+    b = rng.randint(*operands)
     return {
         "task": "add",
         "messages": [
@@ -106,21 +110,35 @@ def make_weather(rng: random.Random) -> dict[str, Any]:
     }
 
 
+def sample_key(sample: dict) -> str:
+    """What makes two samples the same: their whole conversation."""
+    return json.dumps(sample["messages"], sort_keys=True)
+
+
 def generate(n: int, seed: int, weather_share: float = 0.25, exclude: set[str] | None = None) -> list[dict]:
-    """``n`` samples, deterministic in ``seed``; prompts in ``exclude`` are not repeated."""
+    """``n`` distinct samples, deterministic in ``seed``, none of whose :func:`sample_key`
+    is in ``exclude`` (which gains the keys of those returned)."""
     rng = random.Random(seed)
     exclude = set() if exclude is None else exclude
     samples: list[dict] = []
+    misses = 0  # draws in a row that were already taken
     while len(samples) < n:
         sample = make_weather(rng) if rng.random() < weather_share else make_addition(rng)
-        prompt = sample["messages"][0]["content"]
-        # Twenty cities make only twenty weather prompts; they may repeat (the answers differ).
-        if sample["task"] == "add" and prompt in exclude:
+        key = sample_key(sample)
+        if key in exclude:
+            misses += 1
+            if misses >= 10_000:
+                raise ValueError(f"cannot draw {n} distinct samples (seed {seed}): after {len(samples)}, "
+                                 f"10,000 draws in a row were all taken already; ask for fewer")
             continue
-        exclude.add(prompt)
+        misses = 0
+        exclude.add(key)
         samples.append(sample)
     return samples
 
+
+#: The long chats' sums have two- and three-digit operands.
+LONG_CHAT_OPERANDS = (10, 999)
 
 #: Tokens of one turn under the quickstart tokenizer and template, on average within a
 #: conversation (measured over 256 chats), plus the 35-token tool header once.
@@ -141,7 +159,7 @@ def long_chat(rng: random.Random, target_tokens: int, weather_share: float = 0.2
             messages += make_weather(rng)["messages"]
             tokens += _TURN_TOKENS["weather"]
         else:
-            messages += make_addition(rng)["messages"]
+            messages += make_addition(rng, LONG_CHAT_OPERANDS)["messages"]
             tokens += _TURN_TOKENS["add"]
     return {"task": "chat", "messages": messages, "tools": [WEATHER_TOOL]}
 
@@ -259,14 +277,17 @@ def save_tokenizer(tokenizer, folder: str) -> None:
         handle.write("\n")
 
 
-def write_quickstart(out: str, seed: int = 0, n_train: int = 2500, n_eval: int = 200, vocab_size: int = 768):
+def write_quickstart(out: str, seed: int = 0, n_train: int = 4000, n_eval: int = 200, vocab_size: int = 768,
+                     weather_share: float = 0.25):
     """Write train.jsonl, eval.jsonl and tokenizer/ under ``out``; returns the tokenizer."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     os.makedirs(out, exist_ok=True)
-    train = generate(n_train, seed)
-    seen = {s["messages"][0]["content"] for s in train}
-    evaluation = generate(n_eval, seed + 1, exclude=seen)
+    train = generate(n_train, seed, weather_share)
+    # Held out: no eval conversation is a training one (the same sum, or the same city,
+    # temperature and condition).
+    seen = {sample_key(s) for s in train}
+    evaluation = generate(n_eval, seed + 1, weather_share, exclude=seen)
     write_jsonl(os.path.join(out, "train.jsonl"), train)
     write_jsonl(os.path.join(out, "eval.jsonl"), evaluation)
     texts = []
@@ -285,9 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Regenerate the pgs quickstart data and tokenizer.")
     parser.add_argument("--out", default="pgs/assets/quickstart")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--train", type=int, default=2500)
+    parser.add_argument("--train", type=int, default=4000)
     parser.add_argument("--eval", type=int, default=200)
     parser.add_argument("--vocab-size", type=int, default=768)
+    parser.add_argument("--weather-share", type=float, default=0.25)
     parser.add_argument("--long-chats", type=int, default=0, metavar="N",
                         help="write N multi-turn chats of 300-3000 tokens to OUT (a .jsonl file) instead")
     args = parser.parse_args(argv)
@@ -295,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         write_jsonl(args.out, long_chats(args.long_chats, args.seed))
         print(f"wrote {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB)")
         return 0
-    write_quickstart(args.out, args.seed, args.train, args.eval, args.vocab_size)
+    write_quickstart(args.out, args.seed, args.train, args.eval, args.vocab_size, args.weather_share)
     total = sum(
         os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(args.out) for f in files
     )
