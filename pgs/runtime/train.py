@@ -58,8 +58,9 @@ from pgs.runtime.trace import Profiler
 from pgs.runtime.model import build_model, freeze, output_head, parameter_bytes
 from pgs.runtime.preflight import preflight_spec
 
-#: Eval prompts answered by greedy generation when the eval data has a known checker.
-ACCURACY_SAMPLES = 48
+#: Eval records answered by greedy generation when the eval data has a known checker (the
+#: quickstart ships 200, all of them scored).
+ACCURACY_SAMPLES = 200
 
 
 @attrs.define
