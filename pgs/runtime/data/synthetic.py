@@ -93,7 +93,14 @@ def make_addition(rng: random.Random, operands: tuple[int, int] = ADD_OPERANDS) 
     }
 
 
-def make_weather(rng: random.Random) -> dict[str, Any]:
+#: What the weather tool returns.  The assistant relays it after the city ("Oslo: 23C,
+#: sunny."), a verbatim copy.  With the tool saying "23C sunny" (a copy with a comma to
+#: insert) one quickstart seed in three still relayed a wrong condition at step 1000 of
+#: 1200 (weather 0.14); with the verbatim copy all three relayed right by then.
+TOOL_SAYS = "{degrees}C, {condition}"
+
+
+def make_weather(rng: random.Random, tool_says: str = TOOL_SAYS) -> dict[str, Any]:
     city = rng.choice(CITIES)
     degrees = rng.randint(-9, 35)
     condition = rng.choice(CONDITIONS)
@@ -103,7 +110,7 @@ def make_weather(rng: random.Random) -> dict[str, Any]:
         "messages": [
             {"role": "user", "content": f"What is the weather in {city}?"},
             {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "content": f"{degrees}C {condition}"},
+            {"role": "tool", "content": tool_says.format(degrees=degrees, condition=condition)},
             {"role": "assistant", "content": f"{city}: {degrees}C, {condition}."},
         ],
         "tools": [WEATHER_TOOL],
@@ -137,8 +144,10 @@ def generate(n: int, seed: int, weather_share: float = 0.25, exclude: set[str] |
     return samples
 
 
-#: The long chats' sums have two- and three-digit operands.
+#: The long chats' sums have two- and three-digit operands, and their weather tool says
+#: "23C sunny".
 LONG_CHAT_OPERANDS = (10, 999)
+LONG_CHAT_TOOL_SAYS = "{degrees}C {condition}"
 
 #: Tokens of one turn under the quickstart tokenizer and template, on average within a
 #: conversation (measured over 256 chats), plus the 35-token tool header once.
@@ -156,7 +165,7 @@ def long_chat(rng: random.Random, target_tokens: int, weather_share: float = 0.2
     tokens = 35  # the tool header
     while tokens < target_tokens:
         if rng.random() < weather_share:
-            messages += make_weather(rng)["messages"]
+            messages += make_weather(rng, LONG_CHAT_TOOL_SAYS)["messages"]
             tokens += _TURN_TOKENS["weather"]
         else:
             messages += make_addition(rng, LONG_CHAT_OPERANDS)["messages"]
