@@ -65,7 +65,7 @@ def task_accuracy(
     *,
     turns: Callable[[dict], list[tuple[list, list | None, dict]]],
     matches: Callable[[dict, str], bool],
-    max_new_tokens: int = 48,
+    max_new_tokens: int = 32,
     batch_size: int = 32,
 ) -> dict:
     """``{"eval_accuracy": correct / n, "eval_correct": correct}``: whole greedy replies, checked.
