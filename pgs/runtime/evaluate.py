@@ -75,9 +75,9 @@ def task_accuracy(
     has it (earlier assistant turns and tool results included), the tools, and the expected
     assistant message; ``matches(expected, text)`` checks one generated turn.  Round ``k``
     generates turn ``k`` of the samples whose earlier turns all matched, so the earlier turns
-    fed back are the model's own replies (up to the checker's normalisation, e.g. a tool
-    call's JSON spacing) and the tool results are the record's.  Records with a ``"task"``
-    field also get ``eval_accuracy_<task>`` per task.
+    fed back (the record's) are what the model itself replied, up to the checker's
+    normalisation (a tool call's JSON spacing), and the tool results are the record's.
+    Records with a ``"task"`` field also get ``eval_accuracy_<task>`` per task.
 
     The chat template renders each prompt with the generation prompt, prompts are
     left-padded in batches, and generation stops at eos or after ``max_new_tokens``.
