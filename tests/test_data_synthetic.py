@@ -5,13 +5,16 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+
+import pytest
 
 from rich.console import Console
 from transformers import AutoTokenizer
 
 from pgs.runtime.data import DataConfig, encode_chat
 from pgs.runtime.data.inspect import inspect_dataset
-from pgs.runtime.data.synthetic import eval_prompt, generate, is_correct
+from pgs.runtime.data.synthetic import eval_turns, generate, is_correct, sample_key
 
 ASSETS = "pgs/assets/quickstart"
 
@@ -20,17 +23,44 @@ def test_generator_is_deterministic_and_checkable():
     assert generate(50, seed=3) == generate(50, seed=3)
     assert generate(50, seed=3) != generate(50, seed=4)
     for sample in generate(40, seed=0):
-        prompt, _ = eval_prompt(sample)
-        assert prompt[-1]["role"] == "user"
-        answer = next(m for m in sample["messages"] if m["role"] == "assistant")
-        if answer.get("tool_calls"):
-            f = answer["tool_calls"][0]["function"]
-            good = "<tool_call>" + json.dumps({"name": f["name"], "arguments": f["arguments"]}) + "</tool_call>"
-            assert is_correct(sample, good + "<|im_end|>")
-            assert not is_correct(sample, good.replace(f["arguments"]["city"], "Nowhere"))
-        else:
-            assert is_correct(sample, f" {answer['content']}<|im_end|>")
-            assert not is_correct(sample, answer["content"] + "0")
+        turns = eval_turns(sample)
+        assert turns[0][0][-1]["role"] == "user"
+        right = []
+        for _, _, expected in turns:
+            if expected.get("tool_calls"):
+                f = expected["tool_calls"][0]["function"]
+                right.append("<tool_call>" + json.dumps({"name": f["name"], "arguments": f["arguments"]})
+                             + "</tool_call><|im_end|>")
+            else:
+                right.append(f" {expected['content']}<|im_end|>")
+        assert is_correct(sample, right)
+        for k in range(len(right)):  # any one turn wrong makes the whole reply wrong
+            wrong = list(right)
+            wrong[k] = wrong[k].replace("<|im_end|>", "0<|im_end|>").replace('"}}', 'x"}}')
+            assert not is_correct(sample, wrong)
+
+
+def test_eval_is_held_out_and_the_sums_are_two_digit():
+    """No eval conversation is a training one: not the same sum, nor the same city,
+    temperature and condition (the relayed answer is then new too)."""
+    train = [json.loads(line) for line in open(os.path.join(ASSETS, "train.jsonl"))]
+    evaluation = [json.loads(line) for line in open(os.path.join(ASSETS, "eval.jsonl"))]
+    seen = {sample_key(s) for s in train}
+    assert len(seen) == len(train) and not seen & {sample_key(s) for s in evaluation}
+    for sample in train + evaluation:
+        if sample["task"] == "add":
+            a, b = re.fullmatch(r"What is (\d+) \+ (\d+)\?", sample["messages"][0]["content"]).groups()
+            assert 10 <= int(a) <= 99 and 10 <= int(b) <= 99
+    tasks = [s["task"] for s in evaluation]
+    assert tasks.count("add") > 100 and tasks.count("weather") > 40
+
+
+def test_asking_for_more_distinct_samples_than_remain_is_a_clear_error():
+    every_sum = {sample_key({"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                                          {"role": "assistant", "content": str(a + b)}]})
+                 for a in range(10, 100) for b in range(10, 100)}
+    with pytest.raises(ValueError, match="cannot draw 1 distinct samples"):
+        generate(1, seed=0, weather_share=0.0, exclude=every_sum)
 
 
 def test_shipped_assets_are_small_and_load_offline():
@@ -53,7 +83,7 @@ def test_shipped_assets_are_small_and_load_offline():
 def test_regenerating_reproduces_the_shipped_assets(tmp_path):
     from pgs.runtime.data.synthetic import main
 
-    assert main(["--out", str(tmp_path), "--train", "2500", "--eval", "200"]) == 0
+    assert main(["--out", str(tmp_path)]) == 0  # the command the module's docstring gives
     for name in ("train.jsonl", "eval.jsonl", "tokenizer/tokenizer.json"):
         assert (tmp_path / name).read_bytes() == open(os.path.join(ASSETS, name), "rb").read()
 

@@ -3,13 +3,14 @@
 Two tasks, each with a short answer that can be checked exactly, small enough that a tiny
 model learns them in a couple of minutes on a CPU:
 
-* ``add``: "What is 347 + 58?" -> "405" (two- and three-digit operands);
+* ``add``: "What is 47 + 58?" -> "105" (two-digit operands);
 * ``weather``: a one-tool conversation.  The user asks for the weather in a city, the
   assistant calls ``get_weather`` with that city, the tool answers, the assistant reports.
 
-:func:`eval_prompt` gives the messages up to the first assistant turn; :func:`is_correct`
-checks a generated continuation against that turn (the sum, or the tool call's name and
-arguments).  Regenerate the quickstart assets with::
+:func:`eval_turns` gives, for each assistant turn, the conversation before it; :func:`turn_matches`
+checks one generated turn exactly (the sum; the tool call's name and arguments; the relayed
+answer), and a sample is right only if all its turns are (:func:`is_correct`).  Regenerate
+the quickstart assets with::
 
     python -m pgs.runtime.data.synthetic --out pgs/assets/quickstart
     python -m pgs.runtime.data.synthetic --long-chats 256 --out pgs/assets/bench/chats.jsonl
@@ -76,9 +77,13 @@ TOOL_TAGS = ("<tool_call>", "</tool_call>")
 EOS_TOKEN = "<|im_end|>"
 
 
-def make_addition(rng: random.Random) -> dict[str, Any]:
-    a = rng.randint(10, 999)
-    b = rng.randint(10, 999)
+#: The addition task's operands: two-digit numbers, so 8,100 distinct questions.
+ADD_OPERANDS = (10, 99)
+
+
+def make_addition(rng: random.Random, operands: tuple[int, int] = ADD_OPERANDS) -> dict[str, Any]:
+    a = rng.randint(*operands)
+    b = rng.randint(*operands)
     return {
         "task": "add",
         "messages": [
@@ -88,7 +93,14 @@ def make_addition(rng: random.Random) -> dict[str, Any]:
     }
 
 
-def make_weather(rng: random.Random) -> dict[str, Any]:
+#: What the weather tool returns.  The assistant relays it after the city ("Oslo: 23C,
+#: sunny."), a verbatim copy.  With the tool saying "23C sunny" (a copy with a comma to
+#: insert) one quickstart seed in three still relayed a wrong condition at step 1000 of
+#: 1200 (weather 0.14); with the verbatim copy all three relayed right by then.
+TOOL_SAYS = "{degrees}C, {condition}"
+
+
+def make_weather(rng: random.Random, tool_says: str = TOOL_SAYS) -> dict[str, Any]:
     city = rng.choice(CITIES)
     degrees = rng.randint(-9, 35)
     condition = rng.choice(CONDITIONS)
@@ -98,28 +110,44 @@ def make_weather(rng: random.Random) -> dict[str, Any]:
         "messages": [
             {"role": "user", "content": f"What is the weather in {city}?"},
             {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "content": f"{degrees}C {condition}"},
+            {"role": "tool", "content": tool_says.format(degrees=degrees, condition=condition)},
             {"role": "assistant", "content": f"{city}: {degrees}C, {condition}."},
         ],
         "tools": [WEATHER_TOOL],
     }
 
 
+def sample_key(sample: dict) -> str:
+    """What makes two samples the same: their whole conversation."""
+    return json.dumps(sample["messages"], sort_keys=True)
+
+
 def generate(n: int, seed: int, weather_share: float = 0.25, exclude: set[str] | None = None) -> list[dict]:
-    """``n`` samples, deterministic in ``seed``; prompts in ``exclude`` are not repeated."""
+    """``n`` distinct samples, deterministic in ``seed``, none of whose :func:`sample_key`
+    is in ``exclude`` (which gains the keys of those returned)."""
     rng = random.Random(seed)
     exclude = set() if exclude is None else exclude
     samples: list[dict] = []
+    misses = 0  # draws in a row that were already taken
     while len(samples) < n:
         sample = make_weather(rng) if rng.random() < weather_share else make_addition(rng)
-        prompt = sample["messages"][0]["content"]
-        # Twenty cities make only twenty weather prompts; they may repeat (the answers differ).
-        if sample["task"] == "add" and prompt in exclude:
+        key = sample_key(sample)
+        if key in exclude:
+            misses += 1
+            if misses >= 10_000:
+                raise ValueError(f"cannot draw {n} distinct samples (seed {seed}): after {len(samples)}, "
+                                 f"10,000 draws in a row were all taken already; ask for fewer")
             continue
-        exclude.add(prompt)
+        misses = 0
+        exclude.add(key)
         samples.append(sample)
     return samples
 
+
+#: The long chats' sums have two- and three-digit operands, and their weather tool says
+#: "23C sunny".
+LONG_CHAT_OPERANDS = (10, 999)
+LONG_CHAT_TOOL_SAYS = "{degrees}C {condition}"
 
 #: Tokens of one turn under the quickstart tokenizer and template, on average within a
 #: conversation (measured over 256 chats), plus the 35-token tool header once.
@@ -137,10 +165,10 @@ def long_chat(rng: random.Random, target_tokens: int, weather_share: float = 0.2
     tokens = 35  # the tool header
     while tokens < target_tokens:
         if rng.random() < weather_share:
-            messages += make_weather(rng)["messages"]
+            messages += make_weather(rng, LONG_CHAT_TOOL_SAYS)["messages"]
             tokens += _TURN_TOKENS["weather"]
         else:
-            messages += make_addition(rng)["messages"]
+            messages += make_addition(rng, LONG_CHAT_OPERANDS)["messages"]
             tokens += _TURN_TOKENS["add"]
     return {"task": "chat", "messages": messages, "tools": [WEATHER_TOOL]}
 
@@ -151,38 +179,47 @@ def long_chats(n: int, seed: int, min_tokens: int = 300, max_tokens: int = 3000)
     return [long_chat(rng, rng.randint(min_tokens, max_tokens)) for _ in range(n)]
 
 
-def eval_prompt(sample: dict) -> tuple[list[dict], list[dict] | None]:
-    """The messages before the first assistant turn (what to generate from), and the tools."""
+def eval_turns(sample: dict) -> list[tuple[list[dict], list[dict] | None, dict]]:
+    """One ``(messages, tools, expected)`` per assistant turn of ``sample``: the conversation
+    before that turn (earlier turns and tool results as the record has them), the tools, and
+    the assistant message a reply must match."""
     messages = sample["messages"]
-    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    return messages[:first], sample.get("tools")
+    tools = sample.get("tools")
+    return [(messages[:i], tools, m) for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 
-def is_correct(sample: dict, generated_text: str) -> bool:
-    """Whether ``generated_text`` (the reply to :func:`eval_prompt`) is the expected answer.
+def turn_matches(expected: dict, generated_text: str) -> bool:
+    """Whether ``generated_text`` (one generated assistant turn) is ``expected``, exactly.
 
-    A plain answer must match exactly once surrounding whitespace and the end-of-turn token
-    are stripped; a tool call must name the same function with the same arguments.
+    Everything up to the first end-of-turn token counts.  Its text outside tool calls must
+    equal the expected content once surrounding whitespace is stripped, and its tool calls
+    must name the same functions with the same arguments, in order (their JSON may be spaced
+    differently).
     """
-    expected = next(m for m in sample["messages"] if m["role"] == "assistant")
-    text = generated_text.split(EOS_TOKEN)[0].strip()
-    if expected.get("tool_calls"):
-        calls = []
-        for body in _TOOL_CALL.findall(text):
-            try:
-                call = json.loads(body)
-            except json.JSONDecodeError:
-                return False
-            calls.append(call)
-        want = [
-            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-            for c in expected["tool_calls"]
-        ]
-        return calls == want
-    return text == expected["content"].strip()
+    text = generated_text.split(EOS_TOKEN)[0]
+    calls = []
+    for body in _TOOL_CALL.findall(text):
+        try:
+            calls.append(json.loads(body))
+        except json.JSONDecodeError:
+            return False
+    want = [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+        for c in expected.get("tool_calls") or []
+    ]
+    return _TOOL_CALL.sub("", text).strip() == (expected.get("content") or "").strip() and calls == want
+
+
+def is_correct(sample: dict, replies: list[str]) -> bool:
+    """Whether ``replies`` (one generated text per assistant turn of ``sample``, in order, as
+    :func:`eval_turns` prompts them) are the whole expected reply: every turn matches."""
+    if isinstance(replies, str):
+        raise TypeError("is_correct takes a list of replies, one per assistant turn, not a string")
+    expected = [turn[2] for turn in eval_turns(sample)]
+    return len(replies) == len(expected) and all(turn_matches(e, r) for e, r in zip(expected, replies))
 
 
 def write_jsonl(path: str, samples: list[dict]) -> None:
@@ -249,14 +286,17 @@ def save_tokenizer(tokenizer, folder: str) -> None:
         handle.write("\n")
 
 
-def write_quickstart(out: str, seed: int = 0, n_train: int = 2500, n_eval: int = 200, vocab_size: int = 768):
+def write_quickstart(out: str, seed: int = 0, n_train: int = 4000, n_eval: int = 200, vocab_size: int = 768,
+                     weather_share: float = 0.25):
     """Write train.jsonl, eval.jsonl and tokenizer/ under ``out``; returns the tokenizer."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     os.makedirs(out, exist_ok=True)
-    train = generate(n_train, seed)
-    seen = {s["messages"][0]["content"] for s in train}
-    evaluation = generate(n_eval, seed + 1, exclude=seen)
+    train = generate(n_train, seed, weather_share)
+    # Held out: no eval conversation is a training one (the same sum, or the same city,
+    # temperature and condition).
+    seen = {sample_key(s) for s in train}
+    evaluation = generate(n_eval, seed + 1, weather_share, exclude=seen)
     write_jsonl(os.path.join(out, "train.jsonl"), train)
     write_jsonl(os.path.join(out, "eval.jsonl"), evaluation)
     texts = []
@@ -275,9 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Regenerate the pgs quickstart data and tokenizer.")
     parser.add_argument("--out", default="pgs/assets/quickstart")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--train", type=int, default=2500)
+    parser.add_argument("--train", type=int, default=4000)
     parser.add_argument("--eval", type=int, default=200)
     parser.add_argument("--vocab-size", type=int, default=768)
+    parser.add_argument("--weather-share", type=float, default=0.25)
     parser.add_argument("--long-chats", type=int, default=0, metavar="N",
                         help="write N multi-turn chats of 300-3000 tokens to OUT (a .jsonl file) instead")
     args = parser.parse_args(argv)
@@ -285,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         write_jsonl(args.out, long_chats(args.long_chats, args.seed))
         print(f"wrote {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB)")
         return 0
-    write_quickstart(args.out, args.seed, args.train, args.eval, args.vocab_size)
+    write_quickstart(args.out, args.seed, args.train, args.eval, args.vocab_size, args.weather_share)
     total = sum(
         os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(args.out) for f in files
     )

@@ -2,10 +2,11 @@
 
 ``eval_loss`` runs the same hidden-states-then-chunked-loss path as training, without
 gradients, and divides the summed loss by the summed valid-token count of the whole pass.
-``task_accuracy`` generates greedily from the first ``n`` eval prompts (the messages before
-their first assistant turn) and asks a checker whether each reply is right; the quickstart's
-checker is ``pgs.runtime.data.synthetic.is_correct``.  Neither touches a random generator,
-so evaluating never changes what training does next.
+``task_accuracy`` generates greedily every assistant turn of the first ``n`` eval records,
+one turn after another (a tool call, then the answer relayed from the record's tool result),
+and counts a record right only if a checker accepts all its turns; the quickstart's checker
+is ``pgs.runtime.data.synthetic.turn_matches``.  Neither touches a random generator, so
+evaluating never changes what training does next.
 """
 
 from __future__ import annotations
@@ -63,66 +64,86 @@ def task_accuracy(
     tokenizer,
     samples: list[dict],
     *,
-    prompt: Callable[[dict], tuple[list, list | None]],
-    is_correct: Callable[[dict, str], bool],
+    turns: Callable[[dict], list[tuple[list, list | None, dict]]],
+    matches: Callable[[dict, str], bool],
     max_new_tokens: int = 32,
-    batch_size: int = 16,
+    batch_size: int = 32,
 ) -> dict:
-    """``{"eval_accuracy": correct / n, "eval_correct": correct}``: greedy replies, checked.
+    """``{"eval_accuracy": correct / n, "eval_correct": correct}``: whole greedy replies, checked.
 
+    A sample is right only if every one of its assistant turns is.  ``turns(sample)`` lists
+    them as ``(messages, tools, expected)``: the conversation before the turn as the record
+    has it (earlier assistant turns and tool results included), the tools, and the expected
+    assistant message; ``matches(expected, text)`` checks one generated turn.  Round ``k``
+    generates turn ``k`` of the samples whose earlier turns all matched, so the earlier turns
+    fed back (the record's) are what the model itself replied, up to the checker's
+    normalisation (a tool call's JSON spacing), and the tool results are the record's.
     Records with a ``"task"`` field also get ``eval_accuracy_<task>`` per task.
 
-    ``prompt(sample) -> (messages, tools)``; the chat template renders them with the
-    generation prompt, prompts are left-padded in batches, and generation stops at eos.
+    The chat template renders each prompt with the generation prompt, prompts are
+    left-padded in batches, and generation stops at eos or after ``max_new_tokens``.
     """
     if not samples:
         return {}
+    plans = []
+    for index, sample in enumerate(samples):
+        plan = turns(sample)
+        if not plan:
+            raise ValueError(f"eval sample {index} has no assistant turn to generate: {json.dumps(sample)[:200]}")
+        plans.append(plan)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
-    correct = 0
-    per_task: dict[str, list[int]] = {}
+    alive = [True] * len(samples)
     try:
-        for start in range(0, len(samples), batch_size):
-            chunk = samples[start:start + batch_size]
-            texts = []
-            for sample in chunk:
-                messages, tools = prompt(sample)
-                texts.append(tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                           add_generation_prompt=True))
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            out = model.generate(
-                input_ids=enc["input_ids"].to(device),
-                attention_mask=enc["attention_mask"].to(device),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            replies = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=False)
-            for sample, reply in zip(chunk, replies):
-                pad = tokenizer.pad_token
-                ok = bool(is_correct(sample, reply.replace(pad, "") if pad else reply))
-                correct += ok
-                if isinstance(sample.get("task"), str):
-                    per_task.setdefault(sample["task"], []).append(ok)
+        for k in range(max(len(plan) for plan in plans)):
+            todo = [i for i, plan in enumerate(plans) if alive[i] and k < len(plan)]
+            for start in range(0, len(todo), batch_size):
+                chunk = todo[start:start + batch_size]
+                replies = _generate(model, tokenizer, [plans[i][k][:2] for i in chunk], device, max_new_tokens)
+                for i, reply in zip(chunk, replies):
+                    alive[i] = bool(matches(plans[i][k][2], reply))
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
+    per_task: dict[str, list[bool]] = {}
+    for sample, ok in zip(samples, alive):
+        if isinstance(sample.get("task"), str):
+            per_task.setdefault(sample["task"], []).append(ok)
+    correct = sum(alive)
     out = {"eval_accuracy": correct / len(samples), "eval_correct": correct}
     out.update({f"eval_accuracy_{task}": sum(oks) / len(oks) for task, oks in sorted(per_task.items())})
     return out
 
 
-def task_checker(samples: list[dict]):
-    """``(prompt, is_correct)`` for eval records a known checker understands, else None.
+def _generate(model, tokenizer, prompts: list[tuple[list, list | None]], device, max_new_tokens: int) -> list[str]:
+    """Greedy continuations of ``(messages, tools)`` prompts, decoded, padding removed."""
+    texts = [tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+             for messages, tools in prompts]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(
+        input_ids=enc["input_ids"].to(device),
+        attention_mask=enc["attention_mask"].to(device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    replies = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=False)
+    pad = tokenizer.pad_token
+    return [reply.replace(pad, "") if pad else reply for reply in replies]
 
-    The quickstart's synthetic records carry ``"task"`` in ``add``/``weather``; their checker
-    is ``pgs.runtime.data.synthetic.is_correct``.  Other data gets eval loss only.
+
+def task_checker(samples: list[dict]):
+    """``(turns, matches)`` for eval records a known checker understands, else None.
+
+    The quickstart's synthetic records carry ``"task"`` in ``add``/``weather``; their
+    checker is ``pgs.runtime.data.synthetic.eval_turns`` and ``turn_matches``.  Other data
+    gets eval loss only.
     """
 
     if samples and all(s.get("task") in ("add", "weather") for s in samples):
-        return synthetic.eval_prompt, synthetic.is_correct
+        return synthetic.eval_turns, synthetic.turn_matches
     return None

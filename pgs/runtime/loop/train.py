@@ -62,8 +62,9 @@ from pgs.runtime.spec.preflight import preflight_spec
 from pgs.runtime.store import checkpoint as ckpt, dcp
 from pgs.runtime.store.export import export_hf
 
-#: Eval prompts answered by greedy generation when the eval data has a known checker.
-ACCURACY_SAMPLES = 48
+#: Eval records answered by greedy generation when the eval data has a known checker (the
+#: quickstart ships 200, all of them scored).
+ACCURACY_SAMPLES = 200
 
 
 @attrs.define
@@ -446,8 +447,8 @@ def evaluate(run: Run) -> dict:
     samples = read_samples(spec.data.eval, ACCURACY_SAMPLES)
     checker = task_checker(samples)
     if checker is not None:
-        prompt, is_correct = checker
-        out.update(task_accuracy(run.model, run.tokenizer, samples, prompt=prompt, is_correct=is_correct))
+        turns, matches = checker
+        out.update(task_accuracy(run.model, run.tokenizer, samples, turns=turns, matches=matches))
     return out
 
 
