@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from pgs.runtime.data.synthetic import eval_turns, is_correct, turn_matches
-from pgs.runtime.evaluate import task_accuracy, task_checker
+from pgs.runtime.loop.evaluate import task_accuracy, task_checker
 
 TOKENIZER = os.path.join("pgs", "assets", "quickstart", "tokenizer")
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
