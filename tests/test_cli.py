@@ -100,20 +100,6 @@ def test_bugs_keep_their_traceback(spec_file: Path, fake_train):
         cli.main(["run", str(spec_file)])
 
 
-def test_run_without_the_training_loop(spec_file: Path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "pgs.runtime.loop.train", None)  # import fails as if absent
-    assert cli.main(["run", str(spec_file)]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("pgs: error: pgs run needs pgs.runtime.loop.train") and err.count("\n") == 1
-
-
-def test_profile_without_its_module(spec_file: Path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "pgs.runtime.tools.profile", None)
-    monkeypatch.setitem(sys.modules, "pgs.runtime.loop.train", None)
-    assert cli.main(["profile", str(spec_file)]) == 1
-    assert "pgs profile needs pgs.runtime.tools.profile" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("argv, message", [
     (["run", "{spec}", "--resume", "/no/such/checkpoint"], "--resume: no such checkpoint"),
     (["run", "{spec}", "--set", "train.steps"], "expected KEY=VALUE"),
