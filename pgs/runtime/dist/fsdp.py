@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from pgs.errors import SpecError
-from pgs.runtime.model.build import final_hidden
+from pgs.runtime.model.build import final_hidden as model_final_hidden
 
 #: Environment variable with the process-group timeout in seconds (default below).
 TIMEOUT_ENV = "PGS_PG_TIMEOUT_S"
@@ -198,8 +198,7 @@ def mixed_precision_policy(mixed_precision: str | None):
 
 
 def _final_hidden(self, input_ids, position_ids, *, embed_noise=None):
-
-    return final_hidden(self, input_ids, position_ids, embed_noise=embed_noise)
+    return model_final_hidden(self, input_ids, position_ids, embed_noise=embed_noise)
 
 
 def shard_model(model, mesh=None, *, mixed_precision: str | None = None, layers: list | None = None,
