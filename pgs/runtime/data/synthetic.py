@@ -11,7 +11,7 @@ model learns them in a couple of minutes on a CPU:
 checks a generated continuation against that turn (the sum, or the tool call's name and
 arguments).  Regenerate the quickstart assets with::
 
-    python -m pgs.runtime.data.synthetic --out pgs/assets/quickstart
+    python -m pgs.runtime.data.synthetic --out pgs/assets/quickstart   # also the DPO quickstart's pairs
     python -m pgs.runtime.data.synthetic --long-chats 256 --out pgs/assets/bench/chats.jsonl
 
 Everything is deterministic given ``--seed``.
@@ -119,6 +119,45 @@ def generate(n: int, seed: int, weather_share: float = 0.25, exclude: set[str] |
         exclude.add(prompt)
         samples.append(sample)
     return samples
+
+
+def wrong_answer(sample: dict, rng: random.Random) -> dict:
+    """The first assistant turn of ``sample`` answered wrongly: a sum off by 1-9 or by tens
+    (1-9 tens), or a tool call for another city."""
+    turn = sample["messages"][1]
+    if sample["task"] == "add":
+        right = int(turn["content"])
+        while True:
+            wrong = right + rng.choice((-1, 1)) * rng.randint(1, 9) * rng.choice((1, 10))
+            if wrong > 0:
+                return {"role": "assistant", "content": str(wrong)}
+    city = turn["tool_calls"][0]["function"]["arguments"]["city"]
+    other = rng.choice([c for c in CITIES if c != city])
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": other}}}
+    return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+
+def preference_pairs(samples: list[dict], seed: int) -> list[dict]:
+    """A preference pair per sample: its user turn as the prompt, its first assistant turn as
+    the chosen answer and :func:`wrong_answer` as the rejected one (deterministic in ``seed``)."""
+    rng = random.Random(f"pairs:{seed}")
+    pairs = []
+    for sample in samples:
+        pair = {"task": sample["task"], "prompt": sample["messages"][:1], "chosen": sample["messages"][1:2],
+                "rejected": [wrong_answer(sample, rng)]}
+        if "tools" in sample:
+            pair["tools"] = sample["tools"]
+        pairs.append(pair)
+    return pairs
+
+
+def write_preference(out: str, seed: int = 0) -> None:
+    """``pairs_train.jsonl`` and ``pairs_eval.jsonl`` under ``out``, from its ``train.jsonl`` and
+    ``eval.jsonl``: the DPO quickstart's pairs (held-out pairs from the held-out prompts)."""
+    for split in ("train", "eval"):
+        with open(os.path.join(out, f"{split}.jsonl"), encoding="utf-8") as f:
+            samples = [json.loads(line) for line in f if line.strip()]
+        write_jsonl(os.path.join(out, f"pairs_{split}.jsonl"), preference_pairs(samples, seed + (split == "eval")))
 
 
 #: Tokens of one turn under the quickstart tokenizer and template, on average within a
@@ -286,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB)")
         return 0
     write_quickstart(args.out, args.seed, args.train, args.eval, args.vocab_size)
+    write_preference(args.out, args.seed)
     total = sum(
         os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(args.out) for f in files
     )
