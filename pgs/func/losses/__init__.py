@@ -4,7 +4,9 @@ Backends (same signature, chosen by ``token_loss(..., backend=...)``):
 ``chunked`` (default, O(chunk·V) memory), ``dense`` (reference), ``liger`` and ``cce``
 (CUDA fused kernels, cross-entropy only).  Objectives: ``ce``, ``deft``, ``deft_cayley``,
 ``dft``, ``infosft``, ``cadft``, ``deformed_log`` (EQUATIONS.md C1-C4).  Embedding noise: ``neftune``,
-``symnoise`` (C7).  See docs/losses.md.
+``symnoise`` (C7).  Preference losses: ``preference_loss`` (DPO, IPO, SLiC hinge, DPOP,
+SimPO, ORPO) on per-sequence log-probs from ``sequence_logps``.  See docs/losses.md and
+docs/techniques/preference.md.
 """
 
 from pgs.func.losses.chunked import (
@@ -34,7 +36,9 @@ from pgs.func.losses.objectives import (
     infosft_weight,
     resolve_objective,
 )
+from pgs.func.losses.preference import PREFERENCE_KINDS, REFERENCE_FREE, PreferenceLoss, preference_loss
 from pgs.func.losses.result import TokenLossResult
+from pgs.func.losses.sequence import sequence_logps
 from pgs.func.losses.token_loss import BACKENDS, token_loss
 
 __all__ = [
@@ -50,6 +54,9 @@ __all__ = [
     "InfoSFT",
     "OBJECTIVES",
     "Objective",
+    "PREFERENCE_KINDS",
+    "PreferenceLoss",
+    "REFERENCE_FREE",
     "TokenInputs",
     "TokenLossResult",
     "TokenObjective",
@@ -62,7 +69,9 @@ __all__ = [
     "fused_cross_entropy",
     "infosft_weight",
     "neftune",
+    "preference_loss",
     "resolve_objective",
+    "sequence_logps",
     "symnoise",
     "target_logprobs",
     "token_loss",

@@ -1,0 +1,119 @@
+"""The loss conformance registry: batched losses that ``test_loss_conformance.py`` checks.
+
+The transform registry (``registry.py``) holds ``pf.Transform``s; a loss is another kind of
+object (tensors in, tensors out, gradients to some inputs), so it registers here.  A
+``LossEntry`` says how to draw inputs and how a batch splits into two parts whose outputs
+combine into the whole batch's.  A new loss joins by appending an entry to ``ENTRIES``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from pgs.func.losses import PREFERENCE_KINDS, REFERENCE_FREE, preference_loss, sequence_logps
+
+F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """``fn(*args, **kwargs)``; ``grad``: the indices of ``args`` that get gradients."""
+
+    args: tuple
+    kwargs: dict
+    grad: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossEntry:
+    """One loss under test.
+
+    Attributes:
+        name: unique id.
+        fn: the loss; returns a tuple of tensors, the first differentiable.
+        draw: ``draw(gen, n, dtype) -> Inputs`` for a batch of size n ≥ 1.
+        split: ``split(inputs, k) -> (first, rest)``: the batch cut after item k (0 < k < n).
+        combine: ``combine(out_first, out_rest) -> out``: what the whole batch returns.
+        dtypes: input dtypes to try.
+        covers: the public names this entry exercises (kinds included).
+    """
+
+    name: str
+    fn: Callable
+    draw: Callable[[torch.Generator, int, torch.dtype], Inputs]
+    split: Callable[[Inputs, int], tuple[Inputs, Inputs]]
+    combine: Callable[[tuple, tuple], tuple]
+    dtypes: tuple = (F32, F64, BF16)
+    covers: tuple[str, ...] = ()
+
+
+# ---- preference_loss: one entry per kind; pairs are independent -------------------------------
+
+
+def _preference_entry(kind: str, **hyper) -> LossEntry:
+    free = kind in REFERENCE_FREE
+
+    def draw(gen, n, dtype):
+        c, r, rc, rr = ((-torch.rand(n, generator=gen, dtype=F64) * 40 - 0.1).to(dtype) for _ in range(4))
+        lc, lr = torch.randint(1, 20, (n,), generator=gen), torch.randint(1, 20, (n,), generator=gen)
+        args = (c, r) if free else (c, r, rc, rr)
+        return Inputs(args, dict(kind=kind, chosen_lengths=lc, rejected_lengths=lr, **hyper), grad=(0, 1))
+
+    def split(inp, k):
+        def cut(sl):
+            kw = {key: (v[sl] if isinstance(v, torch.Tensor) else v) for key, v in inp.kwargs.items()}
+            return Inputs(tuple(a[sl] for a in inp.args), kw, inp.grad)
+
+        return cut(slice(0, k)), cut(slice(k, None))
+
+    def combine(a, b):
+        return tuple(torch.cat([x, y]) for x, y in zip(a, b))
+
+    name = ",".join([kind, *(f"{k}={v}" for k, v in hyper.items())])
+    return LossEntry(f"preference_loss[{name}]", preference_loss, draw, split, combine,
+                     covers=("preference_loss", kind))
+
+
+# ---- sequence_logps: rows of a packed batch; sequences shared across the cut add up ----------
+
+
+def _sequence_entry(softcap) -> LossEntry:
+    V, D, S = 7, 4, 6
+
+    def draw(gen, n, dtype):
+        h = torch.randn(n, S, D, generator=gen, dtype=F64).to(dtype)
+        W = torch.randn(V, D, generator=gen, dtype=F64).to(dtype)
+        labels = torch.randint(0, V, (n, S), generator=gen)
+        labels[torch.rand(n, S, generator=gen) < 0.3] = -100
+        seq = torch.randint(-1, 3, (n, S), generator=gen)  # a sequence may span rows here
+        return Inputs((h, W, labels, seq, 3), dict(chunk_size=5, softcap=softcap), grad=(0, 1))
+
+    def split(inp, k):
+        h, W, labels, seq, num = inp.args
+        return (Inputs((h[:k], W, labels[:k], seq[:k], num), inp.kwargs, inp.grad),
+                Inputs((h[k:], W, labels[k:], seq[k:], num), inp.kwargs, inp.grad))
+
+    def combine(a, b):
+        return tuple(x + y for x, y in zip(a, b))
+
+    return LossEntry(f"sequence_logps[softcap={softcap}]", sequence_logps, draw, split, combine,
+                     covers=("sequence_logps",))
+
+
+ENTRIES = [
+    _preference_entry("dpo"),
+    _preference_entry("dpo", label_smoothing=0.1, beta=0.5),
+    _preference_entry("ipo", beta=0.05),
+    _preference_entry("hinge", beta=0.2),
+    _preference_entry("dpop", lam=5.0),
+    _preference_entry("simpo", beta=2.0, gamma=0.5),
+    _preference_entry("orpo", nll_weight=0.1),
+    _sequence_entry(None),
+    _sequence_entry(3.0),
+]
+
+#: The names that must be covered: both preference entry points and every kind.
+REQUIRED = ("preference_loss", "sequence_logps", *PREFERENCE_KINDS)
