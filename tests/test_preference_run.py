@@ -18,6 +18,8 @@ from pgs.runtime.store import reference as cache
 from pgs.runtime.tools.report import write_report
 from test_train import assert_same_checkpoint, launch, records, step_records
 
+pytestmark = pytest.mark.slow  # ~3 minutes on two busy CPU cores
+
 ASSETS = Path(__file__).resolve().parent.parent / "pgs" / "assets" / "quickstart"
 
 SPEC = """

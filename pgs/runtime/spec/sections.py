@@ -342,9 +342,10 @@ class PreferenceSpec:
     """``[preference]``: train on preference pairs with an offline objective (docs/preference.md).
 
     ``kind`` is one of ``pgs.func.losses.PREFERENCE_KINDS`` (``dpo``, ``ipo``, ``hinge``,
-    ``dpop``, ``simpo``, ``orpo``); ``beta``, ``label_smoothing`` (cDPO's ε), ``gamma``
-    (SimPO's margin), ``lam`` (DPOP's λ, ORPO's weight) and ``nll_weight`` (an NLL term on the
-    chosen answers, any kind) are its arguments.  ``reference``: ``"cached"`` computes the
+    ``dpop``, ``simpo``, ``orpo``); ``beta`` (ORPO: the odds-ratio term's weight),
+    ``label_smoothing`` (cDPO's ε, dpo only), ``gamma`` (SimPO's margin, simpo only), ``lam``
+    (DPOP's λ, dpop only) and ``nll_weight`` (an NLL term on the chosen answers, any kind) are
+    its arguments (``pgs.func.losses.preference_loss``).  ``reference``: ``"cached"`` computes the
     reference log-probs of every pair once before training and keeps them in the run folder;
     ``"live"`` keeps a frozen copy that computes them every step.  ``reference_path`` names a
     local model folder as the reference (default: the initial policy).  ``simpo``/``orpo`` use
@@ -359,11 +360,20 @@ class PreferenceSpec:
     label_smoothing: float = attrs.field(default=0.0, converter=_to_float,
                                          validator=_expect("a number in [0, 0.5)",
                                                            lambda v: _is_number(v) and 0 <= v < 0.5))
-    gamma: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
+    gamma: float = attrs.field(default=0.0, converter=_to_float,
+                               validator=_expect("a finite number", lambda v: _is_number(v) and math.isfinite(v)))
     lam: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
     nll_weight: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
     reference: str = attrs.field(default="cached", validator=_one_of(REFERENCE_MODES))
     reference_path: str | None = attrs.field(default=None, validator=_optional_path)
+
+    def __attrs_post_init__(self) -> None:
+        for name, kind in (("label_smoothing", "dpo"), ("gamma", "simpo"), ("lam", "dpop")):
+            if getattr(self, name) != 0 and self.kind != kind:
+                raise SpecError(f"preference.{name}: {getattr(self, name)!r} has no effect with kind = {self.kind!r} "
+                                f"(only kind = {kind!r} reads it)")
+        if self.reference_path is not None and not self.uses_reference:
+            raise SpecError(f"preference.reference_path: kind = {self.kind!r} uses no reference model")
 
     @property
     def uses_reference(self) -> bool:
