@@ -409,6 +409,10 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         check_world_size(train, world)
     ckpt = sections["checkpoint"]
     sections["checkpoint"] = attrs.evolve(ckpt, dir=resolve_path(ckpt.dir, base))
+    if "preference" in sections and "best_metric" not in raw.get("checkpoint", {}):
+        # a preference run's eval reports preference metrics, not eval_loss
+        best = "eval_preference_accuracy" if sections["data"].eval else ""
+        sections["checkpoint"] = attrs.evolve(sections["checkpoint"], best_metric=best)
     _check_schedule_fields(sections["schedule"], raw.get("schedule", {}))
     spec = Spec(**sections, source=source)
 

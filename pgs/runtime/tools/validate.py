@@ -49,7 +49,11 @@ def print_summary(spec, facts: dict) -> None:
     table.add_row("optimizer", facts.get("chain", ""))
     peak_lr = s.peak if s.name != "constant" else s.peak
     table.add_row("schedule", f"{s.name}, peak {peak_lr:g}, warmup {s.warmup}, total {s.total or 'train length'}")
-    table.add_row("loss", f"{spec.loss.objective} ({spec.loss.backend})")
+    if "preference" in facts:
+        table.add_row("preference", facts["preference"])
+        table.add_row("pairs", facts["pairs"])
+    else:
+        table.add_row("loss", f"{spec.loss.objective} ({spec.loss.backend})")
     length = f"{t.steps} steps" if t.steps is not None else f"{t.epochs} epochs"
     table.add_row("train", f"{length}, batch {t.batch_size} × {spec.data.max_seq_len} tokens, "
                            f"grad_accum {t.grad_accum}, device {t.device}")
