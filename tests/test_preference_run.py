@@ -192,3 +192,21 @@ def test_live_reference_and_reference_free_kinds(uninterrupted, tmp_path):
     assert run(simpo) == 0
     assert not os.path.exists(tmp_path / "simpo" / cache.CACHE_DIR)
     assert all(r["pairs"] > 0 for r in step_records(tmp_path / "simpo"))
+
+
+def test_gradient_release_trains_the_same_objective(tmp_path):
+    """With the chain inside backward (``memory.gradient_release``) the step agrees on the pair
+    loss before backward and steps as the plain binder does (to float rounding)."""
+    text = write_spec(tmp_path, "plain", steps=3).read_text()
+    text = text.replace("grad_accum = 2", "grad_accum = 1").replace('alias = "adamw"', 'alias = "adamw"\nclip = 0.0')
+    (tmp_path / "plain.toml").write_text(text)
+    released = text.replace(str(tmp_path / "plain"), str(tmp_path / "released")) + "\n[memory]\ngradient_release = true\n"
+    (tmp_path / "released.toml").write_text(released)
+    assert run(load_spec(tmp_path / "plain.toml")) == 0
+    assert run(load_spec(tmp_path / "released.toml")) == 0
+    a, b = step_records(tmp_path / "plain"), step_records(tmp_path / "released")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert x["pairs"] == y["pairs"]
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-5)
+        assert x["reward_margin"] == pytest.approx(y["reward_margin"], abs=1e-4)

@@ -122,13 +122,17 @@ def generate(n: int, seed: int, weather_share: float = 0.25, exclude: set[str] |
 
 
 def wrong_answer(sample: dict, rng: random.Random) -> dict:
-    """The first assistant turn of ``sample`` answered wrongly: a sum off by 1-9 or by tens
-    (1-9 tens), or a tool call for another city."""
+    """The first assistant turn of ``sample`` answered wrongly: for a sum, half the time the
+    difference of the operands (the wrong operation), else the sum off by 100-900 (a wrong
+    hundreds digit); for the weather, a tool call for another city."""
     turn = sample["messages"][1]
     if sample["task"] == "add":
         right = int(turn["content"])
+        a, b = (int(x) for x in re.findall(r"\d+", sample["messages"][0]["content"]))
+        if rng.random() < 0.5 and a != b:
+            return {"role": "assistant", "content": str(abs(a - b))}
         while True:
-            wrong = right + rng.choice((-1, 1)) * rng.randint(1, 9) * rng.choice((1, 10))
+            wrong = right + rng.choice((-1, 1)) * 100 * rng.randint(1, 9)
             if wrong > 0:
                 return {"role": "assistant", "content": str(wrong)}
     city = turn["tool_calls"][0]["function"]["arguments"]["city"]
