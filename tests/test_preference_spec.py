@@ -89,3 +89,13 @@ def test_validate_reads_pairs_and_names_a_bad_one(tmp_path):
     (tmp_path / "w.toml").write_text(weighted)
     with pytest.raises(SpecError, match=r"data.sources\[0\].weight: a preference run reads every pair"):
         check_resources(load_spec(tmp_path / "w.toml"))
+
+
+def test_data_inspect_shows_both_arms_with_their_scored_tokens(tmp_path, capsys):
+    from pgs.cli import main
+
+    assert main(["data", "inspect", str(write(tmp_path)), "-n", "1", "--records", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "pairs_train.jsonl:1 chosen" in out and "pairs_train.jsonl:1 rejected" in out
+    assert "[[1707<|im_end|>]]" in out and "[[135<|im_end|>]]" in out
+    assert "preference data statistics" in out

@@ -7,7 +7,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from pgs.runtime.data.inspect import inspect_dataset
+from pgs.runtime.data.inspect import inspect_dataset, inspect_pairs
 from pgs.runtime.spec.preflight import check_resources, load_tokenizer
 
 
@@ -22,7 +22,10 @@ def inspect_spec(spec, n: int = 5, records: int = 0) -> int:
     """The first ``n`` samples with their trained tokens marked, then statistics of the data
     (``records`` per source; 0: all), tokenised by the spec's own tokenizer."""
     tokenizer = load_tokenizer(spec.model.tokenizer, spec.model.trust_remote_code)
-    inspect_dataset(spec.data, tokenizer, n=n, max_records=records or None)
+    if spec.preference is not None:
+        inspect_pairs(spec.data, tokenizer, n=n, max_records=records or None)
+    else:
+        inspect_dataset(spec.data, tokenizer, n=n, max_records=records or None)
     return 0
 
 
