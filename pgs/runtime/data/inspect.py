@@ -13,6 +13,7 @@ from rich.text import Text
 
 from pgs.runtime.data.config import DataConfig
 from pgs.runtime.data.packing import Document
+from pgs.runtime.data.preference import pack_rows, read_pairs
 from pgs.runtime.data.records import read_conversations
 from pgs.runtime.data.stats import DataStats
 from pgs.runtime.data.stream import encode_document, pack_documents
@@ -88,4 +89,34 @@ def inspect_dataset(config: DataConfig, tokenizer, n: int = 5, console: Console 
     console.print(table)
     for warning in stats.warnings():
         console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+    return stats
+
+
+def inspect_pairs(config: DataConfig, tokenizer, n: int = 5, console: Console | None = None,
+                  max_records: int | None = None) -> DataStats:
+    """A preference run's data: the first ``n`` pairs, each arm with its scored tokens marked as
+    :func:`inspect_dataset` marks trained tokens, then the pair statistics (bad pairs raise, or
+    are counted under ``data.on_bad_record = "skip"``)."""
+    console = console or Console()
+    stats = DataStats()
+    skipped: list[str] = []
+    pairs = read_pairs([s.path for s in config.sources], tokenizer, config, stats, skipped, max_records=max_records)
+    for pair in pairs[:n]:
+        for arm, document in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+            console.rule(f"{document.origin} {arm}  ({len(document)} tokens, {document.num_trained} scored)")
+            console.print(render_document(document, tokenizer, plain=not console.is_terminal))
+    rows = pack_rows(pairs, config.max_seq_len)
+    stats.sequences, stats.sequence_capacity = len(rows), len(rows) * config.max_seq_len
+    table = Table(title="preference data statistics", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("pairs", f"{len(pairs):,}")
+    table.add_row("bad pairs skipped", f"{len(skipped):,}")
+    table.add_row("rows of max_seq_len (one epoch)", f"{len(rows):,}")
+    table.add_row("pairs per row", f"{len(pairs) / max(len(rows), 1):.2f}")
+    table.add_row("scored tokens / tokens", f"{stats.trained_tokens:,} / {stats.tokens:,}")
+    table.add_row("packing efficiency", f"{stats.packing_efficiency:.1%}")
+    console.print(table)
+    for message in skipped[:5]:
+        console.print(f"skipped: {message}", markup=False, highlight=False, soft_wrap=True)
     return stats

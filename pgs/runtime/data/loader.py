@@ -77,6 +77,8 @@ import warnings
 import weakref
 from typing import Any
 
+import attrs
+import numpy as np
 import torch
 
 from pgs.errors import PgsError
@@ -220,19 +222,31 @@ class _ThreadWorker:
 
 
 # -- the process worker ----------------------------------------------------------------------
-def _to_arrays(batch: PackedBatch) -> tuple:
-    """A batch as numpy arrays and ints: pickled as bytes through the pipe (torch would send
-    each tensor as a shared-memory segment of its own)."""
-    return (batch.input_ids.numpy(), batch.labels.numpy(), batch.position_ids.numpy(),
-            [c.numpy() for c in batch.cu_seqlens], batch.num_docs, batch.num_trained_tokens, batch.num_tokens)
+def _to_arrays(batch) -> tuple:
+    """A batch (an attrs class of tensors, lists of tensors and ints: ``PackedBatch``,
+    ``PreferenceBatch``) as numpy arrays and ints: pickled as bytes through the pipe (torch
+    would send each tensor as a shared-memory segment of its own)."""
+    def plain(value):
+        if isinstance(value, torch.Tensor):
+            return value.numpy()
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    return type(batch), {f.name: plain(getattr(batch, f.name)) for f in attrs.fields(type(batch))}
 
 
-def _from_arrays(parts: tuple) -> PackedBatch:
-    ids, labels, positions, cu, num_docs, trained, tokens = parts
-    return PackedBatch(
-        input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels), position_ids=torch.from_numpy(positions),
-        cu_seqlens=[torch.from_numpy(c) for c in cu], num_docs=num_docs, num_trained_tokens=trained, num_tokens=tokens,
-    )
+def _from_arrays(parts: tuple):
+    kind, fields = parts
+
+    def tensors(value):
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(value)
+        if isinstance(value, list):
+            return [tensors(v) for v in value]
+        return value
+
+    return kind(**{name: tensors(value) for name, value in fields.items()})
 
 
 def _portable(err: BaseException) -> tuple[BaseException, str]:

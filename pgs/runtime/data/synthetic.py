@@ -12,7 +12,7 @@ checks one generated turn exactly (the sum; the tool call's name and arguments; 
 answer), and a sample is right only if all its turns are (:func:`is_correct`).  Regenerate
 the quickstart assets with::
 
-    python -m pgs.runtime.data.synthetic --out pgs/assets/quickstart
+    python -m pgs.runtime.data.synthetic --out pgs/assets/quickstart   # also the DPO quickstart's pairs
     python -m pgs.runtime.data.synthetic --long-chats 256 --out pgs/assets/bench/chats.jsonl
 
 Everything is deterministic given ``--seed``.
@@ -148,6 +148,50 @@ def generate(n: int, seed: int, weather_share: float = 0.25, exclude: set[str] |
 #: "23C sunny".
 LONG_CHAT_OPERANDS = (10, 999)
 LONG_CHAT_TOOL_SAYS = "{degrees}C {condition}"
+
+
+def wrong_answer(sample: dict, rng: random.Random) -> dict:
+    """The first assistant turn of ``sample`` answered wrongly: for a sum, half the time the
+    difference of the operands (the wrong operation), else the sum off by 100-900 (a wrong
+    hundreds digit); for the weather, a tool call for another city."""
+    turn = sample["messages"][1]
+    if sample["task"] == "add":
+        right = int(turn["content"])
+        a, b = (int(x) for x in re.findall(r"\d+", sample["messages"][0]["content"]))
+        if rng.random() < 0.5 and a != b:
+            return {"role": "assistant", "content": str(abs(a - b))}
+        while True:
+            wrong = right + rng.choice((-1, 1)) * 100 * rng.randint(1, 9)
+            if wrong > 0:
+                return {"role": "assistant", "content": str(wrong)}
+    city = turn["tool_calls"][0]["function"]["arguments"]["city"]
+    other = rng.choice([c for c in CITIES if c != city])
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": other}}}
+    return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+
+def preference_pairs(samples: list[dict], seed: int) -> list[dict]:
+    """A preference pair per sample: its user turn as the prompt, its first assistant turn as
+    the chosen answer and :func:`wrong_answer` as the rejected one (deterministic in ``seed``)."""
+    rng = random.Random(f"pairs:{seed}")
+    pairs = []
+    for sample in samples:
+        pair = {"task": sample["task"], "prompt": sample["messages"][:1], "chosen": sample["messages"][1:2],
+                "rejected": [wrong_answer(sample, rng)]}
+        if "tools" in sample:
+            pair["tools"] = sample["tools"]
+        pairs.append(pair)
+    return pairs
+
+
+def write_preference(out: str, seed: int = 0) -> None:
+    """``pairs_train.jsonl`` and ``pairs_eval.jsonl`` under ``out``, from its ``train.jsonl`` and
+    ``eval.jsonl``: the DPO quickstart's pairs (held-out pairs from the held-out prompts)."""
+    for split in ("train", "eval"):
+        with open(os.path.join(out, f"{split}.jsonl"), encoding="utf-8") as f:
+            samples = [json.loads(line) for line in f if line.strip()]
+        write_jsonl(os.path.join(out, f"pairs_{split}.jsonl"), preference_pairs(samples, seed + (split == "eval")))
+
 
 #: Tokens of one turn under the quickstart tokenizer and template, on average within a
 #: conversation (measured over 256 chats), plus the 35-token tool header once.
@@ -327,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB)")
         return 0
     write_quickstart(args.out, args.seed, args.train, args.eval, args.vocab_size, args.weather_share)
+    write_preference(args.out, args.seed)
     total = sum(
         os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(args.out) for f in files
     )

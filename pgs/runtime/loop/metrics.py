@@ -20,8 +20,9 @@ from typing import Any, Sequence
 METRICS_FILE = "metrics.jsonl"
 
 #: Keys shown on the console, in this order, when present.
-CONSOLE_KEYS = ("loss", "lr", "grad_norm", "entropy", "tokens_per_s", "mem_gib", "reserved_gib", "eval_loss",
-                "eval_accuracy")
+CONSOLE_KEYS = ("loss", "lr", "grad_norm", "entropy", "reward_chosen", "reward_rejected", "reward_margin",
+                "preference_accuracy", "logp_chosen", "logp_rejected", "tokens_per_s", "mem_gib", "reserved_gib",
+                "eval_loss", "eval_accuracy", "eval_preference_accuracy")
 
 
 def _clean(value: Any) -> Any:

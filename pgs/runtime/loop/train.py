@@ -42,16 +42,18 @@ import attrs
 import numpy as np
 import torch
 
-from pgs.errors import DiskFull, EXIT_OK, EXIT_WALL_BUDGET, HaltError, PreflightRefused
+from pgs.errors import DiskFull, EXIT_OK, EXIT_WALL_BUDGET, HaltError, PreflightRefused, SpecError
 from pgs.func.losses import neftune, token_loss
 from pgs.runtime.data import EvalStream, TrainStream, require_packing_isolation
 from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.loader import StepLoader
+from pgs.runtime.data.preference import PreferenceStream
 from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop import control
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
 from pgs.runtime.loop.metrics import MetricsLog
+from pgs.runtime.loop.preference import STAT_KEYS, PreferenceObjective, prepare_reference, read_eval_pairs, step_values
 from pgs.runtime.loop.trace import Profiler
 from pgs.runtime.model import layers
 from pgs.runtime.model.build import build_model, freeze, output_head, parameter_bytes
@@ -93,6 +95,7 @@ class Run:
     loader: Any = None  # data.StepLoader: the steps' batches, prepared ahead by a worker (its position is the run's)
     step_clock: float | None = None  # perf_counter at the end of the last step (None: restart the clock)
     faults: Faults = NO_FAULTS  # what a test injects (faults.py)
+    preference: PreferenceObjective | None = None  # the objective hook of a [preference] run (SFT: None)
 
     def counters(self) -> dict:
         return {
@@ -173,6 +176,8 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     mem = spec.memory
     if sharded:
         check_world_size(spec.train, world)
+        if spec.preference is not None:
+            raise SpecError("preference: a [preference] run trains on one process for now (WORLD_SIZE = 1)")
     seed_everything(spec.train.seed)
     device = ctx.device if sharded else _device(spec.train.device)
     configure_allocator(device)
@@ -191,16 +196,32 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         if not verdict.isolates and (not sharded or ctx.is_main):
             print(f"pgs: warning: {verdict.reason}; packed documents will see each other", file=sys.stderr)
     freeze(model, m.freeze if isinstance(m.freeze, str) else list(m.freeze))
+    preference = None
+    if spec.preference is not None:
+        # the pairs are read and tokenized once; the reference scores them with the initial weights
+        stream = PreferenceStream(spec.data, tokenizer)
+        eval_pairs = read_eval_pairs(spec, tokenizer)
+        os.makedirs(spec.checkpoint.dir, exist_ok=True)
+        reference = prepare_reference(spec, model, tokenizer, device, stream.pairs, eval_pairs)
+        preference = PreferenceObjective(spec, reference, eval_pairs)
+    else:
+        stream = TrainStream(spec.data, tokenizer, rank=ctx.rank if sharded else 0, world_size=world)
     apply_memory(model, mem)
-    total = spec.total_steps(None if spec.train.steps is not None else _steps_per_epoch(spec, tokenizer))
+    if spec.train.steps is not None:
+        per_epoch = None
+    elif preference is not None:
+        per_epoch = max(1, math.ceil(stream.rows_per_epoch() / spec.train.batch_size))
+    else:
+        per_epoch = _steps_per_epoch(spec, tokenizer)
+    total = spec.total_steps(per_epoch)
     chain = spec.build_chain(total)
     if sharded:
         D.shard_model(model, ctx.mesh, mixed_precision=mixed)
     bound = make_optimizer(chain, model, mem, sharded=sharded, grad_accum=spec.train.grad_accum,
                            compile=spec.optimizer.compile, jit=spec.optimizer.jit)
-    stream = TrainStream(spec.data, tokenizer, rank=ctx.rank if sharded else 0, world_size=world)
     micro_batch = spec.train.batch_size // (spec.train.grad_accum * world)
-    loader = StepLoader(stream, micro_batch, spec.train.grad_accum, device)
+    # pairs are tokenized up front: their batches are cheap, no pack window to keep ahead of
+    loader = StepLoader(stream, micro_batch, spec.train.grad_accum, device, ahead=2 if preference else None)
     noise = None
     if spec.loss.neftune_alpha > 0:
         noise = torch.Generator(device=device).manual_seed(spec.train.seed)
@@ -210,7 +231,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         micro_batch=micro_batch, noise=noise, loader=loader,
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
         chain_has_norm=bound.metrics().grad_norm is not None,
-        ctx=ctx if sharded else None, faults=faults,
+        ctx=ctx if sharded else None, faults=faults, preference=preference,
     )
 
 
@@ -269,6 +290,8 @@ def _forward(run: Run, batch, poison: bool):
         lengths = torch.tensor([int(c[-1]) for c in batch.cu_seqlens], device=dev)
         embed_noise = lambda e: neftune(e, run.spec.loss.neftune_alpha, generator=run.noise,  # noqa: E731
                                         training=True, lengths=lengths)
+    if run.preference is not None:  # the objective hook: Σ pair losses, and the step's preference sums
+        return run.preference.forward(run.model, batch, dev, poison=poison, embed_noise=embed_noise)
     h = D.final_hidden(run.model, ids, pos, embed_noise=embed_noise)
     weight, bias, softcap = output_head(run.model)
     loss = run.spec.loss
@@ -287,6 +310,8 @@ def _defers_head_grad(run: Run, weight) -> bool:
     loss and ``memory.defer_head_grad`` (``"auto"``: with checkpointing or slabs): the head's
     gradient is added into the embedding's own gradient buffer right before that weight steps
     (one V×D buffer, only at the end of backward)."""
+    if run.preference is not None:  # sequence log-probs give the head's gradient through autograd
+        return False
     if not (run.bound.in_backward and run.bound.defers_contributions and run.spec.memory.head_grad_deferred()
             and weight.requires_grad):
         return False
@@ -297,7 +322,8 @@ def _defers_head_grad(run: Run, weight) -> bool:
 
 
 def _loss(run: Run, batch, n_valid_global: int, poison: bool):
-    """Forward + backward of one micro-batch; returns its detached (loss_sum, entropy_sum) tensors."""
+    """Forward + backward of one micro-batch; returns its detached (loss_sum, entropy_sum) tensors
+    (a preference run: the pair losses' sum and the preference sums; ``n_valid_global`` counts pairs)."""
     loss_sum, entropy = _forward(run, batch, poison)
     (loss_sum / max(n_valid_global, 1)).backward()
     return loss_sum.detach(), entropy
@@ -352,8 +378,11 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     everything else that is logged is read a step later (:class:`StepRecord`)."""
     started = time.perf_counter()
     batches = run.loader.next_step()
-    # the loss's denominator: valid tokens of the whole step, on every rank (before any forward)
+    # the loss's denominator: valid tokens of the whole step, on every rank (before any forward);
+    # a preference run's loss is a mean over the step's pairs
     n_valid = D.global_count(sum(b.num_trained_tokens for b in batches))
+    pairs = sum(b.num_pairs for b in batches) if run.preference is not None else None
+    n_mean = n_valid if pairs is None else pairs
     poison = run.faults.poisons(run.step + 1)
     loss_parts, entropy_parts = [], []
     pending = None
@@ -362,11 +391,11 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
             pending, e = _forward(run, batch, poison)
             l = pending.detach()
         else:
-            l, e = _loss(run, batch, n_valid, poison)
+            l, e = _loss(run, batch, n_mean, poison)
         loss_parts.append(l)
         entropy_parts.append(e)
     loss_sum = float(sum(loss_parts))  # the control plane's read: every micro-batch's loss
-    nonfinite = not math.isfinite(loss_sum) or n_valid == 0
+    nonfinite = not math.isfinite(loss_sum) or n_valid == 0 or n_mean == 0
     flags = control.agree([signals.received, wall.spent(), nonfinite, 0])
     opt = StepMetrics()
     grad_norm = None
@@ -374,7 +403,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
         del pending  # no backward (release): the chain state and the weights stay as they were
         run.bound.zero_grad()
     elif run.bound.in_backward:
-        (pending / max(n_valid, 1)).backward()  # every group steps inside this call
+        (pending / max(n_mean, 1)).backward()  # every group steps inside this call
         run.bound.step()  # completes what backward started (groups that got no gradient)
         opt = run.bound.metrics(tensors=True)
     else:
@@ -389,12 +418,18 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     run.step += 1
     run.trained_tokens += 0 if flags[control.NONFINITE] else n_valid
     tokens = sum(b.num_tokens for b in batches)
-    entropy = torch.stack([e.reshape(()).float() for e in entropy_parts]).sum()
+    if pairs is not None:  # the preference sums (rewards, wins, log-probs) in place of the entropy
+        entropy = torch.stack(entropy_parts).sum(0)
+    else:
+        entropy = torch.stack([e.reshape(()).float() for e in entropy_parts]).sum()
     if run.ctx is not None:  # the logged loss and throughput are the whole step's
         sums = D.all_reduce_sum(torch.tensor([loss_sum, float(entropy), float(tokens)], dtype=torch.float64))
         loss_sum, entropy, tokens = float(sums[0]), float(sums[1]), int(sums[2])
-    values = {"lr": opt.lr, "grad_norm": opt.grad_norm if opt.grad_norm is not None else grad_norm,
-              "entropy": entropy}
+    values = {"lr": opt.lr, "grad_norm": opt.grad_norm if opt.grad_norm is not None else grad_norm}
+    if pairs is None:
+        values["entropy"] = entropy
+    else:
+        values.update({f"pref{i}": v for i, v in enumerate(entropy.unbind())})
     values = {k: v for k, v in values.items() if v is not None}
     ended = time.perf_counter()
     # the step's period: from the end of the previous step's launches (or this step's start) to
@@ -406,12 +441,16 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     memory = _memory_gib(run.device)
 
     def finish(v: dict) -> dict:
+        if pairs is not None:
+            measured = step_values(torch.tensor([v[f"pref{i}"] for i in range(len(STAT_KEYS))]), pairs)
+        else:
+            measured = {"entropy": v["entropy"] / max(n_valid, 1)}
         return {
             "time": stamp,
             "step": step,
-            "loss": loss_sum / max(n_valid, 1),
+            "loss": loss_sum / max(n_mean, 1),
             **{k: v[k] for k in ("lr", "grad_norm") if k in v},
-            "entropy": v["entropy"] / max(n_valid, 1),
+            **measured,
             "valid_tokens": n_valid,
             "trained_tokens": trained,
             "tokens": tokens,
@@ -441,6 +480,9 @@ def evaluate(run: Run) -> dict:
     out: dict[str, Any] = {"step": run.step}
     if run.ctx is not None:  # every rank, the same number of forwards; no task accuracy
         out.update(_sharded_eval_loss(run))
+        return out
+    if run.preference is not None:
+        out.update(run.preference.evaluate(run.model, run.tokenizer, run.device))
         return out
     batches = EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch))
     out.update(eval_loss(run.model, batches, backend="chunked", chunk_size=spec.loss.chunk_size))
@@ -507,7 +549,7 @@ def eval_and_keep_best(run: Run) -> None:
 def watch_entropy(run: Run, record: dict) -> None:
     """Warn once each time the mean next-token entropy falls under ``train.entropy_warn``."""
     threshold = run.spec.train.entropy_warn
-    if record.get("skipped") or not threshold:
+    if record.get("skipped") or not threshold or "entropy" not in record:
         return
     low = record["entropy"] < threshold
     if low and not run.entropy_low:

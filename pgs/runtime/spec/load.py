@@ -48,6 +48,7 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     CheckpointSpec,
     LogSpec,
     MemorySpec,
+    PreferenceSpec,
     SECTIONS,
 )
 from pgs.runtime.spec.toml import dumps, parse_value, read_toml  # noqa: F401  (re-exported)
@@ -67,6 +68,7 @@ class Spec:
     checkpoint: CheckpointSpec = attrs.field(factory=CheckpointSpec)
     log: LogSpec = attrs.field(factory=LogSpec)
     memory: MemorySpec = attrs.field(factory=MemorySpec)
+    preference: PreferenceSpec | None = None  # a preference run (``[preference]``), else SFT
     source: str | None = attrs.field(default=None, eq=False)
 
     @property
@@ -107,7 +109,7 @@ class Spec:
 
     def to_dict(self) -> dict:
         """The spec as plain TOML-ready data (None fields left out)."""
-        out = {name: _section_dict(getattr(self, name)) for name in SECTIONS}
+        out = {name: _section_dict(getattr(self, name)) for name in SECTIONS if getattr(self, name) is not None}
         if self.optimizer.chain is not None:  # alias-only fields would not reload
             del out["optimizer"]["args"], out["optimizer"]["clip"]
         used = ("name",) + ScheduleSpec.USES[self.schedule.name]
@@ -387,6 +389,14 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
     }
     for name in ("schedule", "loss", "train", "checkpoint", "log", "memory"):
         sections[name] = _section(name, raw.get(name, {}))
+    if "preference" in raw:
+        preference = _section("preference", raw["preference"])
+        if preference.reference_path is not None:
+            where = "preference.reference_path"
+            path = resolve_path(preference.reference_path, base)
+            _must_exist(path, where, "folder")
+            preference = attrs.evolve(preference, reference_path=path)
+        sections["preference"] = preference
     train = sections["train"]
     if train.steps is not None and train.epochs is not None:
         raise SpecError("train: set either steps or epochs, not both")
@@ -399,6 +409,10 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         check_world_size(train, world)
     ckpt = sections["checkpoint"]
     sections["checkpoint"] = attrs.evolve(ckpt, dir=resolve_path(ckpt.dir, base))
+    if "preference" in sections and "best_metric" not in raw.get("checkpoint", {}):
+        # a preference run's eval reports preference metrics, not eval_loss
+        best = "eval_preference_accuracy" if sections["data"].eval else ""
+        sections["checkpoint"] = attrs.evolve(sections["checkpoint"], best_metric=best)
     _check_schedule_fields(sections["schedule"], raw.get("schedule", {}))
     spec = Spec(**sections, source=source)
 

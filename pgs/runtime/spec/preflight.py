@@ -29,6 +29,7 @@ from pgs.errors import DataError, PgsError, SpecError
 from pgs.runtime.data import DataStats, encode_document, read_conversations
 from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.isolation import require_packing_isolation
+from pgs.runtime.data.preference import pack_rows, read_pairs
 from pgs.runtime.data.records import iter_lines
 from pgs.runtime.model.attention import hf_implementation
 from pgs.runtime.model.loading import (TOKENIZER_FILES, config_from_folder, config_from_table, first_line,  # noqa: F401
@@ -246,7 +247,40 @@ def preflight_spec(spec, *, count_parameters: bool = False) -> Preflight:
         else:
             check_freeze(m.freeze, found.shapes)
     found.chain = check_chain(spec)
+    if spec.preference is not None:
+        check_preference(spec, tokenizer)
     return found
+
+
+def check_preference(spec, tokenizer) -> None:
+    """``[preference]`` against the rest of the spec: one source set read whole (no mix weights),
+    a reference folder whose vocabulary fits the tokenizer, ``checkpoint.best_metric`` an
+    eval metric a preference run reports."""
+    pref = spec.preference
+    for i, source in enumerate(spec.data.sources):
+        if source.weight != 1.0:
+            raise SpecError(f"data.sources[{i}].weight: a preference run reads every pair of every source once "
+                            f"an epoch; mix weights are not supported (got {source.weight:g})")
+    if pref.reference_path is not None:
+        if not os.path.isfile(os.path.join(pref.reference_path, "config.json")):
+            raise SpecError(f"preference.reference_path: {pref.reference_path} has no config.json "
+                            "(a local Hugging Face model folder)")
+        config = config_from_folder(pref.reference_path, spec.model.trust_remote_code)
+        vocab = getattr(_text_config(config), "vocab_size", None)
+        if isinstance(vocab, int) and vocab < len(tokenizer):
+            raise SpecError(f"preference.reference_path: the reference has {vocab} embeddings but the tokenizer "
+                            f"has {len(tokenizer)} tokens")
+    metric = spec.checkpoint.best_metric
+    if metric and metric.startswith("eval_") and metric not in PREFERENCE_EVAL_METRICS:
+        raise SpecError(f"checkpoint.best_metric: {metric!r} is not reported by a preference run; one of "
+                        f"{', '.join(PREFERENCE_EVAL_METRICS)} (or \"\")")
+    if metric and not spec.data.eval:
+        raise SpecError(f"checkpoint.best_metric: {metric!r} needs data.eval (held-out pairs)")
+
+
+#: The eval metrics of a preference run (``loop.preference.PreferenceObjective.evaluate``).
+PREFERENCE_EVAL_METRICS = ("eval_preference_accuracy", "eval_preference_loss", "eval_reward_margin",
+                           "eval_logp_chosen")
 
 
 def _numel(shape) -> int:
@@ -292,6 +326,8 @@ def check_resources(spec, records: int = 200) -> dict:
         if not verdict.isolates:
             facts["warnings"].append(f"packing leaks across documents: {verdict.reason}")
     facts["chain"] = found.chain
+    if spec.preference is not None:
+        return _preference_facts(spec, tokenizer, records, facts)
     for i, source in enumerate(spec.data.sources):
         if next(iter_lines(source.path), None) is None:
             raise DataError(f"{source.path}: no records (data.sources[{i}] is empty)")
@@ -307,4 +343,28 @@ def check_resources(spec, records: int = 200) -> dict:
         )
     if spec.data.eval is not None:
         facts["eval"] = f"{_check_eval(spec, tokenizer, records)} records checked"
+    return facts
+
+
+def _preference_facts(spec, tokenizer, records: int, facts: dict) -> dict:
+    """``pgs validate`` of a preference run's data: the first ``records`` pairs of each file
+    through the pair pipeline (a bad pair raises its one-line ``DataError``)."""
+    limit = records or None
+    stats = DataStats()
+    skipped: list[str] = []
+    pairs = read_pairs([s.path for s in spec.data.sources], tokenizer, spec.data, stats, skipped, max_records=limit)
+    if not pairs:
+        raise SpecError(f"data.sources: no usable preference pair in the {stats.bad_records} records checked")
+    rows = pack_rows(pairs, spec.data.max_seq_len)
+    stats.sequences, stats.sequence_capacity = len(rows), len(rows) * spec.data.max_seq_len
+    facts["data"] = stats
+    facts["pairs"] = f"{len(pairs)} pairs checked, {stats.trained_tokens} completion tokens" + (
+        f", {len(skipped)} bad pairs skipped (first: {skipped[0]})" if skipped else "")
+    pref = spec.preference
+    facts["preference"] = (f"{pref.kind}, beta {pref.beta:g}, reference "
+                           + ("none" if not pref.uses_reference else
+                              f"{pref.reference} ({pref.reference_path or 'the initial policy'})"))
+    if spec.data.eval is not None:
+        held = read_pairs([spec.data.eval], tokenizer, spec.data, max_records=limit)
+        facts["eval"] = f"{len(held)} held-out pairs checked"
     return facts

@@ -1,5 +1,5 @@
 """The sections of a run spec (``[model]``, ``[optimizer]``, ``[schedule]``, ``[loss]``,
-``[train]``, ``[checkpoint]``, ``[log]``, ``[memory]``; ``[data]`` is ``DataConfig``): frozen attrs
+``[train]``, ``[checkpoint]``, ``[log]``, ``[memory]``, ``[preference]``; ``[data]`` is ``DataConfig``): frozen attrs
 classes whose validators check every field's type and range and name it in a ``SpecError``.
 ``pgs.runtime.spec.load`` assembles them into a ``Spec`` (and re-exports these names).
 """
@@ -15,6 +15,7 @@ from typing import ClassVar, Iterable
 import attrs
 
 from pgs.errors import SpecError
+from pgs.func.losses import PREFERENCE_KINDS, REFERENCE_FREE
 from pgs.runtime.data.config import DataConfig
 
 #: ``"pgs:quickstart/train.jsonl"`` names a file bundled with the package.
@@ -31,6 +32,7 @@ DEVICES = ("auto", "cpu", "cuda")
 CHECKPOINT_POLICIES = ("none", "full", "selective", "sublayer")
 MASTER_WEIGHTS = ("none", "fp32")
 RELEASE_GROUPS = ("layer", "parameter")
+REFERENCE_MODES = ("cached", "live")
 
 
 # --------------------------------------------------------------------------- field checks
@@ -323,6 +325,61 @@ def head_grad_wanted(setting: bool | str, activation_checkpointing: str | None, 
     return bool(setting)
 
 
+def _kind_known(instance, attribute, value):
+    if value not in PREFERENCE_KINDS:
+        hint = suggest(value, PREFERENCE_KINDS) if isinstance(value, str) else ""
+        raise SpecError(f"preference.kind: {value!r} is not one of {', '.join(map(repr, PREFERENCE_KINDS))}{hint}")
+
+
+def _optional_path(instance, attribute, value):
+    if value is not None and (not isinstance(value, str) or not value):
+        raise SpecError(f"preference.{attribute.name}: expected a local model folder, got {_describe(value)}")
+
+
+@attrs.frozen
+class PreferenceSpec:
+    """``[preference]``: train on preference pairs with an offline objective (docs/preference.md).
+
+    ``kind`` is one of ``pgs.func.losses.PREFERENCE_KINDS`` (``dpo``, ``ipo``, ``hinge``,
+    ``dpop``, ``simpo``, ``orpo``); ``beta`` (ORPO: the odds-ratio term's weight),
+    ``label_smoothing`` (cDPO's ε, dpo only), ``gamma`` (SimPO's margin, simpo only), ``lam``
+    (DPOP's λ, dpop only) and ``nll_weight`` (an NLL term on the chosen answers, any kind) are
+    its arguments (``pgs.func.losses.preference_loss``).  ``reference``: ``"cached"`` computes the
+    reference log-probs of every pair once before training and keeps them in the run folder;
+    ``"live"`` keeps a frozen copy that computes them every step.  ``reference_path`` names a
+    local model folder as the reference (default: the initial policy).  ``simpo``/``orpo`` use
+    no reference.
+    """
+
+    section: ClassVar[str] = "preference"
+
+    kind: str = attrs.field(default="dpo", validator=_kind_known)
+    beta: float = attrs.field(default=0.1, converter=_to_float,
+                              validator=_expect("a number > 0", lambda v: _is_number(v) and v > 0 and v != math.inf))
+    label_smoothing: float = attrs.field(default=0.0, converter=_to_float,
+                                         validator=_expect("a number in [0, 0.5)",
+                                                           lambda v: _is_number(v) and 0 <= v < 0.5))
+    gamma: float = attrs.field(default=0.0, converter=_to_float,
+                               validator=_expect("a finite number", lambda v: _is_number(v) and math.isfinite(v)))
+    lam: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
+    nll_weight: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
+    reference: str = attrs.field(default="cached", validator=_one_of(REFERENCE_MODES))
+    reference_path: str | None = attrs.field(default=None, validator=_optional_path)
+
+    def __attrs_post_init__(self) -> None:
+        for name, kind in (("label_smoothing", "dpo"), ("gamma", "simpo"), ("lam", "dpop")):
+            if getattr(self, name) != 0 and self.kind != kind:
+                raise SpecError(f"preference.{name}: {getattr(self, name)!r} has no effect with kind = {self.kind!r} "
+                                f"(only kind = {kind!r} reads it)")
+        if self.reference_path is not None and not self.uses_reference:
+            raise SpecError(f"preference.reference_path: kind = {self.kind!r} uses no reference model")
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the objective reads reference log-probs (``simpo``/``orpo`` do not)."""
+        return self.kind not in REFERENCE_FREE
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSpec,
     "data": DataConfig,
@@ -333,4 +390,5 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointSpec,
     "log": LogSpec,
     "memory": MemorySpec,
+    "preference": PreferenceSpec,
 }

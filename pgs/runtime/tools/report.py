@@ -26,12 +26,19 @@ from pgs.errors import PgsError
 
 #: One PNG per entry: file name -> (title, y label, metric keys drawn on it, log scale).
 PLOTS: dict[str, tuple[str, str, tuple[str, ...], bool]] = {
-    "loss.png": ("loss", "loss", ("loss", "eval_loss"), False),
+    "loss.png": ("loss", "loss", ("loss", "eval_loss", "eval_preference_loss"), False),
     "lr.png": ("learning rate", "lr", ("lr",), False),
     "grad_norm.png": ("gradient norm (before clipping)", "grad norm", ("grad_norm",), True),
     "entropy.png": ("mean next-token entropy", "nats", ("entropy",), False),
     "tokens_per_s.png": ("throughput", "tokens / s", ("tokens_per_s",), False),
     "eval_accuracy.png": ("eval accuracy", "accuracy", ("eval_accuracy",), False),
+    # [preference] runs
+    "preference.png": ("preference accuracy (chosen reward above rejected)", "accuracy",
+                       ("preference_accuracy", "eval_preference_accuracy"), False),
+    "rewards.png": ("implicit rewards", "reward", ("reward_chosen", "reward_rejected", "reward_margin",
+                                                   "eval_reward_margin"), False),
+    "logps.png": ("summed log-probs of the completions", "log p", ("logp_chosen", "logp_rejected",
+                                                                   "eval_logp_chosen", "eval_logp_rejected"), False),
 }
 
 #: Per-task accuracies (``evaluate.task_accuracy``) are drawn on eval_accuracy.png too.
@@ -133,13 +140,15 @@ def summary_rows(metrics: Metrics) -> list[tuple[str, str]]:
     add("first train loss", metrics.series["loss"][0][1] if metrics.series.get("loss") else None)
     add("last train loss", metrics.last("loss"))
     tasks = sorted(k for k in metrics.series if k.startswith(TASK_ACCURACY))
-    for key, lowest in (("eval_loss", True), ("eval_accuracy", False), *((k, False) for k in tasks)):
+    for key, lowest in (("eval_loss", True), ("eval_accuracy", False), *((k, False) for k in tasks),
+                        ("eval_preference_loss", True), ("eval_preference_accuracy", False)):
         best = metrics.best(key, lowest)
         if best is not None:
             add(f"last {key}", metrics.last(key))
             rows.append((f"best {key}", f"{best[1]:.4g} (step {int(best[0])})"))
     add("last lr", metrics.last("lr"))
     add("max grad norm", metrics.best("grad_norm", lowest=False)[1] if metrics.series.get("grad_norm") else None)
+    add("last eval_logp_chosen", metrics.last("eval_logp_chosen"))
     add("last entropy", metrics.last("entropy"))
     add("min entropy", metrics.best("entropy")[1] if metrics.series.get("entropy") else None)
     add("mean tokens/s", metrics.mean("tokens_per_s"), ",.0f")

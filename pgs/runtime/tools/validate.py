@@ -7,7 +7,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from pgs.runtime.data.inspect import inspect_dataset
+from pgs.runtime.data.inspect import inspect_dataset, inspect_pairs
 from pgs.runtime.spec.preflight import check_resources, load_tokenizer
 
 
@@ -22,7 +22,10 @@ def inspect_spec(spec, n: int = 5, records: int = 0) -> int:
     """The first ``n`` samples with their trained tokens marked, then statistics of the data
     (``records`` per source; 0: all), tokenised by the spec's own tokenizer."""
     tokenizer = load_tokenizer(spec.model.tokenizer, spec.model.trust_remote_code)
-    inspect_dataset(spec.data, tokenizer, n=n, max_records=records or None)
+    if spec.preference is not None:
+        inspect_pairs(spec.data, tokenizer, n=n, max_records=records or None)
+    else:
+        inspect_dataset(spec.data, tokenizer, n=n, max_records=records or None)
     return 0
 
 
@@ -49,7 +52,11 @@ def print_summary(spec, facts: dict) -> None:
     table.add_row("optimizer", facts.get("chain", ""))
     peak_lr = s.peak if s.name != "constant" else s.peak
     table.add_row("schedule", f"{s.name}, peak {peak_lr:g}, warmup {s.warmup}, total {s.total or 'train length'}")
-    table.add_row("loss", f"{spec.loss.objective} ({spec.loss.backend})")
+    if "preference" in facts:
+        table.add_row("preference", facts["preference"])
+        table.add_row("pairs", facts["pairs"])
+    else:
+        table.add_row("loss", f"{spec.loss.objective} ({spec.loss.backend})")
     length = f"{t.steps} steps" if t.steps is not None else f"{t.epochs} epochs"
     table.add_row("train", f"{length}, batch {t.batch_size} × {spec.data.max_seq_len} tokens, "
                            f"grad_accum {t.grad_accum}, device {t.device}")

@@ -1,0 +1,215 @@
+"""The preference objective of a run with ``[preference]`` (docs/preference.md).
+
+:class:`PreferenceObjective` is the training step's objective hook (``train._forward``): the
+policy's summed log-probs of each pair's chosen and rejected completion
+(``pgs.func.losses.sequence_logps``, chunked over the vocabulary, the two arms packed as
+isolated documents of one row), the reference's (:class:`Reference`), and
+``pgs.func.losses.preference_loss`` summed over the micro-batch's pairs; the step divides by
+the step's number of pairs, so the gradient is that of one mean over the step's pairs.
+
+The reference: ``preference.reference = "cached"`` (default) runs the frozen reference (the
+initial policy, or ``preference.reference_path``) over every training and held-out pair once,
+before the first step, and keeps the numbers in the run folder
+(``pgs.runtime.store.reference``); a resumed run reads them back.  ``"live"`` keeps a frozen
+copy on the device that scores each batch.  ``simpo`` and ``orpo`` need no reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from typing import Any, Sequence
+
+import attrs
+import torch
+
+from pgs.func.losses import preference_loss, sequence_logps
+from pgs.runtime.data.preference import Pair, PreferenceBatch, eval_batches, read_pairs
+from pgs.runtime.dist import fsdp as D
+from pgs.runtime.model.build import build_model, output_head
+from pgs.runtime.store import reference as cache
+
+#: The per-step sums the objective reports, in the order of its stats tensor.
+STAT_KEYS = ("reward_chosen", "reward_rejected", "preference_accuracy", "logp_chosen", "logp_rejected")
+
+
+def pair_logps(model, batch: PreferenceBatch, device: torch.device, chunk_size: int,
+               embed_noise=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs ``[P, 2]`` (fp32; column 0 chosen, 1 rejected) and completion lengths
+    ``[P, 2]`` of the batch's pairs under ``model``."""
+    h = D.final_hidden(model, batch.input_ids.to(device), batch.position_ids.to(device), embed_noise=embed_noise)
+    weight, bias, softcap = output_head(model)
+    sums, lengths = sequence_logps(h, weight, batch.labels.to(device), batch.seq_ids.to(device), 2 * batch.num_pairs,
+                                   chunk_size=chunk_size, bias=bias, softcap=softcap)
+    return sums.view(-1, 2), lengths.view(-1, 2)
+
+
+@torch.no_grad()
+def score_pairs(model, pairs: Sequence[Pair], tokenizer, config, device: torch.device, chunk_size: int) -> torch.Tensor:
+    """``[len(pairs), 2]`` summed log-probs of every pair, row ``i`` for the pair whose index is ``i``."""
+    out = torch.zeros(len(pairs), 2, dtype=torch.float32)
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in eval_batches(pairs, tokenizer, config):
+            sums, _ = pair_logps(model, batch, device, chunk_size)
+            out[batch.pair_ids] = sums.float().cpu()
+    finally:
+        model.train(was_training)
+    return out
+
+
+@attrs.define
+class Reference:
+    """Reference log-probs: cached tensors (``train``/``eval``: ``[pairs, 2]``), or a live frozen model."""
+
+    mode: str  # "cached", "live" or "none" (a reference-free kind)
+    train: torch.Tensor | None = None
+    eval: torch.Tensor | None = None
+    model: Any = None
+    path: str | None = None
+
+    def logps(self, batch: PreferenceBatch, device: torch.device, chunk_size: int, *, split: str = "train"):
+        """``[P, 2]`` reference log-probs of the batch's pairs (None without a reference)."""
+        if self.mode == "none":
+            return None
+        if self.mode == "live":
+            with torch.no_grad():
+                return pair_logps(self.model, batch, device, chunk_size)[0].detach()
+        table = self.train if split == "train" else self.eval
+        return table[batch.pair_ids].to(device)
+
+
+def _reference_model(spec, policy, tokenizer, device: torch.device):
+    pref, m = spec.preference, spec.model
+    if pref.reference_path is None:
+        return policy
+    return build_model(path=pref.reference_path, config=None, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                       varlen_kernel=m.varlen_kernel, init_seed=m.init_seed, vocab_size=len(tokenizer), device=device)
+
+
+def prepare_reference(spec, policy, tokenizer, device: torch.device, train_pairs: Sequence[Pair],
+                      eval_pairs: Sequence[Pair], *, main: bool = True) -> Reference:
+    """The run's reference, before its first step (``policy`` still holds its initial weights).
+
+    ``cached``: the run folder's cache when its fingerprint matches (a stale one is refused),
+    else computed now and written there.  ``live``: a frozen copy (or the reference folder's
+    model) kept on the device."""
+    pref = spec.preference
+    if not pref.uses_reference:
+        return Reference("none")
+    if pref.reference == "live":
+        ref = _reference_model(spec, policy, tokenizer, device)
+        ref = copy.deepcopy(ref) if ref is policy else ref
+        ref.requires_grad_(False)
+        ref.eval()
+        return Reference("live", model=ref)
+    path = cache.cache_path(spec.run_dir)
+    expected = cache.fingerprint(spec, tokenizer)
+    cache.remove_stale_temporaries(path)
+    found = cache.load(path, expected)
+    if found is not None:
+        counts = {"train": len(train_pairs), "eval": len(eval_pairs)}
+        wrong = [k for k, n in counts.items() if found[k].shape[0] != n]
+        if wrong:
+            raise cache.StaleReference(f"{path}: holds {', '.join(f'{found[k].shape[0]} {k}' for k in wrong)} "
+                                       f"pairs, the data has {', '.join(f'{counts[k]}' for k in wrong)}; delete "
+                                       "the file to recompute it")
+        if main:
+            print(f"pgs: reference log-probs: reused {path} ({len(train_pairs)} pairs)", file=sys.stderr, flush=True)
+        return Reference("cached", train=found["train"], eval=found["eval"], path=path)
+    started = time.perf_counter()
+    ref = _reference_model(spec, policy, tokenizer, device)
+    chunk = spec.loss.chunk_size
+    train = score_pairs(ref, train_pairs, tokenizer, spec.data, device, chunk)
+    held = score_pairs(ref, eval_pairs, tokenizer, spec.data, device, chunk)
+    if ref is not policy:
+        del ref
+    if main:
+        cache.save(path, {"train": train, "eval": held}, expected)
+        print(f"pgs: reference log-probs: computed {len(train_pairs)} + {len(eval_pairs)} pairs in "
+              f"{time.perf_counter() - started:.1f} s -> {path}", file=sys.stderr, flush=True)
+    return Reference("cached", train=train, eval=held, path=path)
+
+
+class PreferenceObjective:
+    """The step's objective hook for ``[preference]`` runs (see the module docstring)."""
+
+    def __init__(self, spec, reference: Reference, eval_pairs: Sequence[Pair]):
+        self.spec = spec
+        self.pref = spec.preference
+        self.reference = reference
+        self.eval_pairs = list(eval_pairs)
+
+    def loss(self, chosen, rejected, lengths, ref):
+        p = self.pref
+        ref_c, ref_r = (ref[:, 0], ref[:, 1]) if ref is not None else (None, None)
+        return preference_loss(chosen, rejected, ref_c, ref_r, kind=p.kind, beta=p.beta,
+                               label_smoothing=p.label_smoothing, gamma=p.gamma, lam=p.lam, nll_weight=p.nll_weight,
+                               chosen_lengths=lengths[:, 0], rejected_lengths=lengths[:, 1])
+
+    def forward(self, model, batch: PreferenceBatch, device: torch.device, *, poison: bool = False,
+                embed_noise=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Σ pair losses with its graph, detached sums [len(STAT_KEYS)])`` of one micro-batch."""
+        chunk = self.spec.loss.chunk_size
+        logps, lengths = pair_logps(model, batch, device, chunk, embed_noise=embed_noise)
+        ref = self.reference.logps(batch, device, chunk)
+        out = self.loss(logps[:, 0], logps[:, 1], lengths, ref)
+        loss_sum = out.loss.sum()
+        if poison:
+            loss_sum = loss_sum * float("nan")
+        return loss_sum, self.sums(out, logps.detach())
+
+    @staticmethod
+    def sums(out, logps: torch.Tensor) -> torch.Tensor:
+        c, r = out.chosen_rewards.detach(), out.rejected_rewards.detach()
+        won = (c > r).float() + 0.5 * (c == r).float()  # a tie (step 0 of DPO: both rewards 0) is half
+        return torch.stack([c.sum(), r.sum(), won.sum(), logps[:, 0].sum(), logps[:, 1].sum()]).float()
+
+    @torch.no_grad()
+    def evaluate(self, model, tokenizer, device: torch.device) -> dict:
+        """Held-out pairs: loss, preference accuracy (rewards of the chosen arm above the
+        rejected one's; ties count half), reward margin and mean log-probs of both arms."""
+        if not self.eval_pairs:
+            return {}
+        chunk = self.spec.loss.chunk_size
+        total = torch.zeros(len(STAT_KEYS) + 1, dtype=torch.float64)
+        was_training = model.training
+        model.eval()
+        try:
+            for batch in eval_batches(self.eval_pairs, tokenizer, self.spec.data):
+                logps, lengths = pair_logps(model, batch, device, chunk)
+                ref = self.reference.logps(batch, device, chunk, split="eval")
+                out = self.loss(logps[:, 0], logps[:, 1], lengths, ref)
+                total[0] += float(out.loss.sum())
+                total[1:] += self.sums(out, logps).double().cpu()
+        finally:
+            model.train(was_training)
+        n = len(self.eval_pairs)
+        means = dict(zip(STAT_KEYS, (float(v) / n for v in total[1:])))
+        return {"eval_preference_loss": float(total[0]) / n,
+                "eval_preference_accuracy": means["preference_accuracy"],
+                "eval_reward_margin": means["reward_chosen"] - means["reward_rejected"],
+                "eval_logp_chosen": means["logp_chosen"], "eval_logp_rejected": means["logp_rejected"],
+                "eval_pairs": n}
+
+
+def read_eval_pairs(spec, tokenizer) -> list[Pair]:
+    """The held-out pairs of ``data.eval`` (none without one)."""
+    if not spec.data.eval:
+        return []
+    return read_pairs([spec.data.eval], tokenizer, spec.data)
+
+
+def step_values(sums: torch.Tensor, pairs: int) -> dict:
+    """The metrics of a step from its summed stats (plain numbers)."""
+    n = max(pairs, 1)
+    means = {k: float(v) / n for k, v in zip(STAT_KEYS, sums.tolist())}
+    means["reward_margin"] = means["reward_chosen"] - means["reward_rejected"]
+    means["pairs"] = pairs
+    return means
+
+
+__all__ = ["PreferenceObjective", "Reference", "pair_logps", "prepare_reference", "read_eval_pairs", "score_pairs",
+           "step_values"]

@@ -1,0 +1,120 @@
+"""The reference log-probs cache of a preference run: ``<run dir>/reference/logps.safetensors``.
+
+The frozen reference model's summed log-probs of every training pair's chosen and rejected
+completions (and of the held-out pairs, for eval) are computed once, before the first step,
+and kept here.  The file belongs to the run: a resumed run reads it back instead of running
+the reference again.  It is written like a checkpoint file (a temporary in the same folder,
+fsynced, renamed over the final name, the folder fsynced), so a crash leaves the old file or
+the new one, never half of one.
+
+The file's metadata holds the *fingerprint* it was computed for: the reference model (its
+folder's config and weight files, or the random-init config and seed), the data files (size,
+mtime and a hash of the first MiB of each), the chat template, the tokenizer, ``max_seq_len``
+and the data settings that change the masks.  Reading it back with another fingerprint is
+refused (:class:`StaleReference`), naming what changed: the numbers would belong to other
+pairs or another model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pgs.errors import PgsError
+from pgs.runtime.data.chat import chat_template_of
+from pgs.runtime.loop.control import fsync_dir
+
+CACHE_DIR = "reference"
+CACHE_FILE = "logps.safetensors"
+FORMAT = 1
+_HEAD_BYTES = 1 << 20
+
+
+class StaleReference(PgsError):
+    """The run folder's reference cache was computed for another model, data or settings."""
+
+
+def cache_path(run_dir: str) -> str:
+    return os.path.join(run_dir, CACHE_DIR, CACHE_FILE)
+
+
+def file_fingerprint(path: str) -> str:
+    """``size:mtime_ns:sha256(first MiB)`` of a file."""
+    st = os.stat(path)
+    with open(path, "rb") as f:
+        head = hashlib.sha256(f.read(_HEAD_BYTES)).hexdigest()[:16]
+    return f"{st.st_size}:{st.st_mtime_ns}:{head}"
+
+
+def _model_fingerprint(folder: str | None, model_spec) -> str:
+    if folder is not None:
+        names = sorted(n for n in os.listdir(folder)
+                       if n == "config.json" or n.endswith((".safetensors", ".bin")))
+        return "path " + folder + " " + ",".join(f"{n}={file_fingerprint(os.path.join(folder, n))}" for n in names)
+    config = json.dumps(model_spec.config, sort_keys=True)
+    return f"config {config} init_seed {model_spec.init_seed}"
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return f"{len(tokenizer)}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def fingerprint(spec, tokenizer) -> dict[str, str]:
+    """What the cached numbers depend on, one string per part (the parts a refusal names)."""
+    pref, data, m = spec.preference, spec.data, spec.model
+    folder = pref.reference_path or m.path
+    files = [s.path for s in data.sources] + ([data.eval] if data.eval else [])
+    return {
+        "format": str(FORMAT),
+        "model": _model_fingerprint(folder, None if folder else m) + f" dtype {m.dtype}",
+        "data": " ".join(f"{p}={file_fingerprint(p)}" for p in files),
+        "template": hashlib.sha256(chat_template_of(tokenizer).encode()).hexdigest()[:16],
+        "tokenizer": _tokenizer_fingerprint(tokenizer),
+        "max_seq_len": str(data.max_seq_len),
+        "masks": f"supervise_empty_think={data.supervise_empty_think} on_bad_record={data.on_bad_record}",
+    }
+
+
+def remove_stale_temporaries(path: str) -> None:
+    """Delete ``logps.safetensors.tmp-<pid>`` files a killed run left beside ``path``."""
+    folder, name = os.path.split(path)
+    if os.path.isdir(folder):
+        for other in os.listdir(folder):
+            if other.startswith(name + ".tmp-"):
+                os.remove(os.path.join(folder, other))
+
+
+def load(path: str, expected: dict[str, str]) -> dict[str, torch.Tensor] | None:
+    """The cached tensors, or None when there is no cache; :class:`StaleReference` when the cache
+    was made for another fingerprint."""
+    if not os.path.exists(path):
+        return None
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        saved = json.loads(meta.get("fingerprint", "{}"))
+        changed = [k for k in expected if saved.get(k) != expected[k]]
+        if changed:
+            raise StaleReference(
+                f"{path}: the reference log-probs were computed for another {', '.join(changed)} "
+                "than this run's; delete the file to recompute them, or start a new run (--overwrite)")
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def save(path: str, tensors: dict[str, torch.Tensor], print_: dict[str, str]) -> None:
+    """Write the cache atomically: temporary, fsync, rename, fsync the folder."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp,
+              metadata={"fingerprint": json.dumps(print_, sort_keys=True)})
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(folder)

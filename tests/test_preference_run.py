@@ -1,0 +1,212 @@
+"""A ``[preference]`` run end to end on the CPU: a tiny Qwen3 (random init) trained with DPO on
+the quickstart's pairs; the reference cache (miss, hit, stale refusal), SIGKILL + resume bit
+for bit, the metrics, the held-out preference accuracy, ``pgs report``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pgs.runtime.loop.faults import Faults
+from pgs.runtime.loop.train import run
+from pgs.runtime.spec.load import load_spec
+from pgs.runtime.store import reference as cache
+from pgs.runtime.tools.report import write_report
+from test_train import assert_same_checkpoint, launch, records, step_records
+
+pytestmark = pytest.mark.slow  # ~3 minutes on two busy CPU cores
+
+ASSETS = Path(__file__).resolve().parent.parent / "pgs" / "assets" / "quickstart"
+
+SPEC = """
+[model]
+tokenizer = "pgs:quickstart/tokenizer"
+init_seed = 3
+
+[model.config]
+model_type = "qwen3"
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 2
+num_key_value_heads = 1
+head_dim = 16
+max_position_embeddings = 256
+tie_word_embeddings = true
+
+[data]
+sources = ["{train}"]
+eval = "{eval}"
+max_seq_len = 192
+seed = 1
+
+[preference]
+kind = "{kind}"
+beta = 0.5
+reference = "{reference}"
+
+[optimizer]
+alias = "adamw"
+args = {{ weight_decay = 0.0 }}
+
+[schedule]
+name = "constant"
+peak = 3e-3
+
+[train]
+steps = {steps}
+batch_size = 4
+grad_accum = 2
+seed = 7
+eval_every = {eval_every}
+log_every = 1000
+
+[checkpoint]
+dir = "{run_dir}"
+every = 4
+keep = 0
+best_metric = ""
+export = false
+"""
+
+
+def pairs_files(tmp_path: Path, n_train: int = 48, n_eval: int = 16) -> tuple[Path, Path]:
+    out = []
+    for split, n in (("train", n_train), ("eval", n_eval)):
+        lines = (ASSETS / f"pairs_{split}.jsonl").read_text().splitlines()[:n]
+        path = tmp_path / f"pairs_{split}.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        out.append(path)
+    return out[0], out[1]
+
+
+def write_spec(tmp_path: Path, name: str = "run", **fields) -> Path:
+    train, held = (tmp_path / "pairs_train.jsonl", tmp_path / "pairs_eval.jsonl")
+    if not train.exists():
+        pairs_files(tmp_path)
+    values = dict(kind="dpo", reference="cached", steps=8, eval_every=0, train=train, eval=held,
+                  run_dir=tmp_path / name)
+    values.update(fields)
+    path = tmp_path / f"{name}.toml"
+    path.write_text(SPEC.format(**values))
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("pref")
+    spec = load_spec(write_spec(tmp, "ref", eval_every=4))
+    assert run(spec) == 0
+    return tmp
+
+
+def test_metrics_eval_and_cache(uninterrupted):
+    run_dir = uninterrupted / "ref"
+    steps = step_records(run_dir)
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    for r in steps:
+        for key in ("loss", "reward_chosen", "reward_rejected", "reward_margin", "preference_accuracy",
+                    "logp_chosen", "logp_rejected", "pairs", "lr", "grad_norm"):
+            assert key in r, key
+        assert r["logp_chosen"] < 0 and 0 <= r["preference_accuracy"] <= 1
+        assert r["reward_margin"] == pytest.approx(r["reward_chosen"] - r["reward_rejected"])
+    # step 1: the policy is the reference (cached from other rows: equal to float rounding)
+    first = steps[0]
+    assert abs(first["reward_chosen"]) < 1e-4 and abs(first["reward_rejected"]) < 1e-4
+    assert first["loss"] == pytest.approx(0.6931, abs=1e-3)
+    evals = [r for r in records(run_dir) if "eval_preference_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 4, 8]
+    assert evals[0]["eval_preference_accuracy"] == pytest.approx(0.5, abs=0.05)  # ties count half
+    assert evals[0]["eval_pairs"] == 16
+    assert steps[-1]["reward_margin"] > 0.1 and steps[-1]["loss"] < 0.6  # the training pairs are being learnt
+    tensors = cache.load(cache.cache_path(str(run_dir)), json.loads(_meta(run_dir)))
+    assert tensors["train"].shape == (48, 2) and tensors["eval"].shape == (16, 2)
+    assert (tensors["train"] < 0).all()
+    rows = dict(write_report(str(run_dir)))
+    assert "best eval_preference_accuracy" in rows
+    assert (run_dir / "report" / "preference.png").exists()
+
+
+def _meta(run_dir: Path) -> str:
+    from safetensors import safe_open
+
+    with safe_open(cache.cache_path(str(run_dir)), framework="pt") as f:
+        return f.metadata()["fingerprint"]
+
+
+def test_sigkill_then_resume_is_bit_exact_and_reuses_the_cache(uninterrupted, tmp_path):
+    for name in ("pairs_train.jsonl", "pairs_eval.jsonl"):
+        (tmp_path / name).write_bytes((uninterrupted / name).read_bytes())
+        os.utime(tmp_path / name, ns=(os.stat(uninterrupted / name).st_mtime_ns,) * 2)
+    spec = write_spec(tmp_path, "cut", eval_every=4)
+    first = launch(spec, **Faults(crash_at=("step", 6)).env())
+    assert first.returncode != 0 and "computed 48 + 16 pairs" in first.stderr
+    second = launch(spec, "auto")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "reference log-probs: reused" in second.stderr
+    assert_same_checkpoint(uninterrupted / "ref" / "step_8", tmp_path / "cut" / "step_8")
+    a = [r["loss"] for r in step_records(uninterrupted / "ref")]
+    b = [r["loss"] for r in step_records(tmp_path / "cut")]
+    assert a == b
+
+
+def test_stale_cache_is_refused_naming_what_changed(uninterrupted, tmp_path):
+    spec_path = write_spec(tmp_path, "stale", steps=1)
+    assert run(load_spec(spec_path)) == 0
+    path = cache.cache_path(str(tmp_path / "stale"))
+    before = os.stat(path).st_mtime_ns
+    with open(tmp_path / "pairs_train.jsonl", "a") as f:  # one more pair: other data
+        f.write((ASSETS / "pairs_train.jsonl").read_text().splitlines()[100] + "\n")
+    with pytest.raises(cache.StaleReference, match=r"another data than this run's"):
+        run(load_spec(spec_path), resume="auto")
+    assert os.stat(path).st_mtime_ns == before  # refused, not overwritten
+
+
+def test_cache_miss_hit_and_fingerprint_parts(tmp_path):
+    path = str(tmp_path / "reference" / cache.CACHE_FILE)
+    print_ = {"model": "m", "data": "d", "template": "t", "tokenizer": "k", "max_seq_len": "192"}
+    assert cache.load(path, print_) is None
+    tensors = {"train": torch.randn(5, 2), "eval": torch.randn(2, 2)}
+    cache.save(path, tensors, print_)
+    assert os.listdir(tmp_path / "reference") == [cache.CACHE_FILE]  # no temporary left
+    got = cache.load(path, print_)
+    assert torch.equal(got["train"], tensors["train"]) and torch.equal(got["eval"], tensors["eval"])
+    with pytest.raises(cache.StaleReference, match="another model, max_seq_len than"):
+        cache.load(path, {**print_, "model": "other", "max_seq_len": "256"})
+
+
+def test_live_reference_and_reference_free_kinds(uninterrupted, tmp_path):
+    live = load_spec(write_spec(tmp_path, "live", reference="live", steps=2))
+    assert run(live) == 0
+    assert not os.path.exists(cache.cache_path(str(tmp_path / "live")))
+    a = step_records(uninterrupted / "ref")[:2]
+    b = step_records(tmp_path / "live")
+    for x, y in zip(a, b):  # the same numbers as the cached reference, to float rounding
+        assert x["loss"] == pytest.approx(y["loss"], abs=1e-4)
+        assert x["reward_margin"] == pytest.approx(y["reward_margin"], abs=1e-4)
+    simpo = load_spec(write_spec(tmp_path, "simpo", kind="simpo", steps=2))
+    assert run(simpo) == 0
+    assert not os.path.exists(tmp_path / "simpo" / cache.CACHE_DIR)
+    assert all(r["pairs"] > 0 for r in step_records(tmp_path / "simpo"))
+
+
+def test_gradient_release_trains_the_same_objective(tmp_path):
+    """With the chain inside backward (``memory.gradient_release``) the step agrees on the pair
+    loss before backward and steps as the plain binder does (to float rounding)."""
+    text = write_spec(tmp_path, "plain", steps=3).read_text()
+    text = text.replace("grad_accum = 2", "grad_accum = 1").replace('alias = "adamw"', 'alias = "adamw"\nclip = 0.0')
+    (tmp_path / "plain.toml").write_text(text)
+    released = text.replace(str(tmp_path / "plain"), str(tmp_path / "released")) + "\n[memory]\ngradient_release = true\n"
+    (tmp_path / "released.toml").write_text(released)
+    assert run(load_spec(tmp_path / "plain.toml")) == 0
+    assert run(load_spec(tmp_path / "released.toml")) == 0
+    a, b = step_records(tmp_path / "plain"), step_records(tmp_path / "released")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert x["pairs"] == y["pairs"]
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-5)
+        assert x["reward_margin"] == pytest.approx(y["reward_margin"], abs=1e-4)
