@@ -184,12 +184,15 @@ def preference_pairs(samples: list[dict], seed: int) -> list[dict]:
     return pairs
 
 
-def write_preference(out: str, seed: int = 0) -> None:
-    """``pairs_train.jsonl`` and ``pairs_eval.jsonl`` under ``out``, from its ``train.jsonl`` and
-    ``eval.jsonl``: the DPO quickstart's pairs (held-out pairs from the held-out prompts)."""
+def write_preference(out: str, seed: int = 0, n_train: int = 1000) -> None:
+    """``pairs_train.jsonl`` and ``pairs_eval.jsonl`` under ``out``, from its ``train.jsonl`` (the
+    first ``n_train`` records) and ``eval.jsonl``: the DPO quickstart's pairs (held-out pairs from
+    the held-out prompts)."""
     for split in ("train", "eval"):
         with open(os.path.join(out, f"{split}.jsonl"), encoding="utf-8") as f:
             samples = [json.loads(line) for line in f if line.strip()]
+        if split == "train":
+            samples = samples[:n_train]
         write_jsonl(os.path.join(out, f"pairs_{split}.jsonl"), preference_pairs(samples, seed + (split == "eval")))
 
 
