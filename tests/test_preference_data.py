@@ -20,7 +20,7 @@ from pgs.runtime.data.preference import (
     read_pairs,
 )
 from pgs.runtime.data.synthetic import WEATHER_TOOL, preference_pairs
-from pgs.runtime.model.config import load_tokenizer
+from pgs.runtime.model.loading import load_tokenizer
 
 QUICKSTART_TOKENIZER = "pgs/assets/quickstart/tokenizer"
 USER = {"role": "user", "content": "What is 2 + 2?"}

@@ -97,5 +97,5 @@ def test_data_inspect_shows_both_arms_with_their_scored_tokens(tmp_path, capsys)
     assert main(["data", "inspect", str(write(tmp_path)), "-n", "1", "--records", "20"]) == 0
     out = capsys.readouterr().out
     assert "pairs_train.jsonl:1 chosen" in out and "pairs_train.jsonl:1 rejected" in out
-    assert "[[1707<|im_end|>]]" in out and "[[135<|im_end|>]]" in out
+    assert "[[78<|im_end|>]]" in out and "[[48<|im_end|>]]" in out
     assert "preference data statistics" in out

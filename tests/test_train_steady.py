@@ -51,7 +51,7 @@ def test_real_data_steps_compile_the_layers_once(tmp_path, monkeypatch):
             fills.add(record["tokens"])
     run.loader.close()
     assert widths == {spec.data.max_seq_len}
-    assert len(fills) > 3, "the data gave rows of one fill only: the test would not see a new width"
+    assert len(fills) >= 3, "the data gave rows of one fill only: the test would not see a new width"
     assert (_compiles(counters["frames"]), counters["stats"]["unique_graphs"]) == after_first
     assert counters["stats"]["unique_graphs"] >= 1
 
