@@ -1,4 +1,4 @@
-"""The runtime's optimizer interface, and the one constructor that picks a binder for a run.
+"""The runtime's optimizer interface: what the loop, checkpoints and tools ask of a chain bound to a model.
 
 A pure chain (``pgs.func``) knows nothing of modules, hooks or processes.  A *binder* holds its
 state next to a model's parameters and applies it; the training loop, checkpoints and tools talk
