@@ -71,8 +71,10 @@ class PreferenceLoss(NamedTuple):
 
     @property
     def accuracy(self) -> Tensor:
-        """1.0 where the chosen arm's reward exceeds the rejected arm's, else 0.0 (per pair)."""
-        return (self.chosen_rewards > self.rejected_rewards).to(self.chosen_rewards.dtype)
+        """1.0 where the chosen arm's reward exceeds the rejected arm's, 0.5 where they tie (at the
+        start of DPO, where the policy is the reference), else 0.0 (per pair)."""
+        c, r = self.chosen_rewards, self.rejected_rewards
+        return (c > r).to(c.dtype) + 0.5 * (c == r).to(c.dtype)
 
 
 def _check_kind(kind: str) -> None:

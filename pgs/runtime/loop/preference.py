@@ -164,8 +164,7 @@ class PreferenceObjective:
     @staticmethod
     def sums(out, logps: torch.Tensor) -> torch.Tensor:
         c, r = out.chosen_rewards.detach(), out.rejected_rewards.detach()
-        won = (c > r).float() + 0.5 * (c == r).float()  # a tie (step 0 of DPO: both rewards 0) is half
-        return torch.stack([c.sum(), r.sum(), won.sum(), logps[:, 0].sum(), logps[:, 1].sum()]).float()
+        return torch.stack([c.sum(), r.sum(), out.accuracy.sum(), logps[:, 0].sum(), logps[:, 1].sum()]).float()
 
     @torch.no_grad()
     def evaluate(self, model, tokenizer, device: torch.device) -> dict:
