@@ -28,7 +28,6 @@ def scale_by_sgd_momentum(momentum: float = 0.9, nesterov: bool = False, mu_dtyp
     who = "scale_by_sgd_momentum"
     check_range("momentum", momentum, 0.0, 1.0, hi_open=True, who=who)
     if nesterov and isinstance(momentum, (int, float)) and momentum == 0:
-
         raise InvalidArgument(f"{who}: nesterov=True needs momentum > 0")
 
     def init(params, **extra):

@@ -137,7 +137,6 @@ def apply_memory(model, memory) -> None:
     if memory.liger:
         layers.apply_liger(model)
     if getattr(memory, "mlp_tiles", 0) > 1:
-
         apply_mlp_tiles(model, memory.mlp_tiles)
     if memory.activation_checkpointing != "none":
         layers.apply_activation_checkpointing(model, memory.activation_checkpointing, memory.checkpoint_every,
@@ -261,7 +260,6 @@ def save(run: Run) -> str:
     """Write ``step_<N>`` (durably), then purge old ones beyond ``checkpoint.keep``."""
     step = run.step
     if run.ctx is not None:
-
         folder = dcp.save(run.run_dir, step, model=run.model, optimizer=run.bound, trainer=run.counters(),
                           spec_toml=run.spec.to_toml(), noise_generator=run.noise)
         if run.ctx.is_main:
@@ -523,7 +521,6 @@ def _sharded_eval_loss(run: Run) -> dict:
 
 def _export(run: Run, out_dir: str, info: dict) -> None:
     if run.ctx is not None:
-
         dcp.export_hf(run.model, run.tokenizer, out_dir, info=info)
     else:
         export_hf(run.model, run.tokenizer, out_dir, info=info)

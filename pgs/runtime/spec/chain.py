@@ -308,7 +308,6 @@ def check_memory(spec: Spec, chain) -> None:
         raise SpecError(f"memory.gradient_release: {where} cannot run inside backward: {why}; "
                         "remove it or set memory.gradient_release = false")
     if mem.tied_slabs:
-
         why = slab_refusal(chain)
         if why:
             where = "optimizer.chain" if opt.chain is not None else "optimizer.alias"

@@ -70,7 +70,6 @@ def _dtype(d) -> torch.dtype:
 
 def _hf_config(model_config):
     if isinstance(model_config, dict):
-
         return build_config(model_config)
     return model_config
 
@@ -352,7 +351,6 @@ def predict_memory(
         defer_head_grad = bool(gradient_release and loss == "chunked" and tied and head.weight.requires_grad
                                and wanted)
     if fused_update is None:
-
         fused_update = bool(gradient_release and chain is not None and plan_for(chain, RELEASE) is not None)
     deferred = loss == "chunked" and defer_head_grad
     if loss_kernels is None:
@@ -537,7 +535,6 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
                             varlen_kernel=m.varlen_kernel, init_seed=m.init_seed).to(dev)
     freeze(model, m.freeze)
     if int(opts.get("mlp_tiles", 0)) > 1:
-
         apply_mlp_tiles(model, int(opts["mlp_tiles"]))
     apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]),
                                    offload=bool(opts.get("offload_checkpoints", False)))
