@@ -1,0 +1,332 @@
+"""Optimizer state on the host, streamed through the device group by group inside backward.
+
+``OffloadedRelease(chain, model, ...)`` is ``GradientRelease`` (pgs/runtime/optim/release.py)
+whose per-group chain state lives in host memory (pinned where a CUDA device is present) and
+visits the device only for its own group's step.  Why: at 8 B parameters the bf16 weights
+(2 B/param) plus an 8-bit state (~1 B/param: codes + one fp32 absmax per block) are
+8.2 B × 3 B ≈ 22.9 GiB, over a 20 GiB budget; with the state streamed, the device holds the
+weights and ``slots`` staging buffers the size of the largest group's state.  ZeRO-Offload
+(Ren et al., arXiv 2101.06840) moves the optimizer to the host CPU; here the step stays on the
+device and only the state travels, one release group at a time, as paged 8-bit optimizers
+(Dettmers et al., arXiv 2110.02861) page their state under memory pressure.
+
+Per group and step, over PCIe:
+
+    host → device: S_g bytes (the group's state)   device → host: S_g bytes (the new state)
+    per step:      2 · Σ_g S_g  ≈ 2 · (1 + 4/block) B per trainable parameter (8-bit state)
+
+The order, for a group ``g`` whose gradients complete inside backward:
+
+1. prefetch: ``g``'s state is copied host → device on a side stream (``h2d``) into a free
+   staging slot, as soon as the group before it in backward order is acquired (or, for the
+   first groups of a step, at the end of the previous step), so the copy overlaps the
+   backward of the layers in between.  The copy waits (stream events) for the slot's previous
+   occupant to be written back and for ``g``'s own last write-back to the host.
+2. acquire: the compute stream waits for the copy's event; the group's state tree is rebuilt
+   from views of the slot, and the ordinary step (fused or plain) runs on it, in place.
+3. write-back: an event on the compute stream after the step; the ``d2h`` side stream waits
+   for it and copies the slot back to the group's host buffer; that copy's event frees the
+   slot and guards the next fetch of ``g``.
+
+Only tensor leaves with at least one dimension travel (codes, absmax, moments); 0-d leaves
+(step counts, the learning rate a schedule stored, per-tensor scalars) stay on the device, so
+metrics and schedules read them as before.  The arithmetic is the same chain on the same
+values, so the parameters and state equal the on-device release bit for bit
+(tests/test_offload.py); ``state_dict`` waits for the write-backs and reads the host copy,
+so checkpoints are the same files, and a resume loads them into the host buffers.
+
+Prediction of the order: the groups complete in the reverse order of the layers; the first
+backward guesses ``reversed(groups)``, later ones reuse the order the previous backward saw.
+A group that arrives unannounced is fetched at once (correct, not overlapped).
+
+On a CPU-only machine the "device" and the host are both host memory: the same staging,
+views and write-back run with synchronous copies (how the CPU tests exercise the logic).
+
+Refused (spec error, ``make_optimizer``): without gradient release; with several processes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pgs.errors import InvalidArgument
+from pgs.func import tree as T
+from pgs.runtime.optim.release import GradientRelease
+
+#: byte alignment of each leaf inside a group's buffers (vectorised kernels read 16 B at a time)
+ALIGN = 64
+
+
+def _travels(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() > 0
+
+
+class _Layout:
+    """Where each travelling leaf of one group's state sits in its byte buffer."""
+
+    def __init__(self, state):
+        leaves, self.spec = T.flatten(state)
+        self.entries = []  # (leaf index, offset, nbytes, dtype, shape)
+        at, storages = 0, set()
+        for i, x in enumerate(leaves):
+            if not _travels(x):
+                continue
+            key = x.untyped_storage().data_ptr()
+            if key in storages and key != 0:
+                raise InvalidArgument("offload_optimizer: two leaves of one group's chain state share storage; "
+                                      "the state must be separate tensors per leaf to be streamed")
+            storages.add(key)
+            nb = x.numel() * x.element_size()
+            self.entries.append((i, at, nb, x.dtype, tuple(x.shape)))
+            at += -(-nb // ALIGN) * ALIGN
+        self.nbytes = at
+        self.device = next((x.device for x in leaves if _travels(x)), None)
+
+    def views(self, buf: torch.Tensor) -> dict[int, torch.Tensor]:
+        return {i: buf[off:off + nb].view(dtype).view(shape) for i, off, nb, dtype, shape in self.entries}
+
+    def tree(self, state, views: dict[int, torch.Tensor]):
+        """``state`` with its travelling leaves replaced by ``views``."""
+        leaves, spec = T.flatten(state)
+        return T.unflatten([views.get(i, x) for i, x in enumerate(leaves)], spec)
+
+
+class _Slot:
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
+        self.group: str | None = None  # the group fetched (or being fetched) into it
+        self.active = False  # its group's step is running / has not been written back yet
+        self.ready = None  # event: the host → device copy is done
+        self.free = None  # event: the device → host copy of the last occupant is done
+        self.age = 0
+
+
+class StateStager:
+    """Pinned host homes and ``slots`` device staging buffers for a release's group states.
+
+    ``home(group)``: the group's state tree with travelling leaves on the host (what the
+    release keeps between steps).  ``prefetch(group)`` starts a host → device copy into a free
+    slot; ``acquire(group)`` returns the state tree on the device (views of the slot),
+    fetching first if no prefetch did; ``release(group, new)`` copies the step's new state into
+    the slot where the step did not write in place, writes the slot back to the host and returns
+    the home tree (with ``new``'s scalars); ``synchronize()`` waits for every write-back.
+    """
+
+    def __init__(self, states: dict, *, slots: int = 2):
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+            raise InvalidArgument(f"offload_optimizer: slots={slots!r} must be an int >= 1")
+        self.layouts = {g: _Layout(s) for g, s in states.items()}
+        devices = {lay.device for lay in self.layouts.values() if lay.device is not None}
+        if len(devices) > 1:
+            raise InvalidArgument(f"offload_optimizer: the chain state spans several devices ({sorted(map(str, devices))})")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        pin = self.cuda
+        self.host = {g: torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=pin) for g, lay in self.layouts.items()}
+        self.homes = {}
+        for g, s in states.items():
+            self.homes[g] = self._store(g, s)
+        size = max((lay.nbytes for lay in self.layouts.values()), default=0)
+        self.slot_bytes = size
+        self.slots = [_Slot(torch.empty(size, dtype=torch.uint8, device=self.device)) for _ in range(slots)]
+        self.h2d = torch.cuda.Stream(self.device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(self.device) if self.cuda else None
+        self.written: dict[str, torch.cuda.Event] = {}
+        self.h2d_bytes = self.d2h_bytes = 0
+        self.fetches = self.unannounced = 0
+        self._clock = 0
+
+    # -- host side ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _store(self, group: str, state):
+        """Copy ``state``'s travelling leaves into ``group``'s host buffer; the home tree (views
+        of that buffer, and ``state``'s own 0-d leaves, which stay on the device)."""
+        lay = self.layouts[group]
+        views = lay.views(self.host[group])
+        leaves, spec = T.flatten(state)
+        for i, off, nb, dtype, shape in lay.entries:
+            x = leaves[i]
+            if tuple(x.shape) != shape or x.dtype != dtype:
+                raise InvalidArgument(f"offload_optimizer: group {group!r}'s state leaf {i} changed shape or dtype")
+            views[i].copy_(x)
+        return T.unflatten([views.get(i, x) for i, x in enumerate(leaves)], spec)
+
+    def home(self, group: str):
+        return self.homes[group]
+
+    def host_bytes(self) -> int:
+        """Host memory the state occupies (pinned on CUDA)."""
+        return sum(h.numel() for h in self.host.values())
+
+    def bytes_per_step(self) -> int:
+        """PCIe bytes of one step: every group's state in and out once."""
+        return 2 * sum(lay.nbytes for lay in self.layouts.values())
+
+    def synchronize(self) -> None:
+        """Wait for every write-back (before the host buffers are read or overwritten)."""
+        if self.cuda:
+            self.d2h.synchronize()
+            self.h2d.synchronize()
+
+    def load(self, group: str, state):
+        """Replace ``group``'s state by ``state`` (a resume): into the host buffer; any staged copy is dropped."""
+        self.synchronize()
+        for slot in self.slots:
+            if slot.group == group and not slot.active:
+                slot.group = None
+        self.homes[group] = self._store(group, state)
+        return self.homes[group]
+
+    # -- device side --------------------------------------------------------------------------
+    def _slot_of(self, group: str) -> _Slot | None:
+        return next((s for s in self.slots if s.group == group), None)
+
+    def prefetch(self, group: str) -> None:
+        """Start copying ``group``'s state to the device (nothing if it is staged already, or
+        if every slot is busy with a step)."""
+        lay = self.layouts.get(group)
+        if lay is None or lay.nbytes == 0 or self._slot_of(group) is not None:
+            return
+        free = [s for s in self.slots if not s.active]
+        if not free:
+            return
+        slot = min(free, key=lambda s: (s.group is not None, s.age))  # an empty one, else the oldest
+        self._clock += 1
+        slot.group, slot.age = group, self._clock
+        src, dst = self.host[group], slot.buf[:lay.nbytes]
+        if self.cuda:
+            with torch.cuda.stream(self.h2d):
+                if slot.free is not None:
+                    self.h2d.wait_event(slot.free)
+                if group in self.written:
+                    self.h2d.wait_event(self.written[group])
+                dst.copy_(src, non_blocking=True)
+                slot.ready = torch.cuda.Event()
+                slot.ready.record(self.h2d)
+        else:
+            dst.copy_(src)
+        self.h2d_bytes += lay.nbytes
+        self.fetches += 1
+
+    def acquire(self, group: str):
+        """``group``'s state on the device (views of a staging slot), ordered after its fetch."""
+        lay = self.layouts[group]
+        if lay.nbytes == 0:
+            return self.homes[group]
+        slot = self._slot_of(group)
+        if slot is None:
+            self.unannounced += 1
+            self.prefetch(group)
+            slot = self._slot_of(group)
+            if slot is None:  # pragma: no cover - every slot active: only a re-entrant step could do this
+                raise RuntimeError(f"offload_optimizer: no free staging slot for group {group!r}")
+        slot.active = True
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+        return lay.tree(self.homes[group], lay.views(slot.buf))
+
+    @torch.no_grad()
+    def release(self, group: str, new_state):
+        """After ``group``'s step: its new state written back to the host; the home tree."""
+        lay = self.layouts[group]
+        if lay.nbytes == 0:
+            self.homes[group] = new_state
+            return new_state
+        slot = self._slot_of(group)
+        views = lay.views(slot.buf)
+        leaves, spec = T.flatten(new_state)
+        if spec != lay.spec:
+            raise InvalidArgument(f"offload_optimizer: the chain returned a state of another structure for {group!r}")
+        for i, v in views.items():
+            x = leaves[i]
+            if x.data_ptr() != v.data_ptr():  # the plain path returns new tensors; the fused one writes in place
+                v.copy_(x)
+        home_views = lay.views(self.host[group])
+        home = T.unflatten([home_views.get(i, x) for i, x in enumerate(leaves)], spec)
+        src, dst = slot.buf[:lay.nbytes], self.host[group]
+        if self.cuda:
+            stepped = torch.cuda.Event()
+            stepped.record(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.d2h):
+                self.d2h.wait_event(stepped)
+                dst.copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.d2h)
+            self.written[group] = slot.free = done
+        else:
+            dst.copy_(src)
+        self.d2h_bytes += lay.nbytes
+        slot.active = False
+        slot.group = None  # written back: the slot is free once ``free`` has fired
+        self.homes[group] = home
+        return home
+
+
+class OffloadedRelease(GradientRelease):
+    """``GradientRelease`` with each group's chain state in host memory, streamed through
+    ``slots`` device staging buffers inside backward.  See the module docstring.
+
+    Takes ``GradientRelease``'s arguments, plus ``slots`` (staging buffers, each the size of
+    the largest group's state; 2: one group steps while the next one's state arrives).
+    """
+
+    def __init__(self, chain, model, *, slots: int = 2, **kw):
+        super().__init__(chain, model, **kw)
+        self.stager = StateStager(self.states, slots=slots)
+        self.states = {g: self.stager.home(g) for g in self.groups}
+        self._order = list(reversed(list(self.groups)))  # first guess: backward runs the layers in reverse
+        self._seen: list[str] = []
+
+    def _expected_after(self, group: str | None) -> list[str]:
+        """The next groups backward should complete after ``group`` (the first ones for None)."""
+        n = len(self.stager.slots)
+        if group is None:
+            return self._order[:n]
+        try:
+            i = self._order.index(group)
+        except ValueError:
+            return []
+        return self._order[i + 1:i + n]
+
+    def _begin(self) -> None:
+        super()._begin()
+        self._seen = []
+        for g in self._expected_after(None):
+            self.stager.prefetch(g)
+
+    @torch.no_grad()
+    def _step_group(self, group: str) -> None:
+        self.states[group] = self.stager.acquire(group)
+        for g in self._expected_after(group):
+            self.stager.prefetch(g)
+        try:
+            super()._step_group(group)
+        finally:
+            self.states[group] = self.stager.release(group, self.states[group])
+        self._seen.append(group)
+
+    def finish(self) -> None:
+        active = self._arrivals.active
+        super().finish()
+        if active:
+            if sorted(self._seen) == sorted(self.groups):
+                self._order = list(self._seen)
+            for g in self._expected_after(None):  # the next step's first groups, during its forward
+                self.stager.prefetch(g)
+
+    def state_dict(self, device=None):
+        self.stager.synchronize()
+        return super().state_dict(device)
+
+    @torch.no_grad()
+    def load_state_dict(self, d) -> None:
+        self.stager.synchronize()
+        super().load_state_dict(d)
+        self.states = {g: self.stager.load(g, s) for g, s in self.states.items()}
+
+    def offload_stats(self) -> dict:
+        """Host bytes of the state, device staging bytes, PCIe bytes moved so far and per step."""
+        s = self.stager
+        return {"host_state_bytes": s.host_bytes(), "staging_bytes": s.slot_bytes * len(s.slots),
+                "pcie_bytes_per_step": s.bytes_per_step(), "h2d_bytes": s.h2d_bytes, "d2h_bytes": s.d2h_bytes,
+                "fetches": s.fetches, "unannounced_fetches": s.unannounced}
