@@ -131,7 +131,7 @@ def test_stager_copies_through_a_slot():
     writing in place or returning new tensors is written back, 0-d leaves stay put."""
     x = {"m": torch.arange(10.0), "codes": torch.arange(7, dtype=torch.uint8), "count": torch.tensor(3)}
     y = {"m": torch.ones(3), "codes": torch.zeros(130, dtype=torch.uint8), "count": torch.tensor(3)}
-    st = StateStager({"a": x, "b": y}, slots=1)
+    st = StateStager({"a": x, "b": y}, {"a": x, "b": y}.items(), slots=1)
     home = st.home("a")
     assert home["count"] is x["count"] and torch.equal(home["m"], x["m"])
     dev = st.acquire("a")

@@ -47,6 +47,8 @@ Refused (spec error, ``make_optimizer``): without gradient release; with several
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from pgs.errors import InvalidArgument
@@ -61,26 +63,20 @@ def _travels(x) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() > 0
 
 
-class _Layout:
+class StateLayout:
     """Where each travelling leaf of one group's state sits in its byte buffer."""
 
     def __init__(self, state):
         leaves, self.spec = T.flatten(state)
         self.entries = []  # (leaf index, offset, nbytes, dtype, shape)
-        at, storages = 0, set()
+        at = 0
         for i, x in enumerate(leaves):
             if not _travels(x):
                 continue
-            key = x.untyped_storage().data_ptr()
-            if key in storages and key != 0:
-                raise InvalidArgument("offload_optimizer: two leaves of one group's chain state share storage; "
-                                      "the state must be separate tensors per leaf to be streamed")
-            storages.add(key)
             nb = x.numel() * x.element_size()
             self.entries.append((i, at, nb, x.dtype, tuple(x.shape)))
             at += -(-nb // ALIGN) * ALIGN
         self.nbytes = at
-        self.device = next((x.device for x in leaves if _travels(x)), None)
 
     def views(self, buf: torch.Tensor) -> dict[int, torch.Tensor]:
         return {i: buf[off:off + nb].view(dtype).view(shape) for i, off, nb, dtype, shape in self.entries}
@@ -89,6 +85,31 @@ class _Layout:
         """``state`` with its travelling leaves replaced by ``views``."""
         leaves, spec = T.flatten(state)
         return T.unflatten([views.get(i, x) for i, x in enumerate(leaves)], spec)
+
+
+def _unregister(buf: torch.Tensor) -> None:
+    """Undo ``_host_buffer``'s registration (the stager's finalizer: it holds ``buf`` until then)."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    except Exception:  # pragma: no cover - interpreter shutdown
+        pass
+
+
+def _host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+    """``nbytes`` of host memory, page-locked when ``pin`` (device copies from and to it are
+    asynchronous).  Registered with ``cudaHostRegister`` rather than taken from the pinned
+    caching allocator, which rounds every block up to a power of two (an 8.2 GB state would
+    hold 16 GB); falls back to that allocator if the registration fails.  ``(buffer, registered)``."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if not pin or nbytes == 0:
+        return buf, False
+    try:
+        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+    except Exception:  # pragma: no cover - no cudart binding
+        err = -1
+    if err != 0:  # pragma: no cover - depends on the driver
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False
+    return buf, True
 
 
 class _Slot:
@@ -112,20 +133,34 @@ class StateStager:
     the home tree (with ``new``'s scalars); ``synchronize()`` waits for every write-back.
     """
 
-    def __init__(self, states: dict, *, slots: int = 2):
+    def __init__(self, layouts: dict, states, *, slots: int = 2):
+        """``layouts``: ``{group: state}`` to size the buffers from (meta tensors do: only shapes
+        and dtypes are read); ``states``: an iterable of ``(group, state)`` whose values are
+        copied to the host one at a time (a generator that inits each group's state on the
+        device, so that the whole state never exists there at once)."""
         if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
             raise InvalidArgument(f"offload_optimizer: slots={slots!r} must be an int >= 1")
-        self.layouts = {g: _Layout(s) for g, s in states.items()}
-        devices = {lay.device for lay in self.layouts.values() if lay.device is not None}
-        if len(devices) > 1:
-            raise InvalidArgument(f"offload_optimizer: the chain state spans several devices ({sorted(map(str, devices))})")
-        self.device = devices.pop() if devices else torch.device("cpu")
-        self.cuda = self.device.type == "cuda"
-        pin = self.cuda
-        self.host = {g: torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=pin) for g, lay in self.layouts.items()}
+        self.layouts = {g: StateLayout(s) for g, s in layouts.items()}
+        self.device = None
+        self.cuda = False
+        self.host, at = {}, 0
+        total = sum(lay.nbytes for lay in self.layouts.values())
+        self._whole = None
         self.homes = {}
-        for g, s in states.items():
+        for g, s in states:
+            if self._whole is None:  # the device is the first state's; the host buffer is made then
+                self.device = next((x.device for x in T.leaves(s) if _travels(x)), torch.device("cpu"))
+                self.cuda = self.device.type == "cuda"
+                self._whole, registered = _host_buffer(total, self.cuda)
+                if registered:
+                    weakref.finalize(self, _unregister, self._whole)
+                for h, lay in self.layouts.items():
+                    self.host[h] = self._whole[at:at + lay.nbytes]
+                    at += lay.nbytes
             self.homes[g] = self._store(g, s)
+            del s
+        if self.device is None:
+            self.device = torch.device("cpu")
         size = max((lay.nbytes for lay in self.layouts.values()), default=0)
         self.slot_bytes = size
         self.slots = [_Slot(torch.empty(size, dtype=torch.uint8, device=self.device)) for _ in range(slots)]
@@ -144,10 +179,16 @@ class StateStager:
         lay = self.layouts[group]
         views = lay.views(self.host[group])
         leaves, spec = T.flatten(state)
+        storages = set()
         for i, off, nb, dtype, shape in lay.entries:
             x = leaves[i]
             if tuple(x.shape) != shape or x.dtype != dtype:
                 raise InvalidArgument(f"offload_optimizer: group {group!r}'s state leaf {i} changed shape or dtype")
+            key = x.untyped_storage().data_ptr()
+            if key in storages and key != 0:  # a shared buffer would be streamed as two copies
+                raise InvalidArgument(f"offload_optimizer: two leaves of group {group!r}'s chain state share "
+                                      "storage; the state must be separate tensors per leaf to be streamed")
+            storages.add(key)
             views[i].copy_(x)
         return T.unflatten([views.get(i, x) for i, x in enumerate(leaves)], spec)
 
@@ -271,11 +312,19 @@ class OffloadedRelease(GradientRelease):
     """
 
     def __init__(self, chain, model, *, slots: int = 2, **kw):
+        self._slots = slots
         super().__init__(chain, model, **kw)
-        self.stager = StateStager(self.states, slots=slots)
-        self.states = {g: self.stager.home(g) for g in self.groups}
         self._order = list(reversed(list(self.groups)))  # first guess: backward runs the layers in reverse
         self._seen: list[str] = []
+
+    def _init_states(self) -> dict:
+        """Each group's state made on the device and moved to the host before the next one's is
+        made (the whole state never exists on the device); the buffers sized from a meta init."""
+        shapes = {g: self.chain.init({n: torch.empty_like(t, device="meta") for n, t in
+                                      self._group_tensors(g)[0].items()}) for g in self.groups}
+        self.stager = StateStager(shapes, ((g, self.chain.init(self._group_tensors(g)[0])) for g in self.groups),
+                                  slots=self._slots)
+        return {g: self.stager.home(g) for g in self.groups}
 
     def _expected_after(self, group: str | None) -> list[str]:
         """The next groups backward should complete after ``group`` (the first ones for None)."""
