@@ -241,3 +241,48 @@ def test_cuda_tied_slabs_and_resume(tmp_path):
         slab_step(a, ids, ref)
         slab_step(b, ids, rel2)
     assert_same(a, b, ref, rel2)
+
+
+@pytest.mark.parametrize("name", ["lion8bit", "adamw"])
+def test_profile_prediction_exact(name):
+    """``predict_memory(..., offload_optimizer=True)``: the device's state is the staging slots,
+    the host's and the PCIe bytes what the real release holds and moves."""
+    from pgs.runtime.tools.profile import predict_memory
+
+    m = tiny_model(layers=3)
+    rel = OffloadedRelease(CHAINS[name](), m)
+    pred = predict_memory(m.config, dtype=torch.float32, chain=CHAINS[name](), gradient_release=True,
+                          offload_optimizer=True, micro_batch_tokens=24)
+    assert pred["optimizer_state"] == rel.offload_stats()["staging_bytes"]
+    assert pred["host_state"] == rel.offload_stats()["host_state_bytes"]
+    assert pred["pcie_per_step"] == rel.offload_stats()["pcie_bytes_per_step"]
+    on_device = predict_memory(m.config, dtype=torch.float32, chain=CHAINS[name](), gradient_release=True,
+                               micro_batch_tokens=24)
+    assert on_device["optimizer_state"] > pred["optimizer_state"] and "host_state" not in on_device
+
+
+@pytest.mark.slow
+def test_pgs_run_offloaded_sigkill_resume_equals_on_device_run(tmp_path):
+    """Through ``pgs run``: the offloaded run, killed after step 4 and resumed from its step-3
+    checkpoint, ends with the weights and optimizer file of the on-device release run."""
+    import signal
+    import subprocess
+
+    from pgs.runtime.loop.faults import Faults
+    from test_train import ROOT, assert_same_checkpoint, child_env, command
+    from test_train_release import release_spec
+
+    ref = release_spec(tmp_path, "ref")
+    done = subprocess.run(command(ref), cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    spec = release_spec(tmp_path, "run")
+    spec.write_text(spec.read_text() + "offload_optimizer = true\n")
+    first = subprocess.run(command(spec), cwd=ROOT, env=child_env(**Faults(crash_at=("step", 5)).env()),
+                           capture_output=True, text=True, timeout=240)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    assert "optimizer state in host memory" in first.stdout + first.stderr
+    resumed = subprocess.run(command(spec, "auto"), cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                             timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_3" in resumed.stderr
+    assert_same_checkpoint(tmp_path / "run" / "step_6", tmp_path / "ref" / "step_6")  # weights and optimizer bits

@@ -100,11 +100,14 @@ def _host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
     asynchronous).  Registered with ``cudaHostRegister`` rather than taken from the pinned
     caching allocator, which rounds every block up to a power of two (an 8.2 GB state would
     hold 16 GB); falls back to that allocator if the registration fails.  ``(buffer, registered)``."""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
     if not pin or nbytes == 0:
-        return buf, False
+        return torch.empty(nbytes, dtype=torch.uint8), False
+    page = 4096  # registered at page boundaries, whole pages (a view of a slightly larger block)
+    raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % page
+    buf = raw[start:start + nbytes]
     try:
-        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), -(-nbytes // page) * page, 0))
     except Exception:  # pragma: no cover - no cudart binding
         err = -1
     if err != 0:  # pragma: no cover - depends on the driver
@@ -161,6 +164,8 @@ class StateStager:
             del s
         if self.device is None:
             self.device = torch.device("cpu")
+        if self.cuda:  # the states' device copies are gone: hand their blocks back before the slots are made
+            torch.cuda.empty_cache()
         size = max((lay.nbytes for lay in self.layouts.values()), default=0)
         self.slot_bytes = size
         self.slots = [_Slot(torch.empty(size, dtype=torch.uint8, device=self.device)) for _ in range(slots)]
