@@ -115,25 +115,39 @@ def _host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
     return buf, True
 
 
+def slot_size(sizes: list[int], slots: int) -> int:
+    """Bytes of one staging slot for groups of ``sizes`` bytes: the largest group that is not one
+    of the two largest, or the largest's share of all the slots, whichever is more (64-byte
+    multiples).  A group larger than a slot (an embedding, an untied head) takes every slot at
+    once; the others one each, so a 151k-vocabulary embedding does not size every slot."""
+    if not sizes:
+        return 0
+    ordered = sorted(sizes, reverse=True)
+    rest = ordered[2] if len(ordered) > 2 else ordered[-1]
+    size = max(rest, -(-ordered[0] // slots))
+    return -(-size // ALIGN) * ALIGN
+
+
 class _Slot:
-    def __init__(self, buf: torch.Tensor):
-        self.buf = buf
+    def __init__(self, index: int, buf: torch.Tensor):
+        self.index, self.buf = index, buf
         self.group: str | None = None  # the group fetched (or being fetched) into it
-        self.active = False  # its group's step is running / has not been written back yet
-        self.ready = None  # event: the host → device copy is done
-        self.free = None  # event: the device → host copy of the last occupant is done
+        self.active = False  # its group's step is running (between acquire and release)
+        self.ready = None  # event: the host → device copy into it is done
+        self.free = None  # event: the device → host copy of its last occupant is done
         self.age = 0
 
 
 class StateStager:
-    """Pinned host homes and ``slots`` device staging buffers for a release's group states.
+    """Pinned host homes and ``slots`` device staging slots for a release's group states.
 
     ``home(group)``: the group's state tree with travelling leaves on the host (what the
-    release keeps between steps).  ``prefetch(group)`` starts a host → device copy into a free
-    slot; ``acquire(group)`` returns the state tree on the device (views of the slot),
-    fetching first if no prefetch did; ``release(group, new)`` copies the step's new state into
-    the slot where the step did not write in place, writes the slot back to the host and returns
-    the home tree (with ``new``'s scalars); ``synchronize()`` waits for every write-back.
+    release keeps between steps).  ``prefetch(group)`` starts a host → device copy into free
+    slots (one, or all of them for a group larger than a slot); ``acquire(group)`` returns the
+    state tree on the device (views of the slots), fetching first if no prefetch did;
+    ``release(group, new)`` copies the step's new state into the slots where the step did not
+    write in place, writes it back to the host and returns the home tree (with ``new``'s
+    scalars); ``synchronize()`` waits for every copy.
     """
 
     def __init__(self, layouts: dict, states, *, slots: int = 2):
@@ -166,15 +180,16 @@ class StateStager:
             self.device = torch.device("cpu")
         if self.cuda:  # the states' device copies are gone: hand their blocks back before the slots are made
             torch.cuda.empty_cache()
-        size = max((lay.nbytes for lay in self.layouts.values()), default=0)
-        self.slot_bytes = size
-        self.slots = [_Slot(torch.empty(size, dtype=torch.uint8, device=self.device)) for _ in range(slots)]
+        self.slot_bytes = slot_size([lay.nbytes for lay in self.layouts.values()], slots)
+        self.stage = torch.empty(self.slot_bytes * slots, dtype=torch.uint8, device=self.device)
+        self.slots = [_Slot(i, self.stage[i * self.slot_bytes:(i + 1) * self.slot_bytes]) for i in range(slots)]
         self.h2d = torch.cuda.Stream(self.device) if self.cuda else None
         self.d2h = torch.cuda.Stream(self.device) if self.cuda else None
         self.written: dict[str, torch.cuda.Event] = {}
         self.h2d_bytes = self.d2h_bytes = 0
         self.fetches = self.unannounced = 0
         self._clock = 0
+        self._views: dict[tuple[str, int], dict] = {}  # (group, first slot) -> views of the staged leaves
 
     # -- host side ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -204,12 +219,16 @@ class StateStager:
         """Host memory the state occupies (pinned on CUDA)."""
         return sum(h.numel() for h in self.host.values())
 
+    def staging_bytes(self) -> int:
+        """Device memory of the staging slots."""
+        return self.stage.numel()
+
     def bytes_per_step(self) -> int:
         """PCIe bytes of one step: every group's state in and out once."""
         return 2 * sum(lay.nbytes for lay in self.layouts.values())
 
     def synchronize(self) -> None:
-        """Wait for every write-back (before the host buffers are read or overwritten)."""
+        """Wait for every copy (before the host buffers are read or overwritten)."""
         if self.cuda:
             self.d2h.synchronize()
             self.h2d.synchronize()
@@ -217,59 +236,90 @@ class StateStager:
     def load(self, group: str, state):
         """Replace ``group``'s state by ``state`` (a resume): into the host buffer; any staged copy is dropped."""
         self.synchronize()
-        for slot in self.slots:
-            if slot.group == group and not slot.active:
+        for slot in self._slots_of(group):
+            if not slot.active:
                 slot.group = None
         self.homes[group] = self._store(group, state)
         return self.homes[group]
 
     # -- device side --------------------------------------------------------------------------
-    def _slot_of(self, group: str) -> _Slot | None:
-        return next((s for s in self.slots if s.group == group), None)
+    def _slots_of(self, group: str) -> list[_Slot]:
+        return [s for s in self.slots if s.group == group]
 
-    def prefetch(self, group: str) -> None:
-        """Start copying ``group``'s state to the device (nothing if it is staged already, or
-        if every slot is busy with a step)."""
+    def _big(self, group: str) -> bool:
+        return self.layouts[group].nbytes > self.slot_bytes
+
+    def _room(self, group: str, evict: bool) -> list[_Slot] | None:
+        """The slots ``group`` would be fetched into (all of them for a big group, else one):
+        empty ones, or with ``evict`` also ones holding a staged group that no step is using."""
+        usable = [s for s in self.slots if not s.active and (evict or s.group is None)]
+        if self._big(group):
+            return usable if len(usable) == len(self.slots) else None
+        if not usable:
+            return None
+        return [min(usable, key=lambda s: (s.group is not None, s.age))]  # an empty one, else the oldest
+
+    def prefetch(self, group: str, *, evict: bool = False) -> None:
+        """Start copying ``group``'s state to the device, if it is not staged already and there
+        is room (a staged group waiting for its step is not evicted unless ``evict``)."""
         lay = self.layouts.get(group)
-        if lay is None or lay.nbytes == 0 or self._slot_of(group) is not None:
+        if lay is None or lay.nbytes == 0 or self._slots_of(group):
             return
-        free = [s for s in self.slots if not s.active]
-        if not free:
+        room = self._room(group, evict)
+        if room is None:
             return
-        slot = min(free, key=lambda s: (s.group is not None, s.age))  # an empty one, else the oldest
         self._clock += 1
-        slot.group, slot.age = group, self._clock
-        src, dst = self.host[group], slot.buf[:lay.nbytes]
+        for slot in self.slots:  # an evicted group leaves every slot it held
+            if slot.group is not None and any(r.group == slot.group for r in room):
+                slot.group = None
+        for slot in room:
+            slot.group, slot.age = group, self._clock
+        first = room[0] if len(room) == 1 else self.slots[0]
+        src = self.host[group]
+        dst = self.stage[first.index * self.slot_bytes:first.index * self.slot_bytes + lay.nbytes]
         if self.cuda:
             with torch.cuda.stream(self.h2d):
-                if slot.free is not None:
-                    self.h2d.wait_event(slot.free)
+                for slot in room:
+                    if slot.free is not None:
+                        self.h2d.wait_event(slot.free)
                 if group in self.written:
                     self.h2d.wait_event(self.written[group])
                 dst.copy_(src, non_blocking=True)
-                slot.ready = torch.cuda.Event()
-                slot.ready.record(self.h2d)
+                ready = torch.cuda.Event()
+                ready.record(self.h2d)
         else:
             dst.copy_(src)
+            ready = None
+        for slot in room:
+            slot.ready = ready
         self.h2d_bytes += lay.nbytes
         self.fetches += 1
 
+    def _device_views(self, group: str, first: int) -> dict:
+        key = (group, first)
+        views = self._views.get(key)
+        if views is None:
+            lay = self.layouts[group]
+            views = self._views[key] = lay.views(self.stage[first * self.slot_bytes:first * self.slot_bytes + lay.nbytes])
+        return views
+
     def acquire(self, group: str):
-        """``group``'s state on the device (views of a staging slot), ordered after its fetch."""
+        """``group``'s state on the device (views of its staging slots), ordered after its fetch."""
         lay = self.layouts[group]
         if lay.nbytes == 0:
             return self.homes[group]
-        slot = self._slot_of(group)
-        if slot is None:
+        held = self._slots_of(group)
+        if not held:
             self.unannounced += 1
-            self.prefetch(group)
-            slot = self._slot_of(group)
-            if slot is None:  # pragma: no cover - every slot active: only a re-entrant step could do this
+            self.prefetch(group, evict=True)
+            held = self._slots_of(group)
+            if not held:  # pragma: no cover - a slot still active: only a re-entrant step could do this
                 raise RuntimeError(f"offload_optimizer: no free staging slot for group {group!r}")
-        slot.active = True
+        for slot in held:
+            slot.active = True
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(slot.ready)
-        return lay.tree(self.homes[group], lay.views(slot.buf))
+            torch.cuda.current_stream(self.device).wait_event(held[0].ready)
+        return lay.tree(self.homes[group], self._device_views(group, held[0].index))
 
     @torch.no_grad()
     def release(self, group: str, new_state):
@@ -278,8 +328,8 @@ class StateStager:
         if lay.nbytes == 0:
             self.homes[group] = new_state
             return new_state
-        slot = self._slot_of(group)
-        views = lay.views(slot.buf)
+        held = self._slots_of(group)
+        views = self._device_views(group, held[0].index)
         leaves, spec = T.flatten(new_state)
         if spec != lay.spec:
             raise InvalidArgument(f"offload_optimizer: the chain returned a state of another structure for {group!r}")
@@ -287,9 +337,12 @@ class StateStager:
             x = leaves[i]
             if x.data_ptr() != v.data_ptr():  # the plain path returns new tensors; the fused one writes in place
                 v.copy_(x)
-        home_views = lay.views(self.host[group])
+        home_views = self._views.get((group, -1))
+        if home_views is None:
+            home_views = self._views[(group, -1)] = lay.views(self.host[group])
         home = T.unflatten([home_views.get(i, x) for i, x in enumerate(leaves)], spec)
-        src, dst = slot.buf[:lay.nbytes], self.host[group]
+        start = held[0].index * self.slot_bytes
+        src, dst = self.stage[start:start + lay.nbytes], self.host[group]
         if self.cuda:
             stepped = torch.cuda.Event()
             stepped.record(torch.cuda.current_stream(self.device))
@@ -298,12 +351,13 @@ class StateStager:
                 dst.copy_(src, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.d2h)
-            self.written[group] = slot.free = done
+            self.written[group] = done
         else:
             dst.copy_(src)
+            done = None
+        for slot in held:  # free once ``done`` has fired (every later copy into it waits for it)
+            slot.active, slot.group, slot.free = False, None, done
         self.d2h_bytes += lay.nbytes
-        slot.active = False
-        slot.group = None  # written back: the slot is free once ``free`` has fired
         self.homes[group] = home
         return home
 
@@ -358,6 +412,8 @@ class OffloadedRelease(GradientRelease):
         finally:
             self.states[group] = self.stager.release(group, self.states[group])
         self._seen.append(group)
+        for g in self._expected_after(group):  # room again (a group larger than a slot held them all)
+            self.stager.prefetch(g)
 
     def finish(self) -> None:
         active = self._arrivals.active
@@ -365,8 +421,8 @@ class OffloadedRelease(GradientRelease):
         if active:
             if sorted(self._seen) == sorted(self.groups):
                 self._order = list(self._seen)
-            for g in self._expected_after(None):  # the next step's first groups, during its forward
-                self.stager.prefetch(g)
+            for i, g in enumerate(self._expected_after(None)):  # the next step's first groups, during its forward
+                self.stager.prefetch(g, evict=i == 0)  # (a staged group that this step never used makes room)
 
     def state_dict(self, device=None):
         self.stager.synchronize()
@@ -381,6 +437,6 @@ class OffloadedRelease(GradientRelease):
     def offload_stats(self) -> dict:
         """Host bytes of the state, device staging bytes, PCIe bytes moved so far and per step."""
         s = self.stager
-        return {"host_state_bytes": s.host_bytes(), "staging_bytes": s.slot_bytes * len(s.slots),
+        return {"host_state_bytes": s.host_bytes(), "staging_bytes": s.staging_bytes(),
                 "pcie_bytes_per_step": s.bytes_per_step(), "h2d_bytes": s.h2d_bytes, "d2h_bytes": s.d2h_bytes,
                 "fetches": s.fetches, "unannounced_fetches": s.unannounced}

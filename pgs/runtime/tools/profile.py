@@ -9,9 +9,9 @@
   (one state per release group under gradient release, as ``GradientRelease`` builds it),
   or ``state_bytes_per_param × trainable parameters`` when no chain is given.  With
   ``offload_optimizer`` (release only) the state lives in pinned host memory (``host_state``,
-  not part of ``total``/``peak``) and the device holds ``slots`` staging buffers, each the
-  largest group's state (``StateStager``'s layout: leaves padded to 64 B); ``pcie_per_step``
-  is 2 × the host state (each group's state in and out once per step).
+  not part of ``total``/``peak``) and the device holds ``slots`` staging slots
+  (``offload.slot_size``: a group larger than a slot takes them all; leaves padded to 64 B);
+  ``pcie_per_step`` is 2 × the host state (each group's state in and out once per step).
 - ``gradients``: all trainable gradients (``bind``); under gradient release, the largest
   group's gradients (one decoder layer's, or the embedding's).
 - ``activations``: what backward keeps, per decoder layer and token (``activation_bytes``
@@ -329,17 +329,19 @@ def predict_memory(
         inits = [chain.init({n: as_state_param(params[n]) for n in names}) for names in groups.values()]
         out["optimizer_state"] = sum(pf.state_bytes(s) for s in inits)
         if offload_optimizer:
-            from pgs.runtime.optim.offload import StateLayout
+            from pgs.runtime.optim.offload import StateLayout, slot_size
 
             sizes = [StateLayout(s).nbytes for s in inits]
             host_state = sum(sizes)
-            out["optimizer_state"] = int(offload_slots) * max(sizes, default=0)
+            out["optimizer_state"] = int(offload_slots) * slot_size(sizes, int(offload_slots))
     elif state_bytes_per_param is not None:
         out["optimizer_state"] = int(round(state_bytes_per_param * n_train))
         if offload_optimizer:
+            from pgs.runtime.optim.offload import slot_size
+
             host_state = out["optimizer_state"]
-            biggest_group = max((sum(params[n].numel() for n in names) for names in groups.values()), default=0)
-            out["optimizer_state"] = int(offload_slots) * int(round(state_bytes_per_param * biggest_group))
+            sizes = [int(round(state_bytes_per_param * sum(params[n].numel() for n in names))) for names in groups.values()]
+            out["optimizer_state"] = int(offload_slots) * slot_size(sizes, int(offload_slots))
     else:
         raise InvalidArgument("predict_memory: give chain= (sized exactly) or state_bytes_per_param=")
 
