@@ -5,7 +5,7 @@ whose per-group chain state lives in host memory (pinned where a CUDA device is 
 visits the device only for its own group's step.  Why: at 8 B parameters the bf16 weights
 (2 B/param) plus an 8-bit state (~1 B/param: codes + one fp32 absmax per block) are
 8.2 B × 3 B ≈ 22.9 GiB, over a 20 GiB budget; with the state streamed, the device holds the
-weights and ``slots`` staging buffers the size of the largest group's state.  ZeRO-Offload
+weights and ``slots`` staging slots (``slot_size``: a group larger than a slot takes them all).  ZeRO-Offload
 (Ren et al., arXiv 2101.06840) moves the optimizer to the host CPU; here the step stays on the
 device and only the state travels, one release group at a time, as paged 8-bit optimizers
 (Dettmers et al., arXiv 2110.02861) page their state under memory pressure.
@@ -18,9 +18,9 @@ Per group and step, over PCIe:
 The order, for a group ``g`` whose gradients complete inside backward:
 
 1. prefetch: ``g``'s state is copied host → device on a side stream (``h2d``) into a free
-   staging slot, as soon as the group before it in backward order is acquired (or, for the
-   first groups of a step, at the end of the previous step), so the copy overlaps the
-   backward of the layers in between.  The copy waits (stream events) for the slot's previous
+   staging slot, as soon as the group before it in backward order is acquired or written back
+   (or, for the first groups of a step, at the end of the previous step), so the copy overlaps
+   the backward of the layers in between.  The copy waits (stream events) for the slot's previous
    occupant to be written back and for ``g``'s own last write-back to the host.
 2. acquire: the compute stream waits for the copy's event; the group's state tree is rebuilt
    from views of the slot, and the ordinary step (fused or plain) runs on it, in place.
@@ -366,8 +366,8 @@ class OffloadedRelease(GradientRelease):
     """``GradientRelease`` with each group's chain state in host memory, streamed through
     ``slots`` device staging buffers inside backward.  See the module docstring.
 
-    Takes ``GradientRelease``'s arguments, plus ``slots`` (staging buffers, each the size of
-    the largest group's state; 2: one group steps while the next one's state arrives).
+    Takes ``GradientRelease``'s arguments, plus ``slots`` (staging slots, ``slot_size`` each;
+    2: one group steps while the next one's state arrives).
     """
 
     def __init__(self, chain, model, *, slots: int = 2, **kw):
