@@ -36,7 +36,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
@@ -71,25 +70,18 @@ def _rss_tree(pid: int) -> int:
     return total
 
 
-class HostMemory:
-    """Samples the resident set of a process tree every ``period`` s; ``peak`` bytes."""
+class HostMemory(product.GpuMemory):
+    """Samples the resident set of a process tree every ``period`` s; ``peak`` bytes (the
+    product bench's sampler thread, reading /proc instead of nvidia-smi)."""
 
     def __init__(self, pid: int, period: float = 0.5):
-        self.pid, self.period, self.peak, self._stop = pid, period, 0, threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
+        super().__init__(period)
+        self.pid, self.peak = pid, 0
 
     def _loop(self):
         while not self._stop.is_set():
             self.peak = max(self.peak, _rss_tree(self.pid))
             self._stop.wait(self.period)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
 
 
 def _run_child(cmd: list[str], timeout: float, env=None) -> tuple[int | None, str, str, int]:

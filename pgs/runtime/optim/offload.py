@@ -300,7 +300,8 @@ class StateStager:
         views = self._views.get(key)
         if views is None:
             lay = self.layouts[group]
-            views = self._views[key] = lay.views(self.stage[first * self.slot_bytes:first * self.slot_bytes + lay.nbytes])
+            at = first * self.slot_bytes
+            views = self._views[key] = lay.views(self.stage[at:at + lay.nbytes])
         return views
 
     def acquire(self, group: str):

@@ -340,7 +340,8 @@ def predict_memory(
             from pgs.runtime.optim.offload import slot_size
 
             host_state = out["optimizer_state"]
-            sizes = [int(round(state_bytes_per_param * sum(params[n].numel() for n in names))) for names in groups.values()]
+            sizes = [int(round(state_bytes_per_param * sum(params[n].numel() for n in names)))
+                     for names in groups.values()]
             out["optimizer_state"] = int(offload_slots) * slot_size(sizes, int(offload_slots))
     else:
         raise InvalidArgument("predict_memory: give chain= (sized exactly) or state_bytes_per_param=")
