@@ -137,6 +137,8 @@ def run_pgs(name: str, spec: str, sets: list[str], args, timeout: float) -> dict
     if not steps or (rc not in (0, None)):
         out["error"] = err[-3000:] or f"no step records (returncode {rc})"
     out["stderr_tail"] = err[-1500:]
+    if not args.keep:  # the final checkpoint (24 GB at 8B): room on the disk for the next setup
+        subprocess.run(["rm", "-rf", run_dir])
     return out
 
 
@@ -255,6 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="a tiny shape on the CPU (a smoke run of this script)")
     p.add_argument("--workdir", default="", help="where the run folders go (default: a temporary folder)")
     p.add_argument("--out", default="", help="JSON results (rewritten after every setup)")
+    p.add_argument("--keep", action="store_true", help="keep each pgs run's folder (default: removed after reading)")
     args = p.parse_args(argv)
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="pgs-offload-")
     own = {k: float(v) for k, v in (t.split("=", 1) for t in args.timeout)}

@@ -207,20 +207,27 @@ def test_cuda_fused_bf16_equals_on_device(name):
 
 @pytest.mark.cuda
 @cuda
-def test_cuda_slow_compute_does_not_race():
-    """A long kernel queued before each backward (the compute stream busy) and a tiny model
-    (copies racing ahead): write-backs and fetches still order after the steps."""
+@pytest.mark.parametrize("slow", ["compute", "h2d", "d2h"])
+def test_cuda_a_slow_stream_does_not_race(slow):
+    """Long kernels queued on one stream before each backward — the compute stream (steps late:
+    the write-backs must wait for them), the fetch stream (copies late: the steps must wait for
+    them) or the write-back stream (slots freed late: the next fetch into a slot must wait) —
+    and the result still equals the on-device release bit for bit."""
     data = [ids.cuda() for ids in batches(4)]
     a, b = tiny_model(layers=3).cuda(), tiny_model(layers=3).cuda()
     ref = GradientRelease(CHAINS["adamw8bit"](), a)
     rel = OffloadedRelease(CHAINS["adamw8bit"](), b, slots=2)
+    stream = {"compute": torch.cuda.current_stream(), "h2d": rel.stager.h2d, "d2h": rel.stager.d2h}[slow]
     big = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
     for ids in data:
         loss_of(a, ids).backward()
-        for _ in range(20):
-            big = torch.tanh(big @ big / 64)
+        with torch.cuda.stream(stream):
+            for _ in range(20):
+                big = torch.tanh(big @ big / 64)
         loss_of(b, ids).backward()
-    rel.state_dict()  # synchronizes with the write-backs
+    rel.state_dict()  # synchronizes with the copies
+    torch.cuda.synchronize()
     assert_same(a, b, ref, rel)
 
 
