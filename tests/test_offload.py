@@ -15,7 +15,7 @@ import torch
 import pgs.func as pf
 from pgs.errors import SpecError
 from pgs.func import tree as T
-from pgs.runtime.optim import make_optimizer
+from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
 from pgs.runtime.optim.offload import OffloadedRelease, StateStager, slot_size
 from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.spec.sections import MemorySpec
@@ -163,7 +163,8 @@ def test_refusals():
     with pytest.raises(SpecError, match="offload_optimizer.*one process"):
         make_optimizer(CHAINS["lion8bit"](), m, _memory(offload_optimizer=True, gradient_release=True), sharded=True)
     rel = make_optimizer(CHAINS["lion8bit"](), m, _memory(offload_optimizer=True, gradient_release=True))
-    assert isinstance(rel, OffloadedRelease)
+    assert type(rel) is OffloadedRelease and isinstance(rel, Optimizer) and rel.in_backward
+    assert isinstance(rel.metrics(), StepMetrics) and rel.state_bytes() > 0
 
 
 def test_spec_switch(tmp_path):
