@@ -152,6 +152,31 @@ def test_stager_copies_through_a_slot():
         st.release("b", {"m": y["m"]})
 
 
+def test_stager_big_group_waits_for_the_busy_slot():
+    """A group larger than a slot takes both: the free slot is filled at once, the one whose
+    group is stepping is reserved and filled when that group is written back."""
+    a, b, c = {"m": torch.arange(40.0)}, {"m": torch.arange(16.0)}, {"m": -torch.arange(16.0)}
+    states = {"a": a, "b": b, "c": c}
+    st = StateStager(states, states.items(), slots=2)
+    assert st.slot_bytes == 128 and st._big("a") and not st._big("b")  # 160 B (192 padded) over 2 slots
+    db = st.acquire("b")
+    st.prefetch("a")
+    held = {s.index: (s.group, s.reserved) for s in st.slots}
+    busy = next(s.index for s in st.slots if s.active)
+    assert held[busy] == ("b", "a") and held[1 - busy] == ("a", None)
+    st.prefetch("c")  # no room: nothing happens
+    assert not st._slots_of("c")
+    st.release("b", {"m": db["m"] + 1})
+    assert all(s.group == "a" and s.reserved is None for s in st.slots)
+    da = st.acquire("a")
+    assert torch.equal(da["m"], torch.arange(40.0)) and st.unannounced == 1
+    st.release("a", {"m": da["m"] * 2})
+    assert torch.equal(st.home("a")["m"], 2 * torch.arange(40.0))
+    assert torch.equal(st.home("b")["m"], torch.arange(16.0) + 1)
+    dc = st.acquire("c")  # unannounced: fetched on demand
+    assert torch.equal(dc["m"], -torch.arange(16.0)) and st.unannounced == 2
+
+
 def _memory(**kw):
     return attrs.evolve(MemorySpec(), **kw)
 

@@ -135,6 +135,7 @@ class _Slot:
         self.active = False  # its group's step is running (between acquire and release)
         self.ready = None  # event: the host → device copy into it is done
         self.free = None  # event: the device → host copy of its last occupant is done
+        self.reserved: str | None = None  # a big group that takes this slot once its step is written back
         self.age = 0
 
 
@@ -236,9 +237,7 @@ class StateStager:
     def load(self, group: str, state):
         """Replace ``group``'s state by ``state`` (a resume): into the host buffer; any staged copy is dropped."""
         self.synchronize()
-        for slot in self._slots_of(group):
-            if not slot.active:
-                slot.group = None
+        self._evict(group)
         self.homes[group] = self._store(group, state)
         return self.homes[group]
 
@@ -246,54 +245,113 @@ class StateStager:
     def _slots_of(self, group: str) -> list[_Slot]:
         return [s for s in self.slots if s.group == group]
 
+    def _staged(self, group: str) -> bool:
+        """``group`` is in the slots, or on its way there (a big group waiting for a busy slot)."""
+        return any(s.group == group or s.reserved == group for s in self.slots)
+
     def _big(self, group: str) -> bool:
         return self.layouts[group].nbytes > self.slot_bytes
 
-    def _room(self, group: str, evict: bool) -> list[_Slot] | None:
-        """The slots ``group`` would be fetched into (all of them for a big group, else one):
-        empty ones, or with ``evict`` also ones holding a staged group that no step is using."""
-        usable = [s for s in self.slots if not s.active and (evict or s.group is None)]
-        if self._big(group):
-            return usable if len(usable) == len(self.slots) else None
-        if not usable:
-            return None
-        return [min(usable, key=lambda s: (s.group is not None, s.age))]  # an empty one, else the oldest
+    def _evict(self, group: str) -> None:
+        """Forget a staged group that no step is using (its copy is dropped, the host has it)."""
+        for s in self.slots:
+            if s.group == group and not s.active:
+                s.group = None
+            if s.reserved == group:
+                s.reserved = None
 
     def prefetch(self, group: str, *, evict: bool = False) -> None:
         """Start copying ``group``'s state to the device, if it is not staged already and there
-        is room (a staged group waiting for its step is not evicted unless ``evict``)."""
+        is room (a staged group waiting for its step is not evicted unless ``evict``).
+
+        A regular group takes one empty slot.  A group larger than a slot takes every slot: the
+        empty ones are filled now, and a slot whose group is stepping is reserved and filled as
+        soon as that group is written back (``release``), so the big group's fetch starts while
+        the group before it still steps."""
         lay = self.layouts.get(group)
-        if lay is None or lay.nbytes == 0 or self._slots_of(group):
+        if lay is None or lay.nbytes == 0 or self._staged(group):
             return
-        room = self._room(group, evict)
-        if room is None:
-            return
-        self._clock += 1
-        for slot in self.slots:  # an evicted group leaves every slot it held
-            if slot.group is not None and any(r.group == slot.group for r in room):
-                slot.group = None
-        for slot in room:
+        waiting = {s.group for s in self.slots if s.group is not None and not s.active}
+        if self._big(group):
+            if waiting and not evict:
+                return
+            for g in waiting:
+                self._evict(g)
+            self._clock += 1
+            for slot in self.slots:
+                slot.age = self._clock
+                if slot.active:
+                    slot.reserved = group
+                else:
+                    slot.group = group
+                    self._copy_in(group, slot)
+        else:
+            usable = [s for s in self.slots if not s.active and s.reserved is None and (evict or s.group is None)]
+            if not usable:
+                return
+            slot = min(usable, key=lambda s: (s.group is not None, s.age))  # an empty one, else the oldest
+            if slot.group is not None:
+                self._evict(slot.group)
+            self._clock += 1
             slot.group, slot.age = group, self._clock
-        first = room[0] if len(room) == 1 else self.slots[0]
-        src = self.host[group]
-        dst = self.stage[first.index * self.slot_bytes:first.index * self.slot_bytes + lay.nbytes]
+            self._copy_in(group, slot)
+        self.h2d_bytes += lay.nbytes
+        self.fetches += 1
+        self._mark_ready(group)
+
+    def _copy_in(self, group: str, slot: _Slot) -> None:
+        """Host → device copy of ``group``'s bytes that belong in ``slot`` (the whole state for a
+        regular group; the slot's share of a big one), after the slot's last write-back and the
+        group's own."""
+        lay = self.layouts[group]
+        if self._big(group):
+            lo, hi = slot.index * self.slot_bytes, min((slot.index + 1) * self.slot_bytes, lay.nbytes)
+            dst_at = lo
+        else:
+            lo, hi, dst_at = 0, lay.nbytes, slot.index * self.slot_bytes
+        if hi <= lo:
+            return
+        src, dst = self.host[group][lo:hi], self.stage[dst_at:dst_at + hi - lo]
         if self.cuda:
             with torch.cuda.stream(self.h2d):
-                for slot in room:
-                    if slot.free is not None:
-                        self.h2d.wait_event(slot.free)
+                if slot.free is not None:
+                    self.h2d.wait_event(slot.free)
                 if group in self.written:
                     self.h2d.wait_event(self.written[group])
                 dst.copy_(src, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self.h2d)
         else:
             dst.copy_(src)
-            ready = None
-        for slot in room:
-            slot.ready = ready
-        self.h2d_bytes += lay.nbytes
-        self.fetches += 1
+
+    def _mark_ready(self, group: str) -> None:
+        """Once every part of ``group``'s fetch is queued: the event its step waits for."""
+        if any(s.reserved == group for s in self.slots):
+            return
+        ready = None
+        if self.cuda:
+            ready = torch.cuda.Event()
+            ready.record(self.h2d)  # the copy stream runs in order: after every part
+        for s in self._slots_of(group):
+            s.ready = ready
+
+    def acquire(self, group: str):
+        """``group``'s state on the device (views of its staging slots), ordered after its fetch."""
+        lay = self.layouts[group]
+        if lay.nbytes == 0:
+            return self.homes[group]
+        held = self._slots_of(group)
+        if not held or any(s.reserved == group for s in self.slots):
+            if held:  # pragma: no cover - a reserved slot's group is always written back before the next step
+                self._evict(group)
+            self.unannounced += 1
+            self.prefetch(group, evict=True)
+            held = self._slots_of(group)
+            if not held or any(s.reserved == group for s in self.slots):  # pragma: no cover - re-entrant step
+                raise RuntimeError(f"offload_optimizer: no free staging slot for group {group!r}")
+        for slot in held:
+            slot.active = True
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(held[0].ready)
+        return lay.tree(self.homes[group], self._device_views(group, held[0].index))
 
     def _device_views(self, group: str, first: int) -> dict:
         key = (group, first)
@@ -303,24 +361,6 @@ class StateStager:
             at = first * self.slot_bytes
             views = self._views[key] = lay.views(self.stage[at:at + lay.nbytes])
         return views
-
-    def acquire(self, group: str):
-        """``group``'s state on the device (views of its staging slots), ordered after its fetch."""
-        lay = self.layouts[group]
-        if lay.nbytes == 0:
-            return self.homes[group]
-        held = self._slots_of(group)
-        if not held:
-            self.unannounced += 1
-            self.prefetch(group, evict=True)
-            held = self._slots_of(group)
-            if not held:  # pragma: no cover - a slot still active: only a re-entrant step could do this
-                raise RuntimeError(f"offload_optimizer: no free staging slot for group {group!r}")
-        for slot in held:
-            slot.active = True
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(held[0].ready)
-        return lay.tree(self.homes[group], self._device_views(group, held[0].index))
 
     @torch.no_grad()
     def release(self, group: str, new_state):
@@ -358,6 +398,10 @@ class StateStager:
             done = None
         for slot in held:  # free once ``done`` has fired (every later copy into it waits for it)
             slot.active, slot.group, slot.free = False, None, done
+            if slot.reserved is not None:  # a big group waited for this slot: its share comes now
+                slot.group, slot.reserved = slot.reserved, None
+                self._copy_in(slot.group, slot)
+                self._mark_ready(slot.group)
         self.d2h_bytes += lay.nbytes
         self.homes[group] = home
         return home
