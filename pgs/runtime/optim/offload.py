@@ -21,7 +21,9 @@ The order, for a group ``g`` whose gradients complete inside backward:
    staging slot, as soon as the group before it in backward order is acquired or written back
    (or, for the first groups of a step, at the end of the previous step), so the copy overlaps
    the backward of the layers in between.  The copy waits (stream events) for the slot's previous
-   occupant to be written back and for ``g``'s own last write-back to the host.
+   occupant to be written back and for ``g``'s own last write-back to the host.  A group larger
+   than a slot takes every slot: the free one is filled at once, a busy one as soon as its
+   group is written back.
 2. acquire: the compute stream waits for the copy's event; the group's state tree is rebuilt
    from views of the slot, and the ordinary step (fused or plain) runs on it, in place.
 3. write-back: an event on the compute stream after the step; the ``d2h`` side stream waits
