@@ -5,9 +5,9 @@ whose per-group chain state lives in host memory (pinned where a CUDA device is 
 visits the device only for its own group's step.  Why: at 8 B parameters the bf16 weights
 (2 B/param) plus an 8-bit state (~1 B/param: codes + one fp32 absmax per block) are
 8.2 B × 3 B ≈ 22.9 GiB, over a 20 GiB budget; with the state streamed, the device holds the
-weights and ``slots`` staging slots (``slot_size``: a group larger than a slot takes them all).  ZeRO-Offload
-(Ren et al., arXiv 2101.06840) moves the optimizer to the host CPU; here the step stays on the
-device and only the state travels, one release group at a time, as paged 8-bit optimizers
+weights and ``slots`` staging slots (``slot_size``: a group larger than a slot takes them all).
+ZeRO-Offload (Ren et al., arXiv 2101.06840) moves the optimizer to the host CPU; here the step
+stays on the device and only the state travels, one release group at a time, as paged 8-bit optimizers
 (Dettmers et al., arXiv 2110.02861) page their state under memory pressure.
 
 Per group and step, over PCIe:
