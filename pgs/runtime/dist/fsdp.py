@@ -162,6 +162,15 @@ def global_count(n: int) -> int:
     return int(t.item())
 
 
+def global_counts(*ns: int) -> tuple[int, ...]:
+    """Several integers summed over the ranks in one all-reduce (``global_count`` of each)."""
+    if not is_distributed():
+        return tuple(int(n) for n in ns)
+    t = torch.tensor([int(n) for n in ns], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return tuple(int(v) for v in t.tolist())
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

@@ -1,6 +1,6 @@
 """The preference objective of a run with ``[preference]`` (docs/preference.md).
 
-:class:`PreferenceObjective` is the training step's objective hook (``train._forward``): the
+:class:`PreferenceObjective` is the run's objective (``pgs.runtime.loop.objective``): the
 policy's summed log-probs of each pair's chosen and rejected completion
 (``pgs.func.losses.sequence_logps``, chunked over the vocabulary, the two arms packed as
 isolated documents of one row), the reference's (:class:`Reference`), and
@@ -17,6 +17,7 @@ copy on the device that scores each batch.  ``simpo`` and ``orpo`` need no refer
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import time
 from typing import Any, Sequence
@@ -24,9 +25,11 @@ from typing import Any, Sequence
 import attrs
 import torch
 
+from pgs.errors import SpecError
 from pgs.func.losses import preference_loss, sequence_logps
-from pgs.runtime.data.preference import Pair, PreferenceBatch, eval_batches, read_pairs
+from pgs.runtime.data.preference import Pair, PreferenceBatch, PreferenceStream, eval_batches, read_pairs
 from pgs.runtime.dist import fsdp as D
+from pgs.runtime.loop.objective import neftune_generator, neftune_hook, rank_and_world, steps_for
 from pgs.runtime.model.build import build_model, output_head
 from pgs.runtime.store import reference as cache
 
@@ -69,6 +72,7 @@ class Reference:
     eval: torch.Tensor | None = None
     model: Any = None
     path: str | None = None
+    key: str | None = None  # the cache's fingerprint digest (cache.key): what a checkpoint records
 
     def logps(self, batch: PreferenceBatch, device: torch.device, chunk_size: int, *, split: str = "train"):
         """``[P, 2]`` reference log-probs of the batch's pairs (None without a reference)."""
@@ -118,7 +122,7 @@ def prepare_reference(spec, policy, tokenizer, device: torch.device, train_pairs
                                        "the file to recompute it")
         if main:
             print(f"pgs: reference log-probs: reused {path} ({len(train_pairs)} pairs)", file=sys.stderr, flush=True)
-        return Reference("cached", train=found["train"], eval=found["eval"], path=path)
+        return Reference("cached", train=found["train"], eval=found["eval"], path=path, key=cache.key(expected))
     started = time.perf_counter()
     ref = _reference_model(spec, policy, tokenizer, device)
     chunk = spec.loss.chunk_size
@@ -130,17 +134,50 @@ def prepare_reference(spec, policy, tokenizer, device: torch.device, train_pairs
         cache.save(path, {"train": train, "eval": held}, expected)
         print(f"pgs: reference log-probs: computed {len(train_pairs)} + {len(eval_pairs)} pairs in "
               f"{time.perf_counter() - started:.1f} s -> {path}", file=sys.stderr, flush=True)
-    return Reference("cached", train=train, eval=held, path=path)
+    return Reference("cached", train=train, eval=held, path=path, key=cache.key(expected))
 
 
 class PreferenceObjective:
-    """The step's objective hook for ``[preference]`` runs (see the module docstring)."""
+    """The :class:`~pgs.runtime.loop.objective.Objective` of ``[preference]`` runs (see the
+    module docstring): the loss of a micro-batch is the sum of its pairs' losses, the step
+    divides by the step's number of pairs."""
 
-    def __init__(self, spec, reference: Reference, eval_pairs: Sequence[Pair]):
+    name = "preference"
+    section = "preference"
+    stat_keys = STAT_KEYS
+    console_keys = ("reward_chosen", "reward_rejected", "reward_margin", "preference_accuracy", "logp_chosen",
+                    "logp_rejected")
+    loader_ahead = 2  # pairs are tokenized up front: their batches are cheap, no pack window to keep ahead of
+
+    def __init__(self, spec, reference: Reference, eval_pairs: Sequence[Pair], *, stream=None,
+                 device: torch.device | None = None):
         self.spec = spec
         self.pref = spec.preference
         self.reference = reference
         self.eval_pairs = list(eval_pairs)
+        self.stream = stream
+        self._generators = neftune_generator(spec, device) if device is not None else {}
+
+    @classmethod
+    def create(cls, spec, *, model, tokenizer, device: torch.device, ctx=None) -> "PreferenceObjective":
+        """The pairs are read and tokenized once; the reference scores them with the initial weights."""
+        rank, world = rank_and_world(ctx)
+        if world > 1:
+            raise SpecError("preference: a [preference] run trains on one process for now (WORLD_SIZE = 1)")
+        stream = PreferenceStream(spec.data, tokenizer, rank=rank, world_size=world)
+        eval_pairs = read_eval_pairs(spec, tokenizer)
+        os.makedirs(spec.checkpoint.dir, exist_ok=True)
+        reference = prepare_reference(spec, model, tokenizer, device, stream.pairs, eval_pairs)
+        return cls(spec, reference, eval_pairs, stream=stream, device=device)
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        return steps_for(self.stream.rows_per_epoch(), batch_size)
+
+    def prepare(self, run, batches: list) -> tuple[list, dict]:
+        return batches, {}
+
+    def count(self, batches: Sequence[PreferenceBatch]) -> int:
+        return sum(b.num_pairs for b in batches)
 
     def loss(self, chosen, rejected, lengths, ref):
         p = self.pref
@@ -149,11 +186,12 @@ class PreferenceObjective:
                                label_smoothing=p.label_smoothing, gamma=p.gamma, lam=p.lam, nll_weight=p.nll_weight,
                                chosen_lengths=lengths[:, 0], rejected_lengths=lengths[:, 1])
 
-    def forward(self, model, batch: PreferenceBatch, device: torch.device, *, poison: bool = False,
-                embed_noise=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, run, batch: PreferenceBatch, poison: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Σ pair losses with its graph, detached sums [len(STAT_KEYS)])`` of one micro-batch."""
         chunk = self.spec.loss.chunk_size
-        logps, lengths = pair_logps(model, batch, device, chunk, embed_noise=embed_noise)
+        device = run.device
+        noise = neftune_hook(self.spec, self._generators, batch, device)
+        logps, lengths = pair_logps(run.model, batch, device, chunk, embed_noise=noise)
         ref = self.reference.logps(batch, device, chunk)
         out = self.loss(logps[:, 0], logps[:, 1], lengths, ref)
         loss_sum = out.loss.sum()
@@ -161,13 +199,25 @@ class PreferenceObjective:
             loss_sum = loss_sum * float("nan")
         return loss_sum, self.sums(out, logps.detach())
 
+    def defers_head_grad(self, run, weight) -> bool:
+        return False  # sequence log-probs give the head's gradient through autograd
+
     @staticmethod
     def sums(out, logps: torch.Tensor) -> torch.Tensor:
         c, r = out.chosen_rewards.detach(), out.rejected_rewards.detach()
         return torch.stack([c.sum(), r.sum(), out.accuracy.sum(), logps[:, 0].sum(), logps[:, 1].sum()]).float()
 
+    def step_metrics(self, stats: list[float], count: int, valid_tokens: int, extra: dict) -> dict:
+        return {**step_values(stats, count), **extra}
+
+    def after_step(self, run, record: dict) -> None:
+        pass
+
+    def evaluate(self, run) -> dict:
+        return self.evaluate_pairs(run.model, run.tokenizer, run.device)
+
     @torch.no_grad()
-    def evaluate(self, model, tokenizer, device: torch.device) -> dict:
+    def evaluate_pairs(self, model, tokenizer, device: torch.device) -> dict:
         """Held-out pairs: loss, preference accuracy (rewards of the chosen arm above the
         rejected one's; ties count half), reward margin and mean log-probs of both arms."""
         if not self.eval_pairs:
@@ -193,6 +243,28 @@ class PreferenceObjective:
                 "eval_logp_chosen": means["logp_chosen"], "eval_logp_rejected": means["logp_rejected"],
                 "eval_pairs": n}
 
+    def state_dict(self) -> dict:
+        """The reference the run trains against: its mode and the cache's key (None unless cached)."""
+        return {"reference": self.reference.mode, "key": self.reference.key}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Refuse to continue a checkpoint against another reference than the one it trained with."""
+        if not state:
+            return
+        saved = (state.get("reference"), state.get("key"))
+        if saved != (self.reference.mode, self.reference.key):
+            raise cache.StaleReference(
+                f"the checkpoint trained against the {saved[0]} reference{_key_text(saved[1])}, this run has the "
+                f"{self.reference.mode} reference{_key_text(self.reference.key)} (preference.reference, the model "
+                "or the data changed); continue with the same settings, or start a new run (--overwrite)")
+
+    def generators(self) -> dict[str, torch.Generator]:
+        return self._generators
+
+
+def _key_text(key: str | None) -> str:
+    return f" (cache key {key})" if key else ""
+
 
 def read_eval_pairs(spec, tokenizer) -> list[Pair]:
     """The held-out pairs of ``data.eval`` (none without one)."""
@@ -201,10 +273,10 @@ def read_eval_pairs(spec, tokenizer) -> list[Pair]:
     return read_pairs([spec.data.eval], tokenizer, spec.data)
 
 
-def step_values(sums: torch.Tensor, pairs: int) -> dict:
+def step_values(sums: Sequence[float], pairs: int) -> dict:
     """The metrics of a step from its summed stats (plain numbers)."""
     n = max(pairs, 1)
-    means = {k: float(v) / n for k, v in zip(STAT_KEYS, sums.tolist())}
+    means = {k: float(v) / n for k, v in zip(STAT_KEYS, sums)}
     means["reward_margin"] = means["reward_chosen"] - means["reward_rejected"]
     means["pairs"] = pairs
     return means

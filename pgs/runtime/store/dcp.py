@@ -36,7 +36,7 @@ import json
 import os
 import shutil
 import warnings
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -87,7 +87,7 @@ def _rng_key(rank: int) -> str:
 
 
 def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], spec_toml: str | None = None,
-         noise_generator: torch.Generator | None = None) -> str:
+         generators: Mapping[str, torch.Generator] | None = None) -> str:
     """Write ``<run_dir>/step_<step>`` as a DCP checkpoint on every rank; returns its path.
 
     Collective: every rank calls it with the same ``step``; it returns (on every rank) only
@@ -108,7 +108,7 @@ def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], 
     state = {
         "model": _model_state(model),
         "optim": opt_state,
-        "rng": {_rng_key(_rank()): ckpt.capture_rng(noise_generator)},
+        "rng": {_rng_key(_rank()): ckpt.capture_rng(generators=generators)},
     }
     need = ckpt.tensor_bytes(state["model"]) + ckpt.tensor_bytes(opt_state)  # global sizes (DTensors)
     try:
@@ -210,7 +210,7 @@ def latest(run_dir: str) -> str | None:
     return _broadcast(found)
 
 
-def load(folder: str, *, model, optimizer, noise_generator: torch.Generator | None = None) -> dict[str, Any]:
+def load(folder: str, *, model, optimizer, generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
     """Restore weights, chain state and (same world size) RNG from ``folder``; returns trainer.json.
 
     Collective.  Verifies the folder first (rank 0; all ranks raise together).  See the
@@ -232,7 +232,7 @@ def load(folder: str, *, model, optimizer, noise_generator: torch.Generator | No
             f"resume with --nproc {meta['world_size']}")
     state = {"model": _model_state(model), "optim": optimizer.dcp_state()}
     if same_world:
-        state["rng"] = {_rng_key(_rank()): ckpt.capture_rng(noise_generator)}
+        state["rng"] = {_rng_key(_rank()): ckpt.capture_rng(generators=generators)}
     try:
         with warnings.catch_warnings():  # one process loading a sharded checkpoint is intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -242,7 +242,7 @@ def load(folder: str, *, model, optimizer, noise_generator: torch.Generator | No
     set_model_state_dict(model, state["model"])
     optimizer.load_dcp_state(state["optim"])
     if same_world:
-        ckpt.restore_rng(state["rng"][_rng_key(_rank())], noise_generator)
+        ckpt.restore_rng(state["rng"][_rng_key(_rank())], generators=generators)
     with open(os.path.join(folder, ckpt.TRAINER_FILE), encoding="utf-8") as handle:
         return json.load(handle)
 

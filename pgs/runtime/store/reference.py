@@ -82,6 +82,11 @@ def fingerprint(spec, tokenizer) -> dict[str, str]:
     }
 
 
+def key(print_: dict[str, str]) -> str:
+    """A short digest of a fingerprint: the cache's name in a checkpoint's ``trainer.json``."""
+    return hashlib.sha256(json.dumps(print_, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def remove_stale_temporaries(path: str) -> None:
     """Delete ``logps.safetensors.tmp-<pid>`` files a killed run left beside ``path``."""
     folder, name = os.path.split(path)
