@@ -155,11 +155,7 @@ def global_count(n: int) -> int:
     The denominator of the loss: every rank divides its summed token loss by this same
     global count, so that the summed gradients are the gradient of the global token mean.
     """
-    if not is_distributed():
-        return int(n)
-    t = torch.tensor([int(n)], dtype=torch.int64, device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return int(t.item())
+    return global_counts(n)[0]
 
 
 def global_counts(*ns: int) -> tuple[int, ...]:
@@ -174,6 +170,15 @@ def global_counts(*ns: int) -> tuple[int, ...]:
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+def broadcast_object(obj):
+    """``obj`` of rank 0 (picklable) on every rank; ``obj`` itself on one process."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 # ----------------------------------------------------------------------------------------

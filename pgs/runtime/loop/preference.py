@@ -12,12 +12,18 @@ initial policy, or ``preference.reference_path``) over every training and held-o
 before the first step, and keeps the numbers in the run folder
 (``pgs.runtime.store.reference``); a resumed run reads them back.  ``"live"`` keeps a frozen
 copy on the device that scores each batch.  ``simpo`` and ``orpo`` need no reference.
+
+Several processes (FSDP2): each rank reads its share of every global batch of pairs
+(``PreferenceStream(rank=, world_size=)``), the step divides by the global pair count, the
+reference cache is read or computed by rank 0 before the model is sharded and read back from
+the run folder by the other ranks, and every rank evaluates all held-out pairs.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import pickle
 import sys
 import time
 from typing import Any, Sequence
@@ -25,7 +31,7 @@ from typing import Any, Sequence
 import attrs
 import torch
 
-from pgs.errors import SpecError
+from pgs.errors import PgsError
 from pgs.func.losses import preference_loss, sequence_logps
 from pgs.runtime.data.preference import Pair, PreferenceBatch, PreferenceStream, eval_batches, read_pairs
 from pgs.runtime.dist import fsdp as D
@@ -94,12 +100,14 @@ def _reference_model(spec, policy, tokenizer, device: torch.device):
 
 
 def prepare_reference(spec, policy, tokenizer, device: torch.device, train_pairs: Sequence[Pair],
-                      eval_pairs: Sequence[Pair], *, main: bool = True) -> Reference:
-    """The run's reference, before its first step (``policy`` still holds its initial weights).
+                      eval_pairs: Sequence[Pair]) -> Reference:
+    """The run's reference, before its first step (``policy`` still holds its initial weights,
+    unsharded).
 
     ``cached``: the run folder's cache when its fingerprint matches (a stale one is refused),
-    else computed now and written there.  ``live``: a frozen copy (or the reference folder's
-    model) kept on the device."""
+    else computed now and written there; with several processes rank 0 does this and the other
+    ranks read the file it wrote (or raise the error it raised).  ``live``: a frozen copy (or
+    the reference folder's model) kept on the device of every rank."""
     pref = spec.preference
     if not pref.uses_reference:
         return Reference("none")
@@ -109,6 +117,44 @@ def prepare_reference(spec, policy, tokenizer, device: torch.device, train_pairs
         ref.requires_grad_(False)
         ref.eval()
         return Reference("live", model=ref)
+    if not D.is_distributed():
+        return _cached_reference(spec, policy, tokenizer, device, train_pairs, eval_pairs)
+    reference, failure = None, None
+    if D.rank() == 0:
+        try:
+            reference = _cached_reference(spec, policy, tokenizer, device, train_pairs, eval_pairs)
+        except Exception as err:  # every rank must hear of it, not wait in the broadcast below
+            failure = err
+    shared = D.broadcast_object(_portable(failure))
+    if failure is not None:
+        raise failure
+    if shared is not None:
+        raise shared
+    if reference is not None:
+        return reference
+    path = cache.cache_path(spec.run_dir)
+    expected = cache.fingerprint(spec, tokenizer)
+    found = cache.load(path, expected)
+    if found is None:
+        raise cache.StaleReference(f"{path}: rank 0 wrote the reference log-probs but this rank cannot read them "
+                                   "(checkpoint.dir must be one folder that every process sees)")
+    return Reference("cached", train=found["train"], eval=found["eval"], path=path, key=cache.key(expected))
+
+
+def _portable(err: BaseException | None) -> BaseException | None:
+    """``err`` as it can travel to the other ranks (pickled): itself, or a ``PgsError`` with its text."""
+    if err is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        return PgsError(f"rank 0 could not prepare the reference log-probs: {type(err).__name__}: {err}")
+
+
+def _cached_reference(spec, policy, tokenizer, device: torch.device, train_pairs: Sequence[Pair],
+                      eval_pairs: Sequence[Pair]) -> Reference:
+    """The run folder's cache, reused or computed and written (one process, or rank 0)."""
     path = cache.cache_path(spec.run_dir)
     expected = cache.fingerprint(spec, tokenizer)
     cache.remove_stale_temporaries(path)
@@ -120,8 +166,7 @@ def prepare_reference(spec, policy, tokenizer, device: torch.device, train_pairs
             raise cache.StaleReference(f"{path}: holds {', '.join(f'{found[k].shape[0]} {k}' for k in wrong)} "
                                        f"pairs, the data has {', '.join(f'{counts[k]}' for k in wrong)}; delete "
                                        "the file to recompute it")
-        if main:
-            print(f"pgs: reference log-probs: reused {path} ({len(train_pairs)} pairs)", file=sys.stderr, flush=True)
+        print(f"pgs: reference log-probs: reused {path} ({len(train_pairs)} pairs)", file=sys.stderr, flush=True)
         return Reference("cached", train=found["train"], eval=found["eval"], path=path, key=cache.key(expected))
     started = time.perf_counter()
     ref = _reference_model(spec, policy, tokenizer, device)
@@ -130,10 +175,9 @@ def prepare_reference(spec, policy, tokenizer, device: torch.device, train_pairs
     held = score_pairs(ref, eval_pairs, tokenizer, spec.data, device, chunk)
     if ref is not policy:
         del ref
-    if main:
-        cache.save(path, {"train": train, "eval": held}, expected)
-        print(f"pgs: reference log-probs: computed {len(train_pairs)} + {len(eval_pairs)} pairs in "
-              f"{time.perf_counter() - started:.1f} s -> {path}", file=sys.stderr, flush=True)
+    cache.save(path, {"train": train, "eval": held}, expected)
+    print(f"pgs: reference log-probs: computed {len(train_pairs)} + {len(eval_pairs)} pairs in "
+          f"{time.perf_counter() - started:.1f} s -> {path}", file=sys.stderr, flush=True)
     return Reference("cached", train=train, eval=held, path=path, key=cache.key(expected))
 
 
@@ -162,8 +206,6 @@ class PreferenceObjective:
     def create(cls, spec, *, model, tokenizer, device: torch.device, ctx=None) -> "PreferenceObjective":
         """The pairs are read and tokenized once; the reference scores them with the initial weights."""
         rank, world = rank_and_world(ctx)
-        if world > 1:
-            raise SpecError("preference: a [preference] run trains on one process for now (WORLD_SIZE = 1)")
         stream = PreferenceStream(spec.data, tokenizer, rank=rank, world_size=world)
         eval_pairs = read_eval_pairs(spec, tokenizer)
         os.makedirs(spec.checkpoint.dir, exist_ok=True)
@@ -214,6 +256,8 @@ class PreferenceObjective:
         pass
 
     def evaluate(self, run) -> dict:
+        """With several processes every rank scores every held-out pair (the same batches, so the
+        sharded model's gathers match) and gets the same numbers; rank 0 logs them."""
         return self.evaluate_pairs(run.model, run.tokenizer, run.device)
 
     @torch.no_grad()

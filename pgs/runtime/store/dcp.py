@@ -41,6 +41,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from pgs.runtime.dist.fsdp import broadcast_object as _broadcast
 from pgs.runtime.store import checkpoint as ckpt
 from pgs.runtime.store.checkpoint import CheckpointError
 from pgs.runtime.store.export import export_hf as write_hf
@@ -60,15 +61,6 @@ def _rank() -> int:
 
 def _world() -> int:
     return dist.get_world_size() if _dist() else 1
-
-
-def _broadcast(obj):
-    """``obj`` of rank 0 on every rank."""
-    if not _dist():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _barrier() -> None:
