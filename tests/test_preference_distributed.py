@@ -11,8 +11,6 @@ preference accuracy is the same, and the cache rank 0 wrote is the one-process r
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,11 +18,11 @@ import torch
 
 from pgs.runtime.store import reference as cache
 from test_preference_run import write_spec
-from test_train import ROOT, child_env, command, records, step_records
+from test_train import launch, records, step_records
+from test_train_distributed import torchrun
 
 pytestmark = pytest.mark.slow  # two launches, ~1 minute on two busy CPU cores
 
-TIMEOUT_S = 300
 STEPS = 6
 
 
@@ -36,16 +34,9 @@ def spec_for(tmp_path: Path, name: str, *, ranks: int) -> Path:
 
 
 def test_two_ranks_train_the_pairs_one_process_trains(tmp_path):
-    single = spec_for(tmp_path, "single", ranks=1)
-    done = subprocess.run(command(single), cwd=ROOT, env=child_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    done = launch(spec_for(tmp_path, "single", ranks=1))
     assert done.returncode == 0, done.stderr[-3000:]
-
-    two = spec_for(tmp_path, "two", ranks=2)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "pgs", "run", str(two)]
-    done = subprocess.run(cmd, cwd=ROOT, env=child_env(PGS_PG_TIMEOUT_S=60), capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    done = torchrun(spec_for(tmp_path, "two", ranks=2))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert done.stderr.count("reference log-probs: computed 48 + 16 pairs") == 1  # rank 0 only
 
