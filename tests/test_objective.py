@@ -85,3 +85,22 @@ def test_a_new_objective_plugs_into_the_loop_and_resumes_exactly(tmp_path, monke
         assert (a["draw"], a["prepared"], a["loss"]) == (b["draw"], b["prepared"], b["loss"])
     assert len({r["draw"] for r in first}) == 4
     assert any(r.get("event") == "resume" for r in records(tmp_path / "plug"))
+
+
+def test_a_preference_checkpoint_resumes_only_against_its_reference():
+    from pgs.runtime.loop.preference import Reference
+    from pgs.runtime.store.reference import StaleReference
+
+    spec = types.SimpleNamespace(preference=object())
+    cached = PreferenceObjective(spec, Reference("cached", key="0123abcd"), [])
+    state = cached.state_dict()
+    assert state == {"reference": "cached", "key": "0123abcd"}
+    assert json.loads(json.dumps(state)) == state
+    cached.load_state_dict(state)
+    cached.load_state_dict(None)  # a checkpoint written before objectives had state
+    live = PreferenceObjective(spec, Reference("live"), [])
+    with pytest.raises(StaleReference, match=r"the cached reference \(cache key 0123abcd\), this run has the live"):
+        live.load_state_dict(state)
+    other = PreferenceObjective(spec, Reference("cached", key="ffff0000"), [])
+    with pytest.raises(StaleReference, match="cache key ffff0000"):
+        other.load_state_dict(state)
