@@ -259,3 +259,23 @@ def test_8bit_chains_and_gradient_release_train_and_resume_exactly(tmp_path, cas
     assert "resumed from" in second.stderr and "reference log-probs: reused" in second.stderr
     assert_same_checkpoint(tmp_path / "whole" / "step_8", tmp_path / "cut" / "step_8")
     assert [r["loss"] for r in step_records(tmp_path / "cut")] == [r["loss"] for r in steps]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cached_reference_gathers_where_the_batch_lives():
+    """The loader puts a batch (pair ids included) on the training device; the cached table is
+    gathered there (copied once), never indexed on the host with device ids."""
+    from types import SimpleNamespace
+
+    from pgs.runtime.loop.preference import Reference
+
+    table = torch.arange(20, dtype=torch.float32).reshape(10, 2)
+    ref = Reference("cached", train=table, eval=table[:4])
+    cuda = torch.device("cuda")
+    got = ref.logps(SimpleNamespace(pair_ids=torch.tensor([3, 0, 7], device=cuda)), cuda, 128)
+    assert got.device.type == "cuda"
+    assert torch.equal(got.cpu(), table[[3, 0, 7]])
+    again = ref.logps(SimpleNamespace(pair_ids=torch.tensor([1], device=cuda)), cuda, 128)
+    assert torch.equal(again.cpu(), table[[1]])
+    assert torch.equal(ref.logps(SimpleNamespace(pair_ids=torch.tensor([2])), cuda, 128, split="eval").cpu(), table[[2]])
