@@ -155,16 +155,30 @@ def global_count(n: int) -> int:
     The denominator of the loss: every rank divides its summed token loss by this same
     global count, so that the summed gradients are the gradient of the global token mean.
     """
+    return global_counts(n)[0]
+
+
+def global_counts(*ns: int) -> tuple[int, ...]:
+    """Several integers summed over the ranks in one all-reduce (``global_count`` of each)."""
     if not is_distributed():
-        return int(n)
-    t = torch.tensor([int(n)], dtype=torch.int64, device=collective_device())
+        return tuple(int(n) for n in ns)
+    t = torch.tensor([int(n) for n in ns], dtype=torch.int64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return int(t.item())
+    return tuple(int(v) for v in t.tolist())
 
 
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+def broadcast_object(obj):
+    """``obj`` of rank 0 (picklable) on every rank; ``obj`` itself on one process."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 # ----------------------------------------------------------------------------------------

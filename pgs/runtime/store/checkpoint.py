@@ -27,7 +27,7 @@ import re
 import shutil
 import sys
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import attrs
 import torch
@@ -97,18 +97,33 @@ def model_tensors(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return tensors, aliases
 
 
-def capture_rng(noise_generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """Every torch generator a step can draw from, as uint8 tensors."""
+def _named_generators(noise_generator: torch.Generator | None,
+                      generators: Mapping[str, torch.Generator] | None) -> dict[str, torch.Generator]:
+    named = dict(generators or {})
+    if noise_generator is not None:
+        named["noise"] = noise_generator
+    reserved = [k for k in named if k == "torch_cpu" or k.startswith("torch_cuda_")]
+    if reserved:
+        raise ValueError(f"generator name {reserved[0]!r} is reserved for the global RNG")
+    return named
+
+
+def capture_rng(noise_generator: torch.Generator | None = None, *,
+                generators: Mapping[str, torch.Generator] | None = None) -> dict[str, torch.Tensor]:
+    """Every torch generator a step can draw from, as uint8 tensors: the global CPU and CUDA
+    generators and the named ones (an objective's: NEFTune's ``"noise"``, a sampler's)."""
     out = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             out[f"torch_cuda_{i}"] = state
-    if noise_generator is not None:
-        out["noise"] = noise_generator.get_state()
+    for name, gen in _named_generators(noise_generator, generators).items():
+        out[name] = gen.get_state()
     return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
 
-def restore_rng(states: dict[str, torch.Tensor], noise_generator: torch.Generator | None = None) -> None:
+def restore_rng(states: dict[str, torch.Tensor], noise_generator: torch.Generator | None = None, *,
+                generators: Mapping[str, torch.Generator] | None = None) -> None:
+    """Set the generators :func:`capture_rng` saved (a named generator the states lack keeps its seed)."""
     torch.set_rng_state(states["torch_cpu"])
     cuda = sorted((k for k in states if k.startswith("torch_cuda_")), key=lambda k: int(k.rsplit("_", 1)[1]))
     if cuda and torch.cuda.is_available():
@@ -116,8 +131,9 @@ def restore_rng(states: dict[str, torch.Tensor], noise_generator: torch.Generato
             i = int(k.rsplit("_", 1)[1])
             if i < torch.cuda.device_count():
                 torch.cuda.set_rng_state(states[k], i)
-    if noise_generator is not None and "noise" in states:
-        noise_generator.set_state(states["noise"])
+    for name, gen in _named_generators(noise_generator, generators).items():
+        if name in states:
+            gen.set_state(states[name])
 
 
 def write_manifest(folder: str, step: int, files: list[str]) -> None:

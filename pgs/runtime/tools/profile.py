@@ -47,7 +47,7 @@ import pgs.func as pf
 from pgs.errors import InvalidArgument
 from pgs.func.losses import chunked, chunked_cross_entropy, cross_entropy, token_loss
 from pgs.func.plan import RELEASE, plan_for
-from pgs.runtime.model.build import build_config, build_model, final_hidden, freeze, load_tokenizer, output_head
+from pgs.runtime.model.build import DTYPES, build_config, build_model, final_hidden, freeze, load_tokenizer, output_head
 from pgs.runtime.model.layers import apply_activation_checkpointing
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim.bound import bind
@@ -56,8 +56,6 @@ from pgs.runtime.spec.sections import head_grad_wanted
 
 CATEGORIES = ("weights", "master_weights", "optimizer_state", "gradients", "activations", "loss", "temporaries")
 GiB = 1024**3
-_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 # ----------------------------------------------------------------------------- model shapes
@@ -67,9 +65,9 @@ def _dtype(d) -> torch.dtype:
     if isinstance(d, torch.dtype):
         return d
     try:
-        return _DTYPE_NAMES[str(d).lower()]
+        return DTYPES[str(d).lower()]
     except KeyError:
-        raise InvalidArgument(f"predict_memory: dtype {d!r} is not one of {sorted(_DTYPE_NAMES)}") from None
+        raise InvalidArgument(f"predict_memory: dtype {d!r} is not one of {sorted(DTYPES)}") from None
 
 
 def _hf_config(model_config):
