@@ -207,6 +207,7 @@ class TrainStream:
             "last_turn_only": c.last_turn_only,
             "supervise_empty_think": c.supervise_empty_think,
             "pack_window": self.pack_window,
+            "chat_template": c.chat_template,
         }
 
     def state_dict(self) -> dict:

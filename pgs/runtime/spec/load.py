@@ -23,6 +23,7 @@ import attrs
 import pgs.func as pf
 from pgs.errors import SpecError
 from pgs.runtime.data.config import DataConfig, DataSource
+from pgs.runtime.data.templates import resolve_chat_template
 from pgs.runtime.spec.chain import build_chain, build_objective, build_schedule, check_spec
 from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     ASSET_PREFIX,
@@ -324,14 +325,16 @@ def _data(table: dict, base: Path) -> DataConfig:
             msg = str(err)
             prefix = "data.sources" if msg.startswith("data.sources") else "data"
             raise SpecError(where + msg[len(prefix):]) from None
-        _must_exist(source.path, f"{where}.path")
+        _must_exist(source.path, f"{where}.path", kind="file or folder")
         resolved.append(source)
     t["sources"] = tuple(resolved)
     if isinstance(t.get("eval"), str) and t["eval"]:
         t["eval"] = resolve_path(t["eval"], base)
-        _must_exist(t["eval"], "data.eval")
+        _must_exist(t["eval"], "data.eval", kind="file or folder")
     elif t.get("eval") == "":
         t["eval"] = None
+    if t.get("chat_template") is not None:
+        t["chat_template"] = resolve_chat_template(t["chat_template"], base)
     return DataConfig(**t)
 
 
