@@ -255,6 +255,22 @@ def assistant_spans(
     return text, spans
 
 
+def document_spans(tokenizer, text: str) -> tuple[str, list[tuple[int, int]]]:
+    """A ``{"text": ...}`` document: the tokenizer's bos token (when it has one), the text and
+    its eos token (so that the model learns where a document ends), every token but the bos
+    trained."""
+    bos = getattr(tokenizer, "bos_token", None) or ""
+    eos = getattr(tokenizer, "eos_token", None) or ""
+    full = bos + text + ("" if eos and text.endswith(eos) else eos)
+    return full, [(len(bos), len(full))]
+
+
+def _spans(tokenizer, content, tools, **options) -> tuple[str, list[tuple[int, int]]]:
+    if isinstance(content, str):
+        return document_spans(tokenizer, content)
+    return assistant_spans(tokenizer, content, tools, **options)
+
+
 def is_trained_turn(message: dict[str, Any]) -> bool:
     """An assistant turn that trains: not empty, and not given ``weight = 0``."""
     return message.get("weight", 1) != 0 and not is_empty_turn(message)
@@ -294,7 +310,8 @@ def encode_chat(
     """Tokenize a conversation with its chat template; return ``(input_ids, train_mask)``.
 
     ``train_mask[i]`` is True when token ``i`` belongs to an assistant turn (content, tool
-    calls, end-of-turn token).  ``last_turn_only`` trains the last assistant turn only;
+    calls, end-of-turn token).  ``messages`` may be a string: a ``text`` document, trained
+    whole (:func:`document_spans`).  ``last_turn_only`` trains the last assistant turn only;
     ``supervise_empty_think`` also trains an empty think block a template inserts.
 
     Example::
@@ -303,7 +320,7 @@ def encode_chat(
                                       {"role": "assistant", "content": "4"}])
         tok.decode([t for t, m in zip(ids, mask) if m])   # '4<|im_end|>'
     """
-    text, spans = assistant_spans(
+    text, spans = _spans(
         tokenizer, messages, tools, last_turn_only=last_turn_only, supervise_empty_think=supervise_empty_think
     )
     ((ids, offsets),) = _tokenize(tokenizer, [text])
@@ -329,7 +346,7 @@ def encode_chats(
     texts: list[str] = []
     for messages, tools in conversations:
         try:
-            text, spans = assistant_spans(
+            text, spans = _spans(
                 tokenizer, messages, tools, last_turn_only=last_turn_only,
                 supervise_empty_think=supervise_empty_think,
             )

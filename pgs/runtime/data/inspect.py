@@ -14,7 +14,7 @@ from rich.text import Text
 from pgs.runtime.data.config import DataConfig
 from pgs.runtime.data.packing import Document
 from pgs.runtime.data.preference import pack_rows, read_pairs
-from pgs.runtime.data.records import read_conversations
+from pgs.runtime.data.readers import read_conversations
 from pgs.runtime.data.stats import DataStats
 from pgs.runtime.data.stream import encode_document, pack_documents
 
@@ -45,7 +45,7 @@ def dataset_stats(config: DataConfig, tokenizer, max_records: int | None = None,
     for source in config.sources:
         skipped: list[str] = []
         window: list[Document] = []
-        conversations = read_conversations(source.path, source.format, config.on_bad_record, skipped)
+        conversations = read_conversations(source, None, config.on_bad_record, skipped)
         for count, conversation in enumerate(conversations):
             if max_records is not None and count >= max_records:
                 break
