@@ -80,7 +80,8 @@ def inspect_dataset(config: DataConfig, tokenizer, n: int = 5, console: Console 
     for document in shown:
         trained = document.num_trained
         console.rule(f"{document.origin}  ({len(document)} tokens, {trained} trained)")
-        console.print(render_document(document, tokenizer, plain=not console.is_terminal))
+        plain = not console.is_terminal  # a pipe or file: one line per sample, never cut
+        console.print(render_document(document, tokenizer, plain=plain), soft_wrap=plain)
     table = Table(title="data statistics", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -104,7 +105,8 @@ def inspect_pairs(config: DataConfig, tokenizer, n: int = 5, console: Console | 
     for pair in pairs[:n]:
         for arm, document in (("chosen", pair.chosen), ("rejected", pair.rejected)):
             console.rule(f"{document.origin} {arm}  ({len(document)} tokens, {document.num_trained} scored)")
-            console.print(render_document(document, tokenizer, plain=not console.is_terminal))
+            plain = not console.is_terminal
+            console.print(render_document(document, tokenizer, plain=plain), soft_wrap=plain)
     rows = pack_rows(pairs, config.max_seq_len)
     stats.sequences, stats.sequence_capacity = len(rows), len(rows) * config.max_seq_len
     table = Table(title="preference data statistics", show_header=False)
