@@ -135,18 +135,9 @@ QUICKSTART = "pgs/assets/quickstart/tokenizer"
 
 def trained_text(tok, conversation) -> list[str]:
     from pgs.runtime.data import encode_chat
+    from tests.test_data_chat import trained_runs
 
-    ids, mask = encode_chat(tok, conversation.content, conversation.tools)
-    runs, current = [], []
-    for token, trained in zip(ids, mask):
-        if trained:
-            current.append(token)
-        elif current:
-            runs.append(tok.decode(current))
-            current = []
-    if current:
-        runs.append(tok.decode(current))
-    return runs
+    return trained_runs(tok, *encode_chat(tok, conversation.content, conversation.tools))
 
 
 def test_openai_content_parts_developer_name_and_tool_call_ids(tmp_path):

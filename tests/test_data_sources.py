@@ -35,8 +35,9 @@ def write_all(folder, records) -> dict[str, str]:
     write_jsonl(paths["jsonl"], records)
     with open(paths["json"], "w") as handle:
         json.dump(records, handle, indent=1)
-    pq.write_table(pa.Table.from_pylist(records), paths["parquet"], row_group_size=7)
-    datasets.Dataset.from_list(records).save_to_disk(paths["datasets"])
+    table = pa.Table.from_struct_array(pa.array(records))  # the columns of every row, not of the first only
+    pq.write_table(table, paths["parquet"], row_group_size=7)
+    datasets.Dataset(table).save_to_disk(paths["datasets"])
     (arrow,) = sorted((folder / "saved").glob("*.arrow"))
     paths["arrow"] = str(arrow)
     return paths
@@ -148,3 +149,19 @@ def test_a_missing_extra_names_it(tmp_path, monkeypatch, files):
         list(read_conversations(files["parquet"]))
     assert str(err.value) == f"{files['parquet']}: reading it needs pyarrow, which is not installed (pip install 'pgs[data]')"
     assert err.value.exit_code == 2
+
+
+def test_preference_pairs_from_a_json_array_and_parquet(tmp_path, tok):
+    from pgs.runtime.data.preference import read_pairs
+
+    with open("pgs/assets/quickstart/pairs_train.jsonl") as handle:
+        records = [json.loads(next(handle)) for _ in range(12)]
+    paths = write_all(tmp_path, records)
+    config = DataConfig(sources=[paths["jsonl"]], max_seq_len=256)
+    want = read_pairs([paths["jsonl"]], tok, config)
+    for kind in FORMATS:
+        got = read_pairs([paths[kind]], tok, config)
+        assert [(p.chosen.input_ids, p.rejected.input_ids, p.chosen.train_mask) for p in got] == \
+            [(p.chosen.input_ids, p.rejected.input_ids, p.chosen.train_mask) for p in want]
+        label = "item" if kind == "json" else "row"
+        assert got[3].chosen.origin == f"{paths[kind]}:{label} 3"

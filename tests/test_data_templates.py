@@ -11,7 +11,6 @@ what the assistant says.
 from __future__ import annotations
 
 import functools
-import itertools
 import pickle
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from pgs.runtime.data import encode_chat
 from pgs.runtime.data.chat import assistant_spans
 from pgs.runtime.data.synthetic import WEATHER_TOOL
 from pgs.runtime.data.templates import apply_chat_template, resolve_chat_template, shipped_templates
+from tests.test_data_chat import trained_runs as chat_runs
 
 HERE = Path(__file__).resolve().parent
 TEMPLATES = HERE / "templates"
@@ -56,12 +56,8 @@ def family_tokenizer(family: str, template: str):
 
 
 def trained_runs(tok, messages, tools=None, **kw) -> list[str]:
-    ids, mask = encode_chat(tok, messages, tools, **kw)
-    runs = []
-    for trained, run in itertools.groupby(zip(ids, mask), key=lambda x: x[1]):
-        if trained:
-            runs.append(tok.decode([t for t, _ in run], skip_special_tokens=False))
-    return runs
+    """The trained tokens, decoded run by run (a run: consecutive trained tokens)."""
+    return chat_runs(tok, *encode_chat(tok, messages, tools, **kw))
 
 
 def rendered(tok, messages, tools=None) -> str:

@@ -47,13 +47,22 @@ def _import(name: str, path: str):
 
 
 class Reader:
-    """One source's records (see the module docstring); subclasses fill in the three methods."""
+    """One source's records (see the module docstring); subclasses fill in the three methods.
+
+    ``_transient`` names the open files and caches: ``None`` until used, and left out of a
+    pickled copy (the loader's worker process reopens them); ``ORIGIN`` is how an error names a
+    record."""
+
+    _transient: tuple[str, ...] = ()
+    ORIGIN = "{path}:row {label}"
 
     def __init__(self, path: str):
         self.path = path
+        for key in self._transient:
+            setattr(self, key, None)
 
     def origin(self, label: int) -> str:
-        return f"{self.path}:row {label}"
+        return self.ORIGIN.format(path=self.path, label=label)
 
     def scan(self) -> Iterator[tuple[int, int, Any]]:
         raise NotImplementedError
@@ -67,26 +76,15 @@ class Reader:
     def close(self) -> None:
         """Let go of open files and caches (``read`` opens them again)."""
 
-    def __getstate__(self):  # a pickled stream (the loader's worker process) reopens its files
-        state = dict(self.__dict__)
-        for key in self._transient:
-            state[key] = None
-        return state
-
-    _transient: tuple[str, ...] = ()
+    def __getstate__(self):
+        return {key: (None if key in self._transient else value) for key, value in self.__dict__.items()}
 
 
 class JsonLinesReader(Reader):
     """One JSON object per line; blank lines are skipped; labels are line numbers."""
 
     _transient = ("_handle",)
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self._handle = None
-
-    def origin(self, label: int) -> str:
-        return f"{self.path}:{label}"
+    ORIGIN = "{path}:{label}"
 
     def scan(self):
         for number, offset, raw in iter_lines(self.path):
@@ -134,13 +132,7 @@ class JsonArrayReader(Reader):
     source whatever ``on_bad_record`` says."""
 
     _transient = ("_text",)
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self._text = None
-
-    def origin(self, label: int) -> str:
-        return f"{self.path}:item {label}"
+    ORIGIN = "{path}:item {label}"
 
     def _loaded(self) -> str:
         if self._text is None:
@@ -186,13 +178,7 @@ class JsonArrayReader(Reader):
 class ParquetReader(Reader):
     """A Parquet file, one row group at a time."""
 
-    _transient = ("_file", "_groups")
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self._file = None
-        self._groups: OrderedDict | None = None
-        self._starts = None
+    _transient = ("_file", "_groups", "_starts")
 
     def _opened(self):
         if self._file is None:
@@ -246,10 +232,6 @@ class ArrowReader(Reader):
 
     _transient = ("_table",)
     BATCH = 1024
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self._table = None
 
     def _load(self):
         if os.path.isdir(self.path):
