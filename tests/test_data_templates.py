@@ -218,3 +218,19 @@ def test_chat_template_resolution_and_pickling():
     again = pickle.loads(pickle.dumps(tok))  # the loader's worker process gets a pickled copy
     assert again.chat_template == tok.chat_template
     assert encode_chat(again, PLAIN) == encode_chat(tok, PLAIN)
+
+
+def test_a_turn_the_markers_miss_is_found_by_prefix_diffing():
+    """DeepSeek-R1's template writes no <｜Assistant｜> header on the turn after tool outputs: the
+    turn markers find two of three turns, prefix diffing finds all three."""
+    tok = family_tokenizer("deepseek_r1", "deepseek_r1_tools")
+    assert "<｜tool▁outputs▁end｜>Oslo: 23C" in rendered(tok, tool_conversation(), [WEATHER_TOOL])
+    assert trained_runs(tok, tool_conversation(), [WEATHER_TOOL]) == [
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city": "Oslo"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>',
+        "Oslo: 23C, sunny.<｜end▁of▁sentence｜>", "You're welcome.<｜end▁of▁sentence｜>"]
+    # reasoning the template cuts once a later user turn exists: not prefix-stable either way
+    conversation = tool_conversation()
+    conversation[4] = {"role": "assistant", "content": "<think>\nRelay it.\n</think>\n\nOslo: 23C, sunny."}
+    with pytest.raises(DataError, match=r"^found 2 assistant turns in the rendered template, expected 3$"):
+        encode_chat(tok, conversation, [WEATHER_TOOL])

@@ -11,7 +11,8 @@ three ways:
   off two probe renders.  The *assistant header* is what ``add_generation_prompt=True``
   appends; the *end-of-turn marker* is what the template writes right after an assistant
   message's text.  Every assistant turn in the full render starts after a header and ends
-  after the first end-of-turn marker that follows;
+  after the first end-of-turn marker that follows.  When the markers miss a turn (a template
+  that writes no header after tool outputs, as DeepSeek-R1's), prefix diffing below is tried;
 * a template whose ``add_generation_prompt`` adds nothing (Mistral's ``[INST]`` templates:
   the assistant's text follows ``[/INST]`` directly): *prefix diffing*.  The span of
   assistant turn ``k`` is what rendering the first ``k + 1`` messages adds to the render of
@@ -231,7 +232,15 @@ def assistant_spans(
     elif assistant_header(tokenizer, template):
         header, end = turn_markers(tokenizer, template)
         text, _ = _render(tokenizer, template, messages, tools)
-        spans = _spans_from_markers(text, header, end, n_assistant)
+        try:
+            spans = _spans_from_markers(text, header, end, n_assistant)
+        except TemplateProblem as err:
+            # a turn the markers miss (DeepSeek-R1 writes no header after tool outputs): prefix
+            # diffing finds it when the template is prefix-stable; otherwise the markers' error
+            try:
+                text, spans = _spans_by_prefix(tokenizer, template, messages, tools)
+            except TemplateProblem:
+                raise err from None
     else:
         text, spans = _spans_by_prefix(tokenizer, template, messages, tools)
     if not supervise_empty_think:
