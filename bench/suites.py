@@ -63,6 +63,12 @@ SUITES = {s.name: s for s in (
           "CPU throughput of TrainStream (tokenize, template, pack, collate) and StepLoader's overlap"),
     Suite("product", "product.py", "product",
           "`pgs run` on a shipped spec (--spec) beside its HF peer and the sft-step harness, same batches"),
+    Suite("preference", "preference.py", "product",
+          "`pgs run` with [preference] DPO (cached reference) on a shipped recipe beside its SFT run and "
+          "TRL's DPOTrainer, same pairs"),
+    Suite("offload", "offload_bench.py", "product",
+          "optimizer state on the host: `pgs run` on the 8B 20 GiB spec beside HF compiled + AC + fused AdamW, "
+          "the 4B recipe with and without offload, PCIe bandwidth"),
 )}
 
 

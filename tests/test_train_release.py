@@ -164,7 +164,7 @@ def test_memory_section_round_trips_and_profile_reads_it(tmp_path):
     assert load_spec(again).memory == spec.memory
     opts = memory_options(spec)
     assert opts == {"gradient_release": True, "activation_checkpointing": "selective", "checkpoint_every": 2,
-                    "master_weights": None, "offload_checkpoints": False}
+                    "master_weights": None, "offload_checkpoints": False, "offload_optimizer": False}
     from pgs.errors import SpecError
 
     with pytest.raises(SpecError, match=r"memory.activation_checkpointing: 'fulll' is not one of .*did you mean"):

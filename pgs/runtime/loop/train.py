@@ -647,6 +647,14 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
         r.log.write({"step": r.step, "event": "resume", "from": folder})
     else:  # pgs report reads the records after the last fresh start
         r.log.write({"step": r.step, "event": "start"})
+    offload = getattr(r.bound, "offload_stats", None)
+    if offload is not None:  # memory.offload_optimizer: what lives where, and the PCIe traffic it costs
+        o = offload()
+        r.log.say(f"pgs: optimizer state in host memory: {o['host_state_bytes'] / 2**30:.2f} GiB pinned, "
+                  f"{o['staging_bytes'] / 2**30:.2f} GiB of device staging, "
+                  f"{o['pcie_bytes_per_step'] / 2**30:.2f} GiB over PCIe per step")
+        r.log.write({"step": r.step, "event": "offload", **{k: o[k] for k in
+                     ("host_state_bytes", "staging_bytes", "pcie_bytes_per_step")}})
     evals = bool(spec.data.eval) and spec.train.eval_every > 0
     profiler = Profiler(run_dir, profile, r.device) if profile and main else None
     try:

@@ -281,6 +281,10 @@ def check_memory(spec: Spec, chain) -> None:
     if mem.tied_slabs and not mem.gradient_release:
         raise SpecError(f"memory.tied_slabs = {mem.tied_slabs}: the embedding's weight is stepped in row slabs by "
                         "gradient release at the end of backward; set memory.gradient_release = true or tied_slabs = 0")
+    if mem.offload_optimizer and not mem.gradient_release:
+        raise SpecError("memory.offload_optimizer: the state is streamed to the device group by group as "
+                        "gradient release steps inside backward; set memory.gradient_release = true or "
+                        "offload_optimizer = false")
     if not mem.gradient_release:
         if mem.master_weights != "none":
             raise SpecError(f"memory.master_weights: {mem.master_weights!r} is kept by gradient release only; "

@@ -290,7 +290,9 @@ class MemorySpec:
     parameters, or each parameter as soon as its gradient exists (a layer's gradients then never
     all exist at once).  ``mlp_tiles`` (0: off) computes each decoder layer's gated MLP in that
     many token slices, forward and backward (``pgs.runtime.model.tiled_mlp``): the MLP's
-    [tokens, intermediate] tensors never exist whole.
+    [tokens, intermediate] tensors never exist whole.  ``offload_optimizer`` keeps each release
+    group's chain state in pinned host memory and streams it through two device staging
+    buffers inside backward (``pgs.runtime.optim.offload``; gradient release, one process).
     """
 
     section: ClassVar[str] = "memory"
@@ -308,6 +310,7 @@ class MemorySpec:
     tied_slabs: int = attrs.field(default=0, validator=_int_at_least(0))
     release_groups: str = attrs.field(default="layer", validator=_one_of(RELEASE_GROUPS))
     mlp_tiles: int = attrs.field(default=0, validator=_int_at_least(0))
+    offload_optimizer: bool = attrs.field(default=False, validator=_bool)
 
     def head_grad_deferred(self) -> bool:
         """``defer_head_grad`` resolved: ``"auto"`` defers where memory is what the spec trades
