@@ -575,7 +575,7 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
             if aside is not None:
                 print(f"pgs: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)
     wall = control.WallClock(spec.train.max_wall_seconds or None)
-    ctx = D.init(device=spec.train.device) if D.launched() else None
+    ctx = D.init(device=spec.train.device, trace_dir=spec.checkpoint.dir) if D.launched() else None
     together = False  # every rank reached the same exit (then they leave the group together)
     try:
         code = _train(spec, resume, wall, ctx, profile, faults)
