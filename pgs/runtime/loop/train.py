@@ -43,10 +43,11 @@ import numpy as np
 import torch
 
 from pgs.errors import DiskFull, EXIT_OK, EXIT_WALL_BUDGET, HaltError, PreflightRefused, SpecError
-from pgs.func.losses import neftune, token_loss
+from pgs.func.losses import token_loss
 from pgs.runtime.data import EvalStream, TrainStream, require_packing_isolation
 from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.loader import StepLoader
+from pgs.runtime.data.packing import doc_ids
 from pgs.runtime.data.preference import PreferenceStream
 from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop import control
@@ -222,7 +223,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     # pairs are tokenized up front: their batches are cheap, no pack window to keep ahead of
     loader = StepLoader(stream, micro_batch, spec.train.grad_accum, device, ahead=2 if preference else None)
     noise = None
-    if spec.loss.neftune_alpha > 0:
+    if spec.loss.embedding_noise() is not None:
         noise = torch.Generator(device=device).manual_seed(spec.train.seed)
     return Run(
         spec=spec, run_dir=spec.checkpoint.dir, device=device, model=model, tokenizer=tokenizer, bound=bound,
@@ -285,17 +286,19 @@ def _forward(run: Run, batch, poison: bool):
     ids, pos, labels = batch.input_ids.to(dev), batch.position_ids.to(dev), batch.labels.to(dev)
     embed_noise = None
     if run.noise is not None:
+        noise, alpha = run.spec.loss.embedding_noise()  # NEFTune or SymNoise
         lengths = torch.tensor([int(c[-1]) for c in batch.cu_seqlens], device=dev)
-        embed_noise = lambda e: neftune(e, run.spec.loss.neftune_alpha, generator=run.noise,  # noqa: E731
-                                        training=True, lengths=lengths)
+        embed_noise = lambda e: noise(e, alpha, generator=run.noise, training=True, lengths=lengths)  # noqa: E731
     if run.preference is not None:  # the objective hook: Σ pair losses, and the step's preference sums
         return run.preference.forward(run.model, batch, dev, poison=poison, embed_noise=embed_noise)
     h = D.final_hidden(run.model, ids, pos, embed_noise=embed_noise)
     weight, bias, softcap = output_head(run.model)
     loss = run.spec.loss
     defer = _defers_head_grad(run, weight)
+    docs = doc_ids(pos) if run.objective.name == "cadft" else None  # CADFT's per-sample compatibility
     result = token_loss(h, weight, labels, backend=loss.backend, objective=run.objective, bias=bias,
-                        softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size, defer_head_grad=defer)
+                        softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size, defer_head_grad=defer,
+                        doc_ids=docs)
     if defer and result.head_grad is not None:  # joins the embedding's gradient in the tied weight's hook
         run.bound.before_step(weight, result.head_grad)
     loss_sum = result.loss_sum * float("nan") if poison else result.loss_sum

@@ -262,7 +262,11 @@ def check_loss(loss) -> None:
     if loss.backend not in BACKENDS:
         raise SpecError(f"loss.backend: {loss.backend!r} is not one of {', '.join(BACKENDS)}"
                         f"{suggest(loss.backend, BACKENDS)}")
-    build_objective(loss)
+    objective = build_objective(loss)
+    if getattr(objective, "q_source", "live") == "reference":
+        raise SpecError("loss.args.q_source: \"reference\" needs log-probs of a frozen reference model per token, "
+                        "which pgs run does not compute; use q_source = \"live\" (the default: q from the model "
+                        "being trained)")
     if loss.backend in ("liger", "cce"):
         if loss.objective != "ce":
             raise SpecError(f"loss.backend: {loss.backend} computes cross-entropy only; "

@@ -200,6 +200,9 @@ class LossSpec:
     """``[loss]``: the token objective and the output-head backend (``pgs.func.losses``).
 
     ``args`` go to the objective's class (``deft``: ``alpha``; ``infosft``: ``p_bar``, ...).
+    ``neftune_alpha`` / ``symnoise_alpha`` (at most one > 0): noise on the input embeddings
+    while training, NEFTune's uniform (arXiv 2310.05914) or SymNoise's symmetric Rademacher
+    (arXiv 2312.01523) with the same scale α/√(L·d) (``pgs.func.losses.noise``).
     """
 
     section: ClassVar[str] = "loss"
@@ -209,7 +212,24 @@ class LossSpec:
     chunk_size: int = attrs.field(default=1024, validator=_int_at_least(1))
     z_loss: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
     neftune_alpha: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
+    symnoise_alpha: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
     args: dict = attrs.field(factory=dict, validator=_table)
+
+    def __attrs_post_init__(self) -> None:
+        if self.neftune_alpha > 0 and self.symnoise_alpha > 0:
+            raise SpecError(f"loss.symnoise_alpha: {self.symnoise_alpha:g} and loss.neftune_alpha = "
+                            f"{self.neftune_alpha:g} are two kinds of embedding noise; set one of them (the other 0)")
+
+    def embedding_noise(self):
+        """``(noise function, α)`` of the input-embedding noise (``neftune`` or ``symnoise``,
+        same signature), or None when both alphas are 0."""
+        from pgs.func.losses import neftune, symnoise
+
+        if self.symnoise_alpha > 0:
+            return symnoise, self.symnoise_alpha
+        if self.neftune_alpha > 0:
+            return neftune, self.neftune_alpha
+        return None
 
 
 @attrs.frozen
