@@ -42,7 +42,7 @@ import attrs
 import numpy as np
 import torch
 
-from pgs.errors import DiskFull, EXIT_OK, EXIT_WALL_BUDGET, HaltError, PreflightRefused, SpecError
+from pgs.errors import DiskFull, EXIT_OK, EXIT_TRIPWIRE, EXIT_WALL_BUDGET, HaltError, PreflightRefused, SpecError
 from pgs.func.losses import token_loss
 from pgs.runtime.data import EvalStream, TrainStream, require_packing_isolation
 from pgs.runtime.data.inspect import dataset_stats
@@ -53,6 +53,7 @@ from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop import control
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
+from pgs.runtime.loop.health import HealthMonitor
 from pgs.runtime.loop.metrics import MetricsLog
 from pgs.runtime.loop.preference import STAT_KEYS, PreferenceObjective, prepare_reference, read_eval_pairs, step_values
 from pgs.runtime.loop.trace import Profiler
@@ -97,6 +98,7 @@ class Run:
     step_clock: float | None = None  # perf_counter at the end of the last step (None: restart the clock)
     faults: Faults = NO_FAULTS  # what a test injects (faults.py)
     preference: PreferenceObjective | None = None  # the objective hook of a [preference] run (SFT: None)
+    health: HealthMonitor | None = None  # spikes, update ratios, the entropy tripwire (health.py)
 
     def counters(self) -> dict:
         return {
@@ -106,6 +108,7 @@ class Run:
             "entropy_low": self.entropy_low,
             "skips": self.skips.state_dict(),
             "data": self.loader.state_dict(),
+            "health": self.health.state_dict() if self.health is not None else None,
         }
 
 
@@ -232,6 +235,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
         chain_has_norm=bound.metrics().grad_norm is not None,
         ctx=ctx if sharded else None, faults=faults, preference=preference,
+        health=HealthMonitor.from_spec(spec, model, total),
     )
 
 
@@ -255,6 +259,8 @@ def restore(run: Run, folder: str) -> None:
     run.step = step
     run.trained_tokens = int(t["trained_tokens"])
     run.best, run.best_step, run.entropy_low = t["best"], t["best_step"], bool(t["entropy_low"])
+    if t.get("health") and run.health is not None:
+        run.health.load_state_dict(t["health"])
 
 
 def save(run: Run) -> str:
@@ -567,7 +573,7 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
     fresh if none) or a checkpoint folder.  A fresh start (``resume`` None) refuses a run
     folder that already holds a run (``RunExists``, exit 2) unless ``overwrite``, which moves
     the old run aside to ``<dir>.old-<timestamp>``.  Exit codes: 0 done, 128+signum after a
-    signal, 82 wall budget (both after a checkpoint), 81 skip cap (``HALT.json``), 83
+    signal, 82 wall budget (both after a checkpoint), 81 skip cap and 80 tripwire (``HALT.json``), 83
     preflight, 84 disk full while writing a checkpoint.
     """
     if resume is None:  # before the process group: no rank has written anything yet
@@ -662,14 +668,22 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
 
             def emit(step_record: StepRecord) -> dict:
                 record = step_record.read()
+                events = r.health.observe(record)  # the interval's health keys join the record
                 r.log.step(record)
+                for event in events:
+                    r.log.write(event)
                 watch_entropy(r, record)
+                if r.health.verdict is not None:
+                    raise control.halt(run_dir, r.health.verdict, step=record["step"], exit_code=EXIT_TRIPWIRE,
+                                       details={"tripwire": "train.entropy_halt"})
                 return record
 
             while r.step < r.total_steps:
                 if profiler is not None:
                     profiler.before(r.step + 1)
+                r.health.before_step(r.step + 1)
                 step_record, flags = train_step(r, signals, wall)
+                r.health.after_step(r.step)
                 if profiler is not None:
                     profiler.after(r.step)
                 if not frozen:  # see freeze_gc

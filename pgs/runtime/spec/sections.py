@@ -238,7 +238,9 @@ class TrainSpec:
 
     Exactly one of ``steps`` (optimizer steps) and ``epochs`` (passes over the mix) is set.
     ``batch_size`` is global (packed sequences per optimizer step), split into ``grad_accum``
-    micro-batches.
+    micro-batches.  ``entropy_warn`` warns, ``entropy_halt`` (0: off) halts with exit 80 when an
+    interval's mean next-token entropy is below it; ``health_every`` (0: ``log_every``) is that
+    interval, the health summary's (``pgs.runtime.loop.health``).
     """
 
     section: ClassVar[str] = "train"
@@ -254,6 +256,8 @@ class TrainSpec:
     max_consecutive_skips: int = attrs.field(default=3, validator=_int_at_least(0))
     max_skip_fraction: float = attrs.field(default=0.05, converter=_to_float, validator=_number_in(0.0, 1.0))
     entropy_warn: float = attrs.field(default=0.18, converter=_to_float, validator=_number_in(0.0))
+    entropy_halt: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
+    health_every: int = attrs.field(default=0, validator=_int_at_least(0))
     device: str = attrs.field(default="auto", validator=_one_of(DEVICES))
 
 
