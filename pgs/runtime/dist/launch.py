@@ -41,7 +41,7 @@ from typing import Sequence
 
 import attrs
 
-from pgs.errors import InvalidArgument
+from pgs.errors import InvalidArgument, SpecError
 from pgs.runtime.dist.fsdp import flight_recorder_env
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
@@ -220,6 +220,8 @@ def launch_run(spec, spec_path: str, *, nproc: int, overrides: Sequence[str] = (
     """
 
     rendezvous = rendezvous or Rendezvous()
+    if spec.averaging is not None:
+        raise SpecError("averaging: weight averaging runs on one process for now; drop --nproc or [averaging]")
     preflight_spec(spec)
     check_world_size(spec.train, nproc * (rendezvous.fixed_nodes or 1))
     if resume is None and not rendezvous.node_rank:

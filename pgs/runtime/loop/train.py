@@ -51,6 +51,7 @@ from pgs.runtime.data.packing import doc_ids
 from pgs.runtime.data.preference import PreferenceStream
 from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop import control
+from pgs.runtime.loop.averaging import CHECKPOINT_FILE as AVERAGING_FILE, EXPORT_DIR as EMA_EXPORT, WeightAverager
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
 from pgs.runtime.loop.health import HealthMonitor
@@ -99,6 +100,7 @@ class Run:
     faults: Faults = NO_FAULTS  # what a test injects (faults.py)
     preference: PreferenceObjective | None = None  # the objective hook of a [preference] run (SFT: None)
     health: HealthMonitor | None = None  # spikes, update ratios, the entropy tripwire (health.py)
+    averaging: WeightAverager | None = None  # [averaging]: weight EMA on the CPU, merge-back (averaging.py)
 
     def counters(self) -> dict:
         return {
@@ -181,6 +183,8 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         check_world_size(spec.train, world)
         if spec.preference is not None:
             raise SpecError("preference: a [preference] run trains on one process for now (WORLD_SIZE = 1)")
+        if spec.averaging is not None:
+            raise SpecError("averaging: weight averaging runs on one process for now (WORLD_SIZE = 1)")
     seed_everything(spec.train.seed)
     device = ctx.device if sharded else _device(spec.train.device)
     configure_allocator(device)
@@ -236,6 +240,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         chain_has_norm=bound.metrics().grad_norm is not None,
         ctx=ctx if sharded else None, faults=faults, preference=preference,
         health=HealthMonitor.from_spec(spec, model, total),
+        averaging=WeightAverager.from_spec(spec, model, total),  # its base: the weights as built, before any restore
     )
 
 
@@ -253,6 +258,8 @@ def restore(run: Run, folder: str) -> None:
         ckpt.load_model_state(run.model, saved.model, saved.trainer.get("aliases", {}))
         run.bound.load_state_dict(saved.optimizer)
         ckpt.restore_rng(saved.rng, run.noise)
+        if run.averaging is not None:
+            run.averaging.load_state_dict(ckpt.load_extra(folder, AVERAGING_FILE), folder)
         t, step = saved.trainer, saved.step
     run.loader.load_state_dict(t["data"])
     run.skips.load_state_dict(t["skips"])
@@ -277,6 +284,8 @@ def save(run: Run) -> str:
         run.run_dir, step, model=run.model, optimizer_state=run.bound.state_dict(device="cpu"),
         rng=ckpt.capture_rng(run.noise), trainer=run.counters(), spec_toml=run.spec.to_toml(),
         crash_hook=lambda stage: stage == "optimizer" and run.faults.crash("checkpoint_write", step),
+        extra={AVERAGING_FILE: run.averaging.state_dict()} if run.averaging is not None and run.averaging.has_ema
+        else None,
     )
     ckpt.purge(run.run_dir, run.spec.checkpoint.keep)
     return folder
@@ -543,6 +552,9 @@ def _improves(metric: str, value: float, best: float | None) -> bool:
 
 def eval_and_keep_best(run: Run) -> None:
     result = evaluate(run)
+    if run.averaging is not None and run.averaging.has_ema:  # the EMA weights, evaluated the same way
+        with run.averaging.ema_weights(run.model):
+            result.update({f"ema_{k}": v for k, v in evaluate(run).items() if k != "step"})
     run.log.write(result)
     run.log.say("eval  " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in result.items()))
@@ -684,6 +696,8 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                 r.health.before_step(r.step + 1)
                 step_record, flags = train_step(r, signals, wall)
                 r.health.after_step(r.step)
+                if r.averaging is not None:  # merge-back and the EMA's copy, when due
+                    r.averaging.after_step(r.step)
                 if profiler is not None:
                     profiler.after(r.step)
                 if not frozen:  # see freeze_gc
@@ -730,6 +744,9 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                 emit(last)
             if spec.checkpoint.export:
                 _export(r, os.path.join(run_dir, "final"), {"step": r.step})
+                if r.averaging is not None and r.averaging.has_ema:
+                    with r.averaging.ema_weights(r.model):
+                        _export(r, os.path.join(run_dir, EMA_EXPORT), {"step": r.step, "ema": r.averaging.decay})
             r.log.write({"step": r.step, "event": "done", **_memory_gib(r.device)})
     finally:
         if profiler is not None:

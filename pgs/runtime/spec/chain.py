@@ -143,6 +143,9 @@ def make_transform(name: str, args: dict, *, where: str, schedule=None, alias: b
     reported as ``{where}.{arg}`` (or ``{where}.args.{arg}`` for an alias).
     """
 
+    if name == "ema" and not alias:
+        raise SpecError(f"{where}.name: \"ema\" in a chain would average the updates, not the weights; an EMA of "
+                        "the weights is [averaging] ema = 0.999 (docs/techniques/ema.md)")
     factory = _lookup(name, f"{where}.name" if not alias else "optimizer.alias", alias)
     params = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

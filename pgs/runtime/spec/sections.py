@@ -33,6 +33,7 @@ CHECKPOINT_POLICIES = ("none", "full", "selective", "sublayer")
 MASTER_WEIGHTS = ("none", "fp32")
 RELEASE_GROUPS = ("layer", "parameter")
 REFERENCE_MODES = ("cached", "live")
+MERGE_METHODS = ("none", "linear", "slerp")  # pgs.func.merge.METHODS, and "none"
 
 
 # --------------------------------------------------------------------------- field checks
@@ -404,6 +405,29 @@ class PreferenceSpec:
         return self.kind not in REFERENCE_FREE
 
 
+@attrs.frozen
+class AveragingSpec:
+    """``[averaging]``: weight averaging in the loop (``pgs.runtime.loop.averaging``,
+    docs/techniques/ema.md and merge.md).
+
+    ``ema`` (δ in [0, 1), 0: off): an EMA of the weights held on the CPU, updated every
+    ``ema_every`` steps (δ per update), evaluated beside the model, exported as
+    ``<run dir>/final-ema`` and kept in checkpoints.  ``merge`` (``"none"``, ``"linear"``: SFA,
+    arXiv 2501.05559; ``"slerp"``): every ⌈``merge_period``·T⌉ steps and at the last one, pull the
+    weights toward the run's starting weights with weight ``merge_weight`` (β).
+    """
+
+    section: ClassVar[str] = "averaging"
+
+    ema: float = attrs.field(default=0.0, converter=_to_float,
+                             validator=_expect("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1))
+    ema_every: int = attrs.field(default=1, validator=_int_at_least(1))
+    merge: str = attrs.field(default="none", validator=_one_of(MERGE_METHODS))
+    merge_weight: float = attrs.field(default=0.25, converter=_to_float, validator=_number_in(0.0, 1.0))
+    merge_period: float = attrs.field(default=1.0, converter=_to_float,
+                                      validator=_expect("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1))
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSpec,
     "data": DataConfig,
@@ -415,4 +439,5 @@ SECTIONS: dict[str, type] = {
     "log": LogSpec,
     "memory": MemorySpec,
     "preference": PreferenceSpec,
+    "averaging": AveragingSpec,
 }
