@@ -73,6 +73,14 @@ class WeightAverager:
     def has_ema(self) -> bool:
         return self._transform is not None
 
+    @property
+    def ready(self) -> bool:
+        """An EMA that has taken (or queued) at least one update: before that it holds nothing
+        to evaluate (the eval before the first step evaluates the model only)."""
+        if not self.has_ema:
+            return False
+        return self._waiting or any(int(s.count) > 0 for s in list(self._states.values())[:1])
+
     # -- after every step ---------------------------------------------------------------
     def after_step(self, step: int) -> None:
         """Step ``step`` is done: merge back if due, then queue the EMA's copy if due."""

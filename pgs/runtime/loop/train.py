@@ -552,7 +552,7 @@ def _improves(metric: str, value: float, best: float | None) -> bool:
 
 def eval_and_keep_best(run: Run) -> None:
     result = evaluate(run)
-    if run.averaging is not None and run.averaging.has_ema:  # the EMA weights, evaluated the same way
+    if run.averaging is not None and run.averaging.ready:  # the EMA weights, evaluated the same way
         with run.averaging.ema_weights(run.model):
             result.update({f"ema_{k}": v for k, v in evaluate(run).items() if k != "step"})
     run.log.write(result)
