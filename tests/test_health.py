@@ -90,7 +90,7 @@ def test_update_ratio_per_group_equals_the_hand_computation():
     for name, group in (("embed_tokens.weight", "embed"), ("self_attn.weight", "attn"), ("mlp.weight", "mlp")):
         expected = float((named[name] - before[name]).norm() / named[name].norm())
         assert record[f"health/update_ratio/{group}"] == pytest.approx(expected, rel=1e-6)
-    trained = [n for n in named if named[n].requires_grad]
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
     total = math.sqrt(sum(float((named[n] - before[n]).square().sum()) for n in trained))
     size = math.sqrt(sum(float(named[n].square().sum()) for n in trained))
     assert record["health/update_ratio"] == pytest.approx(total / size, rel=1e-6)
