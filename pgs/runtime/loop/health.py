@@ -127,7 +127,9 @@ class UpdateRatio:
         diff = torch.stack([(w.float() - s.to(device, non_blocking=True).float()).square().sum()
                             for w, s in zip(weights, self._snapshot)])
         size = torch.stack([w.float().square().sum() for w in weights])
-        index = torch.tensor(self.index, device=device)
+        if not isinstance(self.index, torch.Tensor) or self.index.device != device:  # once: no copy per step
+            self.index = torch.as_tensor(self.index, device=device)
+        index = self.index
         sums = torch.zeros(2, len(self.names), device=device).index_add_(1, index, torch.stack([diff, size]))
         sums = torch.cat([sums, sums.sum(1, keepdim=True)], 1).double()  # the last column: all parameters
         sums = D.all_reduce_sum(sums)  # FSDP2: the shards' sums
