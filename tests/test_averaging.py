@@ -125,6 +125,8 @@ def test_a_full_merge_at_the_end_returns_the_starting_weights(tmp_path):
     (["averaging.ema=1.0"], "averaging.ema"),
     (['averaging.merge="soup"'], "averaging.merge"),
     (["averaging.merge_period=0"], "averaging.merge_period"),
+    (['averaging.merge="linear"', "memory.gradient_release=true", 'memory.master_weights="fp32"',
+      "optimizer.clip=0", "train.grad_accum=1"], "averaging.merge"),
 ])
 def test_refused_by_validate_with_one_line(tmp_path, capsys, sets, field):
     argv = ["validate", str(tiny_spec(tmp_path))]

@@ -329,8 +329,19 @@ def _stand_in_total(spec: Spec) -> int:
     return total
 
 
+def check_averaging(spec: Spec) -> None:
+    """``[averaging]`` against the rest: a merge-back writes the model's weights, which fp32
+    master weights (kept by gradient release) would overwrite at the next step."""
+    a = spec.averaging
+    if a is not None and a.merge != "none" and spec.memory.master_weights != "none":
+        raise SpecError(f"averaging.merge: {a.merge!r} writes the model's weights, but memory.master_weights = "
+                        f"{spec.memory.master_weights!r} keeps the weights the optimizer steps elsewhere (the merge "
+                        "would be undone at the next step); set averaging.merge = \"none\" or master_weights = \"none\"")
+
+
 def check_spec(spec: Spec) -> None:
     """Everything that can be checked without a model or data: loss, schedule, chain, memory."""
     check_loss(spec.loss)
+    check_averaging(spec)
     chain = build_chain(spec, total_steps=_stand_in_total(spec))
     check_memory(spec, chain)
