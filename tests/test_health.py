@@ -119,6 +119,10 @@ def test_a_run_writes_the_health_keys_on_its_summary_steps(tmp_path):
     assert steps[2]["health/entropy_mean"] == pytest.approx((steps[1]["entropy"] + steps[2]["entropy"]) / 2)
     trainer = json.loads((tmp_path / "run" / "step_4" / "trainer.json").read_text())
     assert set(trainer["health"]) == {"stats", "window", "spikes"}  # resumes where it was
+    from pgs.runtime.tools.report import write_report
+
+    write_report(str(tmp_path / "run"))  # pgs report draws the ratios
+    assert (tmp_path / "run" / "report" / "update_ratio.png").stat().st_size > 0
 
 
 def test_the_entropy_tripwire_halts_with_80_and_halt_json(tmp_path, capsys):
