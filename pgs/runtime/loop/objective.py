@@ -57,7 +57,6 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 import torch
 
 from pgs.errors import SpecError
-from pgs.func.losses import neftune
 
 
 @runtime_checkable
@@ -159,23 +158,25 @@ def steps_for(rows: int, batch_size: int) -> int:
 
 # -- NEFTune, shared by the objectives that train on token embeddings -------------------------
 def neftune_generator(spec, device: torch.device) -> dict[str, torch.Generator]:
-    """``{"noise": generator}`` when ``loss.neftune_alpha > 0`` (seeded by ``train.seed``), else ``{}``."""
+    """``{"noise": generator}`` when the spec adds input-embedding noise (``loss.neftune_alpha``
+    or ``loss.symnoise_alpha`` > 0; seeded by ``train.seed``), else ``{}``."""
 
-    if spec.loss.neftune_alpha <= 0:
+    if spec.loss.embedding_noise() is None:
         return {}
     return {"noise": torch.Generator(device=device).manual_seed(spec.train.seed)}
 
 
 def neftune_hook(spec, generators: dict[str, torch.Generator], batch, device: torch.device):
-    """The embedding hook that adds NEFTune noise (arXiv 2310.05914) to a batch's embeddings,
-    scaled by each row's length (``pgs.func.losses.neftune``); None without ``"noise"``."""
+    """The embedding hook that adds the spec's embedding noise to a batch's embeddings, scaled by
+    each row's length: NEFTune (arXiv 2310.05914, ``pgs.func.losses.neftune``) or SymNoise
+    (``pgs.func.losses.symnoise``); None without ``"noise"``."""
 
     gen = generators.get("noise")
     if gen is None:
         return None
+    noise, alpha = spec.loss.embedding_noise()
     lengths = torch.tensor([int(c[-1]) for c in batch.cu_seqlens], device=device)
-    alpha = spec.loss.neftune_alpha
-    return lambda e: neftune(e, alpha, generator=gen, training=True, lengths=lengths)
+    return lambda e: noise(e, alpha, generator=gen, training=True, lengths=lengths)
 
 
 __all__ = ["Objective", "build_objective", "neftune_generator", "neftune_hook", "objective_class",

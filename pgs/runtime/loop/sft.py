@@ -24,6 +24,7 @@ import torch
 from pgs.func.losses import token_loss
 from pgs.runtime.data import EvalStream, TrainStream
 from pgs.runtime.data.inspect import dataset_stats
+from pgs.runtime.data.packing import doc_ids
 from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
 from pgs.runtime.loop.objective import neftune_generator, neftune_hook, rank_and_world, steps_for
@@ -74,8 +75,10 @@ class SFTObjective:
         weight, bias, softcap = output_head(run.model)
         loss = self.spec.loss
         defer = self.defers_head_grad(run, weight)
+        docs = doc_ids(pos) if self.token_objective.name == "cadft" else None  # CADFT's per-sample compatibility
         result = token_loss(h, weight, labels, backend=loss.backend, objective=self.token_objective, bias=bias,
-                            softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size, defer_head_grad=defer)
+                            softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size, defer_head_grad=defer,
+                            doc_ids=docs)
         if defer and result.head_grad is not None:  # joins the embedding's gradient in the tied weight's hook
             run.bound.before_step(weight, result.head_grad)
         loss_sum = result.loss_sum * float("nan") if poison else result.loss_sum

@@ -44,12 +44,14 @@ import attrs
 import numpy as np
 import torch
 
-from pgs.errors import DiskFull, EXIT_OK, EXIT_WALL_BUDGET, HaltError, PreflightRefused
+from pgs.errors import DiskFull, EXIT_OK, EXIT_TRIPWIRE, EXIT_WALL_BUDGET, HaltError, PreflightRefused, SpecError
 from pgs.runtime.data import require_packing_isolation
 from pgs.runtime.data.loader import StepLoader
 from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop import control
+from pgs.runtime.loop.averaging import CHECKPOINT_FILE as AVERAGING_FILE, EXPORT_DIR as EMA_EXPORT, WeightAverager
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
+from pgs.runtime.loop.health import HealthMonitor
 from pgs.runtime.loop.metrics import MetricsLog, console_keys
 from pgs.runtime.loop.objective import Objective, build_objective
 from pgs.runtime.loop.trace import Profiler
@@ -86,6 +88,8 @@ class Run:
     loader: Any = None  # data.StepLoader: the steps' batches, prepared ahead by a worker (its position is the run's)
     step_clock: float | None = None  # perf_counter at the end of the last step (None: restart the clock)
     faults: Faults = NO_FAULTS  # what a test injects (faults.py)
+    health: HealthMonitor | None = None  # spikes, update ratios, the entropy tripwire (health.py)
+    averaging: WeightAverager | None = None  # [averaging]: weight EMA on the CPU, merge-back (averaging.py)
 
     def counters(self) -> dict:
         return {
@@ -95,6 +99,7 @@ class Run:
             "skips": self.skips.state_dict(),
             "data": self.loader.state_dict(),
             "objective": self.objective.state_dict(),
+            "health": self.health.state_dict() if self.health is not None else None,
         }
 
 
@@ -162,6 +167,8 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     mem = spec.memory
     if sharded:
         check_world_size(spec.train, world)
+        if spec.averaging is not None:
+            raise SpecError("averaging: weight averaging runs on one process for now (WORLD_SIZE = 1)")
     seed_everything(spec.train.seed)
     device = ctx.device if sharded else _device(spec.train.device)
     configure_allocator(device)
@@ -197,6 +204,8 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
         chain_has_norm=bound.metrics().grad_norm is not None,
         ctx=ctx if sharded else None, faults=faults,
+        health=HealthMonitor.from_spec(spec, model, total),
+        averaging=WeightAverager.from_spec(spec, model, total),  # its base: the weights as built, before any restore
     )
 
 
@@ -214,6 +223,8 @@ def restore(run: Run, folder: str) -> None:
         ckpt.load_model_state(run.model, saved.model, saved.trainer.get("aliases", {}))
         run.bound.load_state_dict(saved.optimizer)
         ckpt.restore_rng(saved.rng, generators=run.objective.generators())
+        if run.averaging is not None:
+            run.averaging.load_state_dict(ckpt.load_extra(folder, AVERAGING_FILE), folder)
         t, step = saved.trainer, saved.step
     run.loader.load_state_dict(t["data"])
     run.skips.load_state_dict(t["skips"])
@@ -221,6 +232,8 @@ def restore(run: Run, folder: str) -> None:
     run.trained_tokens = int(t["trained_tokens"])
     run.best, run.best_step = t["best"], t["best_step"]
     run.objective.load_state_dict(t.get("objective"))
+    if t.get("health") and run.health is not None:
+        run.health.load_state_dict(t["health"])
 
 
 def save(run: Run) -> str:
@@ -239,6 +252,8 @@ def save(run: Run) -> str:
         rng=ckpt.capture_rng(generators=run.objective.generators()), trainer=run.counters(),
         spec_toml=run.spec.to_toml(),
         crash_hook=lambda stage: stage == "optimizer" and run.faults.crash("checkpoint_write", step),
+        extra={AVERAGING_FILE: run.averaging.state_dict()} if run.averaging is not None and run.averaging.has_ema
+        else None,
     )
     ckpt.purge(run.run_dir, run.spec.checkpoint.keep)
     return folder
@@ -413,6 +428,9 @@ def _improves(metric: str, value: float, best: float | None) -> bool:
 
 def eval_and_keep_best(run: Run) -> None:
     result = evaluate(run)
+    if run.averaging is not None and run.averaging.ready:  # the EMA weights, evaluated the same way
+        with run.averaging.ema_weights(run.model):
+            result.update({f"ema_{k}": v for k, v in evaluate(run).items() if k != "step"})
     run.log.write(result)
     run.log.say("eval  " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in result.items()))
@@ -430,7 +448,7 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
     fresh if none) or a checkpoint folder.  A fresh start (``resume`` None) refuses a run
     folder that already holds a run (``RunExists``, exit 2) unless ``overwrite``, which moves
     the old run aside to ``<dir>.old-<timestamp>``.  Exit codes: 0 done, 128+signum after a
-    signal, 82 wall budget (both after a checkpoint), 81 skip cap (``HALT.json``), 83
+    signal, 82 wall budget (both after a checkpoint), 81 skip cap and 80 tripwire (``HALT.json``), 83
     preflight, 84 disk full while writing a checkpoint.
     """
     if resume is None:  # before the process group: no rank has written anything yet
@@ -441,7 +459,7 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
             if aside is not None:
                 print(f"pgs: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)
     wall = control.WallClock(spec.train.max_wall_seconds or None)
-    ctx = D.init(device=spec.train.device) if D.launched() else None
+    ctx = D.init(device=spec.train.device, trace_dir=spec.checkpoint.dir) if D.launched() else None
     together = False  # every rank reached the same exit (then they leave the group together)
     try:
         code = _train(spec, resume, wall, ctx, profile, faults)
@@ -533,14 +551,24 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
 
             def emit(step_record: StepRecord) -> dict:
                 record = step_record.read()
+                events = r.health.observe(record)  # the interval's health keys join the record
                 r.log.step(record)
                 r.objective.after_step(r, record)
+                for event in events:
+                    r.log.write(event)
+                if r.health.verdict is not None:
+                    raise control.halt(run_dir, r.health.verdict, step=record["step"], exit_code=EXIT_TRIPWIRE,
+                                       details={"tripwire": "train.entropy_halt"})
                 return record
 
             while r.step < r.total_steps:
                 if profiler is not None:
                     profiler.before(r.step + 1)
+                r.health.before_step(r.step + 1)
                 step_record, flags = train_step(r, signals, wall)
+                r.health.after_step(r.step)
+                if r.averaging is not None:  # merge-back and the EMA's copy, when due
+                    r.averaging.after_step(r.step)
                 if profiler is not None:
                     profiler.after(r.step)
                 if not frozen:  # see freeze_gc
@@ -587,6 +615,9 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                 emit(last)
             if spec.checkpoint.export:
                 _export(r, os.path.join(run_dir, "final"), {"step": r.step})
+                if r.averaging is not None and r.averaging.has_ema:
+                    with r.averaging.ema_weights(r.model):
+                        _export(r, os.path.join(run_dir, EMA_EXPORT), {"step": r.step, "ema": r.averaging.decay})
             r.log.write({"step": r.step, "event": "done", **_memory_gib(r.device)})
     finally:
         if profiler is not None:

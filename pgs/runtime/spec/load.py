@@ -50,6 +50,7 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     LogSpec,
     MemorySpec,
     PreferenceSpec,
+    AveragingSpec,
     SECTIONS,
 )
 from pgs.runtime.spec.toml import dumps, parse_value, read_toml  # noqa: F401  (re-exported)
@@ -70,6 +71,7 @@ class Spec:
     log: LogSpec = attrs.field(factory=LogSpec)
     memory: MemorySpec = attrs.field(factory=MemorySpec)
     preference: PreferenceSpec | None = None  # a preference run (``[preference]``), else SFT
+    averaging: AveragingSpec | None = None  # weight EMA / merge-back (``[averaging]``), else none
     source: str | None = attrs.field(default=None, eq=False)
 
     @property
@@ -400,6 +402,8 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
             _must_exist(path, where, "folder")
             preference = attrs.evolve(preference, reference_path=path)
         sections["preference"] = preference
+    if "averaging" in raw:
+        sections["averaging"] = _section("averaging", raw["averaging"])
     train = sections["train"]
     if train.steps is not None and train.epochs is not None:
         raise SpecError("train: set either steps or epochs, not both")

@@ -6,6 +6,7 @@ A checkpoint is ``<run_dir>/step_<N>/``::
     optimizer.safetensors  the bound chain's state (``BoundOptimizer.state_dict()``)
     rng.safetensors        torch generator states as uint8 tensors (CPU, each CUDA device, noise)
     trainer.json           counters, data-stream position, skip counters, best-so-far
+    averaging.safetensors  with ``[averaging] ema``: the EMA of the weights (``save(extra=...)``)
     spec.resolved.toml     the spec the run was started with
     COMPLETE               manifest: size and sha256 of every file above; written last
 
@@ -44,7 +45,7 @@ RNG_FILE = "rng.safetensors"
 TRAINER_FILE = "trainer.json"
 SPEC_FILE = "spec.resolved.toml"
 STEP_DIR = re.compile(r"^step_(\d+)$")
-TMP_DIR = re.compile(r"^\.(step_\d+|best|final)\.tmp-\d+$")
+TMP_DIR = re.compile(r"^\.(step_\d+|best|final|final-ema)\.tmp-\d+$")
 
 
 @attrs.frozen
@@ -242,8 +243,13 @@ def save(
     trainer: dict[str, Any],
     spec_toml: str,
     crash_hook: Callable[[str], None] | None = None,
+    extra: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> str:
     """Write ``<run_dir>/step_<step>`` durably; returns its path.
+
+    ``extra``: more safetensors files of the step (file name -> tensors), written before the
+    manifest and covered by it (the weight EMA: ``averaging.safetensors``); ``load_extra``
+    reads one back.
 
     ``crash_hook(stage)`` is called between files (tests kill the process there).  A full
     disk (``ENOSPC``, an exhausted quota) removes the temporary folder and raises
@@ -253,26 +259,32 @@ def save(
     tmp = os.path.join(run_dir, f".step_{step}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tensors, aliases = model_tensors(model)
+    extra = extra or {}
     need = tensor_bytes(tensors) + tensor_bytes(optimizer_state) + tensor_bytes(rng)
+    need += sum(tensor_bytes(t) for t in extra.values())
     with disk_full_guard(tmp, final, need):
         os.makedirs(tmp)
         _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, trainer, spec_toml,
-                    crash_hook or (lambda stage: None))
+                    crash_hook or (lambda stage: None), extra)
     return final
 
 
-def _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, trainer, spec_toml, hook) -> None:
+def _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, trainer, spec_toml, hook,
+                extra=None) -> None:
     save_file(tensors, os.path.join(tmp, MODEL_FILE), metadata={"format": "pt", "pgs": "model"})
     hook("model")
     save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in optimizer_state.items()},
               os.path.join(tmp, OPTIMIZER_FILE), metadata={"pgs": "optimizer"})
     hook("optimizer")
     save_file(rng, os.path.join(tmp, RNG_FILE), metadata={"pgs": "rng"})
+    for name, extra_tensors in (extra or {}).items():
+        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in extra_tensors.items()},
+                  os.path.join(tmp, name), metadata={"pgs": name})
     payload = {"format": FORMAT_VERSION, "step": step, "aliases": aliases, **trainer}
     _write_text(os.path.join(tmp, TRAINER_FILE), json.dumps(payload, indent=2, sort_keys=True) + "\n")
     _write_text(os.path.join(tmp, SPEC_FILE), spec_toml)
     hook("manifest")
-    write_manifest(tmp, step, [MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, TRAINER_FILE, SPEC_FILE])
+    write_manifest(tmp, step, [MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, *(extra or {}), TRAINER_FILE, SPEC_FILE])
     publish(tmp, final)
 
 
@@ -353,6 +365,12 @@ def load(folder: str) -> Checkpoint:
     )
 
 
+def load_extra(folder: str, name: str) -> dict[str, torch.Tensor] | None:
+    """The tensors of an ``extra`` file of a verified step folder, or None when it has none."""
+    path = os.path.join(folder, name)
+    return load_file(path) if os.path.isfile(path) else None
+
+
 @torch.no_grad()
 def load_model_state(model, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
     """Copy ``tensors`` into the model's own storage (parameters keep their identity)."""
@@ -417,7 +435,7 @@ def existing_run(run_dir: str) -> list[str]:
     if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
         found.append("metrics.jsonl")
     found += [os.path.basename(path) for _, path in step_folders(run_dir)]
-    found += [name for name in ("best", "final") if os.path.isdir(os.path.join(run_dir, name))]
+    found += [name for name in ("best", "final", "final-ema") if os.path.isdir(os.path.join(run_dir, name))]
     return found
 
 
