@@ -86,15 +86,21 @@ def router_stats(logits: Tensor, top_k: int, selected: Tensor | None = None,
     return RouterStats(p.sum(0), z.sum(), onehot.detach().sum(0), entropy.sum(), tokens)
 
 
-def load_balance_loss(counts: Tensor, prob_sum: Tensor, tokens: Tensor, top_k: int) -> Tensor:
+def load_balance_loss(counts: Tensor, prob_sum: Tensor, tokens: Tensor, top_k: int,
+                      count_tokens: Tensor | None = None) -> Tensor:
     """Switch load-balancing loss ``E · Σ_i f_i P_i`` (arXiv:2101.03961, eq. 4), per router.
 
     ``counts``, ``prob_sum``: ``[..., E]`` token sums (:func:`router_stats`; ``counts`` gets no
-    gradient); ``tokens``: ``[...]``.  Returns ``[...]``: 1 for uniform load and probabilities.
+    gradient); ``tokens``: ``[...]``, the ``T`` of ``P = prob_sum / T``.  ``count_tokens``: the
+    ``T`` of ``f = counts / (k·T)`` when the counts cover other tokens than ``prob_sum`` (one
+    micro-batch's share of a global batch's loss: ``f`` from the counts known so far, ``P`` a
+    partial sum over the global token count); None: ``tokens``.  Returns ``[...]``: 1 for
+    uniform load and probabilities.
     """
     num_experts = counts.shape[-1]
     t = tokens.clamp_min(1)[..., None]
-    f = counts.detach() / (int(top_k) * t)
+    tc = t if count_tokens is None else count_tokens.clamp_min(1)[..., None]
+    f = counts.detach() / (int(top_k) * tc)
     return num_experts * (f * (prob_sum / t)).sum(-1)
 
 

@@ -57,6 +57,7 @@ from pgs.runtime.loop.preference import STAT_KEYS, PreferenceObjective, prepare_
 from pgs.runtime.loop.trace import Profiler
 from pgs.runtime.model import layers
 from pgs.runtime.model.build import build_model, freeze, output_head, parameter_bytes
+from pgs.runtime.model.moe import router_tap
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
 from pgs.runtime.spec.load import check_world_size
@@ -96,6 +97,7 @@ class Run:
     step_clock: float | None = None  # perf_counter at the end of the last step (None: restart the clock)
     faults: Faults = NO_FAULTS  # what a test injects (faults.py)
     preference: PreferenceObjective | None = None  # the objective hook of a [preference] run (SFT: None)
+    moe: Any = None  # model.moe.RouterTap of a mixture-of-experts model: router telemetry and losses
 
     def counters(self) -> dict:
         return {
@@ -131,8 +133,10 @@ def is_main(run: Run) -> bool:
     return run.ctx is None or run.ctx.is_main
 
 
-def apply_memory(model, memory) -> None:
-    """Liger kernels, activation checkpointing and per-layer compile from ``[memory]``, in place."""
+def apply_memory(model, memory, fast_recompute: bool = True) -> None:
+    """Liger kernels, activation checkpointing and per-layer compile from ``[memory]``, in place.
+    ``fast_recompute=False``: checkpoint through ``torch.utils.checkpoint`` only (a router loss
+    needs the forward's graph, which the fast recompute does not build)."""
 
     if memory.liger:
         layers.apply_liger(model)
@@ -140,7 +144,8 @@ def apply_memory(model, memory) -> None:
         apply_mlp_tiles(model, memory.mlp_tiles)
     if memory.activation_checkpointing != "none":
         layers.apply_activation_checkpointing(model, memory.activation_checkpointing, memory.checkpoint_every,
-                                                     offload=getattr(memory, "offload_checkpoints", False))
+                                                     offload=getattr(memory, "offload_checkpoints", False),
+                                                     fast_recompute=fast_recompute)
     if memory.compile_layers:
         layers.compile_layers(model)
 
@@ -195,6 +200,9 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         if not verdict.isolates and (not sharded or ctx.is_main):
             print(f"pgs: warning: {verdict.reason}; packed documents will see each other", file=sys.stderr)
     freeze(model, m.freeze if isinstance(m.freeze, str) else list(m.freeze))
+    moe = router_tap(model, spec.moe)  # None for a dense model
+    if moe is not None and moe.aux and spec.preference is not None:
+        raise SpecError("moe.load_balance / moe.router_z_loss: a [preference] run takes no router loss (set them to 0)")
     preference = None
     if spec.preference is not None:
         # the pairs are read and tokenized once; the reference scores them with the initial weights
@@ -205,7 +213,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         preference = PreferenceObjective(spec, reference, eval_pairs)
     else:
         stream = TrainStream(spec.data, tokenizer, rank=ctx.rank if sharded else 0, world_size=world)
-    apply_memory(model, mem)
+    apply_memory(model, mem, fast_recompute=not (moe is not None and moe.aux))
     if spec.train.steps is not None:
         per_epoch = None
     elif preference is not None:
@@ -230,7 +238,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         micro_batch=micro_batch, noise=noise, loader=loader,
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
         chain_has_norm=bound.metrics().grad_norm is not None,
-        ctx=ctx if sharded else None, faults=faults, preference=preference,
+        ctx=ctx if sharded else None, faults=faults, preference=preference, moe=moe,
     )
 
 
@@ -290,7 +298,10 @@ def _forward(run: Run, batch, poison: bool):
                                         training=True, lengths=lengths)
     if run.preference is not None:  # the objective hook: Σ pair losses, and the step's preference sums
         return run.preference.forward(run.model, batch, dev, poison=poison, embed_noise=embed_noise)
+    if run.moe is not None:
+        run.moe.begin_micro(batch, dev)
     h = D.final_hidden(run.model, ids, pos, embed_noise=embed_noise)
+    aux = run.moe.end_micro() if run.moe is not None else None
     weight, bias, softcap = output_head(run.model)
     loss = run.spec.loss
     defer = _defers_head_grad(run, weight)
@@ -299,6 +310,8 @@ def _forward(run: Run, batch, poison: bool):
     if defer and result.head_grad is not None:  # joins the embedding's gradient in the tied weight's hook
         run.bound.before_step(weight, result.head_grad)
     loss_sum = result.loss_sum * float("nan") if poison else result.loss_sum
+    if aux is not None:  # the router losses join the gradient, not the value (a NaN one shows as NaN)
+        loss_sum = loss_sum + (aux - aux.detach())
     entropy = result.entropy_sum.detach() if result.entropy_sum is not None else torch.zeros((), device=h.device)
     return loss_sum, entropy
 
@@ -382,6 +395,8 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     pairs = sum(b.num_pairs for b in batches) if run.preference is not None else None
     n_mean = n_valid if pairs is None else pairs
     poison = run.faults.poisons(run.step + 1)
+    if run.moe is not None and pairs is None:
+        run.moe.begin_step(batches, run.device, n_valid)
     loss_parts, entropy_parts = [], []
     pending = None
     for batch in batches:
@@ -428,6 +443,8 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
         values["entropy"] = entropy
     else:
         values.update({f"pref{i}": v for i, v in enumerate(entropy.unbind())})
+    if run.moe is not None:
+        values.update(run.moe.step_values())
     values = {k: v for k, v in values.items() if v is not None}
     ended = time.perf_counter()
     # the step's period: from the end of the previous step's launches (or this step's start) to
@@ -458,6 +475,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
             "skipped": int(skipped),
             "skipped_total": skipped_total,
             "spike": spike,
+            **{k: x for k, x in v.items() if k.startswith("moe/")},
         }
 
     return StepRecord(values, finish), flags

@@ -48,6 +48,7 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     CheckpointSpec,
     LogSpec,
     MemorySpec,
+    MoESpec,
     PreferenceSpec,
     SECTIONS,
 )
@@ -68,6 +69,7 @@ class Spec:
     checkpoint: CheckpointSpec = attrs.field(factory=CheckpointSpec)
     log: LogSpec = attrs.field(factory=LogSpec)
     memory: MemorySpec = attrs.field(factory=MemorySpec)
+    moe: MoESpec = attrs.field(factory=MoESpec)
     preference: PreferenceSpec | None = None  # a preference run (``[preference]``), else SFT
     source: str | None = attrs.field(default=None, eq=False)
 
@@ -387,7 +389,7 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         "data": _data(raw["data"], base),
         "optimizer": _optimizer(raw.get("optimizer", {})),
     }
-    for name in ("schedule", "loss", "train", "checkpoint", "log", "memory"):
+    for name in ("schedule", "loss", "train", "checkpoint", "log", "memory", "moe"):
         sections[name] = _section(name, raw.get(name, {}))
     if "preference" in raw:
         preference = _section("preference", raw["preference"])

@@ -1,5 +1,5 @@
 """The sections of a run spec (``[model]``, ``[optimizer]``, ``[schedule]``, ``[loss]``,
-``[train]``, ``[checkpoint]``, ``[log]``, ``[memory]``, ``[preference]``; ``[data]`` is ``DataConfig``): frozen attrs
+``[train]``, ``[checkpoint]``, ``[log]``, ``[memory]``, ``[moe]``, ``[preference]``; ``[data]`` is ``DataConfig``): frozen attrs
 classes whose validators check every field's type and range and name it in a ``SpecError``.
 ``pgs.runtime.spec.load`` assembles them into a ``Spec`` (and re-exports these names).
 """
@@ -380,6 +380,24 @@ class PreferenceSpec:
         return self.kind not in REFERENCE_FREE
 
 
+@attrs.frozen
+class MoESpec:
+    """``[moe]``: mixture-of-experts models (docs/moe.md, ``pgs.runtime.model.moe``).
+
+    ``load_balance``: the coefficient of the Switch load-balancing loss over the global batch
+    (arXiv:2101.03961, arXiv:2501.11873); ``router_z_loss``: that of the ST-MoE router z-loss
+    (arXiv:2202.08906).  Both 0 by default (post-training keeps the pretrained router's
+    balance).  ``telemetry``: log the routers' load statistics (``moe/*``) with every step.
+    Ignored for a dense model unless a coefficient is set (then refused).
+    """
+
+    section: ClassVar[str] = "moe"
+
+    load_balance: float = attrs.field(default=0.0, validator=_number_in(0.0))
+    router_z_loss: float = attrs.field(default=0.0, validator=_number_in(0.0))
+    telemetry: bool = attrs.field(default=True, validator=_bool)
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSpec,
     "data": DataConfig,
@@ -390,5 +408,6 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointSpec,
     "log": LogSpec,
     "memory": MemorySpec,
+    "moe": MoESpec,
     "preference": PreferenceSpec,
 }
