@@ -97,3 +97,30 @@ def test_one_rank_is_packed_attention():
     torch.testing.assert_close(ring_attention(q, k, v, doc, SequenceShard(0, 1, "contiguous")), ref)
     with pytest.raises(ValueError, match="does not split"):
         SequenceShard(0, 2).indices(6)
+
+
+@pytest.mark.slow
+def test_pgs_run_with_context_parallel_equals_one_process(tmp_path):
+    """``pgs run --nproc 2`` with ``[parallel] context = 2`` (each row split over both ranks,
+    FSDP2 over the same ranks, full activation checkpointing so that the ring also runs in the
+    recompute of backward) against one process: the same rows, the same losses and eval losses
+    to fp32 rounding, the same weights after 4 AdamW steps to 1e-5."""
+    from test_train import ROOT, child_env, records, step_records, tiny_spec
+    from test_train_distributed import assert_same_weights, final_weights
+
+    single = tiny_spec(tmp_path, "single", steps=4, every=0, export="true", eval_every=4)
+    split = tiny_spec(tmp_path, "split", steps=4, every=0, export="true", eval_every=4)
+    split.write_text(split.read_text() + '\n[memory]\nactivation_checkpointing = "full"\n\n[parallel]\ncontext = 2\n')
+    for spec, extra in ((single, []), (split, ["--nproc", "2"])):
+        done = subprocess.run([sys.executable, "-m", "pgs", "run", str(spec), *extra], cwd=ROOT,
+                              env=child_env(PGS_PG_TIMEOUT_S=60), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    one, two = step_records(tmp_path / "single"), step_records(tmp_path / "split")
+    assert [r["step"] for r in two] == [1, 2, 3, 4]
+    for a, b in zip(one, two):
+        assert (a["valid_tokens"], a["tokens"]) == (b["valid_tokens"], b["tokens"])
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+    evals = [[r["eval_loss"] for r in records(tmp_path / d) if "eval_loss" in r] for d in ("single", "split")]
+    assert evals[1] == pytest.approx(evals[0], rel=1e-6) and len(evals[0]) == 2
+    assert_same_weights(final_weights(tmp_path / "single"), final_weights(tmp_path / "split"), "1 vs context 2",
+                        atol=1e-5)

@@ -35,7 +35,8 @@ Use: :func:`shard_rows` cuts ``input_ids``/``position_ids``/``labels`` (``[B, S]
 multiple of ``2W``; :func:`pad_width` says how far to pad) into this rank's shard; a model built
 with ``attn_implementation = HF_NAME`` (:func:`register`) runs its attention through
 :func:`ring_attention` inside ``with sequence_parallel(shard, position_ids):`` (the full rows'
-positions, for the document ids).  Outside that block the same attention function computes the
+positions, for the document ids), or between ``begin_rows`` and ``end_rows`` (the training loop:
+a checkpointed layer's recompute in backward must see the same rows).  Outside that block the same attention function computes the
 ordinary packed attention of the whole local row (evaluation, one process).  The loss is the
 sum of the shards' token losses over the global valid-token count, and the ranks' gradients
 are summed (FSDP2's reduce-scatter over the same ranks does exactly that).
@@ -118,6 +119,74 @@ def unshard_rows(parts: list[Tensor], shard: SequenceShard, dim: int = 1) -> Ten
     for r, p in enumerate(parts):
         out.index_copy_(dim, shard.indices(width, r, device=p.device), p)
     return out
+
+
+@attrs.frozen
+class ShardedBatch:
+    """This rank's shard of a ``PackedBatch`` (the fields the training step reads), with what
+    the shard's forward needs of the whole rows: ``full_position_ids`` (document ids for the
+    ring) and ``token_mask`` (the shard's non-padding tokens).  Counts are the shard's own, so
+    that their sums over all ranks are the global batch's."""
+
+    input_ids: Tensor
+    labels: Tensor
+    position_ids: Tensor
+    full_position_ids: Tensor
+    token_mask: Tensor
+    cu_seqlens: list
+    num_docs: int
+    num_trained_tokens: int
+    num_tokens: int
+
+
+def shard_batch(batch, shard: SequenceShard) -> ShardedBatch:
+    """``batch`` (a ``PackedBatch``, ``[B, S]``) padded to a width ``shard`` splits and cut to this
+    rank's tokens.  The added padding is one more document per row (positions from 0, label
+    -100), which no real token attends to."""
+    ids, labels, pos = batch.input_ids, batch.labels, batch.position_ids
+    rows, width = ids.shape
+    lengths = torch.tensor([int(c[-1]) if len(c) else 0 for c in batch.cu_seqlens], dtype=torch.long)
+    wide = pad_width(width, shard)
+    if wide > width:
+        extra = wide - width
+        ids = torch.cat([ids, ids.new_zeros(rows, extra)], dim=1)
+        labels = torch.cat([labels, labels.new_full((rows, extra), -100)], dim=1)
+        pos = torch.cat([pos, torch.arange(extra, dtype=pos.dtype).expand(rows, -1)], dim=1)
+    real = torch.arange(wide)[None, :] < lengths[:, None]
+    mine_labels = shard_rows(labels, shard)
+    mine_real = shard_rows(real, shard)
+    return ShardedBatch(input_ids=shard_rows(ids, shard), labels=mine_labels, position_ids=shard_rows(pos, shard),
+                        full_position_ids=pos, token_mask=mine_real.reshape(-1), cu_seqlens=batch.cu_seqlens,
+                        num_docs=batch.num_docs, num_trained_tokens=int((mine_labels != -100).sum()),
+                        num_tokens=int(mine_real.sum()))
+
+
+def begin_rows(batch, shard: SequenceShard | None, device) -> None:
+    """Make the ring attention of the next forward *and of its backward* (a checkpointed layer
+    recomputes its attention there) run over ``shard`` for :class:`ShardedBatch` ``batch``; it
+    stays in force until the next ``begin_rows`` or :func:`end_rows`.  A no-op for other batches."""
+    if shard is None or not isinstance(batch, ShardedBatch):
+        return
+    _ACTIVE[:] = [(shard, document_ids(batch.full_position_ids.to(device, non_blocking=True)))]
+
+
+def end_rows() -> None:
+    """Leave :func:`begin_rows`' rows (evaluation then attends within each rank's own rows)."""
+    _ACTIVE.clear()
+
+
+def make_shard(rank: int, world: int, context: int, layout: str = "zigzag") -> SequenceShard:
+    """This rank's place in its context-parallel group: groups of ``context`` adjacent ranks
+    (every rank must call this: it creates every group's process group)."""
+    if world % context:
+        raise SpecError(f"parallel.context: {context} ranks per sequence do not divide {world} processes")
+    group = None
+    if context < world:
+        for start in range(0, world, context):
+            g = dist.new_group(list(range(start, start + context)))
+            if start <= rank < start + context:
+                group = g
+    return SequenceShard(rank % context, context, layout, group)
 
 
 # ------------------------------------------------------------------------------- the ring

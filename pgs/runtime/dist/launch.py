@@ -142,7 +142,7 @@ def launch_run(spec, spec_path: str, *, nproc: int, overrides: Sequence[str] = (
     """
 
     preflight_spec(spec)
-    check_world_size(spec.train, nproc)
+    check_world_size(spec.train, nproc, spec.parallel.context)
     if resume is None:
         if overwrite:
             aside = checkpoint.move_aside(spec.checkpoint.dir)

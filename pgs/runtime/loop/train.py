@@ -48,7 +48,7 @@ from pgs.runtime.data import EvalStream, TrainStream, require_packing_isolation
 from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.loader import StepLoader
 from pgs.runtime.data.preference import PreferenceStream
-from pgs.runtime.dist import fsdp as D
+from pgs.runtime.dist import context as CP, fsdp as D
 from pgs.runtime.loop import control
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
@@ -98,6 +98,7 @@ class Run:
     faults: Faults = NO_FAULTS  # what a test injects (faults.py)
     preference: PreferenceObjective | None = None  # the objective hook of a [preference] run (SFT: None)
     moe: Any = None  # model.moe.RouterTap of a mixture-of-experts model: router telemetry and losses
+    context: Any = None  # dist.context.SequenceShard: this rank's part of each row ([parallel] context > 1)
 
     def counters(self) -> dict:
         return {
@@ -178,10 +179,19 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     sharded = ctx is not None and ctx.distributed
     world = ctx.world_size if sharded else 1
     mem = spec.memory
+    cp = spec.parallel.context
+    shard = None
+    if cp > 1:  # ranks split each row: ring attention (dist/context.py); the rest is data parallel
+        if not sharded:
+            raise SpecError(f"parallel.context: {cp} ranks per sequence need pgs run --nproc N (N a multiple of {cp})")
+        if spec.preference is not None or spec.loss.neftune_alpha > 0:
+            raise SpecError("parallel.context: not with [preference] or loss.neftune_alpha (they read whole rows)")
     if sharded:
-        check_world_size(spec.train, world)
+        check_world_size(spec.train, world, cp)
         if spec.preference is not None:
             raise SpecError("preference: a [preference] run trains on one process for now (WORLD_SIZE = 1)")
+        if cp > 1:
+            shard = CP.make_shard(ctx.rank, world, cp, spec.parallel.layout)
     seed_everything(spec.train.seed)
     device = ctx.device if sharded else _device(spec.train.device)
     configure_allocator(device)
@@ -192,7 +202,8 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     # FSDP2 keeps fp32 sharded masters and computes in bf16 (mixed precision) for a bf16 model
     mixed = "bf16" if sharded and m.dtype == "bfloat16" else None
     dtype = "float32" if mixed else m.dtype
-    model = build_model(path=m.path, config=config, dtype=dtype, attn_implementation=m.attn_implementation,
+    attn = CP.register() if shard is not None else m.attn_implementation
+    model = build_model(path=m.path, config=config, dtype=dtype, attn_implementation=attn,
                         varlen_kernel=m.varlen_kernel, init_seed=m.init_seed, vocab_size=len(tokenizer),
                         device=device)
     if spec.data.packing:
@@ -212,7 +223,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         reference = prepare_reference(spec, model, tokenizer, device, stream.pairs, eval_pairs)
         preference = PreferenceObjective(spec, reference, eval_pairs)
     else:
-        stream = TrainStream(spec.data, tokenizer, rank=ctx.rank if sharded else 0, world_size=world)
+        stream = TrainStream(spec.data, tokenizer, rank=ctx.rank // cp if sharded else 0, world_size=world // cp)
     apply_memory(model, mem, fast_recompute=not (moe is not None and moe.aux))
     if spec.train.steps is not None:
         per_epoch = None
@@ -226,7 +237,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         D.shard_model(model, ctx.mesh, mixed_precision=mixed)
     bound = make_optimizer(chain, model, mem, sharded=sharded, grad_accum=spec.train.grad_accum,
                            compile=spec.optimizer.compile, jit=spec.optimizer.jit)
-    micro_batch = spec.train.batch_size // (spec.train.grad_accum * world)
+    micro_batch = spec.train.batch_size // (spec.train.grad_accum * (world // cp))
     # pairs are tokenized up front: their batches are cheap, no pack window to keep ahead of
     loader = StepLoader(stream, micro_batch, spec.train.grad_accum, device, ahead=2 if preference else None)
     noise = None
@@ -238,7 +249,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         micro_batch=micro_batch, noise=noise, loader=loader,
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
         chain_has_norm=bound.metrics().grad_norm is not None,
-        ctx=ctx if sharded else None, faults=faults, preference=preference, moe=moe,
+        ctx=ctx if sharded else None, faults=faults, preference=preference, moe=moe, context=shard,
     )
 
 
@@ -300,6 +311,7 @@ def _forward(run: Run, batch, poison: bool):
         return run.preference.forward(run.model, batch, dev, poison=poison, embed_noise=embed_noise)
     if run.moe is not None:
         run.moe.begin_micro(batch, dev)
+    CP.begin_rows(batch, run.context, dev)  # a row split over ranks: ring attention (until end_rows)
     h = D.final_hidden(run.model, ids, pos, embed_noise=embed_noise)
     aux = run.moe.end_micro() if run.moe is not None else None
     weight, bias, softcap = output_head(run.model)
@@ -389,6 +401,8 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     everything else that is logged is read a step later (:class:`StepRecord`)."""
     started = time.perf_counter()
     batches = run.loader.next_step()
+    if run.context is not None:  # this rank's part of every row (the counts below are then its own)
+        batches = [CP.shard_batch(b, run.context) for b in batches]
     # the loss's denominator: valid tokens of the whole step, on every rank (before any forward);
     # a preference run's loss is a mean over the step's pairs
     n_valid = D.global_count(sum(b.num_trained_tokens for b in batches))
@@ -426,6 +440,8 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
         run.bound.zero_grad()
         opt = run.bound.metrics()
         flags[control.SPIKE] = control.agree([0, 0, 0, int(opt.spike)])[control.SPIKE]
+    if run.context is not None:
+        CP.end_rows()
     skipped = bool(flags[control.NONFINITE] or flags[control.SPIKE])
     run.skips.record(skipped)
     run.step += 1

@@ -183,9 +183,11 @@ class RouterTap:
 
     def begin_micro(self, batch, device: torch.device) -> None:
         """Count the router calls of the next forward, padding excluded."""
-        lengths = torch.tensor([int(c[-1]) if len(c) else 0 for c in batch.cu_seqlens], dtype=torch.long)
-        width = batch.input_ids.shape[-1]
-        mask = torch.arange(width)[None, :] < lengths[:, None]
+        mask = getattr(batch, "token_mask", None)  # a context-parallel shard says which of its tokens are real
+        if mask is None:
+            lengths = torch.tensor([int(c[-1]) if len(c) else 0 for c in batch.cu_seqlens], dtype=torch.long)
+            width = batch.input_ids.shape[-1]
+            mask = torch.arange(width)[None, :] < lengths[:, None]
         self._mask = mask.reshape(-1).to(device, non_blocking=True)
         self._parts = [[] for _ in self.layers]
         self._active = True

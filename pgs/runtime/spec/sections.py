@@ -1,5 +1,5 @@
 """The sections of a run spec (``[model]``, ``[optimizer]``, ``[schedule]``, ``[loss]``,
-``[train]``, ``[checkpoint]``, ``[log]``, ``[memory]``, ``[moe]``, ``[preference]``; ``[data]`` is ``DataConfig``): frozen attrs
+``[train]``, ``[checkpoint]``, ``[log]``, ``[memory]``, ``[moe]``, ``[parallel]``, ``[preference]``; ``[data]`` is ``DataConfig``): frozen attrs
 classes whose validators check every field's type and range and name it in a ``SpecError``.
 ``pgs.runtime.spec.load`` assembles them into a ``Spec`` (and re-exports these names).
 """
@@ -398,6 +398,23 @@ class MoESpec:
     telemetry: bool = attrs.field(default=True, validator=_bool)
 
 
+@attrs.frozen
+class ParallelSpec:
+    """``[parallel]``: how the processes of ``pgs run --nproc N`` share the work (docs/distributed.md).
+
+    ``context``: ranks that split each packed row along the sequence (context parallelism,
+    ring attention, ``pgs.runtime.dist.context``); it must divide the number of processes, the
+    rest is data parallelism (``N / context`` ranks, each with its own rows).  ``layout``:
+    ``"zigzag"`` (rank r holds chunks r and 2·context−1−r of the row: equal causal work) or
+    ``"contiguous"``.
+    """
+
+    section: ClassVar[str] = "parallel"
+
+    context: int = attrs.field(default=1, validator=_int_at_least(1))
+    layout: str = attrs.field(default="zigzag", validator=_one_of(("zigzag", "contiguous")))
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSpec,
     "data": DataConfig,
@@ -409,5 +426,6 @@ SECTIONS: dict[str, type] = {
     "log": LogSpec,
     "memory": MemorySpec,
     "moe": MoESpec,
+    "parallel": ParallelSpec,
     "preference": PreferenceSpec,
 }
