@@ -49,6 +49,7 @@ def two_ranks(tmp_path_factory):
     return [json.loads((out / f"result_rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_ring_attention_equals_one_process(two_ranks, layout):
     for result in two_ranks:
@@ -56,6 +57,7 @@ def test_ring_attention_equals_one_process(two_ranks, layout):
         assert max(diffs.values()) < 1e-12, diffs
 
 
+@pytest.mark.slow
 def test_model_with_split_sequence_equals_one_process(two_ranks):
     for result in two_ranks:
         dense, moe = result["qwen3_fp64"], result["qwen3_moe_fp32"]

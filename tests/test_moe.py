@@ -17,7 +17,7 @@ from pgs.runtime.data.isolation import packing_isolation
 from pgs.runtime.model.build import build_model, final_hidden
 from pgs.runtime.model.moe import METRIC_KEYS, RouterTap, find_routers, router_tap
 from pgs.runtime.spec.load import MoESpec
-from test_train import ROOT, child_env
+from test_train import ROOT, child_env, tiny_spec
 
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
               max_position_embeddings=128, vocab_size=97, tie_word_embeddings=False)
@@ -170,67 +170,21 @@ def test_dense_model_and_refusals():
         MoESpec(load_balance=-1.0)
 
 
-MOE_SPEC = """
-[model]
-tokenizer = "pgs:quickstart/tokenizer"
-init_seed = 3
-
-[model.config]
-model_type = "{model_type}"
-{experts}
-hidden_size = 32
-intermediate_size = 32
-num_experts_per_tok = 2
-num_hidden_layers = 2
-num_attention_heads = 2
-num_key_value_heads = 1
-head_dim = 16
-max_position_embeddings = 128
-tie_word_embeddings = true
-
-[data]
-sources = [{{ path = "pgs:quickstart/train.jsonl" }}]
-max_seq_len = 96
-seed = 1
-
-[optimizer]
-alias = "adamw"
-
-[schedule]
-name = "constant"
-peak = 3e-3
-
-[train]
-steps = {steps}
-batch_size = 4
-grad_accum = {grad_accum}
-seed = 7
-log_every = 1000
-
-[memory]
-activation_checkpointing = "{checkpointing}"
-
-[moe]
-load_balance = {load_balance}
-router_z_loss = {z_loss}
-
-[checkpoint]
-dir = "{run_dir}"
-every = 0
-best_metric = ""
-export = false
-"""
-
 EXPERTS = {"qwen3_moe": "num_experts = 4\nmoe_intermediate_size = 16", "olmoe": "num_experts = 4",
            "mixtral": "num_local_experts = 4"}
 
 
 def moe_spec(tmp_path, name, *, model_type="qwen3_moe", steps=3, grad_accum=2, checkpointing="none",
-             load_balance=0.0, z_loss=0.0):
-    path = tmp_path / f"{name}.toml"
-    path.write_text(MOE_SPEC.format(model_type=model_type, experts=EXPERTS[model_type], steps=steps,
-                                    grad_accum=grad_accum, checkpointing=checkpointing, load_balance=load_balance,
-                                    z_loss=z_loss, run_dir=tmp_path / name))
+             load_balance=0.0, z_loss=0.0, **fields):
+    """tests/test_train.py's tiny spec (``fields``: its other fields) with a 4-expert top-2 model of
+    ``model_type`` and ``[moe]``."""
+    path = tiny_spec(tmp_path, name, steps=steps, **{"every": 0, **fields})
+    text = path.read_text().replace('model_type = "qwen3"',
+                                    f'model_type = "{model_type}"\n{EXPERTS[model_type]}\nnum_experts_per_tok = 2')
+    text = text.replace("grad_accum = 2", f"grad_accum = {grad_accum}")
+    text += (f'\n[memory]\nactivation_checkpointing = "{checkpointing}"\n\n'
+             f"[moe]\nload_balance = {load_balance}\nrouter_z_loss = {z_loss}\n")
+    path.write_text(text)
     return path
 
 
@@ -242,10 +196,11 @@ def run_spec(path, timeout=240):
     return [r for r in map(json.loads, lines) if "loss" in r]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["olmoe", "mixtral"])
 def test_pgs_run_logs_router_telemetry(tmp_path, model_type):
-    steps = run_spec(moe_spec(tmp_path, "run", model_type=model_type, steps=2))
-    assert len(steps) == 2
+    steps = run_spec(moe_spec(tmp_path, "run", model_type=model_type, steps=3))
+    assert len(steps) == 3
     for r in steps:
         assert set(METRIC_KEYS) <= set(r)
         assert 0 < r["moe/utilization"] <= 1 and 0 <= r["moe/dead_frac"] <= 1
@@ -253,6 +208,7 @@ def test_pgs_run_logs_router_telemetry(tmp_path, model_type):
         assert r["moe/max_vio_layer"] in (0.0, 1.0)
 
 
+@pytest.mark.slow
 def test_aux_losses_change_gradients_not_the_logged_loss(tmp_path):
     """With the router losses on (and activation checkpointing, which then recomputes through
     torch.utils.checkpoint), step 1's logged loss is the token loss alone, equal to a run

@@ -27,10 +27,8 @@ STEPS = 4
 
 
 def _spec(tmp_path, name):
-    path = moe_spec(tmp_path, name, steps=STEPS, grad_accum=1, load_balance=0.05, z_loss=0.01)
-    text = path.read_text().replace("export = false", "export = true").replace("every = 0", f"every = {STEPS}")
-    path.write_text(text)
-    return path
+    return moe_spec(tmp_path, name, steps=STEPS, grad_accum=1, load_balance=0.05, z_loss=0.01, export="true",
+                    every=STEPS)
 
 
 @pytest.mark.slow
