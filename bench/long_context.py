@@ -40,13 +40,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECS = {"qwen3-0.6b": "specs/qwen3_0.6b_packed.toml", "qwen3-4b": "specs/qwen3_4b_12gib.toml"}
 #: The long-row memory recipe (docs/memory.md) applied over each shipped spec.
-RECIPE = ["memory.activation_checkpointing=full", "memory.offload_checkpoints=true", "memory.tied_slabs=0",
-          "train.batch_size=1", "train.grad_accum=1", "data.packing=false", "data.truncation=truncate",
+RECIPE = ["memory.activation_checkpointing=full", "memory.offload_checkpoints=true", "train.batch_size=1", "train.grad_accum=1", "data.packing=false", "data.truncation=truncate",
           "train.eval_every=0", "checkpoint.every=0", "checkpoint.export=false"]
 SMALL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
          "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.head_dim=16",
          "model.config.vocab_size=512", "model.dtype=float32", "memory.compile_layers=false",
-         "memory.stochastic_rounding=false", "memory.offload_checkpoints=false", "schedule.warmup=2"]
+         "memory.stochastic_rounding=false", "memory.offload_checkpoints=false", "memory.tied_slabs=0",
+         "schedule.warmup=2"]
 
 
 def write_long_records(path: str, words: int, records: int, seed: int = 0) -> None:

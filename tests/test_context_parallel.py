@@ -126,3 +126,34 @@ def test_pgs_run_with_context_parallel_equals_one_process(tmp_path):
     assert evals[1] == pytest.approx(evals[0], rel=1e-6) and len(evals[0]) == 2
     assert_same_weights(final_weights(tmp_path / "single"), final_weights(tmp_path / "split"), "1 vs context 2",
                         atol=1e-5)
+
+
+def test_context_must_divide_the_processes_and_the_rows_split_over_data_ranks(tmp_path, monkeypatch):
+    from pgs.errors import SpecError
+    from pgs.runtime.spec.load import check_world_size, load_spec
+    from test_train import tiny_spec
+
+    spec = load_spec(tiny_spec(tmp_path, "cp"), ["parallel.context=2"])
+    assert (spec.parallel.context, spec.parallel.layout) == (2, "zigzag")
+    check_world_size(spec.train, 4, 2)  # 2 data ranks x grad_accum 2 = 4 rows
+    check_world_size(spec.train, 2, 2)
+    with pytest.raises(SpecError, match="parallel.context: 3 ranks per sequence do not divide 4 processes"):
+        check_world_size(spec.train, 4, 3)
+    with pytest.raises(SpecError, match="train.batch_size"):
+        check_world_size(spec.train, 8, 2)  # 4 data ranks x 2 micro-batches > 4 rows
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SpecError, match="do not divide 4 processes"):
+        load_spec(tiny_spec(tmp_path, "cp3"), ["parallel.context=3"])
+    with pytest.raises(SpecError, match="parallel.layout"):
+        load_spec(tiny_spec(tmp_path, "bad"), ['parallel.layout="ring"'])
+
+
+def test_context_on_one_process_is_refused(tmp_path):
+    from test_train import ROOT, child_env, tiny_spec
+
+    spec = tiny_spec(tmp_path, "one")
+    spec.write_text(spec.read_text() + "\n[parallel]\ncontext = 2\n")
+    done = subprocess.run([sys.executable, "-m", "pgs", "run", str(spec)], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "parallel.context: 2 ranks per sequence need pgs run --nproc N" in done.stderr
