@@ -77,7 +77,7 @@ def test_routers_found_and_stats_equal_transformers_router_logits(name):
     z = torch.stack([router_z_loss(s.z_sum, s.tokens) for s in stats]).mean()
     torch.testing.assert_close(values["moe/lb_loss"], lb.double(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(values["moe/z_loss"], z.double(), rtol=1e-6, atol=1e-7)
-    assert float(sum(s.tokens for s in stats)) == 2 * 19
+    assert float(sum(s.tokens for s in stats)) == 2 * 19 and float(values["moe/tokens"]) == 19
     assert tap.step_values() == {}  # the window was consumed
     # eval / no-grad forwards outside begin_micro are not counted
     with torch.no_grad():
@@ -219,3 +219,33 @@ def test_aux_losses_change_gradients_not_the_logged_loss(tmp_path):
     assert plain[0]["moe/lb_loss"] == pytest.approx(aux[0]["moe/lb_loss"], rel=1e-6)
     assert plain[-1]["loss"] != aux[-1]["loss"]
     assert plain[-1]["moe/z_loss"] != aux[-1]["moe/z_loss"]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_checkpointed_recompute_is_not_counted_twice(fast):
+    """A checkpointed layer's recompute in backward runs the routers again; the tap counts the
+    forward only (both recompute paths), and with a router loss the gradient equals the
+    unchecked model's."""
+    from pgs.runtime.model.layers import apply_activation_checkpointing
+
+    ids, pos, batch = _batch(seed=2)
+    results = []
+    for checkpointed in (False, True):
+        model = tiny("qwen3_moe")
+        if checkpointed:
+            apply_activation_checkpointing(model, "full", fast_recompute=fast)
+        tap = RouterTap(find_routers(model), load_balance=0.0 if fast else 0.2)
+        tap.begin_step([batch], torch.device("cpu"), 10)
+        tap.begin_micro(batch, torch.device("cpu"))
+        h = final_hidden(model, ids, pos)
+        aux = tap.end_micro()
+        loss = h.square().mean() + (aux / 10 if aux is not None else 0)
+        loss.backward()
+        gate = find_routers(model)[0][2].weight.grad.clone()
+        results.append((tap.step_values(), gate))
+        tap.close()
+    (plain, g0), (ckpt, g1) = results
+    assert float(plain["moe/tokens"]) == float(ckpt["moe/tokens"]) == 19  # rows of 12 and 7 real tokens
+    for key in METRIC_KEYS:
+        torch.testing.assert_close(ckpt[key], plain[key], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-7)

@@ -20,8 +20,8 @@ The loop drives one :class:`RouterTap` per run (docs/moe.md):
 * ``step_values()``: the step window's telemetry as device tensors (``moe/lb_loss``,
   ``moe/z_loss``, ``moe/max_vio``, ``moe/max_vio_worst``, ``moe/max_vio_layer``,
   ``moe/utilization``, ``moe/utilization_worst``, ``moe/dead_frac``, ``moe/dead_frac_worst``,
-  ``moe/router_entropy``), read by the loop with the step's other metrics one step later: no
-  host read of its own.
+  ``moe/router_entropy``, ``moe/tokens``), read by the loop with the step's other metrics one
+  step later: no host read of its own.
 
 Global-batch load balance (Qiu et al. 2025, "Demons in the Detail", arXiv:2501.11873): the
 load ``f`` is counted over every rank and micro-batch of the optimizer step, not per
@@ -53,7 +53,7 @@ from pgs.func.losses import (RouterStats, dead_fraction, load_balance_loss, load
 #: The telemetry keys of a step record, in this order.
 METRIC_KEYS = ("moe/lb_loss", "moe/z_loss", "moe/max_vio", "moe/max_vio_worst", "moe/max_vio_layer",
                "moe/utilization", "moe/utilization_worst", "moe/dead_frac", "moe/dead_frac_worst",
-               "moe/router_entropy")
+               "moe/router_entropy", "moe/tokens")
 
 
 def _router_classes(model) -> tuple[type, ...]:
@@ -267,6 +267,7 @@ class RouterTap:
             "moe/dead_frac": dead.mean(),
             "moe/dead_frac_worst": dead.max(),
             "moe/router_entropy": entropy_sum.sum() / tokens.sum().clamp_min(1),
+            "moe/tokens": tokens.max(),
         }
 
 
