@@ -75,6 +75,10 @@ class Objective(Protocol):
     loader_ahead: int | None
     #: The training data stream the loop's ``StepLoader`` reads.
     stream: Any
+    #: Whether ``forward`` feeds a mixture-of-experts model's router tap (``run.moe``:
+    #: ``begin_micro``/``end_micro`` around the model, router losses into the gradient), so the
+    #: loop opens the tap's step and logs its ``moe/*`` values.
+    router_tap: bool
 
     def steps_per_epoch(self, batch_size: int) -> int:
         """Optimizer steps in one pass over the training data (``train.epochs`` runs)."""
@@ -142,12 +146,13 @@ def build_objective(spec, *, model, tokenizer, device: torch.device, ctx=None) -
     return objective_class(spec).create(spec, model=model, tokenizer=tokenizer, device=device, ctx=ctx)
 
 
-def rank_and_world(ctx) -> tuple[int, int]:
-    """``(rank, world size)`` of a distributed context (``(0, 1)`` on one process)."""
+def rank_and_world(ctx, context: int = 1) -> tuple[int, int]:
+    """``(rank, world size)`` of the data-parallel group a process reads rows for (``(0, 1)`` on
+    one process); ``context`` ranks that split each row (``[parallel] context``) read the same rows."""
 
     if ctx is None or not ctx.distributed:
         return 0, 1
-    return ctx.rank, ctx.world_size
+    return ctx.rank // context, ctx.world_size // context
 
 
 def steps_for(rows: int, batch_size: int) -> int:

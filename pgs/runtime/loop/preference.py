@@ -198,6 +198,7 @@ class PreferenceObjective:
     console_keys = ("reward_chosen", "reward_rejected", "reward_margin", "preference_accuracy", "logp_chosen",
                     "logp_rejected")
     loader_ahead = 2  # pairs are tokenized up front: their batches are cheap, no pack window to keep ahead of
+    router_tap = False  # a [preference] run takes no router loss and logs no router statistics
 
     def __init__(self, spec, reference: Reference, eval_pairs: Sequence[Pair], *, stream=None,
                  device: torch.device | None = None):

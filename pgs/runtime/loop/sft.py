@@ -25,7 +25,7 @@ from pgs.func.losses import token_loss
 from pgs.runtime.data import EvalStream, TrainStream
 from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.packing import doc_ids
-from pgs.runtime.dist import fsdp as D
+from pgs.runtime.dist import context as CP, fsdp as D
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
 from pgs.runtime.loop.objective import neftune_generator, neftune_hook, rank_and_world, steps_for
 from pgs.runtime.model.build import output_head
@@ -43,6 +43,7 @@ class SFTObjective:
     stat_keys = ("entropy",)
     console_keys = ("entropy",)
     loader_ahead = None
+    router_tap = True
 
     def __init__(self, spec, tokenizer, device: torch.device, stream):
         self.spec = spec
@@ -54,7 +55,7 @@ class SFTObjective:
 
     @classmethod
     def create(cls, spec, *, model, tokenizer, device: torch.device, ctx=None) -> "SFTObjective":
-        rank, world = rank_and_world(ctx)
+        rank, world = rank_and_world(ctx, spec.parallel.context)
         return cls(spec, tokenizer, device, TrainStream(spec.data, tokenizer, rank=rank, world_size=world))
 
     def steps_per_epoch(self, batch_size: int) -> int:
@@ -71,7 +72,11 @@ class SFTObjective:
         value on the host: the entropy stays on the device until the step's record is read."""
         dev = run.device
         ids, pos, labels = batch.input_ids.to(dev), batch.position_ids.to(dev), batch.labels.to(dev)
+        if run.moe is not None:
+            run.moe.begin_micro(batch, dev)
+        CP.begin_rows(batch, run.context, dev)  # a row split over ranks: ring attention (until end_rows)
         h = D.final_hidden(run.model, ids, pos, embed_noise=neftune_hook(self.spec, self._generators, batch, dev))
+        aux = run.moe.end_micro() if run.moe is not None else None
         weight, bias, softcap = output_head(run.model)
         loss = self.spec.loss
         defer = self.defers_head_grad(run, weight)
@@ -82,6 +87,8 @@ class SFTObjective:
         if defer and result.head_grad is not None:  # joins the embedding's gradient in the tied weight's hook
             run.bound.before_step(weight, result.head_grad)
         loss_sum = result.loss_sum * float("nan") if poison else result.loss_sum
+        if aux is not None:  # the router losses join the gradient, not the value (a NaN one shows as NaN)
+            loss_sum = loss_sum + (aux - aux.detach())
         entropy = result.entropy_sum.detach() if result.entropy_sum is not None else torch.zeros((), device=h.device)
         return loss_sum, entropy.reshape(1).float()
 

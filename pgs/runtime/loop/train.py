@@ -47,7 +47,7 @@ import torch
 from pgs.errors import DiskFull, EXIT_OK, EXIT_TRIPWIRE, EXIT_WALL_BUDGET, HaltError, PreflightRefused, SpecError
 from pgs.runtime.data import require_packing_isolation
 from pgs.runtime.data.loader import StepLoader
-from pgs.runtime.dist import fsdp as D
+from pgs.runtime.dist import context as CP, fsdp as D
 from pgs.runtime.loop import control
 from pgs.runtime.loop.averaging import CHECKPOINT_FILE as AVERAGING_FILE, EXPORT_DIR as EMA_EXPORT, WeightAverager
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
@@ -57,6 +57,7 @@ from pgs.runtime.loop.objective import Objective, build_objective
 from pgs.runtime.loop.trace import Profiler
 from pgs.runtime.model import layers
 from pgs.runtime.model.build import build_model, freeze, parameter_bytes
+from pgs.runtime.model.moe import router_tap
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
 from pgs.runtime.spec.load import check_world_size
@@ -90,6 +91,8 @@ class Run:
     faults: Faults = NO_FAULTS  # what a test injects (faults.py)
     health: HealthMonitor | None = None  # spikes, update ratios, the entropy tripwire (health.py)
     averaging: WeightAverager | None = None  # [averaging]: weight EMA on the CPU, merge-back (averaging.py)
+    moe: Any = None  # model.moe.RouterTap of a mixture-of-experts model: router telemetry and losses
+    context: Any = None  # dist.context.SequenceShard: this rank's part of each row ([parallel] context > 1)
 
     def counters(self) -> dict:
         return {
@@ -126,8 +129,10 @@ def is_main(run: Run) -> bool:
     return run.ctx is None or run.ctx.is_main
 
 
-def apply_memory(model, memory) -> None:
-    """Liger kernels, activation checkpointing and per-layer compile from ``[memory]``, in place."""
+def apply_memory(model, memory, fast_recompute: bool = True) -> None:
+    """Liger kernels, activation checkpointing and per-layer compile from ``[memory]``, in place.
+    ``fast_recompute=False``: checkpoint through ``torch.utils.checkpoint`` only (a router loss
+    needs the forward's graph, which the fast recompute does not build)."""
 
     if memory.liger:
         layers.apply_liger(model)
@@ -135,7 +140,8 @@ def apply_memory(model, memory) -> None:
         apply_mlp_tiles(model, memory.mlp_tiles)
     if memory.activation_checkpointing != "none":
         layers.apply_activation_checkpointing(model, memory.activation_checkpointing, memory.checkpoint_every,
-                                                     offload=getattr(memory, "offload_checkpoints", False))
+                                                     offload=getattr(memory, "offload_checkpoints", False),
+                                                     fast_recompute=fast_recompute)
     if memory.compile_layers:
         layers.compile_layers(model)
 
@@ -165,10 +171,20 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     sharded = ctx is not None and ctx.distributed
     world = ctx.world_size if sharded else 1
     mem = spec.memory
+    cp = spec.parallel.context
+    shard = None
+    if cp > 1:  # ranks split each row: ring attention (dist/context.py); the rest is data parallel
+        if not sharded:
+            raise SpecError(f"parallel.context: {cp} ranks per sequence need pgs run --nproc N (N a multiple of {cp})")
+        if spec.preference is not None or spec.loss.embedding_noise() is not None:
+            raise SpecError("parallel.context: not with [preference] or embedding noise (loss.neftune_alpha, "
+                            "loss.symnoise_alpha: they read whole rows)")
     if sharded:
-        check_world_size(spec.train, world)
+        check_world_size(spec.train, world, cp)
         if spec.averaging is not None:
             raise SpecError("averaging: weight averaging runs on one process for now (WORLD_SIZE = 1)")
+        if cp > 1:
+            shard = CP.make_shard(ctx.rank, world, cp, spec.parallel.layout)
     seed_everything(spec.train.seed)
     device = ctx.device if sharded else _device(spec.train.device)
     configure_allocator(device)
@@ -179,7 +195,8 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     # FSDP2 keeps fp32 sharded masters and computes in bf16 (mixed precision) for a bf16 model
     mixed = "bf16" if sharded and m.dtype == "bfloat16" else None
     dtype = "float32" if mixed else m.dtype
-    model = build_model(path=m.path, config=config, dtype=dtype, attn_implementation=m.attn_implementation,
+    attn = CP.register() if shard is not None else m.attn_implementation
+    model = build_model(path=m.path, config=config, dtype=dtype, attn_implementation=attn,
                         varlen_kernel=m.varlen_kernel, init_seed=m.init_seed, vocab_size=len(tokenizer),
                         device=device)
     if spec.data.packing:
@@ -187,8 +204,11 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         if not verdict.isolates and (not sharded or ctx.is_main):
             print(f"pgs: warning: {verdict.reason}; packed documents will see each other", file=sys.stderr)
     freeze(model, m.freeze if isinstance(m.freeze, str) else list(m.freeze))
+    moe = router_tap(model, spec.moe)  # None for a dense model
+    if moe is not None and moe.aux and spec.preference is not None:
+        raise SpecError("moe.load_balance / moe.router_z_loss: a [preference] run takes no router loss (set them to 0)")
     objective = build_objective(spec, model=model, tokenizer=tokenizer, device=device, ctx=ctx)
-    apply_memory(model, mem)
+    apply_memory(model, mem, fast_recompute=not (moe is not None and moe.aux))
     per_epoch = None if spec.train.steps is not None else objective.steps_per_epoch(spec.train.batch_size)
     total = spec.total_steps(per_epoch)
     chain = spec.build_chain(total)
@@ -196,14 +216,14 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         D.shard_model(model, ctx.mesh, mixed_precision=mixed)
     bound = make_optimizer(chain, model, mem, sharded=sharded, grad_accum=spec.train.grad_accum,
                            compile=spec.optimizer.compile, jit=spec.optimizer.jit)
-    micro_batch = spec.train.batch_size // (spec.train.grad_accum * world)
+    micro_batch = spec.train.batch_size // (spec.train.grad_accum * (world // cp))
     loader = StepLoader(objective.stream, micro_batch, spec.train.grad_accum, device, ahead=objective.loader_ahead)
     return Run(
         spec=spec, run_dir=spec.checkpoint.dir, device=device, model=model, tokenizer=tokenizer, bound=bound,
         objective=objective, total_steps=total, micro_batch=micro_batch, loader=loader,
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
         chain_has_norm=bound.metrics().grad_norm is not None,
-        ctx=ctx if sharded else None, faults=faults,
+        ctx=ctx if sharded else None, faults=faults, moe=moe, context=shard,
         health=HealthMonitor.from_spec(spec, model, total),
         averaging=WeightAverager.from_spec(spec, model, total),  # its base: the weights as built, before any restore
     )
@@ -322,10 +342,14 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     started = time.perf_counter()
     objective = run.objective
     batches, extra = objective.prepare(run, run.loader.next_step())
+    if run.context is not None:  # this rank's part of every row (the counts below are then its own)
+        batches = [CP.shard_batch(b, run.context) for b in batches]
     # the loss's denominator, on every rank before any forward: the objective's count (valid
     # tokens, pairs) of the whole step; valid tokens are counted for every objective
     n_valid, n_mean = D.global_counts(sum(b.num_trained_tokens for b in batches), objective.count(batches))
     poison = run.faults.poisons(run.step + 1)
+    if run.moe is not None and objective.router_tap:  # the objective's forward feeds the tap
+        run.moe.begin_step(batches, run.device, n_valid)
     loss_parts, stat_parts = [], []
     pending = None
     for batch in batches:
@@ -355,6 +379,8 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
         run.bound.zero_grad()
         opt = run.bound.metrics()
         flags[control.SPIKE] = control.agree([0, 0, 0, int(opt.spike)])[control.SPIKE]
+    if run.context is not None:
+        CP.end_rows()
     skipped = bool(flags[control.NONFINITE] or flags[control.SPIKE])
     run.skips.record(skipped)
     run.step += 1
@@ -367,6 +393,8 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
         loss_sum, stats, tokens = float(sums[0]), [float(v) for v in sums[1:-1]], int(sums[-1])
     values = {"lr": opt.lr, "grad_norm": opt.grad_norm if opt.grad_norm is not None else grad_norm}
     values.update({f"stat{i}": v for i, v in enumerate(stats)})
+    if run.moe is not None and objective.router_tap:
+        values.update(run.moe.step_values())
     values = {k: v for k, v in values.items() if v is not None}
     ended = time.perf_counter()
     # the step's period: from the end of the previous step's launches (or this step's start) to
@@ -394,6 +422,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
             "skipped": int(skipped),
             "skipped_total": skipped_total,
             "spike": spike,
+            **{k: x for k, x in v.items() if k.startswith("moe/")},
         }
 
     return StepRecord(values, finish), flags

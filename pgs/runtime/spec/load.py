@@ -49,6 +49,8 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     CheckpointSpec,
     LogSpec,
     MemorySpec,
+    MoESpec,
+    ParallelSpec,
     PreferenceSpec,
     AveragingSpec,
     SECTIONS,
@@ -70,6 +72,8 @@ class Spec:
     checkpoint: CheckpointSpec = attrs.field(factory=CheckpointSpec)
     log: LogSpec = attrs.field(factory=LogSpec)
     memory: MemorySpec = attrs.field(factory=MemorySpec)
+    moe: MoESpec = attrs.field(factory=MoESpec)
+    parallel: ParallelSpec = attrs.field(factory=ParallelSpec)
     preference: PreferenceSpec | None = None  # a preference run (``[preference]``), else SFT
     averaging: AveragingSpec | None = None  # weight EMA / merge-back (``[averaging]``), else none
     source: str | None = attrs.field(default=None, eq=False)
@@ -392,7 +396,7 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         "data": _data(raw["data"], base),
         "optimizer": _optimizer(raw.get("optimizer", {})),
     }
-    for name in ("schedule", "loss", "train", "checkpoint", "log", "memory"):
+    for name in ("schedule", "loss", "train", "checkpoint", "log", "memory", "moe", "parallel"):
         sections[name] = _section(name, raw.get(name, {}))
     if "preference" in raw:
         preference = _section("preference", raw["preference"])
@@ -413,7 +417,7 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         raise SpecError(f"train.grad_accum: {train.grad_accum} does not divide train.batch_size = {train.batch_size}")
     world = launch_world_size()
     if world > 1:
-        check_world_size(train, world)
+        check_world_size(train, world, sections["parallel"].context)
     ckpt = sections["checkpoint"]
     sections["checkpoint"] = attrs.evolve(ckpt, dir=resolve_path(ckpt.dir, base))
     if "preference" in sections and "best_metric" not in raw.get("checkpoint", {}):
@@ -435,8 +439,12 @@ def launch_world_size() -> int:
         return 1
 
 
-def check_world_size(train: TrainSpec, world: int) -> None:
-    """The global ``train.batch_size`` must split into ``grad_accum`` micro-batches on each of ``world`` ranks."""
+def check_world_size(train: TrainSpec, world: int, context: int = 1) -> None:
+    """The global ``train.batch_size`` must split into ``grad_accum`` micro-batches on each of the
+    ``world / context`` data-parallel ranks (``context``: ranks that split each row, ``[parallel]``)."""
+    if world % context:
+        raise SpecError(f"parallel.context: {context} ranks per sequence do not divide {world} processes")
+    world //= context
     if world > 1 and train.batch_size % (train.grad_accum * world):
         raise SpecError(
             f"train.batch_size: {train.batch_size} sequences per step do not split evenly over "

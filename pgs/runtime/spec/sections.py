@@ -1,5 +1,5 @@
 """The sections of a run spec (``[model]``, ``[optimizer]``, ``[schedule]``, ``[loss]``,
-``[train]``, ``[checkpoint]``, ``[log]``, ``[memory]``, ``[preference]``; ``[data]`` is ``DataConfig``): frozen attrs
+``[train]``, ``[checkpoint]``, ``[log]``, ``[memory]``, ``[moe]``, ``[parallel]``, ``[preference]``; ``[data]`` is ``DataConfig``): frozen attrs
 classes whose validators check every field's type and range and name it in a ``SpecError``.
 ``pgs.runtime.spec.load`` assembles them into a ``Spec`` (and re-exports these names).
 """
@@ -431,6 +431,41 @@ class AveragingSpec:
                                       validator=_expect("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1))
 
 
+@attrs.frozen
+class MoESpec:
+    """``[moe]``: mixture-of-experts models (docs/moe.md, ``pgs.runtime.model.moe``).
+
+    ``load_balance``: the coefficient of the Switch load-balancing loss over the global batch
+    (arXiv:2101.03961, arXiv:2501.11873); ``router_z_loss``: that of the ST-MoE router z-loss
+    (arXiv:2202.08906).  Both 0 by default (post-training keeps the pretrained router's
+    balance).  ``telemetry``: log the routers' load statistics (``moe/*``) with every step.
+    Ignored for a dense model unless a coefficient is set (then refused).
+    """
+
+    section: ClassVar[str] = "moe"
+
+    load_balance: float = attrs.field(default=0.0, validator=_number_in(0.0))
+    router_z_loss: float = attrs.field(default=0.0, validator=_number_in(0.0))
+    telemetry: bool = attrs.field(default=True, validator=_bool)
+
+
+@attrs.frozen
+class ParallelSpec:
+    """``[parallel]``: how the processes of ``pgs run --nproc N`` share the work (docs/distributed.md).
+
+    ``context``: ranks that split each packed row along the sequence (context parallelism,
+    ring attention, ``pgs.runtime.dist.context``); it must divide the number of processes, the
+    rest is data parallelism (``N / context`` ranks, each with its own rows).  ``layout``:
+    ``"zigzag"`` (rank r holds chunks r and 2·context−1−r of the row: equal causal work) or
+    ``"contiguous"``.
+    """
+
+    section: ClassVar[str] = "parallel"
+
+    context: int = attrs.field(default=1, validator=_int_at_least(1))
+    layout: str = attrs.field(default="zigzag", validator=_one_of(("zigzag", "contiguous")))
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSpec,
     "data": DataConfig,
@@ -441,6 +476,8 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointSpec,
     "log": LogSpec,
     "memory": MemorySpec,
+    "moe": MoESpec,
+    "parallel": ParallelSpec,
     "preference": PreferenceSpec,
     "averaging": AveragingSpec,
 }
