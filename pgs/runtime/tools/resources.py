@@ -107,6 +107,8 @@ def predict(spec, device: torch.device) -> Prediction:
 def available_memory(device: torch.device) -> tuple[int | None, str]:
     """Bytes free for a run on ``device`` and how the number was found (None: unknown)."""
     if device.type == "cuda":
+        if not torch.cuda.is_available():  # validating a GPU spec elsewhere: its device is not here
+            return None, ""
         free, _ = torch.cuda.mem_get_info(device)
         return int(free), f"{torch.cuda.get_device_name(device)} has"
     if device.type != "cpu":
