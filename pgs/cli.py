@@ -24,6 +24,7 @@ examples:
   pgs run spec.toml --set train.steps=20       a short run with one field changed
   pgs run spec.toml --resume auto              continue from the newest complete checkpoint
   pgs run spec.toml --nproc 4                  one process per GPU (torchrun)
+  pgs supervise spec.toml --retries 3          relaunch after crashes that made progress
   pgs data inspect spec.toml -n 3              see which tokens are trained
   pgs report runs/quickstart                   plots and a summary of a run
 
@@ -62,6 +63,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
                    help="processes (GPUs) on this host; N > 1 relaunches through torchrun")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("supervise", help="run, and relaunch with --resume auto after a crash that made progress",
+                       description="Run 'pgs run SPEC' in a process group of its own and relaunch it with "
+                                   "--resume auto only when the exit was not a verdict (0, 2, 80-84, HALT.json), "
+                                   "the attempt made progress and retries are left; every decision goes to "
+                                   "<run dir>/supervise.jsonl (docs/cli.md).")
+    p.add_argument("spec", metavar="SPEC", help="the spec file (.toml)")
+    _add_set(p)
+    p.add_argument("--resume", metavar="auto|PATH", help="as pgs run, for the first attempt (relaunches use auto)")
+    p.add_argument("--overwrite", action="store_true", help="as pgs run, for the first attempt")
+    p.add_argument("--nproc", type=_positive_int, default=1, metavar="N", help="as pgs run")
+    p.add_argument("--retries", type=_non_negative_int, default=2, metavar="N",
+                   help="relaunches allowed (default 2)")
+    p.add_argument("--backoff", type=float, default=30.0, metavar="SECONDS",
+                   help="wait before the first relaunch, doubled for each further one (default 30, at most 600)")
+    p.set_defaults(func=cmd_supervise)
 
     p = sub.add_parser("validate", help="check a spec, its model, tokenizer and data; run nothing",
                        description="Resolve and check everything a run needs, then print a summary. "
@@ -107,6 +124,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
@@ -168,6 +195,18 @@ def cmd_run(args) -> int:
     return int(run(spec, resume=args.resume, spec_path=os.path.abspath(args.spec),
                    profile=parse_steps(args.profile) if args.profile else None, overwrite=args.overwrite,
                    faults=Faults.from_env()) or 0)
+
+
+def cmd_supervise(args) -> int:
+    from pgs.runtime.tools.supervise import Policy, supervise
+
+    spec = _load(args)
+    if args.resume not in (None, "auto") and not os.path.exists(args.resume):
+        raise SpecError(f"--resume: no such checkpoint: {args.resume}")
+    if not args.backoff >= 0:
+        raise SpecError(f"--backoff: expected seconds >= 0, got {args.backoff}")
+    return supervise(spec, args.spec, overrides=args.overrides, resume=args.resume, overwrite=args.overwrite,
+                     nproc=args.nproc, policy=Policy(retries=args.retries, backoff_s=args.backoff))
 
 
 def cmd_validate(args) -> int:
