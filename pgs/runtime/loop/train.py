@@ -189,7 +189,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     dtype = "float32" if mixed else m.dtype
     model = build_model(path=m.path, config=config, dtype=dtype, attn_implementation=m.attn_implementation,
                         varlen_kernel=m.varlen_kernel, init_seed=m.init_seed, vocab_size=len(tokenizer),
-                        device=device)
+                        device=device, trust_remote_code=m.trust_remote_code)
     if spec.data.packing:
         verdict = require_packing_isolation(model, spec.data.allow_packing_leakage)
         if not verdict.isolates and (not sharded or ctx.is_main):
@@ -520,10 +520,11 @@ def _sharded_eval_loss(run: Run) -> dict:
 
 
 def _export(run: Run, out_dir: str, info: dict) -> None:
+    shards = run.spec.checkpoint.max_shard_size
     if run.ctx is not None:
-        dcp.export_hf(run.model, run.tokenizer, out_dir, info=info)
+        dcp.export_hf(run.model, run.tokenizer, out_dir, info=info, max_shard_size=shards)
     else:
-        export_hf(run.model, run.tokenizer, out_dir, info=info)
+        export_hf(run.model, run.tokenizer, out_dir, info=info, max_shard_size=shards)
 
 
 def _improves(metric: str, value: float, best: float | None) -> bool:

@@ -243,7 +243,9 @@ class CheckpointSpec:
 
     ``best_metric`` (``""`` disables) also keeps the best checkpoint by that eval metric
     (lower is better unless the name contains ``accuracy``); it needs ``data.eval``.
-    ``export`` writes a plain HF folder (config + safetensors + tokenizer) at the end.
+    ``export`` writes a plain HF folder (config + safetensors + tokenizer) at the end;
+    ``max_shard_size`` (``"5GB"``, ``"500MB"``, ``"2GiB"`` or bytes) is its largest weights
+    file: larger models are sharded with an index, as ``save_pretrained`` does.
     """
 
     section: ClassVar[str] = "checkpoint"
@@ -253,6 +255,13 @@ class CheckpointSpec:
     keep: int = attrs.field(default=2, validator=_int_at_least(0))
     best_metric: str = attrs.field(default="eval_loss", validator=_str)
     export: bool = attrs.field(default=True, validator=_bool)
+    max_shard_size: str | int = attrs.field(default="5GB", validator=lambda _s, _a, v: _shard_size(v))
+
+
+def _shard_size(value) -> None:
+    from pgs.runtime.store.export import parse_size
+
+    parse_size(value)
 
 
 @attrs.frozen
