@@ -151,13 +151,23 @@ def _missing_subcommand(parser: argparse.ArgumentParser) -> int:
     return EXIT_BAD_INPUT
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``pgs`` console script; returns the exit code."""
+def entry() -> int:
+    """The ``pgs`` console script and ``python -m pgs``: :func:`main` as a process of its own,
+    which keeps Triton out where no Triton kernel can run (``pgs.runtime.triton_gate``)."""
+    return main(entry_point=True)
+
+
+def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
+    """Run one ``pgs`` command; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_BAD_INPUT
+    if entry_point:
+        from pgs.runtime.triton_gate import keep_triton_out
+
+        keep_triton_out()
     try:
         return int(args.func(args) or 0)
     except PgsError as err:

@@ -49,7 +49,7 @@ from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.loader import StepLoader
 from pgs.runtime.data.preference import PreferenceStream
 from pgs.runtime.dist import fsdp as D
-from pgs.runtime.loop import control
+from pgs.runtime.loop import control, trackers
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
 from pgs.runtime.loop.metrics import MetricsLog
@@ -638,8 +638,9 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
             MetricsLog.truncate_after(run_dir, r.step)
     if main:
         spec.to_toml(os.path.join(run_dir, "spec.resolved.toml"))
-        trackers = [name for name in ("wandb", "trackio") if getattr(spec.log, name, False)]
-        r.log = MetricsLog(run_dir, total_steps=r.total_steps, print_every=spec.train.log_every, trackers=trackers,
+        project, run_name = trackers.names(spec)
+        r.log = MetricsLog(run_dir, total_steps=r.total_steps, print_every=spec.train.log_every,
+                           trackers=trackers.enabled(spec.log), project=project, run_name=run_name,
                            config=spec.to_dict())
     else:
         r.log = _NullLog()

@@ -249,6 +249,9 @@ def preflight_spec(spec, *, count_parameters: bool = False) -> Preflight:
         else:
             check_freeze(m.freeze, found.shapes)
     found.chain = check_chain(spec)
+    from pgs.runtime.loop.trackers import check_trackers  # a tracker that is on must be installed
+
+    check_trackers(spec.log)
     if spec.preference is not None:
         check_preference(spec, tokenizer)
     from pgs.runtime.tools.resources import check_host  # the memory and disk the run will need (exit 83)

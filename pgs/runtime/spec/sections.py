@@ -266,13 +266,21 @@ def _shard_size(value) -> None:
 
 @attrs.frozen
 class LogSpec:
-    """``[log]``: where metrics go besides the console (``metrics.jsonl`` in the run folder)."""
+    """``[log]``: where metrics go besides the console (``metrics.jsonl`` in the run folder).
+
+    ``wandb``, ``trackio``, ``tensorboard``, ``mlflow`` turn on a tracker (an optional extra,
+    ``pgs.runtime.loop.trackers``); ``project`` and ``run_name`` name the run there (``""``:
+    the spec file's name, the run folder's name)."""
 
     section: ClassVar[str] = "log"
 
     jsonl: bool = attrs.field(default=True, validator=_bool)
     wandb: bool = attrs.field(default=False, validator=_bool)
     trackio: bool = attrs.field(default=False, validator=_bool)
+    tensorboard: bool = attrs.field(default=False, validator=_bool)
+    mlflow: bool = attrs.field(default=False, validator=_bool)
+    project: str = attrs.field(default="", validator=_str)
+    run_name: str = attrs.field(default="", validator=_str)
 
 
 @attrs.frozen
