@@ -135,3 +135,98 @@ def test_bound_optimizer_reports_spike_only_on_a_vetoed_step(compile):
     after = opt.state_dict()
     moved = [k for k in state_before if not _same({"x": state_before[k]}, {"x": after[k]})]
     assert moved and all("zclip" in k for k in moved), moved
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+LOOP_SPEC = """\
+[model]
+tokenizer = "pgs:quickstart/tokenizer"
+init_seed = 3
+
+[model.config]
+model_type = "qwen3"
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+head_dim = 16
+max_position_embeddings = 128
+tie_word_embeddings = true
+
+[data]
+sources = [{{ path = "pgs:quickstart/train.jsonl" }}]
+max_seq_len = 96
+
+[optimizer]
+chain = [
+  {{ name = "zclip", mode = "{mode}", warmup_steps = 3 }},
+  {{ name = "scale_by_adam" }},
+  {{ name = "add_decayed_weights", weight_decay = 0.1 }},
+  {{ name = "scale_by_learning_rate" }},
+]
+
+[schedule]
+name = "constant"
+peak = 1e-3
+
+[train]
+steps = 7
+batch_size = 2
+eval_every = 0
+log_every = 1000
+device = "cpu"
+
+[checkpoint]
+dir = "{run_dir}"
+every = 1
+keep = 0
+best_metric = ""
+export = false
+"""
+
+SPIKE_STEP = 6
+
+
+@pytest.mark.parametrize("mode", ["skip", "clip"])
+def test_the_loop_logs_skipped_only_for_a_vetoed_step_which_changes_nothing(tmp_path, monkeypatch, mode):
+    """An injected spike (step 6's loss × 10⁴, so its gradient norm is a z-score outlier): with
+    mode "skip" the step is logged skipped and step_6's weights and optimizer state equal
+    step_5's bit for bit; with mode "clip" it is an ordinary (clipped) step."""
+    import json as _json
+
+    from safetensors.torch import load_file
+
+    from pgs.cli import main
+    from pgs.runtime.loop import train
+
+    calls = {"n": 0}
+    real = train.token_loss
+
+    def spiking(*args, **kwargs):  # one micro-batch per step: the n-th call is step n
+        calls["n"] += 1
+        result = real(*args, **kwargs)
+        if calls["n"] == SPIKE_STEP:
+            result = result._replace(loss_sum=result.loss_sum * 1e4)  # TokenLossResult, a NamedTuple
+        return result
+
+    monkeypatch.setattr(train, "token_loss", spiking)
+    spec = tmp_path / "spec.toml"
+    spec.write_text(LOOP_SPEC.format(mode=mode, run_dir=(tmp_path / "run").as_posix()))
+    assert main(["run", str(spec)]) == 0
+    run = tmp_path / "run"
+    steps = [_json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert [r["step"] for r in steps] == list(range(1, 8))
+    assert [r["skipped"] for r in steps] == [int(mode == "skip" and r["step"] == SPIKE_STEP) for r in steps]
+    before = {k: load_file(run / f"step_{SPIKE_STEP - 1}" / f) for k, f in
+              (("model", "model.safetensors"), ("optimizer", "optimizer.safetensors"))}
+    after = {k: load_file(run / f"step_{SPIKE_STEP}" / f) for k, f in
+             (("model", "model.safetensors"), ("optimizer", "optimizer.safetensors"))}
+    assert _same(before["model"], after["model"]) is (mode == "skip")
+    changed = [k for k in before["optimizer"] if not _same({"x": before["optimizer"][k]}, {"x": after["optimizer"][k]})]
+    if mode == "skip":  # only ZClip's own record of the spike moved
+        assert changed and all("zclip" in k for k in changed), changed
+    else:
+        assert any("adam" in k for k in changed)
