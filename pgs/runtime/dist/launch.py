@@ -141,7 +141,7 @@ def launch_run(spec, spec_path: str, *, nproc: int, overrides: Sequence[str] = (
     forwarded signal, else torchrun's.
     """
 
-    preflight_spec(spec)
+    preflight_spec(spec, processes=nproc)
     check_world_size(spec.train, nproc)
     if resume is None:
         if overwrite:

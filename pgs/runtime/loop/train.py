@@ -169,9 +169,10 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     together; the model is then sharded (FSDP2) and the chain bound to the shards.
     """
 
-    tokenizer = preflight_spec(spec).tokenizer  # pgs validate's checks of the model, lengths and run folder
     sharded = ctx is not None and ctx.distributed
     world = ctx.world_size if sharded else 1
+    # pgs validate's checks of the model, lengths, run folder, and the memory and disk the run needs
+    tokenizer = preflight_spec(spec, processes=world).tokenizer
     mem = spec.memory
     if sharded:
         check_world_size(spec.train, world)

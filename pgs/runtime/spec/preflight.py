@@ -226,11 +226,13 @@ def check_chain(spec) -> str:
 # --------------------------------------------------------------------------- the two doors
 
 
-def preflight_spec(spec, *, count_parameters: bool = False) -> Preflight:
+def preflight_spec(spec, *, count_parameters: bool = False, processes: int | None = None) -> Preflight:
     """The checks ``pgs run`` makes before it builds anything, and ``pgs validate`` before it
     reads data: tokenizer, model configuration, heads, lengths, run folder, freeze patterns,
     chain.  Cheap: no weights, no data.  ``count_parameters``: build the parameter shapes on the
-    meta device even without ``freeze`` patterns (validate's summary counts them)."""
+    meta device even without ``freeze`` patterns (validate's summary counts them).
+    ``processes``: how many processes will train (``tools.resources.check_host``; None: not
+    known, as in ``pgs validate``)."""
     m = spec.model
     tokenizer = load_tokenizer(m.tokenizer or m.path, m.trust_remote_code)
     config = model_config(m, len(tokenizer))
@@ -256,7 +258,7 @@ def preflight_spec(spec, *, count_parameters: bool = False) -> Preflight:
         check_preference(spec, tokenizer)
     from pgs.runtime.tools.resources import check_host  # the memory and disk the run will need (exit 83)
 
-    if check_host(spec) is None:
+    if check_host(spec, processes) is None:
         found.warnings.append("the run's memory could not be predicted (the architecture does not build on the "
                               "meta device); memory and disk not checked")
     return found

@@ -15,8 +15,8 @@
   room for ``DISK_COPIES`` checkpoints' worth of weights and optimizer state
   (:func:`check_disk`; the loop checks again with the real byte count once the model is built).
 
-With several processes (FSDP2) the memory check is skipped: the prediction is for one
-unsharded process.
+With several processes (FSDP2), or when ``pgs validate`` cannot know how many (several CUDA
+devices visible), the memory check is skipped: the prediction is for one unsharded process.
 """
 
 from __future__ import annotations
@@ -183,18 +183,24 @@ def check_disk(run_dir: str, checkpoint_bytes: int, copies: float = DISK_COPIES)
             f"{need / GiB:.2f} GiB ({copies:g} × {checkpoint_bytes / GiB:.2f} GiB of weights + optimizer state)")
 
 
-def check_host(spec) -> Prediction | None:
+def check_host(spec, processes: int | None = None) -> Prediction | None:
     """Memory and disk for ``spec`` on this host (see the module docstring); refuses with exit 83.
 
-    Returns the prediction (None where the architecture cannot be sized on the meta device)."""
+    ``processes``: how many processes will train (``pgs run``: 1, or ``--nproc``/``WORLD_SIZE``);
+    None (``pgs validate``): unknown, taken as 1 unless several CUDA devices are visible (the
+    spec may be meant for ``--nproc``).  Memory is checked for one process only: the prediction
+    is of an unsharded run.  Returns the prediction (None where the architecture cannot be sized
+    on the meta device)."""
+    device = _device(spec)
     try:
-        prediction = predict(spec, _device(spec))
-    except PreflightRefused:
-        raise
+        prediction = predict(spec, device)
     except Exception:  # an architecture the meta device cannot build: the run will say more
         return None
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world == 1:
-        check_memory(spec, prediction, _device(spec))
+    if processes is None:
+        processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() > 1:
+            processes = 0  # validate on a multi-GPU host: the run's process count is not known here
+    if processes == 1:
+        check_memory(spec, prediction, device)
     check_disk(spec.checkpoint.dir, prediction.checkpoint)
     return prediction

@@ -212,15 +212,14 @@ class Log:
             self.echo(f"pgs supervise: {say}")
 
 
-def run_command(spec_path: str, overrides: Sequence[str], *, resume: str | None, overwrite: bool, nproc: int,
+def run_command(spec_path: str, overrides: Sequence[str], *, resume: str | None, nproc: int,
                 python: str | None = None) -> list[str]:
+    """``python -m pgs run SPEC`` with the supervisor's ``--set``, ``--resume`` and ``--nproc``."""
     cmd = [python or sys.executable, "-m", "pgs", "run", spec_path]
     for item in overrides:
         cmd += ["--set", item]
     if resume is not None:
         cmd += ["--resume", resume]
-    if overwrite:
-        cmd.append("--overwrite")
     if nproc > 1:
         cmd += ["--nproc", str(nproc)]
     return cmd
@@ -230,10 +229,16 @@ def supervise(spec, spec_path: str, *, overrides: Sequence[str] = (), resume: st
               overwrite: bool = False, nproc: int = 1, policy: Policy = Policy(),
               sleep: Callable[[float], None] = time.sleep) -> int:
     """Run the spec until it finishes or a relaunch cannot help; returns the last attempt's
-    verdict (the ``HALT.json`` code when one was written, else its exit code)."""
+    verdict (the ``HALT.json`` code when one was written, else its exit code).  ``resume``
+    applies to the first attempt; ``overwrite`` moves an existing run folder aside before it."""
     if overwrite and resume is not None:
         raise SpecError("--overwrite starts over, --resume continues: give one of them")
     run_dir = spec.checkpoint.dir
+    if overwrite:  # here, not in the first attempt: the supervisor's own log lives in the run folder
+        aside = ckpt.move_aside(run_dir)
+        if aside is not None:
+            print(f"pgs supervise: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)
+        overwrite = False
     log = Log(run_dir)
     log.write("start", spec=os.path.abspath(spec_path), overrides=list(overrides), retries=policy.retries,
               backoff_s=policy.backoff_s, nproc=nproc)
@@ -254,7 +259,7 @@ def supervise(spec, spec_path: str, *, overrides: Sequence[str] = (), resume: st
         while True:
             attempt += 1
             before = progress(run_dir)
-            cmd = run_command(spec_path, overrides, resume=resume, overwrite=overwrite and attempt == 1, nproc=nproc)
+            cmd = run_command(spec_path, overrides, resume=resume, nproc=nproc)
             started = time.time()
             env = {**os.environ, ATTEMPT_ENV: str(attempt)}
             child = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -286,7 +291,7 @@ def supervise(spec, spec_path: str, *, overrides: Sequence[str] = (), resume: st
                 log.write("stop", why, attempt=attempt, exit_code=128 + state["stopped"], reason=why)
                 return 128 + state["stopped"]
             relaunches += 1
-            resume, overwrite = "auto", False
+            resume = "auto"
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
