@@ -5,7 +5,6 @@ the model ``pgs run`` builds."""
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -154,31 +153,12 @@ def test_pgs_run_trains_a_remote_code_model(tmp_path, tokenizer, capsys):
     from pgs.cli import main
 
     folder = _remote_folder(tmp_path, len(tokenizer))
-    spec = tmp_path / "spec.toml"
-    spec.write_text(textwrap.dedent(f'''\
-        [model]
-        path = "{folder.as_posix()}"
-        tokenizer = "pgs:quickstart/tokenizer"
-        trust_remote_code = true
-        attn_implementation = "sdpa"
-        dtype = "float32"
-        [data]
-        sources = [{{ path = "pgs:quickstart/train.jsonl" }}]
-        max_seq_len = 96
-        [train]
-        steps = 2
-        batch_size = 2
-        eval_every = 0
-        log_every = 1000
-        device = "cpu"
-        [checkpoint]
-        dir = "{(tmp_path / 'run').as_posix()}"
-        every = 0
-        best_metric = ""
-        export = true
-        max_shard_size = "40KB"
-        '''))
-    assert main(["run", str(spec)]) == 0, capsys.readouterr().err
+    from tests.test_faults_validate_run import _spec
+
+    model = f'path = "{folder.as_posix()}"\ntrust_remote_code = true\nattn_implementation = "sdpa"\ndtype = "float32"'
+    sets = ["train.steps=2", "checkpoint.export=true", 'checkpoint.best_metric=""', 'checkpoint.max_shard_size="40KB"']
+    assert main(["run", str(_spec(tmp_path, model=model)), *[a for x in sets for a in ("--set", x)]]) == 0, \
+        capsys.readouterr().err
     final = tmp_path / "run" / "final"
     assert (final / INDEX).exists()
     assert json.loads((final / "config.json").read_text())["model_type"] == "tiny_remote"

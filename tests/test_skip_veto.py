@@ -140,52 +140,13 @@ def test_bound_optimizer_reports_spike_only_on_a_vetoed_step(compile):
 # --------------------------------------------------------------------------- the loop
 
 
-LOOP_SPEC = """\
-[model]
-tokenizer = "pgs:quickstart/tokenizer"
-init_seed = 3
-
-[model.config]
-model_type = "qwen3"
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-head_dim = 16
-max_position_embeddings = 128
-tie_word_embeddings = true
-
-[data]
-sources = [{{ path = "pgs:quickstart/train.jsonl" }}]
-max_seq_len = 96
-
-[optimizer]
-chain = [
-  {{ name = "zclip", mode = "{mode}", warmup_steps = 3 }},
-  {{ name = "scale_by_adam" }},
-  {{ name = "add_decayed_weights", weight_decay = 0.1 }},
-  {{ name = "scale_by_learning_rate" }},
-]
-
-[schedule]
-name = "constant"
-peak = 1e-3
-
-[train]
-steps = 7
-batch_size = 2
-eval_every = 0
-log_every = 1000
-device = "cpu"
-
-[checkpoint]
-dir = "{run_dir}"
-every = 1
-keep = 0
-best_metric = ""
-export = false
-"""
+#: the tiny spec of tests/test_faults_validate_run.py, trained 7 steps with a checkpoint after each
+LOOP_SETS = (
+    "train.steps=7", "checkpoint.every=1", "checkpoint.keep=0", 'checkpoint.best_metric=""',
+    'schedule.name="constant"', "schedule.peak=1e-3",
+    'optimizer.chain=[{{ name = "zclip", mode = "{mode}", warmup_steps = 3 }}, {{ name = "scale_by_adam" }}, '
+    '{{ name = "add_decayed_weights", weight_decay = 0.1 }}, {{ name = "scale_by_learning_rate" }}]',
+)
 
 SPIKE_STEP = 6
 
@@ -213,9 +174,10 @@ def test_the_loop_logs_skipped_only_for_a_vetoed_step_which_changes_nothing(tmp_
         return result
 
     monkeypatch.setattr(train, "token_loss", spiking)
-    spec = tmp_path / "spec.toml"
-    spec.write_text(LOOP_SPEC.format(mode=mode, run_dir=(tmp_path / "run").as_posix()))
-    assert main(["run", str(spec)]) == 0
+    from tests.test_faults_validate_run import _spec
+
+    sets = [a for item in LOOP_SETS for a in ("--set", item.format(mode=mode))]
+    assert main(["run", str(_spec(tmp_path)), *sets]) == 0
     run = tmp_path / "run"
     steps = [_json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert [r["step"] for r in steps] == list(range(1, 8))
