@@ -3,9 +3,9 @@
 import os
 import sys
 
-from pgs.cli import main
+from pgs.cli import entry
 
-code = main()
+code = entry()
 if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
     # Under torchrun, leave without running C++ static destructors: a gloo/NCCL worker thread
     # still winding down can abort the process ("terminate called without an active

@@ -24,6 +24,7 @@ examples:
   pgs run spec.toml --set train.steps=20       a short run with one field changed
   pgs run spec.toml --resume auto              continue from the newest complete checkpoint
   pgs run spec.toml --nproc 4                  one process per GPU (torchrun)
+  pgs supervise spec.toml --retries 3          relaunch after crashes that made progress
   pgs data inspect spec.toml -n 3              see which tokens are trained
   pgs report runs/quickstart                   plots and a summary of a run
 
@@ -72,6 +73,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--master-port", type=int, default=None, metavar="PORT", help="port on --master-addr")
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("supervise", help="run, and relaunch with --resume auto after a crash that made progress",
+                       description="Run 'pgs run SPEC' in a process group of its own and relaunch it with "
+                                   "--resume auto only when the exit was not a verdict (0, 2, 80-84, HALT.json), "
+                                   "the attempt made progress and retries are left; every decision goes to "
+                                   "<run dir>/supervise.jsonl (docs/cli.md).")
+    p.add_argument("spec", metavar="SPEC", help="the spec file (.toml)")
+    _add_set(p)
+    p.add_argument("--resume", metavar="auto|PATH", help="as pgs run, for the first attempt (relaunches use auto)")
+    p.add_argument("--overwrite", action="store_true", help="as pgs run, for the first attempt")
+    p.add_argument("--nproc", type=_positive_int, default=1, metavar="N", help="as pgs run")
+    p.add_argument("--retries", type=_non_negative_int, default=2, metavar="N",
+                   help="relaunches allowed (default 2)")
+    p.add_argument("--backoff", type=float, default=30.0, metavar="SECONDS",
+                   help="wait before the first relaunch, doubled for each further one (default 30, at most 600)")
+    p.set_defaults(func=cmd_supervise)
+
     p = sub.add_parser("validate", help="check a spec, its model, tokenizer and data; run nothing",
                        description="Resolve and check everything a run needs, then print a summary. "
                                    "Exit 0 when the spec is runnable, 2 when it is not.")
@@ -109,14 +126,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _int_at_least(lo: int):
+    """An argparse type: an integer >= ``lo``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 def _version() -> str:
@@ -133,13 +159,23 @@ def _missing_subcommand(parser: argparse.ArgumentParser) -> int:
     return EXIT_BAD_INPUT
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``pgs`` console script; returns the exit code."""
+def entry() -> int:
+    """The ``pgs`` console script and ``python -m pgs``: :func:`main` as a process of its own,
+    which keeps Triton out where no Triton kernel can run (``pgs.runtime.triton_gate``)."""
+    return main(entry_point=True)
+
+
+def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
+    """Run one ``pgs`` command; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_BAD_INPUT
+    if entry_point:
+        from pgs.runtime.triton_gate import keep_triton_out
+
+        keep_triton_out()
     try:
         return int(args.func(args) or 0)
     except PgsError as err:
@@ -190,6 +226,18 @@ def _rendezvous(args):
 
     given = {k: getattr(args, k) for k in RENDEZVOUS_OPTIONS if getattr(args, k, None) is not None}
     return Rendezvous(**given)
+
+
+def cmd_supervise(args) -> int:
+    from pgs.runtime.tools.supervise import Policy, supervise
+
+    spec = _load(args)
+    if args.resume not in (None, "auto") and not os.path.exists(args.resume):
+        raise SpecError(f"--resume: no such checkpoint: {args.resume}")
+    if not args.backoff >= 0:
+        raise SpecError(f"--backoff: expected seconds >= 0, got {args.backoff}")
+    return supervise(spec, args.spec, overrides=args.overrides, resume=args.resume, overwrite=args.overwrite,
+                     nproc=args.nproc, policy=Policy(retries=args.retries, backoff_s=args.backoff))
 
 
 def cmd_validate(args) -> int:

@@ -186,6 +186,23 @@ def test_hf_export_gathered_to_rank0(equivalence):
     assert _equal({k: got[k].detach() for k in want}, want) == 0.0
 
 
+def test_hf_export_sharded_from_fsdp(equivalence):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    out, _, _ = equivalence
+    folder = out / "hf_sharded"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all((folder / f).exists() for f in files)
+    assert not (folder / "model.safetensors").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
+    want = torch.load(out / "adamw.pt")
+    got = dict(loaded.named_parameters())
+    assert _equal({k: got[k].detach() for k in want}, want) == 0.0
+
+
 def test_8bit_state_is_per_rank_and_refuses_resharding(equivalence):
     from pgs.runtime.store import dcp
     from pgs.runtime.optim.bound import bind

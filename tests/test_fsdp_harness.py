@@ -214,6 +214,8 @@ def scenario_equivalence(ctx, out: str) -> dict:
             gn = pf.global_norm(local, None, opt.reduce_sum)
             report["global_norm_rel_diff"] = abs(gn.item() - pf.global_norm(final).item()) / pf.global_norm(final).item()
             dcp.export_hf(model, None, os.path.join(out, "hf"), info={"step": STEPS})
+            # the same, cut into shards with an index, as save_pretrained(max_shard_size=...) would
+            dcp.export_hf(model, None, os.path.join(out, "hf_sharded"), info={"step": STEPS}, max_shard_size="4KB")
         else:
             train(model, opt, ctx, 1, STEPS)
             final = full_params(model)

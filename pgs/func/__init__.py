@@ -30,6 +30,7 @@ from pgs.func.base import (
     chain,
     identity,
     named_chain,
+    skip_signal,
 )
 from pgs.func.clip import clip_by_global_norm, clip_by_norm_per_tensor, global_norm
 from pgs.func.combine import masked, partition

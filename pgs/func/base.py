@@ -67,6 +67,10 @@ class Transform:
             forwards ``ctx.reduce_sum`` to its reductions (or runs whole matrices through
             ``ctx.whole_tensors``).  The sharded binders refuse non-elementwise transforms
             without it.
+        skip_of: ``skip_of(state) -> 0-d bool tensor`` for a transform that can veto a whole
+            step (ZClip in mode "skip"): True in the state its last update returned means
+            that step must not happen.  The chain holding it honours the veto
+            (:func:`named_chain`); None for the rest.
     """
 
     init: Callable[..., Any]
@@ -79,6 +83,7 @@ class Transform:
     children: tuple = ()
     fused: Any = None
     shard_aware: bool = False
+    skip_of: Callable[[Any], torch.Tensor] | None = None
 
     def all_group_by(self) -> tuple:
         out = list(self.group_by)
@@ -118,10 +123,36 @@ def _check_transforms(transforms, who: str):
             raise InvalidArgument(f"{who}: argument {i} is a {type(t).__name__}, expected a pgs.func.Transform")
 
 
+def skip_signal(t: Transform, state) -> torch.Tensor | None:
+    """Whether ``t``'s last update (which returned ``state``) vetoed its step: a 0-d bool
+    tensor on the state's device (no host read), or None when ``t`` can never veto."""
+    return None if t.skip_of is None else t.skip_of(state)
+
+
+def _vetoed(skip: torch.Tensor, old, new):
+    """``old`` where ``skip`` else ``new``, leaf by leaf (state carried over unchanged)."""
+    return T.tree_map(lambda o, n: torch.where(skip.to(n.device), o, n), old, new)
+
+
+def _no_update(skip: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """−0.0 where ``skip`` (θ + (−0.0) = θ bit for bit, +0.0 would turn a −0.0 weight into
+    +0.0), else ``u``."""
+    return torch.where(skip.to(u.device), torch.full((), -0.0, dtype=u.dtype, device=u.device), u)
+
+
 def named_chain(*named: tuple[str, Transform]) -> Transform:
     """Compose transforms in order; the state is a dict keyed by the given names.
 
     ``u ← t_k(…t_2(t_1(u)))``; each ``t_i`` keeps its own state under ``names[i]``.
+
+    A step vetoed by a stage (``Transform.skip_of``, e.g. ``zclip(mode="skip")`` on a spike)
+    is skipped by the whole chain: every other stage's state is carried over unchanged
+    (``s_i ← s_i`` for each non-vetoing stage, so Adam's moments and count, a schedule's count
+    stay as they were), the vetoing stage keeps the state it returned (its own record of the
+    spike), and the chain emits −0.0 updates, so that applying them leaves every weight bit for
+    bit as it was.  Selected on the device (``torch.where``), no host read; a chain with no
+    vetoing stage pays nothing.  The chain itself then vetoes (``skip_of``), so that a chain
+    nested in another skips the outer one's stages too.
     """
     names = [n for n, _ in named]
     transforms = [t for _, t in named]
@@ -143,7 +174,22 @@ def named_chain(*named: tuple[str, Transform]) -> Transform:
         new_state = {}
         for n, t in named:
             updates, new_state[n] = call_update(t, updates, state[n], params, extra)
+        if vetoing:
+            skip = skip_of(new_state)
+            for n, t in named:
+                if t.skip_of is None:
+                    new_state[n] = _vetoed(skip, state[n], new_state[n])
+            updates = T.tree_map(lambda u: _no_update(skip, u), updates)
         return updates, new_state
+
+    vetoing = [(n, t) for n, t in named if t.skip_of is not None]
+
+    def skip_of(state):
+        flags = [t.skip_of(state[n]) for n, t in vetoing]
+        out = flags[0]
+        for f in flags[1:]:
+            out = out | f.to(out.device)
+        return out
 
     return Transform(
         init,
@@ -151,6 +197,7 @@ def named_chain(*named: tuple[str, Transform]) -> Transform:
         name="chain",
         locality=widest_locality(*(t.locality for t in transforms)),
         children=tuple(transforms),
+        skip_of=skip_of if vetoing else None,
     )
 
 

@@ -79,6 +79,7 @@ def inject_hyperparams(factory: Callable[..., Transform], static_args: tuple[str
             group_by=proto.all_group_by(),
             align=proto.max_align(),
             children=(proto,),
+            skip_of=None if proto.skip_of is None else (lambda state: proto.skip_of(state.inner_state)),
         )
 
     return make

@@ -43,10 +43,14 @@ def zclip(alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 25, mo
         eff  = min(g*_t, max_grad_norm) ;  g ← g·eff/(g_t + ε) when g_t > eff
         μ ← αμ + (1−α) g*_t ;  σ² ← ασ² + (1−α)(g*_t − μ_new)²        (EMA of the CLIPPED norm)
 
-    mode "clip" does the above.  mode "skip" emits zero updates on a spike and leaves μ, σ
-    untouched (``state.skipped`` counts these; the runtime logs them).  A non-finite norm
-    always counts as a spike and never touches the statistics.  ``state.spike`` says whether
-    the last step was a spike; ``state.norm`` is the incoming norm.
+    mode "clip" does the above.  mode "skip" emits zero updates on a spike, leaves μ, σ
+    untouched and *vetoes the step* (``Transform.skip_of``): the chain that holds it carries
+    every other stage's state over unchanged and emits no update, so the weights and, e.g.,
+    Adam's moments after a skipped spike are bit for bit what they were before it
+    (``state.skipped`` counts these; the runtime logs them as skipped steps).  A non-finite
+    norm always counts as a spike, never touches the statistics and vetoes the step in either
+    mode (clipping cannot make it finite).  ``state.spike`` says whether the last step was a
+    spike; ``state.norm`` is the incoming norm.
 
     Args:
         alpha: α in [0, 1), EMA decay of the statistics.
@@ -119,7 +123,11 @@ def zclip(alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 25, mo
         skipped = state.skipped + (spike.to(torch.int32) if mode == "skip" else 0)
         return T.tree_map(one, updates), ZClipState(count, new_mu, new_var, g, spike, skipped)
 
-    return Transform(init, update, name="zclip", locality=GLOBAL, shard_aware=True)
+    if mode == "skip":
+        skip_of = lambda state: state.spike  # noqa: E731
+    else:
+        skip_of = lambda state: ~torch.isfinite(state.norm)  # noqa: E731
+    return Transform(init, update, name="zclip", locality=GLOBAL, shard_aware=True, skip_of=skip_of)
 
 
 def _f32(x, ref: torch.Tensor):

@@ -302,14 +302,18 @@ def _compiling() -> bool:
         return False
 
 
-@torch.compiler.disable
-def _lion8bit_eager(*args, **kw):  # the in-place variant under torch.compile: a graph break
-    return _lion8bit(*args, **kw)
+def _lion8bit_eager(*args, **kw):
+    """The in-place variant under ``torch.compile``: a graph break (Dynamo traces the
+    ``disable`` call and runs the launcher eagerly).  Applied here, when compiling, rather
+    than as a decorator: ``torch.compiler.disable`` imports ``torch._dynamo``, which imports
+    Triton, and importing ``pgs`` must not (a CPU run would end with Triton's nanobind
+    leak report)."""
+    return torch.compiler.disable(_lion8bit)(*args, **kw)
 
 
-@torch.compiler.disable
 def _adam8bit_eager(*args, **kw):
-    return _adam8bit(*args, **kw)
+    """As :func:`_lion8bit_eager`."""
+    return torch.compiler.disable(_adam8bit)(*args, **kw)
 
 
 @torch.library.custom_op("pgs::lion8bit_direction", mutates_args=())

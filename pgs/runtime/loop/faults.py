@@ -36,26 +36,33 @@ def _crash_at(value):
 @attrs.frozen
 class Faults:
     """``nan_steps``: those steps' losses (1-based) become NaN.  ``crash_at``: ``(where, step)``,
-    SIGKILL at that point (``CRASH_POINTS``).  ``slow_step_s``: sleep that long after each step."""
+    SIGKILL at that point (``CRASH_POINTS``).  ``slow_step_s``: sleep that long after each step.
+    ``on_attempt``: the faults strike only in that attempt of ``pgs supervise`` (``attempt``,
+    which ``from_env`` reads from ``PGS_ATTEMPT``; 1 outside a supervisor); None: always."""
 
     nan_steps: frozenset = attrs.field(default=frozenset(), converter=lambda s: frozenset(int(x) for x in s))
     crash_at: tuple | None = attrs.field(default=None, converter=_crash_at)
     slow_step_s: float = attrs.field(default=0.0, converter=float)
+    on_attempt: int | None = None
+    attempt: int = 1
+
+    def _active(self) -> bool:
+        return self.on_attempt is None or self.on_attempt == self.attempt
 
     def poisons(self, step: int) -> bool:
         """Whether step ``step``'s loss is made NaN."""
-        return step in self.nan_steps
+        return step in self.nan_steps and self._active()
 
     def crash(self, where: str, step: int) -> None:
         """SIGKILL this process on the spot if ``crash_at`` is ``(where, step)``."""
-        if self.crash_at == (where, step):
+        if self.crash_at == (where, step) and self._active():
             os.kill(os.getpid(), signal.SIGKILL)
             os._exit(137)  # not reached where SIGKILL exists
 
     def env(self) -> dict[str, str]:
         """The environment entry that hands these faults to a child ``pgs run``."""
         return {ENV: json.dumps({"nan_steps": sorted(self.nan_steps), "crash_at": self.crash_at,
-                                 "slow_step_s": self.slow_step_s})}
+                                 "slow_step_s": self.slow_step_s, "on_attempt": self.on_attempt})}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Faults":
@@ -65,7 +72,7 @@ class Faults:
             return NO_FAULTS
         try:
             fields = json.loads(raw)
-            return cls(**fields)
+            return cls(**fields, attempt=int(environ.get("PGS_ATTEMPT", "1") or 1))
         except (ValueError, TypeError) as err:
             raise InvalidArgument(f"${ENV}: not a fault description written by Faults.env(): {err}") from None
 

@@ -1,15 +1,17 @@
-"""Per-step metrics: ``metrics.jsonl`` always, a console view, wandb/trackio when asked.
+"""Per-step metrics: ``metrics.jsonl`` always, a console view, trackers when asked.
 
 Every record is one JSON object on one line of ``<run_dir>/metrics.jsonl``: training steps
 (``{"step": 12, "loss": ..., "lr": ...}``), evals (``{"step": 20, "eval_loss": ...}``) and
-events (``{"step": 7, "event": "skip", ...}``).  On a terminal the console shows a rich
-progress bar; otherwise (logs, CI) a plain line every ``print_every`` steps.  A resumed run
-first drops the records of steps after its checkpoint, so that the file reads as one run.
+events (``{"step": 7, "event": "skip", ...}``).  When both stdout and the console stream are
+terminals (and ``TERM`` is not ``dumb``) the console shows a rich progress bar; otherwise (a
+batch job's log, CI, a pipe) one plain line every ``print_every`` steps and no live display.
+Trackers (wandb, trackio, TensorBoard, MLflow) get every record's numbers
+(``pgs.runtime.loop.trackers``).  A resumed run first drops the records of steps after its
+checkpoint, so that the file reads as one run.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -107,14 +109,19 @@ class MetricsLog:
         else:
             print(line, file=self.stream, flush=True)
 
+    def interactive(self) -> bool:
+        """Whether a person watches a terminal: stdout and the console stream are both ttys."""
+        return (_isatty(self.stream) and _isatty(sys.stdout)) and os.environ.get("TERM") != "dumb"
+
     def start(self, step: int) -> None:
-        if not self.stream.isatty():
+        if not self.interactive():
             return
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"), transient=False,
+            TextColumn("{task.fields[info]}"), transient=False, console=Console(file=self.stream),
         )
         self._progress.start()
         self._task = self._progress.add_task("train", total=self.total_steps, completed=step, info="")
@@ -142,15 +149,20 @@ class MetricsLog:
 
     # -- optional trackers ---------------------------------------------------------------
     def _open_trackers(self, names, project, run_name, config) -> list:
-        opened = []
-        for name in names:
-            if importlib.util.find_spec(name) is None:
-                print(f"pgs: log.{name} asked for but {name} is not installed; logging to metrics.jsonl only",
-                      file=self.stream, flush=True)
-                continue
-            module = __import__(name)
-            opened.append(module.init(project=project or "pgs", name=run_name, config=config or {}))
-        return opened
+        if not names:
+            return []
+        from pgs.runtime.loop.trackers import open_trackers
+
+        run_dir = os.path.dirname(self.path)
+        return open_trackers(names, run_dir=run_dir, project=project or "pgs",
+                             run_name=run_name or os.path.basename(os.path.abspath(run_dir)), config=config)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def _fmt(key: str, value: Any) -> str:

@@ -48,7 +48,7 @@ from pgs.errors import DiskFull, EXIT_OK, EXIT_TRIPWIRE, EXIT_WALL_BUDGET, HaltE
 from pgs.runtime.data import require_packing_isolation
 from pgs.runtime.data.loader import StepLoader
 from pgs.runtime.dist import context as CP, fsdp as D
-from pgs.runtime.loop import control
+from pgs.runtime.loop import control, trackers
 from pgs.runtime.loop.averaging import CHECKPOINT_FILE as AVERAGING_FILE, EXPORT_DIR as EMA_EXPORT, WeightAverager
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
 from pgs.runtime.loop.health import HealthMonitor
@@ -167,9 +167,10 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     from the model's initial weights, before ``[memory]`` and sharding change the model.
     """
 
-    tokenizer = preflight_spec(spec).tokenizer  # pgs validate's checks of the model, lengths and run folder
     sharded = ctx is not None and ctx.distributed
     world = ctx.world_size if sharded else 1
+    # pgs validate's checks of the model, lengths, run folder, and the memory and disk the run needs
+    tokenizer = preflight_spec(spec, processes=world).tokenizer
     mem = spec.memory
     cp = spec.parallel.context
     shard = None
@@ -198,7 +199,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     attn = CP.register() if shard is not None else m.attn_implementation
     model = build_model(path=m.path, config=config, dtype=dtype, attn_implementation=attn,
                         varlen_kernel=m.varlen_kernel, init_seed=m.init_seed, vocab_size=len(tokenizer),
-                        device=device)
+                        device=device, trust_remote_code=m.trust_remote_code)
     if spec.data.packing:
         verdict = require_packing_isolation(model, spec.data.allow_packing_leakage)
         if not verdict.isolates and (not sharded or ctx.is_main):
@@ -443,10 +444,11 @@ def evaluate(run: Run) -> dict:
 
 
 def _export(run: Run, out_dir: str, info: dict) -> None:
+    shards = run.spec.checkpoint.max_shard_size
     if run.ctx is not None:
-        dcp.export_hf(run.model, run.tokenizer, out_dir, info=info)
+        dcp.export_hf(run.model, run.tokenizer, out_dir, info=info, max_shard_size=shards)
     else:
-        export_hf(run.model, run.tokenizer, out_dir, info=info)
+        export_hf(run.model, run.tokenizer, out_dir, info=info, max_shard_size=shards)
 
 
 def _improves(metric: str, value: float, best: float | None) -> bool:
@@ -550,8 +552,9 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
             MetricsLog.truncate_after(run_dir, r.step)
     if main:
         spec.to_toml(os.path.join(run_dir, "spec.resolved.toml"))
-        trackers = [name for name in ("wandb", "trackio") if getattr(spec.log, name, False)]
-        r.log = MetricsLog(run_dir, total_steps=r.total_steps, print_every=spec.train.log_every, trackers=trackers,
+        project, run_name = trackers.names(spec)
+        r.log = MetricsLog(run_dir, total_steps=r.total_steps, print_every=spec.train.log_every,
+                           trackers=trackers.enabled(spec.log), project=project, run_name=run_name,
                            config=spec.to_dict(), console=console_keys(r.objective.console_keys))
     else:
         r.log = _NullLog()

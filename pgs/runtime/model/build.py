@@ -77,6 +77,7 @@ def build_model(
     init_seed: int = 0,
     vocab_size: int | None = None,
     device: torch.device | str | None = None,
+    trust_remote_code: bool = False,
 ):
     """A ``transformers`` causal LM in training mode, on ``device``, in ``dtype``.
 
@@ -88,7 +89,9 @@ def build_model(
     and a CUDA init differ (different generators).  Exactly one of the two.  ``device``: None
     is the default device (the CPU, or that of an enclosing ``with torch.device(...)``).
     ``varlen_kernel``: the packed-attention kernel (``pgs.runtime.model.attention.set_varlen_kernel``;
-    resolved here for ``device`` when the model uses it).
+    resolved here for ``device`` when the model uses it).  ``trust_remote_code``
+    (``model.trust_remote_code``): let transformers run the modelling code a local folder ships
+    (its ``auto_map``), for the configuration and the model alike.
     """
     from transformers import AutoModelForCausalLM
 
@@ -104,7 +107,8 @@ def build_model(
         from transformers import AutoConfig
 
         attn_implementation = hf_implementation(
-            attn_implementation, AutoConfig.from_pretrained(path, local_files_only=True)
+            attn_implementation, AutoConfig.from_pretrained(path, local_files_only=True,
+                                                            trust_remote_code=trust_remote_code)
             if attn_implementation == "auto" else None, device=cuda)
         # straight onto the device where transformers can (its device_map needs accelerate); else
         # on the CPU (whatever device an enclosing context names) and then moved
@@ -112,7 +116,7 @@ def build_model(
         with contextlib.nullcontext() if direct else torch.device("cpu"):
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True,
-                device_map=device if direct else None,
+                device_map=device if direct else None, trust_remote_code=trust_remote_code,
             )
         model.to(device)
     else:
@@ -127,7 +131,8 @@ def build_model(
             if cuda:
                 torch.cuda.default_generators[device.index].manual_seed(int(init_seed))
             model = AutoModelForCausalLM.from_config(
-                hf_config, dtype=torch_dtype, attn_implementation=attn_implementation
+                hf_config, dtype=torch_dtype, attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
             )
     model.train()
     return model

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pgs.errors import InvalidArgument
-from pgs.func.kernels.swiglu import swiglu_backward_, swiglu_forward_
 from pgs.runtime.model.layers import decoder_layers
 
 _ORIGINAL = "_pgs_forward_before_mlp_tiles"
@@ -82,6 +81,8 @@ class _TiledMLPGrad(torch.autograd.Function):
         dx = torch.empty_like(flat) if need_x else None
         dw = [None, None, None]  # gate, up, down
         silu = is_silu(ctx.act)
+        if silu:  # imported where a tile runs: the kernel module imports Triton
+            from pgs.func.kernels.swiglu import swiglu_backward_
         for i, s in enumerate(_tiles(flat.shape[0], ctx.tiles)):
             xt, dyt = flat[s], dflat[s]
             if silu:  # one fused pass, in place: dh ← h, u ← du, g ← dg (pgs.func.kernels.swiglu)
@@ -109,6 +110,8 @@ class _TiledMLPOut(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         out = flat.new_empty(flat.shape[0], w_down.shape[0])
         silu = is_silu(act)
+        if silu:
+            from pgs.func.kernels.swiglu import swiglu_forward_
         for s in _tiles(flat.shape[0], tiles):
             xt = flat[s]
             if silu:

@@ -223,7 +223,7 @@ class BoundOptimizer:
     # -- what the runtime logs ----------------------------------------------------------
     def metrics(self, *, tensors: bool = False) -> StepMetrics:
         """What the chain's state reports for the last step (``pf.reported_metrics``)."""
-        return step_metrics(self.state, tensors=tensors)
+        return step_metrics(self.state, self.chain, tensors=tensors)
 
     @torch.no_grad()
     def grad_norm(self) -> float:

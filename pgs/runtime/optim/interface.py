@@ -40,8 +40,10 @@ class StepMetrics:
     """What the last optimizer step reports (None: the chain or binder does not track it).
 
     ``lr``: the learning rate the step used.  ``grad_norm``: ‖g‖ before any clipping (kept by a
-    clip/ZClip stage, or measured by a release over the backward's gradients).  ``spike``: the
-    chain's spike detector (ZClip) skipped this step's update.  ``spikes_skipped``: how many it
+    clip/ZClip stage, or measured by a release over the backward's gradients).  ``spike``: a
+    stage of the chain vetoed the step (``pf.skip_signal``: ZClip in mode "skip" on a spike, or
+    a non-finite norm), so the weights and the chain state are as they were before it.  A
+    spike that ZClip only clipped is not one.  ``spikes_skipped``: how many it
     has skipped so far.  ``release_steps``: backwards a release has stepped.  With
     ``tensors=True`` the numbers may be 0-d device tensors (no host read)."""
 
@@ -103,13 +105,15 @@ class Optimizer(Protocol):
         """Bytes the optimizer holds beyond the model (chain state, fp32 masters)."""
 
 
-def step_metrics(state: Any, *, tensors: bool = False) -> StepMetrics:
-    """The :class:`StepMetrics` that a chain's state reports (``pf.reported_metrics``)."""
+def step_metrics(state: Any, chain: pf.Transform, *, tensors: bool = False) -> StepMetrics:
+    """The :class:`StepMetrics` that a chain's state reports (``pf.reported_metrics``); whether
+    the step was skipped is the chain's veto (``pf.skip_signal``), not a stage's spike flag."""
     found = pf.reported_metrics(state)
     read = (lambda x: x.detach().reshape(())) if tensors else (lambda x: x.item())
+    vetoed = pf.skip_signal(chain, state)
     return StepMetrics(
         lr=read(found["lr"]) if "lr" in found else None,
         grad_norm=read(found["grad_norm"]) if "grad_norm" in found else None,
-        spike=bool(found["spike"]) if "spike" in found else False,
+        spike=False if vetoed is None else (read(vetoed) if tensors else bool(vetoed)),
         spikes_skipped=int(found["spikes_skipped"]) if "spikes_skipped" in found else None,
     )

@@ -264,7 +264,7 @@ class ShardedBoundOptimizer:
 
     def metrics(self, *, tensors: bool = False) -> StepMetrics:
         """As ``BoundOptimizer.metrics`` (0-d state leaves are the same on every rank)."""
-        return step_metrics(self.state, tensors=tensors)
+        return step_metrics(self.state, self.chain, tensors=tensors)
 
     def before_step(self, param: torch.Tensor, contribution) -> None:
         raise InvalidArgument(f"{type(self).__name__}.before_step: a contribution to a sharded gradient is not "

@@ -6,8 +6,10 @@ loads, the model configuration builds (an unknown ``model_type`` is one short li
 suggestion, for ``model.config`` and a local folder's ``config.json`` alike), the vocabulary
 covers the tokenizer, the attention heads are consistent, ``data.max_seq_len`` fits the
 model's positions, ``checkpoint.dir`` can be a folder, ``freeze`` patterns match parameters
-(counted on the meta device: no memory) and the optimizer chain takes two finite steps on a
-tiny parameter tree.  No weights are initialised and no training data is read.
+(counted on the meta device: no memory), the optimizer chain takes two finite steps on a
+tiny parameter tree, and the host has the memory and disk ``pgs profile`` predicts the run
+needs (``pgs.runtime.tools.resources``: a refusal is exit 83).  No weights are initialised and
+no training data is read.
 
 :func:`check_resources` is ``pgs validate``'s whole check: the preflight plus the first
 records of every data file through the real reader, chat template and length policy.
@@ -225,11 +227,13 @@ def check_chain(spec) -> str:
 # --------------------------------------------------------------------------- the two doors
 
 
-def preflight_spec(spec, *, count_parameters: bool = False) -> Preflight:
+def preflight_spec(spec, *, count_parameters: bool = False, processes: int | None = None) -> Preflight:
     """The checks ``pgs run`` makes before it builds anything, and ``pgs validate`` before it
     reads data: tokenizer, model configuration, heads, lengths, run folder, freeze patterns,
     chain.  Cheap: no weights, no data.  ``count_parameters``: build the parameter shapes on the
-    meta device even without ``freeze`` patterns (validate's summary counts them)."""
+    meta device even without ``freeze`` patterns (validate's summary counts them).
+    ``processes``: how many processes will train (``tools.resources.check_host``; None: not
+    known, as in ``pgs validate``)."""
     m = spec.model
     tokenizer = apply_chat_template(load_tokenizer(m.tokenizer or m.path, m.trust_remote_code), spec.data.chat_template)
     config = model_config(m, len(tokenizer))
@@ -248,8 +252,16 @@ def preflight_spec(spec, *, count_parameters: bool = False) -> Preflight:
         else:
             check_freeze(m.freeze, found.shapes)
     found.chain = check_chain(spec)
+    from pgs.runtime.loop.trackers import check_trackers  # a tracker that is on must be installed
+
+    check_trackers(spec.log)
     if spec.preference is not None:
         check_preference(spec, tokenizer)
+    from pgs.runtime.tools.resources import check_host  # the memory and disk the run will need (exit 83)
+
+    if check_host(spec, processes) is None:
+        found.warnings.append("the run's memory could not be predicted (the architecture does not build on the "
+                              "meta device); memory and disk not checked")
     return found
 
 

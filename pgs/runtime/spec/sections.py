@@ -268,7 +268,9 @@ class CheckpointSpec:
 
     ``best_metric`` (``""`` disables) also keeps the best checkpoint by that eval metric
     (lower is better unless the name contains ``accuracy``); it needs ``data.eval``.
-    ``export`` writes a plain HF folder (config + safetensors + tokenizer) at the end.
+    ``export`` writes a plain HF folder (config + safetensors + tokenizer) at the end;
+    ``max_shard_size`` (``"5GB"``, ``"500MB"``, ``"2GiB"`` or bytes) is its largest weights
+    file: larger models are sharded with an index, as ``save_pretrained`` does.
     """
 
     section: ClassVar[str] = "checkpoint"
@@ -278,17 +280,32 @@ class CheckpointSpec:
     keep: int = attrs.field(default=2, validator=_int_at_least(0))
     best_metric: str = attrs.field(default="eval_loss", validator=_str)
     export: bool = attrs.field(default=True, validator=_bool)
+    max_shard_size: str | int = attrs.field(default="5GB", validator=lambda _s, _a, v: _shard_size(v))
+
+
+def _shard_size(value) -> None:
+    from pgs.runtime.store.export import parse_size
+
+    parse_size(value)
 
 
 @attrs.frozen
 class LogSpec:
-    """``[log]``: where metrics go besides the console (``metrics.jsonl`` in the run folder)."""
+    """``[log]``: where metrics go besides the console (``metrics.jsonl`` in the run folder).
+
+    ``wandb``, ``trackio``, ``tensorboard``, ``mlflow`` turn on a tracker (an optional extra,
+    ``pgs.runtime.loop.trackers``); ``project`` and ``run_name`` name the run there (``""``:
+    the spec file's name, the run folder's name)."""
 
     section: ClassVar[str] = "log"
 
     jsonl: bool = attrs.field(default=True, validator=_bool)
     wandb: bool = attrs.field(default=False, validator=_bool)
     trackio: bool = attrs.field(default=False, validator=_bool)
+    tensorboard: bool = attrs.field(default=False, validator=_bool)
+    mlflow: bool = attrs.field(default=False, validator=_bool)
+    project: str = attrs.field(default="", validator=_str)
+    run_name: str = attrs.field(default="", validator=_str)
 
 
 @attrs.frozen

@@ -280,7 +280,7 @@ def gathered_state_dict(model) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=options)
 
 
-def export_hf(model, tokenizer, out_dir: str, *, info: dict | None = None) -> str:
+def export_hf(model, tokenizer, out_dir: str, *, info: dict | None = None, max_shard_size="5GB") -> str:
     """Gather the weights to rank 0 and write a HF folder there (``export.export_hf``).
 
     Collective: every rank calls it; rank 0 writes; every rank returns after the folder is
@@ -294,7 +294,7 @@ def export_hf(model, tokenizer, out_dir: str, *, info: dict | None = None) -> st
             tied = _tied_output_key(model)
             if tied is not None and len(tensors) > 1:
                 tensors.pop(tied, None)
-            write_hf(_Gathered(model, tensors), tokenizer, out_dir, info=info)
+            write_hf(_Gathered(model, tensors), tokenizer, out_dir, info=info, max_shard_size=max_shard_size)
         except Exception as err:
             failure = f"{type(err).__name__}: {_first_line(err)}"
     failure = _broadcast(failure)

@@ -1,28 +1,88 @@
 """Export a trained model as a HF folder that ``from_pretrained`` loads and generates from.
 
-The folder holds ``model.safetensors`` (tied weights once, as transformers writes them),
-``config.json``, ``generation_config.json`` (eos/pad from the tokenizer) and the tokenizer.
-It is written to a temporary folder and published with the same fsync-and-rename as a
-checkpoint, so ``final/`` and ``best/`` are either the old copy or the new one.
+The folder holds the weights as ``save_pretrained`` writes them (tied weights once): one
+``model.safetensors`` when they fit in ``max_shard_size`` (``checkpoint.max_shard_size``,
+default ``"5GB"``), else ``model-00001-of-0000N.safetensors`` … with
+``model.safetensors.index.json`` (``metadata.total_size`` and the ``weight_map`` from each
+tensor to its file) — plus ``config.json``, ``generation_config.json`` (every end-of-turn id
+kept: the model's own, the tokenizer's eos and the chat template's end-of-turn token) and the
+tokenizer.  It is written to a temporary folder and published with the same fsync-and-rename as
+a checkpoint, so ``final/`` and ``best/`` are either the old copy or the new one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 from safetensors.torch import save_file
 
+from pgs.errors import SpecError
 from pgs.runtime.store.checkpoint import disk_full_guard, model_tensors, publish, tensor_bytes
 
 EXPORT_INFO = "pgs_export.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DEFAULT_SHARD_SIZE = "5GB"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def export_hf(model, tokenizer, out_dir: str, *, info: dict | None = None) -> str:
+def parse_size(value, field: str = "checkpoint.max_shard_size") -> int:
+    """Bytes of a size written as transformers writes it: an integer, or ``"5GB"`` (10^9),
+    ``"500MB"``, ``"2GiB"`` (2^30), ..."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(value).upper())
+        if match is None or match.group(2) not in _UNITS:
+            raise SpecError(f"{field}: {value!r} is not a size (write e.g. \"5GB\", \"500MB\" or \"2GiB\")")
+        size = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if size < 1:
+        raise SpecError(f"{field}: {value!r} must be at least one byte")
+    return size
+
+
+def shard(tensors: dict, max_bytes: int) -> list[dict]:
+    """The tensors cut into files of at most ``max_bytes`` in their order (a tensor larger than
+    that gets a file of its own), as ``save_pretrained`` cuts them."""
+    shards: list[dict] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def write_weights(tensors: dict, folder: str, max_shard_size="5GB") -> list[str]:
+    """Write ``tensors`` into ``folder`` as one file or as shards with an index; returns the files."""
+    shards = shard(tensors, parse_size(max_shard_size))
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
+        return [WEIGHTS]
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    weight_map = {}
+    for name, part in zip(names, shards):
+        save_file(part, os.path.join(folder, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    index = {"metadata": {"total_size": tensor_bytes(tensors)}, "weight_map": weight_map}
+    with open(os.path.join(folder, INDEX), "w", encoding="utf-8") as handle:
+        json.dump(index, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+    return names + [INDEX]
+
+
+def export_hf(model, tokenizer, out_dir: str, *, info: dict | None = None, max_shard_size="5GB") -> str:
     """Write ``model`` (+ ``tokenizer``) to ``out_dir`` in HF format; returns ``out_dir``.
 
-    ``info`` (step, metric, ...) is recorded in ``pgs_export.json`` next to the weights.
+    ``info`` (step, metric, ...) is recorded in ``pgs_export.json`` next to the weights;
+    ``max_shard_size``: the largest weights file (``parse_size``).
     """
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -33,7 +93,7 @@ def export_hf(model, tokenizer, out_dir: str, *, info: dict | None = None) -> st
     # a full disk is one line (exit 84), the temporary removed and the published folder kept
     with disk_full_guard(tmp, out_dir, tensor_bytes(tensors), "export", "weights"):
         # Weights under the names transformers expects; tied copies are re-tied by the config.
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        write_weights(tensors, tmp, max_shard_size)
         config = model.config
         dtype = next(iter(tensors.values())).dtype if tensors else None
         if dtype is not None:
@@ -51,14 +111,44 @@ def export_hf(model, tokenizer, out_dir: str, *, info: dict | None = None) -> st
     return out_dir
 
 
+def end_of_turn_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a reply, in order, each once: the model's own ``eos_token_id`` (an int
+    or a list), the tokenizer's eos, and the chat template's end-of-turn marker when it is one
+    token (``<|im_end|>``, ``<|eot_id|>``)."""
+    found: list[int] = []
+
+    def add(value):
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and not isinstance(v, bool) and v not in found:
+                found.append(v)
+
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        add(getattr(generation, "eos_token_id", None))
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+        if getattr(tokenizer, "chat_template", None):
+            from pgs.runtime.data.chat import TemplateProblem, turn_markers
+
+            try:
+                _header, end = turn_markers(tokenizer)
+            except TemplateProblem:
+                end = ""
+            ids = tokenizer.encode(end.strip(), add_special_tokens=False) if end.strip() else []
+            if len(ids) == 1:
+                add(ids[0])
+    return found
+
+
 def _generation_config(model, tokenizer):
     from transformers import GenerationConfig
 
     generation = getattr(model, "generation_config", None)
     generation = GenerationConfig.from_dict(generation.to_dict()) if generation is not None else GenerationConfig()
+    eos = end_of_turn_ids(model, tokenizer)
+    if eos:
+        generation.eos_token_id = eos if len(eos) > 1 else eos[0]
     if tokenizer is not None:
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            generation.eos_token_id = tokenizer.eos_token_id
         if getattr(tokenizer, "pad_token_id", None) is not None:
             generation.pad_token_id = tokenizer.pad_token_id
         if getattr(tokenizer, "bos_token_id", None) is not None:

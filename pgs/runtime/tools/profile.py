@@ -80,14 +80,14 @@ def _text_config(cfg):
     return getattr(cfg, "text_config", None) or cfg
 
 
-def meta_model(model_config, dtype=torch.bfloat16):
+def meta_model(model_config, dtype=torch.bfloat16, trust_remote_code: bool = False):
     """The HF causal LM of ``model_config`` (a config or a ``{model_type = ...}`` table) on the
     meta device: shapes and dtypes, no memory."""
     from transformers import AutoModelForCausalLM
 
     cfg = _hf_config(model_config)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg, dtype=_dtype(dtype))
+        return AutoModelForCausalLM.from_config(cfg, dtype=_dtype(dtype), trust_remote_code=trust_remote_code)
 
 
 def model_bytes(model) -> int:
@@ -474,7 +474,7 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
             **{k: v for k, v in overrides.items() if v is not None}}
     cfg = _spec_model_config(spec)
     dt = _dtype(spec.model.dtype)
-    model = meta_model(cfg, dt)
+    model = meta_model(cfg, dt, trust_remote_code=spec.model.trust_remote_code)
     freeze(model, spec.model.freeze)
     total = spec.train.steps or 1000
     chain = spec.build_chain(total_steps=total)
@@ -562,7 +562,8 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
     with dev:  # random init on the GPU: minutes faster than on the host at 4B
         config = None if m.config is None else {**m.config, "vocab_size": _text_config(plan["config"]).vocab_size}
         model = build_model(path=m.path, config=config, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                            varlen_kernel=m.varlen_kernel, init_seed=m.init_seed).to(dev)
+                            varlen_kernel=m.varlen_kernel, init_seed=m.init_seed,
+                            trust_remote_code=m.trust_remote_code).to(dev)
     freeze(model, m.freeze)
     if int(opts.get("mlp_tiles", 0)) > 1:
         apply_mlp_tiles(model, int(opts["mlp_tiles"]))

@@ -1,0 +1,206 @@
+"""Will the host hold the run?  The resource half of the preflight (exit 83, docs/exit-codes.md).
+
+``pgs validate`` and ``pgs run`` (before the model is built) ask :func:`check_host`:
+
+- **memory**: the peak ``pgs profile`` predicts for one process (weights, optimizer state,
+  gradients, activations, the loss's buffers; ``pgs.runtime.tools.profile.predict_memory``)
+  plus the attention's sequence-squared buffers (:func:`attention_matrix_bytes`), against
+  what the device has free: ``torch.cuda.mem_get_info`` on CUDA, the kernel's
+  ``MemAvailable`` (capped by the cgroup's ``memory.max``) on the CPU.  The prediction leaves
+  out backward's own working set and allocator slack, so it is a lower bound: a run it refuses
+  cannot fit, and one it passes may still be tight.  Without it an impossible
+  ``data.max_seq_len`` on the CPU passed every check and the kernel's OOM killer ended the
+  run (exit 137) with no message.
+- **disk**: the run folder (or the nearest folder above it that exists) is writable and has
+  room for ``DISK_COPIES`` checkpoints' worth of weights and optimizer state
+  (:func:`check_disk`; the loop checks again with the real byte count once the model is built).
+
+With several processes (FSDP2), or when ``pgs validate`` cannot know how many (several CUDA
+devices visible), the memory check is skipped: the prediction is for one unsharded process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import attrs
+import torch
+
+from pgs.errors import PreflightRefused
+
+GiB = 1024**3
+#: checkpoints' worth of disk a run needs free: the new one written beside the kept one, and the export
+DISK_COPIES = 3.0
+
+
+@attrs.frozen
+class Prediction:
+    """One process's predicted peak memory and the bytes of one checkpoint, with the parts a
+    message names."""
+
+    peak: int
+    checkpoint: int
+    parts: dict
+    tokens: str
+
+
+def attention_matrix_bytes(cfg, rows: int, seq_len: int, *, dtype_bytes: int, implementation: str,
+                           device_type: str, packed: bool, varlen_kernel: bool, checkpointing: str = "none",
+                           every: int = 1) -> int:
+    """Bytes of the sequence-squared buffers attention keeps for backward: 0 where a kernel
+    runs without them (unpacked causal rows, or packed rows on the CUDA variable-length
+    kernel).  With SDPA each layer that keeps its activations saves its own copy of the
+    block-diagonal mask, ``rows·S²·b`` (SDPA converts transformers' boolean ``[B, 1, S, S]``
+    mask to the query's dtype, per call); eager attention saves each layer's probabilities,
+    ``rows·H·S²·b``, and holds one additive mask, ``rows·S²·b``.  Plus the boolean mask,
+    ``rows·S²``, once.  Checkpointed layers hold theirs only while one is recomputed.  Equal
+    to the tensors autograd saves for a packed Qwen3 forward on the CPU
+    (tests/test_preflight_resources.py)."""
+    eager = implementation == "eager"
+    if not eager and (not packed or varlen_kernel):
+        return 0
+    c = getattr(cfg, "text_config", None) or cfg
+    layers = int(c.num_hidden_layers)
+    heads = int(c.num_attention_heads)
+    square = int(rows) * int(seq_len) ** 2
+    per_layer = square * dtype_bytes * (heads if eager else 1)
+    once = (square + (square * dtype_bytes if eager else 0)) if packed else 0
+    kept = layers if checkpointing == "none" else layers - len(range(0, layers, every)) + 1
+    return kept * per_layer + once
+
+
+def _device(spec) -> torch.device:
+    name = spec.train.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def predict(spec, device: torch.device) -> Prediction:
+    """What one process of ``spec`` needs at its peak on ``device``, and one checkpoint's bytes."""
+    from pgs.func import kernels
+    from pgs.runtime.model.attention import varlen_available
+    from pgs.runtime.tools.profile import _dtype, predict_memory, plan_from_spec
+
+    plan = plan_from_spec(spec)
+    kwargs = dict(plan["kwargs"])
+    kwargs["loss_kernels"] = device.type == "cuda" and kernels.CONFIG.ce_kernels
+    pred = predict_memory(plan["config"], **kwargs)
+    dt = _dtype(spec.model.dtype)
+    impl = spec.model.attn_implementation
+    varlen = impl in ("varlen", "auto") and device.type == "cuda" and varlen_available(device, dt)
+    if impl == "auto":
+        impl = "varlen" if varlen else "sdpa"
+    opts = plan["options"]
+    attention = attention_matrix_bytes(
+        plan["config"], plan["micro_batch"], plan["seq_len"], dtype_bytes=torch.empty((), dtype=dt).element_size(),
+        implementation=impl, device_type=device.type, packed=bool(spec.data.packing), varlen_kernel=varlen,
+        checkpointing=opts["activation_checkpointing"], every=int(opts["checkpoint_every"]))
+    parts = {k: pred[k] for k in ("weights", "optimizer_state", "activations", "loss")}
+    parts["attention masks"] = attention
+    checkpoint = pred["weights"] + pred["master_weights"] + pred["optimizer_state"]
+    return Prediction(peak=pred["peak"] + attention, checkpoint=checkpoint, parts=parts,
+                      tokens=f"{plan['micro_batch']} rows × {plan['seq_len']} tokens per micro-batch")
+
+
+def available_memory(device: torch.device) -> tuple[int | None, str]:
+    """Bytes free for a run on ``device`` and how the number was found (None: unknown)."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():  # validating a GPU spec elsewhere: its device is not here
+            return None, ""
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"{torch.cuda.get_device_name(device)} has"
+    if device.type != "cpu":
+        return None, ""
+    found = None
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    found = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    limit = _cgroup_room()
+    if limit is not None and (found is None or limit < found):
+        return limit, "this container's memory limit leaves"
+    return found, "the host has"
+
+
+def _cgroup_room() -> int | None:
+    """``memory.max − memory.current`` of this process's cgroup (v2), or None."""
+    try:
+        with open("/proc/self/cgroup") as handle:
+            path = next((line.strip().split("::", 1)[1] for line in handle if line.startswith("0::")), None)
+        if path is None:
+            return None
+        base = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
+        with open(os.path.join(base, "memory.max")) as handle:
+            raw = handle.read().strip()
+        if raw == "max":
+            return None
+        with open(os.path.join(base, "memory.current")) as handle:
+            return int(raw) - int(handle.read().strip())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def check_memory(spec, prediction: Prediction, device: torch.device, available: int | None = None,
+                 where: str = "") -> None:
+    """Refuse (exit 83) when the predicted peak is more than ``device`` has free."""
+    if available is None:
+        available, where = available_memory(device)
+    if available is None or prediction.peak <= available:
+        return
+    biggest = max(prediction.parts, key=prediction.parts.get)
+    parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in prediction.parts.items() if v)
+    raise PreflightRefused(
+        f"data.max_seq_len = {spec.data.max_seq_len}: {prediction.tokens} need at least "
+        f"{prediction.peak / GiB:.2f} GiB at the peak ({parts} GiB; the largest: {biggest}; pgs profile), but "
+        f"{where} {available / GiB:.2f} GiB free on {device.type}; lower data.max_seq_len or the micro-batch "
+        f"(train.batch_size / train.grad_accum), or set memory.activation_checkpointing")
+
+
+def check_disk(run_dir: str, checkpoint_bytes: int, copies: float = DISK_COPIES) -> None:
+    """Refuse (exit 83) when ``run_dir`` could not be written or has too little free disk for
+    ``copies`` checkpoints of ``checkpoint_bytes``.  Creates nothing: a folder that does not
+    exist yet is judged by the nearest existing folder above it."""
+    path = os.path.abspath(run_dir)
+    while not os.path.exists(path):
+        up = os.path.dirname(path)
+        if up == path:
+            break
+        path = up
+    if not os.access(path, os.W_OK | os.X_OK):
+        what = "is not writable" if path == os.path.abspath(run_dir) else f"cannot be created ({path} is not writable)"
+        raise PreflightRefused(f"checkpoint.dir: {run_dir!r} {what}")
+    free = shutil.disk_usage(path).free
+    need = int(copies * checkpoint_bytes)
+    if free < need:
+        raise PreflightRefused(
+            f"checkpoint.dir: {run_dir!r} has {free / GiB:.2f} GiB free; checkpoints need about "
+            f"{need / GiB:.2f} GiB ({copies:g} × {checkpoint_bytes / GiB:.2f} GiB of weights + optimizer state)")
+
+
+def check_host(spec, processes: int | None = None) -> Prediction | None:
+    """Memory and disk for ``spec`` on this host (see the module docstring); refuses with exit 83.
+
+    ``processes``: how many processes will train (``pgs run``: 1, or ``--nproc``/``WORLD_SIZE``);
+    None (``pgs validate``): unknown, taken as 1 unless several CUDA devices are visible (the
+    spec may be meant for ``--nproc``).  Memory is checked for one process only: the prediction
+    is of an unsharded run.  Returns the prediction (None where the architecture cannot be sized
+    on the meta device)."""
+    device = _device(spec)
+    try:
+        prediction = predict(spec, device)
+    except Exception:  # an architecture the meta device cannot build: the run will say more
+        return None
+    if processes is None:
+        processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() > 1:
+            processes = 0  # validate on a multi-GPU host: the run's process count is not known here
+    if processes == 1:
+        check_memory(spec, prediction, device)
+    check_disk(spec.checkpoint.dir, prediction.checkpoint)
+    return prediction

@@ -1,0 +1,128 @@
+"""The resource preflight (exit 83): memory the run will need against what the device has free,
+and disk for its checkpoints (pgs.runtime.tools.resources).
+
+A ``data.max_seq_len`` within the model's positions but beyond the host's memory used to pass
+``pgs validate`` and then die under the kernel's OOM killer (exit 137, no message); both
+commands now refuse it with one line and exit 83 before a model is built.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pgs.cli import main
+from pgs.errors import PreflightRefused
+from pgs.runtime.spec.load import load_spec
+from pgs.runtime.tools import resources as R
+from tests.test_faults_validate_run import _one_line, _spec
+
+LONG = """\
+[model.config]
+model_type = "qwen3"
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+head_dim = 8
+max_position_embeddings = 1048576
+tie_word_embeddings = true
+"""
+
+
+def test_an_impossible_max_seq_len_is_refused_by_validate_and_run_with_exit_83(tmp_path, capsys):
+    spec = _spec(tmp_path, model=LONG)
+    sets = ["--set", "data.max_seq_len=524288"]  # 2 rows × 2 layers × 512k² × 4 B of masks: ~4 TiB
+    code_v, line_v = _one_line(["validate", str(spec), *sets], capsys)
+    code_r, line_r = _one_line(["run", str(spec), *sets], capsys)
+    assert (code_v, code_r) == (83, 83)
+    assert line_v.startswith("pgs: error: data.max_seq_len = 524288: 2 rows × 524288 tokens per micro-batch")
+    assert "attention masks" in line_v and "free on cpu" in line_v
+    assert line_r.split(" at the peak")[0] == line_v.split(" at the peak")[0]
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_the_same_spec_at_a_sane_length_passes(tmp_path):
+    spec = load_spec(_spec(tmp_path, model=LONG), ["data.max_seq_len=96"])
+    prediction = R.check_host(spec)
+    assert prediction is not None and 0 < prediction.peak < 2**30
+    assert prediction.checkpoint > 0
+
+
+def test_memory_refusal_names_the_field_and_the_numbers(tmp_path):
+    spec = load_spec(_spec(tmp_path, model=LONG), ["data.max_seq_len=4096"])
+    prediction = R.predict(spec, torch.device("cpu"))
+    R.check_memory(spec, prediction, torch.device("cpu"), available=prediction.peak, where="x has")
+    with pytest.raises(PreflightRefused) as err:
+        R.check_memory(spec, prediction, torch.device("cpu"), available=prediction.peak - 1, where="the host has")
+    text = str(err.value)
+    assert "\n" not in text and err.value.exit_code == 83
+    assert text.startswith("data.max_seq_len = 4096: 2 rows × 4096 tokens per micro-batch need at least")
+    assert "lower data.max_seq_len" in text
+
+
+def _saved_square_bytes(implementation: str, rows: int, seq: int) -> tuple[int, object]:
+    """Bytes of the [.., S, S] tensors autograd saves for a packed forward of a tiny Qwen3."""
+    from pgs.runtime.dist.fsdp import final_hidden
+    from pgs.runtime.model.build import build_model
+
+    cfg = dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8, max_position_embeddings=4096, tie_word_embeddings=True,
+               vocab_size=64)
+    model = build_model(config=cfg, dtype="float32", attn_implementation=implementation, device="cpu")
+    ids = torch.randint(0, 64, (rows, seq))
+    pos = torch.cat([torch.arange(seq // 3), torch.arange(seq - seq // 3)])[None].expand(rows, seq).contiguous()
+    seen, sizes = set(), collections.Counter()
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen and t.dim() >= 2 and t.shape[-1] == seq and t.shape[-2] == seq:
+            seen.add(ptr)
+            sizes["square"] += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        final_hidden(model, ids, pos)
+    return sizes["square"], model.config
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_attention_matrices_match_what_autograd_saves_on_the_cpu(implementation):
+    rows, seq = 2, 256
+    saved, config = _saved_square_bytes(implementation, rows, seq)
+    predicted = R.attention_matrix_bytes(config, rows, seq, dtype_bytes=4, implementation=implementation,
+                                         device_type="cpu", packed=True, varlen_kernel=False)
+    # beyond what autograd saves: the boolean mask (rows·S²), and eager's one additive fp32 mask
+    once = rows * seq * seq * (1 + (4 if implementation == "eager" else 0))
+    assert predicted - once == saved > 0
+
+
+def test_no_square_term_for_unpacked_rows_or_the_varlen_kernel():
+    cfg = type("C", (), {"num_hidden_layers": 2, "num_attention_heads": 4})()
+    common = dict(dtype_bytes=2, implementation="sdpa", device_type="cuda")
+    assert R.attention_matrix_bytes(cfg, 2, 1024, packed=False, varlen_kernel=False, **common) == 0
+    assert R.attention_matrix_bytes(cfg, 2, 1024, packed=True, varlen_kernel=True, **common) == 0
+    full = R.attention_matrix_bytes(cfg, 2, 1024, packed=True, varlen_kernel=False, **common)
+    ckpt = R.attention_matrix_bytes(cfg, 2, 1024, packed=True, varlen_kernel=False, checkpointing="full", **common)
+    assert 0 < ckpt < full
+
+
+def test_disk_refusals(tmp_path, monkeypatch):
+    R.check_disk(str(tmp_path / "a" / "b"), 1024)
+    assert not (tmp_path / "a").exists()  # judged by the folder above; nothing created
+    with pytest.raises(PreflightRefused, match="checkpoints need about"):
+        R.check_disk(str(tmp_path / "run"), 1 << 60)
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        try:
+            with pytest.raises(PreflightRefused, match="cannot be created"):
+                R.check_disk(str(locked / "run"), 1)
+        finally:
+            locked.chmod(0o700)
