@@ -161,10 +161,10 @@ def test_the_loop_logs_skipped_only_for_a_vetoed_step_which_changes_nothing(tmp_
     from safetensors.torch import load_file
 
     from pgs.cli import main
-    from pgs.runtime.loop import train
+    from pgs.runtime.loop import sft
 
     calls = {"n": 0}
-    real = train.token_loss
+    real = sft.token_loss
 
     def spiking(*args, **kwargs):  # one micro-batch per step: the n-th call is step n
         calls["n"] += 1
@@ -173,7 +173,7 @@ def test_the_loop_logs_skipped_only_for_a_vetoed_step_which_changes_nothing(tmp_
             result = result._replace(loss_sum=result.loss_sum * 1e4)  # TokenLossResult, a NamedTuple
         return result
 
-    monkeypatch.setattr(train, "token_loss", spiking)
+    monkeypatch.setattr(sft, "token_loss", spiking)  # the SFT objective's loss
     from tests.test_faults_validate_run import _spec
 
     sets = [a for item in LOOP_SETS for a in ("--set", item.format(mode=mode))]
