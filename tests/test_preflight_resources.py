@@ -126,3 +126,12 @@ def test_disk_refusals(tmp_path, monkeypatch):
                 R.check_disk(str(locked / "run"), 1)
         finally:
             locked.chmod(0o700)
+
+
+def test_disk_copies_follow_what_checkpoint_keeps():
+    """keep newest + the one written beside them, + best, + export; keep = 0 (all) asks for 3."""
+    from types import SimpleNamespace as NS
+
+    assert R.disk_copies(NS(keep=1, best_metric="", export=False)) == 2
+    assert R.disk_copies(NS(keep=2, best_metric="eval_loss", export=True)) == 5
+    assert R.disk_copies(NS(keep=0, best_metric="", export=False)) == R.DISK_COPIES

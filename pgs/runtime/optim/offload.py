@@ -164,6 +164,7 @@ class StateStager:
         self.device = None
         self.cuda = False
         self.host, at = {}, 0
+        self.page_locked = False
         total = sum(lay.nbytes for lay in self.layouts.values())
         self._whole = None
         self.homes = {}
@@ -174,6 +175,9 @@ class StateStager:
                 self._whole, registered = _host_buffer(total, self.cuda)
                 if registered:
                     weakref.finalize(self, _unregister, self._whole)
+                # registered memory is page-locked, though torch's is_pinned() (which asks its own
+                # pinned allocator) says False for it
+                self.page_locked = registered or self._whole.is_pinned()
                 for h, lay in self.layouts.items():
                     self.host[h] = self._whole[at:at + lay.nbytes]
                     at += lay.nbytes

@@ -30,8 +30,18 @@ import torch
 from pgs.errors import PreflightRefused
 
 GiB = 1024**3
-#: checkpoints' worth of disk a run needs free: the new one written beside the kept one, and the export
+#: checkpoints' worth of disk a run that keeps every checkpoint (``checkpoint.keep = 0``) is
+#: asked to have free at the start: at least the first two and the export
 DISK_COPIES = 3.0
+
+
+def disk_copies(checkpoint) -> float:
+    """How many checkpoints' worth of disk ``[checkpoint]`` fills at its fullest: the ``keep``
+    newest plus the one being written beside them, the best one when ``best_metric`` is set, and
+    the export (weights only, counted as a whole checkpoint) when ``export``."""
+    if checkpoint.keep <= 0:
+        return DISK_COPIES
+    return checkpoint.keep + 1 + bool(checkpoint.best_metric) + bool(checkpoint.export)
 
 
 @attrs.frozen
@@ -202,5 +212,5 @@ def check_host(spec, processes: int | None = None) -> Prediction | None:
             processes = 0  # validate on a multi-GPU host: the run's process count is not known here
     if processes == 1:
         check_memory(spec, prediction, device)
-    check_disk(spec.checkpoint.dir, prediction.checkpoint)
+    check_disk(spec.checkpoint.dir, prediction.checkpoint, disk_copies(spec.checkpoint))
     return prediction
