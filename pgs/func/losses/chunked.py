@@ -401,6 +401,43 @@ def target_logprobs(
     return out.reshape(shape)
 
 
+def token_nll_entropy(
+    h: Tensor,
+    W: Tensor,
+    labels: Tensor,
+    *,
+    bias: Tensor | None = None,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    chunk_size: int = 1024,
+) -> tuple[Tensor, Tensor]:
+    """Per-token NLL and full-vocabulary entropy of the head, detached, in O(chunk · V) memory.
+
+    nll_i = LSE(z_i) − z_{i,y_i};  H_i = − Σ_v p_i(v) log p_i(v) = LSE(z_i) − Σ_v p_i(v) z_{i,v}
+    (nats), with z = softcap(h Wᵀ + b) and p = softmax(z).  Both are 0 at ignored positions.
+    fp32 (fp64 for fp64 h).  The scores ``pgs prepare`` records per sample (familiarity = mean
+    NLL, mean entropy, HES of EQUATIONS.md D1) come from here, so that scoring never holds the
+    ``[N, V]`` logits of a whole batch.
+    """
+    check_options(softcap, 0.0, chunk_size)
+    shape = labels.shape
+    h, labels, _ = flatten_inputs(h, W, labels, bias)
+    nll = torch.zeros(labels.shape, dtype=compute_dtype(h), device=h.device)
+    entropy = torch.zeros_like(nll)
+    rows_all = (labels != ignore_index).nonzero().squeeze(1)
+    with torch.no_grad():
+        for start in range(0, rows_all.numel(), chunk_size):
+            rows = rows_all[start : start + chunk_size]
+            z = _chunk_logits(h.index_select(0, rows), W, bias, softcap)
+            lse = torch.logsumexp(z, dim=-1)
+            y = labels.index_select(0, rows)
+            nll.index_copy_(0, rows, lse - z.gather(1, y[:, None]).squeeze(1))
+            p = torch.softmax(z, dim=-1)
+            entropy.index_copy_(0, rows, (lse - (p * z).sum(-1)).clamp_min_(0))
+            del z, p
+    return nll.reshape(shape), entropy.reshape(shape)
+
+
 def chunked_token_loss(
     h: Tensor,
     W: Tensor,
