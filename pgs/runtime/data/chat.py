@@ -126,8 +126,59 @@ def assistant_spans(
     *,
     last_turn_only: bool = False,
     supervise_empty_think: bool = False,
+    train_roles: Sequence[str] = ("assistant",),
 ) -> tuple[str, list[tuple[int, int]]]:
-    """Render the conversation; return the text and the character spans to train on."""
+    """Render the conversation; return the text and the character spans to train on.
+
+    ``train_roles`` with ``"tool"`` adds the content of every tool message (ECHO): the first
+    occurrence of that content after the assistant turn that precedes it."""
+    text, spans = _assistant_spans(tokenizer, messages, tools, last_turn_only=last_turn_only,
+                                   supervise_empty_think=supervise_empty_think)
+    if "tool" in train_roles:
+        spans = sorted(spans + tool_spans(tokenizer, text, messages, tools))
+    return text, spans
+
+
+def tool_spans(tokenizer, text: str, messages: list[dict[str, Any]], tools: list[dict] | None = None
+               ) -> list[tuple[int, int]]:
+    """The character spans of the tool messages' contents in the rendered ``text``.
+
+    Each is searched for after the end of the assistant turn before it (the tool call: the
+    template's generation span or turn markers) and after the previous tool result.  A tool content the template does not render verbatim raises
+    ``TemplateProblem``: silently not training it would not be what ``train_roles`` asked for.
+    """
+    spans: list[tuple[int, int]] = []
+    template = chat_template_of(tokenizer)
+    if GENERATION_MARKER.search(template):
+        turns = [tuple(t) for t in _render(tokenizer, template, messages, tools, spans=True)[1]]
+    else:
+        header, end = turn_markers(tokenizer, template)
+        turns = _spans_from_markers(text, header, end, sum(m.get("role") == "assistant" for m in messages))
+    cursor, seen = 0, 0
+    for m in messages:
+        if m.get("role") == "assistant":
+            if turns is not None and seen < len(turns):
+                cursor = max(cursor, turns[seen][1])
+            seen += 1
+        elif m.get("role") == "tool" and (m.get("content") or "").strip():
+            content = m["content"]
+            at = text.find(content, cursor)
+            if at < 0:
+                raise TemplateProblem("a tool result is not rendered verbatim by the chat template; "
+                                      "data.train_roles cannot train it")
+            spans.append((at, at + len(content)))
+            cursor = at + len(content)
+    return spans
+
+
+def _assistant_spans(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict] | None = None,
+    *,
+    last_turn_only: bool = False,
+    supervise_empty_think: bool = False,
+) -> tuple[str, list[tuple[int, int]]]:
     template = chat_template_of(tokenizer)
     n_assistant = sum(m.get("role") == "assistant" for m in messages)
     if GENERATION_MARKER.search(template):
@@ -176,12 +227,14 @@ def encode_chat(
     *,
     last_turn_only: bool = False,
     supervise_empty_think: bool = False,
+    train_roles: Sequence[str] = ("assistant",),
 ) -> tuple[list[int], list[bool]]:
     """Tokenize a conversation with its chat template; return ``(input_ids, train_mask)``.
 
     ``train_mask[i]`` is True when token ``i`` belongs to an assistant turn (content, tool
     calls, end-of-turn token).  ``last_turn_only`` trains the last assistant turn only;
-    ``supervise_empty_think`` also trains an empty think block a template inserts.
+    ``supervise_empty_think`` also trains an empty think block a template inserts;
+    ``train_roles`` with ``"tool"`` also trains the tool results' content (ECHO).
 
     Example::
 
@@ -190,7 +243,8 @@ def encode_chat(
         tok.decode([t for t, m in zip(ids, mask) if m])   # '4<|im_end|>'
     """
     text, spans = assistant_spans(
-        tokenizer, messages, tools, last_turn_only=last_turn_only, supervise_empty_think=supervise_empty_think
+        tokenizer, messages, tools, last_turn_only=last_turn_only, supervise_empty_think=supervise_empty_think,
+        train_roles=train_roles,
     )
     ((ids, offsets),) = _tokenize(tokenizer, [text])
     return ids, train_mask(offsets, spans).tolist()
@@ -202,6 +256,7 @@ def encode_chats(
     *,
     last_turn_only: bool = False,
     supervise_empty_think: bool = False,
+    train_roles: Sequence[str] = ("assistant",),
 ) -> list[tuple[list[int], list[bool]] | Exception]:
     """:func:`encode_chat` of many ``(messages, tools)`` at once: equal results, one batch call.
 
@@ -217,7 +272,7 @@ def encode_chats(
         try:
             text, spans = assistant_spans(
                 tokenizer, messages, tools, last_turn_only=last_turn_only,
-                supervise_empty_think=supervise_empty_think,
+                supervise_empty_think=supervise_empty_think, train_roles=train_roles,
             )
         except Exception as err:  # noqa: BLE001 - handed back in its place, raised by the caller
             out.append(err)

@@ -51,6 +51,7 @@ from pgs.runtime.data.preference import PreferenceStream
 from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop import control
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
+from pgs.runtime.loop.msft import Msft, source_eval_losses
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
 from pgs.runtime.loop.metrics import MetricsLog
 from pgs.runtime.loop.preference import STAT_KEYS, PreferenceObjective, prepare_reference, read_eval_pairs, step_values
@@ -96,6 +97,7 @@ class Run:
     step_clock: float | None = None  # perf_counter at the end of the last step (None: restart the clock)
     faults: Faults = NO_FAULTS  # what a test injects (faults.py)
     preference: PreferenceObjective | None = None  # the objective hook of a [preference] run (SFT: None)
+    msft: Msft | None = None  # mSFT rounds (data.msft_round), else None
 
     def counters(self) -> dict:
         return {
@@ -105,6 +107,7 @@ class Run:
             "entropy_low": self.entropy_low,
             "skips": self.skips.state_dict(),
             "data": self.loader.state_dict(),
+            **({"msft": self.msft.state_dict()} if self.msft is not None else {}),
         }
 
 
@@ -231,6 +234,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
         chain_has_norm=bound.metrics().grad_norm is not None,
         ctx=ctx if sharded else None, faults=faults, preference=preference,
+        msft=Msft.create(spec, distributed=sharded),
     )
 
 
@@ -249,6 +253,8 @@ def restore(run: Run, folder: str) -> None:
         run.bound.load_state_dict(saved.optimizer)
         ckpt.restore_rng(saved.rng, run.noise)
         t, step = saved.trainer, saved.step
+    if run.msft is not None and "msft" in t:  # the mix of the active sources, before its position
+        run.msft.load_state_dict(run, t["msft"])
     run.loader.load_state_dict(t["data"])
     run.skips.load_state_dict(t["skips"])
     run.step = step
@@ -482,6 +488,9 @@ def evaluate(run: Run) -> dict:
     if run.preference is not None:
         out.update(run.preference.evaluate(run.model, run.tokenizer, run.device))
         return out
+    out.update(source_eval_losses(run))
+    if not spec.data.eval:
+        return out
     batches = EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch))
     out.update(eval_loss(run.model, batches, backend="chunked", chunk_size=spec.loss.chunk_size))
     samples = read_samples(spec.data.eval, ACCURACY_SAMPLES)
@@ -537,6 +546,12 @@ def eval_and_keep_best(run: Run) -> None:
     run.log.write(result)
     run.log.say("eval  " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in result.items()))
+    if run.msft is not None:
+        event = run.msft.after_eval(run, result)
+        if event is not None:
+            run.log.write(event)
+            run.log.say(f"mSFT: {event['source']} overfit first (best at step {event['best_step']}); "
+                        f"excluded, weights reverted to that step; active: {', '.join(event['active']) or 'none'}")
     metric = run.spec.checkpoint.best_metric
     if metric and metric in result and _improves(metric, result[metric], run.best):
         run.best, run.best_step = float(result[metric]), run.step
@@ -647,7 +662,7 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
         r.log.write({"step": r.step, "event": "resume", "from": folder})
     else:  # pgs report reads the records after the last fresh start
         r.log.write({"step": r.step, "event": "start"})
-    evals = bool(spec.data.eval) and spec.train.eval_every > 0
+    evals = (bool(spec.data.eval) or any(s.eval for s in spec.data.sources)) and spec.train.eval_every > 0
     profiler = Profiler(run_dir, profile, r.device) if profile and main else None
     try:
         with control.StopSignals() as signals:

@@ -325,6 +325,9 @@ def _data(table: dict, base: Path) -> DataConfig:
             prefix = "data.sources" if msg.startswith("data.sources") else "data"
             raise SpecError(where + msg[len(prefix):]) from None
         _must_exist(source.path, f"{where}.path")
+        if source.eval is not None:
+            source = attrs.evolve(source, eval=resolve_path(source.eval, base))
+            _must_exist(source.eval, f"{where}.eval")
         resolved.append(source)
     t["sources"] = tuple(resolved)
     if isinstance(t.get("eval"), str) and t["eval"]:
