@@ -51,9 +51,9 @@ from pgs.runtime.data.preference import PreferenceStream
 from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop import control
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
-from pgs.runtime.loop.msft import Msft, source_eval_losses
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
 from pgs.runtime.loop.metrics import MetricsLog
+from pgs.runtime.loop.msft import Msft, source_eval_losses
 from pgs.runtime.loop.preference import STAT_KEYS, PreferenceObjective, prepare_reference, read_eval_pairs, step_values
 from pgs.runtime.loop.trace import Profiler
 from pgs.runtime.model import layers
