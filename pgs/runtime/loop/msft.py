@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from pgs.errors import SpecError
+from pgs.errors import CheckpointError, SpecError
 
 
 def source_names(sources) -> list[str]:
@@ -182,7 +182,11 @@ class Msft:
     def _revert(self, run, step: int) -> None:
         from pgs.runtime.store import checkpoint as ckpt
 
-        saved = ckpt.load(self._folder(step))
+        folder = self._folder(step)
+        if not os.path.isdir(folder):
+            raise CheckpointError(f"{folder}: the mSFT snapshot of step {step} is gone (removed after the "
+                                  "checkpoint this run resumed from); restart the run without --resume")
+        saved = ckpt.load(folder)
         ckpt.load_model_state(run.model, saved.model, saved.trainer.get("aliases", {}))
         run.bound.load_state_dict(saved.optimizer)
 
