@@ -386,19 +386,23 @@ def target_logprobs(
     (Cayley's p̄, CADFT's sample likelihoods); also how a runtime scores targets with a frozen
     reference model for InfoSFT's ``q_source="reference"``.
     """
-    check_options(softcap, 0.0, chunk_size)
-    shape = labels.shape
-    h, labels, _ = flatten_inputs(h, W, labels, bias)
     out = torch.zeros(labels.shape, dtype=compute_dtype(h), device=h.device)
+    flat = out.view(-1)
+    for rows, z, y in _target_chunks(h, W, labels, bias, softcap, ignore_index, chunk_size):
+        flat.index_copy_(0, rows, z.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1))
+    return out
+
+
+def _target_chunks(h, W, labels, bias, softcap, ignore_index, chunk_size):
+    """``(rows, z, y)`` per chunk of the valid rows of the flattened call: the rows' indices,
+    their logits [rows, V] (no autograd) and their targets; the shapes checked first."""
+    check_options(softcap, 0.0, chunk_size)
+    h, labels, _ = flatten_inputs(h, W, labels, bias)
     rows_all = (labels != ignore_index).nonzero().squeeze(1)
     with torch.no_grad():
         for start in range(0, rows_all.numel(), chunk_size):
             rows = rows_all[start : start + chunk_size]
-            z = _chunk_logits(h.index_select(0, rows), W, bias, softcap)
-            y = labels.index_select(0, rows)
-            logp = z.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)
-            out.index_copy_(0, rows, logp)
-    return out.reshape(shape)
+            yield rows, _chunk_logits(h.index_select(0, rows), W, bias, softcap), labels.index_select(0, rows)
 
 
 def token_nll_entropy(
@@ -419,23 +423,14 @@ def token_nll_entropy(
     NLL, mean entropy, HES of EQUATIONS.md D1) come from here, so that scoring never holds the
     ``[N, V]`` logits of a whole batch.
     """
-    check_options(softcap, 0.0, chunk_size)
-    shape = labels.shape
-    h, labels, _ = flatten_inputs(h, W, labels, bias)
     nll = torch.zeros(labels.shape, dtype=compute_dtype(h), device=h.device)
     entropy = torch.zeros_like(nll)
-    rows_all = (labels != ignore_index).nonzero().squeeze(1)
-    with torch.no_grad():
-        for start in range(0, rows_all.numel(), chunk_size):
-            rows = rows_all[start : start + chunk_size]
-            z = _chunk_logits(h.index_select(0, rows), W, bias, softcap)
-            lse = torch.logsumexp(z, dim=-1)
-            y = labels.index_select(0, rows)
-            nll.index_copy_(0, rows, lse - z.gather(1, y[:, None]).squeeze(1))
-            p = torch.softmax(z, dim=-1)
-            entropy.index_copy_(0, rows, (lse - (p * z).sum(-1)).clamp_min_(0))
-            del z, p
-    return nll.reshape(shape), entropy.reshape(shape)
+    nll_flat, entropy_flat = nll.view(-1), entropy.view(-1)
+    for rows, z, y in _target_chunks(h, W, labels, bias, softcap, ignore_index, chunk_size):
+        lse = torch.logsumexp(z, dim=-1)
+        nll_flat.index_copy_(0, rows, lse - z.gather(1, y[:, None]).squeeze(1))
+        entropy_flat.index_copy_(0, rows, (lse - (torch.softmax(z, dim=-1) * z).sum(-1)).clamp_min_(0))
+    return nll, entropy
 
 
 def chunked_token_loss(
