@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "pgs" / "assets" / "quickstart"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_data_chat import QWEN3_STYLE, WEATHER_TOOL, call, tokenizer_with, trained_runs  # noqa: E402
+from test_prepare import TINY_MODEL  # noqa: E402
 
 ECHO_TURNS = [
     {"role": "user", "content": "Is it 12C cloudy in Oslo?"},
@@ -72,22 +73,7 @@ def test_pick_excluded_is_the_earliest_best_and_source_names():
     assert source_names([S("a/x.jsonl"), S("b/x.jsonl")]) == ["source0", "source1"]
 
 
-SPEC = """
-[model]
-tokenizer = "pgs:quickstart/tokenizer"
-init_seed = 3
-
-[model.config]
-model_type = "qwen3"
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-head_dim = 16
-max_position_embeddings = 128
-tie_word_embeddings = true
-
+SPEC = TINY_MODEL + """
 [data]
 sources = [{ path = "DIR/add.jsonl", eval = "DIR/add_eval.jsonl" },
            { path = "DIR/weather.jsonl", eval = "DIR/weather_eval.jsonl", weight = 0.5 }]

@@ -23,7 +23,7 @@ from pgs.runtime.prepare.verify import make_verifier, parse_answer
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "pgs" / "assets" / "quickstart"
 
-TINY = """
+TINY_MODEL = """
 [model]
 tokenizer = "pgs:quickstart/tokenizer"
 init_seed = 3
@@ -39,6 +39,9 @@ head_dim = 16
 max_position_embeddings = 128
 tie_word_embeddings = true
 
+"""
+
+TINY = TINY_MODEL + """
 [data]
 sources = [{ path = "DATA" }]
 max_seq_len = 120
