@@ -383,7 +383,8 @@ def test_self_answer_keeps_the_first_finished_accepted_answer_and_counts_the_res
             out.append(["999<|im_end|>", want, want + "<|im_end|>", want + "<|im_end|>"])  # wrong, unfinished, right x2
         return out
 
-    kept, stats = sa.self_answer(None, _Tok(), records, make_verifier("exact"), k=4, generate=generate)
+    kept, dataset, stats = sa.self_answer(None, _Tok(), records, make_verifier("exact"), k=4, generate=generate)
+    assert dataset == [r for r, _ in records]
     assert seen["k"] == 4 and len(seen["prompts"]) == 6
     assert all(m["role"] != "assistant" or i < len(p) for p, _ in seen["prompts"] for i, m in enumerate(p))
     assert stats == {"prompts": 6, "answers": 24, "finished": 18, "accepted": 12, "kept": 6}
@@ -440,6 +441,7 @@ def test_pgs_prepare_scores_reports_selects_and_self_answers(tiny, tmp_path, cap
     assert code == 0
     stats = json.loads((out / "self_answers.json").read_text())
     assert stats["prompts"] == 4 and stats["answers"] == 8
+    assert len((out / "dataset_answers.jsonl").read_text().splitlines()) == stats["kept"]
     assert len((out / "ordered.jsonl").read_text().splitlines()) == 30
     assert main(["prepare", str(tmp_path / "spec.toml"), "--out", str(out), "--self-answer"]) == 2
     assert "--verify is needed" in capsys.readouterr().err

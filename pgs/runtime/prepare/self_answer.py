@@ -6,7 +6,8 @@ reference is that turn.  The model samples ``k`` answers per prompt
 (:func:`pgs.runtime.prepare.generation.generate_answers`); the first that finished (emitted
 its end-of-turn token) and that the verifier accepts replaces the reference, and the record
 is written in the ``messages`` shape with its other keys (metadata) kept.  A prompt with no
-accepted answer is left out and counted.
+accepted answer is left out and counted.  The kept prompts' records as the data has them are
+the baseline: the same prompts with the dataset's answers.
 
 ``--replay FILE`` mixes in the model's own answers to general prompts (records of any shape,
 their last assistant turn replaced; nothing to verify against, so an answer is kept when it
@@ -70,8 +71,10 @@ def read_records(path: str, format: str = "auto", limit: int | None = None) -> l
 
 def self_answer(model, tokenizer, records: list[tuple[dict, str]], verify: Callable, *, k: int = 4,
                 temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 256, seed: int = 0,
-                batch_size: int = 16, format: str = "auto", generate=generate_answers) -> tuple[list[dict], dict]:
-    """The accepted self-answered records, and the counts (prompts, answers, finished, accepted, kept)."""
+                batch_size: int = 16, format: str = "auto", generate=generate_answers
+                ) -> tuple[list[dict], list[dict], dict]:
+    """The accepted self-answered records, the same prompts' records as the data has them (the
+    baseline to compare with), and the counts (prompts, answers, finished, accepted, kept)."""
     eos = tokenizer.eos_token
     parsed = []
     for record, origin in records:
@@ -79,7 +82,8 @@ def self_answer(model, tokenizer, records: list[tuple[dict, str]], verify: Calla
         parsed.append((record, origin, messages, tools, last))
     texts = generate(model, tokenizer, [(p[2][:p[4]], p[3]) for p in parsed], k, temperature=temperature, top_p=top_p,
                      max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size)
-    kept, stats = [], {"prompts": len(parsed), "answers": 0, "finished": 0, "accepted": 0, "kept": 0}
+    kept, originals = [], []
+    stats = {"prompts": len(parsed), "answers": 0, "finished": 0, "accepted": 0, "kept": 0}
     for (record, origin, messages, tools, last), answers in zip(parsed, texts):
         reference = messages[last]
         chosen = None
@@ -101,7 +105,8 @@ def self_answer(model, tokenizer, records: list[tuple[dict, str]], verify: Calla
             stats["kept"] += 1
             kept.append(answered_record(record, messages, tools, last, chosen[1],
                                         self_answer={"origin": origin, "sample": chosen[0]}))
-    return kept, stats
+            originals.append(record)
+    return kept, originals, stats
 
 
 def replay(model, tokenizer, records: list[tuple[dict, str]], n: int, *, temperature: float = 1.0,

@@ -7,7 +7,8 @@ scores (scoring what is missing first).  Files under ``DIR``:
 * ``selected.jsonl`` and ``random.jsonl`` (the random baseline of the same size),
   ``selection.json``;
 * ``ordered.jsonl`` (``--order tfp``);
-* ``self_answers.jsonl``, ``self_answers.json`` (``--self-answer``).
+* ``self_answers.jsonl``, ``dataset_answers.jsonl`` (the same prompts with the data's answers),
+  ``self_answers.json`` (``--self-answer``).
 """
 
 from __future__ import annotations
@@ -92,15 +93,16 @@ def _self_answer(spec, args, model, log) -> None:
     m, t = model()
     options = dict(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                    seed=seed, batch_size=args.batch_size)
-    records, stats = [], {}
+    records, originals, stats = [], [], {}
     left = args.limit
     for source in spec.data.sources:
         if left is not None and left <= 0:
             break
         chunk = sa.read_records(source.path, source.format, left)
         left = None if left is None else left - len(chunk)
-        kept, counts = sa.self_answer(m, t, chunk, verify, k=args.k, format=source.format, **options)
+        kept, dataset, counts = sa.self_answer(m, t, chunk, verify, k=args.k, format=source.format, **options)
         records += kept
+        originals += dataset
         for key, value in counts.items():
             stats[key] = stats.get(key, 0) + value
     if args.replay:
@@ -111,6 +113,7 @@ def _self_answer(spec, args, model, log) -> None:
         stats.update(counts)
     path = os.path.join(args.out, "self_answers.jsonl")
     sa.write_jsonl(path, records)
+    sa.write_jsonl(os.path.join(args.out, "dataset_answers.jsonl"), originals)
     stats.update(verify=args.verify, k=args.k, temperature=args.temperature, top_p=args.top_p, written=len(records))
     with open(os.path.join(args.out, "self_answers.json"), "w", encoding="utf-8") as handle:
         json.dump(stats, handle, indent=1)
