@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare", help="score, select, order or self-answer the training data with the spec's model",
                        description="Score every sample with the spec's model on the tokens training uses (mean NLL, "
-                                   "entropy, HES, length) into OUT/scores.jsonl and OUT/report/; select a subset "
+                                   "entropy, HES, length) into DIR/scores.jsonl and DIR/report/; select a subset "
                                    "(--select), write a TFP order (--order tfp) or the model's verified answers "
                                    "(--self-answer).  docs/prepare.md.")
     p.add_argument("spec", metavar="SPEC", help="the spec file (.toml)")
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, default=16, metavar="N",
                    help="samples per forward (scoring) or prompts per generate call (default 16)")
     p.add_argument("--select", choices=("random", "jshape", "hes", "outliers"), default=None,
-                   help="write OUT/selected.jsonl and OUT/random.jsonl (the random baseline of the same size)")
+                   help="write DIR/selected.jsonl and DIR/random.jsonl (the random baseline of the same size)")
     p.add_argument("--size", type=_positive_int, default=None, metavar="N", help="samples to select")
     p.add_argument("--fraction", type=float, default=None, metavar="F",
                    help="share of the scored samples to select (hes: 0.2 by default)")
@@ -112,12 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop samples whose length or NLL z-score exceeds Z before selecting (outliers: 3)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="selection / sampling seed (default data.seed)")
     p.add_argument("--order", choices=("tfp",), default=None,
-                   help="write OUT/ordered.jsonl in Threshold Filtering Packing order (a standalone utility)")
+                   help="write DIR/ordered.jsonl in Threshold Filtering Packing order (a standalone utility)")
     p.add_argument("--tfp-threshold", type=float, default=0.0, metavar="T",
                    help="TFP: minimum embedding distance to the last --tfp-window samples (default 0)")
     p.add_argument("--tfp-window", type=_positive_int, default=1, metavar="W", help="TFP: samples the threshold looks back at")
     p.add_argument("--self-answer", action="store_true",
-                   help="write OUT/self_answers.jsonl: the model's own answers that --verify accepts")
+                   help="write DIR/self_answers.jsonl: the model's own answers that --verify accepts")
     p.add_argument("--verify", metavar="NAME", default=None,
                    help="exact, number, regex:PATTERN, json, tool_call, or module:function (runs your code)")
     p.add_argument("-k", type=_positive_int, default=4, metavar="K", help="answers sampled per prompt (default 4)")
