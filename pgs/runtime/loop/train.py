@@ -482,8 +482,9 @@ def evaluate(run: Run) -> dict:
     """Eval loss (and task accuracy where a checker knows the data) at the current step."""
     spec = run.spec
     out: dict[str, Any] = {"step": run.step}
-    if run.ctx is not None:  # every rank, the same number of forwards; no task accuracy
-        out.update(_sharded_eval_loss(run))
+    if run.ctx is not None:  # every rank, the same number of forwards; no task accuracy, no per-source loss
+        if spec.data.eval:
+            out.update(_sharded_eval_loss(run))
         return out
     if run.preference is not None:
         out.update(run.preference.evaluate(run.model, run.tokenizer, run.device))
