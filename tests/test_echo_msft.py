@@ -173,3 +173,16 @@ def test_msft_excludes_one_source_per_round_reverts_and_resumes(tmp_path):
     events2 = [r for r in _records(again / "run") if r.get("event") == "msft_exclude"]
     strip = lambda e: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in e.items() if k != "time"}  # noqa: E731
     assert [strip(e) for e in events2] == [strip(e) for e in events]
+
+
+def test_msft_round_is_checked_with_the_spec(tmp_path):
+    from pgs.runtime.spec.load import load_spec
+
+    spec = _msft_spec(tmp_path)
+    assert load_spec(spec).data.msft_round == 4
+    with pytest.raises(SpecError, match="train.eval_every must be in 1..4"):
+        load_spec(spec, ["train.eval_every=5"])
+    text = spec.read_text().replace(', eval = "' + str(tmp_path) + '/weather_eval.jsonl"', "")
+    spec.write_text(text)
+    with pytest.raises(SpecError, match=r"data.sources\[1\].eval is not set"):
+        load_spec(spec)
