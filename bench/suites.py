@@ -61,8 +61,17 @@ SUITES = {s.name: s for s in (
           "FSDP2 step throughput, 1 vs 2 GPUs, Qwen3-1.7B shape"),
     Suite("data", "data_pipeline.py", "data pipeline",
           "CPU throughput of TrainStream (tokenize, template, pack, collate) and StepLoader's overlap"),
+    Suite("long-context", "long_context.py", "product",
+          "peak memory and tok/s per row length (16k-128k) for Qwen3-0.6B/4B: pgs run's long-row recipe "
+          "beside HF, each entry under a timeout, partial JSON after each"),
     Suite("product", "product.py", "product",
           "`pgs run` on a shipped spec (--spec) beside its HF peer and the sft-step harness, same batches"),
+    Suite("preference", "preference.py", "product",
+          "`pgs run` with [preference] DPO (cached reference) on a shipped recipe beside its SFT run and "
+          "TRL's DPOTrainer, same pairs"),
+    Suite("offload", "offload_bench.py", "product",
+          "optimizer state on the host: `pgs run` on the 8B 20 GiB spec beside HF compiled + AC + fused AdamW, "
+          "the 4B recipe with and without offload, PCIe bandwidth"),
 )}
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from pgs.func.losses import PREFERENCE_KINDS, REFERENCE_FREE, preference_loss, sequence_logps
+from pgs.func.losses import PREFERENCE_KINDS, REFERENCE_FREE, preference_loss, router_stats, sequence_logps
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 
@@ -103,6 +103,31 @@ def _sequence_entry(softcap) -> LossEntry:
                      covers=("sequence_logps",))
 
 
+# ---- router_stats: token sums of a mixture-of-experts router; tokens are independent ---------
+
+
+def _router_entry(top_k: int, masked: bool) -> LossEntry:
+    E = 6
+
+    def draw(gen, n, dtype):
+        logits = (torch.randn(n, E, generator=gen, dtype=F64) * 3).to(dtype)
+        kwargs = {"mask": torch.rand(n, generator=gen) < 0.7} if masked else {}
+        return Inputs((logits, top_k), kwargs, grad=(0,))
+
+    def split(inp, k):
+        def cut(sl):
+            kw = {key: v[sl] for key, v in inp.kwargs.items()}
+            return Inputs((inp.args[0][sl], top_k), kw, inp.grad)
+
+        return cut(slice(0, k)), cut(slice(k, None))
+
+    def combine(a, b):
+        return tuple(x + y for x, y in zip(a, b))
+
+    return LossEntry(f"router_stats[k={top_k},masked={masked}]", router_stats, draw, split, combine,
+                     covers=("router_stats",))
+
+
 ENTRIES = [
     _preference_entry("dpo"),
     _preference_entry("dpo", label_smoothing=0.1, beta=0.5),
@@ -113,6 +138,8 @@ ENTRIES = [
     _preference_entry("orpo", nll_weight=0.1),
     _sequence_entry(None),
     _sequence_entry(3.0),
+    _router_entry(1, False),
+    _router_entry(2, True),
 ]
 
 #: The names that must be covered: both preference entry points and every kind.

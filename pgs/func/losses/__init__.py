@@ -5,7 +5,8 @@ Backends (same signature, chosen by ``token_loss(..., backend=...)``):
 (CUDA fused kernels, cross-entropy only).  Objectives: ``ce``, ``deft``, ``deft_cayley``,
 ``dft``, ``infosft``, ``cadft``, ``deformed_log`` (EQUATIONS.md C1-C4).  Embedding noise: ``neftune``,
 ``symnoise`` (C7).  Preference losses: ``preference_loss`` (DPO, IPO, SLiC hinge, DPOP,
-SimPO, ORPO) on per-sequence log-probs from ``sequence_logps``.  See docs/losses.md and
+SimPO, ORPO) on per-sequence log-probs from ``sequence_logps``.  Mixture-of-experts router
+statistics and losses: ``router_stats``, ``load_balance_loss``, ``router_z_loss`` (docs/moe.md).  See docs/losses.md and
 docs/techniques/preference.md.
 """
 
@@ -19,6 +20,15 @@ from pgs.func.losses.chunked import (
 )
 from pgs.func.losses.dense import cross_entropy, dense_token_loss
 from pgs.func.losses.peer_kernels import fused_cross_entropy
+from pgs.func.losses.moe import (
+    RouterStats,
+    dead_fraction,
+    load_balance_loss,
+    load_utilization,
+    max_violation,
+    router_stats,
+    router_z_loss,
+)
 from pgs.func.losses.noise import neftune, symnoise
 from pgs.func.losses.objectives import (
     CADFT,
@@ -58,6 +68,7 @@ __all__ = [
     "PREFERENCE_KINDS",
     "PreferenceLoss",
     "REFERENCE_FREE",
+    "RouterStats",
     "TokenInputs",
     "TokenLossResult",
     "TokenObjective",
@@ -66,12 +77,18 @@ __all__ = [
     "chunked_cross_entropy",
     "chunked_token_loss",
     "cross_entropy",
+    "dead_fraction",
     "dense_token_loss",
     "fused_cross_entropy",
     "infosft_weight",
+    "load_balance_loss",
+    "load_utilization",
+    "max_violation",
     "neftune",
     "preference_loss",
     "resolve_objective",
+    "router_stats",
+    "router_z_loss",
     "sequence_logps",
     "symnoise",
     "target_logprobs",

@@ -26,7 +26,7 @@ LEAKING_MODEL_TYPES = ("qwen3_next", "qwen3_5", "mamba", "jamba", "falcon_h1", "
 #: Layer types that isolate packed documents through the position-derived mask.
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
 #: Attention implementations that derive document boundaries from ``position_ids``.
-ISOLATING_ATTENTION = {"sdpa", "eager", "flash_attention_2", "flash_attention_3", "pgs_varlen", None}
+ISOLATING_ATTENTION = {"sdpa", "eager", "flash_attention_2", "flash_attention_3", "pgs_varlen", "pgs_ring", None}
 
 
 @attrs.frozen

@@ -167,14 +167,15 @@ def select(scores: list[dict], rule: str, *, size: int | None = None, fraction: 
 
 
 def write_selection(spec, ids: list[str], path: str, keep_order: bool = False) -> int:
-    """Copy the records of ``ids`` from the spec's sources into ``path`` (JSONL), verbatim.
+    """Write the records of ``ids`` from the spec's sources into ``path`` (JSONL).
 
-    In source and record order, or in the order of ``ids`` with ``keep_order``."""
+    A JSON-lines source's lines are copied verbatim; a record of another kind of source (JSON
+    array, Parquet, Arrow, ``datasets`` folder) is written as one JSON object per line.  In
+    source and record order, or in the order of ``ids`` with ``keep_order``."""
     wanted = [tuple(int(x) for x in sid.split(":")) for sid in ids]
     if not keep_order:
         wanted.sort()
     indexes: dict[int, SourceIndex] = {}
-    handles = {}
     tmp = path + ".tmp"
     try:
         with open(tmp, "wb") as out:
@@ -183,13 +184,16 @@ def write_selection(spec, ids: list[str], path: str, keep_order: bool = False) -
                     raise SpecError(f"sample {s}:{i} names source {s}, but the spec has {len(spec.data.sources)}")
                 if s not in indexes:
                     indexes[s] = SourceIndex(spec.data.sources[s], spec.data.on_bad_record)
-                    handles[s] = open(indexes[s].path, "rb")
-                handles[s].seek(indexes[s].offsets[i])
-                line = handles[s].readline()
+                index = indexes[s]
+                raw = index.reader.read(index.offsets[i])
+                if not isinstance(raw, (bytes, str)):
+                    raw = json.dumps(index.reader.record(raw, index.reader.origin(index.lines[i])),
+                                     ensure_ascii=False, default=str)
+                line = raw.encode() if isinstance(raw, str) else raw
                 out.write(line if line.endswith(b"\n") else line + b"\n")
     finally:
-        for handle in handles.values():
-            handle.close()
+        for index in indexes.values():
+            index.close()
     os.replace(tmp, path)
     return len(wanted)
 

@@ -26,22 +26,23 @@ from typing import Callable
 import numpy as np
 
 from pgs.errors import DataError, SpecError
-from pgs.runtime.data.records import RecordProblem, iter_lines, parse_record
+from pgs.runtime.data.readers import open_reader
+from pgs.runtime.data.records import conversation
 from pgs.runtime.prepare.generation import generate_answers
 from pgs.runtime.prepare.verify import parse_answer
 
 _SHAPE_KEYS = ("messages", "conversations", "prompt", "completion", "system", "tools")
 
 
-def prompt_of(record: dict, origin: str, format: str = "auto") -> tuple[list, list | None, int]:
+def prompt_of(record: dict, origin: str, format: str = "auto", fields: dict | None = None
+              ) -> tuple[list, list | None, int]:
     """``(messages, tools, last)``: the validated conversation and the index of its last assistant
     turn; the prompt is ``messages[:last]``, the reference ``messages[last]``."""
-    try:
-        messages, tools = parse_record(record, format)
-    except RecordProblem as err:
-        raise DataError(f"{origin}: {err}") from None
-    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    return messages, tools, last
+    found = conversation(record, origin, format, fields)
+    if found.text is not None:
+        raise DataError(f"{origin}: a text document has no prompt to answer")
+    last = max(i for i, m in enumerate(found.messages) if m["role"] == "assistant")
+    return found.messages, found.tools, last
 
 
 def answered_record(record: dict, messages: list, tools, last: int, answer: dict, **marks) -> dict:
@@ -54,31 +55,32 @@ def answered_record(record: dict, messages: list, tools, last: int, answer: dict
     return out
 
 
-def read_records(path: str, format: str = "auto", limit: int | None = None) -> list[tuple[dict, str]]:
-    """``(record, file:line)`` of the first ``limit`` records of a JSONL file (all when None)."""
+def read_records(path: str, limit: int | None = None) -> list[tuple[dict, str]]:
+    """``(record, origin)`` of the first ``limit`` records of a source file of any kind a spec
+    source takes (all when None)."""
+    reader = open_reader(path)
     out = []
-    for number, _, raw in iter_lines(path):
-        origin = f"{path}:{number}"
-        try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise DataError(f"{origin}: malformed JSON") from None
-        out.append((record, origin))
-        if limit is not None and len(out) >= limit:
-            break
+    try:
+        for _, label, raw in reader.scan():
+            origin = reader.origin(label)
+            out.append((reader.record(raw, origin), origin))
+            if limit is not None and len(out) >= limit:
+                break
+    finally:
+        reader.close()
     return out
 
 
 def self_answer(model, tokenizer, records: list[tuple[dict, str]], verify: Callable, *, k: int = 4,
                 temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 256, seed: int = 0,
-                batch_size: int = 16, format: str = "auto", generate=generate_answers
+                batch_size: int = 16, format: str = "auto", fields: dict | None = None, generate=generate_answers
                 ) -> tuple[list[dict], list[dict], dict]:
     """The accepted self-answered records, the same prompts' records as the data has them (the
     baseline to compare with), and the counts (prompts, answers, finished, accepted, kept)."""
     eos = tokenizer.eos_token
     parsed = []
     for record, origin in records:
-        messages, tools, last = prompt_of(record, origin, format)
+        messages, tools, last = prompt_of(record, origin, format, fields)
         parsed.append((record, origin, messages, tools, last))
     texts = generate(model, tokenizer, [(p[2][:p[4]], p[3]) for p in parsed], k, temperature=temperature, top_p=top_p,
                      max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size)

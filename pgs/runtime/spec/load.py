@@ -23,6 +23,7 @@ import attrs
 import pgs.func as pf
 from pgs.errors import SpecError
 from pgs.runtime.data.config import DataConfig, DataSource
+from pgs.runtime.data.templates import resolve_chat_template
 from pgs.runtime.spec.chain import build_chain, build_objective, build_schedule, check_spec
 from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     ASSET_PREFIX,
@@ -48,7 +49,10 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     CheckpointSpec,
     LogSpec,
     MemorySpec,
+    MoESpec,
+    ParallelSpec,
     PreferenceSpec,
+    AveragingSpec,
     SECTIONS,
 )
 from pgs.runtime.spec.toml import dumps, parse_value, read_toml  # noqa: F401  (re-exported)
@@ -68,7 +72,10 @@ class Spec:
     checkpoint: CheckpointSpec = attrs.field(factory=CheckpointSpec)
     log: LogSpec = attrs.field(factory=LogSpec)
     memory: MemorySpec = attrs.field(factory=MemorySpec)
+    moe: MoESpec = attrs.field(factory=MoESpec)
+    parallel: ParallelSpec = attrs.field(factory=ParallelSpec)
     preference: PreferenceSpec | None = None  # a preference run (``[preference]``), else SFT
+    averaging: AveragingSpec | None = None  # weight EMA / merge-back (``[averaging]``), else none
     source: str | None = attrs.field(default=None, eq=False)
 
     @property
@@ -256,10 +263,10 @@ def _require_table(value, where: str) -> dict:
     return value
 
 
-def _must_exist(path: str, where: str, kind: str = "file") -> None:
+def _must_exist(path: str, where: str, kind: str = "file", folder_ok: bool = False) -> None:
     if not os.path.exists(path):
         raise SpecError(f"{where}: no such {kind}: {path}")
-    if kind == "file" and os.path.isdir(path):
+    if kind == "file" and os.path.isdir(path) and not folder_ok:
         raise SpecError(f"{where}: {path} is a folder, expected a file")
     if kind == "folder" and not os.path.isdir(path):
         raise SpecError(f"{where}: {path} is a file, expected a folder")
@@ -324,7 +331,7 @@ def _data(table: dict, base: Path) -> DataConfig:
             msg = str(err)
             prefix = "data.sources" if msg.startswith("data.sources") else "data"
             raise SpecError(where + msg[len(prefix):]) from None
-        _must_exist(source.path, f"{where}.path")
+        _must_exist(source.path, f"{where}.path", folder_ok=True)  # a datasets folder
         if source.eval is not None:
             source = attrs.evolve(source, eval=resolve_path(source.eval, base))
             _must_exist(source.eval, f"{where}.eval")
@@ -332,9 +339,11 @@ def _data(table: dict, base: Path) -> DataConfig:
     t["sources"] = tuple(resolved)
     if isinstance(t.get("eval"), str) and t["eval"]:
         t["eval"] = resolve_path(t["eval"], base)
-        _must_exist(t["eval"], "data.eval")
+        _must_exist(t["eval"], "data.eval", folder_ok=True)
     elif t.get("eval") == "":
         t["eval"] = None
+    if t.get("chat_template") is not None:
+        t["chat_template"] = resolve_chat_template(t["chat_template"], base)
     return DataConfig(**t)
 
 
@@ -390,7 +399,7 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         "data": _data(raw["data"], base),
         "optimizer": _optimizer(raw.get("optimizer", {})),
     }
-    for name in ("schedule", "loss", "train", "checkpoint", "log", "memory"):
+    for name in ("schedule", "loss", "train", "checkpoint", "log", "memory", "moe", "parallel"):
         sections[name] = _section(name, raw.get(name, {}))
     if "preference" in raw:
         preference = _section("preference", raw["preference"])
@@ -400,6 +409,8 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
             _must_exist(path, where, "folder")
             preference = attrs.evolve(preference, reference_path=path)
         sections["preference"] = preference
+    if "averaging" in raw:
+        sections["averaging"] = _section("averaging", raw["averaging"])
     train = sections["train"]
     if train.steps is not None and train.epochs is not None:
         raise SpecError("train: set either steps or epochs, not both")
@@ -409,7 +420,7 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         raise SpecError(f"train.grad_accum: {train.grad_accum} does not divide train.batch_size = {train.batch_size}")
     world = launch_world_size()
     if world > 1:
-        check_world_size(train, world)
+        check_world_size(train, world, sections["parallel"].context)
     ckpt = sections["checkpoint"]
     sections["checkpoint"] = attrs.evolve(ckpt, dir=resolve_path(ckpt.dir, base))
     if "preference" in sections and "best_metric" not in raw.get("checkpoint", {}):
@@ -432,8 +443,12 @@ def launch_world_size() -> int:
         return 1
 
 
-def check_world_size(train: TrainSpec, world: int) -> None:
-    """The global ``train.batch_size`` must split into ``grad_accum`` micro-batches on each of ``world`` ranks."""
+def check_world_size(train: TrainSpec, world: int, context: int = 1) -> None:
+    """The global ``train.batch_size`` must split into ``grad_accum`` micro-batches on each of the
+    ``world / context`` data-parallel ranks (``context``: ranks that split each row, ``[parallel]``)."""
+    if world % context:
+        raise SpecError(f"parallel.context: {context} ranks per sequence do not divide {world} processes")
+    world //= context
     if world > 1 and train.batch_size % (train.grad_accum * world):
         raise SpecError(
             f"train.batch_size: {train.batch_size} sequences per step do not split evenly over "

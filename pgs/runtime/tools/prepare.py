@@ -98,9 +98,10 @@ def _self_answer(spec, args, model, log) -> None:
     for source in spec.data.sources:
         if left is not None and left <= 0:
             break
-        chunk = sa.read_records(source.path, source.format, left)
+        chunk = sa.read_records(source.path, left)
         left = None if left is None else left - len(chunk)
-        kept, dataset, counts = sa.self_answer(m, t, chunk, verify, k=args.k, format=source.format, **options)
+        kept, dataset, counts = sa.self_answer(m, t, chunk, verify, k=args.k, format=source.format,
+                                               fields=source.fields(), **options)
         records += kept
         originals += dataset
         for key, value in counts.items():

@@ -1,0 +1,229 @@
+"""Long sequences on one GPU: peak memory and tokens/s per row length, ``pgs run`` beside HF.
+
+For each shape (``--shapes``: Qwen3-0.6B and Qwen3-4B, the shipped specs' models) and each row
+length (``--lengths``, default 16k, 32k, 64k, 128k tokens), in one call:
+
+1. ``pgs run`` on the shape's shipped spec (``specs/qwen3_0.6b_packed.toml``,
+   ``specs/qwen3_4b_12gib.toml``) with the memory recipe for long rows (docs/memory.md):
+   ``data.max_seq_len = L`` with ``truncation = "truncate"`` over a generated file of long
+   single-turn records (so every row is one causal document of exactly L tokens, the case where
+   attention is quadratic, as for the HF peer), ``memory.mlp_tiles`` (the MLP in token slices),
+   ``loss.chunk_size`` (the chunked loss: no ``[L, V]`` logits), full activation checkpointing
+   with the layer inputs offloaded to host memory, ``max_position_embeddings >= L``.  Figures
+   from the run's own ``metrics.jsonl``: peak allocated / reserved memory and tokens/s of the
+   steps after ``--skip``.
+2. Each HF peer (``--peers``, ``bench/sft_step.py`` HF variants; default ``hf_eager_ac``: HF
+   with gradient checkpointing, its own loss, torch AdamW) on random tokens of one row of L
+   tokens, in a child process.
+
+Every (setup, shape, length) is its own child process under ``--timeout`` seconds; an
+out-of-memory or a timeout is recorded as that entry's error and the next one runs.  The JSON
+(``--out``) is rewritten after every entry, so a call cut short keeps what it measured.  On the
+CPU, ``--small`` runs the same path at a tiny shape and short rows (a smoke run of this script).
+
+    python -m bench long-context --shapes qwen3-0.6b,qwen3-4b --lengths 16384,32768,65536,131072
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPECS = {"qwen3-0.6b": "specs/qwen3_0.6b_packed.toml", "qwen3-4b": "specs/qwen3_4b_12gib.toml"}
+#: The long-row memory recipe (docs/memory.md) applied over each shipped spec.
+RECIPE = ["memory.activation_checkpointing=full", "memory.offload_checkpoints=true", "train.batch_size=1", "train.grad_accum=1", "data.packing=false", "data.truncation=truncate",
+          "train.eval_every=0", "checkpoint.every=0", "checkpoint.export=false"]
+SMALL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
+         "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.head_dim=16",
+         "model.config.vocab_size=512", "model.dtype=float32", "memory.compile_layers=false",
+         "memory.stochastic_rounding=false", "memory.offload_checkpoints=false", "memory.tied_slabs=0",
+         "schedule.warmup=2"]
+
+
+def write_long_records(path: str, words: int, records: int, seed: int = 0) -> None:
+    """``records`` prompt/completion records of about ``words`` words each (deterministic)."""
+    rng = random.Random(seed)
+    vocab = [f"{a}{b}" for a in "abcdefghijklmnopqrstuvwxyz" for b in "aeiou"] + [str(i) for i in range(100)]
+    with open(path, "w", encoding="utf-8") as handle:
+        for _ in range(records):
+            text = " ".join(rng.choice(vocab) for _ in range(words))
+            handle.write(json.dumps({"prompt": "Continue.", "completion": text}) + "\n")
+
+
+def _summary(records: list[dict], skip: int) -> dict:
+    steps = [r for r in records if "loss" in r and "tokens" in r]
+    out: dict = {"steps": len(steps)}
+    timed = steps[skip:] or steps[-1:]
+    if timed:
+        out["tok_s"] = sum(r["tokens"] for r in timed) / sum(r["step_seconds"] for r in timed)
+        out["median_step_s"] = statistics.median(r["step_seconds"] for r in timed)
+        out["tokens_per_row"] = timed[-1]["tokens"]
+        out["last_loss"] = timed[-1]["loss"]
+    peaks = [r for r in records if "mem_gib" in r]
+    if peaks:
+        out["max_allocated_gib"] = max(r["mem_gib"] for r in peaks)
+        out["max_reserved_gib"] = max(r["reserved_gib"] for r in peaks)
+    return out
+
+
+def _tail(proc_out: str) -> str:
+    lines = [x for x in (proc_out or "").strip().splitlines() if x.strip()]
+    return " | ".join(lines[-3:])[-600:]
+
+
+def run_pgs(shape: str, length: int, data: str, args, workdir: str) -> dict:
+    run_dir = os.path.join(workdir, f"run_{shape}_{length}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    tiles = max(2, length // 8192)
+    sets = RECIPE + [f"data.max_seq_len={length}", f"data.sources=[{{path = \"{data}\"}}]",
+                     f"model.config.max_position_embeddings={max(length, 40960)}", f"memory.mlp_tiles={tiles}",
+                     f"loss.chunk_size={args.chunk}", f"train.steps={args.steps}", f"checkpoint.dir={run_dir}",
+                     "train.log_every=1"] + (SMALL if args.small else []) + args.set
+    cmd = [sys.executable, "-m", "pgs", "run", SPECS[shape]] + [x for s in sets for x in ("--set", s)]
+    out = {"setup": "pgs run", "shape": shape, "length": length, "mlp_tiles": tiles,
+           "command": "python -m pgs run " + " ".join(cmd[4:])}
+    started = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        out["returncode"] = proc.returncode
+        if proc.returncode != 0:
+            out["error"] = _tail(proc.stderr or proc.stdout)
+    except subprocess.TimeoutExpired:
+        out["error"] = f"timeout after {args.timeout} s"
+    out["wall_s"] = round(time.time() - started, 1)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(metrics):  # a run cut short still logged its steps
+        with open(metrics, encoding="utf-8") as handle:
+            out.update(_summary([json.loads(line) for line in handle if line.strip()], args.skip))
+    return out
+
+
+def peer_one(variant: str, shape: str, length: int, steps: int, skip: int, small: bool) -> dict:
+    """One HF peer at one length, in this process (the child of :func:`run_peer`)."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import sft_step  # noqa: E402 - the bench's HF variants, built one way everywhere
+
+    table, _batch, _seq = (sft_step.SMALL_SHAPES["tiny"] if small else sft_step.SHAPES[shape])
+    table = dict(table, max_position_embeddings=max(length, int(table.get("max_position_embeddings", 0) or 0)))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = sft_step.build(table, device, "sdpa")
+    if small:
+        model = model.float()
+    peer_args = argparse.Namespace(compile_backend=None, compile_options=None, small=small, triton_on_cpu=False,
+                                   mlp_tiles=4, defer=False, no_defer=False)
+    step, _opt = sft_step.variant_setup(sft_step.split_switches(variant)[0], model, peer_args, 0)
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        ids = torch.randint(0, table["vocab_size"], (1, length), generator=gen).to(device)
+        pos = torch.arange(length, device=device)[None]
+        t0 = time.perf_counter()
+        loss = step(ids, pos, ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    timed = times[skip:] or times[-1:]
+    out = {"steps": steps, "tok_s": length * len(timed) / sum(timed), "median_step_s": statistics.median(timed),
+           "tokens_per_row": length, "last_loss": float(loss)}
+    if device.type == "cuda":
+        out["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    return out
+
+
+def run_peer(variant: str, shape: str, length: int, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--peer-one", variant, "--shapes", shape,
+           "--lengths", str(length), "--steps", str(args.steps), "--skip", str(args.skip)] + \
+          (["--small"] if args.small else [])
+    out = {"setup": variant, "shape": shape, "length": length}
+    started = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
+                              env=dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1"))
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+        if proc.returncode == 0 and lines:
+            out.update(json.loads(lines[-1]))
+        else:
+            out["error"] = _tail(proc.stderr or proc.stdout)
+    except subprocess.TimeoutExpired:
+        out["error"] = f"timeout after {args.timeout} s"
+    out["wall_s"] = round(time.time() - started, 1)
+    return out
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| shape | tokens/row | setup | tok/s | peak alloc GiB | peak reserved GiB | note |",
+            "|---|---|---|---|---|---|---|"]
+
+    def f(x, fmt):
+        return "" if x is None else format(x, fmt)
+
+    for r in results:
+        rows.append(f"| {r['shape']} | {r['length']:,} | {r['setup']} | {f(r.get('tok_s'), ',.0f')} | "
+                    f"{f(r.get('max_allocated_gib'), '.2f')} | {f(r.get('max_reserved_gib'), '.2f')} | "
+                    f"{(r.get('error') or '')[:100]} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="qwen3-0.6b,qwen3-4b", help=f"comma-separated, of {sorted(SPECS)}")
+    p.add_argument("--lengths", default="16384,32768,65536,131072", help="tokens per row, comma-separated")
+    p.add_argument("--peers", default="hf_eager_ac", help="bench/sft_step.py HF variants, comma-separated ('' none)")
+    p.add_argument("--steps", type=int, default=6, help="steps per entry")
+    p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of tok/s")
+    p.add_argument("--chunk", type=int, default=4096, help="loss.chunk_size (rows of logits at a time)")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per (setup, shape, length) entry")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more spec overrides for pgs")
+    p.add_argument("--small", action="store_true", help="a tiny shape and short rows on the CPU (smoke run)")
+    p.add_argument("--workdir", default="", help="run folders and the generated data (default: a temporary folder)")
+    p.add_argument("--out", default="", help="JSON results (rewritten after every entry)")
+    p.add_argument("--peer-one", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    if args.small and args.lengths == p.get_default("lengths"):
+        lengths = [256, 512]
+    if args.peer_one:
+        print(json.dumps(peer_one(args.peer_one, shapes[0], lengths[0], args.steps, args.skip, args.small)))
+        return 0
+    unknown = [s for s in shapes if s not in SPECS]
+    if unknown:
+        p.error(f"--shapes: {unknown} not in {sorted(SPECS)}")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="pgs-long-")
+    os.makedirs(workdir, exist_ok=True)
+    data = os.path.join(workdir, "long.jsonl")
+    write_long_records(data, words=int(max(lengths) * 1.25), records=args.steps + 2)
+    results: list[dict] = []
+    peers = [x for x in args.peers.split(",") if x]
+    for shape in shapes:
+        for length in lengths:
+            for setup in ["pgs", *peers]:
+                r = run_pgs(shape, length, data, args, workdir) if setup == "pgs" else run_peer(setup, shape, length, args)
+                results.append(r)
+                print(json.dumps(r), flush=True)
+                if args.out:
+                    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                    with open(args.out, "w", encoding="utf-8") as handle:
+                        json.dump({"shapes": shapes, "lengths": lengths, "steps": args.steps, "skip": args.skip,
+                                   "results": results}, handle, indent=1)
+    print(table(results))
+    return 0 if all(not r.get("error") for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,251 @@
+"""Mixture-of-experts models through pgs (docs/moe.md): the router tap against transformers'
+own router logits, the auxiliary losses' gradient against the global-batch loss, packing
+isolation of Qwen3-MoE / OLMoE / Mixtral, and ``pgs run`` with telemetry (one process here;
+2 gloo ranks under FSDP2 in tests/test_moe_distributed.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pgs.func.losses import load_balance_loss, router_stats, router_z_loss
+from pgs.runtime.data.isolation import packing_isolation
+from pgs.runtime.model.build import build_model, final_hidden
+from pgs.runtime.model.moe import METRIC_KEYS, RouterTap, find_routers, router_tap
+from pgs.runtime.spec.load import MoESpec
+from test_train import ROOT, child_env, tiny_spec
+
+COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+              max_position_embeddings=128, vocab_size=97, tie_word_embeddings=False)
+#: Tiny random-init configurations of the three families (no downloads).
+CONFIGS = {
+    "qwen3_moe": dict(model_type="qwen3_moe", intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                      num_experts_per_tok=2, norm_topk_prob=True, **COMMON),
+    "olmoe": dict(model_type="olmoe", intermediate_size=32, num_experts=4, num_experts_per_tok=2, **COMMON),
+    "mixtral": dict(model_type="mixtral", intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                    **COMMON),
+}
+
+
+def tiny(name: str, attn: str = "sdpa", dtype=torch.float32):
+    torch.manual_seed(0)
+    return build_model(config=dict(CONFIGS[name]), dtype=dtype, attn_implementation=attn, init_seed=1)
+
+
+class _Batch:
+    """What the tap reads of a PackedBatch: input_ids, cu_seqlens (row lengths), num_tokens."""
+
+    def __init__(self, ids: torch.Tensor, lengths: list[int]):
+        self.input_ids = ids
+        self.cu_seqlens = [torch.tensor([0, n], dtype=torch.int32) for n in lengths]
+        self.num_tokens = sum(lengths)
+
+
+def _batch(rows: int = 2, width: int = 12, lengths=(12, 7), seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 97, (rows, width), generator=gen)
+    pos = torch.arange(width).repeat(rows, 1)
+    for r, n in enumerate(lengths):
+        pos[r, n:] = torch.arange(width - n)  # the padding: a document of its own
+    return ids, pos, _Batch(ids, list(lengths))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_routers_found_and_stats_equal_transformers_router_logits(name):
+    """The tap's sums over a forward equal router_stats of the logits transformers returns with
+    output_router_logits=True, padding excluded."""
+    model = tiny(name)
+    routers = find_routers(model)
+    assert [i for i, _, _ in routers] == [0, 1] and all(m.top_k == 2 for _, _, m in routers)
+    tap = RouterTap(routers, telemetry=True)
+    ids, pos, batch = _batch()
+    tap.begin_step([batch], torch.device("cpu"))
+    tap.begin_micro(batch, torch.device("cpu"))
+    final_hidden(model, ids, pos)
+    assert tap.end_micro() is None  # no auxiliary loss asked for
+    values = tap.step_values()
+    assert set(values) == set(METRIC_KEYS)
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False, output_router_logits=True).router_logits
+    mask = torch.tensor([[t < n for t in range(12)] for n in (12, 7)]).reshape(-1)
+    stats = [router_stats(x.reshape(-1, 4), 2, mask=mask) for x in logits]
+    lb = torch.stack([load_balance_loss(s.counts, s.prob_sum, s.tokens, 2) for s in stats]).mean()
+    z = torch.stack([router_z_loss(s.z_sum, s.tokens) for s in stats]).mean()
+    torch.testing.assert_close(values["moe/lb_loss"], lb.double(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(values["moe/z_loss"], z.double(), rtol=1e-6, atol=1e-7)
+    assert float(sum(s.tokens for s in stats)) == 2 * 19 and float(values["moe/tokens"]) == 19
+    assert tap.step_values() == {}  # the window was consumed
+    # eval / no-grad forwards outside begin_micro are not counted
+    with torch.no_grad():
+        final_hidden(model, ids, pos)
+    assert tap.step_values() == {}
+    tap.close()
+
+
+def _global_loss(model, batches, k, lb, zc):
+    """The reference: α·mean_l E Σ f P + β·mean_l mean_t lse², over all the batches at once."""
+    logits = [[] for _ in range(2)]
+    masks = []
+    for ids, pos, b in batches:
+        out = model(input_ids=ids, position_ids=pos, use_cache=False, output_router_logits=True).router_logits
+        for j, x in enumerate(out):
+            logits[j].append(x.reshape(-1, x.shape[-1]))
+        masks.append(torch.tensor([[t < n for t in range(ids.shape[1])] for n in
+                                   [int(c[-1]) for c in b.cu_seqlens]]).reshape(-1))
+    mask = torch.cat(masks)
+    total = 0
+    for j in range(2):
+        s = router_stats(torch.cat(logits[j]), k, mask=mask)
+        total = total + (lb * load_balance_loss(s.counts, s.prob_sum, s.tokens, k) + zc * router_z_loss(s.z_sum, s.tokens)) / 2
+    return total
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_aux_gradient_equals_global_batch_loss(name):
+    """One micro-batch per step: the gradient the tap adds (its return / the loss denominator)
+    equals the gradient of the global-batch load-balance + z-loss, computed from transformers'
+    router logits.  Two micro-batches: the z-loss part and P are exact; f of the first
+    micro-batch is its own (module docstring), so only the last micro-batch's term is exact."""
+    model = tiny(name)
+    lb, zc, denom = 0.3, 0.05, 37
+    tap = RouterTap(find_routers(model), load_balance=lb, router_z_loss=zc)
+    whole = _batch(rows=3, lengths=(12, 7, 10), seed=1)
+    tap.begin_step([whole[2]], torch.device("cpu"), denom)
+    tap.begin_micro(whole[2], torch.device("cpu"))
+    final_hidden(model, whole[0], whole[1])
+    aux = tap.end_micro()
+    params = [p for p in model.parameters() if p.requires_grad]
+    ours = torch.autograd.grad(aux / denom, params, allow_unused=True)
+    ref = _global_loss(model, [whole], 2, lb, zc)
+    theirs = torch.autograd.grad(ref, params, allow_unused=True)
+    checked = 0
+    for a, b in zip(ours, theirs):
+        if b is None:
+            assert a is None or float(a.abs().max()) == 0
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+        checked += float(b.abs().max()) > 0
+    assert checked >= 2  # the routers' weights (and what feeds them) got a gradient
+    values = tap.step_values()
+    with torch.no_grad():
+        torch.testing.assert_close(values["moe/lb_loss"] * lb + values["moe/z_loss"] * zc,
+                                   _global_loss(model, [whole], 2, lb, zc).double(), rtol=1e-5, atol=1e-7)
+    tap.close()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packing_isolation(name, attn):
+    """Packed documents' final hidden states (and so logits) equal each document run alone:
+    the routers are per token and attention is blocked at the restarts of position_ids."""
+    model = tiny(name, attn)
+    assert packing_isolation(model).isolates
+    gen = torch.Generator().manual_seed(5)
+    docs = [torch.randint(1, 97, (n,), generator=gen) for n in (5, 9, 4)]
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    with torch.no_grad():
+        packed = final_hidden(model, ids, pos)[0]
+        at = 0
+        for d in docs:
+            alone = final_hidden(model, d[None], torch.arange(len(d))[None])[0]
+            torch.testing.assert_close(packed[at:at + len(d)], alone, rtol=1e-5, atol=1e-5)
+            at += len(d)
+
+
+def test_dense_model_and_refusals():
+    dense = build_model(config=dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=97),
+                        attn_implementation="sdpa")
+    assert find_routers(dense) == [] and router_tap(dense, MoESpec()) is None
+    from pgs.errors import SpecError
+
+    with pytest.raises(SpecError, match="no mixture-of-experts router"):
+        router_tap(dense, MoESpec(load_balance=0.01))
+    with pytest.raises(SpecError, match="moe.load_balance"):
+        MoESpec(load_balance=-1.0)
+
+
+EXPERTS = {"qwen3_moe": "num_experts = 4\nmoe_intermediate_size = 16", "olmoe": "num_experts = 4",
+           "mixtral": "num_local_experts = 4"}
+
+
+def moe_spec(tmp_path, name, *, model_type="qwen3_moe", steps=3, grad_accum=2, checkpointing="none",
+             load_balance=0.0, z_loss=0.0, **fields):
+    """tests/test_train.py's tiny spec (``fields``: its other fields) with a 4-expert top-2 model of
+    ``model_type`` and ``[moe]``."""
+    path = tiny_spec(tmp_path, name, steps=steps, **{"every": 0, **fields})
+    text = path.read_text().replace('model_type = "qwen3"',
+                                    f'model_type = "{model_type}"\n{EXPERTS[model_type]}\nnum_experts_per_tok = 2')
+    text = text.replace("grad_accum = 2", f"grad_accum = {grad_accum}")
+    text += (f'\n[memory]\nactivation_checkpointing = "{checkpointing}"\n\n'
+             f"[moe]\nload_balance = {load_balance}\nrouter_z_loss = {z_loss}\n")
+    path.write_text(text)
+    return path
+
+
+def run_spec(path, timeout=240):
+    done = subprocess.run([sys.executable, "-m", "pgs", "run", str(path)], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (path.parent / path.stem / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["olmoe", "mixtral"])
+def test_pgs_run_logs_router_telemetry(tmp_path, model_type):
+    steps = run_spec(moe_spec(tmp_path, "run", model_type=model_type, steps=3))
+    assert len(steps) == 3
+    for r in steps:
+        assert set(METRIC_KEYS) <= set(r)
+        assert 0 < r["moe/utilization"] <= 1 and 0 <= r["moe/dead_frac"] <= 1
+        assert r["moe/lb_loss"] >= 1 - 1e-9  # E Σ f P >= 1 ... for top-k routing f and P agree in order
+        assert r["moe/max_vio_layer"] in (0.0, 1.0)
+
+
+@pytest.mark.slow
+def test_aux_losses_change_gradients_not_the_logged_loss(tmp_path):
+    """With the router losses on (and activation checkpointing, which then recomputes through
+    torch.utils.checkpoint), step 1's logged loss is the token loss alone, equal to a run
+    without them; later steps differ (the routers' gradient changed); telemetry matches."""
+    plain = run_spec(moe_spec(tmp_path, "plain"))
+    aux = run_spec(moe_spec(tmp_path, "aux", checkpointing="full", load_balance=0.5, z_loss=0.1))
+    assert plain[0]["loss"] == aux[0]["loss"]
+    assert plain[0]["moe/lb_loss"] == pytest.approx(aux[0]["moe/lb_loss"], rel=1e-6)
+    assert plain[-1]["loss"] != aux[-1]["loss"]
+    assert plain[-1]["moe/z_loss"] != aux[-1]["moe/z_loss"]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_checkpointed_recompute_is_not_counted_twice(fast):
+    """A checkpointed layer's recompute in backward runs the routers again; the tap counts the
+    forward only (both recompute paths), and with a router loss the gradient equals the
+    unchecked model's."""
+    from pgs.runtime.model.layers import apply_activation_checkpointing
+
+    ids, pos, batch = _batch(seed=2)
+    results = []
+    for checkpointed in (False, True):
+        model = tiny("qwen3_moe")
+        if checkpointed:
+            apply_activation_checkpointing(model, "full", fast_recompute=fast)
+        tap = RouterTap(find_routers(model), load_balance=0.0 if fast else 0.2)
+        tap.begin_step([batch], torch.device("cpu"), 10)
+        tap.begin_micro(batch, torch.device("cpu"))
+        h = final_hidden(model, ids, pos)
+        aux = tap.end_micro()
+        loss = h.square().mean() + (aux / 10 if aux is not None else 0)
+        loss.backward()
+        gate = find_routers(model)[0][2].weight.grad.clone()
+        results.append((tap.step_values(), gate))
+        tap.close()
+    (plain, g0), (ckpt, g1) = results
+    assert float(plain["moe/tokens"]) == float(ckpt["moe/tokens"]) == 19  # rows of 12 and 7 real tokens
+    for key in METRIC_KEYS:
+        torch.testing.assert_close(ckpt[key], plain[key], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-7)
