@@ -161,7 +161,8 @@ class Msft:
         if os.path.isdir(self._folder(run.step)):
             shutil.rmtree(self._folder(run.step))
         ckpt.save(self.root, run.step, model=run.model, optimizer_state=run.bound.state_dict(device="cpu"),
-                  rng=ckpt.capture_rng(run.noise), trainer={"msft_snapshot": True}, spec_toml=run.spec.to_toml())
+                  rng=ckpt.capture_rng(generators=run.objective.generators()), trainer={"msft_snapshot": True},
+                  spec_toml=run.spec.to_toml())
 
     def _purge(self) -> None:
         if not os.path.isdir(self.root):
