@@ -27,6 +27,8 @@ examples:
   pgs supervise spec.toml --retries 3          relaunch after crashes that made progress
   pgs data inspect spec.toml -n 3              see which tokens are trained
   pgs report runs/quickstart                   plots and a summary of a run
+  pgs prepare spec.toml --out prep --select jshape --fraction 0.5
+                                               score the data with the model, select a subset
 
 docs: docs/spec.md (every field), docs/cli.md, docs/exit-codes.md"""
 
@@ -116,6 +118,44 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--records", type=int, default=0, metavar="N",
                    help="records read from each source for the statistics (default 0: all)")
     q.set_defaults(func=cmd_data_inspect)
+
+    p = sub.add_parser("prepare", help="score, select, order or self-answer the training data with the spec's model",
+                       description="Score every sample with the spec's model on the tokens training uses (mean NLL, "
+                                   "entropy, HES, length) into DIR/scores.jsonl and DIR/report/; select a subset "
+                                   "(--select), write a TFP order (--order tfp) or the model's verified answers "
+                                   "(--self-answer).  docs/prepare.md.")
+    p.add_argument("spec", metavar="SPEC", help="the spec file (.toml)")
+    _add_set(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (scoring resumes into it)")
+    p.add_argument("--batch-size", type=_positive_int, default=16, metavar="N",
+                   help="samples per forward (scoring) or prompts per generate call (default 16)")
+    p.add_argument("--select", choices=("random", "jshape", "hes", "outliers"), default=None,
+                   help="write DIR/selected.jsonl and DIR/random.jsonl (the random baseline of the same size)")
+    p.add_argument("--size", type=_positive_int, default=None, metavar="N", help="samples to select")
+    p.add_argument("--fraction", type=float, default=None, metavar="F",
+                   help="share of the scored samples to select (hes: 0.2 by default)")
+    p.add_argument("--outlier-z", type=float, default=None, metavar="Z",
+                   help="drop samples whose length or NLL z-score exceeds Z before selecting (outliers: 3)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="selection / sampling seed (default data.seed)")
+    p.add_argument("--order", choices=("tfp",), default=None,
+                   help="write DIR/ordered.jsonl in Threshold Filtering Packing order (a standalone utility)")
+    p.add_argument("--tfp-threshold", type=float, default=0.0, metavar="T",
+                   help="TFP: minimum embedding distance to the last --tfp-window samples (default 0)")
+    p.add_argument("--tfp-window", type=_positive_int, default=1, metavar="W", help="TFP: samples the threshold looks back at")
+    p.add_argument("--self-answer", action="store_true",
+                   help="write DIR/self_answers.jsonl: the model's own answers that --verify accepts")
+    p.add_argument("--verify", metavar="NAME", default=None,
+                   help="exact, number, regex:PATTERN, json, tool_call, or module:function (runs your code)")
+    p.add_argument("-k", type=_positive_int, default=4, metavar="K", help="answers sampled per prompt (default 4)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N", help="per answer (default 256)")
+    p.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="self-answer the first N records only")
+    p.add_argument("--replay", metavar="FILE", default=None,
+                   help="general prompts (JSONL) whose own answers are mixed into the self-answers")
+    p.add_argument("--replay-share", type=float, default=0.25, metavar="S",
+                   help="share of the written records that are replayed answers (default 0.25)")
+    p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("profile", help="estimate (or --measure) memory and speed of a spec",
                        description="Estimate the memory and throughput of a spec; --measure runs a few steps.")
@@ -263,3 +303,11 @@ def cmd_profile(args) -> int:
     from pgs.runtime.tools.profile import profile
 
     return int(profile(_load(args), measure=args.measure, spec_path=os.path.abspath(args.spec)) or 0)
+
+
+def cmd_prepare(args) -> int:
+    from pgs.runtime.tools.prepare import prepare
+
+    if args.replay is not None and not os.path.isfile(args.replay):
+        raise SpecError(f"--replay: no such file: {args.replay}")
+    return prepare(_load(args), args)

@@ -16,6 +16,7 @@ from pgs.func.losses.chunked import (
     chunked_cross_entropy,
     chunked_token_loss,
     target_logprobs,
+    token_nll_entropy,
 )
 from pgs.func.losses.dense import cross_entropy, dense_token_loss
 from pgs.func.losses.peer_kernels import fused_cross_entropy
@@ -92,4 +93,5 @@ __all__ = [
     "symnoise",
     "target_logprobs",
     "token_loss",
+    "token_nll_entropy",
 ]

@@ -386,19 +386,51 @@ def target_logprobs(
     (Cayley's p̄, CADFT's sample likelihoods); also how a runtime scores targets with a frozen
     reference model for InfoSFT's ``q_source="reference"``.
     """
-    check_options(softcap, 0.0, chunk_size)
-    shape = labels.shape
-    h, labels, _ = flatten_inputs(h, W, labels, bias)
     out = torch.zeros(labels.shape, dtype=compute_dtype(h), device=h.device)
+    flat = out.view(-1)
+    for rows, z, y in _target_chunks(h, W, labels, bias, softcap, ignore_index, chunk_size):
+        flat.index_copy_(0, rows, z.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1))
+    return out
+
+
+def _target_chunks(h, W, labels, bias, softcap, ignore_index, chunk_size):
+    """``(rows, z, y)`` per chunk of the valid rows of the flattened call: the rows' indices,
+    their logits [rows, V] (no autograd) and their targets; the shapes checked first."""
+    check_options(softcap, 0.0, chunk_size)
+    h, labels, _ = flatten_inputs(h, W, labels, bias)
     rows_all = (labels != ignore_index).nonzero().squeeze(1)
     with torch.no_grad():
         for start in range(0, rows_all.numel(), chunk_size):
             rows = rows_all[start : start + chunk_size]
-            z = _chunk_logits(h.index_select(0, rows), W, bias, softcap)
-            y = labels.index_select(0, rows)
-            logp = z.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)
-            out.index_copy_(0, rows, logp)
-    return out.reshape(shape)
+            yield rows, _chunk_logits(h.index_select(0, rows), W, bias, softcap), labels.index_select(0, rows)
+
+
+def token_nll_entropy(
+    h: Tensor,
+    W: Tensor,
+    labels: Tensor,
+    *,
+    bias: Tensor | None = None,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    chunk_size: int = 1024,
+) -> tuple[Tensor, Tensor]:
+    """Per-token NLL and full-vocabulary entropy of the head, detached, in O(chunk · V) memory.
+
+    nll_i = LSE(z_i) − z_{i,y_i};  H_i = − Σ_v p_i(v) log p_i(v) = LSE(z_i) − Σ_v p_i(v) z_{i,v}
+    (nats), with z = softcap(h Wᵀ + b) and p = softmax(z).  Both are 0 at ignored positions.
+    fp32 (fp64 for fp64 h).  The scores ``pgs prepare`` records per sample (familiarity = mean
+    NLL, mean entropy, HES of EQUATIONS.md D1) come from here, so that scoring never holds the
+    ``[N, V]`` logits of a whole batch.
+    """
+    nll = torch.zeros(labels.shape, dtype=compute_dtype(h), device=h.device)
+    entropy = torch.zeros_like(nll)
+    nll_flat, entropy_flat = nll.view(-1), entropy.view(-1)
+    for rows, z, y in _target_chunks(h, W, labels, bias, softcap, ignore_index, chunk_size):
+        lse = torch.logsumexp(z, dim=-1)
+        nll_flat.index_copy_(0, rows, lse - z.gather(1, y[:, None]).squeeze(1))
+        entropy_flat.index_copy_(0, rows, (lse - (torch.softmax(z, dim=-1) * z).sum(-1)).clamp_min_(0))
+    return nll, entropy
 
 
 def chunked_token_loss(

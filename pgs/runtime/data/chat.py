@@ -222,8 +222,49 @@ def assistant_spans(
     *,
     last_turn_only: bool = False,
     supervise_empty_think: bool = False,
+    train_roles: Sequence[str] = ("assistant",),
 ) -> tuple[str, list[tuple[int, int]]]:
-    """Render the conversation; return the text and the character spans to train on."""
+    """Render the conversation; return the text and the character spans to train on.
+
+    ``train_roles`` with ``"tool"`` adds the content of every tool message (ECHO): the first
+    occurrence of that content after the assistant turn that precedes it."""
+    text, turns = _turn_spans(tokenizer, messages, tools)
+    spans = _trained_spans(tokenizer, text, turns, messages, last_turn_only, supervise_empty_think)
+    if "tool" in train_roles:
+        spans = sorted(spans + tool_spans(text, messages, turns))
+    return text, spans
+
+
+def tool_spans(text: str, messages: list[dict[str, Any]], turns: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The character spans of the tool messages' contents in the rendered ``text``.
+
+    Each is searched for after the assistant turn before it (the tool call; ``turns`` are the
+    template's assistant spans, one per assistant message when the template marks them all)
+    and after the previous tool result.  A tool content the template does not render verbatim
+    raises ``TemplateProblem``: silently not training it is not what ``train_roles`` asked for.
+    """
+    spans: list[tuple[int, int]] = []
+    n_assistant = sum(m.get("role") == "assistant" for m in messages)
+    cursor, seen = 0, 0
+    for m in messages:
+        if m.get("role") == "assistant":
+            if len(turns) == n_assistant:
+                cursor = max(cursor, turns[seen][1])
+            seen += 1
+        elif m.get("role") == "tool" and (m.get("content") or "").strip():
+            content = m["content"]
+            at = text.find(content, cursor)
+            if at < 0:
+                raise TemplateProblem("a tool result is not rendered verbatim by the chat template; "
+                                      "data.train_roles cannot train it")
+            spans.append((at, at + len(content)))
+            cursor = at + len(content)
+    return spans
+
+
+def _turn_spans(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None
+                ) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and the template's assistant spans (untrimmed, every turn)."""
     template = chat_template_of(tokenizer)
     n_assistant = sum(m.get("role") == "assistant" for m in messages)
     if GENERATION_MARKER.search(template):
@@ -243,6 +284,12 @@ def assistant_spans(
                 raise err from None
     else:
         text, spans = _spans_by_prefix(tokenizer, template, messages, tools)
+    return text, spans
+
+
+def _trained_spans(tokenizer, text: str, spans: list[tuple[int, int]], messages: list[dict[str, Any]],
+                   last_turn_only: bool, supervise_empty_think: bool) -> list[tuple[int, int]]:
+    """The assistant spans that train: empty think blocks trimmed, untrained turns left out."""
     if not supervise_empty_think:
         trimmed = []
         for start, stop in spans:
@@ -254,14 +301,14 @@ def assistant_spans(
     turns = [m for m in messages if m.get("role") == "assistant"]
     if len(spans) == len(turns):  # one span per assistant turn, in order: leave the untrained ones out
         pairs = list(zip(spans, turns))[-1:] if last_turn_only else list(zip(spans, turns))
-        return text, [span for span, turn in pairs if is_trained_turn(turn)]
+        return [span for span, turn in pairs if is_trained_turn(turn)]
     if any(t.get("weight", 1) == 0 for t in turns):
         raise TemplateProblem(
             f"{template_name(tokenizer)} marks {len(spans)} assistant spans for {len(turns)} assistant turns, so "
             "the turns with weight 0 cannot be left untrained")
     if last_turn_only:
         spans = spans[-1:]
-    return text, spans
+    return spans
 
 
 def document_spans(tokenizer, text: str) -> tuple[str, list[tuple[int, int]]]:
@@ -315,13 +362,15 @@ def encode_chat(
     *,
     last_turn_only: bool = False,
     supervise_empty_think: bool = False,
+    train_roles: Sequence[str] = ("assistant",),
 ) -> tuple[list[int], list[bool]]:
     """Tokenize a conversation with its chat template; return ``(input_ids, train_mask)``.
 
     ``train_mask[i]`` is True when token ``i`` belongs to an assistant turn (content, tool
     calls, end-of-turn token).  ``messages`` may be a string: a ``text`` document, trained
     whole (:func:`document_spans`).  ``last_turn_only`` trains the last assistant turn only;
-    ``supervise_empty_think`` also trains an empty think block a template inserts.
+    ``supervise_empty_think`` also trains an empty think block a template inserts;
+    ``train_roles`` with ``"tool"`` also trains the tool results' content (ECHO).
 
     Example::
 
@@ -330,7 +379,8 @@ def encode_chat(
         tok.decode([t for t, m in zip(ids, mask) if m])   # '4<|im_end|>'
     """
     text, spans = _spans(
-        tokenizer, messages, tools, last_turn_only=last_turn_only, supervise_empty_think=supervise_empty_think
+        tokenizer, messages, tools, last_turn_only=last_turn_only, supervise_empty_think=supervise_empty_think,
+        train_roles=train_roles,
     )
     ((ids, offsets),) = _tokenize(tokenizer, [text])
     return ids, train_mask(offsets, spans).tolist()
@@ -342,6 +392,7 @@ def encode_chats(
     *,
     last_turn_only: bool = False,
     supervise_empty_think: bool = False,
+    train_roles: Sequence[str] = ("assistant",),
 ) -> list[tuple[list[int], list[bool]] | Exception]:
     """:func:`encode_chat` of many ``(messages, tools)`` at once: equal results, one batch call.
 
@@ -357,7 +408,7 @@ def encode_chats(
         try:
             text, spans = _spans(
                 tokenizer, messages, tools, last_turn_only=last_turn_only,
-                supervise_empty_think=supervise_empty_think,
+                supervise_empty_think=supervise_empty_think, train_roles=train_roles,
             )
         except Exception as err:  # noqa: BLE001 - handed back in its place, raised by the caller
             out.append(err)

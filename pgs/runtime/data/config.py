@@ -13,6 +13,8 @@ from pgs.errors import SpecError
 FORMATS = ("auto", "messages", "sharegpt", "prompt_completion", "text")
 TRUNCATION_POLICIES = ("drop", "truncate")
 BAD_RECORD_POLICIES = ("error", "skip")
+#: Roles whose turns can be trained (``data.train_roles``); the assistant's always are.
+TRAIN_ROLES = ("assistant", "tool")
 
 
 def _one_of(choices: tuple[str, ...]):
@@ -35,6 +37,11 @@ def _path(instance, attribute, value):
         raise SpecError(f"data.{attribute.name}: expected a file path, got {value!r}")
 
 
+def _optional_path(instance, attribute, value):
+    if value is not None:
+        _path(instance, attribute, value)
+
+
 def _optional_field(instance, attribute, value):
     if value is not None and (not isinstance(value, str) or not value):
         raise SpecError(f"data.sources.{attribute.name}: expected a column name, got {value!r}")
@@ -47,11 +54,14 @@ class DataSource:
 
     The ``*_field`` names say which column holds what when a dataset names it otherwise
     (``messages_field = "conversation"``); unset, the usual names are looked for.
+    ``eval``: this source's own held-out file; its eval loss is logged as ``eval_loss_<name>``
+    at every evaluation (and mSFT, ``data.msft_round``, needs one per source).
     """
 
     path: str = attrs.field(converter=lambda p: str(p) if p is not None else p, validator=_path)
     format: str = attrs.field(default="auto", validator=_one_of(FORMATS))
     weight: float = attrs.field(default=1.0, validator=_positive_weight)
+    eval: str | None = attrs.field(default=None, validator=_optional_path)
     messages_field: str | None = attrs.field(default=None, validator=_optional_field)
     tools_field: str | None = attrs.field(default=None, validator=_optional_field)
     prompt_field: str | None = attrs.field(default=None, validator=_optional_field)
@@ -81,17 +91,25 @@ def _sources(value) -> tuple[DataSource, ...]:
     return tuple(out)
 
 
+def _train_roles(value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(r, str) for r in value):
+        raise SpecError(f"data.train_roles: expected an array of role names, got {value!r}")
+    for role in value:
+        if role not in TRAIN_ROLES:
+            raise SpecError(f"data.train_roles: {role!r} is not one of {', '.join(map(repr, TRAIN_ROLES))}")
+    if "assistant" not in value:
+        raise SpecError("data.train_roles: must include \"assistant\" (the turns the model learns to write)")
+    return tuple(r for r in TRAIN_ROLES if r in value)
+
+
 def _positive_int(minimum: int):
     def check(instance, attribute, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise SpecError(f"data.{attribute.name}: expected an integer >= {minimum}, got {value!r}")
 
     return check
-
-
-def _optional_path(instance, attribute, value):
-    if value is not None:
-        _path(instance, attribute, value)
 
 
 @attrs.frozen
@@ -103,7 +121,9 @@ class DataConfig:
     record raises ``DataError`` (``"error"``) or is skipped and counted (``"skip"``).
     ``allow_packing_leakage`` lets a model whose layers cannot isolate packed documents
     (linear attention) train on packs anyway.  ``chat_template`` replaces the tokenizer's chat
-    template (docs/data.md).
+    template (docs/data.md).  ``train_roles``: the roles whose turns are trained;
+    ``["assistant", "tool"]`` also trains the tool results (ECHO, docs/data.md).
+    ``msft_round``: steps per mSFT round (arXiv 2603.21606, ``pgs.runtime.loop.msft``; 0: off).
     """
 
     sources: tuple[DataSource, ...] = attrs.field(converter=_sources)
@@ -117,6 +137,8 @@ class DataConfig:
         default=False, validator=attrs.validators.instance_of(bool)
     )
     seed: int = attrs.field(default=0, validator=_positive_int(0))
+    train_roles: tuple[str, ...] = attrs.field(default=("assistant",), converter=_train_roles)
+    msft_round: int = attrs.field(default=0, validator=_positive_int(0))
     allow_packing_leakage: bool = attrs.field(
         default=False, validator=attrs.validators.instance_of(bool)
     )

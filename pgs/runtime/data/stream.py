@@ -42,6 +42,7 @@ def encode_document(conversation: Conversation, tokenizer, config: DataConfig, s
             conversation.tools,
             last_turn_only=config.last_turn_only,
             supervise_empty_think=config.supervise_empty_think,
+            train_roles=config.train_roles,
         )
     except DataError as err:
         encoded = err
@@ -147,6 +148,7 @@ class TrainStream:
             encoded = iter(encode_chats(
                 self.tokenizer, [(c.content, c.tools) for c in readable],
                 last_turn_only=config.last_turn_only, supervise_empty_think=config.supervise_empty_think,
+                train_roles=config.train_roles,
             ))
             for (s, _), conversation in zip(draws, read):
                 if isinstance(conversation, BaseException):
@@ -211,6 +213,8 @@ class TrainStream:
             "supervise_empty_think": c.supervise_empty_think,
             "pack_window": self.pack_window,
             "chat_template": c.chat_template,
+            # only when not the default, so that checkpoints from before the field still resume
+            **({"train_roles": list(c.train_roles)} if c.train_roles != ("assistant",) else {}),
         }
 
     def state_dict(self) -> dict:

@@ -53,6 +53,7 @@ from pgs.runtime.loop.averaging import CHECKPOINT_FILE as AVERAGING_FILE, EXPORT
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
 from pgs.runtime.loop.health import HealthMonitor
 from pgs.runtime.loop.metrics import MetricsLog, console_keys
+from pgs.runtime.loop.msft import Msft, source_eval_losses
 from pgs.runtime.loop.objective import Objective, build_objective
 from pgs.runtime.loop.trace import Profiler
 from pgs.runtime.model import layers
@@ -93,6 +94,7 @@ class Run:
     averaging: WeightAverager | None = None  # [averaging]: weight EMA on the CPU, merge-back (averaging.py)
     moe: Any = None  # model.moe.RouterTap of a mixture-of-experts model: router telemetry and losses
     context: Any = None  # dist.context.SequenceShard: this rank's part of each row ([parallel] context > 1)
+    msft: Msft | None = None  # mSFT rounds (data.msft_round), else None
 
     def counters(self) -> dict:
         return {
@@ -103,6 +105,7 @@ class Run:
             "data": self.loader.state_dict(),
             "objective": self.objective.state_dict(),
             "health": self.health.state_dict() if self.health is not None else None,
+            **({"msft": self.msft.state_dict()} if self.msft is not None else {}),
         }
 
 
@@ -227,6 +230,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         ctx=ctx if sharded else None, faults=faults, moe=moe, context=shard,
         health=HealthMonitor.from_spec(spec, model, total),
         averaging=WeightAverager.from_spec(spec, model, total),  # its base: the weights as built, before any restore
+        msft=Msft.create(spec, distributed=sharded),
     )
 
 
@@ -247,6 +251,8 @@ def restore(run: Run, folder: str) -> None:
         if run.averaging is not None:
             run.averaging.load_state_dict(ckpt.load_extra(folder, AVERAGING_FILE), folder)
         t, step = saved.trainer, saved.step
+    if run.msft is not None and "msft" in t:  # the mix of the active sources, before its position
+        run.msft.load_state_dict(run, t["msft"])
     run.loader.load_state_dict(t["data"])
     run.skips.load_state_dict(t["skips"])
     run.step = step
@@ -439,8 +445,14 @@ def _memory_gib(device: torch.device) -> dict:
 
 
 def evaluate(run: Run) -> dict:
-    """The objective's eval record at the current step (with several processes, every rank)."""
-    return {"step": run.step, **run.objective.evaluate(run)}
+    """The objective's eval record at the current step (with several processes, every rank), and
+    each source's own eval loss where sources name eval files (one process)."""
+    out = {"step": run.step}
+    if run.spec.data.eval:
+        out.update(run.objective.evaluate(run))
+    if run.ctx is None:
+        out.update(source_eval_losses(run))
+    return out
 
 
 def _export(run: Run, out_dir: str, info: dict) -> None:
@@ -465,6 +477,12 @@ def eval_and_keep_best(run: Run) -> None:
     run.log.write(result)
     run.log.say("eval  " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in result.items()))
+    if run.msft is not None:
+        event = run.msft.after_eval(run, result)
+        if event is not None:
+            run.log.write(event)
+            run.log.say(f"mSFT: {event['source']} overfit first (best at step {event['best_step']}); "
+                        f"excluded, weights reverted to that step; active: {', '.join(event['active']) or 'none'}")
     metric = run.spec.checkpoint.best_metric
     if metric and metric in result and _improves(metric, result[metric], run.best):
         run.best, run.best_step = float(result[metric]), run.step
@@ -571,7 +589,7 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                   f"{o['pcie_bytes_per_step'] / 2**30:.2f} GiB over PCIe per step")
         r.log.write({"step": r.step, "event": "offload", **{k: o[k] for k in
                      ("host_state_bytes", "staging_bytes", "pcie_bytes_per_step")}})
-    evals = bool(spec.data.eval) and spec.train.eval_every > 0
+    evals = (bool(spec.data.eval) or any(s.eval for s in spec.data.sources)) and spec.train.eval_every > 0
     profiler = Profiler(run_dir, profile, r.device) if profile and main else None
     try:
         with control.StopSignals() as signals:

@@ -332,6 +332,9 @@ def _data(table: dict, base: Path) -> DataConfig:
             prefix = "data.sources" if msg.startswith("data.sources") else "data"
             raise SpecError(where + msg[len(prefix):]) from None
         _must_exist(source.path, f"{where}.path", folder_ok=True)  # a datasets folder
+        if source.eval is not None:
+            source = attrs.evolve(source, eval=resolve_path(source.eval, base))
+            _must_exist(source.eval, f"{where}.eval")
         resolved.append(source)
     t["sources"] = tuple(resolved)
     if isinstance(t.get("eval"), str) and t["eval"]:
@@ -425,6 +428,7 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         best = "eval_preference_accuracy" if sections["data"].eval else ""
         sections["checkpoint"] = attrs.evolve(sections["checkpoint"], best_metric=best)
     _check_schedule_fields(sections["schedule"], raw.get("schedule", {}))
+    _check_msft(sections["data"], train, "preference" in sections)
     spec = Spec(**sections, source=source)
 
     check_spec(spec)
@@ -450,6 +454,22 @@ def check_world_size(train: TrainSpec, world: int, context: int = 1) -> None:
             f"train.batch_size: {train.batch_size} sequences per step do not split evenly over "
             f"{world} processes x train.grad_accum = {train.grad_accum} micro-batches; use a multiple of "
             f"{train.grad_accum * world} (batch_size is global: each rank gets batch_size / (grad_accum x processes) rows)")
+
+
+def _check_msft(data: DataConfig, train, preference: bool) -> None:
+    """mSFT rounds (``data.msft_round``) need an eval file per source and evaluations inside each round."""
+    c = data.msft_round
+    if not c:
+        return
+    missing = [i for i, s in enumerate(data.sources) if s.eval is None]
+    if missing:
+        raise SpecError(f"data.msft_round: every source needs its own eval file "
+                        f"(data.sources[{missing[0]}].eval is not set)")
+    if not 0 < train.eval_every <= c:
+        raise SpecError(f"data.msft_round = {c}: train.eval_every must be in 1..{c} "
+                        f"(each round needs evaluations to find each source's best step)")
+    if preference:
+        raise SpecError("data.msft_round: mSFT rounds are for SFT; a [preference] run has none")
 
 
 def _check_schedule_fields(schedule: ScheduleSpec, table: dict) -> None:
