@@ -5,8 +5,10 @@ Backends (same signature, chosen by ``token_loss(..., backend=...)``):
 (CUDA fused kernels, cross-entropy only).  Objectives: ``ce``, ``deft``, ``deft_cayley``,
 ``dft``, ``infosft``, ``cadft``, ``deformed_log`` (EQUATIONS.md C1-C4).  Embedding noise: ``neftune``,
 ``symnoise`` (C7).  Preference losses: ``preference_loss`` (DPO, IPO, SLiC hinge, DPOP,
-SimPO, ORPO) on per-sequence log-probs from ``sequence_logps``.  See docs/losses.md and
-docs/techniques/preference.md.
+SimPO, ORPO) on per-sequence log-probs from ``sequence_logps``.  Distillation:
+``distill_loss`` (forward KL, reverse KL, GKD's JSD(β)) between a student's and a teacher's
+head, chunked.  See docs/losses.md, docs/techniques/preference.md and
+docs/techniques/distillation.md.
 """
 
 from pgs.func.losses.chunked import (
@@ -16,6 +18,7 @@ from pgs.func.losses.chunked import (
     chunked_token_loss,
     target_logprobs,
 )
+from pgs.func.losses.distill import DISTILL_KINDS, DistillLoss, distill_loss
 from pgs.func.losses.dense import cross_entropy, dense_token_loss
 from pgs.func.losses.peer_kernels import fused_cross_entropy
 from pgs.func.losses.noise import neftune, symnoise
@@ -51,6 +54,8 @@ __all__ = [
     "DFT",
     "ChunkedTokenLoss",
     "DeferredHeadGrad",
+    "DISTILL_KINDS",
+    "DistillLoss",
     "InfoSFT",
     "OBJECTIVES",
     "Objective",
@@ -66,6 +71,7 @@ __all__ = [
     "chunked_token_loss",
     "cross_entropy",
     "dense_token_loss",
+    "distill_loss",
     "fused_cross_entropy",
     "infosft_weight",
     "neftune",
