@@ -49,6 +49,7 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     LogSpec,
     MemorySpec,
     PreferenceSpec,
+    DistillSpec,
     SECTIONS,
 )
 from pgs.runtime.spec.toml import dumps, parse_value, read_toml  # noqa: F401  (re-exported)
@@ -69,6 +70,7 @@ class Spec:
     log: LogSpec = attrs.field(factory=LogSpec)
     memory: MemorySpec = attrs.field(factory=MemorySpec)
     preference: PreferenceSpec | None = None  # a preference run (``[preference]``), else SFT
+    distill: DistillSpec | None = None  # a distillation run (``[distill]``)
     source: str | None = attrs.field(default=None, eq=False)
 
     @property
@@ -397,6 +399,17 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
             _must_exist(path, where, "folder")
             preference = attrs.evolve(preference, reference_path=path)
         sections["preference"] = preference
+    if "distill" in raw:
+        if "preference" in raw:
+            raise SpecError("distill: a run is either preference optimization ([preference]) or distillation "
+                            "([distill]), not both")
+        distill = _section("distill", raw["distill"])
+        if distill.teacher_path is not None:
+            path = resolve_path(distill.teacher_path, base)
+            _must_exist(path, "distill.teacher_path", "folder")
+            _must_exist(os.path.join(path, "config.json"), "distill.teacher_path")
+            distill = attrs.evolve(distill, teacher_path=path)
+        sections["distill"] = distill
     train = sections["train"]
     if train.steps is not None and train.epochs is not None:
         raise SpecError("train: set either steps or epochs, not both")
@@ -412,6 +425,10 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
     if "preference" in sections and "best_metric" not in raw.get("checkpoint", {}):
         # a preference run's eval reports preference metrics, not eval_loss
         best = "eval_preference_accuracy" if sections["data"].eval else ""
+        sections["checkpoint"] = attrs.evolve(sections["checkpoint"], best_metric=best)
+    if "distill" in sections and "best_metric" not in raw.get("checkpoint", {}):
+        # a distillation run's eval reports the teacher-student KL on held-out prompts
+        best = "eval_distill_kl" if sections["data"].eval else ""
         sections["checkpoint"] = attrs.evolve(sections["checkpoint"], best_metric=best)
     _check_schedule_fields(sections["schedule"], raw.get("schedule", {}))
     spec = Spec(**sections, source=source)
