@@ -46,6 +46,7 @@ from torch import Tensor
 from pgs.errors import InvalidArgument
 from pgs.func.losses.chunked import _chunk_logits
 from pgs.func.losses.head import check_options, compute_dtype
+from pgs.func.losses.preference import _check_number
 
 DISTILL_KINDS = ("forward_kl", "reverse_kl", "jsd")
 
@@ -143,11 +144,6 @@ class _DistillLoss(torch.autograd.Function):
         return out[0], out[1], out[2], None, None, None, None, None
 
 
-def _check(name: str, value, ok: bool, expected: str) -> None:
-    if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
-        raise InvalidArgument(f"{name} must be {expected}, got {value!r}")
-
-
 def distill_loss(
     student_h: Tensor,
     student_W: Tensor,
@@ -199,8 +195,8 @@ def distill_loss(
     if kind not in DISTILL_KINDS:
         raise InvalidArgument(f"kind: unknown distillation loss {kind!r}; expected one of {list(DISTILL_KINDS)}")
     if kind == "jsd":
-        _check("beta", beta, 0 < beta < 1, "in (0, 1) for kind='jsd' (use forward_kl / reverse_kl for the limits)")
-    _check("temperature", temperature, temperature > 0, "> 0")
+        _check_number("beta", beta, 0 < beta < 1, "in (0, 1) for kind='jsd' (use forward_kl / reverse_kl for the limits)")
+    _check_number("temperature", temperature, temperature > 0, "> 0")
     check_options(student_softcap, 0.0, chunk_size)
     check_options(teacher_softcap, 0.0)
     for name, W in (("student_W", student_W), ("teacher_W", teacher_W)):

@@ -160,6 +160,8 @@ _EXCLUSIVE = {
     ("train", "epochs"): ("train", "steps"),
     ("model", "path"): ("model", "config"),
     ("model", "config"): ("model", "path"),
+    ("distill", "teacher_path"): ("distill", "teacher_config"),
+    ("distill", "teacher_config"): ("distill", "teacher_path"),
 }
 
 
