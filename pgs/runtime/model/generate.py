@@ -36,6 +36,10 @@ from torch import Tensor
 from pgs.errors import InvalidArgument
 
 
+#: With a compiled decode step, prompts are left-padded to a multiple of this many tokens.
+STATIC_WIDTH_MULTIPLE = 64
+
+
 @dataclass(frozen=True)
 class GenerationSettings:
     """How completions are drawn.
@@ -94,9 +98,10 @@ class Generation:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[Tensor, Tensor]:
-    """``(ids [B, P], mask [B, P])``: the prompts right-aligned, ``pad_id`` before them."""
-    width = max(len(p) for p in prompts)
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device=None, multiple: int = 1) -> tuple[Tensor, Tensor]:
+    """``(ids [B, P], mask [B, P])``: the prompts right-aligned, ``pad_id`` before them; P is the
+    longest prompt rounded up to ``multiple``."""
+    width = -(-max(len(p) for p in prompts) // multiple) * multiple
     ids = torch.full((len(prompts), width), int(pad_id), dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.bool)
     for i, p in enumerate(prompts):
@@ -156,7 +161,8 @@ def _compiled_step(model):
 @torch.no_grad()
 def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, static, compile_step):
     device = next(model.parameters()).device
-    ids, pmask = left_pad(prompts, pad_id, device)
+    # a compiled step is specialised to the cache's width: few widths, few compilations
+    ids, pmask = left_pad(prompts, pad_id, device, STATIC_WIDTH_MULTIPLE if compile_step else 1)
     B, P = ids.shape
     T = settings.max_new_tokens
     width = P + T
