@@ -63,6 +63,9 @@ SUITES = {s.name: s for s in (
           "CPU throughput of TrainStream (tokenize, template, pack, collate) and StepLoader's overlap"),
     Suite("product", "product.py", "product",
           "`pgs run` on a shipped spec (--spec) beside its HF peer and the sft-step harness, same batches"),
+    Suite("preference", "preference.py", "product",
+          "`pgs run` with [preference] DPO (cached reference) on a shipped recipe beside its SFT run and "
+          "TRL's DPOTrainer, same pairs"),
 )}
 
 

@@ -210,3 +210,23 @@ def test_gradient_release_trains_the_same_objective(tmp_path):
         assert x["pairs"] == y["pairs"]
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-5)
         assert x["reward_margin"] == pytest.approx(y["reward_margin"], abs=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cached_reference_gathers_where_the_batch_lives():
+    """The loader puts a batch (pair ids included) on the training device; the cached table is
+    gathered there (copied once), never indexed on the host with device ids."""
+    from types import SimpleNamespace
+
+    from pgs.runtime.loop.preference import Reference
+
+    table = torch.arange(20, dtype=torch.float32).reshape(10, 2)
+    ref = Reference("cached", train=table, eval=table[:4])
+    cuda = torch.device("cuda")
+    got = ref.logps(SimpleNamespace(pair_ids=torch.tensor([3, 0, 7], device=cuda)), cuda, 128)
+    assert got.device.type == "cuda"
+    assert torch.equal(got.cpu(), table[[3, 0, 7]])
+    again = ref.logps(SimpleNamespace(pair_ids=torch.tensor([1], device=cuda)), cuda, 128)
+    assert torch.equal(again.cpu(), table[[1]])
+    assert torch.equal(ref.logps(SimpleNamespace(pair_ids=torch.tensor([2])), cuda, 128, split="eval").cpu(), table[[2]])

@@ -69,6 +69,9 @@ class Reference:
     eval: torch.Tensor | None = None
     model: Any = None
     path: str | None = None
+    # the tables where the batches' pair ids live (the loader puts batches on the training
+    # device): copied there once, so a step gathers on the device and reads nothing back
+    _placed: dict = attrs.field(factory=dict)
 
     def logps(self, batch: PreferenceBatch, device: torch.device, chunk_size: int, *, split: str = "train"):
         """``[P, 2]`` reference log-probs of the batch's pairs (None without a reference)."""
@@ -77,8 +80,11 @@ class Reference:
         if self.mode == "live":
             with torch.no_grad():
                 return pair_logps(self.model, batch, device, chunk_size)[0].detach()
-        table = self.train if split == "train" else self.eval
-        return table[batch.pair_ids].to(device)
+        ids = batch.pair_ids
+        key = (split, ids.device)
+        if key not in self._placed:
+            self._placed[key] = (self.train if split == "train" else self.eval).to(ids.device)
+        return self._placed[key][ids].to(device)
 
 
 def _reference_model(spec, policy, tokenizer, device: torch.device):
