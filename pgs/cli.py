@@ -61,6 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a torch profiler trace of steps A to B to <run dir>/profile/ (docs/cli.md)")
     p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
                    help="processes (GPUs) on this host; N > 1 relaunches through torchrun")
+    g = p.add_argument_group("several hosts", "torchrun's rendezvous options, handed through unchanged; one "
+                                              "`pgs run --nproc N ...` per host (docs/distributed.md)")
+    g.add_argument("--nnodes", default=None, metavar="M|MIN:MAX", help="hosts taking part")
+    g.add_argument("--node-rank", type=int, default=None, metavar="R", help="this host's rank (static rendezvous)")
+    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="the rendezvous server")
+    g.add_argument("--rdzv-id", default=None, metavar="ID", help="the job's id (the same on every host)")
+    g.add_argument("--rdzv-backend", default=None, metavar="NAME", help="c10d (default of torchrun) or etcd")
+    g.add_argument("--master-addr", default=None, metavar="HOST", help="host of rank 0 (static rendezvous)")
+    g.add_argument("--master-port", type=int, default=None, metavar="PORT", help="port on --master-addr")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("validate", help="check a spec, its model, tokenizer and data; run nothing",
@@ -156,11 +165,12 @@ def cmd_run(args) -> int:
         raise SpecError(f"--resume: no such checkpoint: {args.resume}")
     if args.overwrite and args.resume is not None:
         raise SpecError("--overwrite starts over, --resume continues: give one of them")
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+    rendezvous = _rendezvous(args)
+    if (args.nproc > 1 or not rendezvous.standalone) and "LOCAL_RANK" not in os.environ:
         from pgs.runtime.dist.launch import launch_run
 
         return launch_run(spec, args.spec, nproc=args.nproc, overrides=args.overrides, resume=args.resume,
-                          overwrite=args.overwrite, profile=args.profile)
+                          overwrite=args.overwrite, profile=args.profile, rendezvous=rendezvous)
     from pgs.runtime.loop.faults import Faults
     from pgs.runtime.loop.trace import parse_steps
     from pgs.runtime.loop.train import run
@@ -168,6 +178,18 @@ def cmd_run(args) -> int:
     return int(run(spec, resume=args.resume, spec_path=os.path.abspath(args.spec),
                    profile=parse_steps(args.profile) if args.profile else None, overwrite=args.overwrite,
                    faults=Faults.from_env()) or 0)
+
+
+#: ``pgs run``'s options handed to torchrun as they are (their names are torchrun's).
+RENDEZVOUS_OPTIONS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_backend", "master_addr", "master_port")
+
+
+def _rendezvous(args):
+    """torchrun's rendezvous options given to ``pgs run`` (``launch.Rendezvous``)."""
+    from pgs.runtime.dist.launch import Rendezvous
+
+    given = {k: getattr(args, k) for k in RENDEZVOUS_OPTIONS if getattr(args, k, None) is not None}
+    return Rendezvous(**given)
 
 
 def cmd_validate(args) -> int:

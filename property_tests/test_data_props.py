@@ -131,3 +131,26 @@ def test_every_malformed_file_is_a_data_error_with_file_and_line(bad, good_befor
         skipped: list[str] = []
         assert len(list(read_conversations(path, on_bad_record="skip", skipped=skipped))) == good_before + 1
         assert len(skipped) == 1
+
+
+MISTRAL = AutoTokenizer.from_pretrained("pgs/assets/quickstart/tokenizer")
+MISTRAL.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>", "additional_special_tokens": [
+    "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]})
+
+
+@FAST
+@given(conversations(), st.sampled_from(["mistral-v3", "mistral-v7"]), st.lists(st.booleans(), min_size=3, max_size=3))
+def test_prefix_diffing_trains_exactly_the_weighted_assistant_turns(messages, template, weights):
+    """Templates whose add_generation_prompt adds nothing: for any conversation and any 0/1
+    weights, the trained runs are the assistant texts of weight 1, each ending with </s>."""
+    from pgs.runtime.data.chat import assistant_spans
+    from pgs.runtime.data.templates import apply_chat_template, resolve_chat_template
+
+    apply_chat_template(MISTRAL, resolve_chat_template(template))
+    turns = [m for m in messages if m["role"] == "assistant"]
+    for turn, weight in zip(turns, weights):
+        turn["weight"] = int(weight)
+    text, spans = assistant_spans(MISTRAL, messages)
+    lead = " " if template == "mistral-v3" else ""
+    assert [text[a:b] for a, b in spans] == [lead + m["content"] + "</s>" for m in turns if m["weight"]]

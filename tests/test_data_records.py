@@ -58,11 +58,11 @@ BAD = [
     ('["a list"]', "expected a JSON object"),
     ({"messages": [{"content": "Hi"}, {"role": "assistant", "content": "x"}]}, "missing 'role'"),
     ({"messages": [{"role": "robot", "content": "Hi"}]}, "unknown role 'robot'"),
-    ({"messages": [{"role": "user", "content": ["Hi"]}, {"role": "assistant", "content": "x"}]}, "content must be a string"),
+    ({"messages": [{"role": "user", "content": ["Hi"]}, {"role": "assistant", "content": "x"}]}, "content[0] must be an object"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": 3}]}, "content must be a string"),
     ({"messages": [{"role": "user", "content": "Hi"}]}, "no assistant turn"),
     ({"messages": []}, "non-empty list"),
-    ({"text": "hello"}, "unknown record shape"),
+    ({"title": "hello"}, "unknown record shape"),
     ({"conversations": [{"from": "alien", "value": "Hi"}]}, "unknown speaker 'alien'"),
     ({"conversations": [{"value": "Hi"}]}, "missing 'from'"),
     ({"prompt": "Hi"}, "missing 'completion'"),
@@ -126,3 +126,82 @@ def test_config_validators_name_the_field():
         DataConfig(sources=["a.jsonl"], max_seq_len=0)
     config = DataConfig(sources=[{"path": "a.jsonl", "weight": 2}, "b.jsonl"])
     assert config.sources[0].weight == 2 and config.sources[1].path == "b.jsonl"
+
+
+# -- the record shapes users already have (issue 23, item 2) ---------------------------------
+
+QUICKSTART = "pgs/assets/quickstart/tokenizer"
+
+
+def trained_text(tok, conversation) -> list[str]:
+    from pgs.runtime.data import encode_chat
+    from tests.test_data_chat import trained_runs
+
+    return trained_runs(tok, *encode_chat(tok, conversation.content, conversation.tools))
+
+
+def test_openai_content_parts_developer_name_and_tool_call_ids(tmp_path):
+    record = {"messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+        {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Weather?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "12C"}]},
+        {"role": "tool", "tool_call_id": "c2", "content": "20C"},
+        {"role": "assistant", "content": [{"type": "text", "text": "12C and 20C."}]},
+    ]}
+    (c,) = read_conversations(write(tmp_path, [record]))
+    assert c.messages[0] == {"role": "system", "content": "Be brief."}
+    assert c.messages[1] == {"role": "user", "content": "Weather?", "name": "ann"}
+    calls = c.messages[2]["tool_calls"]
+    assert [call["function"]["arguments"] for call in calls] == [{"city": "Oslo"}, {"city": "Rome"}]
+    assert [call["id"] for call in calls] == ["c1", "c2"]
+    assert c.messages[3] == {"role": "tool", "content": "12C", "tool_call_id": "c1"}
+    assert c.messages[5]["content"] == "12C and 20C."
+
+
+def test_per_message_weight_is_honoured_and_counted(tmp_path):
+    from pgs.runtime.data import DataStats, encode_document
+
+    record = {"messages": [
+        {"role": "user", "content": "Hi", "weight": 0},
+        {"role": "assistant", "content": "bad answer", "weight": 0},
+        {"role": "user", "content": "Again"},
+        {"role": "assistant", "content": "good answer", "weight": 1},
+    ]}
+    sharegpt = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "bad answer", "weight": 0},
+                                  {"from": "human", "value": "Again"}, {"from": "gpt", "value": "good answer"}]}
+    tok = AutoTokenizer.from_pretrained(QUICKSTART)
+    for c in read_conversations(write(tmp_path, [record, sharegpt])):
+        assert trained_text(tok, c) == ["good answer<|im_end|>"]
+        stats = DataStats()
+        encode_document(c, tok, DataConfig(sources=["x.jsonl"]), stats)
+        assert stats.weight_zero_turns == 1 and stats.samples == 1
+
+
+def test_prompt_completion_as_messages_and_text_documents(tmp_path):
+    records = [
+        {"prompt": [{"role": "user", "content": "Hi"}], "completion": [{"role": "assistant", "content": "Hello"}]},
+        {"prompt": "Hi", "completion": "Hello", "system": "Be kind."},
+        {"text": "A whole document."},
+    ]
+    a, b, d = read_conversations(write(tmp_path, records))
+    assert a.messages == GOOD["messages"]
+    assert b.messages == [{"role": "system", "content": "Be kind."}] + GOOD["messages"]
+    assert d.messages == [] and d.text == "A whole document."
+    tok = AutoTokenizer.from_pretrained(QUICKSTART)
+    assert trained_text(tok, d) == ["A whole document.<|im_end|>"]  # every token and the eos
+
+
+def test_columns_named_otherwise(tmp_path):
+    record = {"conversation": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+              "functions": json.dumps([{"type": "function", "function": {"name": "f"}}])}
+    source = DataSource(write(tmp_path, [record]), messages_field="conversation", tools_field="functions")
+    (c,) = read_conversations(source)
+    assert c.messages == GOOD["messages"] and c.tools == [{"type": "function", "function": {"name": "f"}}]
+    # ShareGPT data whose list is called "conversations" but whose turns use role/content
+    (c,) = read_conversations(write(tmp_path, [{"conversations": GOOD["messages"]}], "roles.jsonl"))
+    assert c.messages == GOOD["messages"]
+    with pytest.raises(DataError, match=r":1: missing 'dialog' \(the source's messages_field\)"):
+        list(read_conversations(DataSource(source.path, messages_field="dialog")))

@@ -212,6 +212,55 @@ def test_gradient_release_trains_the_same_objective(tmp_path):
         assert x["reward_margin"] == pytest.approx(y["reward_margin"], abs=1e-4)
 
 
+MEMORY_CASES = {
+    # an 8-bit chain bound as usual, two micro-batches a step (block-wise state on most tensors)
+    "lion8bit": ('alias = "lion8bit"\nargs = { min_8bit_size = 256 }', "grad_accum = 2", "", 1e-3),
+    # an 8-bit chain stepping inside backward: gradient release takes one micro-batch and no clip
+    "adamw8bit_release": ('alias = "adamw8bit"\nclip = 0.0\nargs = { min_8bit_size = 256 }', "grad_accum = 1",
+                          "\n[memory]\ngradient_release = true\n", 3e-3),
+}
+
+
+def memory_spec(tmp_path: Path, name: str, case: str) -> Path:
+    optimizer, accum, memory, peak = MEMORY_CASES[case]
+    text = write_spec(tmp_path, name, steps=8, eval_every=8).read_text()
+    text = text.replace('alias = "adamw"\nargs = { weight_decay = 0.0 }', optimizer)
+    text = text.replace("grad_accum = 2", accum).replace("peak = 3e-3", f"peak = {peak}")
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text + memory)
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(MEMORY_CASES))
+def test_8bit_chains_and_gradient_release_train_and_resume_exactly(tmp_path, case):
+    """DPO with an 8-bit optimizer chain (and with gradient release): the pair loss falls, the
+    accuracy is logged, and a SIGKILL after step 6 + ``--resume auto`` (from step 4) ends with the
+    uninterrupted run's weights, 8-bit chain state and losses bit for bit."""
+    whole = memory_spec(tmp_path, "whole", case)
+    done = launch(whole)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = step_records(tmp_path / "whole")
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert all(0 <= r["preference_accuracy"] <= 1 and r["pairs"] > 0 for r in steps)
+    assert steps[0]["loss"] == pytest.approx(0.6931, abs=1e-3)
+    assert sum(r["loss"] for r in steps[-3:]) / 3 < steps[0]["loss"] - 0.02
+    evals = [r for r in records(tmp_path / "whole") if "eval_preference_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 8]
+    optimizer = (tmp_path / "whole" / "step_8" / "optimizer.safetensors")
+    from safetensors.torch import load_file
+
+    assert any(t.dtype in (torch.int8, torch.uint8) for t in load_file(optimizer).values())  # 8-bit state
+
+    cut = memory_spec(tmp_path, "cut", case)
+    first = launch(cut, **Faults(crash_at=("step", 6)).env())
+    assert first.returncode != 0
+    second = launch(cut, "auto")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr and "reference log-probs: reused" in second.stderr
+    assert_same_checkpoint(tmp_path / "whole" / "step_8", tmp_path / "cut" / "step_8")
+    assert [r["loss"] for r in step_records(tmp_path / "cut")] == [r["loss"] for r in steps]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cached_reference_gathers_where_the_batch_lives():

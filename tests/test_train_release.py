@@ -164,7 +164,7 @@ def test_memory_section_round_trips_and_profile_reads_it(tmp_path):
     assert load_spec(again).memory == spec.memory
     opts = memory_options(spec)
     assert opts == {"gradient_release": True, "activation_checkpointing": "selective", "checkpoint_every": 2,
-                    "master_weights": None, "offload_checkpoints": False}
+                    "master_weights": None, "offload_checkpoints": False, "offload_optimizer": False}
     from pgs.errors import SpecError
 
     with pytest.raises(SpecError, match=r"memory.activation_checkpointing: 'fulll' is not one of .*did you mean"):
@@ -236,14 +236,14 @@ def test_auto_defers_the_tied_head_gradient_only_where_memory_is_traded(tmp_path
     """``defer_head_grad = "auto"`` (the default): deferred with activation checkpointing or tied
     slabs, not without (one head matmul per step saved where the V×D buffer is small)."""
     from pgs.runtime.spec.load import load_spec
-    from pgs.runtime.loop.train import _defers_head_grad, setup
+    from pgs.runtime.loop.train import setup
 
     for name, extra, want in (("plain", "", False), ("ckpt", 'activation_checkpointing = "full"\n', True)):
         path = release_spec(tmp_path, name, defer="auto")
         path.write_text(path.read_text() + extra)
         run = setup(load_spec(path))
         assert run.spec.memory.defer_head_grad == "auto"
-        assert _defers_head_grad(run, run.model.get_input_embeddings().weight) is want
+        assert run.objective.defers_head_grad(run, run.model.get_input_embeddings().weight) is want
 
 
 def test_mlp_tiles_and_per_parameter_groups_from_the_spec(tmp_path):

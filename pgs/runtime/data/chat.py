@@ -2,19 +2,31 @@
 
 A token is *trained* when it belongs to an assistant turn: its content, its tool calls and
 the end-of-turn token, so that the model learns to stop.  The turns are found in the text
-that the tokenizer's own chat template renders, in one of two ways:
+that the chat template renders (the tokenizer's own, or ``data.chat_template``), in one of
+three ways:
 
 * the template has ``{% generation %}`` markers: the spans they enclose;
-* a stock template without them (Qwen3, Llama 3, most ChatML templates): the template's own
-  turn markers, read off two probe renders.  The *assistant header* is what
-  ``add_generation_prompt=True`` appends; the *end-of-turn marker* is what the template writes
-  right after an assistant message's text.  Every assistant turn in the full render starts
-  after a header and ends after the first end-of-turn marker that follows.
+* a stock template without them whose ``add_generation_prompt`` opens an assistant turn
+  (Qwen3, Llama 3, Gemma 3, Phi-4, DeepSeek-R1, ChatML): the template's own turn markers, read
+  off two probe renders.  The *assistant header* is what ``add_generation_prompt=True``
+  appends; the *end-of-turn marker* is what the template writes right after an assistant
+  message's text.  Every assistant turn in the full render starts after a header and ends
+  after the first end-of-turn marker that follows.  When the markers miss a turn (a template
+  that writes no header after tool outputs, as DeepSeek-R1's), prefix diffing below is tried;
+* a template whose ``add_generation_prompt`` adds nothing (Mistral's ``[INST]`` templates:
+  the assistant's text follows ``[/INST]`` directly): *prefix diffing*.  The span of
+  assistant turn ``k`` is what rendering the first ``k + 1`` messages adds to the render of
+  the first ``k``, less the constant text every assistant turn opens with and the whitespace
+  after its end-of-turn token.  This needs a prefix-stable template: each of those renders
+  must be a prefix of the next and of the whole conversation's; one that is not (a template
+  that moves the system prompt into the *last* user turn) is refused with one line naming
+  the template, never masked wrongly.
 
 An *empty* assistant turn (no content, no tool calls, no reasoning) is not trained: left in,
 it would teach the model to end its turn at once, the only token it holds being the
 end-of-turn marker.  Its tokens stay as context; :func:`empty_assistant_turns` counts them
-(``DataStats.empty_assistant_turns``).
+(``DataStats.empty_assistant_turns``).  An assistant turn with ``weight = 0`` (the per-message
+weight of TRL and axolotl data) is context too (``DataStats.weight_zero_turns``).
 
 A template that opens an assistant turn with an empty think block (``<think>\\n\\n</think>``)
 gets that block left out of the mask unless ``supervise_empty_think`` is asked for: the model
@@ -53,8 +65,18 @@ def chat_template_of(tokenizer) -> str:
     if isinstance(template, dict):
         template = template.get("default")
     if not isinstance(template, str) or not template:
-        raise TemplateProblem("the tokenizer has no chat template (set tokenizer.chat_template)")
+        raise TemplateProblem("the tokenizer has no chat template (set tokenizer.chat_template, or data.chat_template "
+                              "in the spec)")
     return template
+
+
+def template_name(tokenizer) -> str:
+    """How error messages name the template: ``data.chat_template``'s value when the spec set one."""
+    named = getattr(tokenizer, "pgs_chat_template_name", None)
+    if named:
+        return f"chat template {named}"
+    where = getattr(tokenizer, "name_or_path", "") or ""
+    return f"the chat template of {where}" if where else "the tokenizer's chat template"
 
 
 def _render(tokenizer, template: str, messages, tools=None, *, add_generation_prompt=False, spans=False):
@@ -74,18 +96,33 @@ def _render(tokenizer, template: str, messages, tools=None, *, add_generation_pr
     return rendered[0], (indices[0] if spans else None)
 
 
+def _key(tokenizer, template: str) -> tuple:
+    return template, tuple(sorted((getattr(tokenizer, "special_tokens_map", {}) or {}).items(), key=str))
+
+
+def assistant_header(tokenizer, template: str | None = None) -> str:
+    """What ``add_generation_prompt=True`` appends to a conversation: the assistant header, or
+    ``""`` for a template whose assistant turns follow the user turn directly (Mistral)."""
+    template = template or chat_template_of(tokenizer)
+    key = ("header",) + _key(tokenizer, template)
+    if key not in _markers_cache:
+        user = [{"role": "user", "content": _PROBE_USER}]
+        bare, _ = _render(tokenizer, template, user)
+        prompted, _ = _render(tokenizer, template, user, add_generation_prompt=True)
+        _markers_cache[key] = prompted[len(bare):] if prompted.startswith(bare) else ""
+    return _markers_cache[key]
+
+
 def turn_markers(tokenizer, template: str | None = None) -> tuple[str, str]:
     """The template's assistant header and end-of-turn marker, read off probe renders."""
     template = template or chat_template_of(tokenizer)
-    key = (template, tuple(sorted((getattr(tokenizer, "special_tokens_map", {}) or {}).items(), key=str)))
+    key = _key(tokenizer, template)
     if key in _markers_cache:
         return _markers_cache[key]
-    user = [{"role": "user", "content": _PROBE_USER}]
-    bare, _ = _render(tokenizer, template, user)
-    prompted, _ = _render(tokenizer, template, user, add_generation_prompt=True)
-    if not prompted.startswith(bare) or len(prompted) == len(bare):
+    header = assistant_header(tokenizer, template)
+    if not header:
         raise TemplateProblem("cannot find the assistant header: add_generation_prompt adds nothing")
-    header = prompted[len(bare):]
+    user = [{"role": "user", "content": _PROBE_USER}]
     full, _ = _render(tokenizer, template, user + [{"role": "assistant", "content": _PROBE_ASSISTANT}])
     at = full.find(_PROBE_ASSISTANT)
     if at < 0:
@@ -119,6 +156,65 @@ def _spans_from_markers(text: str, header: str, end: str, n_assistant: int) -> l
     return spans
 
 
+def _assistant_lead(tokenizer, template: str, name: str) -> str:
+    """The text a template writes before every assistant message's own text (``""`` for
+    Mistral's templates; a role line for a template that only opens a turn once it has one)."""
+    key = ("lead",) + _key(tokenizer, template)
+    if key not in _markers_cache:
+        user = [{"role": "user", "content": _PROBE_USER}]
+        before, _ = _render(tokenizer, template, user)
+        after, _ = _render(tokenizer, template, user + [{"role": "assistant", "content": _PROBE_ASSISTANT}])
+        if not after.startswith(before):
+            raise TemplateProblem(f"{name} is not prefix-stable: a user turn renders differently once an assistant "
+                                  "turn follows it, so its assistant turns cannot be found by diffing; add "
+                                  "{% generation %} markers or set data.chat_template")
+        at = after.find(_PROBE_ASSISTANT, len(before))
+        if at < 0:
+            raise TemplateProblem(f"{name} does not render assistant content")
+        _markers_cache[key] = after[len(before):at]
+    return _markers_cache[key]
+
+
+def _spans_by_prefix(tokenizer, template: str, messages, tools) -> tuple[str, list[tuple[int, int]]]:
+    """Assistant spans by prefix diffing: turn ``k`` is what rendering ``messages[:k + 1]`` adds
+    to the render of ``messages[:k]``; each render must be a prefix of the next and of the whole."""
+    name = template_name(tokenizer)
+    lead = _assistant_lead(tokenizer, template, name)
+    full, _ = _render(tokenizer, template, messages, tools)
+    renders: dict[int, str] = {len(messages): full}
+
+    def render(n: int) -> str:
+        if n not in renders:
+            renders[n] = _render(tokenizer, template, messages[:n], tools)[0] if n else ""
+        return renders[n]
+
+    spans = []
+    for k, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before, after = render(k), render(k + 1)
+        if not after.startswith(before) or not full.startswith(after):
+            shorter, longer = (k, k + 1) if not after.startswith(before) else (k + 1, len(messages))
+            raise TemplateProblem(
+                f"{name} is not prefix-stable: the render of the first {shorter} messages is not a prefix of the "
+                f"render of the first {longer}, so assistant turn {k} cannot be found by diffing; add "
+                "{% generation %} markers or set data.chat_template (a template pgs ships: "
+                f"{', '.join(shipped_names())})")
+        start, stop = len(before), len(after)
+        if lead.strip() and full.startswith(lead, start):
+            start += len(lead)
+        while stop > start and full[stop - 1].isspace():  # whitespace after the end-of-turn token
+            stop -= 1
+        spans.append((start, stop))
+    return full, spans
+
+
+def shipped_names() -> list[str]:
+    from pgs.runtime.data.templates import shipped_templates
+
+    return sorted(shipped_templates())
+
+
 def assistant_spans(
     tokenizer,
     messages: list[dict[str, Any]],
@@ -133,10 +229,20 @@ def assistant_spans(
     if GENERATION_MARKER.search(template):
         text, spans = _render(tokenizer, template, messages, tools, spans=True)
         spans = [tuple(s) for s in spans]
-    else:
+    elif assistant_header(tokenizer, template):
         header, end = turn_markers(tokenizer, template)
         text, _ = _render(tokenizer, template, messages, tools)
-        spans = _spans_from_markers(text, header, end, n_assistant)
+        try:
+            spans = _spans_from_markers(text, header, end, n_assistant)
+        except TemplateProblem as err:
+            # a turn the markers miss (DeepSeek-R1 writes no header after tool outputs): prefix
+            # diffing finds it when the template is prefix-stable; otherwise the markers' error
+            try:
+                text, spans = _spans_by_prefix(tokenizer, template, messages, tools)
+            except TemplateProblem:
+                raise err from None
+    else:
+        text, spans = _spans_by_prefix(tokenizer, template, messages, tools)
     if not supervise_empty_think:
         trimmed = []
         for start, stop in spans:
@@ -146,12 +252,37 @@ def assistant_spans(
             trimmed.append((start, stop))
         spans = trimmed
     turns = [m for m in messages if m.get("role") == "assistant"]
-    if len(spans) == len(turns):  # one span per assistant turn, in order: leave the empty ones out
+    if len(spans) == len(turns):  # one span per assistant turn, in order: leave the untrained ones out
         pairs = list(zip(spans, turns))[-1:] if last_turn_only else list(zip(spans, turns))
-        return text, [span for span, turn in pairs if not is_empty_turn(turn)]
+        return text, [span for span, turn in pairs if is_trained_turn(turn)]
+    if any(t.get("weight", 1) == 0 for t in turns):
+        raise TemplateProblem(
+            f"{template_name(tokenizer)} marks {len(spans)} assistant spans for {len(turns)} assistant turns, so "
+            "the turns with weight 0 cannot be left untrained")
     if last_turn_only:
         spans = spans[-1:]
     return text, spans
+
+
+def document_spans(tokenizer, text: str) -> tuple[str, list[tuple[int, int]]]:
+    """A ``{"text": ...}`` document: the tokenizer's bos token (when it has one), the text and
+    its eos token (so that the model learns where a document ends), every token but the bos
+    trained."""
+    bos = getattr(tokenizer, "bos_token", None) or ""
+    eos = getattr(tokenizer, "eos_token", None) or ""
+    full = bos + text + ("" if eos and text.endswith(eos) else eos)
+    return full, [(len(bos), len(full))]
+
+
+def _spans(tokenizer, content, tools, **options) -> tuple[str, list[tuple[int, int]]]:
+    if isinstance(content, str):
+        return document_spans(tokenizer, content)
+    return assistant_spans(tokenizer, content, tools, **options)
+
+
+def is_trained_turn(message: dict[str, Any]) -> bool:
+    """An assistant turn that trains: not empty, and not given ``weight = 0``."""
+    return message.get("weight", 1) != 0 and not is_empty_turn(message)
 
 
 def is_empty_turn(message: dict[str, Any]) -> bool:
@@ -166,7 +297,15 @@ def empty_assistant_turns(messages: list[dict[str, Any]], last_turn_only: bool =
     turns = [m for m in messages if m.get("role") == "assistant"]
     if last_turn_only:
         turns = turns[-1:]
-    return sum(is_empty_turn(m) for m in turns)
+    return sum(is_empty_turn(m) and m.get("weight", 1) != 0 for m in turns)
+
+
+def weight_zero_turns(messages: list[dict[str, Any]], last_turn_only: bool = False) -> int:
+    """How many of the assistant turns that would be trained have ``weight = 0`` (context only)."""
+    turns = [m for m in messages if m.get("role") == "assistant"]
+    if last_turn_only:
+        turns = turns[-1:]
+    return sum(m.get("weight", 1) == 0 for m in turns)
 
 
 def encode_chat(
@@ -180,7 +319,8 @@ def encode_chat(
     """Tokenize a conversation with its chat template; return ``(input_ids, train_mask)``.
 
     ``train_mask[i]`` is True when token ``i`` belongs to an assistant turn (content, tool
-    calls, end-of-turn token).  ``last_turn_only`` trains the last assistant turn only;
+    calls, end-of-turn token).  ``messages`` may be a string: a ``text`` document, trained
+    whole (:func:`document_spans`).  ``last_turn_only`` trains the last assistant turn only;
     ``supervise_empty_think`` also trains an empty think block a template inserts.
 
     Example::
@@ -189,7 +329,7 @@ def encode_chat(
                                       {"role": "assistant", "content": "4"}])
         tok.decode([t for t, m in zip(ids, mask) if m])   # '4<|im_end|>'
     """
-    text, spans = assistant_spans(
+    text, spans = _spans(
         tokenizer, messages, tools, last_turn_only=last_turn_only, supervise_empty_think=supervise_empty_think
     )
     ((ids, offsets),) = _tokenize(tokenizer, [text])
@@ -215,7 +355,7 @@ def encode_chats(
     texts: list[str] = []
     for messages, tools in conversations:
         try:
-            text, spans = assistant_spans(
+            text, spans = _spans(
                 tokenizer, messages, tools, last_turn_only=last_turn_only,
                 supervise_empty_think=supervise_empty_think,
             )

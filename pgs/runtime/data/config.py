@@ -10,7 +10,7 @@ import attrs
 
 from pgs.errors import SpecError
 
-FORMATS = ("auto", "messages", "sharegpt", "prompt_completion")
+FORMATS = ("auto", "messages", "sharegpt", "prompt_completion", "text")
 TRUNCATION_POLICIES = ("drop", "truncate")
 BAD_RECORD_POLICIES = ("error", "skip")
 
@@ -35,13 +35,34 @@ def _path(instance, attribute, value):
         raise SpecError(f"data.{attribute.name}: expected a file path, got {value!r}")
 
 
+def _optional_field(instance, attribute, value):
+    if value is not None and (not isinstance(value, str) or not value):
+        raise SpecError(f"data.sources.{attribute.name}: expected a column name, got {value!r}")
+
+
 @attrs.frozen
 class DataSource:
-    """One JSONL file and its share of the training mix (``weight`` is relative to the others)."""
+    """One data file (JSONL, JSON array, Parquet, Arrow) or ``datasets`` folder, and its share of
+    the training mix (``weight`` is relative to the others).
+
+    The ``*_field`` names say which column holds what when a dataset names it otherwise
+    (``messages_field = "conversation"``); unset, the usual names are looked for.
+    """
 
     path: str = attrs.field(converter=lambda p: str(p) if p is not None else p, validator=_path)
     format: str = attrs.field(default="auto", validator=_one_of(FORMATS))
     weight: float = attrs.field(default=1.0, validator=_positive_weight)
+    messages_field: str | None = attrs.field(default=None, validator=_optional_field)
+    tools_field: str | None = attrs.field(default=None, validator=_optional_field)
+    prompt_field: str | None = attrs.field(default=None, validator=_optional_field)
+    completion_field: str | None = attrs.field(default=None, validator=_optional_field)
+    text_field: str | None = attrs.field(default=None, validator=_optional_field)
+
+    def fields(self) -> dict[str, str]:
+        """The renamed columns: ``{usual name: this source's column}``."""
+        named = {"messages": self.messages_field, "tools": self.tools_field, "prompt": self.prompt_field,
+                 "completion": self.completion_field, "text": self.text_field}
+        return {k: v for k, v in named.items() if v is not None}
 
 
 def _sources(value) -> tuple[DataSource, ...]:
@@ -81,7 +102,8 @@ class DataConfig:
     ``max_seq_len`` tokens (``"truncate"``); both are counted.  ``on_bad_record``: a malformed
     record raises ``DataError`` (``"error"``) or is skipped and counted (``"skip"``).
     ``allow_packing_leakage`` lets a model whose layers cannot isolate packed documents
-    (linear attention) train on packs anyway.
+    (linear attention) train on packs anyway.  ``chat_template`` replaces the tokenizer's chat
+    template (docs/data.md).
     """
 
     sources: tuple[DataSource, ...] = attrs.field(converter=_sources)
@@ -98,3 +120,6 @@ class DataConfig:
     allow_packing_leakage: bool = attrs.field(
         default=False, validator=attrs.validators.instance_of(bool)
     )
+    #: a Jinja file, or the name of a training template pgs ships, that replaces the tokenizer's
+    #: chat template (``pgs.runtime.data.templates``); the spec loader resolves it to a file
+    chat_template: str | None = attrs.field(default=None, validator=_optional_path)

@@ -14,7 +14,7 @@ from rich.text import Text
 from pgs.runtime.data.config import DataConfig
 from pgs.runtime.data.packing import Document
 from pgs.runtime.data.preference import pack_rows, read_pairs
-from pgs.runtime.data.records import read_conversations
+from pgs.runtime.data.readers import read_conversations
 from pgs.runtime.data.stats import DataStats
 from pgs.runtime.data.stream import encode_document, pack_documents
 
@@ -45,7 +45,7 @@ def dataset_stats(config: DataConfig, tokenizer, max_records: int | None = None,
     for source in config.sources:
         skipped: list[str] = []
         window: list[Document] = []
-        conversations = read_conversations(source.path, source.format, config.on_bad_record, skipped)
+        conversations = read_conversations(source, None, config.on_bad_record, skipped)
         for count, conversation in enumerate(conversations):
             if max_records is not None and count >= max_records:
                 break
@@ -80,7 +80,8 @@ def inspect_dataset(config: DataConfig, tokenizer, n: int = 5, console: Console 
     for document in shown:
         trained = document.num_trained
         console.rule(f"{document.origin}  ({len(document)} tokens, {trained} trained)")
-        console.print(render_document(document, tokenizer, plain=not console.is_terminal))
+        plain = not console.is_terminal  # a pipe or file: one line per sample, never cut
+        console.print(render_document(document, tokenizer, plain=plain), soft_wrap=plain)
     table = Table(title="data statistics", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -104,7 +105,8 @@ def inspect_pairs(config: DataConfig, tokenizer, n: int = 5, console: Console | 
     for pair in pairs[:n]:
         for arm, document in (("chosen", pair.chosen), ("rejected", pair.rejected)):
             console.rule(f"{document.origin} {arm}  ({len(document)} tokens, {document.num_trained} scored)")
-            console.print(render_document(document, tokenizer, plain=not console.is_terminal))
+            plain = not console.is_terminal
+            console.print(render_document(document, tokenizer, plain=plain), soft_wrap=plain)
     rows = pack_rows(pairs, config.max_seq_len)
     stats.sequences, stats.sequence_capacity = len(rows), len(rows) * config.max_seq_len
     table = Table(title="preference data statistics", show_header=False)

@@ -40,7 +40,8 @@ from pgs.errors import DataError
 from pgs.runtime.data.chat import _tokenize, assistant_spans, is_empty_turn, train_mask
 from pgs.runtime.data.config import DataConfig
 from pgs.runtime.data.packing import Document, collate
-from pgs.runtime.data.records import RecordProblem, _message, iter_lines, json_reason
+from pgs.runtime.data.readers import open_reader
+from pgs.runtime.data.records import RecordProblem, _message, json_reason
 from pgs.runtime.data.stats import DataStats
 
 STATE_VERSION = 1
@@ -130,6 +131,11 @@ def parse_pair_line(line: str | bytes, origin: str) -> PairRecord:
         record = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DataError(f"{origin}: malformed JSON ({json_reason(err)})") from None
+    return pair_record(record, origin)
+
+
+def pair_record(record: Any, origin: str) -> PairRecord:
+    """Validate one decoded pair; ``DataError('origin: problem')`` when it is bad."""
     try:
         prompt, chosen, rejected, tools = parse_pair(record)
     except RecordProblem as err:
@@ -180,11 +186,13 @@ def read_pairs(paths: Sequence[str], tokenizer, config: DataConfig, stats: DataS
     stats = stats if stats is not None else DataStats()
     pairs: list[Pair] = []
     for path in paths:
-        for count, (number, _, raw) in enumerate(iter_lines(path), start=1):
+        reader = open_reader(path)  # any source an SFT run reads (JSONL, JSON, Parquet, Arrow, datasets)
+        for count, (_, label, raw) in enumerate(reader.scan(), start=1):
             if max_records is not None and count > max_records:
                 break
+            origin = reader.origin(label)
             try:
-                pair = encode_pair(parse_pair_line(raw, f"{path}:{number}"), tokenizer, config, len(pairs))
+                pair = encode_pair(pair_record(reader.record(raw, origin), origin), tokenizer, config, len(pairs))
             except DataError as err:
                 if config.on_bad_record != "skip":
                     raise
@@ -197,6 +205,7 @@ def read_pairs(paths: Sequence[str], tokenizer, config: DataConfig, stats: DataS
             stats.tokens += len(pair)
             stats.trained_tokens += pair.chosen.num_trained + pair.rejected.num_trained
             pairs.append(pair)
+        reader.close()
     return pairs
 
 

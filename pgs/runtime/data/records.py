@@ -1,15 +1,26 @@
-"""Reading JSONL conversations: three shapes in, one shape out.
+"""Reading records: every common shape in, one shape out.
 
-Accepted record shapes (one JSON object per line):
+Accepted record shapes (one JSON object per JSONL line, per JSON array item, per Parquet or
+Arrow row):
 
-* ``messages`` (OpenAI): ``{"messages": [{"role", "content", "tool_calls"?, "name"?}], "tools"?}``
-  with roles ``system``, ``user``, ``assistant``, ``tool``;
-* ``sharegpt``: ``{"conversations": [{"from", "value"}]}`` (``human``/``gpt``/``system``/``tool``...);
-* ``prompt_completion``: ``{"prompt": str, "completion": str}``.
+* ``messages`` (OpenAI): ``{"messages": [{"role", "content", "tool_calls"?, "name"?,
+  "tool_call_id"?, "reasoning_content"?, "weight"?}], "tools"?}`` with roles ``system``,
+  ``developer`` (read as ``system``), ``user``, ``assistant``, ``tool``.  ``content`` is a string
+  or a list of content parts: text parts are joined, any other part (an image, audio, a file) is
+  refused.  Tool-call ``arguments`` are an object or a JSON string.  ``weight`` (0 or 1, as TRL
+  and axolotl data carry it) leaves an assistant turn untrained when 0;
+* ``sharegpt``: ``{"conversations": [{"from", "value", "weight"?}]}``
+  (``human``/``gpt``/``system``/``tool``...);  a ``messages`` or ``conversations`` list is read
+  by its items' keys (``role`` or ``from``), whichever name it has;
+* ``prompt_completion``: ``{"prompt", "completion"}``, each a string or a list of messages
+  (TRL's conversational prompt-completion), with an optional ``system`` string;
+* ``text``: ``{"text": str}``, a document trained whole (no chat template).
 
-Each becomes a :class:`Conversation` (messages in the OpenAI shape plus optional tools).
-Keys a record does not need are ignored, so metadata may ride along.  Every problem is a
-``DataError`` whose message is one line: ``file:line: problem``.
+A source may name its columns otherwise (``messages_field = "conversation"``, ...): the named
+column is read as the usual one.  Each record becomes a :class:`Conversation`.  Keys a record
+does not need are ignored, so metadata may ride along.  Every problem is a ``DataError`` whose
+message is one line: ``origin: problem``, where the origin is ``file:line`` (JSONL),
+``file:item N`` (JSON arrays) or ``file:row N`` (Parquet, Arrow, ``datasets`` folders).
 """
 
 from __future__ import annotations
@@ -21,7 +32,8 @@ import attrs
 
 from pgs.errors import DataError
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system prompt
 SHAREGPT_ROLES = {
     "system": "system",
     "human": "user",
@@ -36,11 +48,18 @@ SHAREGPT_ROLES = {
 
 @attrs.frozen
 class Conversation:
-    """A validated conversation and where it came from (``origin`` is ``file:line``)."""
+    """A validated conversation and where it came from (``origin`` is ``file:line``, ``file:row N``
+    or ``file:item N``).  A ``text`` record is a document with no messages: ``text`` holds it."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     origin: str
+    text: str | None = None
+
+    @property
+    def content(self):
+        """What the chat encoder takes: the messages, or the text of a document."""
+        return self.text if self.text is not None else self.messages
 
 
 class RecordProblem(ValueError):
@@ -60,16 +79,28 @@ def json_reason(err: ValueError) -> str:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
+def _list_shape(key: str, turns: Any) -> str:
+    """A conversation list's shape by its turns' keys (``role``: messages, ``from``: ShareGPT);
+    by its own name (``conversations``: ShareGPT) when the first turn has neither."""
+    if isinstance(turns, list) and turns and isinstance(turns[0], dict):
+        if "role" in turns[0]:
+            return "messages"
+        if "from" in turns[0]:
+            return "sharegpt"
+    return "sharegpt" if key == "conversations" else "messages"
+
+
 def detect_format(record: dict) -> str:
-    """Which shape a parsed record has (``messages``, ``sharegpt`` or ``prompt_completion``)."""
-    if "messages" in record:
-        return "messages"
-    if "conversations" in record:
-        return "sharegpt"
+    """Which shape a parsed record has (``messages``, ``sharegpt``, ``prompt_completion``, ``text``)."""
+    for key in ("messages", "conversations"):
+        if key in record:
+            return _list_shape(key, record[key])
     if "prompt" in record or "completion" in record:
         return "prompt_completion"
+    if "text" in record:
+        return "text"
     raise RecordProblem(
-        "unknown record shape: expected a 'messages', 'conversations' or 'prompt'/'completion' key"
+        "unknown record shape: expected a 'messages', 'conversations', 'prompt'/'completion' or 'text' key"
     )
 
 
@@ -77,8 +108,8 @@ def _tool_call(call: Any, where: str) -> dict:
     if not isinstance(call, dict):
         raise RecordProblem(f"{where}: a tool call must be an object, got {type(call).__name__}")
     function = call.get("function", call)
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise RecordProblem(f"{where}: a tool call needs function.name (a string)")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise RecordProblem(f"{where}: a tool call needs function.name (a non-empty string)")
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         # Templates render arguments with tojson; a JSON string would be double-encoded.
@@ -87,22 +118,63 @@ def _tool_call(call: Any, where: str) -> dict:
         except json.JSONDecodeError as err:
             raise RecordProblem(f"{where}: tool call arguments are not valid JSON ({json_reason(err)})") from None
     if not isinstance(arguments, dict):
-        raise RecordProblem(f"{where}: tool call arguments must be an object")
+        got = "null" if arguments is None else type(arguments).__name__
+        raise RecordProblem(f"{where}: tool call arguments must be an object or a JSON string of one, got {got}")
     out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
-    if isinstance(call.get("id"), str):
+    if call.get("id") is not None:
+        if not isinstance(call["id"], str):
+            raise RecordProblem(f"{where}: a tool call's id must be a string, got {type(call['id']).__name__}")
         out["id"] = call["id"]
     return out
+
+
+def _content(content: Any, where: str) -> str:
+    """A message's text: a string, or the text parts of a list of content parts, joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise RecordProblem(f"{where}: content[{j}] must be an object such as "
+                                    f"{{\"type\": \"text\", \"text\": ...}}, got {type(part).__name__}")
+            kind = part.get("type", "text" if "text" in part else None)
+            if kind != "text":
+                raise RecordProblem(f"{where}: content[{j}] has type {kind!r}: only text parts can be trained "
+                                    "(pgs trains text models)")
+            if not isinstance(part.get("text"), str):
+                got = "missing" if part.get("text") is None else type(part["text"]).__name__
+                raise RecordProblem(f"{where}: content[{j}].text must be a string, got {got}")
+            texts.append(part["text"])
+        return "".join(texts)
+    got = "missing" if content is None else type(content).__name__
+    raise RecordProblem(f"{where}: content must be a string or a list of text parts, got {got}")
+
+
+def _weight(raw: dict, role: str, where: str) -> int | None:
+    weight = raw.get("weight")
+    if weight is None:
+        return None
+    if isinstance(weight, bool):
+        weight = int(weight)
+    if not isinstance(weight, (int, float)) or weight not in (0, 1):
+        raise RecordProblem(f"{where}: weight must be 0 or 1, got {weight!r}")
+    if weight == 1 and role != "assistant":
+        raise RecordProblem(f"{where}: weight 1 asks to train a {role} turn; only assistant turns are trained "
+                            "(give it weight 0 or none)")
+    return int(weight)
 
 
 def _message(raw: Any, index: int) -> dict:
     where = f"message {index}"
     if not isinstance(raw, dict):
         raise RecordProblem(f"{where}: expected an object, got {type(raw).__name__}")
-    if "role" not in raw:
+    if raw.get("role") is None:
         raise RecordProblem(f"{where}: missing 'role'")
     role = raw["role"]
     if role not in ROLES:
         raise RecordProblem(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+    role = ROLE_ALIASES.get(role, role)
     content = raw.get("content")
     tool_calls = raw.get("tool_calls")
     if tool_calls is not None and role != "assistant":
@@ -111,57 +183,94 @@ def _message(raw: Any, index: int) -> dict:
         raise RecordProblem(f"{where}: tool_calls must be a list")
     if content is None and tool_calls:
         content = ""
-    if not isinstance(content, str):
-        got = "missing" if content is None else type(content).__name__
-        raise RecordProblem(f"{where} ({role}): content must be a string, got {got}")
-    message: dict[str, Any] = {"role": role, "content": content}
+    message: dict[str, Any] = {"role": role, "content": _content(content, f"{where} ({role})")}
     if tool_calls:
         message["tool_calls"] = [_tool_call(c, f"{where} tool_calls[{i}]") for i, c in enumerate(tool_calls)]
     for key in ("name", "tool_call_id", "reasoning_content"):
         if key in raw and raw[key] is not None:
             if not isinstance(raw[key], str):
-                raise RecordProblem(f"{where}: {key} must be a string")
+                raise RecordProblem(f"{where}: {key} must be a string, got {type(raw[key]).__name__}")
             message[key] = raw[key]
+    weight = _weight(raw, role, f"{where} ({role})")
+    if weight is not None:
+        message["weight"] = weight
     return message
 
 
+def _tools(record: dict) -> Any:
+    tools = record.get("tools")
+    if isinstance(tools, str):  # a column of JSON text (Parquet, Arrow): nested lists of objects rarely fit a schema
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as err:
+            raise RecordProblem(f"'tools' must be a list of objects or a JSON string of one; this string is not "
+                                f"valid JSON ({json_reason(err)})") from None
+    return tools
+
+
+def _conversation_list(record: dict) -> Any:
+    return record["messages"] if "messages" in record else record.get("conversations")
+
+
 def _messages_record(record: dict) -> tuple[list[Any], Any]:
-    return record["messages"], record.get("tools")
+    return _conversation_list(record), _tools(record)
 
 
 def _sharegpt_record(record: dict) -> tuple[list[Any], Any]:
-    turns = record["conversations"]
+    turns = _conversation_list(record)
     if not isinstance(turns, list):
         raise RecordProblem("'conversations' must be a list")
     messages = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise RecordProblem(f"turn {i}: expected an object, got {type(turn).__name__}")
-        if "from" not in turn:
+        if turn.get("from") is None:
             raise RecordProblem(f"turn {i}: missing 'from'")
         speaker = turn["from"]
         if speaker not in SHAREGPT_ROLES:
             raise RecordProblem(
                 f"turn {i}: unknown speaker {speaker!r} (expected one of {', '.join(SHAREGPT_ROLES)})"
             )
-        messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn.get("value")})
-    return messages, record.get("tools")
+        message = {"role": SHAREGPT_ROLES[speaker], "content": turn.get("value")}
+        if turn.get("weight") is not None:
+            message["weight"] = turn["weight"]
+        messages.append(message)
+    return messages, _tools(record)
+
+
+def _side(record: dict, key: str, role: str) -> list[Any]:
+    value = record[key]
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list) and value:
+        return value
+    raise RecordProblem(f"'{key}' must be a string or a non-empty list of messages, got {type(value).__name__}")
 
 
 def _prompt_completion_record(record: dict) -> tuple[list[Any], Any]:
     for key in ("prompt", "completion"):
-        if key not in record:
+        if key not in record or record[key] is None:
             raise RecordProblem(f"missing '{key}'")
-        if not isinstance(record[key], str):
-            raise RecordProblem(f"'{key}' must be a string, got {type(record[key]).__name__}")
-    messages = []
-    if isinstance(record.get("system"), str):
-        messages.append({"role": "system", "content": record["system"]})
-    messages += [
-        {"role": "user", "content": record["prompt"]},
-        {"role": "assistant", "content": record["completion"]},
-    ]
-    return messages, None
+    messages: list[Any] = []
+    system = record.get("system")
+    if system is not None:
+        if not isinstance(system, str):
+            raise RecordProblem(f"'system' must be a string, got {type(system).__name__}")
+        messages.append({"role": "system", "content": system})
+    completion = _side(record, "completion", "assistant")
+    if any(isinstance(m, dict) and m.get("role") != "assistant" for m in completion):
+        raise RecordProblem("'completion' must hold assistant messages only")
+    return messages + _side(record, "prompt", "user") + completion, _tools(record)
+
+
+def _text_record(record: dict) -> str:
+    text = record.get("text")
+    if not isinstance(text, str):
+        got = "missing" if text is None else type(text).__name__
+        raise RecordProblem(f"'text' must be a string, got {got}")
+    if not text.strip():
+        raise RecordProblem("'text' is empty (nothing to train on)")
+    return text
 
 
 _SHAPES = {
@@ -171,15 +280,31 @@ _SHAPES = {
 }
 
 
-def parse_record(record: Any, format: str = "auto") -> tuple[list[dict], list[dict] | None]:
-    """Validate one decoded JSON record; returns ``(messages, tools)`` or raises RecordProblem."""
+def rename_fields(record: Any, fields: dict[str, str] | None) -> Any:
+    """The record with a source's named columns read as the usual ones (``{usual: column}``)."""
+    if not fields or not isinstance(record, dict):
+        return record
+    record = dict(record)
+    for usual, column in fields.items():
+        if column not in record:
+            raise RecordProblem(f"missing '{column}' (the source's {usual}_field)")
+        record[usual] = record.pop(column)
+    return record
+
+
+def parse_record(record: Any, format: str = "auto", fields: dict[str, str] | None = None
+                 ) -> tuple[list[dict], list[dict] | None, str | None]:
+    """Validate one decoded record; returns ``(messages, tools, text)`` or raises RecordProblem.
+
+    ``text`` is set (and ``messages`` empty) for a ``text`` document."""
     if not isinstance(record, dict):
-        raise RecordProblem(f"expected a JSON object per line, got {type(record).__name__}")
+        raise RecordProblem(f"expected a JSON object per record, got {type(record).__name__}")
+    record = rename_fields(record, fields)
     shape = detect_format(record) if format == "auto" else format
-    if shape == "messages" and "messages" not in record:
-        raise RecordProblem("missing 'messages' (source format is 'messages')")
-    if shape == "sharegpt" and "conversations" not in record:
-        raise RecordProblem("missing 'conversations' (source format is 'sharegpt')")
+    if shape == "text":
+        return [], None, _text_record(record)
+    if shape in ("messages", "sharegpt") and "messages" not in record and "conversations" not in record:
+        raise RecordProblem(f"missing 'messages' (source format is {shape!r})")
     raw_messages, tools = _SHAPES[shape](record)
     if not isinstance(raw_messages, list) or not raw_messages:
         raise RecordProblem("the conversation must be a non-empty list of messages")
@@ -188,20 +313,39 @@ def parse_record(record: Any, format: str = "auto") -> tuple[list[dict], list[di
         raise RecordProblem("the conversation has no assistant turn (nothing to train on)")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise RecordProblem("'tools' must be a list of objects")
-    return messages, (tools or None)
+    return messages, (tools or None), None
 
 
-def parse_line(line: str | bytes, origin: str, format: str = "auto") -> Conversation:
-    """Decode and validate one JSONL line; ``DataError('file:line: problem')`` when it is bad."""
+def conversation(record: Any, origin: str, format: str = "auto", fields: dict[str, str] | None = None
+                 ) -> Conversation:
+    """A decoded record as a :class:`Conversation`; ``DataError('origin: problem')`` when it is bad."""
     try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DataError(f"{origin}: malformed JSON ({json_reason(err)})") from None
-    try:
-        messages, tools = parse_record(record, format)
+        messages, tools, text = parse_record(record, format, fields)
     except RecordProblem as err:
         raise DataError(f"{origin}: {err}") from None
-    return Conversation(messages=messages, tools=tools, origin=origin)
+    return Conversation(messages=messages, tools=tools, origin=origin, text=text)
+
+
+def decode_object(raw: str | bytes, origin: str) -> dict:
+    """One JSONL line's object; ``DataError`` when it is not JSON or not an object."""
+    record = decode_json(raw, origin)
+    if not isinstance(record, dict):
+        raise DataError(f"{origin}: expected a JSON object per line, got {type(record).__name__}")
+    return record
+
+
+def decode_json(raw: str | bytes, origin: str) -> Any:
+    """One JSON value; ``DataError('origin: malformed JSON (...)')`` when it is not one."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{origin}: malformed JSON ({json_reason(err)})") from None
+
+
+def parse_line(line: str | bytes, origin: str, format: str = "auto", fields: dict[str, str] | None = None
+               ) -> Conversation:
+    """Decode and validate one JSONL line; ``DataError('file:line: problem')`` when it is bad."""
+    return conversation(decode_object(line, origin), origin, format, fields)
 
 
 def iter_lines(path: str) -> Iterator[tuple[int, int, bytes]]:
@@ -216,21 +360,3 @@ def iter_lines(path: str) -> Iterator[tuple[int, int, bytes]]:
             if raw.strip():
                 yield number, offset, raw
             offset += len(raw)
-
-
-def read_conversations(
-    path: str, format: str = "auto", on_bad_record: str = "error", skipped: list | None = None
-) -> Iterator[Conversation]:
-    """Stream the valid conversations of one JSONL file.
-
-    With ``on_bad_record="skip"`` a bad record is left out and its ``DataError`` message is
-    appended to ``skipped`` (when given), so nothing is lost silently.
-    """
-    for number, _, raw in iter_lines(path):
-        try:
-            yield parse_line(raw, f"{path}:{number}", format)
-        except DataError as err:
-            if on_bad_record != "skip":
-                raise
-            if skipped is not None:
-                skipped.append(str(err))

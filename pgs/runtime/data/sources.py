@@ -1,8 +1,8 @@
 """Sources on disk and the deterministic order in which their records are drawn.
 
 Each source is indexed once (one streaming pass that validates every record and keeps the
-byte offsets of the good ones); records are then read one at a time by offset, never all at
-once.  The mixed order is a pure function of the seed and a few counters:
+locators of the good ones: byte offsets, item offsets, row numbers); records are then read one
+at a time by locator, never all at once.  The mixed order is a pure function of the seed and a few counters:
 
 * which source the ``k``-th draw comes from: a hash of ``(seed, k)`` turned into a uniform
   number and compared with the cumulative weights, so proportions converge to the weights;
@@ -21,7 +21,8 @@ import numpy as np
 
 from pgs.errors import DataError
 from pgs.runtime.data.config import DataSource
-from pgs.runtime.data.records import Conversation, iter_lines, parse_line
+from pgs.runtime.data.readers import open_reader
+from pgs.runtime.data.records import Conversation, conversation
 from pgs.runtime.data.stats import DataStats
 
 _MASK64 = (1 << 64) - 1
@@ -40,44 +41,44 @@ def uniform(seed: int, k: int) -> float:
 
 
 class SourceIndex:
-    """The valid records of one JSONL file, by byte offset (bad ones raise or are counted)."""
+    """The valid records of one source (JSONL, JSON array, Parquet, Arrow, ``datasets`` folder),
+    by locator: every record is validated once, bad ones raise or are counted, and the good
+    ones are read again one at a time (``readers``)."""
 
     def __init__(self, source: DataSource, on_bad_record: str = "error", stats: DataStats | None = None):
         self.source = source
         self.path = source.path
+        self.reader = open_reader(self.path)
+        self._fields = source.fields()
         self.offsets = array("q")
         self.lines = array("q")
         self.skipped: list[str] = []
-        for number, offset, raw in iter_lines(self.path):
+        for locator, label, raw in self.reader.scan():
+            origin = self.reader.origin(label)
             try:
-                parse_line(raw, f"{self.path}:{number}", source.format)
+                conversation(self.reader.record(raw, origin), origin, source.format, self._fields)
             except DataError as err:
                 if on_bad_record != "skip":
                     raise
                 self.skipped.append(str(err))
                 continue
-            self.offsets.append(offset)
-            self.lines.append(number)
+            self.offsets.append(locator)
+            self.lines.append(label)
         if stats is not None:
             stats.bad_records += len(self.skipped)
         if not self.offsets:
             raise DataError(f"{self.path}: no valid records")
-        self._handle = None
 
     def __len__(self) -> int:
         return len(self.offsets)
 
     def read(self, i: int) -> Conversation:
-        if self._handle is None:
-            self._handle = open(self.path, "rb")
-        self._handle.seek(self.offsets[i])
-        raw = self._handle.readline()
-        return parse_line(raw, f"{self.path}:{self.lines[i]}", self.source.format)
+        origin = self.reader.origin(self.lines[i])
+        raw = self.reader.read(self.offsets[i])
+        return conversation(self.reader.record(raw, origin), origin, self.source.format, self._fields)
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        self.reader.close()
 
 
 class MixedOrder:

@@ -22,6 +22,7 @@ class DataStats:
     truncated: int = 0  # cut to max_seq_len under truncation = "truncate"
     dropped_no_trained: int = 0  # would keep no trained token (never trained all-masked)
     empty_assistant_turns: int = 0  # assistant turns with no content, tool calls or reasoning: not trained
+    weight_zero_turns: int = 0  # assistant turns the data gives weight 0: context, not trained
     sequences: int = 0  # packed sequences (bins) built
     sequence_capacity: int = 0  # sequences * max_seq_len
 
@@ -67,6 +68,7 @@ class DataStats:
             ("dropped: no trained token", f"{self.dropped_no_trained}"),
             ("truncated", f"{self.truncated}"),
             ("empty assistant turns (not trained)", f"{self.empty_assistant_turns}"),
+            ("weight-0 assistant turns (not trained)", f"{self.weight_zero_turns}"),
             ("packed sequences", f"{self.sequences}"),
             ("packing efficiency", f"{self.packing_efficiency:.1%}"),
         ]

@@ -18,10 +18,11 @@ import random
 from typing import Iterator
 
 from pgs.errors import DataError
-from pgs.runtime.data.chat import empty_assistant_turns, encode_chat, encode_chats
+from pgs.runtime.data.chat import empty_assistant_turns, encode_chat, encode_chats, weight_zero_turns
 from pgs.runtime.data.config import DataConfig, DataSource
 from pgs.runtime.data.packing import Document, PackedBatch, best_fit_decreasing, collate
-from pgs.runtime.data.records import Conversation, read_conversations
+from pgs.runtime.data.readers import read_conversations
+from pgs.runtime.data.records import Conversation
 from pgs.runtime.data.sources import MixedOrder, SourceIndex
 from pgs.runtime.data.stats import DataStats
 
@@ -37,7 +38,7 @@ def encode_document(conversation: Conversation, tokenizer, config: DataConfig, s
     try:
         encoded = encode_chat(
             tokenizer,
-            conversation.messages,
+            conversation.content,
             conversation.tools,
             last_turn_only=config.last_turn_only,
             supervise_empty_think=config.supervise_empty_think,
@@ -59,6 +60,7 @@ def _document(conversation: Conversation, encoded, config: DataConfig, stats: Da
     ids, mask = encoded
     stats.records += 1
     stats.empty_assistant_turns += empty_assistant_turns(conversation.messages, config.last_turn_only)
+    stats.weight_zero_turns += weight_zero_turns(conversation.messages, config.last_turn_only)
     if len(ids) > config.max_seq_len:
         if config.truncation == "drop":
             stats.dropped_too_long += 1
@@ -143,7 +145,7 @@ class TrainStream:
                     read.append(err)
             readable = [c for c in read if not isinstance(c, BaseException)]
             encoded = iter(encode_chats(
-                self.tokenizer, [(c.messages, c.tools) for c in readable],
+                self.tokenizer, [(c.content, c.tools) for c in readable],
                 last_turn_only=config.last_turn_only, supervise_empty_think=config.supervise_empty_think,
             ))
             for (s, _), conversation in zip(draws, read):
@@ -199,7 +201,8 @@ class TrainStream:
     def _fingerprint(self) -> dict:
         c = self.config
         return {
-            "sources": [f"{s.path}|{s.format}|{s.weight!r}|{len(i)}" for s, i in zip(c.sources, self._sources)],
+            "sources": [f"{s.path}|{s.format}|{s.weight!r}|{len(i)}" + "".join(f"|{k}={v}" for k, v in s.fields().items())
+                        for s, i in zip(c.sources, self._sources)],
             "seed": c.seed,
             "max_seq_len": c.max_seq_len,
             "packing": c.packing,
@@ -207,6 +210,7 @@ class TrainStream:
             "last_turn_only": c.last_turn_only,
             "supervise_empty_think": c.supervise_empty_think,
             "pack_window": self.pack_window,
+            "chat_template": c.chat_template,
         }
 
     def state_dict(self) -> dict:
@@ -265,9 +269,8 @@ class EvalStream:
         self._pad_id = _pad_id(tokenizer)
 
     def documents(self) -> Iterator[Document]:
-        source = DataSource(self.path)
         skipped: list[str] = []
-        for conversation in read_conversations(source.path, source.format, self.config.on_bad_record, skipped):
+        for conversation in read_conversations(DataSource(self.path), None, self.config.on_bad_record, skipped):
             document = encode_document(conversation, self.tokenizer, self.config, self.stats)
             if document is not None:
                 yield document

@@ -66,6 +66,42 @@ class DistContext:
         return self.mesh is not None
 
 
+#: Flight-recorder entries kept per rank (torch's own default is 0: off).
+TRACE_BUFFER_SIZE = 2000
+#: The folder of the run where the ranks' flight-recorder dumps go.
+TRACE_DIR = "nccl_trace"
+
+
+def flight_recorder_env(run_dir: str | None, environ=None, *, create: bool = False) -> dict[str, str]:
+    """The environment entries that make every rank keep NCCL's flight recorder and dump it
+    into ``<run_dir>/nccl_trace/rank_<r>`` when a collective times out (the watchdog's
+    dump-on-timeout; ``PGS_PG_TIMEOUT_S`` is that timeout).  Only names absent from ``environ``
+    are returned: a user's own setting wins.  ``create``: make the dump folder (the recorder
+    writes its files but not their folder).  Buffer size: ``TORCH_FR_BUFFER_SIZE`` (torch ≥ 2.7)
+    and its older name ``TORCH_NCCL_TRACE_BUFFER_SIZE``; the dump file prefix:
+    ``TORCH_FR_DUMP_TEMP_FILE`` and ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``; the watchdog's monitor
+    (``TORCH_NCCL_ENABLE_MONITORING``) must be on for the dump to be written."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, str] = {}
+
+    def default(names: tuple[str, ...], value: str) -> None:
+        if not any(name in environ for name in names):
+            out.update({name: value for name in names})
+
+    default(("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), str(TRACE_BUFFER_SIZE))
+    default(("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1")
+    default(("TORCH_NCCL_ENABLE_MONITORING",), "1")
+    if run_dir:
+        prefix = os.path.join(os.path.abspath(run_dir), TRACE_DIR, "rank_")
+        default(("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"), prefix)
+    if create:  # the folder of the prefix in force, ours or the environment's
+        prefix = next((where.get(name) for where in (out, environ)
+                       for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE") if where.get(name)), None)
+        if prefix:
+            os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    return out
+
+
 def launched() -> bool:
     """True when a launcher (torchrun) started this process as one of several."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -85,7 +121,7 @@ def timeout_seconds(value: float | None = None) -> float:
 
 
 def init(*, timeout_s: float | None = None, backend: str | None = None, device: str = "auto",
-         single: bool = False) -> DistContext:
+         single: bool = False, trace_dir: str | None = None) -> DistContext:
     """Open the default process group from the launcher's environment (idempotent).
 
     On one process (no ``WORLD_SIZE`` > 1) nothing is opened and the context has no mesh.
@@ -93,6 +129,9 @@ def init(*, timeout_s: float | None = None, backend: str | None = None, device: 
     long a collective may wait for its peers before the job fails (instead of hanging):
     ``$PGS_PG_TIMEOUT_S`` or 1800 s unless given.  ``single``: open a group and a mesh even
     for one process (under torchrun with one worker: the same FSDP2 path as with several).
+    ``trace_dir``: the run folder; before the group opens, the flight recorder's settings that
+    the environment lacks are set (:func:`flight_recorder_env`), so that a timeout dumps every
+    rank's last collectives into ``<trace_dir>/nccl_trace/`` also under a plain torchrun.
     """
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -105,6 +144,8 @@ def init(*, timeout_s: float | None = None, backend: str | None = None, device: 
         return DistContext(0, 1, 0, dev, None, None)
     backend = backend or ("nccl" if use_cuda else "gloo")
     if not dist.is_initialized():
+        if trace_dir is not None:
+            os.environ.update(flight_recorder_env(trace_dir, create=True))
         kwargs: dict[str, Any] = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout_seconds(timeout_s)))
         if use_cuda:
             kwargs["device_id"] = dev  # binds NCCL to this device at once (no lazy init)
@@ -155,16 +196,30 @@ def global_count(n: int) -> int:
     The denominator of the loss: every rank divides its summed token loss by this same
     global count, so that the summed gradients are the gradient of the global token mean.
     """
+    return global_counts(n)[0]
+
+
+def global_counts(*ns: int) -> tuple[int, ...]:
+    """Several integers summed over the ranks in one all-reduce (``global_count`` of each)."""
     if not is_distributed():
-        return int(n)
-    t = torch.tensor([int(n)], dtype=torch.int64, device=collective_device())
+        return tuple(int(n) for n in ns)
+    t = torch.tensor([int(n) for n in ns], dtype=torch.int64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return int(t.item())
+    return tuple(int(v) for v in t.tolist())
 
 
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+def broadcast_object(obj):
+    """``obj`` of rank 0 (picklable) on every rank; ``obj`` itself on one process."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 # ----------------------------------------------------------------------------------------

@@ -16,12 +16,22 @@ Exit code: torchrun reports 1 for any failed worker.  The launcher returns, in o
 128+signum when it passed a signal on; torchrun's own code otherwise.  torchrun's stderr is
 relayed line by line, without the ``SignalException`` traceback its agent prints after a
 signal that this launcher passed on (:func:`relay_stderr`).
+
+Several hosts: ``pgs run --nproc N --nnodes M --node-rank R --rdzv-endpoint HOST:PORT ...``
+runs one launcher per host; the rendezvous options (:class:`Rendezvous`) are handed to torchrun
+unchanged and replace ``--standalone`` (docs/distributed.md has a SLURM ``srun`` example).
+
+Evidence of a hang: the launcher turns on NCCL's flight recorder for its workers
+(``pgs.runtime.dist.fsdp.flight_recorder_env``): a ring buffer of the last collectives per rank, dumped on a
+process-group timeout into ``<run dir>/nccl_trace/rank_<r>`` (``torch.distributed``'s
+``fr_trace`` tool reads those files).  Values the user set in the environment win.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +39,10 @@ import threading
 import time
 from typing import Sequence
 
+import attrs
+
+from pgs.errors import InvalidArgument, SpecError
+from pgs.runtime.dist.fsdp import flight_recorder_env
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
 from pgs.runtime.store import checkpoint
@@ -38,18 +52,73 @@ DEFAULT_GRACE_S = 900
 HALT_FILE = "HALT.json"
 
 
+def _nodes(value) -> str:
+    text = str(value)
+    if not re.fullmatch(r"\d+(:\d+)?", text) or any(int(part) < 1 for part in text.split(":")):
+        raise InvalidArgument(f"--nnodes: expected N or MIN:MAX (integers >= 1), got {text!r}")
+    return text
+
+
+def _port(value):
+    if value is None:
+        return None
+    if not (isinstance(value, int) and 0 < value < 65536):
+        raise InvalidArgument(f"--master-port: expected a port number in [1, 65535], got {value!r}")
+    return value
+
+
+def _node_rank(value):
+    if value is not None and not (isinstance(value, int) and value >= 0):
+        raise InvalidArgument(f"--node-rank: expected an integer >= 0, got {value!r}")
+    return value
+
+
+@attrs.frozen
+class Rendezvous:
+    """torchrun's options for a run over several hosts, handed through unchanged (each is
+    torchrun's flag of the same name).  ``nnodes``: ``"M"`` or elastic ``"MIN:MAX"``.  The
+    default (one node, nothing else set) is ``--standalone``: a private rendezvous on this host."""
+
+    nnodes: str = attrs.field(default="1", converter=_nodes)
+    node_rank: int | None = attrs.field(default=None, validator=lambda i, a, v: _node_rank(v))
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_backend: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = attrs.field(default=None, validator=lambda i, a, v: _port(v))
+
+    @property
+    def standalone(self) -> bool:
+        return self == Rendezvous()
+
+    @property
+    def fixed_nodes(self) -> int | None:
+        """The number of hosts when it is fixed (``"M"``), None for an elastic range."""
+        return None if ":" in self.nnodes else int(self.nnodes)
+
+    def flags(self) -> list[str]:
+        """torchrun's flags: ``--standalone``, or the rendezvous options that were given."""
+        if self.standalone:
+            return ["--standalone"]
+        named = (("nnodes", self.nnodes), ("node-rank", self.node_rank), ("rdzv-endpoint", self.rdzv_endpoint),
+                 ("rdzv-id", self.rdzv_id), ("rdzv-backend", self.rdzv_backend),
+                 ("master-addr", self.master_addr), ("master-port", self.master_port))
+        return [f"--{name}={value}" for name, value in named if value is not None]
+
+
 def under_launcher() -> bool:
     """True inside a torchrun worker (do not relaunch)."""
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def torchrun_command(nproc: int, args: Sequence[str], *, grace_s: int | None = None,
-                     python: str | None = None) -> list[str]:
-    """The command that runs ``pgs <args>`` as ``nproc`` workers on this machine."""
+                     python: str | None = None, rendezvous: Rendezvous | None = None) -> list[str]:
+    """The command that runs ``pgs <args>`` as ``nproc`` workers on this machine (one of
+    several hosts when ``rendezvous`` says so)."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     grace = int(grace_s if grace_s is not None else os.environ.get(GRACE_ENV, DEFAULT_GRACE_S))
-    return [python or sys.executable, "-m", "torch.distributed.run", "--standalone",
+    return [python or sys.executable, "-m", "torch.distributed.run", *(rendezvous or Rendezvous()).flags(),
             f"--nproc-per-node={nproc}", f"--shutdown-timeout={grace}", "-m", "pgs", *args]
 
 
@@ -93,14 +162,18 @@ def relay_stderr(source, sink, signalled) -> None:
         sink.flush()
 
 
-def relaunch(nproc: int, args: Sequence[str], *, run_dir: str | None = None, grace_s: int | None = None) -> int:
+def relaunch(nproc: int, args: Sequence[str], *, run_dir: str | None = None, grace_s: int | None = None,
+             rendezvous: Rendezvous | None = None) -> int:
     """Run ``pgs <args>`` under torchrun with ``nproc`` workers; return the run's verdict.
 
     ``args``: the command line without ``--nproc`` (e.g. ``["run", "spec.toml", "--resume",
-    "auto"]``).  ``run_dir``: where the run writes ``HALT.json`` (the spec's checkpoint dir).
+    "auto"]``).  ``run_dir``: where the run writes ``HALT.json`` (the spec's checkpoint dir) and
+    where the workers' flight-recorder dumps go (:func:`flight_recorder_env`).
     """
     started = time.time()
-    child = subprocess.Popen(torchrun_command(nproc, args, grace_s=grace_s), stderr=subprocess.PIPE)
+    env = {**os.environ, **flight_recorder_env(run_dir, create=True)}
+    child = subprocess.Popen(torchrun_command(nproc, args, grace_s=grace_s, rendezvous=rendezvous),
+                             stderr=subprocess.PIPE, env=env)
     forwarded: list[int] = []
     relay = threading.Thread(target=relay_stderr, args=(child.stderr, sys.stderr, lambda: bool(forwarded)),
                              daemon=True)
@@ -130,7 +203,7 @@ def relaunch(nproc: int, args: Sequence[str], *, run_dir: str | None = None, gra
 
 
 def launch_run(spec, spec_path: str, *, nproc: int, overrides: Sequence[str] = (), resume: str | None = None,
-               overwrite: bool = False, profile: str | None = None) -> int:
+               overwrite: bool = False, profile: str | None = None, rendezvous: Rendezvous | None = None) -> int:
     """``pgs run --nproc N``: relaunch the same run under torchrun; return the run's verdict.
 
     The checks every worker would make run once here first (a worker's refusal would read as
@@ -139,11 +212,19 @@ def launch_run(spec, spec_path: str, *, nproc: int, overrides: Sequence[str] = (
     checkpoint and stop together); torchrun collapses every worker's exit code to 1, so a
     ``HALT.json`` written during this launch decides the code, else 128+signum after a
     forwarded signal, else torchrun's.
+
+    ``rendezvous``: torchrun's options for several hosts (one launcher per host).  The world
+    size checked is ``nproc`` times a fixed ``nnodes``; only the first host (``node_rank`` 0 or
+    unset) refuses or moves aside an existing run folder, so that a shared folder that host 0
+    already started in is not refused by the others.
     """
 
+    rendezvous = rendezvous or Rendezvous()
+    if spec.averaging is not None:
+        raise SpecError("averaging: weight averaging runs on one process for now; drop --nproc or [averaging]")
     preflight_spec(spec)
-    check_world_size(spec.train, nproc)
-    if resume is None:
+    check_world_size(spec.train, nproc * (rendezvous.fixed_nodes or 1))
+    if resume is None and not rendezvous.node_rank:
         if overwrite:
             aside = checkpoint.move_aside(spec.checkpoint.dir)
             if aside is not None:
@@ -157,4 +238,4 @@ def launch_run(spec, spec_path: str, *, nproc: int, overrides: Sequence[str] = (
         forwarded += ["--resume", resume]
     if profile:
         forwarded += ["--profile", profile]
-    return relaunch(nproc, forwarded, run_dir=spec.run_dir)
+    return relaunch(nproc, forwarded, run_dir=spec.run_dir, rendezvous=rendezvous)

@@ -19,10 +19,19 @@ from typing import Any, Sequence
 
 METRICS_FILE = "metrics.jsonl"
 
-#: Keys shown on the console, in this order, when present.
-CONSOLE_KEYS = ("loss", "lr", "grad_norm", "entropy", "reward_chosen", "reward_rejected", "reward_margin",
-                "preference_accuracy", "logp_chosen", "logp_rejected", "tokens_per_s", "mem_gib", "reserved_gib",
-                "eval_loss", "eval_accuracy", "eval_preference_accuracy")
+#: Keys of every step record shown on the console, before and after the objective's own.
+LEADING_KEYS = ("loss", "lr", "grad_norm")
+TRAILING_KEYS = ("tokens_per_s", "mem_gib", "reserved_gib")
+
+
+def console_keys(objective_keys: Sequence[str] = ()) -> tuple[str, ...]:
+    """The progress line's keys, in order: loss, lr, ‖g‖, the objective's
+    (``Objective.console_keys``), throughput and memory."""
+    return LEADING_KEYS + tuple(objective_keys) + TRAILING_KEYS
+
+
+#: The SFT objective's progress line (a log made without naming an objective's keys).
+CONSOLE_KEYS = console_keys(("entropy",))
 
 
 def _clean(value: Any) -> Any:
@@ -45,11 +54,13 @@ class MetricsLog:
         run_name: str | None = None,
         config: dict | None = None,
         stream=None,
+        console: Sequence[str] = CONSOLE_KEYS,
     ):
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.total_steps = total_steps
         self.print_every = max(1, int(print_every))
         self.stream = stream or sys.stderr
+        self.console = tuple(console)
         self._file = open(self.path, "a", encoding="utf-8")
         self._progress = None
         self._task = None
@@ -111,7 +122,7 @@ class MetricsLog:
     def step(self, record: dict) -> None:
         """Log a training step: the file always, the console as its mode says."""
         self.write(record)
-        info = "  ".join(_fmt(k, record[k]) for k in CONSOLE_KEYS if k in record)
+        info = "  ".join(_fmt(k, record[k]) for k in self.console if k in record)
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"], info=info)
         elif record["step"] % self.print_every == 0 or record["step"] == self.total_steps:

@@ -1,6 +1,6 @@
 """The preference objective of a run with ``[preference]`` (docs/preference.md).
 
-:class:`PreferenceObjective` is the training step's objective hook (``train._forward``): the
+:class:`PreferenceObjective` is the run's objective (``pgs.runtime.loop.objective``): the
 policy's summed log-probs of each pair's chosen and rejected completion
 (``pgs.func.losses.sequence_logps``, chunked over the vocabulary, the two arms packed as
 isolated documents of one row), the reference's (:class:`Reference`), and
@@ -12,11 +12,18 @@ initial policy, or ``preference.reference_path``) over every training and held-o
 before the first step, and keeps the numbers in the run folder
 (``pgs.runtime.store.reference``); a resumed run reads them back.  ``"live"`` keeps a frozen
 copy on the device that scores each batch.  ``simpo`` and ``orpo`` need no reference.
+
+Several processes (FSDP2): each rank reads its share of every global batch of pairs
+(``PreferenceStream(rank=, world_size=)``), the step divides by the global pair count, the
+reference cache is read or computed by rank 0 before the model is sharded and read back from
+the run folder by the other ranks, and every rank evaluates all held-out pairs.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import pickle
 import sys
 import time
 from typing import Any, Sequence
@@ -24,9 +31,11 @@ from typing import Any, Sequence
 import attrs
 import torch
 
+from pgs.errors import PgsError
 from pgs.func.losses import preference_loss, sequence_logps
-from pgs.runtime.data.preference import Pair, PreferenceBatch, eval_batches, read_pairs
+from pgs.runtime.data.preference import Pair, PreferenceBatch, PreferenceStream, eval_batches, read_pairs
 from pgs.runtime.dist import fsdp as D
+from pgs.runtime.loop.objective import neftune_generator, neftune_hook, rank_and_world, steps_for
 from pgs.runtime.model.build import build_model, output_head
 from pgs.runtime.store import reference as cache
 
@@ -69,6 +78,7 @@ class Reference:
     eval: torch.Tensor | None = None
     model: Any = None
     path: str | None = None
+    key: str | None = None  # the cache's fingerprint digest (cache.key): what a checkpoint records
     # the tables where the batches' pair ids live (the loader puts batches on the training
     # device): copied there once, so a step gathers on the device and reads nothing back
     _placed: dict = attrs.field(factory=dict)
@@ -96,12 +106,14 @@ def _reference_model(spec, policy, tokenizer, device: torch.device):
 
 
 def prepare_reference(spec, policy, tokenizer, device: torch.device, train_pairs: Sequence[Pair],
-                      eval_pairs: Sequence[Pair], *, main: bool = True) -> Reference:
-    """The run's reference, before its first step (``policy`` still holds its initial weights).
+                      eval_pairs: Sequence[Pair]) -> Reference:
+    """The run's reference, before its first step (``policy`` still holds its initial weights,
+    unsharded).
 
     ``cached``: the run folder's cache when its fingerprint matches (a stale one is refused),
-    else computed now and written there.  ``live``: a frozen copy (or the reference folder's
-    model) kept on the device."""
+    else computed now and written there; with several processes rank 0 does this and the other
+    ranks read the file it wrote (or raise the error it raised).  ``live``: a frozen copy (or
+    the reference folder's model) kept on the device of every rank."""
     pref = spec.preference
     if not pref.uses_reference:
         return Reference("none")
@@ -111,6 +123,44 @@ def prepare_reference(spec, policy, tokenizer, device: torch.device, train_pairs
         ref.requires_grad_(False)
         ref.eval()
         return Reference("live", model=ref)
+    if not D.is_distributed():
+        return _cached_reference(spec, policy, tokenizer, device, train_pairs, eval_pairs)
+    reference, failure = None, None
+    if D.rank() == 0:
+        try:
+            reference = _cached_reference(spec, policy, tokenizer, device, train_pairs, eval_pairs)
+        except Exception as err:  # every rank must hear of it, not wait in the broadcast below
+            failure = err
+    shared = D.broadcast_object(_portable(failure))
+    if failure is not None:
+        raise failure
+    if shared is not None:
+        raise shared
+    if reference is not None:
+        return reference
+    path = cache.cache_path(spec.run_dir)
+    expected = cache.fingerprint(spec, tokenizer)
+    found = cache.load(path, expected)
+    if found is None:
+        raise cache.StaleReference(f"{path}: rank 0 wrote the reference log-probs but this rank cannot read them "
+                                   "(checkpoint.dir must be one folder that every process sees)")
+    return Reference("cached", train=found["train"], eval=found["eval"], path=path, key=cache.key(expected))
+
+
+def _portable(err: BaseException | None) -> BaseException | None:
+    """``err`` as it can travel to the other ranks (pickled): itself, or a ``PgsError`` with its text."""
+    if err is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        return PgsError(f"rank 0 could not prepare the reference log-probs: {type(err).__name__}: {err}")
+
+
+def _cached_reference(spec, policy, tokenizer, device: torch.device, train_pairs: Sequence[Pair],
+                      eval_pairs: Sequence[Pair]) -> Reference:
+    """The run folder's cache, reused or computed and written (one process, or rank 0)."""
     path = cache.cache_path(spec.run_dir)
     expected = cache.fingerprint(spec, tokenizer)
     cache.remove_stale_temporaries(path)
@@ -122,9 +172,8 @@ def prepare_reference(spec, policy, tokenizer, device: torch.device, train_pairs
             raise cache.StaleReference(f"{path}: holds {', '.join(f'{found[k].shape[0]} {k}' for k in wrong)} "
                                        f"pairs, the data has {', '.join(f'{counts[k]}' for k in wrong)}; delete "
                                        "the file to recompute it")
-        if main:
-            print(f"pgs: reference log-probs: reused {path} ({len(train_pairs)} pairs)", file=sys.stderr, flush=True)
-        return Reference("cached", train=found["train"], eval=found["eval"], path=path)
+        print(f"pgs: reference log-probs: reused {path} ({len(train_pairs)} pairs)", file=sys.stderr, flush=True)
+        return Reference("cached", train=found["train"], eval=found["eval"], path=path, key=cache.key(expected))
     started = time.perf_counter()
     ref = _reference_model(spec, policy, tokenizer, device)
     chunk = spec.loss.chunk_size
@@ -132,21 +181,51 @@ def prepare_reference(spec, policy, tokenizer, device: torch.device, train_pairs
     held = score_pairs(ref, eval_pairs, tokenizer, spec.data, device, chunk)
     if ref is not policy:
         del ref
-    if main:
-        cache.save(path, {"train": train, "eval": held}, expected)
-        print(f"pgs: reference log-probs: computed {len(train_pairs)} + {len(eval_pairs)} pairs in "
-              f"{time.perf_counter() - started:.1f} s -> {path}", file=sys.stderr, flush=True)
-    return Reference("cached", train=train, eval=held, path=path)
+    cache.save(path, {"train": train, "eval": held}, expected)
+    print(f"pgs: reference log-probs: computed {len(train_pairs)} + {len(eval_pairs)} pairs in "
+          f"{time.perf_counter() - started:.1f} s -> {path}", file=sys.stderr, flush=True)
+    return Reference("cached", train=train, eval=held, path=path, key=cache.key(expected))
 
 
 class PreferenceObjective:
-    """The step's objective hook for ``[preference]`` runs (see the module docstring)."""
+    """The :class:`~pgs.runtime.loop.objective.Objective` of ``[preference]`` runs (see the
+    module docstring): the loss of a micro-batch is the sum of its pairs' losses, the step
+    divides by the step's number of pairs."""
 
-    def __init__(self, spec, reference: Reference, eval_pairs: Sequence[Pair]):
+    name = "preference"
+    section = "preference"
+    stat_keys = STAT_KEYS
+    console_keys = ("reward_chosen", "reward_rejected", "reward_margin", "preference_accuracy", "logp_chosen",
+                    "logp_rejected")
+    loader_ahead = 2  # pairs are tokenized up front: their batches are cheap, no pack window to keep ahead of
+
+    def __init__(self, spec, reference: Reference, eval_pairs: Sequence[Pair], *, stream=None,
+                 device: torch.device | None = None):
         self.spec = spec
         self.pref = spec.preference
         self.reference = reference
         self.eval_pairs = list(eval_pairs)
+        self.stream = stream
+        self._generators = neftune_generator(spec, device) if device is not None else {}
+
+    @classmethod
+    def create(cls, spec, *, model, tokenizer, device: torch.device, ctx=None) -> "PreferenceObjective":
+        """The pairs are read and tokenized once; the reference scores them with the initial weights."""
+        rank, world = rank_and_world(ctx)
+        stream = PreferenceStream(spec.data, tokenizer, rank=rank, world_size=world)
+        eval_pairs = read_eval_pairs(spec, tokenizer)
+        os.makedirs(spec.checkpoint.dir, exist_ok=True)
+        reference = prepare_reference(spec, model, tokenizer, device, stream.pairs, eval_pairs)
+        return cls(spec, reference, eval_pairs, stream=stream, device=device)
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        return steps_for(self.stream.rows_per_epoch(), batch_size)
+
+    def prepare(self, run, batches: list) -> tuple[list, dict]:
+        return batches, {}
+
+    def count(self, batches: Sequence[PreferenceBatch]) -> int:
+        return sum(b.num_pairs for b in batches)
 
     def loss(self, chosen, rejected, lengths, ref):
         p = self.pref
@@ -155,11 +234,12 @@ class PreferenceObjective:
                                label_smoothing=p.label_smoothing, gamma=p.gamma, lam=p.lam, nll_weight=p.nll_weight,
                                chosen_lengths=lengths[:, 0], rejected_lengths=lengths[:, 1])
 
-    def forward(self, model, batch: PreferenceBatch, device: torch.device, *, poison: bool = False,
-                embed_noise=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, run, batch: PreferenceBatch, poison: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Σ pair losses with its graph, detached sums [len(STAT_KEYS)])`` of one micro-batch."""
         chunk = self.spec.loss.chunk_size
-        logps, lengths = pair_logps(model, batch, device, chunk, embed_noise=embed_noise)
+        device = run.device
+        noise = neftune_hook(self.spec, self._generators, batch, device)
+        logps, lengths = pair_logps(run.model, batch, device, chunk, embed_noise=noise)
         ref = self.reference.logps(batch, device, chunk)
         out = self.loss(logps[:, 0], logps[:, 1], lengths, ref)
         loss_sum = out.loss.sum()
@@ -167,13 +247,27 @@ class PreferenceObjective:
             loss_sum = loss_sum * float("nan")
         return loss_sum, self.sums(out, logps.detach())
 
+    def defers_head_grad(self, run, weight) -> bool:
+        return False  # sequence log-probs give the head's gradient through autograd
+
     @staticmethod
     def sums(out, logps: torch.Tensor) -> torch.Tensor:
         c, r = out.chosen_rewards.detach(), out.rejected_rewards.detach()
         return torch.stack([c.sum(), r.sum(), out.accuracy.sum(), logps[:, 0].sum(), logps[:, 1].sum()]).float()
 
+    def step_metrics(self, stats: list[float], count: int, valid_tokens: int, extra: dict) -> dict:
+        return {**step_values(stats, count), **extra}
+
+    def after_step(self, run, record: dict) -> None:
+        pass
+
+    def evaluate(self, run) -> dict:
+        """With several processes every rank scores every held-out pair (the same batches, so the
+        sharded model's gathers match) and gets the same numbers; rank 0 logs them."""
+        return self.evaluate_pairs(run.model, run.tokenizer, run.device)
+
     @torch.no_grad()
-    def evaluate(self, model, tokenizer, device: torch.device) -> dict:
+    def evaluate_pairs(self, model, tokenizer, device: torch.device) -> dict:
         """Held-out pairs: loss, preference accuracy (rewards of the chosen arm above the
         rejected one's; ties count half), reward margin and mean log-probs of both arms."""
         if not self.eval_pairs:
@@ -199,6 +293,28 @@ class PreferenceObjective:
                 "eval_logp_chosen": means["logp_chosen"], "eval_logp_rejected": means["logp_rejected"],
                 "eval_pairs": n}
 
+    def state_dict(self) -> dict:
+        """The reference the run trains against: its mode and the cache's key (None unless cached)."""
+        return {"reference": self.reference.mode, "key": self.reference.key}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Refuse to continue a checkpoint against another reference than the one it trained with."""
+        if not state:
+            return
+        saved = (state.get("reference"), state.get("key"))
+        if saved != (self.reference.mode, self.reference.key):
+            raise cache.StaleReference(
+                f"the checkpoint trained against the {saved[0]} reference{_key_text(saved[1])}, this run has the "
+                f"{self.reference.mode} reference{_key_text(self.reference.key)} (preference.reference, the model "
+                "or the data changed); continue with the same settings, or start a new run (--overwrite)")
+
+    def generators(self) -> dict[str, torch.Generator]:
+        return self._generators
+
+
+def _key_text(key: str | None) -> str:
+    return f" (cache key {key})" if key else ""
+
 
 def read_eval_pairs(spec, tokenizer) -> list[Pair]:
     """The held-out pairs of ``data.eval`` (none without one)."""
@@ -207,10 +323,10 @@ def read_eval_pairs(spec, tokenizer) -> list[Pair]:
     return read_pairs([spec.data.eval], tokenizer, spec.data)
 
 
-def step_values(sums: torch.Tensor, pairs: int) -> dict:
+def step_values(sums: Sequence[float], pairs: int) -> dict:
     """The metrics of a step from its summed stats (plain numbers)."""
     n = max(pairs, 1)
-    means = {k: float(v) / n for k, v in zip(STAT_KEYS, sums.tolist())}
+    means = {k: float(v) / n for k, v in zip(STAT_KEYS, sums)}
     means["reward_margin"] = means["reward_chosen"] - means["reward_rejected"]
     means["pairs"] = pairs
     return means

@@ -4,13 +4,15 @@ Read top to bottom: :func:`run` sets a run up (:func:`setup`), optionally restor
 checkpoint, then repeats :func:`train_step` until ``train.steps``.  Everything with state of
 its own lives in a component module: the model (``model``), the optimizer
 (``bind``), the data (``data``), checkpoints (``checkpoint``), stops, skips and halts
-(``control``), metrics (``metrics``), evaluation (``evaluate``) and the HF export
-(``export``).
+(``control``), metrics (``metrics``) and the HF export (``export``).  What is trained is the
+run's *objective* (``objective.py``: SFT's token loss, ``[preference]``'s pair loss, ...): its
+data stream, micro-batch loss, loss denominator, metrics, eval and checkpoint state; this
+module names no objective.
 
-Gradient accumulation divides every micro-batch's summed loss by the number of valid tokens
-of the *whole* optimizer step (known from the labels before any forward), so the step's
-gradient is the gradient of one token-mean over all its micro-batches, and a micro-batch
-whose labels are all masked adds 0, not 0/0.
+Gradient accumulation divides every micro-batch's summed loss by the objective's count for
+the *whole* optimizer step (valid tokens for SFT, pairs for preference; known before any
+forward), so the step's gradient is the gradient of one mean over all its micro-batches, and
+a micro-batch with nothing to train adds 0, not 0/0.
 
 Memory (``[memory]``, docs/memory.md): Liger kernels, activation checkpointing and
 per-layer ``torch.compile`` are applied to the model in :func:`setup`; with
@@ -42,32 +44,25 @@ import attrs
 import numpy as np
 import torch
 
-from pgs.errors import DiskFull, EXIT_OK, EXIT_WALL_BUDGET, HaltError, PreflightRefused, SpecError
-from pgs.func.losses import neftune, token_loss
-from pgs.runtime.data import EvalStream, TrainStream, require_packing_isolation
-from pgs.runtime.data.inspect import dataset_stats
+from pgs.errors import DiskFull, EXIT_OK, EXIT_TRIPWIRE, EXIT_WALL_BUDGET, HaltError, PreflightRefused, SpecError
+from pgs.runtime.data import require_packing_isolation
 from pgs.runtime.data.loader import StepLoader
-from pgs.runtime.data.preference import PreferenceStream
 from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop import control
-from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
+from pgs.runtime.loop.averaging import CHECKPOINT_FILE as AVERAGING_FILE, EXPORT_DIR as EMA_EXPORT, WeightAverager
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
-from pgs.runtime.loop.metrics import MetricsLog
-from pgs.runtime.loop.preference import STAT_KEYS, PreferenceObjective, prepare_reference, read_eval_pairs, step_values
+from pgs.runtime.loop.health import HealthMonitor
+from pgs.runtime.loop.metrics import MetricsLog, console_keys
+from pgs.runtime.loop.objective import Objective, build_objective
 from pgs.runtime.loop.trace import Profiler
 from pgs.runtime.model import layers
-from pgs.runtime.model.build import build_model, freeze, output_head, parameter_bytes
+from pgs.runtime.model.build import build_model, freeze, parameter_bytes
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
 from pgs.runtime.store import checkpoint as ckpt, dcp
 from pgs.runtime.store.export import export_hf
-
-#: Eval records answered by greedy generation when the eval data has a known checker (the
-#: quickstart ships 200, all of them scored).
-ACCURACY_SAMPLES = 200
-
 
 @attrs.define
 class Run:
@@ -79,10 +74,9 @@ class Run:
     model: Any
     tokenizer: Any
     bound: Optimizer  # pgs.runtime.optim: the binder make_optimizer chose
-    objective: Any
+    objective: Objective  # pgs.runtime.loop.objective: what the run trains (SFT, preference, ...)
     total_steps: int
     micro_batch: int
-    noise: torch.Generator | None
     skips: control.SkipCounter
     chain_has_norm: bool = False
     ctx: Any = None  # distributed.DistContext when several processes train together
@@ -90,21 +84,22 @@ class Run:
     trained_tokens: int = 0
     best: float | None = None
     best_step: int | None = None
-    entropy_low: bool = False
     log: MetricsLog | None = None
     loader: Any = None  # data.StepLoader: the steps' batches, prepared ahead by a worker (its position is the run's)
     step_clock: float | None = None  # perf_counter at the end of the last step (None: restart the clock)
     faults: Faults = NO_FAULTS  # what a test injects (faults.py)
-    preference: PreferenceObjective | None = None  # the objective hook of a [preference] run (SFT: None)
+    health: HealthMonitor | None = None  # spikes, update ratios, the entropy tripwire (health.py)
+    averaging: WeightAverager | None = None  # [averaging]: weight EMA on the CPU, merge-back (averaging.py)
 
     def counters(self) -> dict:
         return {
             "trained_tokens": self.trained_tokens,
             "best": self.best,
             "best_step": self.best_step,
-            "entropy_low": self.entropy_low,
             "skips": self.skips.state_dict(),
             "data": self.loader.state_dict(),
+            "objective": self.objective.state_dict(),
+            "health": self.health.state_dict() if self.health is not None else None,
         }
 
 
@@ -157,16 +152,13 @@ def configure_allocator(device: torch.device) -> None:
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
-def _steps_per_epoch(spec, tokenizer) -> int:
-    sequences = dataset_stats(spec.data, tokenizer).sequences
-    return max(1, math.ceil(sequences / spec.train.batch_size))
-
-
 def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) -> Run:
     """Model, tokenizer, bound optimizer and data stream of a fresh run (nothing restored).
 
     ``ctx``: the distributed context (``distributed.init()``) when several processes train
-    together; the model is then sharded (FSDP2) and the chain bound to the shards.
+    together; the model is then sharded (FSDP2) and the chain bound to the shards.  The
+    objective (``objective.build_objective``: its data stream, a reference or teacher) is made
+    from the model's initial weights, before ``[memory]`` and sharding change the model.
     """
 
     tokenizer = preflight_spec(spec).tokenizer  # pgs validate's checks of the model, lengths and run folder
@@ -175,8 +167,8 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     mem = spec.memory
     if sharded:
         check_world_size(spec.train, world)
-        if spec.preference is not None:
-            raise SpecError("preference: a [preference] run trains on one process for now (WORLD_SIZE = 1)")
+        if spec.averaging is not None:
+            raise SpecError("averaging: weight averaging runs on one process for now (WORLD_SIZE = 1)")
     seed_everything(spec.train.seed)
     device = ctx.device if sharded else _device(spec.train.device)
     configure_allocator(device)
@@ -195,23 +187,9 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         if not verdict.isolates and (not sharded or ctx.is_main):
             print(f"pgs: warning: {verdict.reason}; packed documents will see each other", file=sys.stderr)
     freeze(model, m.freeze if isinstance(m.freeze, str) else list(m.freeze))
-    preference = None
-    if spec.preference is not None:
-        # the pairs are read and tokenized once; the reference scores them with the initial weights
-        stream = PreferenceStream(spec.data, tokenizer)
-        eval_pairs = read_eval_pairs(spec, tokenizer)
-        os.makedirs(spec.checkpoint.dir, exist_ok=True)
-        reference = prepare_reference(spec, model, tokenizer, device, stream.pairs, eval_pairs)
-        preference = PreferenceObjective(spec, reference, eval_pairs)
-    else:
-        stream = TrainStream(spec.data, tokenizer, rank=ctx.rank if sharded else 0, world_size=world)
+    objective = build_objective(spec, model=model, tokenizer=tokenizer, device=device, ctx=ctx)
     apply_memory(model, mem)
-    if spec.train.steps is not None:
-        per_epoch = None
-    elif preference is not None:
-        per_epoch = max(1, math.ceil(stream.rows_per_epoch() / spec.train.batch_size))
-    else:
-        per_epoch = _steps_per_epoch(spec, tokenizer)
+    per_epoch = None if spec.train.steps is not None else objective.steps_per_epoch(spec.train.batch_size)
     total = spec.total_steps(per_epoch)
     chain = spec.build_chain(total)
     if sharded:
@@ -219,18 +197,15 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     bound = make_optimizer(chain, model, mem, sharded=sharded, grad_accum=spec.train.grad_accum,
                            compile=spec.optimizer.compile, jit=spec.optimizer.jit)
     micro_batch = spec.train.batch_size // (spec.train.grad_accum * world)
-    # pairs are tokenized up front: their batches are cheap, no pack window to keep ahead of
-    loader = StepLoader(stream, micro_batch, spec.train.grad_accum, device, ahead=2 if preference else None)
-    noise = None
-    if spec.loss.neftune_alpha > 0:
-        noise = torch.Generator(device=device).manual_seed(spec.train.seed)
+    loader = StepLoader(objective.stream, micro_batch, spec.train.grad_accum, device, ahead=objective.loader_ahead)
     return Run(
         spec=spec, run_dir=spec.checkpoint.dir, device=device, model=model, tokenizer=tokenizer, bound=bound,
-        objective=spec.build_objective(), total_steps=total,
-        micro_batch=micro_batch, noise=noise, loader=loader,
+        objective=objective, total_steps=total, micro_batch=micro_batch, loader=loader,
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
         chain_has_norm=bound.metrics().grad_norm is not None,
-        ctx=ctx if sharded else None, faults=faults, preference=preference,
+        ctx=ctx if sharded else None, faults=faults,
+        health=HealthMonitor.from_spec(spec, model, total),
+        averaging=WeightAverager.from_spec(spec, model, total),  # its base: the weights as built, before any restore
     )
 
 
@@ -241,19 +216,24 @@ def restore(run: Run, folder: str) -> None:
     """
 
     if run.ctx is not None or dcp.is_dcp(folder):
-        t = dcp.load(folder, model=run.model, optimizer=run.bound, noise_generator=run.noise)
+        t = dcp.load(folder, model=run.model, optimizer=run.bound, generators=run.objective.generators())
         step = int(t["step"])
     else:
         saved = ckpt.load(folder)
         ckpt.load_model_state(run.model, saved.model, saved.trainer.get("aliases", {}))
         run.bound.load_state_dict(saved.optimizer)
-        ckpt.restore_rng(saved.rng, run.noise)
+        ckpt.restore_rng(saved.rng, generators=run.objective.generators())
+        if run.averaging is not None:
+            run.averaging.load_state_dict(ckpt.load_extra(folder, AVERAGING_FILE), folder)
         t, step = saved.trainer, saved.step
     run.loader.load_state_dict(t["data"])
     run.skips.load_state_dict(t["skips"])
     run.step = step
     run.trained_tokens = int(t["trained_tokens"])
-    run.best, run.best_step, run.entropy_low = t["best"], t["best_step"], bool(t["entropy_low"])
+    run.best, run.best_step = t["best"], t["best_step"]
+    run.objective.load_state_dict(t.get("objective"))
+    if t.get("health") and run.health is not None:
+        run.health.load_state_dict(t["health"])
 
 
 def save(run: Run) -> str:
@@ -261,70 +241,35 @@ def save(run: Run) -> str:
     step = run.step
     if run.ctx is not None:
         folder = dcp.save(run.run_dir, step, model=run.model, optimizer=run.bound, trainer=run.counters(),
-                          spec_toml=run.spec.to_toml(), noise_generator=run.noise)
+                          spec_toml=run.spec.to_toml(),
+                          generators=run.objective.generators())
         if run.ctx.is_main:
             ckpt.purge(run.run_dir, run.spec.checkpoint.keep)
         D.barrier()
         return folder
     folder = ckpt.save(
         run.run_dir, step, model=run.model, optimizer_state=run.bound.state_dict(device="cpu"),
-        rng=ckpt.capture_rng(run.noise), trainer=run.counters(), spec_toml=run.spec.to_toml(),
+        rng=ckpt.capture_rng(generators=run.objective.generators()), trainer=run.counters(),
+        spec_toml=run.spec.to_toml(),
         crash_hook=lambda stage: stage == "optimizer" and run.faults.crash("checkpoint_write", step),
+        extra={AVERAGING_FILE: run.averaging.state_dict()} if run.averaging is not None and run.averaging.has_ema
+        else None,
     )
     ckpt.purge(run.run_dir, run.spec.checkpoint.keep)
     return folder
 
 
 def _forward(run: Run, batch, poison: bool):
-    """Forward of one micro-batch; returns (loss_sum tensor with its graph, entropy_sum tensor).
-
-    Nothing here reads a device value on the host: the entropy stays on the device until the
-    step's record is read (:class:`StepRecord`), and the valid-token count is the batch's own
-    (known on the host from the labels)."""
-    dev = run.device
-    ids, pos, labels = batch.input_ids.to(dev), batch.position_ids.to(dev), batch.labels.to(dev)
-    embed_noise = None
-    if run.noise is not None:
-        lengths = torch.tensor([int(c[-1]) for c in batch.cu_seqlens], device=dev)
-        embed_noise = lambda e: neftune(e, run.spec.loss.neftune_alpha, generator=run.noise,  # noqa: E731
-                                        training=True, lengths=lengths)
-    if run.preference is not None:  # the objective hook: Σ pair losses, and the step's preference sums
-        return run.preference.forward(run.model, batch, dev, poison=poison, embed_noise=embed_noise)
-    h = D.final_hidden(run.model, ids, pos, embed_noise=embed_noise)
-    weight, bias, softcap = output_head(run.model)
-    loss = run.spec.loss
-    defer = _defers_head_grad(run, weight)
-    result = token_loss(h, weight, labels, backend=loss.backend, objective=run.objective, bias=bias,
-                        softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size, defer_head_grad=defer)
-    if defer and result.head_grad is not None:  # joins the embedding's gradient in the tied weight's hook
-        run.bound.before_step(weight, result.head_grad)
-    loss_sum = result.loss_sum * float("nan") if poison else result.loss_sum
-    entropy = result.entropy_sum.detach() if result.entropy_sum is not None else torch.zeros((), device=h.device)
-    return loss_sum, entropy
+    """Forward of one micro-batch: the objective's (loss_sum tensor with its graph, detached sums)."""
+    return run.objective.forward(run, batch, poison)
 
 
-def _defers_head_grad(run: Run, weight) -> bool:
-    """Gradient release on one process, a tied head (the input embedding's weight), the chunked
-    loss and ``memory.defer_head_grad`` (``"auto"``: with checkpointing or slabs): the head's
-    gradient is added into the embedding's own gradient buffer right before that weight steps
-    (one V×D buffer, only at the end of backward)."""
-    if run.preference is not None:  # sequence log-probs give the head's gradient through autograd
-        return False
-    if not (run.bound.in_backward and run.bound.defers_contributions and run.spec.memory.head_grad_deferred()
-            and weight.requires_grad):
-        return False
-    if run.spec.loss.backend != "chunked":
-        return False
-    embed = run.model.get_input_embeddings()
-    return embed is not None and embed.weight is weight
-
-
-def _loss(run: Run, batch, n_valid_global: int, poison: bool):
-    """Forward + backward of one micro-batch; returns its detached (loss_sum, entropy_sum) tensors
-    (a preference run: the pair losses' sum and the preference sums; ``n_valid_global`` counts pairs)."""
-    loss_sum, entropy = _forward(run, batch, poison)
-    (loss_sum / max(n_valid_global, 1)).backward()
-    return loss_sum.detach(), entropy
+def _loss(run: Run, batch, count: int, poison: bool):
+    """Forward + backward of one micro-batch; returns its detached loss sum and the objective's
+    sums.  ``count``: the step's global loss denominator (``Objective.count`` summed)."""
+    loss_sum, stats = _forward(run, batch, poison)
+    (loss_sum / max(count, 1)).backward()
+    return loss_sum.detach(), stats
 
 
 class StepRecord:
@@ -375,14 +320,13 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     agreement on finiteness (``control.agree``) that decides whether backward runs at all;
     everything else that is logged is read a step later (:class:`StepRecord`)."""
     started = time.perf_counter()
-    batches = run.loader.next_step()
-    # the loss's denominator: valid tokens of the whole step, on every rank (before any forward);
-    # a preference run's loss is a mean over the step's pairs
-    n_valid = D.global_count(sum(b.num_trained_tokens for b in batches))
-    pairs = sum(b.num_pairs for b in batches) if run.preference is not None else None
-    n_mean = n_valid if pairs is None else pairs
+    objective = run.objective
+    batches, extra = objective.prepare(run, run.loader.next_step())
+    # the loss's denominator, on every rank before any forward: the objective's count (valid
+    # tokens, pairs) of the whole step; valid tokens are counted for every objective
+    n_valid, n_mean = D.global_counts(sum(b.num_trained_tokens for b in batches), objective.count(batches))
     poison = run.faults.poisons(run.step + 1)
-    loss_parts, entropy_parts = [], []
+    loss_parts, stat_parts = [], []
     pending = None
     for batch in batches:
         if run.bound.in_backward:  # the update runs inside backward: agree on the loss before it
@@ -391,7 +335,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
         else:
             l, e = _loss(run, batch, n_mean, poison)
         loss_parts.append(l)
-        entropy_parts.append(e)
+        stat_parts.append(e)
     loss_sum = float(sum(loss_parts))  # the control plane's read: every micro-batch's loss
     nonfinite = not math.isfinite(loss_sum) or n_valid == 0 or n_mean == 0
     flags = control.agree([signals.received, wall.spent(), nonfinite, 0])
@@ -416,18 +360,13 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     run.step += 1
     run.trained_tokens += 0 if flags[control.NONFINITE] else n_valid
     tokens = sum(b.num_tokens for b in batches)
-    if pairs is not None:  # the preference sums (rewards, wins, log-probs) in place of the entropy
-        entropy = torch.stack(entropy_parts).sum(0)
-    else:
-        entropy = torch.stack([e.reshape(()).float() for e in entropy_parts]).sum()
-    if run.ctx is not None:  # the logged loss and throughput are the whole step's
-        sums = D.all_reduce_sum(torch.tensor([loss_sum, float(entropy), float(tokens)], dtype=torch.float64))
-        loss_sum, entropy, tokens = float(sums[0]), float(sums[1]), int(sums[2])
+    stats = list(torch.stack(stat_parts).sum(0).unbind())  # the objective's sums, still on the device
+    if run.ctx is not None:  # the logged loss, sums and throughput are the whole step's
+        sums = D.all_reduce_sum(torch.tensor([loss_sum, *(float(v) for v in stats), float(tokens)],
+                                             dtype=torch.float64))
+        loss_sum, stats, tokens = float(sums[0]), [float(v) for v in sums[1:-1]], int(sums[-1])
     values = {"lr": opt.lr, "grad_norm": opt.grad_norm if opt.grad_norm is not None else grad_norm}
-    if pairs is None:
-        values["entropy"] = entropy
-    else:
-        values.update({f"pref{i}": v for i, v in enumerate(entropy.unbind())})
+    values.update({f"stat{i}": v for i, v in enumerate(stats)})
     values = {k: v for k, v in values.items() if v is not None}
     ended = time.perf_counter()
     # the step's period: from the end of the previous step's launches (or this step's start) to
@@ -439,10 +378,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     memory = _memory_gib(run.device)
 
     def finish(v: dict) -> dict:
-        if pairs is not None:
-            measured = step_values(torch.tensor([v[f"pref{i}"] for i in range(len(STAT_KEYS))]), pairs)
-        else:
-            measured = {"entropy": v["entropy"] / max(n_valid, 1)}
+        measured = objective.step_metrics([v[f"stat{i}"] for i in range(len(stats))], n_mean, n_valid, extra)
         return {
             "time": stamp,
             "step": step,
@@ -473,50 +409,8 @@ def _memory_gib(device: torch.device) -> dict:
 
 
 def evaluate(run: Run) -> dict:
-    """Eval loss (and task accuracy where a checker knows the data) at the current step."""
-    spec = run.spec
-    out: dict[str, Any] = {"step": run.step}
-    if run.ctx is not None:  # every rank, the same number of forwards; no task accuracy
-        out.update(_sharded_eval_loss(run))
-        return out
-    if run.preference is not None:
-        out.update(run.preference.evaluate(run.model, run.tokenizer, run.device))
-        return out
-    batches = EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch))
-    out.update(eval_loss(run.model, batches, backend="chunked", chunk_size=spec.loss.chunk_size))
-    samples = read_samples(spec.data.eval, ACCURACY_SAMPLES)
-    checker = task_checker(samples)
-    if checker is not None:
-        turns, matches = checker
-        out.update(task_accuracy(run.model, run.tokenizer, samples, turns=turns, matches=matches))
-    return out
-
-
-@torch.no_grad()
-def _sharded_eval_loss(run: Run) -> dict:
-    """Eval loss with several processes: each rank its share of every eval batch (all-padding
-    rows when it has none; a forward anyway, FSDP's all-gathers are collectives), sums
-    all-reduced.  The head is read after the forward, when the root is gathered."""
-    spec, ctx = run.spec, run.ctx
-    batches = EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch), rank=ctx.rank,
-                         world_size=ctx.world_size)
-    total = torch.zeros((), dtype=torch.float64)
-    count = 0
-    run.model.eval()
-    try:
-        for batch in batches:
-            dev = run.device
-            h = D.final_hidden(run.model, batch.input_ids.to(dev), batch.position_ids.to(dev))
-            weight, bias, softcap = output_head(run.model)
-            result = token_loss(h, weight, batch.labels.to(dev), backend="chunked", bias=bias, softcap=softcap,
-                                chunk_size=spec.loss.chunk_size)
-            total += result.loss_sum.double().cpu()
-            count += int(result.num_valid)
-    finally:
-        run.model.train()
-    sums = D.all_reduce_sum(torch.tensor([float(total), float(count)], dtype=torch.float64))
-    total, count = float(sums[0]), int(sums[1])
-    return {"eval_loss": total / max(count, 1), "eval_tokens": count}
+    """The objective's eval record at the current step (with several processes, every rank)."""
+    return {"step": run.step, **run.objective.evaluate(run)}
 
 
 def _export(run: Run, out_dir: str, info: dict) -> None:
@@ -534,6 +428,9 @@ def _improves(metric: str, value: float, best: float | None) -> bool:
 
 def eval_and_keep_best(run: Run) -> None:
     result = evaluate(run)
+    if run.averaging is not None and run.averaging.ready:  # the EMA weights, evaluated the same way
+        with run.averaging.ema_weights(run.model):
+            result.update({f"ema_{k}": v for k, v in evaluate(run).items() if k != "step"})
     run.log.write(result)
     run.log.say("eval  " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in result.items()))
@@ -541,19 +438,6 @@ def eval_and_keep_best(run: Run) -> None:
     if metric and metric in result and _improves(metric, result[metric], run.best):
         run.best, run.best_step = float(result[metric]), run.step
         _export(run, os.path.join(run.run_dir, "best"), {"step": run.step, metric: run.best})
-
-
-def watch_entropy(run: Run, record: dict) -> None:
-    """Warn once each time the mean next-token entropy falls under ``train.entropy_warn``."""
-    threshold = run.spec.train.entropy_warn
-    if record.get("skipped") or not threshold or "entropy" not in record:
-        return
-    low = record["entropy"] < threshold
-    if low and not run.entropy_low:
-        run.log.say(f"pgs: warning: mean next-token entropy {record['entropy']:.3f} fell under "
-                    f"train.entropy_warn = {threshold} at step {run.step} (collapse?)")
-        run.log.write({"step": run.step, "event": "entropy_low", "entropy": record["entropy"]})
-    run.entropy_low = low
 
 
 def run(spec, *, resume: str | None = None, spec_path: str | None = None,
@@ -564,7 +448,7 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
     fresh if none) or a checkpoint folder.  A fresh start (``resume`` None) refuses a run
     folder that already holds a run (``RunExists``, exit 2) unless ``overwrite``, which moves
     the old run aside to ``<dir>.old-<timestamp>``.  Exit codes: 0 done, 128+signum after a
-    signal, 82 wall budget (both after a checkpoint), 81 skip cap (``HALT.json``), 83
+    signal, 82 wall budget (both after a checkpoint), 81 skip cap and 80 tripwire (``HALT.json``), 83
     preflight, 84 disk full while writing a checkpoint.
     """
     if resume is None:  # before the process group: no rank has written anything yet
@@ -575,7 +459,7 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
             if aside is not None:
                 print(f"pgs: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)
     wall = control.WallClock(spec.train.max_wall_seconds or None)
-    ctx = D.init(device=spec.train.device) if D.launched() else None
+    ctx = D.init(device=spec.train.device, trace_dir=spec.checkpoint.dir) if D.launched() else None
     together = False  # every rank reached the same exit (then they leave the group together)
     try:
         code = _train(spec, resume, wall, ctx, profile, faults)
@@ -639,7 +523,7 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
         spec.to_toml(os.path.join(run_dir, "spec.resolved.toml"))
         trackers = [name for name in ("wandb", "trackio") if getattr(spec.log, name, False)]
         r.log = MetricsLog(run_dir, total_steps=r.total_steps, print_every=spec.train.log_every, trackers=trackers,
-                           config=spec.to_dict())
+                           config=spec.to_dict(), console=console_keys(r.objective.console_keys))
     else:
         r.log = _NullLog()
     if folder is not None:
@@ -647,6 +531,14 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
         r.log.write({"step": r.step, "event": "resume", "from": folder})
     else:  # pgs report reads the records after the last fresh start
         r.log.write({"step": r.step, "event": "start"})
+    offload = getattr(r.bound, "offload_stats", None)
+    if offload is not None:  # memory.offload_optimizer: what lives where, and the PCIe traffic it costs
+        o = offload()
+        r.log.say(f"pgs: optimizer state in host memory: {o['host_state_bytes'] / 2**30:.2f} GiB pinned, "
+                  f"{o['staging_bytes'] / 2**30:.2f} GiB of device staging, "
+                  f"{o['pcie_bytes_per_step'] / 2**30:.2f} GiB over PCIe per step")
+        r.log.write({"step": r.step, "event": "offload", **{k: o[k] for k in
+                     ("host_state_bytes", "staging_bytes", "pcie_bytes_per_step")}})
     evals = bool(spec.data.eval) and spec.train.eval_every > 0
     profiler = Profiler(run_dir, profile, r.device) if profile and main else None
     try:
@@ -659,14 +551,24 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
 
             def emit(step_record: StepRecord) -> dict:
                 record = step_record.read()
+                events = r.health.observe(record)  # the interval's health keys join the record
                 r.log.step(record)
-                watch_entropy(r, record)
+                r.objective.after_step(r, record)
+                for event in events:
+                    r.log.write(event)
+                if r.health.verdict is not None:
+                    raise control.halt(run_dir, r.health.verdict, step=record["step"], exit_code=EXIT_TRIPWIRE,
+                                       details={"tripwire": "train.entropy_halt"})
                 return record
 
             while r.step < r.total_steps:
                 if profiler is not None:
                     profiler.before(r.step + 1)
+                r.health.before_step(r.step + 1)
                 step_record, flags = train_step(r, signals, wall)
+                r.health.after_step(r.step)
+                if r.averaging is not None:  # merge-back and the EMA's copy, when due
+                    r.averaging.after_step(r.step)
                 if profiler is not None:
                     profiler.after(r.step)
                 if not frozen:  # see freeze_gc
@@ -713,6 +615,9 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                 emit(last)
             if spec.checkpoint.export:
                 _export(r, os.path.join(run_dir, "final"), {"step": r.step})
+                if r.averaging is not None and r.averaging.has_ema:
+                    with r.averaging.ema_weights(r.model):
+                        _export(r, os.path.join(run_dir, EMA_EXPORT), {"step": r.step, "ema": r.averaging.decay})
             r.log.write({"step": r.step, "event": "done", **_memory_gib(r.device)})
     finally:
         if profiler is not None:

@@ -7,9 +7,10 @@ from a run's ``[memory]`` settings and process layout.
 from pgs.runtime.optim.bound import BoundOptimizer, bind
 from pgs.runtime.optim.interface import Optimizer, StepMetrics
 from pgs.runtime.optim.make import make_optimizer
+from pgs.runtime.optim.offload import OffloadedRelease
 from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.optim.sharded_bind import ShardedBoundOptimizer, bind_sharded
 from pgs.runtime.optim.sharded_release import ShardedGradientRelease
 
-__all__ = ["BoundOptimizer", "GradientRelease", "Optimizer", "ShardedBoundOptimizer", "ShardedGradientRelease",
+__all__ = ["BoundOptimizer", "GradientRelease", "OffloadedRelease", "Optimizer", "ShardedBoundOptimizer", "ShardedGradientRelease",
            "StepMetrics", "bind", "bind_sharded", "make_optimizer"]

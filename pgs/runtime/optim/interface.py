@@ -17,6 +17,9 @@ binder                            when the chain runs          parameters
 (sharded_release.py)
 ================================  ==========================  ============================
 
+``OffloadedRelease`` (offload.py) is ``GradientRelease`` with each group's state in host memory,
+streamed through the device inside backward (``memory.offload_optimizer``).
+
 :func:`pgs.runtime.optim.make.make_optimizer` is the only place that chooses among them, from
 ``[memory]``, ``[optimizer]`` and the process layout; ``pgs.runtime.loop.train`` and ``pgs
 profile`` call it.

@@ -8,6 +8,7 @@ import pgs.func as pf
 from pgs.errors import SpecError
 from pgs.runtime.optim.bound import BoundOptimizer
 from pgs.runtime.optim.interface import Optimizer
+from pgs.runtime.optim.offload import OffloadedRelease
 from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.optim.sharded_bind import ShardedBoundOptimizer
 from pgs.runtime.optim.sharded_release import ShardedGradientRelease
@@ -25,9 +26,19 @@ def make_optimizer(chain: pf.Transform, model: torch.nn.Module, memory, *, shard
     false                  ``BoundOptimizer``       ``ShardedBoundOptimizer``
     true                   ``GradientRelease``      ``ShardedGradientRelease``
     =====================  ======================  ==========================
+
+    ``memory.offload_optimizer`` (gradient release on one process) takes ``OffloadedRelease``:
+    the release with each group's state in pinned host memory (pgs/runtime/optim/offload.py).
     """
     tied_slabs = int(getattr(memory, "tied_slabs", 0) or 0)
+    offload = bool(getattr(memory, "offload_optimizer", False))
+    if offload and not memory.gradient_release:
+        raise SpecError("memory.offload_optimizer: streams the state through the device as gradient release "
+                        "steps inside backward; set memory.gradient_release = true or offload_optimizer = false")
     if sharded:
+        if offload:
+            raise SpecError("memory.offload_optimizer: runs on one process (each process already holds only its "
+                            "shard of the state with several); set offload_optimizer = false or run one process")
         if tied_slabs:
             raise SpecError("memory.tied_slabs: the row-slab step of the tied weight runs on one process; "
                             "set tied_slabs = 0 with several processes")
@@ -38,7 +49,8 @@ def make_optimizer(chain: pf.Transform, model: torch.nn.Module, memory, *, shard
                                           grad_accum=grad_accum)
         return ShardedBoundOptimizer(chain, model, stochastic_rounding=memory.stochastic_rounding)
     if memory.gradient_release:
-        return GradientRelease(chain, model, stochastic_rounding=memory.stochastic_rounding,
+        binder = OffloadedRelease if offload else GradientRelease
+        return binder(chain, model, stochastic_rounding=memory.stochastic_rounding,
                                master_weights=None if memory.master_weights == "none" else memory.master_weights,
                                grad_accum=grad_accum, tied_slabs=tied_slabs or None,
                                groups=getattr(memory, "release_groups", "layer"))

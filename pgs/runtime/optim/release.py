@@ -327,7 +327,7 @@ class GradientRelease:
                 self.masters = {n: p.detach().float().clone() for n, p in params.items()
                                 if p.dtype in (torch.bfloat16, torch.float16)}
         self._trees: dict[str, tuple] = {}  # group -> (params tree, live params, targets): _group_tensors
-        self.states = {g: chain.init(self._group_tensors(g)[0]) for g in self.groups}
+        self.states = self._init_states()
         # the fused path: the plan registry's step for this chain inside backward, if any
         plan = plan_for(chain, RELEASE) if fused else None
         self._fused_step = None if plan is None else plan.step
@@ -355,6 +355,10 @@ class GradientRelease:
             self.tied_slabs, self._slab_name, self._row_grads = tied_slabs, self._slabs.name, self._slabs.row_grads
         self._handles = [p.register_post_accumulate_grad_hook(self._arrivals.hook_for(self._group_of[n]))
                          for n, p in params.items()]
+
+    def _init_states(self) -> dict:
+        """Every group's chain state, ``chain.init`` of its parameters (or their masters)."""
+        return {g: self.chain.init(self._group_tensors(g)[0]) for g in self.groups}
 
     # -- the hooks --------------------------------------------------------------------------
     def _begin(self) -> None:

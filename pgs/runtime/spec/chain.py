@@ -143,6 +143,9 @@ def make_transform(name: str, args: dict, *, where: str, schedule=None, alias: b
     reported as ``{where}.{arg}`` (or ``{where}.args.{arg}`` for an alias).
     """
 
+    if name == "ema" and not alias:
+        raise SpecError(f"{where}.name: \"ema\" in a chain would average the updates, not the weights; an EMA of "
+                        "the weights is [averaging] ema = 0.999 (docs/techniques/ema.md)")
     factory = _lookup(name, f"{where}.name" if not alias else "optimizer.alias", alias)
     params = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -262,7 +265,11 @@ def check_loss(loss) -> None:
     if loss.backend not in BACKENDS:
         raise SpecError(f"loss.backend: {loss.backend!r} is not one of {', '.join(BACKENDS)}"
                         f"{suggest(loss.backend, BACKENDS)}")
-    build_objective(loss)
+    objective = build_objective(loss)
+    if getattr(objective, "q_source", "live") == "reference":
+        raise SpecError("loss.args.q_source: \"reference\" needs log-probs of a frozen reference model per token, "
+                        "which pgs run does not compute; use q_source = \"live\" (the default: q from the model "
+                        "being trained)")
     if loss.backend in ("liger", "cce"):
         if loss.objective != "ce":
             raise SpecError(f"loss.backend: {loss.backend} computes cross-entropy only; "
@@ -281,6 +288,10 @@ def check_memory(spec: Spec, chain) -> None:
     if mem.tied_slabs and not mem.gradient_release:
         raise SpecError(f"memory.tied_slabs = {mem.tied_slabs}: the embedding's weight is stepped in row slabs by "
                         "gradient release at the end of backward; set memory.gradient_release = true or tied_slabs = 0")
+    if mem.offload_optimizer and not mem.gradient_release:
+        raise SpecError("memory.offload_optimizer: the state is streamed to the device group by group as "
+                        "gradient release steps inside backward; set memory.gradient_release = true or "
+                        "offload_optimizer = false")
     if not mem.gradient_release:
         if mem.master_weights != "none":
             raise SpecError(f"memory.master_weights: {mem.master_weights!r} is kept by gradient release only; "
@@ -322,8 +333,19 @@ def _stand_in_total(spec: Spec) -> int:
     return total
 
 
+def check_averaging(spec: Spec) -> None:
+    """``[averaging]`` against the rest: a merge-back writes the model's weights, which fp32
+    master weights (kept by gradient release) would overwrite at the next step."""
+    a = spec.averaging
+    if a is not None and a.merge != "none" and spec.memory.master_weights != "none":
+        raise SpecError(f"averaging.merge: {a.merge!r} writes the model's weights, but memory.master_weights = "
+                        f"{spec.memory.master_weights!r} keeps the weights the optimizer steps elsewhere (the merge "
+                        "would be undone at the next step); set averaging.merge = \"none\" or master_weights = \"none\"")
+
+
 def check_spec(spec: Spec) -> None:
     """Everything that can be checked without a model or data: loss, schedule, chain, memory."""
     check_loss(spec.loss)
+    check_averaging(spec)
     chain = build_chain(spec, total_steps=_stand_in_total(spec))
     check_memory(spec, chain)

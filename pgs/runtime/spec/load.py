@@ -23,6 +23,7 @@ import attrs
 import pgs.func as pf
 from pgs.errors import SpecError
 from pgs.runtime.data.config import DataConfig, DataSource
+from pgs.runtime.data.templates import resolve_chat_template
 from pgs.runtime.spec.chain import build_chain, build_objective, build_schedule, check_spec
 from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     ASSET_PREFIX,
@@ -50,6 +51,7 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     MemorySpec,
     PreferenceSpec,
     DistillSpec,
+    AveragingSpec,
     SECTIONS,
 )
 from pgs.runtime.spec.toml import dumps, parse_value, read_toml  # noqa: F401  (re-exported)
@@ -71,6 +73,7 @@ class Spec:
     memory: MemorySpec = attrs.field(factory=MemorySpec)
     preference: PreferenceSpec | None = None  # a preference run (``[preference]``), else SFT
     distill: DistillSpec | None = None  # a distillation run (``[distill]``)
+    averaging: AveragingSpec | None = None  # weight EMA / merge-back (``[averaging]``), else none
     source: str | None = attrs.field(default=None, eq=False)
 
     @property
@@ -260,10 +263,10 @@ def _require_table(value, where: str) -> dict:
     return value
 
 
-def _must_exist(path: str, where: str, kind: str = "file") -> None:
+def _must_exist(path: str, where: str, kind: str = "file", folder_ok: bool = False) -> None:
     if not os.path.exists(path):
         raise SpecError(f"{where}: no such {kind}: {path}")
-    if kind == "file" and os.path.isdir(path):
+    if kind == "file" and os.path.isdir(path) and not folder_ok:
         raise SpecError(f"{where}: {path} is a folder, expected a file")
     if kind == "folder" and not os.path.isdir(path):
         raise SpecError(f"{where}: {path} is a file, expected a folder")
@@ -328,14 +331,16 @@ def _data(table: dict, base: Path) -> DataConfig:
             msg = str(err)
             prefix = "data.sources" if msg.startswith("data.sources") else "data"
             raise SpecError(where + msg[len(prefix):]) from None
-        _must_exist(source.path, f"{where}.path")
+        _must_exist(source.path, f"{where}.path", folder_ok=True)  # a datasets folder
         resolved.append(source)
     t["sources"] = tuple(resolved)
     if isinstance(t.get("eval"), str) and t["eval"]:
         t["eval"] = resolve_path(t["eval"], base)
-        _must_exist(t["eval"], "data.eval")
+        _must_exist(t["eval"], "data.eval", folder_ok=True)
     elif t.get("eval") == "":
         t["eval"] = None
+    if t.get("chat_template") is not None:
+        t["chat_template"] = resolve_chat_template(t["chat_template"], base)
     return DataConfig(**t)
 
 
@@ -412,6 +417,8 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
             _must_exist(os.path.join(path, "config.json"), "distill.teacher_path")
             distill = attrs.evolve(distill, teacher_path=path)
         sections["distill"] = distill
+    if "averaging" in raw:
+        sections["averaging"] = _section("averaging", raw["averaging"])
     train = sections["train"]
     if train.steps is not None and train.epochs is not None:
         raise SpecError("train: set either steps or epochs, not both")

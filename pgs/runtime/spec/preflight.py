@@ -30,7 +30,8 @@ from pgs.runtime.data import DataStats, encode_document, read_conversations
 from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.isolation import require_packing_isolation
 from pgs.runtime.data.preference import pack_rows, read_pairs
-from pgs.runtime.data.records import iter_lines
+from pgs.runtime.data.readers import has_records
+from pgs.runtime.data.templates import apply_chat_template
 from pgs.runtime.model.attention import hf_implementation
 from pgs.runtime.model.loading import (TOKENIZER_FILES, config_from_folder, config_from_table, first_line,  # noqa: F401
                                       known_model_types, load_tokenizer, quiet_transformers)
@@ -231,7 +232,7 @@ def preflight_spec(spec, *, count_parameters: bool = False) -> Preflight:
     chain.  Cheap: no weights, no data.  ``count_parameters``: build the parameter shapes on the
     meta device even without ``freeze`` patterns (validate's summary counts them)."""
     m = spec.model
-    tokenizer = load_tokenizer(m.tokenizer or m.path, m.trust_remote_code)
+    tokenizer = apply_chat_template(load_tokenizer(m.tokenizer or m.path, m.trust_remote_code), spec.data.chat_template)
     config = model_config(m, len(tokenizer))
     vocab = getattr(_text_config(config), "vocab_size", None)
     if isinstance(vocab, int) and vocab < len(tokenizer):
@@ -392,7 +393,7 @@ def check_resources(spec, records: int = 200) -> dict:
     if spec.preference is not None:
         return _preference_facts(spec, tokenizer, records, facts)
     for i, source in enumerate(spec.data.sources):
-        if next(iter_lines(source.path), None) is None:
+        if not has_records(source.path):
             raise DataError(f"{source.path}: no records (data.sources[{i}] is empty)")
     stats = dataset_stats(spec.data, tokenizer, max_records=records or None)
     if stats.samples == 0:

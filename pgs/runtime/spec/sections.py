@@ -33,6 +33,7 @@ CHECKPOINT_POLICIES = ("none", "full", "selective", "sublayer")
 MASTER_WEIGHTS = ("none", "fp32")
 RELEASE_GROUPS = ("layer", "parameter")
 REFERENCE_MODES = ("cached", "live")
+MERGE_METHODS = ("none", "linear", "slerp")  # pgs.func.merge.METHODS, and "none"
 
 
 # --------------------------------------------------------------------------- field checks
@@ -200,6 +201,9 @@ class LossSpec:
     """``[loss]``: the token objective and the output-head backend (``pgs.func.losses``).
 
     ``args`` go to the objective's class (``deft``: ``alpha``; ``infosft``: ``p_bar``, ...).
+    ``neftune_alpha`` / ``symnoise_alpha`` (at most one > 0): noise on the input embeddings
+    while training, NEFTune's uniform (arXiv 2310.05914) or SymNoise's symmetric Rademacher
+    (arXiv 2312.01523) with the same scale α/√(L·d) (``pgs.func.losses.noise``).
     """
 
     section: ClassVar[str] = "loss"
@@ -209,7 +213,24 @@ class LossSpec:
     chunk_size: int = attrs.field(default=1024, validator=_int_at_least(1))
     z_loss: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
     neftune_alpha: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
+    symnoise_alpha: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
     args: dict = attrs.field(factory=dict, validator=_table)
+
+    def __attrs_post_init__(self) -> None:
+        if self.neftune_alpha > 0 and self.symnoise_alpha > 0:
+            raise SpecError(f"loss.symnoise_alpha: {self.symnoise_alpha:g} and loss.neftune_alpha = "
+                            f"{self.neftune_alpha:g} are two kinds of embedding noise; set one of them (the other 0)")
+
+    def embedding_noise(self):
+        """``(noise function, α)`` of the input-embedding noise (``neftune`` or ``symnoise``,
+        same signature), or None when both alphas are 0."""
+        from pgs.func.losses import neftune, symnoise
+
+        if self.symnoise_alpha > 0:
+            return symnoise, self.symnoise_alpha
+        if self.neftune_alpha > 0:
+            return neftune, self.neftune_alpha
+        return None
 
 
 @attrs.frozen
@@ -218,7 +239,9 @@ class TrainSpec:
 
     Exactly one of ``steps`` (optimizer steps) and ``epochs`` (passes over the mix) is set.
     ``batch_size`` is global (packed sequences per optimizer step), split into ``grad_accum``
-    micro-batches.
+    micro-batches.  ``entropy_warn`` warns, ``entropy_halt`` (0: off) halts with exit 80 when an
+    interval's mean next-token entropy is below it; ``health_every`` (0: ``log_every``) is that
+    interval, the health summary's (``pgs.runtime.loop.health``).
     """
 
     section: ClassVar[str] = "train"
@@ -234,6 +257,8 @@ class TrainSpec:
     max_consecutive_skips: int = attrs.field(default=3, validator=_int_at_least(0))
     max_skip_fraction: float = attrs.field(default=0.05, converter=_to_float, validator=_number_in(0.0, 1.0))
     entropy_warn: float = attrs.field(default=0.18, converter=_to_float, validator=_number_in(0.0))
+    entropy_halt: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
+    health_every: int = attrs.field(default=0, validator=_int_at_least(0))
     device: str = attrs.field(default="auto", validator=_one_of(DEVICES))
 
 
@@ -290,7 +315,9 @@ class MemorySpec:
     parameters, or each parameter as soon as its gradient exists (a layer's gradients then never
     all exist at once).  ``mlp_tiles`` (0: off) computes each decoder layer's gated MLP in that
     many token slices, forward and backward (``pgs.runtime.model.tiled_mlp``): the MLP's
-    [tokens, intermediate] tensors never exist whole.
+    [tokens, intermediate] tensors never exist whole.  ``offload_optimizer`` keeps each release
+    group's chain state in pinned host memory and streams it through two device staging
+    buffers inside backward (``pgs.runtime.optim.offload``; gradient release, one process).
     """
 
     section: ClassVar[str] = "memory"
@@ -308,6 +335,7 @@ class MemorySpec:
     tied_slabs: int = attrs.field(default=0, validator=_int_at_least(0))
     release_groups: str = attrs.field(default="layer", validator=_one_of(RELEASE_GROUPS))
     mlp_tiles: int = attrs.field(default=0, validator=_int_at_least(0))
+    offload_optimizer: bool = attrs.field(default=False, validator=_bool)
 
     def head_grad_deferred(self) -> bool:
         """``defer_head_grad`` resolved: ``"auto"`` defers where memory is what the spec trades
@@ -463,6 +491,29 @@ class DistillSpec:
         return {**GENERATION_DEFAULTS, **self.generation}
 
 
+@attrs.frozen
+class AveragingSpec:
+    """``[averaging]``: weight averaging in the loop (``pgs.runtime.loop.averaging``,
+    docs/techniques/ema.md and merge.md).
+
+    ``ema`` (δ in [0, 1), 0: off): an EMA of the weights held on the CPU, updated every
+    ``ema_every`` steps (δ per update), evaluated beside the model, exported as
+    ``<run dir>/final-ema`` and kept in checkpoints.  ``merge`` (``"none"``, ``"linear"``: SFA,
+    arXiv 2501.05559; ``"slerp"``): every ⌈``merge_period``·T⌉ steps and at the last one, pull the
+    weights toward the run's starting weights with weight ``merge_weight`` (β).
+    """
+
+    section: ClassVar[str] = "averaging"
+
+    ema: float = attrs.field(default=0.0, converter=_to_float,
+                             validator=_expect("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1))
+    ema_every: int = attrs.field(default=1, validator=_int_at_least(1))
+    merge: str = attrs.field(default="none", validator=_one_of(MERGE_METHODS))
+    merge_weight: float = attrs.field(default=0.25, converter=_to_float, validator=_number_in(0.0, 1.0))
+    merge_period: float = attrs.field(default=1.0, converter=_to_float,
+                                      validator=_expect("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1))
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSpec,
     "data": DataConfig,
@@ -475,4 +526,5 @@ SECTIONS: dict[str, type] = {
     "memory": MemorySpec,
     "preference": PreferenceSpec,
     "distill": DistillSpec,
+    "averaging": AveragingSpec,
 }

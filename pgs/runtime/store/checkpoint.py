@@ -6,6 +6,7 @@ A checkpoint is ``<run_dir>/step_<N>/``::
     optimizer.safetensors  the bound chain's state (``BoundOptimizer.state_dict()``)
     rng.safetensors        torch generator states as uint8 tensors (CPU, each CUDA device, noise)
     trainer.json           counters, data-stream position, skip counters, best-so-far
+    averaging.safetensors  with ``[averaging] ema``: the EMA of the weights (``save(extra=...)``)
     spec.resolved.toml     the spec the run was started with
     COMPLETE               manifest: size and sha256 of every file above; written last
 
@@ -27,7 +28,7 @@ import re
 import shutil
 import sys
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import attrs
 import torch
@@ -44,7 +45,7 @@ RNG_FILE = "rng.safetensors"
 TRAINER_FILE = "trainer.json"
 SPEC_FILE = "spec.resolved.toml"
 STEP_DIR = re.compile(r"^step_(\d+)$")
-TMP_DIR = re.compile(r"^\.(step_\d+|best|final)\.tmp-\d+$")
+TMP_DIR = re.compile(r"^\.(step_\d+|best|final|final-ema)\.tmp-\d+$")
 
 
 @attrs.frozen
@@ -97,18 +98,33 @@ def model_tensors(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return tensors, aliases
 
 
-def capture_rng(noise_generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """Every torch generator a step can draw from, as uint8 tensors."""
+def _named_generators(noise_generator: torch.Generator | None,
+                      generators: Mapping[str, torch.Generator] | None) -> dict[str, torch.Generator]:
+    named = dict(generators or {})
+    if noise_generator is not None:
+        named["noise"] = noise_generator
+    reserved = [k for k in named if k == "torch_cpu" or k.startswith("torch_cuda_")]
+    if reserved:
+        raise ValueError(f"generator name {reserved[0]!r} is reserved for the global RNG")
+    return named
+
+
+def capture_rng(noise_generator: torch.Generator | None = None, *,
+                generators: Mapping[str, torch.Generator] | None = None) -> dict[str, torch.Tensor]:
+    """Every torch generator a step can draw from, as uint8 tensors: the global CPU and CUDA
+    generators and the named ones (an objective's: NEFTune's ``"noise"``, a sampler's)."""
     out = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             out[f"torch_cuda_{i}"] = state
-    if noise_generator is not None:
-        out["noise"] = noise_generator.get_state()
+    for name, gen in _named_generators(noise_generator, generators).items():
+        out[name] = gen.get_state()
     return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
 
-def restore_rng(states: dict[str, torch.Tensor], noise_generator: torch.Generator | None = None) -> None:
+def restore_rng(states: dict[str, torch.Tensor], noise_generator: torch.Generator | None = None, *,
+                generators: Mapping[str, torch.Generator] | None = None) -> None:
+    """Set the generators :func:`capture_rng` saved (a named generator the states lack keeps its seed)."""
     torch.set_rng_state(states["torch_cpu"])
     cuda = sorted((k for k in states if k.startswith("torch_cuda_")), key=lambda k: int(k.rsplit("_", 1)[1]))
     if cuda and torch.cuda.is_available():
@@ -116,8 +132,9 @@ def restore_rng(states: dict[str, torch.Tensor], noise_generator: torch.Generato
             i = int(k.rsplit("_", 1)[1])
             if i < torch.cuda.device_count():
                 torch.cuda.set_rng_state(states[k], i)
-    if noise_generator is not None and "noise" in states:
-        noise_generator.set_state(states["noise"])
+    for name, gen in _named_generators(noise_generator, generators).items():
+        if name in states:
+            gen.set_state(states[name])
 
 
 def write_manifest(folder: str, step: int, files: list[str]) -> None:
@@ -226,8 +243,13 @@ def save(
     trainer: dict[str, Any],
     spec_toml: str,
     crash_hook: Callable[[str], None] | None = None,
+    extra: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> str:
     """Write ``<run_dir>/step_<step>`` durably; returns its path.
+
+    ``extra``: more safetensors files of the step (file name -> tensors), written before the
+    manifest and covered by it (the weight EMA: ``averaging.safetensors``); ``load_extra``
+    reads one back.
 
     ``crash_hook(stage)`` is called between files (tests kill the process there).  A full
     disk (``ENOSPC``, an exhausted quota) removes the temporary folder and raises
@@ -237,26 +259,32 @@ def save(
     tmp = os.path.join(run_dir, f".step_{step}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tensors, aliases = model_tensors(model)
+    extra = extra or {}
     need = tensor_bytes(tensors) + tensor_bytes(optimizer_state) + tensor_bytes(rng)
+    need += sum(tensor_bytes(t) for t in extra.values())
     with disk_full_guard(tmp, final, need):
         os.makedirs(tmp)
         _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, trainer, spec_toml,
-                    crash_hook or (lambda stage: None))
+                    crash_hook or (lambda stage: None), extra)
     return final
 
 
-def _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, trainer, spec_toml, hook) -> None:
+def _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, trainer, spec_toml, hook,
+                extra=None) -> None:
     save_file(tensors, os.path.join(tmp, MODEL_FILE), metadata={"format": "pt", "pgs": "model"})
     hook("model")
     save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in optimizer_state.items()},
               os.path.join(tmp, OPTIMIZER_FILE), metadata={"pgs": "optimizer"})
     hook("optimizer")
     save_file(rng, os.path.join(tmp, RNG_FILE), metadata={"pgs": "rng"})
+    for name, extra_tensors in (extra or {}).items():
+        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in extra_tensors.items()},
+                  os.path.join(tmp, name), metadata={"pgs": name})
     payload = {"format": FORMAT_VERSION, "step": step, "aliases": aliases, **trainer}
     _write_text(os.path.join(tmp, TRAINER_FILE), json.dumps(payload, indent=2, sort_keys=True) + "\n")
     _write_text(os.path.join(tmp, SPEC_FILE), spec_toml)
     hook("manifest")
-    write_manifest(tmp, step, [MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, TRAINER_FILE, SPEC_FILE])
+    write_manifest(tmp, step, [MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, *(extra or {}), TRAINER_FILE, SPEC_FILE])
     publish(tmp, final)
 
 
@@ -337,6 +365,12 @@ def load(folder: str) -> Checkpoint:
     )
 
 
+def load_extra(folder: str, name: str) -> dict[str, torch.Tensor] | None:
+    """The tensors of an ``extra`` file of a verified step folder, or None when it has none."""
+    path = os.path.join(folder, name)
+    return load_file(path) if os.path.isfile(path) else None
+
+
 @torch.no_grad()
 def load_model_state(model, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
     """Copy ``tensors`` into the model's own storage (parameters keep their identity)."""
@@ -401,7 +435,7 @@ def existing_run(run_dir: str) -> list[str]:
     if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
         found.append("metrics.jsonl")
     found += [os.path.basename(path) for _, path in step_folders(run_dir)]
-    found += [name for name in ("best", "final") if os.path.isdir(os.path.join(run_dir, name))]
+    found += [name for name in ("best", "final", "final-ema") if os.path.isdir(os.path.join(run_dir, name))]
     return found
 
 

@@ -36,11 +36,12 @@ import json
 import os
 import shutil
 import warnings
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
+from pgs.runtime.dist.fsdp import broadcast_object as _broadcast
 from pgs.runtime.store import checkpoint as ckpt
 from pgs.runtime.store.checkpoint import CheckpointError
 from pgs.runtime.store.export import export_hf as write_hf
@@ -62,15 +63,6 @@ def _world() -> int:
     return dist.get_world_size() if _dist() else 1
 
 
-def _broadcast(obj):
-    """``obj`` of rank 0 on every rank."""
-    if not _dist():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _barrier() -> None:
     if _dist():
         dist.barrier()
@@ -87,7 +79,7 @@ def _rng_key(rank: int) -> str:
 
 
 def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], spec_toml: str | None = None,
-         noise_generator: torch.Generator | None = None) -> str:
+         generators: Mapping[str, torch.Generator] | None = None) -> str:
     """Write ``<run_dir>/step_<step>`` as a DCP checkpoint on every rank; returns its path.
 
     Collective: every rank calls it with the same ``step``; it returns (on every rank) only
@@ -108,7 +100,7 @@ def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], 
     state = {
         "model": _model_state(model),
         "optim": opt_state,
-        "rng": {_rng_key(_rank()): ckpt.capture_rng(noise_generator)},
+        "rng": {_rng_key(_rank()): ckpt.capture_rng(generators=generators)},
     }
     need = ckpt.tensor_bytes(state["model"]) + ckpt.tensor_bytes(opt_state)  # global sizes (DTensors)
     try:
@@ -210,7 +202,7 @@ def latest(run_dir: str) -> str | None:
     return _broadcast(found)
 
 
-def load(folder: str, *, model, optimizer, noise_generator: torch.Generator | None = None) -> dict[str, Any]:
+def load(folder: str, *, model, optimizer, generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
     """Restore weights, chain state and (same world size) RNG from ``folder``; returns trainer.json.
 
     Collective.  Verifies the folder first (rank 0; all ranks raise together).  See the
@@ -232,7 +224,7 @@ def load(folder: str, *, model, optimizer, noise_generator: torch.Generator | No
             f"resume with --nproc {meta['world_size']}")
     state = {"model": _model_state(model), "optim": optimizer.dcp_state()}
     if same_world:
-        state["rng"] = {_rng_key(_rank()): ckpt.capture_rng(noise_generator)}
+        state["rng"] = {_rng_key(_rank()): ckpt.capture_rng(generators=generators)}
     try:
         with warnings.catch_warnings():  # one process loading a sharded checkpoint is intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -242,7 +234,7 @@ def load(folder: str, *, model, optimizer, noise_generator: torch.Generator | No
     set_model_state_dict(model, state["model"])
     optimizer.load_dcp_state(state["optim"])
     if same_world:
-        ckpt.restore_rng(state["rng"][_rng_key(_rank())], noise_generator)
+        ckpt.restore_rng(state["rng"][_rng_key(_rank())], generators=generators)
     with open(os.path.join(folder, ckpt.TRAINER_FILE), encoding="utf-8") as handle:
         return json.load(handle)
 

@@ -3,9 +3,10 @@
 The frozen reference model's summed log-probs of every training pair's chosen and rejected
 completions (and of the held-out pairs, for eval) are computed once, before the first step,
 and kept here.  The file belongs to the run: a resumed run reads it back instead of running
-the reference again.  It is written like a checkpoint file (a temporary in the same folder,
-fsynced, renamed over the final name, the folder fsynced), so a crash leaves the old file or
-the new one, never half of one.
+the reference again.  It is written as a checkpoint folder is, by the checkpoint's own
+helpers: into a temporary folder beside ``reference/`` that ``checkpoint.publish`` fsyncs and
+renames over it, so a crash leaves the old cache or the new one, never half of one; a full disk
+removes the temporary and raises ``DiskFull`` (exit 84, ``checkpoint.disk_full_guard``).
 
 The file's metadata holds the *fingerprint* it was computed for: the reference model (its
 folder's config and weight files, or the random-init config and seed), the data files (size,
@@ -20,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 
 import torch
 from safetensors import safe_open
@@ -27,7 +30,7 @@ from safetensors.torch import save_file
 
 from pgs.errors import PgsError
 from pgs.runtime.data.chat import chat_template_of
-from pgs.runtime.loop.control import fsync_dir
+from pgs.runtime.store import checkpoint as ckpt
 
 CACHE_DIR = "reference"
 CACHE_FILE = "logps.safetensors"
@@ -82,12 +85,30 @@ def fingerprint(spec, tokenizer) -> dict[str, str]:
     }
 
 
+def key(print_: dict[str, str]) -> str:
+    """A short digest of a fingerprint: the cache's name in a checkpoint's ``trainer.json``."""
+    return hashlib.sha256(json.dumps(print_, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _temporary(path: str) -> str:
+    """The temporary folder a save writes before publishing: ``<run dir>/.reference.tmp-<pid>``."""
+    parent, name = os.path.split(os.path.dirname(os.path.abspath(path)))
+    return os.path.join(parent, f".{name}.tmp-{os.getpid()}")
+
+
 def remove_stale_temporaries(path: str) -> None:
-    """Delete ``logps.safetensors.tmp-<pid>`` files a killed run left beside ``path``."""
-    folder, name = os.path.split(path)
+    """Delete what a killed save left: ``.reference.tmp-<pid>`` and ``reference.old-<pid>``
+    folders beside the cache's folder (and ``logps.safetensors.tmp-<pid>`` files in it)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    parent, name = os.path.split(folder)
+    if os.path.isdir(parent):
+        stale = re.compile(rf"^(\.{re.escape(name)}\.tmp|{re.escape(name)}\.old)-\d+$")
+        for other in os.listdir(parent):
+            if stale.match(other):
+                shutil.rmtree(os.path.join(parent, other), ignore_errors=True)
     if os.path.isdir(folder):
         for other in os.listdir(folder):
-            if other.startswith(name + ".tmp-"):
+            if other.startswith(os.path.basename(path) + ".tmp-"):
                 os.remove(os.path.join(folder, other))
 
 
@@ -108,13 +129,14 @@ def load(path: str, expected: dict[str, str]) -> dict[str, torch.Tensor] | None:
 
 
 def save(path: str, tensors: dict[str, torch.Tensor], print_: dict[str, str]) -> None:
-    """Write the cache atomically: temporary, fsync, rename, fsync the folder."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp,
-              metadata={"fingerprint": json.dumps(print_, sort_keys=True)})
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(folder)
+    """Write the cache durably (see the module docstring); ``DiskFull`` when the disk fills."""
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = _temporary(path)
+    shutil.rmtree(tmp, ignore_errors=True)
+    payload = {k: v.contiguous().cpu() for k, v in tensors.items()}
+    with ckpt.disk_full_guard(tmp, folder, ckpt.tensor_bytes(payload), what="reference log-probs cache",
+                              contents="reference log-probs"):
+        os.makedirs(tmp)
+        save_file(payload, os.path.join(tmp, os.path.basename(path)),
+                  metadata={"fingerprint": json.dumps(print_, sort_keys=True)})
+        ckpt.publish(tmp, folder)

@@ -7,7 +7,11 @@
 - ``master_weights``: fp32 copies of low-precision trainable parameters (4 B each) when asked.
 - ``optimizer_state``: the chain's real state, built by ``chain.init`` on meta parameters
   (one state per release group under gradient release, as ``GradientRelease`` builds it),
-  or ``state_bytes_per_param × trainable parameters`` when no chain is given.
+  or ``state_bytes_per_param × trainable parameters`` when no chain is given.  With
+  ``offload_optimizer`` (release only) the state lives in pinned host memory (``host_state``,
+  not part of ``total``/``peak``) and the device holds ``slots`` staging slots
+  (``offload.slot_size``: a group larger than a slot takes them all; leaves padded to 64 B);
+  ``pcie_per_step`` is 2 × the host state (each group's state in and out once per step).
 - ``gradients``: all trainable gradients (``bind``); under gradient release, the largest
   group's gradients (one decoder layer's, or the embedding's).
 - ``activations``: what backward keeps, per decoder layer and token (``activation_bytes``
@@ -43,7 +47,7 @@ import pgs.func as pf
 from pgs.errors import InvalidArgument
 from pgs.func.losses import chunked, chunked_cross_entropy, cross_entropy, token_loss
 from pgs.func.plan import RELEASE, plan_for
-from pgs.runtime.model.build import build_config, build_model, final_hidden, freeze, load_tokenizer, output_head
+from pgs.runtime.model.build import DTYPES, build_config, build_model, final_hidden, freeze, load_tokenizer, output_head
 from pgs.runtime.model.layers import apply_activation_checkpointing
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim.bound import bind
@@ -52,8 +56,6 @@ from pgs.runtime.spec.sections import head_grad_wanted
 
 CATEGORIES = ("weights", "master_weights", "optimizer_state", "gradients", "activations", "loss", "temporaries")
 GiB = 1024**3
-_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 # ----------------------------------------------------------------------------- model shapes
@@ -63,9 +65,9 @@ def _dtype(d) -> torch.dtype:
     if isinstance(d, torch.dtype):
         return d
     try:
-        return _DTYPE_NAMES[str(d).lower()]
+        return DTYPES[str(d).lower()]
     except KeyError:
-        raise InvalidArgument(f"predict_memory: dtype {d!r} is not one of {sorted(_DTYPE_NAMES)}") from None
+        raise InvalidArgument(f"predict_memory: dtype {d!r} is not one of {sorted(DTYPES)}") from None
 
 
 def _hf_config(model_config):
@@ -249,6 +251,8 @@ def predict_memory(
     tied_slabs: int | None = None,
     mlp_tiles: int = 0,
     compiled_layers: bool = False,
+    offload_optimizer: bool = False,
+    offload_slots: int = 2,
 ) -> dict[str, int]:
     """Bytes per category (``CATEGORIES``) plus ``total`` and ``peak``.  See the module docstring.
 
@@ -284,6 +288,9 @@ def predict_memory(
         mlp_tiles: the decoder MLPs computed in that many token slices (``activation_parts``).
         compiled_layers: the decoder layers are ``torch.compile``d (``activation_parts``'s
             ``compiled``: what inductor saves).
+        offload_optimizer: the state in pinned host memory, ``offload_slots`` staging buffers on
+            the device (``OffloadedRelease``; needs ``gradient_release``): adds ``host_state``
+            and ``pcie_per_step`` (bytes) to the result.
 
     Example::
 
@@ -313,12 +320,27 @@ def predict_memory(
     def as_state_param(p):  # the chain sees fp32 masters when they exist
         return p.float() if (master_weights == "fp32" and p.dtype in (torch.bfloat16, torch.float16)) else p
 
+    if offload_optimizer and not gradient_release:
+        raise InvalidArgument("predict_memory: offload_optimizer needs gradient_release")
+    host_state = None
     if chain is not None:
-        out["optimizer_state"] = sum(
-            pf.state_bytes(chain.init({n: as_state_param(params[n]) for n in names})) for names in groups.values()
-        )
+        inits = [chain.init({n: as_state_param(params[n]) for n in names}) for names in groups.values()]
+        out["optimizer_state"] = sum(pf.state_bytes(s) for s in inits)
+        if offload_optimizer:
+            from pgs.runtime.optim.offload import StateLayout, slot_size
+
+            sizes = [StateLayout(s).nbytes for s in inits]
+            host_state = sum(sizes)
+            out["optimizer_state"] = int(offload_slots) * slot_size(sizes, int(offload_slots))
     elif state_bytes_per_param is not None:
         out["optimizer_state"] = int(round(state_bytes_per_param * n_train))
+        if offload_optimizer:
+            from pgs.runtime.optim.offload import slot_size
+
+            host_state = out["optimizer_state"]
+            sizes = [int(round(state_bytes_per_param * sum(params[n].numel() for n in names)))
+                     for names in groups.values()]
+            out["optimizer_state"] = int(offload_slots) * slot_size(sizes, int(offload_slots))
     else:
         raise InvalidArgument("predict_memory: give chain= (sized exactly) or state_bytes_per_param=")
 
@@ -400,6 +422,9 @@ def predict_memory(
     else:
         phases = (kept + loss_work + loss_held, kept + recompute + loss_held + grads, grads + out["temporaries"])
     out["peak"] = static + max(phases)
+    if host_state is not None:
+        out["host_state"] = host_state
+        out["pcie_per_step"] = 2 * host_state
     return out
 
 
@@ -411,10 +436,10 @@ def memory_options(spec) -> dict[str, Any]:
 
     Looked up in ``[memory]`` (when the spec has that section), then ``[train]``:
     ``gradient_release``, ``activation_checkpointing``, ``checkpoint_every``, ``master_weights``,
-    ``offload_checkpoints``.  (``tied_slabs`` is read by ``plan_from_spec``.)
+    ``offload_checkpoints``, ``offload_optimizer``.  (``tied_slabs`` is read by ``plan_from_spec``.)
     """
     opts = {"gradient_release": False, "activation_checkpointing": "none", "checkpoint_every": 1,
-            "master_weights": None, "offload_checkpoints": False}
+            "master_weights": None, "offload_checkpoints": False, "offload_optimizer": False}
     for section in (getattr(spec, "train", None), getattr(spec, "memory", None)):
         for key in opts:
             value = getattr(section, key, None) if section is not None else None
@@ -467,6 +492,7 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   checkpoint_offload=bool(opts["offload_checkpoints"]),
                   tied_slabs=int(opts["tied_slabs"]) or None, mlp_tiles=int(opts["mlp_tiles"]),
                   release_groups=opts["release_groups"], compiled_layers=opts["compile_layers"],
+                  offload_optimizer=bool(opts["offload_optimizer"] and opts["gradient_release"]),
                   loss="dense" if spec.loss.backend == "dense" else "chunked", loss_chunk=spec.loss.chunk_size,
                   model=model,
                   # pgs run defers a tied head's gradient only with the chunked backend and when asked
@@ -501,6 +527,10 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
     table.add_section()
     table.add_row("total (sum of the above, if all were live at once)", f"{pred['total'] / GiB:.3f}")
     table.add_row("peak (what is live together at the worst phase)", f"{pred['peak'] / GiB:.3f}")
+    if "host_state" in pred:
+        table.add_section()
+        table.add_row("host: optimizer state (pinned; offload_optimizer)", f"{pred['host_state'] / GiB:.3f}")
+        table.add_row("PCIe per step (state in + out)", f"{pred['pcie_per_step'] / GiB:.3f}")
     console.print(table)
     console.print(f"vocabulary {_text_config(plan['config']).vocab_size:,}; the peak is the figure to compare with "
                   "a GPU (add allocator slack and the CUDA context)", soft_wrap=True, highlight=False)
@@ -540,7 +570,10 @@ def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
                                    offload=bool(opts.get("offload_checkpoints", False)))
     chain = plan["kwargs"]["chain"]
     if opts["gradient_release"]:
-        opt = GradientRelease(chain, model, master_weights=opts["master_weights"],
+        binder = GradientRelease
+        if opts.get("offload_optimizer"):
+            from pgs.runtime.optim.offload import OffloadedRelease as binder
+        opt = binder(chain, model, master_weights=opts["master_weights"],
                               stochastic_rounding=spec.model.dtype == "bfloat16",
                               tied_slabs=int(opts.get("tied_slabs", 0)) or None,
                               groups=opts.get("release_groups", "layer"))

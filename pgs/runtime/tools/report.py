@@ -26,12 +26,13 @@ from pgs.errors import PgsError
 
 #: One PNG per entry: file name -> (title, y label, metric keys drawn on it, log scale).
 PLOTS: dict[str, tuple[str, str, tuple[str, ...], bool]] = {
-    "loss.png": ("loss", "loss", ("loss", "eval_loss", "eval_preference_loss"), False),
+    "loss.png": ("loss", "loss", ("loss", "eval_loss", "ema_eval_loss", "eval_preference_loss"), False),
     "lr.png": ("learning rate", "lr", ("lr",), False),
     "grad_norm.png": ("gradient norm (before clipping)", "grad norm", ("grad_norm",), True),
     "entropy.png": ("mean next-token entropy", "nats", ("entropy",), False),
     "tokens_per_s.png": ("throughput", "tokens / s", ("tokens_per_s",), False),
     "eval_accuracy.png": ("eval accuracy", "accuracy", ("eval_accuracy",), False),
+    "update_ratio.png": ("update / weight norm ratio (health summaries)", "‖Δw‖ / ‖w‖", ("health/update_ratio",), True),
     # [preference] runs
     "preference.png": ("preference accuracy (chosen reward above rejected)", "accuracy",
                        ("preference_accuracy", "eval_preference_accuracy"), False),
@@ -41,8 +42,10 @@ PLOTS: dict[str, tuple[str, str, tuple[str, ...], bool]] = {
                                                                    "eval_logp_chosen", "eval_logp_rejected"), False),
 }
 
-#: Per-task accuracies (``evaluate.task_accuracy``) are drawn on eval_accuracy.png too.
+#: Per-task accuracies (``evaluate.task_accuracy``) are drawn on eval_accuracy.png too, and the
+#: per-group update ratios (``pgs.runtime.loop.health``) on update_ratio.png.
 TASK_ACCURACY = "eval_accuracy_"
+GROUP_RATIO = "health/update_ratio/"
 
 
 class ReportError(PgsError):
@@ -245,6 +248,8 @@ def draw_plots(metrics: Metrics, out_dir: str, entropy_warn: float | None = None
     for filename, (title, ylabel, keys, log) in PLOTS.items():
         if filename == "eval_accuracy.png":
             keys = keys + tuple(sorted(k for k in metrics.series if k.startswith(TASK_ACCURACY)))
+        if filename == "update_ratio.png":
+            keys = keys + tuple(sorted(k for k in metrics.series if k.startswith(GROUP_RATIO)))
         present = [k for k in keys if metrics.series.get(k)]
         if not present:
             continue

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pgs.runtime.data.inspect import inspect_dataset, inspect_pairs
+from pgs.runtime.data.templates import apply_chat_template
 from pgs.runtime.spec.preflight import check_resources, load_tokenizer
 
 
@@ -21,7 +22,8 @@ def validate(spec, records: int = 200) -> int:
 def inspect_spec(spec, n: int = 5, records: int = 0) -> int:
     """The first ``n`` samples with their trained tokens marked, then statistics of the data
     (``records`` per source; 0: all), tokenised by the spec's own tokenizer."""
-    tokenizer = load_tokenizer(spec.model.tokenizer, spec.model.trust_remote_code)
+    tokenizer = apply_chat_template(load_tokenizer(spec.model.tokenizer, spec.model.trust_remote_code),
+                                    spec.data.chat_template)
     if spec.preference is not None:
         inspect_pairs(spec.data, tokenizer, n=n, max_records=records or None)
     else:

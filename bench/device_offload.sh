@@ -1,0 +1,25 @@
+#!/bin/bash
+# The offload suite on one H200 (carry ".whl"): bench/offload_bench.py, i.e. host<->device
+# bandwidth, `pgs run specs/qwen3_8b_20gib.toml` (state offloaded), HF compiled + AC + fused AdamW
+# at the same shape, and the 4B recipe with and without memory.offload_optimizer, each with its
+# own timeout inside one budget.  Environment: STEPS (default 16: the mean is over steps 5-16),
+# ONLY (setups, comma-separated, default all: bandwidth,pgs_8b_offload,hf_8b_compiled_ac,pgs_4b,
+# pgs_4b_offload), TESTS (1: first the CUDA tests of the offload, tests/test_offload.py, ~1 min),
+# BUDGET (seconds for the setups, default 560 less the tests' time).  Results: $OUT/offload.json
+# (rewritten after every setup, so a cut-off call keeps what finished), $OUT/all.log,
+# $OUT/pytest.log.
+source "$(dirname "$0")/device_env.sh"
+STEPS=${STEPS:-16}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/all.log"
+free -g >> "$OUT/all.log"
+if [ "${TESTS:-0}" = 1 ]; then
+  log cuda tests
+  cuda_tests 100 -m cuda --tb=short tests/test_offload.py
+fi
+log offload bench
+BUDGET=${BUDGET:-$(left 565)}
+python3 bench/offload_bench.py --steps "$STEPS" --budget "$BUDGET" --workdir /tmp/offload \
+  ${ONLY:+--only $ONLY} --out "$OUT/offload.json" >> "$OUT/all.log" 2>&1
+log done
+[ -f "$OUT/pytest.log" ] && cat "$OUT/pytest.log"
+grep -E "^\||GB/s|Error|error" "$OUT/all.log" | cut -c1-300 | tail -24

@@ -1,0 +1,297 @@
+"""Optimizer state on the host (``memory.offload_optimizer``), measured through ``pgs run``.
+
+In one call, one setup after the other, each in its own process with its own timeout (a
+setup that runs out of time or fails is recorded as such, and the JSON is rewritten after
+every setup, so partial results survive):
+
+1. ``bandwidth``: host ↔ device copy bandwidth of page-locked memory registered as the
+   offload registers it (1 GiB; host → device, device → host, and both at once on two streams).
+2. ``pgs_8b_offload``: ``pgs run specs/qwen3_8b_20gib.toml`` (Qwen3-8B shape, 1×4096, every
+   weight trainable, state offloaded).
+3. ``hf_8b_compiled_ac``: the HF peer at the same shape on the same batches
+   (``bench/product.py --order peer --peer hf_compiled_ac``: compiled decoder layers,
+   checkpointing, ``torch.optim.AdamW(fused=True)``).
+4. ``pgs_4b`` and ``pgs_4b_offload``: ``specs/qwen3_4b_12gib.toml`` with the state on the
+   device and with ``--set memory.offload_optimizer=true``.
+
+For the ``pgs run`` setups: tokens/s is ``bench/product.py``'s "mean" over steps
+``--skip``+1 to N (the run's own step records), max allocated / reserved are the run's
+``torch.cuda`` peaks, host memory is the run's peak resident set (the process and its
+children, from /proc: the pinned state, the offloaded checkpoints, the model's build), and
+with offload the run's own ``offload`` record gives the PCIe bytes per step; their time at
+the measured bandwidth (each direction at its own, the two overlapping) is the floor the
+copies put under a step if nothing overlapped them.  Checkpoints: one save at the end (after
+the last step record; the timeout may cut it without losing the figures).
+
+    python -m bench offload --steps 16                    # on the GPU (bench/device_offload.sh)
+    python -m bench offload --small --only pgs_4b,pgs_4b_offload   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+sys.path.insert(0, BENCH)
+import product  # noqa: E402 - the product bench's summary of a run's step records and its smoke shape
+
+GiB = 2**30
+SETUPS = {  # name -> (kind, spec, extra --set, default timeout s)
+    "pgs_8b_offload": ("pgs", "specs/qwen3_8b_20gib.toml", [], 200),
+    "hf_8b_compiled_ac": ("peer", "specs/qwen3_8b_20gib.toml", [], 170),
+    "pgs_4b": ("pgs", "specs/qwen3_4b_12gib.toml", [], 110),
+    "pgs_4b_offload": ("pgs", "specs/qwen3_4b_12gib.toml", ["memory.offload_optimizer=true"], 110),
+}
+
+
+def _rss_tree(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants (/proc; 0 where it cannot be read)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+class HostMemory(product.GpuMemory):
+    """Samples the resident set of a process tree every ``period`` s; ``peak`` bytes (the
+    product bench's sampler thread, reading /proc instead of nvidia-smi)."""
+
+    def __init__(self, pid: int, period: float = 0.5):
+        super().__init__(period)
+        self.pid, self.peak = pid, 0
+
+    def _loop(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_tree(self.pid))
+            self._stop.wait(self.period)
+
+
+def _run_child(cmd: list[str], timeout: float, env=None) -> tuple[int | None, str, str, int]:
+    """Run ``cmd`` in its own process group; kill the group at ``timeout``.  (returncode or
+    None on timeout, stdout, stderr, peak resident bytes of the process tree)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+        with HostMemory(proc.pid) as host:
+            try:
+                rc = proc.wait(timeout=max(1.0, timeout))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = None
+        out.seek(0)
+        err.seek(0)
+        return rc, out.read(), err.read(), host.peak
+
+
+def run_pgs(name: str, spec: str, sets: list[str], args, timeout: float) -> dict:
+    run_dir = os.path.join(args.workdir, name)
+    subprocess.run(["rm", "-rf", run_dir])
+    sets = [f"train.steps={args.steps}", f"checkpoint.dir={run_dir}", "checkpoint.every=0", "checkpoint.keep=1",
+            "train.log_every=5"] + (product.SMALL if args.small else []) + sets
+    cmd = [sys.executable, "-m", "pgs", "run", spec] + [x for s in sets for x in ("--set", s)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    started = time.time()
+    rc, _, err, host_peak = _run_child(cmd, timeout, env)
+    out = {"setup": name, "spec": spec, "command": " ".join(cmd[1:]), "returncode": rc,
+           "host_rss_max_gib": host_peak / GiB, "seconds": time.time() - started}
+    if rc is None:
+        out["timed_out"] = timeout
+    records = []
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    pass
+    steps = [r for r in records if "loss" in r and "tokens" in r]
+    if steps:
+        out.update(product.summarize(records, args.skip))
+        out["launch_to_step1_s"] = steps[0]["time"] - started
+        out["step_s"] = [round(r["step_seconds"], 3) for r in steps]
+        out["last_loss"] = steps[-1]["loss"]
+    offload = next((r for r in records if r.get("event") == "offload"), None)
+    if offload is not None:
+        out["host_state_gib"] = offload["host_state_bytes"] / GiB
+        out["staging_gib"] = offload["staging_bytes"] / GiB
+        out["pcie_gib_per_step"] = offload["pcie_bytes_per_step"] / GiB
+    if not steps or (rc not in (0, None)):
+        out["error"] = err[-3000:] or f"no step records (returncode {rc})"
+    out["stderr_tail"] = err[-1500:]
+    if not args.keep:  # the final checkpoint (24 GB at 8B): room on the disk for the next setup
+        subprocess.run(["rm", "-rf", run_dir])
+    return out
+
+
+def run_peer(name: str, spec: str, sets: list[str], args, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "peer.json")
+        cmd = [sys.executable, os.path.join(BENCH, "product.py"), "--spec", spec, "--order", "peer",
+               "--peer", "hf_compiled_ac", "--steps", str(args.steps), "--skip", str(args.skip), "--out", path]
+        cmd += ["--small"] if args.small else []
+        cmd += [x for s in sets for x in ("--set", s)]
+        started = time.time()
+        rc, _, err, host_peak = _run_child(cmd, timeout, dict(os.environ, PYTHONUNBUFFERED="1"))
+        out = {"setup": name, "spec": spec, "returncode": rc, "host_rss_max_gib": host_peak / GiB,
+               "seconds": time.time() - started}
+        if rc is None:
+            out["timed_out"] = timeout
+        if os.path.exists(path):
+            res = json.load(open(path))["results"]
+            if res:
+                out.update({k: v for k, v in res[0].items() if k not in ("setup", "spec")})
+        if "mean_tok_s" not in out:
+            out["error"] = err[-3000:] or f"no result (returncode {rc})"
+    return out
+
+
+BANDWIDTH = r"""
+import json, time, torch
+from pgs.runtime.optim.offload import _host_buffer
+n = 1 << 30
+host, registered = _host_buffer(n, True)
+host.fill_(1)
+dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+dev2 = torch.empty(n, dtype=torch.uint8, device="cuda")
+host2, _ = _host_buffer(n, True)
+a, b = torch.cuda.Stream(), torch.cuda.Stream()
+def timed(fn, reps=5):
+    fn(); torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps
+def h2d():
+    dev.copy_(host, non_blocking=True)
+def d2h():
+    host2.copy_(dev2, non_blocking=True)
+def both():
+    with torch.cuda.stream(a):
+        dev.copy_(host, non_blocking=True)
+    with torch.cuda.stream(b):
+        host2.copy_(dev2, non_blocking=True)
+th, td, tb = timed(h2d), timed(d2h), timed(both)
+print(json.dumps({"registered": registered, "pinned": host.is_pinned(), "h2d_gb_s": n / th / 1e9,
+                  "d2h_gb_s": n / td / 1e9, "both_gb_s_each": n / tb / 1e9}))
+"""
+
+
+def run_bandwidth(args, timeout: float) -> dict:
+    if args.small:
+        return {"setup": "bandwidth", "skipped": "needs a CUDA device"}
+    rc, out, err, _ = _run_child([sys.executable, "-c", BANDWIDTH], timeout,
+                                 dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
+    try:
+        return {"setup": "bandwidth", **json.loads(out.strip().splitlines()[-1])}
+    except (ValueError, IndexError):
+        return {"setup": "bandwidth", "error": (err or out)[-2000:] or f"returncode {rc}"}
+
+
+def pcie_floor(results: list[dict]) -> None:
+    """Seconds per step the offload's copies take at the measured bandwidth (each direction
+    at its own rate, overlapping each other), and that over the run's median step."""
+    bw = next((r for r in results if r.get("setup") == "bandwidth" and "h2d_gb_s" in r), None)
+    if bw is None:
+        return
+    for r in results:
+        if "pcie_gib_per_step" in r:
+            one_way = r["pcie_gib_per_step"] * GiB / 2
+            s = max(one_way / (bw["both_gb_s_each"] * 1e9), one_way / (bw["h2d_gb_s"] * 1e9))
+            r["pcie_s_per_step"] = s
+            if r.get("median_step_s"):
+                r["pcie_share_of_step"] = s / r["median_step_s"]
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| setup | mean tok/s | max alloc GiB | max reserved GiB | host RSS GiB | host state GiB | "
+            "PCIe GiB/step | PCIe s/step | step s (median) |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def f(x, fmt):
+        return "" if x is None else format(x, fmt)
+
+    for r in results:
+        if r["setup"] == "bandwidth":
+            continue
+        err = r.get("error")
+        note = "" if not err else f" (error: {str(err).strip().splitlines()[-1][:100]})"
+        if r.get("timed_out"):
+            note += f" (timed out at {r['timed_out']:.0f} s)"
+        rows.append(f"| {r['setup']}{note} | {f(r.get('mean_tok_s'), ',.0f')} | {f(r.get('max_allocated_gib'), '.2f')} | "
+                    f"{f(r.get('max_reserved_gib'), '.2f')} | {f(r.get('host_rss_max_gib'), '.1f')} | "
+                    f"{f(r.get('host_state_gib'), '.2f')} | {f(r.get('pcie_gib_per_step'), '.2f')} | "
+                    f"{f(r.get('pcie_s_per_step'), '.3f')} | {f(r.get('median_step_s'), '.3f')} |")
+    bw = next((r for r in results if r["setup"] == "bandwidth"), None)
+    if bw and "h2d_gb_s" in bw:
+        rows.append(f"\nhost↔device (1 GiB, page-locked): H2D {bw['h2d_gb_s']:.1f} GB/s, D2H {bw['d2h_gb_s']:.1f} GB/s, "
+                    f"both at once {bw['both_gb_s_each']:.1f} GB/s each")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=16, help="steps of each setup")
+    p.add_argument("--skip", type=int, default=4, help="warm-up steps left out (the mean is over steps skip+1..N)")
+    p.add_argument("--only", default="bandwidth," + ",".join(SETUPS), help="setups, in this order")
+    p.add_argument("--budget", type=float, default=560.0, help="seconds for all setups together")
+    p.add_argument("--timeout", action="append", default=[], metavar="SETUP=S", help="a setup's own timeout")
+    p.add_argument("--small", action="store_true", help="a tiny shape on the CPU (a smoke run of this script)")
+    p.add_argument("--workdir", default="", help="where the run folders go (default: a temporary folder)")
+    p.add_argument("--out", default="", help="JSON results (rewritten after every setup)")
+    p.add_argument("--keep", action="store_true", help="keep each pgs run's folder (default: removed after reading)")
+    args = p.parse_args(argv)
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="pgs-offload-")
+    own = {k: float(v) for k, v in (t.split("=", 1) for t in args.timeout)}
+    t0 = time.time()
+    results: list[dict] = []
+
+    def save():
+        pcie_floor(results)
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w", encoding="utf-8") as handle:
+                json.dump({"steps": args.steps, "skip": args.skip, "results": results}, handle, indent=1)
+
+    for name in [n for n in args.only.split(",") if n]:
+        left = args.budget - (time.time() - t0)
+        if left < 20:
+            results.append({"setup": name, "error": "skipped: the budget is spent"})
+            continue
+        if name == "bandwidth":
+            results.append(run_bandwidth(args, min(left, own.get(name, 60))))
+        elif name in SETUPS:
+            kind, spec, sets, default = SETUPS[name]
+            timeout = min(left, own.get(name, default))
+            fn = run_pgs if kind == "pgs" else run_peer
+            results.append(fn(name, spec, sets, args, timeout))
+        else:
+            results.append({"setup": name, "error": f"unknown setup (known: bandwidth, {', '.join(SETUPS)})"})
+        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("step_s", "stderr_tail", "error")}),
+              flush=True)
+        save()
+    print(table(results), flush=True)
+    save()
+    return 0 if all(not r.get("error") for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""Weight averaging in the loop (``[averaging]``, design/001): an EMA of the weights held on
+the CPU, and merge-back toward the base weights (SFA, linear or SLERP).
+
+**EMA** (Polyak averaging; ``pgs.func.ema``, EQUATIONS.md A10): every ``ema_every`` steps the
+trainable weights are copied to the CPU and θ^ema ← δ θ^ema + (1 − δ) θ in fp32, δ = ``ema``
+per update (the first update copies θ).  The copy is queued on the device without waiting
+(pinned host buffers, ``non_blocking``) and the average is taken on the host at the next step
+boundary that needs it (the next step's end, an eval, a checkpoint, the export), so the device's
+queue is not drained.  The shadow weights are evaluated beside the model (``ema_eval_loss``,
+...), exported as their own HF folder (``<run dir>/final-ema``) and written into every
+checkpoint (``averaging.safetensors``), so a resumed run continues the same average.
+
+**Merge-back** (SFA, Kleiman et al., arXiv 2501.05559; ``pgs.func.merge_back``, EQUATIONS.md
+A11): every ⌈p·T⌉ steps (p = ``merge_period``, T = the run's steps) and at the last step, the
+weights are pulled toward the base weights θ_o (those the run started from): θ ← (1 − β) θ + β θ_o
+(``merge = "linear"``, the paper's) or ``slerp(1 − β, θ_o, θ)`` per tensor (``"slerp"``).  The
+base is copied to the CPU when the run is set up, before any checkpoint is restored: the model
+is then built exactly as at step 0 (the same weights or the same ``init_seed``), so the base
+needs no room in a checkpoint.  A merge happens right after its step, before that step's
+checkpoint and EMA update; the optimizer's state is left as it is.
+
+One process only for now (a sharded EMA would need sharded checkpoint entries).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+
+import pgs.func as pf
+from pgs.errors import CheckpointError
+
+#: The checkpoint file that holds the EMA (``checkpoint.save(extra=...)``).
+CHECKPOINT_FILE = "averaging.safetensors"
+#: The HF folder of the EMA weights, beside ``final/``.
+EXPORT_DIR = "final-ema"
+
+
+class WeightAverager:
+    """The EMA and the merge-back of one run (see the module docstring)."""
+
+    def __init__(self, model, *, total_steps: int, ema: float = 0.0, ema_every: int = 1, merge: str = "none",
+                 merge_weight: float = 0.25, merge_period: float = 1.0):
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.total = int(total_steps)
+        self.decay = float(ema)
+        self.ema_every = max(1, int(ema_every))
+        self.merge = merge
+        self.merge_weight = float(merge_weight)
+        self.merge_every = max(1, math.ceil(float(merge_period) * self.total))
+        self._transform = pf.ema(self.decay) if self.decay > 0 else None
+        self._states: dict[str, pf.EmaState] = {}
+        self._host: dict[str, torch.Tensor] | None = None  # pinned copies waiting to be averaged
+        self._event = None
+        self._waiting = False
+        if self._transform is not None:
+            for name, p in self.named:
+                self._states[name] = self._transform.init({name: torch.empty(p.shape, dtype=torch.float32)})
+        self.base = {n: p.detach().to("cpu", copy=True) for n, p in self.named} if merge != "none" else None
+
+    @classmethod
+    def from_spec(cls, spec, model, total_steps: int) -> "WeightAverager | None":
+        a = spec.averaging
+        if a is None or (a.ema == 0 and a.merge == "none"):
+            return None
+        return cls(model, total_steps=total_steps, ema=a.ema, ema_every=a.ema_every, merge=a.merge,
+                   merge_weight=a.merge_weight, merge_period=a.merge_period)
+
+    @property
+    def has_ema(self) -> bool:
+        return self._transform is not None
+
+    @property
+    def ready(self) -> bool:
+        """An EMA that has taken (or queued) at least one update: before that it holds nothing
+        to evaluate (the eval before the first step evaluates the model only)."""
+        if not self.has_ema:
+            return False
+        return self._waiting or any(int(s.count) > 0 for s in list(self._states.values())[:1])
+
+    # -- after every step ---------------------------------------------------------------
+    def after_step(self, step: int) -> None:
+        """Step ``step`` is done: merge back if due, then queue the EMA's copy if due."""
+        self.settle()
+        if self.base is not None and (step % self.merge_every == 0 or step == self.total):
+            self.merge_back()
+        if self.has_ema and (step % self.ema_every == 0 or step == self.total):
+            self._queue_copy()
+
+    @torch.no_grad()
+    def merge_back(self) -> None:
+        """θ ← merge_back(θ, θ_o, β), one tensor at a time on the parameters' device."""
+        for name, p in self.named:
+            base = self.base[name].to(p.device, non_blocking=True)
+            merged = pf.merge_back({name: p.detach()}, {name: base}, self.merge_weight, method=self.merge)
+            p.copy_(merged[name])
+
+    def _queue_copy(self) -> None:
+        if self._host is None:
+            pin = self.named[0][1].device.type == "cuda" if self.named else False
+            self._host = {n: torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin) for n, p in self.named}
+        for name, p in self.named:
+            self._host[name].copy_(p.detach(), non_blocking=True)
+        self._event = None
+        if self.named and self.named[0][1].device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._waiting = True
+
+    def settle(self) -> None:
+        """Take the queued average now (waits for the copy only if it is still in flight)."""
+        if not self._waiting:
+            return
+        if self._event is not None:
+            self._event.synchronize()
+        for name, weight in self._host.items():
+            _, self._states[name] = self._transform.update({name: weight}, self._states[name])
+        self._waiting = False
+
+    # -- what the EMA is used for -------------------------------------------------------
+    def ema_params(self) -> dict[str, torch.Tensor]:
+        """The averaged weights, fp32 on the CPU (by parameter name)."""
+        self.settle()
+        return {name: pf.ema_params(state)[name] for name, state in self._states.items()}
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def ema_weights(self, model) -> Iterator[None]:
+        """Inside: the model holds the EMA weights (for an eval or an export); after: its own."""
+        averaged = self.ema_params()
+        kept = {name: p.detach().to("cpu", copy=True) for name, p in self.named}
+        try:
+            for name, p in self.named:
+                p.copy_(averaged[name])
+            yield
+        finally:
+            for name, p in self.named:
+                p.copy_(kept[name])
+
+    # -- checkpoints --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The EMA for ``averaging.safetensors``: ``ema.<name>`` fp32, its update count and
+        correction (equal for every tensor: they are updated together)."""
+        self.settle()
+        out: dict[str, torch.Tensor] = {}
+        for name, state in self._states.items():
+            out[f"ema.{name}"] = state.ema[name].contiguous()
+            out["count"], out["correction"] = state.count.reshape(1), state.correction.reshape(1)
+        return out
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor] | None, folder: str) -> None:
+        if not self.has_ema:
+            return
+        if tensors is None:
+            raise CheckpointError(f"{folder}: no {CHECKPOINT_FILE}, but [averaging] ema is on; the checkpoint "
+                                  "was written without it (resume with the spec it was written with)")
+        missing = [n for n in self._states if f"ema.{n}" not in tensors]
+        if missing:
+            raise CheckpointError(f"{folder}: {CHECKPOINT_FILE} lacks the EMA of {missing[0]}")
+        count = tensors["count"].reshape(()).to(torch.int32)
+        correction = tensors["correction"].reshape(()).to(torch.float32)
+        for name in self._states:
+            self._states[name] = pf.EmaState(count.clone(), {name: tensors[f"ema.{name}"].float()},
+                                             correction.clone())

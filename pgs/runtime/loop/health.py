@@ -1,0 +1,262 @@
+"""The run's health monitor (design/000's tiered ``HealthMonitor``): what a long run needs to
+be read at a glance, and the one tripwire that stops it.
+
+Two tiers, so that the steady step gains no host read:
+
+- **every step**, from the step's record once the loop has read it (numbers already on the
+  host, a step late, ``train.StepRecord``): loss, ‖g‖ and entropy feed running statistics
+  (an exponential moving mean and variance, β = ``BETA``, updated with non-spike values only)
+  and a spike is a value ``SPIKE_Z`` standard deviations above the running mean, after
+  ``WARMUP`` values (the z-score rule of the spike detectors in design/001; ZClip, arXiv
+  2504.02507, uses the same statistics to clip).  A spike is an ``event`` line.
+- **every ``train.health_every`` steps** (0: ``train.log_every``) and at the last step: the
+  interval's summary joins that step's line of ``metrics.jsonl`` (keys in ``docs/runtime.md``):
+  ‖g‖ mean / max / std and spikes, loss spikes, the entropy's mean and least-squares slope
+  per step (the trend that precedes a collapse, design/002), and the update-to-weight norm
+  ratio ‖Δw‖/‖w‖ of that step per parameter group (``GROUPS``).  The ratio needs the weights
+  before the step: on those steps only, the trainable weights are copied (to pinned host
+  memory on CUDA, ``non_blocking``) before the step and compared after it, and the ratios are
+  copied back to the host without waiting, read when the step's line is written.
+
+The tripwire ``train.entropy_halt`` (0: off): when the interval's mean next-token entropy is
+below it, the run halts with exit 80 and ``HALT.json`` (``control.halt``; the entropy of a
+step is summed over the ranks before it is logged, so every rank reaches the same verdict).
+``train.entropy_warn`` keeps warning without stopping (``train.watch_entropy``).
+
+The monitor's running statistics are part of a checkpoint's counters (``state_dict``), so a
+resumed run flags the same spikes and reaches the same verdicts as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+
+from pgs.runtime.dist import fsdp as D
+
+#: Running statistics' decay, the z-score of a spike, and values seen before spikes are flagged.
+BETA = 0.95
+SPIKE_Z = 5.0
+WARMUP = 10
+#: Parameter groups of the update ratio: the first pattern that matches a parameter's name.
+GROUPS = (
+    ("embed", re.compile(r"embed|wte|wpe")),
+    ("head", re.compile(r"lm_head|output")),
+    ("norm", re.compile(r"norm|ln_")),
+    ("attn", re.compile(r"attn|attention")),
+    ("mlp", re.compile(r"mlp|ffn|experts|feed_forward")),
+)
+OTHER = "other"
+#: What the interval summary watches for spikes (a step record's keys).
+WATCHED = ("loss", "grad_norm")
+
+
+def group_of(name: str) -> str:
+    """The update-ratio group of a parameter name (``GROUPS``, else ``"other"``)."""
+    for group, pattern in GROUPS:
+        if pattern.search(name):
+            return group
+    return OTHER
+
+
+class RunningStat:
+    """Exponential moving mean and variance (bias-corrected), fed non-spike values only."""
+
+    def __init__(self, beta: float = BETA):
+        self.beta = beta
+        self.count = 0
+        self.mean = 0.0
+        self.var = 0.0
+
+    def zscore(self, x: float) -> float:
+        if self.count < WARMUP:
+            return 0.0
+        return (x - self.mean) / math.sqrt(max(self.var, 1e-12 * max(1.0, self.mean * self.mean)))
+
+    def update(self, x: float) -> None:
+        self.count += 1
+        if self.count == 1:
+            self.mean, self.var = x, 0.0
+            return
+        delta = x - self.mean
+        self.mean += (1 - self.beta) * delta
+        self.var = self.beta * (self.var + (1 - self.beta) * delta * delta)
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "var": self.var}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.var = int(state["count"]), float(state["mean"]), float(state["var"])
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's own values: the local shard of an FSDP2 (DTensor) parameter."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+class UpdateRatio:
+    """‖w_after − w_before‖ / ‖w_after‖ per group for one step: ``before`` copies the weights,
+    ``after`` queues the norms and their copy to the host, ``read`` returns them."""
+
+    def __init__(self, model):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        groups = [group_of(n) for n, _ in named]
+        self.names = sorted(set(groups))
+        self.index = [self.names.index(g) for g in groups]
+        self._snapshot: list[torch.Tensor] | None = None
+        self._pending: tuple[int, torch.Tensor, Any] | None = None
+
+    def before(self) -> None:
+        weights = [_local(p).detach() for p in self.params]
+        if self._snapshot is None:
+            pin = weights[0].device.type == "cuda" if weights else False
+            self._snapshot = [torch.empty(w.shape, dtype=w.dtype, device="cpu", pin_memory=pin) for w in weights]
+        for buf, w in zip(self._snapshot, weights):
+            buf.copy_(w, non_blocking=True)
+
+    @torch.no_grad()
+    def after(self, step: int) -> None:
+        if not self.params or self._snapshot is None:
+            return
+        weights = [_local(p).detach() for p in self.params]
+        device = weights[0].device
+        diff = torch.stack([(w.float() - s.to(device, non_blocking=True).float()).square().sum()
+                            for w, s in zip(weights, self._snapshot)])
+        size = torch.stack([w.float().square().sum() for w in weights])
+        if not isinstance(self.index, torch.Tensor) or self.index.device != device:  # once: no copy per step
+            self.index = torch.as_tensor(self.index, device=device)
+        index = self.index
+        sums = torch.zeros(2, len(self.names), device=device).index_add_(1, index, torch.stack([diff, size]))
+        sums = torch.cat([sums, sums.sum(1, keepdim=True)], 1).double()  # the last column: all parameters
+        sums = D.all_reduce_sum(sums)  # FSDP2: the shards' sums
+        event = None
+        if sums.device.type == "cuda":
+            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            host.copy_(sums, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            sums = host
+        self._pending = (step, sums, event)
+
+    def read(self, step: int) -> dict:
+        """``health/update_ratio/<group>`` and ``health/update_ratio`` of ``step`` (if measured)."""
+        if self._pending is None or self._pending[0] != step:
+            return {}
+        _, sums, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        diff, size = sums.tolist()
+        out = {f"health/update_ratio/{g}": math.sqrt(d) / math.sqrt(s) if s > 0 else 0.0
+               for g, d, s in zip(self.names, diff, size)}
+        out["health/update_ratio"] = math.sqrt(diff[-1]) / math.sqrt(size[-1]) if size[-1] > 0 else 0.0
+        return out
+
+
+class HealthMonitor:
+    """See the module docstring.  ``every``: steps between summaries; ``total``: the last step
+    (always summarised); ``entropy_halt``: the tripwire's threshold (0: off)."""
+
+    def __init__(self, model, *, every: int, total: int, entropy_halt: float = 0.0):
+        self.every = max(1, int(every))
+        self.total = total
+        self.entropy_halt = float(entropy_halt)
+        self.stats = {key: RunningStat() for key in WATCHED}
+        self.ratio = UpdateRatio(model)
+        self.verdict: str | None = None
+        self._reset()
+
+    @classmethod
+    def from_spec(cls, spec, model, total: int) -> "HealthMonitor":
+        t = spec.train
+        return cls(model, every=t.health_every or t.log_every, total=total, entropy_halt=t.entropy_halt)
+
+    def _reset(self) -> None:
+        self._window: dict[str, list[float]] = {"grad_norm": [], "entropy": [], "entropy_step": []}
+        self._spikes = {key: 0 for key in WATCHED}
+
+    def summarises(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.total
+
+    # -- around the step (the loop calls these with the step's number) --------------------
+    def before_step(self, step: int) -> None:
+        """Before step ``step`` runs: copy the weights if its update ratio is measured."""
+        if self.summarises(step):
+            self.ratio.before()
+
+    def after_step(self, step: int) -> None:
+        if self.summarises(step):
+            self.ratio.after(step)
+
+    # -- the step's record --------------------------------------------------------------
+    def observe(self, record: dict) -> list[dict]:
+        """Feed a read step record; adds the interval's summary to it on a summary step and
+        returns the event lines to log (spikes).  Sets ``verdict`` when the tripwire fires."""
+        step = int(record["step"])
+        events = []
+        if not record.get("skipped"):
+            for key in WATCHED:
+                value = record.get(key)
+                if not isinstance(value, (int, float)) or not math.isfinite(value):
+                    continue
+                z = self.stats[key].zscore(value)
+                if z > SPIKE_Z:
+                    self._spikes[key] += 1
+                    events.append({"step": step, "event": "spike", "what": key, "value": value, "z": z,
+                                   "mean": self.stats[key].mean})
+                else:
+                    self.stats[key].update(value)
+            if isinstance(record.get("grad_norm"), (int, float)):
+                self._window["grad_norm"].append(float(record["grad_norm"]))
+            if isinstance(record.get("entropy"), (int, float)):
+                self._window["entropy"].append(float(record["entropy"]))
+                self._window["entropy_step"].append(float(step))
+        if self.summarises(step):
+            seen = len(self._window["entropy"])
+            record.update(self._summary())
+            record.update(self.ratio.read(step))
+            mean = record.get("health/entropy_mean")
+            if self.entropy_halt > 0 and mean is not None and mean < self.entropy_halt:
+                self.verdict = (f"mean next-token entropy {mean:.4f} over the last {seen} steps fell under "
+                                f"train.entropy_halt = {self.entropy_halt:g} (collapse)")
+            self._reset()
+        return events
+
+    def _summary(self) -> dict:
+        out: dict[str, float] = {f"health/{key}_spikes": self._spikes[key] for key in WATCHED}
+        g = self._window["grad_norm"]
+        if g:
+            mean = sum(g) / len(g)
+            out.update({"health/grad_norm_mean": mean, "health/grad_norm_max": max(g),
+                        "health/grad_norm_std": math.sqrt(sum((x - mean) ** 2 for x in g) / len(g))})
+        e, s = self._window["entropy"], self._window["entropy_step"]
+        if e:
+            out["health/entropy_mean"] = sum(e) / len(e)
+            out["health/entropy_slope"] = _slope(s, e)
+        return out
+
+    # -- checkpoints --------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Plain numbers (a checkpoint's counters): running statistics and the open interval."""
+        return {"stats": {key: stat.state_dict() for key, stat in self.stats.items()},
+                "window": {k: list(v) for k, v in self._window.items()}, "spikes": dict(self._spikes)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, stat in self.stats.items():
+            stat.load_state_dict(state["stats"][key])
+        self._window = {k: [float(x) for x in v] for k, v in state["window"].items()}
+        self._spikes = {k: int(v) for k, v in state["spikes"].items()}
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs (0 for fewer than two points)."""
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0

@@ -1,0 +1,167 @@
+"""Supervised fine-tuning: the default objective of ``pgs run`` (no objective section in the spec).
+
+The loss of a micro-batch is the summed token loss of its trained tokens
+(``pgs.func.losses.token_loss``: the ``[loss]`` objective, backend and chunking, never the full
+``[N, V]`` logits with the chunked backend), and the step divides by the step's valid-token
+count, so the step's gradient is that of one token mean over all its micro-batches (a
+micro-batch whose labels are all masked adds 0, not 0/0).  NEFTune noise
+(``loss.neftune_alpha``) is added to the embeddings with its own generator, which the
+checkpoint keeps.  The record carries the mean next-token entropy, and a warning is logged when
+it falls under ``train.entropy_warn``.  Eval: the token loss on ``data.eval`` and, where a
+checker knows the records (the quickstart's tasks), task accuracy by greedy generation.
+
+With gradient release on one process and a tied head, the head's gradient can skip autograd:
+it is added into the embedding's own gradient buffer right before that weight steps
+(:meth:`SFTObjective.defers_head_grad`, ``memory.defer_head_grad``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from pgs.func.losses import token_loss
+from pgs.runtime.data import EvalStream, TrainStream
+from pgs.runtime.data.inspect import dataset_stats
+from pgs.runtime.data.packing import doc_ids
+from pgs.runtime.dist import fsdp as D
+from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
+from pgs.runtime.loop.objective import neftune_generator, neftune_hook, rank_and_world, steps_for
+from pgs.runtime.model.build import output_head
+
+#: Eval records answered by greedy generation when the eval data has a known checker (the
+#: quickstart ships 200, all of them scored).
+ACCURACY_SAMPLES = 200
+
+
+class SFTObjective:
+    """Token loss over the trained tokens of packed conversations (see the module docstring)."""
+
+    name = "sft"
+    section = None
+    stat_keys = ("entropy",)
+    console_keys = ("entropy",)
+    loader_ahead = None
+
+    def __init__(self, spec, tokenizer, device: torch.device, stream):
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.stream = stream
+        self.token_objective = spec.build_objective()  # the [loss] objective (pgs.func.losses)
+        self._generators = neftune_generator(spec, device)
+        self.entropy_low = False
+
+    @classmethod
+    def create(cls, spec, *, model, tokenizer, device: torch.device, ctx=None) -> "SFTObjective":
+        rank, world = rank_and_world(ctx)
+        return cls(spec, tokenizer, device, TrainStream(spec.data, tokenizer, rank=rank, world_size=world))
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        return steps_for(dataset_stats(self.spec.data, self.tokenizer).sequences, batch_size)
+
+    def prepare(self, run, batches: list) -> tuple[list, dict]:
+        return batches, {}
+
+    def count(self, batches: Sequence) -> int:
+        return sum(b.num_trained_tokens for b in batches)
+
+    def forward(self, run, batch, poison: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed token loss with its graph, and ``[entropy sum]``.  Nothing here reads a device
+        value on the host: the entropy stays on the device until the step's record is read."""
+        dev = run.device
+        ids, pos, labels = batch.input_ids.to(dev), batch.position_ids.to(dev), batch.labels.to(dev)
+        h = D.final_hidden(run.model, ids, pos, embed_noise=neftune_hook(self.spec, self._generators, batch, dev))
+        weight, bias, softcap = output_head(run.model)
+        loss = self.spec.loss
+        defer = self.defers_head_grad(run, weight)
+        docs = doc_ids(pos) if self.token_objective.name == "cadft" else None  # CADFT's per-sample compatibility
+        result = token_loss(h, weight, labels, backend=loss.backend, objective=self.token_objective, bias=bias,
+                            softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size, defer_head_grad=defer,
+                            doc_ids=docs)
+        if defer and result.head_grad is not None:  # joins the embedding's gradient in the tied weight's hook
+            run.bound.before_step(weight, result.head_grad)
+        loss_sum = result.loss_sum * float("nan") if poison else result.loss_sum
+        entropy = result.entropy_sum.detach() if result.entropy_sum is not None else torch.zeros((), device=h.device)
+        return loss_sum, entropy.reshape(1).float()
+
+    def defers_head_grad(self, run, weight) -> bool:
+        """Gradient release on one process, a tied head (the input embedding's weight), the
+        chunked loss and ``memory.defer_head_grad`` (``"auto"``: with checkpointing or slabs):
+        the head's gradient is added into the embedding's own gradient buffer right before that
+        weight steps (one V×D buffer, only at the end of backward)."""
+        if not (run.bound.in_backward and run.bound.defers_contributions and self.spec.memory.head_grad_deferred()
+                and weight.requires_grad):
+            return False
+        if self.spec.loss.backend != "chunked":
+            return False
+        embed = run.model.get_input_embeddings()
+        return embed is not None and embed.weight is weight
+
+    def step_metrics(self, stats: list[float], count: int, valid_tokens: int, extra: dict) -> dict:
+        return {"entropy": stats[0] / max(valid_tokens, 1), **extra}
+
+    def after_step(self, run, record: dict) -> None:
+        """Warn once each time the mean next-token entropy falls under ``train.entropy_warn``."""
+        threshold = self.spec.train.entropy_warn
+        if record.get("skipped") or not threshold or "entropy" not in record:
+            return
+        low = record["entropy"] < threshold
+        if low and not self.entropy_low:
+            run.log.say(f"pgs: warning: mean next-token entropy {record['entropy']:.3f} fell under "
+                        f"train.entropy_warn = {threshold} at step {run.step} (collapse?)")
+            run.log.write({"step": run.step, "event": "entropy_low", "entropy": record["entropy"]})
+        self.entropy_low = low
+
+    def evaluate(self, run) -> dict:
+        """Eval loss, and task accuracy where a checker knows the data (one process only)."""
+        spec = self.spec
+        if run.ctx is not None:  # every rank, the same number of forwards; no task accuracy
+            return _sharded_eval_loss(run)
+        out = eval_loss(run.model, EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch)),
+                        backend="chunked", chunk_size=spec.loss.chunk_size)
+        samples = read_samples(spec.data.eval, ACCURACY_SAMPLES)
+        checker = task_checker(samples)
+        if checker is not None:
+            turns, matches = checker
+            out.update(task_accuracy(run.model, run.tokenizer, samples, turns=turns, matches=matches))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"entropy_low": self.entropy_low}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.entropy_low = bool((state or {}).get("entropy_low", False))
+
+    def generators(self) -> dict[str, torch.Generator]:
+        return self._generators
+
+
+@torch.no_grad()
+def _sharded_eval_loss(run) -> dict:
+    """Eval loss with several processes: each rank its share of every eval batch (all-padding
+    rows when it has none; a forward anyway, FSDP's all-gathers are collectives), sums
+    all-reduced.  The head is read after the forward, when the root is gathered."""
+    spec, ctx = run.spec, run.ctx
+    batches = EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch), rank=ctx.rank,
+                         world_size=ctx.world_size)
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    run.model.eval()
+    try:
+        for batch in batches:
+            dev = run.device
+            h = D.final_hidden(run.model, batch.input_ids.to(dev), batch.position_ids.to(dev))
+            weight, bias, softcap = output_head(run.model)
+            result = token_loss(h, weight, batch.labels.to(dev), backend="chunked", bias=bias, softcap=softcap,
+                                chunk_size=spec.loss.chunk_size)
+            total += result.loss_sum.double().cpu()
+            count += int(result.num_valid)
+    finally:
+        run.model.train()
+    sums = D.all_reduce_sum(torch.tensor([float(total), float(count)], dtype=torch.float64))
+    total, count = float(sums[0]), int(sums[1])
+    return {"eval_loss": total / max(count, 1), "eval_tokens": count}
+
+
+__all__ = ["ACCURACY_SAMPLES", "SFTObjective"]

@@ -1,0 +1,489 @@
+"""Optimizer state on the host, streamed through the device group by group inside backward.
+
+``OffloadedRelease(chain, model, ...)`` is ``GradientRelease`` (pgs/runtime/optim/release.py)
+whose per-group chain state lives in host memory (pinned where a CUDA device is present) and
+visits the device only for its own group's step.  Why: at 8 B parameters the bf16 weights
+(2 B/param) plus an 8-bit state (~1 B/param: codes + one fp32 absmax per block) are
+8.2 B × 3 B ≈ 22.9 GiB, over a 20 GiB budget; with the state streamed, the device holds the
+weights and ``slots`` staging slots (``slot_size``: a group larger than a slot takes them all).
+ZeRO-Offload (Ren et al., arXiv 2101.06840) moves the optimizer to the host CPU; here the step
+stays on the device and only the state travels, one release group at a time, as paged 8-bit optimizers
+(Dettmers et al., arXiv 2110.02861) page their state under memory pressure.
+
+Per group and step, over PCIe:
+
+    host → device: S_g bytes (the group's state)   device → host: S_g bytes (the new state)
+    per step:      2 · Σ_g S_g  ≈ 2 · (1 + 4/block) B per trainable parameter (8-bit state)
+
+The order, for a group ``g`` whose gradients complete inside backward:
+
+1. prefetch: ``g``'s state is copied host → device on a side stream (``h2d``) into a free
+   staging slot, as soon as the group before it in backward order is acquired or written back
+   (or, for the first groups of a step, at the end of the previous step), so the copy overlaps
+   the backward of the layers in between.  The copy waits (stream events) for the slot's previous
+   occupant to be written back and for ``g``'s own last write-back to the host.  A group larger
+   than a slot takes every slot: the free one is filled at once, a busy one as soon as its
+   group is written back.
+2. acquire: the compute stream waits for the copy's event; the group's state tree is rebuilt
+   from views of the slot, and the ordinary step (fused or plain) runs on it, in place.
+3. write-back: an event on the compute stream after the step; the ``d2h`` side stream waits
+   for it and copies the slot back to the group's host buffer; that copy's event frees the
+   slot and guards the next fetch of ``g``.
+
+Only tensor leaves with at least one dimension travel (codes, absmax, moments); 0-d leaves
+(step counts, the learning rate a schedule stored, per-tensor scalars) stay on the device, so
+metrics and schedules read them as before.  The arithmetic is the same chain on the same
+values, so the parameters and state equal the on-device release bit for bit
+(tests/test_offload.py); ``state_dict`` waits for the write-backs and reads the host copy,
+so checkpoints are the same files, and a resume loads them into the host buffers.
+
+Prediction of the order: the groups complete in the reverse order of the layers; the first
+backward guesses ``reversed(groups)``, later ones reuse the order the previous backward saw.
+A group that arrives unannounced is fetched at once (correct, not overlapped).
+
+On a CPU-only machine the "device" and the host are both host memory: the same staging,
+views and write-back run with synchronous copies (how the CPU tests exercise the logic).
+
+Refused (spec error, ``make_optimizer``): without gradient release; with several processes.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from pgs.errors import InvalidArgument
+from pgs.func import tree as T
+from pgs.runtime.optim.release import GradientRelease
+
+#: byte alignment of each leaf inside a group's buffers (vectorised kernels read 16 B at a time)
+ALIGN = 64
+
+
+def _travels(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() > 0
+
+
+class StateLayout:
+    """Where each travelling leaf of one group's state sits in its byte buffer."""
+
+    def __init__(self, state):
+        leaves, self.spec = T.flatten(state)
+        self.entries = []  # (leaf index, offset, nbytes, dtype, shape)
+        at = 0
+        for i, x in enumerate(leaves):
+            if not _travels(x):
+                continue
+            nb = x.numel() * x.element_size()
+            self.entries.append((i, at, nb, x.dtype, tuple(x.shape)))
+            at += -(-nb // ALIGN) * ALIGN
+        self.nbytes = at
+
+    def views(self, buf: torch.Tensor) -> dict[int, torch.Tensor]:
+        return {i: buf[off:off + nb].view(dtype).view(shape) for i, off, nb, dtype, shape in self.entries}
+
+    def tree(self, state, views: dict[int, torch.Tensor]):
+        """``state`` with its travelling leaves replaced by ``views``."""
+        leaves, spec = T.flatten(state)
+        return T.unflatten([views.get(i, x) for i, x in enumerate(leaves)], spec)
+
+
+def _unregister(buf: torch.Tensor) -> None:
+    """Undo ``_host_buffer``'s registration (the stager's finalizer: it holds ``buf`` until then)."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    except Exception:  # pragma: no cover - interpreter shutdown
+        pass
+
+
+def _host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+    """``nbytes`` of host memory, page-locked when ``pin`` (device copies from and to it are
+    asynchronous).  Registered with ``cudaHostRegister`` rather than taken from the pinned
+    caching allocator, which rounds every block up to a power of two (an 8.2 GB state would
+    hold 16 GB); falls back to that allocator if the registration fails.  ``(buffer, registered)``."""
+    if not pin or nbytes == 0:
+        return torch.empty(nbytes, dtype=torch.uint8), False
+    page = 4096  # registered at page boundaries, whole pages (a view of a slightly larger block)
+    raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % page
+    buf = raw[start:start + nbytes]
+    try:
+        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), -(-nbytes // page) * page, 0))
+    except Exception:  # pragma: no cover - no cudart binding
+        err = -1
+    if err != 0:  # pragma: no cover - depends on the driver
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False
+    return buf, True
+
+
+def slot_size(sizes: list[int], slots: int) -> int:
+    """Bytes of one staging slot for groups of ``sizes`` bytes: the largest group that is not one
+    of the two largest, or the largest's share of all the slots, whichever is more (64-byte
+    multiples).  A group larger than a slot (an embedding, an untied head) takes every slot at
+    once; the others one each, so a 151k-vocabulary embedding does not size every slot."""
+    if not sizes:
+        return 0
+    ordered = sorted(sizes, reverse=True)
+    rest = ordered[2] if len(ordered) > 2 else ordered[-1]
+    size = max(rest, -(-ordered[0] // slots))
+    return -(-size // ALIGN) * ALIGN
+
+
+class _Slot:
+    def __init__(self, index: int, buf: torch.Tensor):
+        self.index, self.buf = index, buf
+        self.group: str | None = None  # the group fetched (or being fetched) into it
+        self.active = False  # its group's step is running (between acquire and release)
+        self.ready = None  # event: the host → device copy into it is done
+        self.free = None  # event: the device → host copy of its last occupant is done
+        self.reserved: str | None = None  # a big group that takes this slot once its step is written back
+        self.age = 0
+
+
+class StateStager:
+    """Pinned host homes and ``slots`` device staging slots for a release's group states.
+
+    ``home(group)``: the group's state tree with travelling leaves on the host (what the
+    release keeps between steps).  ``prefetch(group)`` starts a host → device copy into free
+    slots (one, or all of them for a group larger than a slot); ``acquire(group)`` returns the
+    state tree on the device (views of the slots), fetching first if no prefetch did;
+    ``release(group, new)`` copies the step's new state into the slots where the step did not
+    write in place, writes it back to the host and returns the home tree (with ``new``'s
+    scalars); ``synchronize()`` waits for every copy.
+    """
+
+    def __init__(self, layouts: dict, states, *, slots: int = 2):
+        """``layouts``: ``{group: state}`` to size the buffers from (meta tensors do: only shapes
+        and dtypes are read); ``states``: an iterable of ``(group, state)`` whose values are
+        copied to the host one at a time (a generator that inits each group's state on the
+        device, so that the whole state never exists there at once)."""
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+            raise InvalidArgument(f"offload_optimizer: slots={slots!r} must be an int >= 1")
+        self.layouts = {g: StateLayout(s) for g, s in layouts.items()}
+        self.device = None
+        self.cuda = False
+        self.host, at = {}, 0
+        total = sum(lay.nbytes for lay in self.layouts.values())
+        self._whole = None
+        self.homes = {}
+        for g, s in states:
+            if self._whole is None:  # the device is the first state's; the host buffer is made then
+                self.device = next((x.device for x in T.leaves(s) if _travels(x)), torch.device("cpu"))
+                self.cuda = self.device.type == "cuda"
+                self._whole, registered = _host_buffer(total, self.cuda)
+                if registered:
+                    weakref.finalize(self, _unregister, self._whole)
+                for h, lay in self.layouts.items():
+                    self.host[h] = self._whole[at:at + lay.nbytes]
+                    at += lay.nbytes
+            self.homes[g] = self._store(g, s)
+            del s
+        if self.device is None:
+            self.device = torch.device("cpu")
+        if self.cuda:  # the states' device copies are gone: hand their blocks back before the slots are made
+            torch.cuda.empty_cache()
+        self.slot_bytes = slot_size([lay.nbytes for lay in self.layouts.values()], slots)
+        self.stage = torch.empty(self.slot_bytes * slots, dtype=torch.uint8, device=self.device)
+        self.slots = [_Slot(i, self.stage[i * self.slot_bytes:(i + 1) * self.slot_bytes]) for i in range(slots)]
+        self.h2d = torch.cuda.Stream(self.device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(self.device) if self.cuda else None
+        self.written: dict[str, torch.cuda.Event] = {}
+        self.h2d_bytes = self.d2h_bytes = 0
+        self.fetches = self.unannounced = 0
+        self._clock = 0
+        self._views: dict[tuple[str, int], dict] = {}  # (group, first slot) -> views of the staged leaves
+
+    # -- host side ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _store(self, group: str, state):
+        """Copy ``state``'s travelling leaves into ``group``'s host buffer; the home tree (views
+        of that buffer, and ``state``'s own 0-d leaves, which stay on the device)."""
+        lay = self.layouts[group]
+        views = lay.views(self.host[group])
+        leaves, spec = T.flatten(state)
+        storages = set()
+        for i, off, nb, dtype, shape in lay.entries:
+            x = leaves[i]
+            if tuple(x.shape) != shape or x.dtype != dtype:
+                raise InvalidArgument(f"offload_optimizer: group {group!r}'s state leaf {i} changed shape or dtype")
+            key = x.untyped_storage().data_ptr()
+            if key in storages and key != 0:  # a shared buffer would be streamed as two copies
+                raise InvalidArgument(f"offload_optimizer: two leaves of group {group!r}'s chain state share "
+                                      "storage; the state must be separate tensors per leaf to be streamed")
+            storages.add(key)
+            views[i].copy_(x)
+        return T.unflatten([views.get(i, x) for i, x in enumerate(leaves)], spec)
+
+    def home(self, group: str):
+        return self.homes[group]
+
+    def host_bytes(self) -> int:
+        """Host memory the state occupies (pinned on CUDA)."""
+        return sum(h.numel() for h in self.host.values())
+
+    def staging_bytes(self) -> int:
+        """Device memory of the staging slots."""
+        return self.stage.numel()
+
+    def bytes_per_step(self) -> int:
+        """PCIe bytes of one step: every group's state in and out once."""
+        return 2 * sum(lay.nbytes for lay in self.layouts.values())
+
+    def synchronize(self) -> None:
+        """Wait for every copy (before the host buffers are read or overwritten)."""
+        if self.cuda:
+            self.d2h.synchronize()
+            self.h2d.synchronize()
+
+    def load(self, group: str, state):
+        """Replace ``group``'s state by ``state`` (a resume): into the host buffer; any staged copy is dropped."""
+        self.synchronize()
+        self._evict(group)
+        self.homes[group] = self._store(group, state)
+        return self.homes[group]
+
+    # -- device side --------------------------------------------------------------------------
+    def _slots_of(self, group: str) -> list[_Slot]:
+        return [s for s in self.slots if s.group == group]
+
+    def _staged(self, group: str) -> bool:
+        """``group`` is in the slots, or on its way there (a big group waiting for a busy slot)."""
+        return any(s.group == group or s.reserved == group for s in self.slots)
+
+    def _big(self, group: str) -> bool:
+        return self.layouts[group].nbytes > self.slot_bytes
+
+    def _evict(self, group: str) -> None:
+        """Forget a staged group that no step is using (its copy is dropped, the host has it)."""
+        for s in self.slots:
+            if s.group == group and not s.active:
+                s.group = None
+            if s.reserved == group:
+                s.reserved = None
+
+    def prefetch(self, group: str, *, evict: bool = False) -> None:
+        """Start copying ``group``'s state to the device, if it is not staged already and there
+        is room (a staged group waiting for its step is not evicted unless ``evict``).
+
+        A regular group takes one empty slot.  A group larger than a slot takes every slot: the
+        empty ones are filled now, and a slot whose group is stepping is reserved and filled as
+        soon as that group is written back (``release``), so the big group's fetch starts while
+        the group before it still steps."""
+        lay = self.layouts.get(group)
+        if lay is None or lay.nbytes == 0 or self._staged(group):
+            return
+        waiting = {s.group for s in self.slots if s.group is not None and not s.active}
+        if self._big(group):
+            if waiting and not evict:
+                return
+            for g in waiting:
+                self._evict(g)
+            self._clock += 1
+            for slot in self.slots:
+                slot.age = self._clock
+                if slot.active:
+                    slot.reserved = group
+                else:
+                    slot.group = group
+                    self._copy_in(group, slot)
+        else:
+            usable = [s for s in self.slots if not s.active and s.reserved is None and (evict or s.group is None)]
+            if not usable:
+                return
+            slot = min(usable, key=lambda s: (s.group is not None, s.age))  # an empty one, else the oldest
+            if slot.group is not None:
+                self._evict(slot.group)
+            self._clock += 1
+            slot.group, slot.age = group, self._clock
+            self._copy_in(group, slot)
+        self.h2d_bytes += lay.nbytes
+        self.fetches += 1
+        self._mark_ready(group)
+
+    def _copy_in(self, group: str, slot: _Slot) -> None:
+        """Host → device copy of ``group``'s bytes that belong in ``slot`` (the whole state for a
+        regular group; the slot's share of a big one), after the slot's last write-back and the
+        group's own."""
+        lay = self.layouts[group]
+        if self._big(group):
+            lo, hi = slot.index * self.slot_bytes, min((slot.index + 1) * self.slot_bytes, lay.nbytes)
+            dst_at = lo
+        else:
+            lo, hi, dst_at = 0, lay.nbytes, slot.index * self.slot_bytes
+        if hi <= lo:
+            return
+        src, dst = self.host[group][lo:hi], self.stage[dst_at:dst_at + hi - lo]
+        if self.cuda:
+            with torch.cuda.stream(self.h2d):
+                if slot.free is not None:
+                    self.h2d.wait_event(slot.free)
+                if group in self.written:
+                    self.h2d.wait_event(self.written[group])
+                dst.copy_(src, non_blocking=True)
+        else:
+            dst.copy_(src)
+
+    def _mark_ready(self, group: str) -> None:
+        """Once every part of ``group``'s fetch is queued: the event its step waits for."""
+        if any(s.reserved == group for s in self.slots):
+            return
+        ready = None
+        if self.cuda:
+            ready = torch.cuda.Event()
+            ready.record(self.h2d)  # the copy stream runs in order: after every part
+        for s in self._slots_of(group):
+            s.ready = ready
+
+    def acquire(self, group: str):
+        """``group``'s state on the device (views of its staging slots), ordered after its fetch."""
+        lay = self.layouts[group]
+        if lay.nbytes == 0:
+            return self.homes[group]
+        held = self._slots_of(group)
+        if not held or any(s.reserved == group for s in self.slots):
+            if held:  # pragma: no cover - a reserved slot's group is always written back before the next step
+                self._evict(group)
+            self.unannounced += 1
+            self.prefetch(group, evict=True)
+            held = self._slots_of(group)
+            if not held or any(s.reserved == group for s in self.slots):  # pragma: no cover - re-entrant step
+                raise RuntimeError(f"offload_optimizer: no free staging slot for group {group!r}")
+        for slot in held:
+            slot.active = True
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(held[0].ready)
+        return lay.tree(self.homes[group], self._device_views(group, held[0].index))
+
+    def _device_views(self, group: str, first: int) -> dict:
+        key = (group, first)
+        views = self._views.get(key)
+        if views is None:
+            lay = self.layouts[group]
+            at = first * self.slot_bytes
+            views = self._views[key] = lay.views(self.stage[at:at + lay.nbytes])
+        return views
+
+    @torch.no_grad()
+    def release(self, group: str, new_state):
+        """After ``group``'s step: its new state written back to the host; the home tree."""
+        lay = self.layouts[group]
+        if lay.nbytes == 0:
+            self.homes[group] = new_state
+            return new_state
+        held = self._slots_of(group)
+        views = self._device_views(group, held[0].index)
+        leaves, spec = T.flatten(new_state)
+        if spec != lay.spec:
+            raise InvalidArgument(f"offload_optimizer: the chain returned a state of another structure for {group!r}")
+        for i, v in views.items():
+            x = leaves[i]
+            if x.data_ptr() != v.data_ptr():  # the plain path returns new tensors; the fused one writes in place
+                v.copy_(x)
+        home_views = self._views.get((group, -1))
+        if home_views is None:
+            home_views = self._views[(group, -1)] = lay.views(self.host[group])
+        home = T.unflatten([home_views.get(i, x) for i, x in enumerate(leaves)], spec)
+        start = held[0].index * self.slot_bytes
+        src, dst = self.stage[start:start + lay.nbytes], self.host[group]
+        if self.cuda:
+            stepped = torch.cuda.Event()
+            stepped.record(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.d2h):
+                self.d2h.wait_event(stepped)
+                dst.copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.d2h)
+            self.written[group] = done
+        else:
+            dst.copy_(src)
+            done = None
+        for slot in held:  # free once ``done`` has fired (every later copy into it waits for it)
+            slot.active, slot.group, slot.free = False, None, done
+            if slot.reserved is not None:  # a big group waited for this slot: its share comes now
+                slot.group, slot.reserved = slot.reserved, None
+                self._copy_in(slot.group, slot)
+                self._mark_ready(slot.group)
+        self.d2h_bytes += lay.nbytes
+        self.homes[group] = home
+        return home
+
+
+class OffloadedRelease(GradientRelease):
+    """``GradientRelease`` with each group's chain state in host memory, streamed through
+    ``slots`` device staging buffers inside backward.  See the module docstring.
+
+    Takes ``GradientRelease``'s arguments, plus ``slots`` (staging slots, ``slot_size`` each;
+    2: one group steps while the next one's state arrives).
+    """
+
+    def __init__(self, chain, model, *, slots: int = 2, **kw):
+        self._slots = slots
+        super().__init__(chain, model, **kw)
+        self._order = list(reversed(list(self.groups)))  # first guess: backward runs the layers in reverse
+        self._seen: list[str] = []
+
+    def _init_states(self) -> dict:
+        """Each group's state made on the device and moved to the host before the next one's is
+        made (the whole state never exists on the device); the buffers sized from a meta init."""
+        shapes = {g: self.chain.init({n: torch.empty_like(t, device="meta") for n, t in
+                                      self._group_tensors(g)[0].items()}) for g in self.groups}
+        self.stager = StateStager(shapes, ((g, self.chain.init(self._group_tensors(g)[0])) for g in self.groups),
+                                  slots=self._slots)
+        return {g: self.stager.home(g) for g in self.groups}
+
+    def _expected_after(self, group: str | None) -> list[str]:
+        """The next groups backward should complete after ``group`` (the first ones for None)."""
+        n = len(self.stager.slots)
+        if group is None:
+            return self._order[:n]
+        try:
+            i = self._order.index(group)
+        except ValueError:
+            return []
+        return self._order[i + 1:i + n]
+
+    def _begin(self) -> None:
+        super()._begin()
+        self._seen = []
+        for g in self._expected_after(None):
+            self.stager.prefetch(g)
+
+    @torch.no_grad()
+    def _step_group(self, group: str) -> None:
+        self.states[group] = self.stager.acquire(group)
+        for g in self._expected_after(group):
+            self.stager.prefetch(g)
+        try:
+            super()._step_group(group)
+        finally:
+            self.states[group] = self.stager.release(group, self.states[group])
+        self._seen.append(group)
+        for g in self._expected_after(group):  # room again (a group larger than a slot held them all)
+            self.stager.prefetch(g)
+
+    def finish(self) -> None:
+        active = self._arrivals.active
+        super().finish()
+        if active:
+            if sorted(self._seen) == sorted(self.groups):
+                self._order = list(self._seen)
+            for i, g in enumerate(self._expected_after(None)):  # the next step's first groups, during its forward
+                self.stager.prefetch(g, evict=i == 0)  # (a staged group that this step never used makes room)
+
+    def state_dict(self, device=None):
+        self.stager.synchronize()
+        return super().state_dict(device)
+
+    @torch.no_grad()
+    def load_state_dict(self, d) -> None:
+        self.stager.synchronize()
+        super().load_state_dict(d)
+        self.states = {g: self.stager.load(g, s) for g, s in self.states.items()}
+
+    def offload_stats(self) -> dict:
+        """Host bytes of the state, device staging bytes, PCIe bytes moved so far and per step."""
+        s = self.stager
+        return {"host_state_bytes": s.host_bytes(), "staging_bytes": s.staging_bytes(),
+                "pcie_bytes_per_step": s.bytes_per_step(), "h2d_bytes": s.h2d_bytes, "d2h_bytes": s.d2h_bytes,
+                "fetches": s.fetches, "unannounced_fetches": s.unannounced}

@@ -1,0 +1,134 @@
+"""``pgs run --nproc`` over several hosts and the evidence a hang leaves (issue 24, item 9):
+torchrun's rendezvous options are handed through as they are (the exact command is checked),
+and the workers get NCCL's flight recorder with its dump-on-timeout file inside the run folder
+(from the launcher's environment, or set by ``fsdp.init`` itself under a plain torchrun)."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import sys
+
+import pytest
+
+from pgs.cli import main
+from pgs.runtime.dist import fsdp, launch
+from test_train import tiny_spec
+
+RECORDER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+            "TORCH_NCCL_ENABLE_MONITORING", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
+class _Child:
+    """What ``subprocess.Popen`` would return for torchrun: it exits 0 at once."""
+
+    def __init__(self, cmd, stderr=None, env=None):
+        self.cmd, self.env = cmd, env
+        self.stderr = io.BytesIO(b"")
+
+    def wait(self):
+        return 0
+
+    def send_signal(self, signum):
+        pass
+
+
+@pytest.fixture
+def started(monkeypatch):
+    seen: list[_Child] = []
+
+    def popen(cmd, **kwargs):
+        seen.append(_Child(cmd, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    for name in RECORDER:
+        monkeypatch.delenv(name, raising=False)
+    return seen
+
+
+def test_standalone_command_is_unchanged():
+    assert launch.torchrun_command(2, ["run", "s.toml"], grace_s=60, python="py") == [
+        "py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--shutdown-timeout=60",
+        "-m", "pgs", "run", "s.toml"]
+
+
+def test_rendezvous_options_replace_standalone():
+    rdzv = launch.Rendezvous(nnodes="2", node_rank=1, master_addr="node0", master_port=29400)
+    assert launch.torchrun_command(4, ["run", "s.toml"], grace_s=5, python="py", rendezvous=rdzv) == [
+        "py", "-m", "torch.distributed.run", "--nnodes=2", "--node-rank=1", "--master-addr=node0",
+        "--master-port=29400", "--nproc-per-node=4", "--shutdown-timeout=5", "-m", "pgs", "run", "s.toml"]
+
+
+def test_pgs_run_hands_the_rendezvous_to_torchrun(tmp_path, started, monkeypatch):
+    monkeypatch.setenv(launch.GRACE_ENV, "77")
+    spec = tiny_spec(tmp_path)
+    code = main(["run", str(spec), "--nproc", "2", "--nnodes", "2:4", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", "head:29500", "--rdzv-id", "job42", "--set", "train.steps=3"])
+    assert code == 0 and len(started) == 1
+    assert started[0].cmd == [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2:4", "--rdzv-endpoint=head:29500",
+        "--rdzv-id=job42", "--rdzv-backend=c10d", "--nproc-per-node=2", "--shutdown-timeout=77",
+        "-m", "pgs", "run", str(spec), "--set", "train.steps=3"]
+    env, run_dir = started[0].env, tmp_path / "run"
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == env["TORCH_FR_BUFFER_SIZE"] == str(fsdp.TRACE_BUFFER_SIZE)
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == env["TORCH_NCCL_ENABLE_MONITORING"] == "1"
+    prefix = str(run_dir / "nccl_trace" / "rank_")
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == env["TORCH_FR_DUMP_TEMP_FILE"] == prefix
+    assert (run_dir / "nccl_trace").is_dir()  # the recorder writes files, not their folder
+
+
+def test_a_single_host_run_also_gets_the_recorder(tmp_path, started, monkeypatch):
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's own setting wins
+    assert main(["run", str(tiny_spec(tmp_path)), "--nproc", "2"]) == 0
+    cmd, env = started[0].cmd, started[0].env
+    assert "--standalone" in cmd and not any(c.startswith("--nnodes") for c in cmd)
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and "TORCH_FR_BUFFER_SIZE" not in env
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "nccl_trace" / "rank_")
+
+
+def test_only_the_first_host_refuses_an_existing_run(tmp_path, started):
+    spec = tiny_spec(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")  # host 0 started the shared folder already
+    assert main(["run", str(spec), "--nnodes", "2", "--node-rank", "1", "--master-addr", "h",
+                 "--master-port", "1234"]) == 0
+    assert main(["run", str(spec), "--nnodes", "2", "--node-rank", "0", "--master-addr", "h",
+                 "--master-port", "1234"]) == 2
+    assert len(started) == 1
+
+
+@pytest.mark.parametrize("argv, field", [(["--nnodes", "0"], "--nnodes"), (["--nnodes", "two"], "--nnodes"),
+                                        (["--node-rank", "-1"], "--node-rank"),
+                                        (["--master-port", "70000"], "--master-port")])
+def test_bad_rendezvous_options_are_one_line(tmp_path, started, capsys, argv, field):
+    assert main(["run", str(tiny_spec(tmp_path)), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0] and not started
+
+
+def test_the_world_size_counts_every_host(tmp_path, started, capsys):
+    """batch_size 4 with grad_accum 2 splits over 2 processes, not over 2 hosts x 2."""
+    assert main(["run", str(tiny_spec(tmp_path)), "--nproc", "2", "--nnodes", "2", "--node-rank", "0",
+                 "--master-addr", "h", "--master-port", "1"]) == 2
+    assert "4 processes" in capsys.readouterr().err and not started
+
+
+def test_init_sets_the_recorder_under_a_plain_torchrun(tmp_path, monkeypatch):
+    """A worker started by torchrun directly (no ``pgs run --nproc``): ``fsdp.init`` sets the
+    recorder's settings the environment lacks before the group opens."""
+    for name in RECORDER:
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    try:
+        ctx = fsdp.init(device="cpu", single=True, trace_dir=str(tmp_path / "run"))
+        assert ctx.backend == "gloo"
+        assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "nccl_trace" / "rank_")
+        assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and (tmp_path / "run" / "nccl_trace").is_dir()
+    finally:
+        fsdp.shutdown()

@@ -1,0 +1,342 @@
+"""``memory.offload_optimizer``: the release's chain state in host memory, streamed through device
+staging slots inside backward, equals the on-device release bit for bit; checkpoints are the
+same and a resume is exact; refused without gradient release and with several processes.
+
+On the CPU the "device" and the host coincide, but the staging path runs all the same: the
+state lives in each group's host buffer, is copied into a staging slot, stepped there and
+copied back (``StateStager``).  The ``cuda`` tests run the side streams and events."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+import pgs.func as pf
+from pgs.errors import SpecError
+from pgs.func import tree as T
+from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
+from pgs.runtime.optim.offload import OffloadedRelease, StateStager, slot_size
+from pgs.runtime.optim.release import GradientRelease
+from pgs.runtime.spec.sections import MemorySpec
+from test_release import VOCAB, batches, loss_of, tiny_model
+from test_release_slabs import step as slab_step
+
+CHAINS = {  # 8-bit state on the tiny model's matrices (blocks of 64), fp32 state for AdamW
+    "lion8bit": lambda: pf.lion8bit(1e-3, weight_decay=0.1, block_size=64, min_8bit_size=256),
+    "adamw8bit": lambda: pf.adamw8bit(1e-2, weight_decay=0.1, block_size=64, min_8bit_size=256),
+    "adamw": lambda: pf.adamw(1e-2, weight_decay=0.1),
+}
+
+
+def run(model, rel, data):
+    for ids in data:
+        loss_of(model, ids).backward()
+        assert all(p.grad is None for p in model.parameters())
+    return rel
+
+
+def assert_same(a, b, ra, rb):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+    da, db = ra.state_dict("cpu"), rb.state_dict("cpu")
+    assert sorted(da) == sorted(db)
+    for k in da:
+        assert da[k].dtype == db[k].dtype and torch.equal(da[k], db[k]), k
+
+
+def host_storages(rel):
+    return {h.untyped_storage().data_ptr() for h in rel.stager.host.values()}
+
+
+@pytest.mark.parametrize("name", sorted(CHAINS))
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_equals_on_device_release(name, slots):
+    data = batches(4)
+    a, b = tiny_model(), tiny_model()
+    ref = run(a, GradientRelease(CHAINS[name](), a), data)
+    rel = run(b, OffloadedRelease(CHAINS[name](), b, slots=slots), data)
+    assert_same(a, b, ref, rel)
+    assert rel.counts() == {4} and rel.steps == 4
+    assert rel.metrics().lr == ref.metrics().lr and rel.grad_norm() == ref.grad_norm()
+    # between steps every travelling leaf is a view of its group's host buffer, not of a slot
+    homes = host_storages(rel)
+    slot_storages = {s.buf.untyped_storage().data_ptr() for s in rel.stager.slots}
+    for g, state in rel.states.items():
+        for x in T.leaves(state):
+            if isinstance(x, torch.Tensor) and x.dim() > 0:
+                assert x.untyped_storage().data_ptr() in homes and x.untyped_storage().data_ptr() not in slot_storages
+    st = rel.offload_stats()
+    assert st["d2h_bytes"] == 4 * st["pcie_bytes_per_step"] // 2
+    sizes = sorted((lay.nbytes for lay in rel.stager.layouts.values()), reverse=True)
+    assert st["staging_bytes"] == slots * slot_size(sizes, slots)
+    if slots > 1:  # the two layers' states are the largest, each over a slot: each step takes every slot
+        assert sizes[0] > slot_size(sizes, slots) >= sizes[2]
+    assert st["host_state_bytes"] >= pf.state_bytes(ref.states) - 8 * 64 * len(ref.states)
+
+
+def test_order_is_learned():
+    """After the first backward the groups are fetched in the order backward completes them:
+    no fetch on demand, one fetch per group per step (plus the next step's first ones)."""
+    data = batches(3)
+    m = tiny_model(layers=3)
+    rel = OffloadedRelease(CHAINS["lion8bit"](), m, groups="parameter")
+    rel._order = list(rel.groups)  # a wrong first guess (forward order): groups arrive unannounced
+    run(m, rel, data[:1])
+    first = rel.stager.unannounced
+    assert first > 0
+    before = rel.stager.fetches
+    run(m, rel, data[1:])
+    assert rel.stager.unannounced == first
+    n = len(rel.groups)
+    assert rel.stager.fetches - before == 2 * n  # the first two were fetched at the end of step 1
+
+
+def test_resume_is_exact(tmp_path):
+    """state_dict of an offloaded release loads into a fresh one (and into an on-device one):
+    the run continues exactly as without the interruption."""
+    from safetensors.torch import load_file, save_file
+
+    data = batches(4)
+    chain = CHAINS["adamw8bit"]
+    a = tiny_model()
+    straight = run(a, OffloadedRelease(chain(), a), data)
+    b = tiny_model()
+    first = run(b, OffloadedRelease(chain(), b), data[:2])
+    save_file(first.state_dict("cpu"), tmp_path / "opt.safetensors")
+    weights = {n: p.detach().clone() for n, p in b.named_parameters()}
+    for cls in (OffloadedRelease, GradientRelease):
+        c = tiny_model()
+        with torch.no_grad():
+            for n, p in c.named_parameters():
+                p.copy_(weights[n])
+        rel = cls(chain(), c)
+        rel.load_state_dict(load_file(tmp_path / "opt.safetensors"))
+        run(c, rel, data[2:])
+        assert_same(a, c, straight, rel)
+
+
+def test_tied_slabs_offloaded():
+    """The 4B recipe's path: the tied embedding stepped in row slabs at the end of backward,
+    with the deferred head gradient, from a staged state."""
+    data = batches(3)
+    a, b = tiny_model(), tiny_model()
+    ref = GradientRelease(CHAINS["lion8bit"](), a, tied_slabs=10)
+    rel = OffloadedRelease(CHAINS["lion8bit"](), b, tied_slabs=10)
+    for ids in data:
+        slab_step(a, ids, ref)
+        slab_step(b, ids, rel)
+    assert_same(a, b, ref, rel)
+
+
+def test_stager_copies_through_a_slot():
+    """The staging class alone: acquire hands out views of a slot (not the host buffer), a step
+    writing in place or returning new tensors is written back, 0-d leaves stay put."""
+    x = {"m": torch.arange(10.0), "codes": torch.arange(7, dtype=torch.uint8), "count": torch.tensor(3)}
+    y = {"m": torch.ones(3), "codes": torch.zeros(130, dtype=torch.uint8), "count": torch.tensor(3)}
+    st = StateStager({"a": x, "b": y}, {"a": x, "b": y}.items(), slots=1)
+    home = st.home("a")
+    assert home["count"] is x["count"] and torch.equal(home["m"], x["m"])
+    dev = st.acquire("a")
+    assert dev["m"].untyped_storage().data_ptr() == st.slots[0].buf.untyped_storage().data_ptr()
+    assert dev["m"].data_ptr() % 64 == 0 and dev["codes"].data_ptr() % 64 == 0
+    dev["m"].mul_(2)  # in place, as the fused kernels do
+    new = {"m": dev["m"], "codes": dev["codes"] + 1, "count": dev["count"] + 1}  # new tensors, as the plain path
+    home = st.release("a", new)
+    assert torch.equal(home["m"], 2 * torch.arange(10.0)) and torch.equal(home["codes"], x["codes"] + 1)
+    assert int(home["count"]) == 4
+    assert st.h2d_bytes == st.d2h_bytes == st.layouts["a"].nbytes
+    assert st.slot_bytes == 256  # "b": 3 fp32 (padded to 64) + 130 codes (padded to 192)
+    with pytest.raises(Exception, match="another structure"):
+        st.acquire("b")
+        st.release("b", {"m": y["m"]})
+
+
+def test_stager_big_group_waits_for_the_busy_slot():
+    """A group larger than a slot takes both: the free slot is filled at once, the one whose
+    group is stepping is reserved and filled when that group is written back."""
+    a, b, c = {"m": torch.arange(40.0)}, {"m": torch.arange(16.0)}, {"m": -torch.arange(16.0)}
+    states = {"a": a, "b": b, "c": c}
+    st = StateStager(states, states.items(), slots=2)
+    assert st.slot_bytes == 128 and st._big("a") and not st._big("b")  # 160 B (192 padded) over 2 slots
+    db = st.acquire("b")
+    st.prefetch("a")
+    held = {s.index: (s.group, s.reserved) for s in st.slots}
+    busy = next(s.index for s in st.slots if s.active)
+    assert held[busy] == ("b", "a") and held[1 - busy] == ("a", None)
+    st.prefetch("c")  # no room: nothing happens
+    assert not st._slots_of("c")
+    st.release("b", {"m": db["m"] + 1})
+    assert all(s.group == "a" and s.reserved is None for s in st.slots)
+    da = st.acquire("a")
+    assert torch.equal(da["m"], torch.arange(40.0)) and st.unannounced == 1
+    st.release("a", {"m": da["m"] * 2})
+    assert torch.equal(st.home("a")["m"], 2 * torch.arange(40.0))
+    assert torch.equal(st.home("b")["m"], torch.arange(16.0) + 1)
+    dc = st.acquire("c")  # unannounced: fetched on demand
+    assert torch.equal(dc["m"], -torch.arange(16.0)) and st.unannounced == 2
+
+
+def _memory(**kw):
+    return attrs.evolve(MemorySpec(), **kw)
+
+
+def test_refusals():
+    m = tiny_model()
+    with pytest.raises(SpecError, match="offload_optimizer.*gradient_release = true"):
+        make_optimizer(CHAINS["lion8bit"](), m, _memory(offload_optimizer=True))
+    with pytest.raises(SpecError, match="offload_optimizer.*one process"):
+        make_optimizer(CHAINS["lion8bit"](), m, _memory(offload_optimizer=True, gradient_release=True), sharded=True)
+    rel = make_optimizer(CHAINS["lion8bit"](), m, _memory(offload_optimizer=True, gradient_release=True))
+    assert type(rel) is OffloadedRelease and isinstance(rel, Optimizer) and rel.in_backward
+    assert isinstance(rel.metrics(), StepMetrics) and rel.state_bytes() > 0
+
+
+def test_spec_switch(tmp_path):
+    from pgs.runtime.spec.load import load_spec
+
+    base = (tmp_path / "s.toml")
+    base.write_text('[model]\nconfig = { model_type = "qwen3", hidden_size = 32, intermediate_size = 64, '
+                    'num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8 }\n'
+                    'tokenizer = "pgs:quickstart/tokenizer"\n'
+                    '[data]\nsources = [{ path = "pgs:bench/chats.jsonl" }]\n[train]\nsteps = 2\n'
+                    '[optimizer]\nalias = "lion8bit"\nclip = 0.0\n'
+                    '[memory]\noffload_optimizer = true\n')
+    with pytest.raises(SpecError, match="memory.offload_optimizer"):
+        load_spec(base)
+
+
+# -- CUDA: the side streams, events and pinned memory, the fused 8-bit kernels -----------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def distinct_batches(n, seed=1):
+    """``batches``' shape with no token twice in a step: the embedding's backward then adds no two
+    rows into one (a CUDA index_add_ with collisions sums in an order that can vary run to run)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randperm(VOCAB, generator=g)[:24].view(2, 12) for _ in range(n)]
+
+
+@pytest.fixture
+def math_attention():
+    """Attention through the math backend: the two models' backward passes are then the same
+    kernels with no atomics (flash / memory-efficient attention's dQ accumulation may differ in
+    the last bit between two runs), so any difference is the offload's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("name", ["lion8bit", "adamw8bit"])
+def test_cuda_fused_bf16_equals_on_device(name, math_attention):
+    """bf16 weights with stochastic rounding and the fused 8-bit kernels, on a GPU: the state
+    streamed through pinned memory and side streams gives the same bits as the state kept on
+    the device, step after step (the compute stream waits for each fetch, each fetch for the
+    slot's and the group's last write-back)."""
+    data = [ids.cuda() for ids in distinct_batches(5)]
+    a, b = tiny_model(torch.bfloat16, layers=4).cuda(), tiny_model(torch.bfloat16, layers=4).cuda()
+    ref = GradientRelease(CHAINS[name](), a, stochastic_rounding=True)
+    rel = OffloadedRelease(CHAINS[name](), b, stochastic_rounding=True)
+    assert all(h.is_pinned() for h in rel.stager.host.values() if h.numel())
+    run(a, ref, data)
+    run(b, rel, data)
+    torch.cuda.synchronize()
+    assert rel.fused_group_steps == ref.fused_group_steps > 0
+    assert_same(a, b, ref, rel)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("slow", ["compute", "h2d", "d2h"])
+def test_cuda_a_slow_stream_does_not_race(slow, math_attention):
+    """Long kernels queued on one stream before each backward — the compute stream (steps late:
+    the write-backs must wait for them), the fetch stream (copies late: the steps must wait for
+    them) or the write-back stream (slots freed late: the next fetch into a slot must wait) —
+    and the result still equals the on-device release bit for bit."""
+    data = [ids.cuda() for ids in distinct_batches(4)]
+    a, b = tiny_model(layers=3).cuda(), tiny_model(layers=3).cuda()
+    ref = GradientRelease(CHAINS["adamw8bit"](), a)
+    rel = OffloadedRelease(CHAINS["adamw8bit"](), b, slots=2)
+    stream = {"compute": torch.cuda.current_stream(), "h2d": rel.stager.h2d, "d2h": rel.stager.d2h}[slow]
+    big = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    for ids in data:
+        loss_of(a, ids).backward()
+        with torch.cuda.stream(stream):
+            for _ in range(20):
+                big = torch.tanh(big @ big / 64)
+        loss_of(b, ids).backward()
+    rel.state_dict()  # synchronizes with the copies
+    torch.cuda.synchronize()
+    assert_same(a, b, ref, rel)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_tied_slabs_and_resume(tmp_path, math_attention):
+    from safetensors.torch import load_file, save_file
+
+    data = [ids.cuda() for ids in distinct_batches(4)]
+    a, b = tiny_model(torch.bfloat16).cuda(), tiny_model(torch.bfloat16).cuda()
+    ref = GradientRelease(CHAINS["lion8bit"](), a, tied_slabs=10, stochastic_rounding=True)
+    rel = OffloadedRelease(CHAINS["lion8bit"](), b, tied_slabs=10, stochastic_rounding=True)
+    for ids in data[:2]:
+        slab_step(a, ids, ref)
+        slab_step(b, ids, rel)
+    save_file(rel.state_dict("cpu"), tmp_path / "o.safetensors")
+    rel.remove()
+    rel2 = OffloadedRelease(CHAINS["lion8bit"](), b, tied_slabs=10, stochastic_rounding=True)
+    rel2.load_state_dict(load_file(tmp_path / "o.safetensors"))
+    for ids in data[2:]:
+        slab_step(a, ids, ref)
+        slab_step(b, ids, rel2)
+    assert_same(a, b, ref, rel2)
+
+
+@pytest.mark.parametrize("name", ["lion8bit", "adamw"])
+def test_profile_prediction_exact(name):
+    """``predict_memory(..., offload_optimizer=True)``: the device's state is the staging slots,
+    the host's and the PCIe bytes what the real release holds and moves."""
+    from pgs.runtime.tools.profile import predict_memory
+
+    m = tiny_model(layers=3)
+    rel = OffloadedRelease(CHAINS[name](), m)
+    pred = predict_memory(m.config, dtype=torch.float32, chain=CHAINS[name](), gradient_release=True,
+                          offload_optimizer=True, micro_batch_tokens=24)
+    assert pred["optimizer_state"] == rel.offload_stats()["staging_bytes"]
+    assert pred["host_state"] == rel.offload_stats()["host_state_bytes"]
+    assert pred["pcie_per_step"] == rel.offload_stats()["pcie_bytes_per_step"]
+    on_device = predict_memory(m.config, dtype=torch.float32, chain=CHAINS[name](), gradient_release=True,
+                               micro_batch_tokens=24)
+    assert on_device["optimizer_state"] > pred["optimizer_state"] and "host_state" not in on_device
+
+
+@pytest.mark.slow
+def test_pgs_run_offloaded_sigkill_resume_equals_on_device_run(tmp_path):
+    """Through ``pgs run``: the offloaded run, killed after step 4 and resumed from its step-3
+    checkpoint, ends with the weights and optimizer file of the on-device release run."""
+    import signal
+    import subprocess
+
+    from pgs.runtime.loop.faults import Faults
+    from test_train import ROOT, assert_same_checkpoint, child_env, command
+    from test_train_release import release_spec
+
+    ref = release_spec(tmp_path, "ref")
+    done = subprocess.run(command(ref), cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    spec = release_spec(tmp_path, "run")
+    spec.write_text(spec.read_text() + "offload_optimizer = true\n")
+    first = subprocess.run(command(spec), cwd=ROOT, env=child_env(**Faults(crash_at=("step", 5)).env()),
+                           capture_output=True, text=True, timeout=240)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    assert "optimizer state in host memory" in first.stdout + first.stderr
+    resumed = subprocess.run(command(spec, "auto"), cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                             timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_3" in resumed.stderr
+    assert_same_checkpoint(tmp_path / "run" / "step_6", tmp_path / "ref" / "step_6")  # weights and optimizer bits
