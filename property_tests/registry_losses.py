@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from pgs.func.losses import PREFERENCE_KINDS, REFERENCE_FREE, preference_loss, router_stats, sequence_logps
+from pgs.func.losses import (DISTILL_KINDS, PREFERENCE_KINDS, REFERENCE_FREE, distill_loss, preference_loss, router_stats,
+                             sequence_logps)
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 
@@ -128,6 +129,32 @@ def _router_entry(top_k: int, masked: bool) -> LossEntry:
                      covers=("router_stats",))
 
 
+# ---- distill_loss: sums over the masked tokens of rows; rows add up -------------------------
+
+
+def _distill_entry(kind: str, **hyper) -> LossEntry:
+    V, D, Dt, S = 9, 4, 6, 5
+
+    def draw(gen, n, dtype):
+        hs = torch.randn(n, S, D, generator=gen, dtype=F64).to(dtype)
+        Ws = torch.randn(V, D, generator=gen, dtype=F64).to(dtype)
+        ht = torch.randn(n, S, Dt, generator=gen, dtype=F64).to(dtype)
+        Wt = torch.randn(V, Dt, generator=gen, dtype=F64).to(dtype)
+        mask = torch.rand(n, S, generator=gen) < 0.6
+        return Inputs((hs, Ws, ht, Wt, mask), dict(kind=kind, chunk_size=4, **hyper), grad=(0, 1))
+
+    def split(inp, k):
+        hs, Ws, ht, Wt, mask = inp.args
+        return (Inputs((hs[:k], Ws, ht[:k], Wt, mask[:k]), inp.kwargs, inp.grad),
+                Inputs((hs[k:], Ws, ht[k:], Wt, mask[k:]), inp.kwargs, inp.grad))
+
+    def combine(a, b):
+        return tuple(x + y for x, y in zip(a, b))
+
+    name = ",".join([kind, *(f"{k}={v}" for k, v in hyper.items())])
+    return LossEntry(f"distill_loss[{name}]", distill_loss, draw, split, combine, covers=("distill_loss", kind))
+
+
 ENTRIES = [
     _preference_entry("dpo"),
     _preference_entry("dpo", label_smoothing=0.1, beta=0.5),
@@ -140,7 +167,11 @@ ENTRIES = [
     _sequence_entry(3.0),
     _router_entry(1, False),
     _router_entry(2, True),
+    _distill_entry("forward_kl"),
+    _distill_entry("reverse_kl", temperature=2.0),
+    _distill_entry("jsd"),
+    _distill_entry("jsd", beta=0.1, temperature=0.7),
 ]
 
-#: The names that must be covered: both preference entry points and every kind.
-REQUIRED = ("preference_loss", "sequence_logps", *PREFERENCE_KINDS)
+#: The names that must be covered: every loss entry point and every kind.
+REQUIRED = ("preference_loss", "sequence_logps", *PREFERENCE_KINDS, "distill_loss", *DISTILL_KINDS, "router_stats")

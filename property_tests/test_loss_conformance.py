@@ -32,7 +32,7 @@ def tensors(inp: Inputs):
     return [a for a in (*inp.args, *inp.kwargs.values()) if isinstance(a, torch.Tensor)]
 
 
-def test_every_preference_name_is_registered():
+def test_every_loss_name_is_registered():
     covered = {c for e in ENTRIES for c in e.covers}
     assert not set(REQUIRED) - covered, f"not registered in registry_losses.py: {sorted(set(REQUIRED) - covered)}"
     assert len({e.name for e in ENTRIES}) == len(ENTRIES)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -43,24 +44,36 @@ def tool_call(city: str) -> str:
 
 
 class Scripted(torch.nn.Module):
-    """A stand-in for a causal LM: ``generate`` appends ``script(prompt_text, turn)`` (and eos)
-    to each left-padded prompt; ``turn`` counts the assistant turns already in the prompt."""
+    """A stand-in for a causal LM, driven by ``pgs.runtime.model.generate``: on the prompt's
+    forward it decodes each left-padded row and plans the reply ``script(prompt_text, turn)``
+    (and eos); each forward then returns logits that put the next planned token first (eos once
+    the reply is out).  ``turn`` counts the assistant turns already in the prompt."""
 
     def __init__(self, tokenizer, script):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.config = None
         self.tokenizer, self.script, self.prompts = tokenizer, script, []
+        self.plans, self.step = [], 0
 
-    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **_):
-        rows = []
-        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
-            text = self.tokenizer.decode([t for t, m in zip(ids, mask) if m])
-            self.prompts.append(text)
-            turn = text.count("<|im_start|>assistant") - 1
-            reply = self.tokenizer(self.script(text, turn) + "<|im_end|>", add_special_tokens=False)["input_ids"]
-            rows.append(ids + reply[:max_new_tokens])
-        width = max(len(r) for r in rows)
-        return torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows])
+    def forward(self, input_ids, attention_mask, cache=None, **_):
+        if cache.get_seq_length() == 0:  # the prompt's forward: plan every row's reply
+            self.plans, self.step = [], 0
+            for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+                text = self.tokenizer.decode([t for t, m in zip(ids, mask) if m])
+                self.prompts.append(text)
+                turn = text.count("<|im_start|>assistant") - 1
+                self.plans.append(self.tokenizer(self.script(text, turn) + "<|im_end|>",
+                                                 add_special_tokens=False)["input_ids"])
+        # the cache only counts tokens here (nothing attends): one slot per forwarded position
+        k = torch.zeros(input_ids.shape[0], 1, input_ids.shape[1], 1)
+        cache.update(k, k, 0)
+        eos = self.tokenizer.eos_token_id
+        logits = torch.zeros(input_ids.shape[0], 1, len(self.tokenizer))
+        for row, plan in enumerate(self.plans):
+            logits[row, 0, plan[self.step] if self.step < len(plan) else eos] = 1.0
+        self.step += 1
+        return SimpleNamespace(logits=logits)
 
 
 @pytest.fixture(scope="module")

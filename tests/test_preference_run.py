@@ -16,7 +16,7 @@ from pgs.runtime.loop.train import run
 from pgs.runtime.spec.load import load_spec
 from pgs.runtime.store import reference as cache
 from pgs.runtime.tools.report import write_report
-from test_train import assert_same_checkpoint, launch, records, step_records
+from test_train import assert_same_checkpoint, launch, records, run_plain_and_released, step_records
 
 pytestmark = pytest.mark.slow  # ~3 minutes on two busy CPU cores
 
@@ -197,14 +197,7 @@ def test_live_reference_and_reference_free_kinds(uninterrupted, tmp_path):
 def test_gradient_release_trains_the_same_objective(tmp_path):
     """With the chain inside backward (``memory.gradient_release``) the step agrees on the pair
     loss before backward and steps as the plain binder does (to float rounding)."""
-    text = write_spec(tmp_path, "plain", steps=3).read_text()
-    text = text.replace("grad_accum = 2", "grad_accum = 1").replace('alias = "adamw"', 'alias = "adamw"\nclip = 0.0')
-    (tmp_path / "plain.toml").write_text(text)
-    released = text.replace(str(tmp_path / "plain"), str(tmp_path / "released")) + "\n[memory]\ngradient_release = true\n"
-    (tmp_path / "released.toml").write_text(released)
-    assert run(load_spec(tmp_path / "plain.toml")) == 0
-    assert run(load_spec(tmp_path / "released.toml")) == 0
-    a, b = step_records(tmp_path / "plain"), step_records(tmp_path / "released")
+    a, b = run_plain_and_released(tmp_path, write_spec(tmp_path, "plain", steps=3).read_text())
     assert len(a) == len(b) == 3
     for x, y in zip(a, b):
         assert x["pairs"] == y["pairs"]

@@ -116,6 +116,21 @@ def step_records(run_dir: Path) -> list[dict]:
     return [r for r in records(run_dir) if "loss" in r]
 
 
+def run_plain_and_released(tmp_path: Path, text: str) -> tuple[list[dict], list[dict]]:
+    """Run the spec ``text`` (written for run folder ``tmp_path / "plain"``) as it is, with one
+    micro-batch a step and no clip, and again with ``memory.gradient_release``; both step records."""
+    from pgs.runtime.loop.train import run
+    from pgs.runtime.spec.load import load_spec
+
+    text = text.replace("grad_accum = 2", "grad_accum = 1").replace('alias = "adamw"', 'alias = "adamw"\nclip = 0.0')
+    (tmp_path / "plain.toml").write_text(text)
+    released = text.replace(str(tmp_path / "plain"), str(tmp_path / "released")) + "\n[memory]\ngradient_release = true\n"
+    (tmp_path / "released.toml").write_text(released)
+    assert run(load_spec(tmp_path / "plain.toml")) == 0
+    assert run(load_spec(tmp_path / "released.toml")) == 0
+    return step_records(tmp_path / "plain"), step_records(tmp_path / "released")
+
+
 def assert_same_tensors(a: dict, b: dict, what: str) -> None:
     assert sorted(a) == sorted(b), f"{what}: different keys"
     for k in a:

@@ -5,9 +5,11 @@ Backends (same signature, chosen by ``token_loss(..., backend=...)``):
 (CUDA fused kernels, cross-entropy only).  Objectives: ``ce``, ``deft``, ``deft_cayley``,
 ``dft``, ``infosft``, ``cadft``, ``deformed_log`` (EQUATIONS.md C1-C4).  Embedding noise: ``neftune``,
 ``symnoise`` (C7).  Preference losses: ``preference_loss`` (DPO, IPO, SLiC hinge, DPOP,
-SimPO, ORPO) on per-sequence log-probs from ``sequence_logps``.  Mixture-of-experts router
-statistics and losses: ``router_stats``, ``load_balance_loss``, ``router_z_loss`` (docs/moe.md).  See docs/losses.md and
-docs/techniques/preference.md.
+SimPO, ORPO) on per-sequence log-probs from ``sequence_logps``.  Distillation:
+``distill_loss`` (forward KL, reverse KL, GKD's JSD(β)) between a student's and a teacher's
+head, chunked.  Mixture-of-experts router statistics and losses: ``router_stats``,
+``load_balance_loss``, ``router_z_loss`` (docs/moe.md).  See docs/losses.md,
+docs/techniques/preference.md and docs/techniques/distillation.md.
 """
 
 from pgs.func.losses.chunked import (
@@ -18,6 +20,7 @@ from pgs.func.losses.chunked import (
     target_logprobs,
     token_nll_entropy,
 )
+from pgs.func.losses.distill import DISTILL_KINDS, DistillLoss, distill_loss
 from pgs.func.losses.dense import cross_entropy, dense_token_loss
 from pgs.func.losses.peer_kernels import fused_cross_entropy
 from pgs.func.losses.moe import (
@@ -62,6 +65,8 @@ __all__ = [
     "DFT",
     "ChunkedTokenLoss",
     "DeferredHeadGrad",
+    "DISTILL_KINDS",
+    "DistillLoss",
     "InfoSFT",
     "OBJECTIVES",
     "Objective",
@@ -79,6 +84,7 @@ __all__ = [
     "cross_entropy",
     "dead_fraction",
     "dense_token_loss",
+    "distill_loss",
     "fused_cross_entropy",
     "infosft_weight",
     "load_balance_loss",

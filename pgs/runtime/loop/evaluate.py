@@ -19,6 +19,7 @@ import torch
 from pgs.func.losses import token_loss
 from pgs.runtime.data import synthetic
 from pgs.runtime.model.build import final_hidden, output_head
+from pgs.runtime.model.generate import GenerationSettings, generate
 
 
 @torch.no_grad()
@@ -80,8 +81,9 @@ def task_accuracy(
     normalisation (a tool call's JSON spacing), and the tool results are the record's.
     Records with a ``"task"`` field also get ``eval_accuracy_<task>`` per task.
 
-    The chat template renders each prompt with the generation prompt, prompts are
-    left-padded in batches, and generation stops at eos or after ``max_new_tokens``.
+    The chat template renders each prompt with the generation prompt, and greedy decoding
+    (``pgs.runtime.model.generate``: left-padded batches, KV cache) stops at eos or after
+    ``max_new_tokens``.
     """
     if not samples:
         return {}
@@ -93,20 +95,16 @@ def task_accuracy(
         plans.append(plan)
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
     alive = [True] * len(samples)
     try:
         for k in range(max(len(plan) for plan in plans)):
             todo = [i for i, plan in enumerate(plans) if alive[i] and k < len(plan)]
             for start in range(0, len(todo), batch_size):
                 chunk = todo[start:start + batch_size]
-                replies = _generate(model, tokenizer, [plans[i][k][:2] for i in chunk], device, max_new_tokens)
+                replies = _generate(model, tokenizer, [plans[i][k][:2] for i in chunk], max_new_tokens)
                 for i, reply in zip(chunk, replies):
                     alive[i] = bool(matches(plans[i][k][2], reply))
     finally:
-        tokenizer.padding_side = side
         model.train(was_training)
     per_task: dict[str, list[bool]] = {}
     for sample, ok in zip(samples, alive):
@@ -118,20 +116,15 @@ def task_accuracy(
     return out
 
 
-def _generate(model, tokenizer, prompts: list[tuple[list, list | None]], device, max_new_tokens: int) -> list[str]:
-    """Greedy continuations of ``(messages, tools)`` prompts, decoded, padding removed."""
+def _generate(model, tokenizer, prompts: list[tuple[list, list | None]], max_new_tokens: int) -> list[str]:
+    """Greedy continuations of ``(messages, tools)`` prompts, decoded (the eos kept, padding removed)."""
     texts = [tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
              for messages, tools in prompts]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    out = model.generate(
-        input_ids=enc["input_ids"].to(device),
-        attention_mask=enc["attention_mask"].to(device),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    replies = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=False)
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = generate(model, ids, GenerationSettings(max_new_tokens=max_new_tokens, temperature=0),
+                   stop_ids=[tokenizer.eos_token_id], pad_id=pad_id)
+    replies = tokenizer.batch_decode(out.completions(), skip_special_tokens=False)
     pad = tokenizer.pad_token
     return [reply.replace(pad, "") if pad else reply for reply in replies]
 

@@ -121,10 +121,11 @@ class Objective(Protocol):
 def objective_classes() -> tuple[type, ...]:
     """Every objective, the default (section None) last."""
 
+    from pgs.runtime.loop.distill import DistillObjective
     from pgs.runtime.loop.preference import PreferenceObjective
     from pgs.runtime.loop.sft import SFTObjective
 
-    return (PreferenceObjective, SFTObjective)
+    return (PreferenceObjective, DistillObjective, SFTObjective)
 
 
 def objective_class(spec) -> type:

@@ -180,9 +180,9 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     if cp > 1:  # ranks split each row: ring attention (dist/context.py); the rest is data parallel
         if not sharded:
             raise SpecError(f"parallel.context: {cp} ranks per sequence need pgs run --nproc N (N a multiple of {cp})")
-        if spec.preference is not None or spec.loss.embedding_noise() is not None:
-            raise SpecError("parallel.context: not with [preference] or embedding noise (loss.neftune_alpha, "
-                            "loss.symnoise_alpha: they read whole rows)")
+        if spec.preference is not None or spec.distill is not None or spec.loss.embedding_noise() is not None:
+            raise SpecError("parallel.context: not with [preference], [distill] or embedding noise "
+                            "(loss.neftune_alpha, loss.symnoise_alpha: they read whole rows)")
     if sharded:
         check_world_size(spec.train, world, cp)
         if spec.averaging is not None:
@@ -209,8 +209,9 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
             print(f"pgs: warning: {verdict.reason}; packed documents will see each other", file=sys.stderr)
     freeze(model, m.freeze if isinstance(m.freeze, str) else list(m.freeze))
     moe = router_tap(model, spec.moe)  # None for a dense model
-    if moe is not None and moe.aux and spec.preference is not None:
-        raise SpecError("moe.load_balance / moe.router_z_loss: a [preference] run takes no router loss (set them to 0)")
+    if moe is not None and moe.aux and (spec.preference is not None or spec.distill is not None):
+        raise SpecError("moe.load_balance / moe.router_z_loss: a [preference] or [distill] run takes no router "
+                        "loss (set them to 0)")
     objective = build_objective(spec, model=model, tokenizer=tokenizer, device=device, ctx=ctx)
     apply_memory(model, mem, fast_recompute=not (moe is not None and moe.aux))
     per_epoch = None if spec.train.steps is not None else objective.steps_per_epoch(spec.train.batch_size)

@@ -52,6 +52,7 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     MoESpec,
     ParallelSpec,
     PreferenceSpec,
+    DistillSpec,
     AveragingSpec,
     SECTIONS,
 )
@@ -75,6 +76,7 @@ class Spec:
     moe: MoESpec = attrs.field(factory=MoESpec)
     parallel: ParallelSpec = attrs.field(factory=ParallelSpec)
     preference: PreferenceSpec | None = None  # a preference run (``[preference]``), else SFT
+    distill: DistillSpec | None = None  # a distillation run (``[distill]``)
     averaging: AveragingSpec | None = None  # weight EMA / merge-back (``[averaging]``), else none
     source: str | None = attrs.field(default=None, eq=False)
 
@@ -165,6 +167,8 @@ _EXCLUSIVE = {
     ("train", "epochs"): ("train", "steps"),
     ("model", "path"): ("model", "config"),
     ("model", "config"): ("model", "path"),
+    ("distill", "teacher_path"): ("distill", "teacher_config"),
+    ("distill", "teacher_config"): ("distill", "teacher_path"),
 }
 
 
@@ -409,6 +413,17 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
             _must_exist(path, where, "folder")
             preference = attrs.evolve(preference, reference_path=path)
         sections["preference"] = preference
+    if "distill" in raw:
+        if "preference" in raw:
+            raise SpecError("distill: a run is either preference optimization ([preference]) or distillation "
+                            "([distill]), not both")
+        distill = _section("distill", raw["distill"])
+        if distill.teacher_path is not None:
+            path = resolve_path(distill.teacher_path, base)
+            _must_exist(path, "distill.teacher_path", "folder")
+            _must_exist(os.path.join(path, "config.json"), "distill.teacher_path")
+            distill = attrs.evolve(distill, teacher_path=path)
+        sections["distill"] = distill
     if "averaging" in raw:
         sections["averaging"] = _section("averaging", raw["averaging"])
     train = sections["train"]
@@ -426,6 +441,10 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
     if "preference" in sections and "best_metric" not in raw.get("checkpoint", {}):
         # a preference run's eval reports preference metrics, not eval_loss
         best = "eval_preference_accuracy" if sections["data"].eval else ""
+        sections["checkpoint"] = attrs.evolve(sections["checkpoint"], best_metric=best)
+    if "distill" in sections and "best_metric" not in raw.get("checkpoint", {}):
+        # a distillation run's eval reports the teacher-student KL on held-out prompts
+        best = "eval_distill_kl" if sections["data"].eval else ""
         sections["checkpoint"] = attrs.evolve(sections["checkpoint"], best_metric=best)
     _check_schedule_fields(sections["schedule"], raw.get("schedule", {}))
     _check_msft(sections["data"], train, "preference" in sections)

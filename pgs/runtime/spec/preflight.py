@@ -53,6 +53,7 @@ class Preflight:
     shapes: dict[str, tuple[int, ...]] | None = None
     chain: str = ""
     warnings: list[str] = attrs.field(factory=list)
+    distill: str | None = None  # the teacher, described (a distillation run)
 
 
 def model_config(model, vocab_size: int | None = None):
@@ -257,6 +258,8 @@ def preflight_spec(spec, *, count_parameters: bool = False, processes: int | Non
     check_trackers(spec.log)
     if spec.preference is not None:
         check_preference(spec, tokenizer)
+    if spec.distill is not None:
+        found.distill = check_distill(spec, tokenizer, config)
     from pgs.runtime.tools.resources import check_host  # the memory and disk the run will need (exit 83)
 
     if check_host(spec, processes) is None:
@@ -289,6 +292,64 @@ def check_preference(spec, tokenizer) -> None:
                         f"{', '.join(PREFERENCE_EVAL_METRICS)} (or \"\")")
     if metric and not spec.data.eval:
         raise SpecError(f"checkpoint.best_metric: {metric!r} needs data.eval (held-out pairs)")
+
+
+def teacher_config(spec, tokenizer):
+    """The teacher's HF config: its folder's ``config.json`` or ``distill.teacher_config`` (whose
+    vocabulary defaults to the tokenizer's size, as ``model.config``'s does).  Errors name the
+    ``[distill]`` field."""
+    d = spec.distill
+    try:
+        if d.teacher_path is not None:
+            return config_from_folder(d.teacher_path, spec.model.trust_remote_code)
+        table = dict(d.teacher_config)
+        table.setdefault("vocab_size", len(tokenizer))
+        return config_from_table(table)
+    except SpecError as err:
+        text = str(err).replace("model.path", "distill.teacher_path", 1).replace("model.config", "distill.teacher_config", 1)
+        raise SpecError(text) from None
+
+
+def _sample_records(spec, n: int = 4) -> list[dict]:
+    """The first ``n`` records of the first source, as ``{"messages", "tools"}`` (rendered by both
+    tokenizers); a record the reader refuses is left to the data checks that report it."""
+    out = []
+    try:
+        for conversation in read_conversations(spec.data.sources[0].path, "auto", "skip"):
+            out.append({"messages": conversation.messages, "tools": conversation.tools})
+            if len(out) >= n:
+                break
+    except (PgsError, OSError):
+        return out
+    return out
+
+
+def check_distill(spec, tokenizer, config) -> str:
+    """``[distill]`` against the student: the teacher's configuration builds, its vocabulary is the
+    student's (the loss compares the two heads id by id), and the teacher's tokenizer (a folder
+    teacher's own) has the student's vocabulary, special tokens and chat rendering
+    (``pgs.runtime.model.compat.tokenizer_mismatch``, on sample conversations and the data's first
+    records).  Returns a one-line description of the teacher."""
+    from pgs.runtime.model.compat import tokenizer_mismatch
+
+    d = spec.distill
+    field = "distill.teacher_path" if d.teacher_path is not None else "distill.teacher_config"
+    t_config = teacher_config(spec, tokenizer)
+    t_vocab = getattr(_text_config(t_config), "vocab_size", None)
+    s_vocab = getattr(_text_config(config), "vocab_size", None)
+    if t_vocab != s_vocab:
+        raise SpecError(f"{field}: the teacher's head has {t_vocab} rows but the student's has {s_vocab} "
+                        "(distillation compares the two distributions over one shared vocabulary)")
+    if d.teacher_path is not None:
+        teacher_tok = load_tokenizer(d.teacher_path, spec.model.trust_remote_code, field="distill.teacher_path")
+        mismatch = tokenizer_mismatch(tokenizer, teacher_tok, _sample_records(spec))
+        if mismatch is not None:
+            raise SpecError(f"distill.teacher_path: the teacher's tokenizer differs from the student's: {mismatch}")
+    teacher = d.teacher_path or f"random init ({t_config.model_type})"
+    beta = f", beta {d.jsd_beta:g}" if d.kind == "jsd" else ""
+    g = d.generation_settings()
+    return (f"teacher {teacher} ({d.teacher_dtype}); {d.kind}{beta}, T {d.temperature:g}; on-policy {d.on_policy:g}, "
+            f"sampling max_new_tokens {g['max_new_tokens']}, temperature {g['temperature']:g}, top_p {g['top_p']:g}")
 
 
 #: The eval metrics of a preference run (``loop.preference.PreferenceObjective.evaluate``).
@@ -339,6 +400,8 @@ def check_resources(spec, records: int = 200) -> dict:
         if not verdict.isolates:
             facts["warnings"].append(f"packing leaks across documents: {verdict.reason}")
     facts["chain"] = found.chain
+    if found.distill is not None:
+        facts["distill"] = found.distill
     if spec.preference is not None:
         return _preference_facts(spec, tokenizer, records, facts)
     for i, source in enumerate(spec.data.sources):

@@ -1,5 +1,5 @@
 """The sections of a run spec (``[model]``, ``[optimizer]``, ``[schedule]``, ``[loss]``,
-``[train]``, ``[checkpoint]``, ``[log]``, ``[memory]``, ``[moe]``, ``[parallel]``, ``[preference]``; ``[data]`` is ``DataConfig``): frozen attrs
+``[train]``, ``[checkpoint]``, ``[log]``, ``[memory]``, ``[moe]``, ``[parallel]``, ``[preference]``, ``[distill]``; ``[data]`` is ``DataConfig``): frozen attrs
 classes whose validators check every field's type and range and name it in a ``SpecError``.
 ``pgs.runtime.spec.load`` assembles them into a ``Spec`` (and re-exports these names).
 """
@@ -15,7 +15,7 @@ from typing import ClassVar, Iterable
 import attrs
 
 from pgs.errors import SpecError
-from pgs.func.losses import PREFERENCE_KINDS, REFERENCE_FREE
+from pgs.func.losses import DISTILL_KINDS, PREFERENCE_KINDS, REFERENCE_FREE
 from pgs.runtime.data.config import DataConfig
 
 #: ``"pgs:quickstart/train.jsonl"`` names a file bundled with the package.
@@ -425,6 +425,89 @@ class PreferenceSpec:
         return self.kind not in REFERENCE_FREE
 
 
+#: ``[distill.generation]`` keys and their defaults (``pgs.runtime.model.generate.GenerationSettings``).
+GENERATION_DEFAULTS = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0}
+
+
+def _open_unit(instance, attribute, value):
+    if value is not None and not (_is_number(value) and 0 < value < 1):
+        raise SpecError(f"distill.{attribute.name}: expected a number in (0, 1) (exclusive), got {_describe(value)}")
+
+
+def _teacher_path(instance, attribute, value):
+    if value is not None and (not isinstance(value, str) or not value):
+        raise SpecError(f"distill.teacher_path: expected a local model folder, got {_describe(value)}")
+
+
+def _distill_kind(instance, attribute, value):
+    if value not in DISTILL_KINDS:
+        hint = suggest(value, DISTILL_KINDS) if isinstance(value, str) else ""
+        raise SpecError(f"distill.kind: {value!r} is not one of {', '.join(map(repr, DISTILL_KINDS))}{hint}")
+
+
+def _check_generation(table: dict) -> None:
+    for key, value in table.items():
+        where = f"distill.generation.{key}"
+        if key not in GENERATION_DEFAULTS:
+            raise SpecError(f"{where}: unknown key{suggest(key, GENERATION_DEFAULTS)}")
+        if key == "max_new_tokens" and not (_is_int(value) and value >= 1):
+            raise SpecError(f"{where}: expected an integer >= 1, got {_describe(value)}")
+        if key == "temperature" and not (_is_number(value) and 0 <= value < math.inf):
+            raise SpecError(f"{where}: expected a number >= 0 (0: greedy), got {_describe(value)}")
+        if key == "top_p" and not (_is_number(value) and 0 < value <= 1):
+            raise SpecError(f"{where}: expected a number in (0, 1], got {_describe(value)}")
+
+
+@attrs.frozen
+class DistillSpec:
+    """``[distill]``: on-policy distillation from a frozen teacher (docs/techniques/distillation.md).
+
+    The teacher is a local Hugging Face folder (``teacher_path``) or, for tests, an architecture
+    table with a random init (``teacher_config``, ``teacher_init_seed``), loaded in
+    ``teacher_dtype`` without gradients; its tokenizer must be the student's (``pgs validate``).
+    ``on_policy`` (GKD's λ) is the probability that a batch's completions are sampled by the
+    student from the prompts instead of read from the data.  ``kind`` (``forward_kl``,
+    ``reverse_kl``, ``jsd``), ``beta`` (jsd's β ∈ (0, 1), default 0.5; jsd only) and
+    ``temperature`` are ``pgs.func.losses.distill_loss``'s arguments.  ``[distill.generation]``
+    (``max_new_tokens``, ``temperature`` (0: greedy), ``top_p``) says how the student samples.
+    ``eval_prompts``: held-out prompts on which the eval measures the teacher–student KL.
+    """
+
+    section: ClassVar[str] = "distill"
+
+    teacher_path: str | None = attrs.field(default=None, validator=_teacher_path)
+    teacher_config: dict | None = attrs.field(default=None, validator=attrs.validators.optional(_table))
+    teacher_init_seed: int = attrs.field(default=0, validator=_int_at_least(0))
+    teacher_dtype: str = attrs.field(default="bfloat16", validator=_one_of(DTYPES))
+    on_policy: float = attrs.field(default=0.5, converter=_to_float, validator=_number_in(0.0, 1.0))
+    kind: str = attrs.field(default="jsd", validator=_distill_kind)
+    beta: float | None = attrs.field(default=None, converter=_to_float, validator=_open_unit)
+    temperature: float = attrs.field(default=1.0, converter=_to_float,
+                                     validator=_expect("a number > 0", lambda v: _is_number(v) and 0 < v < math.inf))
+    generation: dict = attrs.field(factory=dict, validator=_table)
+    eval_prompts: int = attrs.field(default=64, validator=_int_at_least(0))
+
+    def __attrs_post_init__(self) -> None:
+        if (self.teacher_path is None) == (self.teacher_config is None):
+            both = "both are set" if self.teacher_path is not None else "neither is set"
+            raise SpecError("distill: set exactly one of distill.teacher_path (a local Hugging Face folder) or "
+                            f"distill.teacher_config (random init, for tests); {both}")
+        if self.teacher_config is not None and not isinstance(self.teacher_config.get("model_type"), str):
+            raise SpecError("distill.teacher_config.model_type: needed (a string such as \"qwen3\")")
+        if self.beta is not None and self.kind != "jsd":
+            raise SpecError(f"distill.beta: {self.beta!r} has no effect with kind = {self.kind!r} (only kind = 'jsd' reads it)")
+        _check_generation(self.generation)
+
+    @property
+    def jsd_beta(self) -> float:
+        """β as the loss reads it (0.5 unless set)."""
+        return 0.5 if self.beta is None else self.beta
+
+    def generation_settings(self) -> dict:
+        """``[distill.generation]`` with its defaults filled in."""
+        return {**GENERATION_DEFAULTS, **self.generation}
+
+
 @attrs.frozen
 class AveragingSpec:
     """``[averaging]``: weight averaging in the loop (``pgs.runtime.loop.averaging``,
@@ -496,5 +579,6 @@ SECTIONS: dict[str, type] = {
     "moe": MoESpec,
     "parallel": ParallelSpec,
     "preference": PreferenceSpec,
+    "distill": DistillSpec,
     "averaging": AveragingSpec,
 }

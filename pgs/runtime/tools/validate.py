@@ -57,6 +57,8 @@ def print_summary(spec, facts: dict) -> None:
     if "preference" in facts:
         table.add_row("preference", facts["preference"])
         table.add_row("pairs", facts["pairs"])
+    elif "distill" in facts:
+        table.add_row("distill", facts["distill"])
     else:
         table.add_row("loss", f"{spec.loss.objective} ({spec.loss.backend})")
     length = f"{t.steps} steps" if t.steps is not None else f"{t.epochs} epochs"

@@ -1,0 +1,268 @@
+"""Batched sampling of completions for tokenized prompts, with a KV cache.
+
+One generation path for the runtime: greedy task accuracy at eval
+(``pgs.runtime.loop.evaluate.task_accuracy``), on-policy samples of the student in
+distillation (docs/techniques/distillation.md), and completions for ``pgs prepare``.
+
+- Prompts of different lengths are left-padded into one batch: the attention mask hides the
+  padding and position ids count real tokens only, so a prompt's continuation does not depend
+  on what it is batched with (up to the kernels' floating-point summation order).
+- The prompt is run once (prefill), then one token per step against the KV cache.  On CUDA
+  the cache is transformers' ``StaticCache`` (preallocated to prompt + ``max_new_tokens``) and
+  the decode step is ``torch.compile``d once per shape (fixed shapes: the attention mask is the
+  cache's full width, filled as tokens arrive); elsewhere a ``DynamicCache`` and eager steps.
+- Sampling: temperature τ (τ = 0: greedy, the argmax), nucleus top-p (Holtzman et al., arXiv
+  1904.09751: the smallest set of most likely tokens whose mass reaches p), and an explicit
+  ``torch.Generator`` as the only source of randomness.  A token is drawn as
+  argmax_v p_v / E_v with E_v ~ Exp(1) drawn from the generator (the exponential race, an
+  exact sample of p, one uniform per vocabulary entry per step whatever the outcome), so the
+  generator's state after a call depends on the call's shape only: saving
+  ``generator.get_state()`` in a checkpoint and restoring it reproduces every later sample.
+- A sequence stops at the first of its ``stop_ids`` (the end-of-turn ids, the stop token is
+  part of the completion) or after ``max_new_tokens``; the loop ends when all have stopped.
+
+The model runs in eval mode under ``torch.no_grad`` and is put back as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from pgs.errors import InvalidArgument
+
+
+#: With a compiled decode step, prompts are left-padded to a multiple of this many tokens.
+STATIC_WIDTH_MULTIPLE = 64
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How completions are drawn.
+
+    Attributes:
+        max_new_tokens: at most this many tokens per completion (≥ 1).
+        temperature: τ ≥ 0; 0 means greedy decoding.
+        top_p: nucleus mass p ∈ (0, 1]; 1 keeps the whole vocabulary.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidArgument(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < float("inf")):
+            raise InvalidArgument(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Generation:
+    """What ``generate`` returns; rows follow the order of the prompts.
+
+    Attributes:
+        prompt_ids: [B, P] the prompts, left-padded with ``pad_id``.
+        prompt_mask: [B, P] bool, True on prompt tokens.
+        completion_ids: [B, T] the completions (T ≤ max_new_tokens), ``pad_id`` after a stop.
+        completion_mask: [B, T] bool, True on generated tokens (the stop token included).
+        lengths: [B] int64, the completions' lengths (completion_mask's row sums).
+        generated_tokens: Σ lengths.
+        seconds: wall time of the call.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    lengths: Tensor
+    generated_tokens: int
+    seconds: float
+
+    def completions(self) -> list[list[int]]:
+        """Each completion's token ids, without padding (the stop token kept)."""
+        return [row[:n].tolist() for row, n in zip(self.completion_ids, self.lengths.tolist())]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device=None, multiple: int = 1) -> tuple[Tensor, Tensor]:
+    """``(ids [B, P], mask [B, P])``: the prompts right-aligned, ``pad_id`` before them; P is the
+    longest prompt rounded up to ``multiple``."""
+    width = -(-max(len(p) for p in prompts) // multiple) * multiple
+    ids = torch.full((len(prompts), width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        if len(p):
+            ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p):] = True
+    return ids.to(device), mask.to(device)
+
+
+def next_token(logits: Tensor, settings: GenerationSettings, generator: torch.Generator | None) -> Tensor:
+    """One token per row of ``logits`` [B, V]: the argmax (τ = 0), else a sample of
+    softmax(logits/τ) restricted to the top-p nucleus (exponential race, module docstring)."""
+    if settings.greedy:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / settings.temperature, dim=-1)
+    if settings.top_p < 1:
+        sorted_p, order = probs.sort(-1, descending=True)
+        # keep a token if the mass before it is below p (the most likely one always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= settings.top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(-1)
+
+
+def _use_static(model, cache: str) -> bool:
+    if cache not in ("auto", "static", "dynamic"):
+        raise InvalidArgument(f"cache must be 'auto', 'static' or 'dynamic', got {cache!r}")
+    if cache == "auto":
+        return next(model.parameters()).is_cuda
+    return cache == "static"
+
+
+def _make_cache(model, static: bool, max_len: int):
+    from transformers import DynamicCache, StaticCache
+
+    config = model.config
+    if static:
+        return StaticCache(config=config, max_cache_len=max_len)
+    return DynamicCache(config=config)
+
+
+def _step(model, ids: Tensor, mask: Tensor, pos: Tensor, cache) -> Tensor:
+    """Last-position logits [B, V] (fp32) of one forward with the cache."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1].float()
+
+
+def _compiled_step(model):
+    """``_step`` compiled once per model (its shapes are fixed under a static cache)."""
+    fn = getattr(model, "_pgs_decode_step", None)
+    if fn is None:
+        fn = torch.compile(_step, dynamic=False)
+        model._pgs_decode_step = fn
+    return fn
+
+
+@torch.no_grad()
+def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, static, compile_step):
+    device = next(model.parameters()).device
+    # a compiled step is specialised to the cache's width: few widths, few compilations
+    ids, pmask = left_pad(prompts, pad_id, device, STATIC_WIDTH_MULTIPLE if compile_step else 1)
+    B, P = ids.shape
+    T = settings.max_new_tokens
+    width = P + T
+    cache = _make_cache(model, static, width)
+    mask = torch.zeros((B, width), dtype=torch.long, device=device)
+    mask[:, :P] = pmask
+    pos = (pmask.long().cumsum(-1) - 1).masked_fill_(~pmask, 1)  # pad rows' positions are masked anyway
+    stops = torch.as_tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long, device=device)
+    out = torch.full((B, T), int(pad_id), dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    lengths = torch.zeros(B, dtype=torch.long, device=device)
+    logits = _step(model, ids, mask if static else mask[:, :P], pos, cache)
+    last = pos[:, -1:]
+    step = _compiled_step(model) if compile_step else _step
+    used = 0
+    for t in range(T):
+        tok = next_token(logits, settings, generator)
+        tok = torch.where(done, torch.full_like(tok, int(pad_id)), tok)
+        out[:, t] = tok
+        lengths += (~done).long()
+        if stops.numel():
+            done |= torch.isin(tok, stops)
+        used = t + 1
+        if t == T - 1 or bool(done.all()):
+            break
+        mask[:, P + t] = 1
+        last = last + 1
+        logits = step(model, tok[:, None], mask if static else mask[:, : P + t + 1], last, cache)
+    out = out[:, :used]
+    cmask = torch.arange(used, device=device)[None, :] < lengths[:, None]
+    return ids, pmask, out, cmask, lengths
+
+
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    settings: GenerationSettings,
+    *,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    generator: torch.Generator | None = None,
+    batch_size: int | None = None,
+    cache: str = "auto",
+    compile: bool | None = None,
+) -> Generation:
+    """Completions of ``prompts`` (lists of token ids) by ``model`` (a transformers causal LM).
+
+    Args:
+        model: the causal LM; run in eval mode without gradients, then put back.
+        prompts: token ids per prompt (each non-empty).
+        settings: ``GenerationSettings`` (max_new_tokens, temperature, top_p).
+        stop_ids: the ids that end a completion (the end-of-turn ids; the tokenizer's eos).
+        pad_id: fills left padding and the tail after a stop.
+        generator: the sampler's ``torch.Generator`` on the model's device (required unless
+            greedy); its state is advanced and is the only randomness used.
+        batch_size: prompts per forward (all at once by default); the output is the same.
+        cache: ``"auto"`` (static on CUDA, dynamic elsewhere), ``"static"`` or ``"dynamic"``.
+        compile: compile the decode step (default: with a static cache on CUDA).
+
+    Returns:
+        ``Generation``; the completions of all batches padded to the longest.
+    """
+    if not prompts:
+        raise InvalidArgument("prompts: nothing to generate from (an empty list)")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise InvalidArgument(f"prompts[{i}] is empty (a prompt needs at least one token)")
+    if not settings.greedy and generator is None:
+        raise InvalidArgument("generator: sampling (temperature > 0) needs an explicit torch.Generator")
+    static = _use_static(model, cache)
+    compile_step = static and next(model.parameters()).is_cuda if compile is None else bool(compile)
+    size = len(prompts) if batch_size is None else int(batch_size)
+    if size < 1:
+        raise InvalidArgument(f"batch_size must be a positive integer, got {batch_size!r}")
+    was_training = model.training
+    model.eval()
+    start = time.perf_counter()
+    parts = []
+    try:
+        for b in range(0, len(prompts), size):
+            parts.append(_generate_batch(model, prompts[b : b + size], settings, stop_ids, pad_id, generator,
+                                         static, compile_step))
+    finally:
+        model.train(was_training)
+    P = max(p[0].shape[1] for p in parts)
+    T = max(p[2].shape[1] for p in parts)
+
+    def pad_left(t: Tensor, fill) -> Tensor:
+        return torch.nn.functional.pad(t, (P - t.shape[1], 0), value=fill)
+
+    def pad_right(t: Tensor, fill) -> Tensor:
+        return torch.nn.functional.pad(t, (0, T - t.shape[1]), value=fill)
+
+    prompt_ids = torch.cat([pad_left(p[0], int(pad_id)) for p in parts])
+    prompt_mask = torch.cat([pad_left(p[1], False) for p in parts])
+    completion_ids = torch.cat([pad_right(p[2], int(pad_id)) for p in parts])
+    completion_mask = torch.cat([pad_right(p[3], False) for p in parts])
+    lengths = torch.cat([p[4] for p in parts])
+    total = int(lengths.sum())
+    if completion_ids.is_cuda:
+        torch.cuda.synchronize(completion_ids.device)
+    return Generation(prompt_ids, prompt_mask, completion_ids, completion_mask, lengths, total,
+                      time.perf_counter() - start)
