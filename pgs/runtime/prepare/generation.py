@@ -1,12 +1,12 @@
 """The one place ``pgs prepare`` generates text: K sampled answers per prompt.
 
-:func:`generate_answers` is the seam between the self-answer pipeline and a generator.  It
-renders each ``(messages, tools)`` prompt with the chat template's generation prompt, and
-returns, per prompt, ``k`` decoded continuations that keep their end-of-turn token when the
-model emitted it (so the caller can tell a finished answer from one cut at
-``max_new_tokens``), padding removed.  It uses transformers' ``model.generate`` (KV cache,
-left-padded batches, temperature / top-p sampling, stopping at the tokenizer's eos token);
-a generator with the same signature can replace it without touching its callers.
+:func:`generate_answers` renders each ``(messages, tools)`` prompt with the chat template's
+generation prompt and returns, per prompt, ``k`` decoded continuations that keep their
+end-of-turn token when the model emitted it (so the caller can tell a finished answer from one
+cut at ``max_new_tokens``), padding removed.  It draws them through pgs's one generation path,
+``pgs.runtime.model.generate`` (left-padded batches, KV cache, temperature / top-p sampling
+from an explicit generator, stopping at the tokenizer's eos token), as the distillation
+objective and the eval's task accuracy do.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from pgs.errors import SpecError
+from pgs.runtime.model.generate import GenerationSettings, generate
 
 
 @torch.no_grad()
@@ -22,48 +23,30 @@ def generate_answers(model, tokenizer, prompts: list[tuple[list, list | None]], 
                      seed: int = 0, batch_size: int = 16) -> list[list[str]]:
     """``k`` sampled continuations of each prompt (greedy, and so ``k`` equal ones, at temperature 0).
 
-    Deterministic given ``seed`` on one device: the sampling generator is seeded per batch, and
-    the caller's random state is left as it was.
+    Deterministic given ``seed`` on one device: each batch samples from its own generator,
+    seeded from ``seed`` and the batch's index; the global random state is not used.
     """
     if k < 1:
         raise SpecError(f"-k: expected an integer >= 1, got {k}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise SpecError(f"--temperature >= 0 and --top-p in (0, 1] expected, got {temperature}, {top_p}")
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    sample = temperature > 0
+    per = k if sample else 1
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     out: list[list[str]] = []
-    try:
-        for b, start in enumerate(range(0, len(prompts), batch_size)):
-            chunk = prompts[start:start + batch_size]
-            texts = [tokenizer.apply_chat_template(m, tools=t, tokenize=False, add_generation_prompt=True)
-                     for m, t in chunk]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            sample = temperature > 0
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
-                                       device_type=device.type if device.type == "cuda" else "cuda"):
-                torch.manual_seed(seed * 1_000_003 + b)
-                ids = model.generate(
-                    input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
-                    max_new_tokens=max_new_tokens, do_sample=sample,
-                    temperature=temperature if sample else None, top_p=top_p if sample else None,
-                    top_k=None, num_return_sequences=k if sample else 1,
-                    eos_token_id=tokenizer.eos_token_id, pad_token_id=pad,
-                )
-            decoded = tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=False)
-            if tokenizer.pad_token and tokenizer.pad_token != tokenizer.eos_token:
-                decoded = [d.replace(tokenizer.pad_token, "") for d in decoded]
-            elif tokenizer.eos_token:  # pad == eos: keep the first eos, drop the padding after it
-                decoded = [d.split(tokenizer.eos_token)[0] + tokenizer.eos_token if tokenizer.eos_token in d else d
-                           for d in decoded]
-            per = k if sample else 1
-            for i in range(len(chunk)):
-                answers = decoded[i * per:(i + 1) * per]
-                out.append(answers if sample else answers * k)
-    finally:
-        tokenizer.padding_side = side
-        model.train(was_training)
+    for b, start in enumerate(range(0, len(prompts), batch_size)):
+        chunk = prompts[start:start + batch_size]
+        texts = [tokenizer.apply_chat_template(m, tools=t, tokenize=False, add_generation_prompt=True)
+                 for m, t in chunk]
+        ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + b)
+        result = generate(model, [p for p in ids for _ in range(per)], settings, stop_ids=[eos], pad_id=pad,
+                          generator=gen if sample else None)
+        decoded = [tokenizer.decode(c, skip_special_tokens=False) for c in result.completions()]
+        for i in range(len(chunk)):
+            answers = decoded[i * per:(i + 1) * per]
+            out.append(answers if sample else answers * k)
     return out
