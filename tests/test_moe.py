@@ -249,3 +249,19 @@ def test_checkpointed_recompute_is_not_counted_twice(fast):
     for key in METRIC_KEYS:
         torch.testing.assert_close(ckpt[key], plain[key], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-7)
+
+
+def test_router_losses_refused_for_an_objective_that_does_not_feed_the_tap(tmp_path):
+    """An objective whose forward does not feed the router tap ([preference], [distill]) takes no
+    router loss: setup refuses it in one line naming the section, before the objective is built."""
+    from pgs.errors import SpecError
+    from pgs.runtime.loop.train import setup
+    from pgs.runtime.spec.load import load_spec
+
+    path = moe_spec(tmp_path, "pref", load_balance=0.01)
+    text = path.read_text().replace('sources = [{ path = "pgs:quickstart/train.jsonl" }]',
+                                    'sources = [{ path = "pgs:quickstart/pairs_train.jsonl" }]')
+    text = text.replace('eval = "pgs:quickstart/eval.jsonl"', 'eval = "pgs:quickstart/pairs_eval.jsonl"')
+    path.write_text(text + '\n[preference]\nkind = "dpo"\n')
+    with pytest.raises(SpecError, match=r"a \[preference\] run takes no router loss"):
+        setup(load_spec(str(path)))

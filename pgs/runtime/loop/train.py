@@ -54,7 +54,7 @@ from pgs.runtime.loop.faults import Faults, NO_FAULTS
 from pgs.runtime.loop.health import HealthMonitor
 from pgs.runtime.loop.metrics import MetricsLog, console_keys
 from pgs.runtime.loop.msft import Msft, source_eval_losses
-from pgs.runtime.loop.objective import Objective, build_objective
+from pgs.runtime.loop.objective import Objective, build_objective, objective_class
 from pgs.runtime.loop.trace import Profiler
 from pgs.runtime.model import layers
 from pgs.runtime.model.build import build_model, freeze, parameter_bytes
@@ -209,9 +209,10 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
             print(f"pgs: warning: {verdict.reason}; packed documents will see each other", file=sys.stderr)
     freeze(model, m.freeze if isinstance(m.freeze, str) else list(m.freeze))
     moe = router_tap(model, spec.moe)  # None for a dense model
-    if moe is not None and moe.aux and (spec.preference is not None or spec.distill is not None):
-        raise SpecError("moe.load_balance / moe.router_z_loss: a [preference] or [distill] run takes no router "
-                        "loss (set them to 0)")
+    chosen = objective_class(spec)
+    if moe is not None and moe.aux and not chosen.router_tap:  # its forward does not feed the tap
+        raise SpecError(f"moe.load_balance / moe.router_z_loss: a [{chosen.section}] run takes no router loss "
+                        "(set them to 0)")
     objective = build_objective(spec, model=model, tokenizer=tokenizer, device=device, ctx=ctx)
     apply_memory(model, mem, fast_recompute=not (moe is not None and moe.aux))
     per_epoch = None if spec.train.steps is not None else objective.steps_per_epoch(spec.train.batch_size)
