@@ -162,8 +162,8 @@ def steps_for(rows: int, batch_size: int) -> int:
     return max(1, math.ceil(rows / batch_size))
 
 
-# -- NEFTune, shared by the objectives that train on token embeddings -------------------------
-def neftune_generator(spec, device: torch.device) -> dict[str, torch.Generator]:
+# -- embedding noise (NEFTune, SymNoise), shared by the objectives that train on token embeddings
+def embedding_noise_generator(spec, device: torch.device) -> dict[str, torch.Generator]:
     """``{"noise": generator}`` when the spec adds input-embedding noise (``loss.neftune_alpha``
     or ``loss.symnoise_alpha`` > 0; seeded by ``train.seed``), else ``{}``."""
 
@@ -172,7 +172,7 @@ def neftune_generator(spec, device: torch.device) -> dict[str, torch.Generator]:
     return {"noise": torch.Generator(device=device).manual_seed(spec.train.seed)}
 
 
-def neftune_hook(spec, generators: dict[str, torch.Generator], batch, device: torch.device):
+def embedding_noise_hook(spec, generators: dict[str, torch.Generator], batch, device: torch.device):
     """The embedding hook that adds the spec's embedding noise to a batch's embeddings, scaled by
     each row's length: NEFTune (arXiv 2310.05914, ``pgs.func.losses.neftune``) or SymNoise
     (``pgs.func.losses.symnoise``); None without ``"noise"``."""
@@ -185,5 +185,5 @@ def neftune_hook(spec, generators: dict[str, torch.Generator], batch, device: to
     return lambda e: noise(e, alpha, generator=gen, training=True, lengths=lengths)
 
 
-__all__ = ["Objective", "build_objective", "neftune_generator", "neftune_hook", "objective_class",
+__all__ = ["Objective", "build_objective", "embedding_noise_generator", "embedding_noise_hook", "objective_class",
            "objective_classes", "rank_and_world", "steps_for"]

@@ -35,7 +35,7 @@ from pgs.errors import PgsError
 from pgs.func.losses import preference_loss, sequence_logps
 from pgs.runtime.data.preference import Pair, PreferenceBatch, PreferenceStream, eval_batches, read_pairs
 from pgs.runtime.dist import fsdp as D
-from pgs.runtime.loop.objective import neftune_generator, neftune_hook, rank_and_world, steps_for
+from pgs.runtime.loop.objective import embedding_noise_generator, embedding_noise_hook, rank_and_world, steps_for
 from pgs.runtime.model.build import build_model, output_head
 from pgs.runtime.store import reference as cache
 
@@ -208,7 +208,7 @@ class PreferenceObjective:
         self.reference = reference
         self.eval_pairs = list(eval_pairs)
         self.stream = stream
-        self._generators = neftune_generator(spec, device) if device is not None else {}
+        self._generators = embedding_noise_generator(spec, device) if device is not None else {}
 
     @classmethod
     def create(cls, spec, *, model, tokenizer, device: torch.device, ctx=None) -> "PreferenceObjective":
@@ -240,7 +240,7 @@ class PreferenceObjective:
         """``(Σ pair losses with its graph, detached sums [len(STAT_KEYS)])`` of one micro-batch."""
         chunk = self.spec.loss.chunk_size
         device = run.device
-        noise = neftune_hook(self.spec, self._generators, batch, device)
+        noise = embedding_noise_hook(self.spec, self._generators, batch, device)
         logps, lengths = pair_logps(run.model, batch, device, chunk, embed_noise=noise)
         ref = self.reference.logps(batch, device, chunk)
         out = self.loss(logps[:, 0], logps[:, 1], lengths, ref)

@@ -27,7 +27,7 @@ from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.packing import doc_ids
 from pgs.runtime.dist import context as CP, fsdp as D
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
-from pgs.runtime.loop.objective import neftune_generator, neftune_hook, rank_and_world, steps_for
+from pgs.runtime.loop.objective import embedding_noise_generator, embedding_noise_hook, rank_and_world, steps_for
 from pgs.runtime.model.build import output_head
 
 #: Eval records answered by greedy generation when the eval data has a known checker (the
@@ -50,7 +50,7 @@ class SFTObjective:
         self.tokenizer = tokenizer
         self.stream = stream
         self.token_objective = spec.build_objective()  # the [loss] objective (pgs.func.losses)
-        self._generators = neftune_generator(spec, device)
+        self._generators = embedding_noise_generator(spec, device)
         self.entropy_low = False
 
     @classmethod
@@ -75,7 +75,7 @@ class SFTObjective:
         if run.moe is not None:
             run.moe.begin_micro(batch, dev)
         CP.begin_rows(batch, run.context, dev)  # a row split over ranks: ring attention (until end_rows)
-        h = D.final_hidden(run.model, ids, pos, embed_noise=neftune_hook(self.spec, self._generators, batch, dev))
+        h = D.final_hidden(run.model, ids, pos, embed_noise=embedding_noise_hook(self.spec, self._generators, batch, dev))
         aux = run.moe.end_micro() if run.moe is not None else None
         weight, bias, softcap = output_head(run.model)
         loss = self.spec.loss
