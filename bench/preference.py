@@ -81,15 +81,12 @@ def make_pairs(path: str, n: int, tokenizer, prompt_tokens: int, answer_tokens: 
             handle.write(json.dumps(record) + "\n")
 
 
-def pair_stats(spec_path: str, sets: list[str], pairs_path: str) -> dict:
+def pair_stats(spec_path: str, sets: list[str], pairs_path: str, tokenizer) -> dict:
     """Tokens per pair (both arms, prompt included) and trained tokens per pair, as pgs reads them."""
     from pgs.runtime.data.preference import read_pairs
-    from pgs.runtime.model.build import load_tokenizer
     from pgs.runtime.spec.load import load_spec
 
-    spec = load_spec(spec_path, sets)
-    tokenizer = load_tokenizer(spec.model.tokenizer)
-    pairs = read_pairs([pairs_path], tokenizer, spec.data)
+    pairs = read_pairs([pairs_path], tokenizer, load_spec(spec_path, sets).data)
     tokens = [len(p) for p in pairs]
     trained = [p.chosen.num_trained + p.rejected.num_trained for p in pairs]
     return {"pairs": len(pairs), "tokens_per_pair": sum(tokens) / len(tokens), "max_pair_tokens": max(tokens),
@@ -259,7 +256,7 @@ def main(argv=None) -> int:
     prompt, answer = args.prompt_tokens, args.answer_tokens
     for _ in range(4):  # the chat template's tokens come on top of the text's: shrink until pairs fit
         make_pairs(args.pairs, args.pairs_per_step * (args.steps + 2), tokenizer, prompt, answer)
-        stats = pair_stats(args.spec, sets, args.pairs)
+        stats = pair_stats(args.spec, sets, args.pairs, tokenizer)
         if stats["max_pair_tokens"] <= fit:
             break
         scale = 0.98 * fit / stats["max_pair_tokens"]
