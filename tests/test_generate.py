@@ -54,6 +54,26 @@ def test_greedy_equals_transformers_generate(model, cache):
     assert got.completion_mask.all() and model.training  # put back in training mode
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_equals_recomputing_every_prefix_without_a_cache(cache):
+    """The cache is really used: greedy tokens equal the argmax of a full forward of each prefix
+    (no cache at all), whatever the installed transformers calls the forward's cache argument.
+    An untied head (the tied, sharpened fixture mostly repeats the last token, which a forward
+    that ignored its cache would reproduce too)."""
+    model = build_model(config={**CONFIG, "tie_word_embeddings": False}, dtype="float32", attn_implementation="sdpa",
+                        init_seed=5)
+    ps = prompts(6, n=3)
+    got = generate(model, ps, GenerationSettings(max_new_tokens=6, temperature=0), stop_ids=[], pad_id=PAD,
+                   cache=cache, compile=False)
+    with torch.no_grad():
+        for p, row in zip(ps, got.completion_ids.tolist()):
+            seq = list(p)
+            for _ in range(6):
+                logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
+                seq.append(int(logits.argmax()))
+            assert row == seq[len(p):]
+
+
 def test_stop_ids_end_each_row_as_transformers_does(model):
     ps = prompts(1, n=6)
     free = generate(model, ps, GenerationSettings(max_new_tokens=12, temperature=0), stop_ids=[], pad_id=PAD)

@@ -26,6 +26,7 @@ The model runs in eval mode under ``torch.no_grad`` and is put back as it was.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -143,9 +144,21 @@ def _make_cache(model, static: bool, max_len: int):
     return DynamicCache(config=config)
 
 
-def _step(model, ids: Tensor, mask: Tensor, pos: Tensor, cache) -> Tensor:
-    """Last-position logits [B, V] (fp32) of one forward with the cache."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+def cache_keyword(model) -> str:
+    """The name under which ``model``'s forward takes the KV cache: ``cache`` in transformers
+    releases that renamed it, ``past_key_values`` before (an unknown keyword would be swallowed
+    by the forward's ``**kwargs`` and the cache silently left empty)."""
+    name = getattr(model, "_pgs_cache_keyword", None)
+    if name is None:
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        model._pgs_cache_keyword = name
+    return name
+
+
+def _step(model, ids: Tensor, mask: Tensor, pos: Tensor, cache, keyword: str) -> Tensor:
+    """Last-position logits [B, V] (fp32) of one forward with the cache (``keyword``: its name)."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                **{keyword: cache})
     return out.logits[:, -1].float()
 
 
@@ -174,7 +187,8 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
     out = torch.full((B, T), int(pad_id), dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)
-    logits = _step(model, ids, mask if static else mask[:, :P], pos, cache)
+    keyword = cache_keyword(model)
+    logits = _step(model, ids, mask if static else mask[:, :P], pos, cache, keyword)
     last = pos[:, -1:]
     step = _compiled_step(model) if compile_step else _step
     used = 0
@@ -190,7 +204,7 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
             break
         mask[:, P + t] = 1
         last = last + 1
-        logits = step(model, tok[:, None], mask if static else mask[:, : P + t + 1], last, cache)
+        logits = step(model, tok[:, None], mask if static else mask[:, : P + t + 1], last, cache, keyword)
     out = out[:, :used]
     cmask = torch.arange(used, device=device)[None, :] < lengths[:, None]
     return ids, pmask, out, cmask, lengths
