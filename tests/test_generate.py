@@ -156,3 +156,26 @@ def test_static_compiled_decode_on_cuda_equals_dynamic(model):
     fast = generate(m, ps, s, stop_ids=[7], pad_id=PAD)  # auto: static cache, compiled step
     slow = generate(m, ps, s, stop_ids=[7], pad_id=PAD, cache="dynamic", compile=False)
     assert torch.equal(fast.completion_ids, slow.completion_ids)
+
+
+def test_layers_compiled_for_training_are_not_recompiled_by_generation():
+    """``memory.compile_layers`` compiles each decoder layer for the training forward; the prefill
+    and the uncompiled decode steps run them as written (a cache makes each layer's index a
+    constant of its graph: one recompile per layer otherwise), and the completions are the
+    uncompiled model's."""
+    from torch._dynamo.utils import counters
+
+    from pgs.runtime.model.layers import compile_layers
+
+    config = {**CONFIG, "tie_word_embeddings": False, "num_hidden_layers": 3}
+    plain = build_model(config=config, dtype="float32", attn_implementation="sdpa", init_seed=5)
+    m = build_model(config=config, dtype="float32", attn_implementation="sdpa", init_seed=5)
+    assert compile_layers(m, backend="eager") == 3
+    m(input_ids=torch.randint(1, V, (2, 16)), use_cache=False).logits.sum().backward()  # the training graph
+    ps, s = prompts(7, n=3), GenerationSettings(max_new_tokens=5, temperature=0)
+    counters.clear()
+    for cache in ("dynamic", "static"):
+        got = generate(m, ps, s, stop_ids=[], pad_id=PAD, cache=cache, compile=False)
+        ref = generate(plain, ps, s, stop_ids=[], pad_id=PAD, cache=cache, compile=False)
+        assert torch.equal(got.completion_ids, ref.completion_ids)
+    assert not counters["stats"].get("unique_graphs")  # nothing compiled after the training forward

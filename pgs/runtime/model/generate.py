@@ -26,6 +26,7 @@ The model runs in eval mode under ``torch.no_grad`` and is put back as it was.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass
@@ -162,6 +163,15 @@ def _step(model, ids: Tensor, mask: Tensor, pos: Tensor, cache, keyword: str) ->
     return out.logits[:, -1].float()
 
 
+def _eager():
+    """The prefill and uncompiled decode steps run the model's code as written: decoder layers
+    that ``memory.compile_layers`` compiled for training would otherwise recompile here for
+    every prompt width and, with a cache, once per layer (each layer's cache index is a
+    constant of its graph), until dynamo's recompile limit."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
+
 def _compiled_step(model):
     """``_step`` compiled once per model (its shapes are fixed under a static cache)."""
     fn = getattr(model, "_pgs_decode_step", None)
@@ -188,7 +198,8 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
     done = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)
     keyword = cache_keyword(model)
-    logits = _step(model, ids, mask if static else mask[:, :P], pos, cache, keyword)
+    with _eager():
+        logits = _step(model, ids, mask if static else mask[:, :P], pos, cache, keyword)
     last = pos[:, -1:]
     step = _compiled_step(model) if compile_step else _step
     used = 0
@@ -204,7 +215,8 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
             break
         mask[:, P + t] = 1
         last = last + 1
-        logits = step(model, tok[:, None], mask if static else mask[:, : P + t + 1], last, cache, keyword)
+        with contextlib.nullcontext() if compile_step else _eager():
+            logits = step(model, tok[:, None], mask if static else mask[:, : P + t + 1], last, cache, keyword)
     out = out[:, :used]
     cmask = torch.arange(used, device=device)[None, :] < lengths[:, None]
     return ids, pmask, out, cmask, lengths
