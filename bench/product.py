@@ -96,8 +96,22 @@ def summarize(records: list[dict], skip: int) -> dict:
     return out
 
 
+def read_metrics(run_dir: str) -> list[dict]:
+    """The records of a run's metrics.jsonl (a line cut short by a kill is left out)."""
+    records = []
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                pass
+    return records
+
+
 def run_pgs(spec: str, args, workdir: str) -> dict:
-    """``pgs run`` in a child process; the figures from its metrics.jsonl."""
+    """``pgs run`` in a child process; the figures from its metrics.jsonl.  ``args.timeout``
+    (optional, seconds): the child is killed after it, and the steps it logged are summarized
+    (``timed_out`` says so)."""
     run_dir = os.path.join(workdir, "run")
     shutil.rmtree(run_dir, ignore_errors=True)  # the bench's own scratch folder: a fresh run each time
     every = max(1, args.steps // 2)
@@ -108,14 +122,22 @@ def run_pgs(spec: str, args, workdir: str) -> dict:
         cmd += ["--profile", args.profile]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     started = time.time()
+    timeout = getattr(args, "timeout", None)
+    timed_out = False
     with GpuMemory() if args.nvidia_smi else _Null() as smi:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as err:  # killed: what it logged so far still counts
+            text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (err.stdout, err.stderr)]
+            proc = subprocess.CompletedProcess(cmd, None, *text)
+            timed_out = True
     out = {"setup": "pgs run", "spec": spec, "command": " ".join(cmd[1:]), "returncode": proc.returncode}
-    if proc.returncode != 0:
-        out["error"] = (proc.stderr or proc.stdout)[-3000:]
+    if timed_out:
+        out["timed_out"] = f"killed after {timeout} s"
+    if proc.returncode != 0 and not (timed_out and os.path.exists(os.path.join(run_dir, "metrics.jsonl"))):
+        out["error"] = (out.get("timed_out", "") + "\n" + (proc.stderr or proc.stdout)[-3000:]).strip()
         return out
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as handle:
-        records = [json.loads(line) for line in handle]
+    records = read_metrics(run_dir)
     steps = [r for r in records if "loss" in r and "tokens" in r]
     out["launch_to_step1_s"] = steps[0]["time"] - started if steps else None
     out.update(summarize(records, args.skip))
