@@ -69,6 +69,9 @@ SUITES = {s.name: s for s in (
     Suite("preference", "preference.py", "product",
           "`pgs run` with [preference] DPO (cached reference) on a shipped recipe beside its SFT run and "
           "TRL's DPOTrainer, same pairs"),
+    Suite("distill", "distill.py", "product",
+          "on-policy distillation (GKD, lambda 1): `pgs run` with [distill] (0.6B student, 4B teacher) beside "
+          "TRL's GKDTrainer, same chats; generated + trained tokens/s, peak memory, partial JSON after each"),
     Suite("offload", "offload_bench.py", "product",
           "optimizer state on the host: `pgs run` on the 8B 20 GiB spec beside HF compiled + AC + fused AdamW, "
           "the 4B recipe with and without offload, PCIe bandwidth"),

@@ -11,6 +11,8 @@ distillation (docs/techniques/distillation.md), and completions for ``pgs prepar
   the cache is transformers' ``StaticCache`` (preallocated to prompt + ``max_new_tokens``) and
   the decode step is ``torch.compile``d once per shape (fixed shapes: the attention mask is the
   cache's full width, filled as tokens arrive); elsewhere a ``DynamicCache`` and eager steps.
+  The prefill and eager steps run any ``torch.compile``d parts of the model as written
+  (``force_eager``: layers compiled for training are not recompiled for generation's shapes).
 - Sampling: temperature τ (τ = 0: greedy, the argmax), nucleus top-p (Holtzman et al., arXiv
   1904.09751: the smallest set of most likely tokens whose mass reaches p), and an explicit
   ``torch.Generator`` as the only source of randomness.  A token is drawn as
