@@ -17,7 +17,7 @@ rewritten after each, so a call cut short keeps what it measured:
 3. ``trl_gc`` (optional): the same with gradient checkpointing (TRL then generates without a
    KV cache: ``use_cache=False`` while checkpointing is on).
 
-What is held equal: the chats (a user prompt of ``--prompt-tokens`` ± 12 tokens with the chat
+What is held equal: the chats (a user prompt of ``--prompt-tokens`` tokens with the chat
 template, written here, and the same file for both), ``--prompts`` prompts per step (one
 optimizer step each, no accumulation), ``--max-new-tokens``, sampling (temperature 1, top-p 1,
 no top-k), the stop rule (the tokenizer's eos, ``<|im_end|>``, which is also pgs's end-of-turn
@@ -86,8 +86,10 @@ TRL_MISSING = "trl is not installed: copy /work/trlwhl/*.whl (trl, datasets, dil
 
 def make_chats(path: str, n: int, tokenizer, prompt_tokens: int, answer_tokens: int, seed: int = 0) -> list[int]:
     """``n`` chats ``{"messages": [user, assistant]}`` in JSONL: sums to work out whose prompt,
-    rendered with the chat template and the assistant header, has ``prompt_tokens`` tokens or
-    up to 12 fewer; an answer of about ``answer_tokens`` tokens.  Returns the prompts' lengths."""
+    rendered with the chat template and the assistant header, has ``prompt_tokens`` tokens
+    (filled up with full stops; fewer only where the tokenizer merges them), so that the rows
+    of every step have one width (a compiled layer then sees one shape); an answer of about
+    ``answer_tokens`` tokens.  Returns the prompts' lengths."""
     rng = random.Random(seed)
 
     def prompt_length(text: str) -> int:
@@ -110,6 +112,10 @@ def make_chats(path: str, n: int, tokenizer, prompt_tokens: int, answer_tokens: 
                     break
                 text = longer
                 sums.append(a + b)
+            for _ in range(32):  # full stops up to the length: one row width for every step
+                if prompt_length(text + ".") > prompt_tokens:
+                    break
+                text += "."
             lengths.append(prompt_length(text))
             answer = []
             while len(tokenizer("\n".join(answer), add_special_tokens=False)["input_ids"]) < answer_tokens:
@@ -333,7 +339,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the figures")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (one optimizer step)")
-    p.add_argument("--prompt-tokens", type=int, default=500, help="templated prompt length (up to 12 fewer)")
+    p.add_argument("--prompt-tokens", type=int, default=500, help="templated prompt length")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-seq-len", type=int, default=0, help="default: prompt + completion, rounded up to 256")
     p.add_argument("--kind", default="jsd", choices=("jsd", "forward_kl", "reverse_kl"))
