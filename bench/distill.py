@@ -69,7 +69,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.product import SMALL, read_metrics, run_pgs  # noqa: E402 - the product path, measured one way everywhere
+from bench.product import SMALL, markdown_table, read_metrics, run_pgs  # noqa: E402 - the product path, measured one way everywhere
 
 SPEC = "specs/distill_qwen3_0.6b_from_4b.toml"
 #: The teacher at the smoke shape (SMALL shrinks the student; the vocabulary must stay shared).
@@ -314,23 +314,10 @@ def ratios(results: list[dict]) -> dict:
     return out
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| setup | e2e tok/s | gen tok/s | train tok/s | prompts/s | gen share | s/step | generated/step | "
-             "trained/step | max alloc GiB | max reserved GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-
-    def f(x, fmt):
-        return "" if x is None else format(x, fmt)
-
-    for r in rows:
-        if r.get("error"):
-            lines.append(f"| {r['setup']} | error: {str(r['error']).strip().splitlines()[-1][:150]} ||||||||||")
-            continue
-        lines.append(f"| {r['setup']} | {f(r.get('e2e_tok_s'), ',.0f')} | {f(r.get('gen_tok_s'), ',.0f')} | "
-                     f"{f(r.get('train_tok_s'), ',.0f')} | {f(r.get('prompts_per_s'), '.2f')} | "
-                     f"{f(r.get('gen_share'), '.2f')} | {f(r.get('mean_step_s'), '.2f')} | "
-                     f"{f(r.get('generated_per_step'), ',.0f')} | {f(r.get('trained_per_step'), ',.0f')} | "
-                     f"{f(r.get('max_allocated_gib'), '.2f')} | {f(r.get('max_reserved_gib'), '.2f')} |")
-    return "\n".join(lines)
+COLUMNS = [("e2e tok/s", "e2e_tok_s", ",.0f"), ("gen tok/s", "gen_tok_s", ",.0f"), ("train tok/s", "train_tok_s", ",.0f"),
+           ("prompts/s", "prompts_per_s", ".2f"), ("gen share", "gen_share", ".2f"), ("s/step", "mean_step_s", ".2f"),
+           ("generated/step", "generated_per_step", ",.0f"), ("trained/step", "trained_per_step", ",.0f"),
+           ("max alloc GiB", "max_allocated_gib", ".2f"), ("max reserved GiB", "max_reserved_gib", ".2f")]
 
 
 def main(argv=None) -> int:
@@ -410,7 +397,7 @@ def main(argv=None) -> int:
         print(json.dumps({k: v for k, v in results[-1].items() if k not in ("stderr_tail", "step_s", "gen_s")}),
               flush=True)
         save()
-    print(table(results))
+    print(markdown_table(results, COLUMNS))
     print(json.dumps(ratios(results), indent=1))
     return 0 if all(not r.get("error") for r in results) else 1
 

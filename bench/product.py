@@ -96,6 +96,20 @@ def summarize(records: list[dict], skip: int) -> dict:
     return out
 
 
+def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """A Markdown table of result rows: ``columns`` as ``(header, key, format)``, the first
+    column the row's ``setup``; a row with an ``error`` shows the error's last line instead."""
+    lines = ["| setup | " + " | ".join(h for h, _, _ in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for r in rows:
+        if r.get("error"):
+            last = (str(r["error"]).strip().splitlines() or [""])[-1][:150]
+            lines.append(f"| {r['setup']} | error: {last} " + "|" * len(columns))
+            continue
+        cells = ["" if r.get(key) is None else format(r[key], fmt) for _, key, fmt in columns]
+        lines.append(f"| {r['setup']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def read_metrics(run_dir: str) -> list[dict]:
     """The records of a run's metrics.jsonl (a line cut short by a kill is left out)."""
     records = []

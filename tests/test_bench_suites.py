@@ -31,7 +31,7 @@ def test_list_names_every_suite():
     names = [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
     assert names == list(S.SUITES)
     assert {"optim-step", "optim-8bit", "optim-muon", "sft-step", "sft-converge", "loss-memory", "fsdp",
-            "data", "product", "preference", "long-context"} <= set(S.SUITES)
+            "data", "product", "preference", "long-context", "distill"} <= set(S.SUITES)
 
 
 def test_unknown_suite_is_a_usage_error():
