@@ -320,6 +320,15 @@ COLUMNS = [("e2e tok/s", "e2e_tok_s", ",.0f"), ("gen tok/s", "gen_tok_s", ",.0f"
            ("max alloc GiB", "max_allocated_gib", ".2f"), ("max reserved GiB", "max_reserved_gib", ".2f")]
 
 
+def _version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--spec", default=SPEC)
@@ -367,16 +376,18 @@ def main(argv=None) -> int:
     lengths = make_chats(chats, args.prompts * (args.steps + 2), tokenizer, args.prompt_tokens,
                          min(args.max_new_tokens, args.max_seq_len - args.prompt_tokens - 16))
     results: list[dict] = []
+    versions = {name: _version(name) for name in ("torch", "transformers", "trl")}
 
     def save():  # after every setup: a call cut short keeps what it measured
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w", encoding="utf-8") as handle:
-                json.dump({"spec": args.spec, "steps": args.steps, "skip": args.skip, "prompts_per_step": args.prompts,
+                json.dump({"spec": args.spec, "versions": versions, "steps": args.steps, "skip": args.skip, "prompts_per_step": args.prompts,
                            "prompt_tokens": [min(lengths), max(lengths)], "max_new_tokens": args.max_new_tokens,
                            "kind": args.kind, "beta": args.beta if args.kind == "jsd" else None,
                            "results": results, "ratios": ratios(results)}, handle, indent=1)
 
+    save()  # the settings, before anything is measured
     for setup in args.only.split(","):
         left = args.budget - (time.time() - started)
         if left < 30:
