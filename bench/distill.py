@@ -33,6 +33,9 @@ in its own order (all prompts have the same length, so the work per step is the 
 random inits differ (the same architectures, different generators).  With random weights a
 completion almost never reaches the eos (1 in 151,936 per token), so both generate nearly
 ``--prompts`` × ``--max-new-tokens`` tokens per step; the counts are measured, not assumed.
+TRL 1.16 itself points λ = 1, τ = 1 runs to its newer ``DistillationTrainer`` (a chunked loss,
+vLLM generation); this bench measures ``GKDTrainer``, the trainer issue 22 names, with HF
+generation.
 
 Figures per setup over the steps after the first ``--skip`` (warm-up: compilation):
 ``generated`` tokens (sampled completion tokens, stop token included), ``trained`` tokens
@@ -77,9 +80,9 @@ SMALL_TEACHER = ["distill.teacher_config.hidden_size=96", "distill.teacher_confi
                  "distill.teacher_config.num_hidden_layers=2", "distill.teacher_config.num_attention_heads=4",
                  "distill.teacher_config.num_key_value_heads=2", "distill.teacher_config.head_dim=16",
                  "distill.teacher_config.vocab_size=512", 'distill.teacher_dtype="float32"']
-#: TRL's β for pgs's divergences (TRL: β = 0 is KL(T‖S), β = 1 is KL(S‖T), else JSD(β)).
 #: The smoke shape: product's, but the spec's constant schedule reads no warmup.
 SMALL_SETS = [x for x in SMALL if not x.startswith("schedule.")] + SMALL_TEACHER
+#: TRL's β for pgs's divergences (TRL: β = 0 is KL(T‖S), β = 1 is KL(S‖T), else JSD(β)).
 TRL_BETA = {"forward_kl": 0.0, "reverse_kl": 1.0}
 TRL_MISSING = "trl is not installed: copy /work/trlwhl/*.whl (trl, datasets, dill, multiprocess) into .whl before the call"
 
