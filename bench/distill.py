@@ -182,11 +182,14 @@ def run_pgs_setup(args, chats: str, workdir: str, timeout: float) -> dict:
     r = run_pgs(args.spec, pgs_args, os.path.join(workdir, "pgs"))
     out = {"setup": "pgs run + [distill]", "command": r.get("command"), "returncode": r.get("returncode"),
            "launch_to_step1_s": r.get("launch_to_step1_s"), "timed_out": r.get("timed_out")}
-    if r.get("error"):
-        out["error"] = r["error"]
+    run_dir = os.path.join(workdir, "pgs", "run")
+    if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        out["error"] = r.get("error") or "the run wrote no metrics.jsonl"
         return out
-    records = read_metrics(os.path.join(workdir, "pgs", "run"))
+    records = read_metrics(run_dir)  # the steps it logged count, also when it was killed by its timeout
     out.update(figures(pgs_steps(records), args.skip, args.prompts))
+    if r.get("returncode") != 0 and not r.get("timed_out"):  # it failed after logging steps: say so beside them
+        out["error"] = r.get("error") or f"exit {r.get('returncode')}"
     peaks = [r for r in records if "mem_gib" in r]
     if peaks:
         out["max_allocated_gib"] = max(p["mem_gib"] for p in peaks)
@@ -373,7 +376,13 @@ def main(argv=None) -> int:
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="pgs-bench-distill-")
     os.makedirs(workdir, exist_ok=True)
-    spec = load_spec(args.spec, distill_sets(args, "pgs:bench/chats.jsonl"))
+    from pgs.errors import SpecError
+
+    try:
+        spec = load_spec(args.spec, distill_sets(args, "pgs:bench/chats.jsonl"))
+    except SpecError as err:  # the spec or a --set: one line, as pgs run would say it
+        print(f"[distill] {args.spec}: {err}", file=sys.stderr)
+        return 2
     tokenizer = load_tokenizer(spec.model.tokenizer)
     chats = os.path.join(workdir, "chats.jsonl")
     lengths = make_chats(chats, args.prompts * (args.steps + 2), tokenizer, args.prompt_tokens,
