@@ -46,7 +46,10 @@ wall time), ``prompts_per_s``, ``gen_share`` (the share of the step spent genera
 per step, peak allocated / reserved GiB (pgs: the run's own counters, metrics.jsonl; TRL:
 ``torch.cuda.max_memory_*`` over training, both with the teacher resident).  pgs's generation
 time is its metrics' ``generated_tokens / gen_tokens_per_s``; TRL's is the wall time of its
-``generate_on_policy_outputs``.
+``generate_on_policy_outputs`` (synchronized before and after).  pgs's step clock does not wait
+for the device at the end of a step (its launches run ahead); the next step's generation does,
+so the timed steps' total is the device's time, and pgs's generation time may hold the tail of
+the previous step's backward (a bias against pgs's ``gen_tok_s``, for its ``train_tok_s``).
 
     python -m bench distill --steps 8 --budget 520
     python -m bench distill --steps 8 --only pgs,trl,trl_gc --prompts 32
