@@ -248,7 +248,8 @@ def math_attention():
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("name", ["lion8bit", "adamw8bit"])
-def test_cuda_fused_bf16_equals_on_device(name, math_attention):
+@pytest.mark.parametrize("slots", [2, None])
+def test_cuda_fused_bf16_equals_on_device(name, slots, math_attention):
     """bf16 weights with stochastic rounding and the fused 8-bit kernels, on a GPU: the state
     streamed through pinned memory and side streams gives the same bits as the state kept on
     the device, step after step (the compute stream waits for each fetch, each fetch for the
@@ -256,7 +257,7 @@ def test_cuda_fused_bf16_equals_on_device(name, math_attention):
     data = [ids.cuda() for ids in distinct_batches(5)]
     a, b = tiny_model(torch.bfloat16, layers=4).cuda(), tiny_model(torch.bfloat16, layers=4).cuda()
     ref = GradientRelease(CHAINS[name](), a, stochastic_rounding=True)
-    rel = OffloadedRelease(CHAINS[name](), b, stochastic_rounding=True)
+    rel = OffloadedRelease(CHAINS[name](), b, stochastic_rounding=True, slots=slots)
     assert rel.stager.page_locked  # registered with cudaHostRegister (or the pinned allocator's)
     run(a, ref, data)
     run(b, rel, data)
