@@ -255,3 +255,47 @@ def test_compiled_activation_formula_is_close_to_inductors_saved_tensors(dtype):
     eager = activation_bytes(cfg, B * S, dtype=dtype, policy="none")
     assert abs(predicted - measured) <= 0.06 * measured, (predicted, measured, eager)
     assert predicted < eager
+
+
+@pytest.mark.parametrize("section, backend, want", [
+    ("", "chunked", {"loss": "chunked", "defer_head_grad": True}),
+    ("", "dense", {"loss": "dense", "defer_head_grad": False}),
+    # the sequence log-probs are chunked whatever loss.backend says, and defer as SFT's loss does
+    ('[preference]\nkind = "dpo"\nreference = "cached"\n', "dense", {"loss": "chunked", "defer_head_grad": True}),
+    ('[distill]\nteacher_config = { model_type = "qwen3", hidden_size = 32, intermediate_size = 64, '
+     'num_hidden_layers = 1, num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8, vocab_size = 96 }\n',
+     "chunked", {"loss": "chunked", "defer_head_grad": False}),
+])
+def test_plan_follows_the_objectives_head(tmp_path, section, backend, want):
+    """``pgs profile`` sizes the head's loss as the spec's objective runs it (``head_loss``)."""
+    from pgs.runtime.tools.profile import plan_from_spec
+    from pgs.runtime.spec.load import load_spec
+
+    spec_file = tmp_path / "spec.toml"
+    spec_file.write_text(f"""
+[model]
+config = {{ model_type = "qwen3", hidden_size = 32, intermediate_size = 64, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8, vocab_size = 96, tie_word_embeddings = true }}
+tokenizer = "pgs:quickstart/tokenizer"
+
+[data]
+max_seq_len = 64
+sources = [{{ path = "pgs:quickstart/train.jsonl", weight = 1.0 }}]
+
+[optimizer]
+alias = "lion8bit"
+clip = 0
+
+[loss]
+backend = "{backend}"
+
+[memory]
+gradient_release = true
+defer_head_grad = true
+
+[train]
+steps = 10
+batch_size = 2
+
+{section}""")
+    kwargs = plan_from_spec(load_spec(spec_file))["kwargs"]
+    assert {k: kwargs[k] for k in want} == want
