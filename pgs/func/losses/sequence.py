@@ -33,7 +33,9 @@ LSEs into a ``chunked.DeferredHeadGrad`` (scale 1), whose ``add_to(out)`` adds
 Σ_k Gₖᵀ H_k into a [V, D] buffer and ``add_rows_to(out, r0, r1)`` only vocabulary rows
 [r0, r1) — the same object, and the same rebuild, as ``token_loss(..., defer_head_grad=True)``
 (``GradientRelease.before_step`` takes it).  Unlike the token loss it is filled in backward
-(the gates need w): ``head_grad.ready`` turns True when backward has passed the loss.
+(the gates need w): ``head_grad.ready`` turns True when backward has passed the loss.  Cost:
+one more head matmul per chunk (backward: logits, grad_h; the rebuild: logits, grad_W), and
+16 B per valid row (index, gate, LSE) plus h held until the rebuild, instead of grad_W.
 """
 
 from __future__ import annotations
