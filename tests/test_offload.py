@@ -16,7 +16,7 @@ import pgs.func as pf
 from pgs.errors import SpecError
 from pgs.func import tree as T
 from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
-from pgs.runtime.optim.offload import OffloadedRelease, StateStager, slot_size
+from pgs.runtime.optim.offload import OffloadedRelease, StateStager, auto_slots, slot_size
 from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.spec.sections import MemorySpec
 from test_release import VOCAB, batches, loss_of, tiny_model
@@ -50,7 +50,7 @@ def host_storages(rel):
 
 
 @pytest.mark.parametrize("name", sorted(CHAINS))
-@pytest.mark.parametrize("slots", [1, 2, 3])
+@pytest.mark.parametrize("slots", [1, 2, 3, None])
 def test_equals_on_device_release(name, slots):
     data = batches(4)
     a, b = tiny_model(), tiny_model()
@@ -69,10 +69,26 @@ def test_equals_on_device_release(name, slots):
     st = rel.offload_stats()
     assert st["d2h_bytes"] == 4 * st["pcie_bytes_per_step"] // 2
     sizes = sorted((lay.nbytes for lay in rel.stager.layouts.values()), reverse=True)
+    if slots is None:  # the release's own count
+        slots = auto_slots(sizes)
+        assert len(rel.stager.slots) == slots
     assert st["staging_bytes"] == slots * slot_size(sizes, slots)
     if slots > 1:  # the two layers' states are the largest, each over a slot: each step takes every slot
         assert sizes[0] > slot_size(sizes, slots) >= sizes[2]
     assert st["host_state_bytes"] >= pf.state_bytes(ref.states) - 8 * 64 * len(ref.states)
+
+
+def test_auto_slots_size_the_slots_by_the_regular_groups():
+    """``auto_slots``: enough slots that the largest group's share is no larger than the
+    third-largest group (a decoder layer), so the slots together stay about the largest group
+    while more regular groups are in flight; 2 to 16."""
+    embed, layer = 389_000_000, 100_000_000  # Qwen3-4B's tied embedding and a decoder layer (8-bit state)
+    n = auto_slots([embed] + [layer] * 36)
+    assert n == 4 and slot_size([embed] + [layer] * 36, n) == -(-layer // 64) * 64
+    assert n * slot_size([embed] + [layer] * 36, n) <= 2 * slot_size([embed] + [layer] * 36, 2) * 1.05
+    assert auto_slots([622, 622] + [193] * 36) == 4  # an untied head and embedding (8B)
+    assert auto_slots([10, 10, 10]) == 2 and auto_slots([5, 1]) == 2 and auto_slots([]) == 2
+    assert auto_slots([10_000, 10, 1]) == 16 and auto_slots([10_000, 10, 1], most=5) == 5
 
 
 def test_order_is_learned():

@@ -9,8 +9,9 @@
   (one state per release group under gradient release, as ``GradientRelease`` builds it),
   or ``state_bytes_per_param × trainable parameters`` when no chain is given.  With
   ``offload_optimizer`` (release only) the state lives in pinned host memory (``host_state``,
-  not part of ``total``/``peak``) and the device holds ``slots`` staging slots
-  (``offload.slot_size``: a group larger than a slot takes them all; leaves padded to 64 B);
+  not part of ``total``/``peak``) and the device holds the staging slots (``offload.auto_slots``
+  of them, ``offload.slot_size`` each: a group larger than a slot takes them all; leaves padded
+  to 64 B);
   ``pcie_per_step`` is 2 × the host state (each group's state in and out once per step).
 - ``gradients``: all trainable gradients (``bind``); under gradient release, the largest
   group's gradients (one decoder layer's, or the embedding's).
@@ -230,6 +231,15 @@ def chunk_work_bytes(rows: int, vocab: int, b: int, kernels: bool) -> tuple[int,
     return forward, rebuild
 
 
+def _staging_bytes(sizes: list[int], slots: int | None) -> int:
+    """Device bytes of ``OffloadedRelease``'s staging slots for group states of ``sizes`` bytes
+    (``slots`` None: the release's own choice, ``offload.auto_slots``)."""
+    from pgs.runtime.optim.offload import auto_slots, slot_size
+
+    n = auto_slots(sizes) if slots is None else int(slots)
+    return n * slot_size(sizes, n)
+
+
 def predict_memory(
     model_config,
     *,
@@ -256,7 +266,7 @@ def predict_memory(
     mlp_tiles: int = 0,
     compiled_layers: bool = False,
     offload_optimizer: bool = False,
-    offload_slots: int = 2,
+    offload_slots: int | None = None,
 ) -> dict[str, int]:
     """Bytes per category (``CATEGORIES``) plus ``total`` and ``peak``.  See the module docstring.
 
@@ -293,7 +303,8 @@ def predict_memory(
         compiled_layers: the decoder layers are ``torch.compile``d (``activation_parts``'s
             ``compiled``: what inductor saves).
         offload_optimizer: the state in pinned host memory, ``offload_slots`` staging buffers on
-            the device (``OffloadedRelease``; needs ``gradient_release``): adds ``host_state``
+            the device (None: as many as ``OffloadedRelease`` takes, ``offload.auto_slots``;
+            needs ``gradient_release``): adds ``host_state``
             and ``pcie_per_step`` (bytes) to the result.
 
     Example::
@@ -331,20 +342,18 @@ def predict_memory(
         inits = [chain.init({n: as_state_param(params[n]) for n in names}) for names in groups.values()]
         out["optimizer_state"] = sum(pf.state_bytes(s) for s in inits)
         if offload_optimizer:
-            from pgs.runtime.optim.offload import StateLayout, slot_size
+            from pgs.runtime.optim.offload import StateLayout
 
             sizes = [StateLayout(s).nbytes for s in inits]
             host_state = sum(sizes)
-            out["optimizer_state"] = int(offload_slots) * slot_size(sizes, int(offload_slots))
+            out["optimizer_state"] = _staging_bytes(sizes, offload_slots)
     elif state_bytes_per_param is not None:
         out["optimizer_state"] = int(round(state_bytes_per_param * n_train))
         if offload_optimizer:
-            from pgs.runtime.optim.offload import slot_size
-
             host_state = out["optimizer_state"]
             sizes = [int(round(state_bytes_per_param * sum(params[n].numel() for n in names)))
                      for names in groups.values()]
-            out["optimizer_state"] = int(offload_slots) * slot_size(sizes, int(offload_slots))
+            out["optimizer_state"] = _staging_bytes(sizes, offload_slots)
     else:
         raise InvalidArgument("predict_memory: give chain= (sized exactly) or state_bytes_per_param=")
 
