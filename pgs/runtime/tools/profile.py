@@ -27,6 +27,10 @@
 - With ``defer_head_grad`` (release, tied head, chunked loss) the loss holds grad_h, h and
   16 B per token instead of the V × D buffer; the head's gradient is rebuilt into the
   embedding's gradient at the end of backward (one chunk's work then).
+- The head's loss is the one the spec's objective runs (``head_loss``): SFT's token loss
+  (``loss.backend``), ``[preference]``'s sequence log-probs (chunked, deferred as SFT's: their
+  backward holds one chunk's logits, b B per element with the Triton passes, like the chunked
+  loss's forward), ``[distill]``'s chunked divergence (never deferred).
 - With ``tied_slabs`` (release) the embedding's V × D gradient is replaced by one slab's
   (rows × D) plus the looked-up rows' gradients and their per-id sums, and the head's rebuilt
   chunk spans the slab's columns only (``predict_memory``'s ``tied_slabs``).
@@ -472,6 +476,21 @@ def _spec_model_config(spec):
     return AutoConfig.from_pretrained(m.path, local_files_only=True, trust_remote_code=m.trust_remote_code)
 
 
+def head_loss(spec) -> dict[str, Any]:
+    """``predict_memory``'s ``loss`` and ``defer_head_grad`` for the objective the spec selects,
+    as ``pgs run`` computes its head: SFT's token loss with ``loss.backend`` (deferred only with
+    the chunked backend, when asked); ``[preference]``'s sequence log-probs, chunked whatever the
+    backend, deferred as ``memory.defer_head_grad`` says (``PreferenceObjective.defers_head_grad``);
+    ``[distill]``'s chunked divergence, whose head gradient goes through autograd."""
+    if getattr(spec, "preference", None) is not None:
+        return {"loss": "chunked", "defer_head_grad": spec.memory.defer_head_grad}
+    if getattr(spec, "distill", None) is not None:
+        return {"loss": "chunked", "defer_head_grad": False}
+    backend = spec.loss.backend
+    return {"loss": "dense" if backend == "dense" else "chunked",
+            "defer_head_grad": spec.memory.defer_head_grad if backend == "chunked" else False}
+
+
 def plan_from_spec(spec, **overrides) -> dict[str, Any]:
     """Everything ``predict_memory`` needs, read from a checked spec (plus ``overrides``)."""
 
@@ -502,10 +521,7 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   tied_slabs=int(opts["tied_slabs"]) or None, mlp_tiles=int(opts["mlp_tiles"]),
                   release_groups=opts["release_groups"], compiled_layers=opts["compile_layers"],
                   offload_optimizer=bool(opts["offload_optimizer"] and opts["gradient_release"]),
-                  loss="dense" if spec.loss.backend == "dense" else "chunked", loss_chunk=spec.loss.chunk_size,
-                  model=model,
-                  # pgs run defers a tied head's gradient only with the chunked backend and when asked
-                  defer_head_grad=spec.memory.defer_head_grad if spec.loss.backend == "chunked" else False)
+                  loss_chunk=spec.loss.chunk_size, model=model, **head_loss(spec))
     return {"config": cfg, "kwargs": kwargs, "notes": notes, "micro_batch": micro,
             "seq_len": spec.data.max_seq_len, "options": opts}
 
