@@ -81,16 +81,25 @@ def _preference_entry(kind: str, **hyper) -> LossEntry:
 # ---- sequence_logps: rows of a packed batch; sequences shared across the cut add up ----------
 
 
-def _sequence_entry(softcap) -> LossEntry:
+def _deferred_sequence_logps(h, W, labels, seq, num, **kwargs):
+    """``sequence_logps(..., defer_head_grad=True)``'s tensors (its ``DeferredHeadGrad`` left out:
+    W's gradient goes there, not to autograd; tests/test_preference_losses.py checks it)."""
+    logp, lengths, _ = sequence_logps(h, W, labels, seq, num, defer_head_grad=True, **kwargs)
+    return logp, lengths
+
+
+def _sequence_entry(softcap, deferred: bool = False) -> LossEntry:
     V, D, S = 7, 4, 6
 
     def draw(gen, n, dtype):
         h = torch.randn(n, S, D, generator=gen, dtype=F64).to(dtype)
         W = torch.randn(V, D, generator=gen, dtype=F64).to(dtype)
+        if deferred:  # a trainable head, so that the deferral engages
+            W.requires_grad_()
         labels = torch.randint(0, V, (n, S), generator=gen)
         labels[torch.rand(n, S, generator=gen) < 0.3] = -100
         seq = torch.randint(-1, 3, (n, S), generator=gen)  # a sequence may span rows here
-        return Inputs((h, W, labels, seq, 3), dict(chunk_size=5, softcap=softcap), grad=(0, 1))
+        return Inputs((h, W, labels, seq, 3), dict(chunk_size=5, softcap=softcap), grad=(0,) if deferred else (0, 1))
 
     def split(inp, k):
         h, W, labels, seq, num = inp.args
@@ -100,6 +109,9 @@ def _sequence_entry(softcap) -> LossEntry:
     def combine(a, b):
         return tuple(x + y for x, y in zip(a, b))
 
+    if deferred:
+        return LossEntry(f"sequence_logps[deferred, softcap={softcap}]", _deferred_sequence_logps, draw, split,
+                         combine, covers=("sequence_logps",))
     return LossEntry(f"sequence_logps[softcap={softcap}]", sequence_logps, draw, split, combine,
                      covers=("sequence_logps",))
 
@@ -165,6 +177,8 @@ ENTRIES = [
     _preference_entry("orpo", nll_weight=0.1),
     _sequence_entry(None),
     _sequence_entry(3.0),
+    _sequence_entry(None, deferred=True),
+    _sequence_entry(3.0, deferred=True),
     _router_entry(1, False),
     _router_entry(2, True),
     _distill_entry("forward_kl"),

@@ -245,3 +245,25 @@ def test_sequence_sums_add_up(problem, chunk):
     torch.testing.assert_close(merged.detach(), expect)
     assert n2.tolist() == torch.zeros((num + 1) // 2, dtype=torch.long).index_add(0, torch.arange(num) // 2, n).tolist()
     assert (logp <= 0).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(problem=packed(), chunk=st.integers(1, 20), softcap=st.sampled_from([None, 2.0]), slab=st.integers(1, 12))
+def test_deferred_head_grad_equals_the_dense_gradient(problem, chunk, softcap, slab):
+    """``defer_head_grad=True``: autograd gives W nothing and h, b the dense gradients; the
+    deferred object's ``add_to`` and its ``add_rows_to`` over slabs of any size give W's."""
+    h, W, b, labels, seq, num, seed = problem
+    logp, n, head = sequence_logps(h, W, labels, seq, num, chunk_size=chunk, bias=b, softcap=softcap,
+                                   defer_head_grad=True)
+    ref, _ = dense_reference(h, W, b, labels, seq, num, softcap)
+    up = torch.randn(num, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    gh, gW, gb = torch.autograd.grad((logp * up).sum(), (h, W, b), allow_unused=True)
+    rh, rW, rb = torch.autograd.grad((ref * up).sum(), (h, W, b), allow_unused=True)
+    assert gW is None and head.ready
+    torch.testing.assert_close(gh, rh)
+    torch.testing.assert_close(gb, rb)
+    slabs = torch.zeros_like(W)
+    for r0 in range(0, W.shape[0], slab):
+        head.add_rows_to(slabs[r0 : r0 + slab], r0, min(r0 + slab, W.shape[0]))
+    torch.testing.assert_close(slabs, rW)
+    torch.testing.assert_close(head.add_to(torch.zeros_like(W)), rW)

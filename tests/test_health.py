@@ -97,6 +97,27 @@ def test_update_ratio_per_group_equals_the_hand_computation():
     assert "health/update_ratio/other" not in record  # frozen: not measured
 
 
+def test_update_ratio_of_a_large_parameter_is_its_strided_sample():
+    """A parameter over ``RATIO_SAMPLE`` elements: the ratio over its evenly strided sample (no
+    copy of the whole weight), close to the exact ratio for a spread-out update."""
+    model = torch.nn.Linear(300, 200, bias=False)  # 60,000 elements > 8,192
+    monitor = HealthMonitor(model, every=1, total=1)
+    before = model.weight.detach().clone()
+    monitor.before_step(1)
+    assert sum(s.numel() for s in monitor.ratio._snapshot) <= 8192
+    with torch.no_grad():
+        model.weight.add_(torch.randn_like(model.weight) * 0.01)
+    monitor.after_step(1)
+    record = {"step": 1, "skipped": 0, "loss": 1.0}
+    monitor.observe(record)
+    w = model.weight.detach().reshape(-1)
+    stride = -(-w.numel() // 8192)
+    sampled = float((w[::stride] - before.reshape(-1)[::stride]).norm() / w[::stride].norm())
+    exact = float((w - before.reshape(-1)).norm() / w.norm())
+    assert record["health/update_ratio"] == pytest.approx(sampled, rel=1e-6)
+    assert record["health/update_ratio"] == pytest.approx(exact, rel=0.05)
+
+
 def _run(tmp_path, name, *sets):
     spec = load_spec(tiny_spec(tmp_path, name, steps=4), ["train.health_every=2", *sets])
     code = train.run(spec)

@@ -16,7 +16,7 @@ import pgs.func as pf
 from pgs.errors import SpecError
 from pgs.func import tree as T
 from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
-from pgs.runtime.optim.offload import OffloadedRelease, StateStager, slot_size
+from pgs.runtime.optim.offload import OffloadedRelease, StateStager, auto_slots, slot_size
 from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.spec.sections import MemorySpec
 from test_release import VOCAB, batches, loss_of, tiny_model
@@ -50,7 +50,7 @@ def host_storages(rel):
 
 
 @pytest.mark.parametrize("name", sorted(CHAINS))
-@pytest.mark.parametrize("slots", [1, 2, 3])
+@pytest.mark.parametrize("slots", [1, 2, 3, None])
 def test_equals_on_device_release(name, slots):
     data = batches(4)
     a, b = tiny_model(), tiny_model()
@@ -69,10 +69,26 @@ def test_equals_on_device_release(name, slots):
     st = rel.offload_stats()
     assert st["d2h_bytes"] == 4 * st["pcie_bytes_per_step"] // 2
     sizes = sorted((lay.nbytes for lay in rel.stager.layouts.values()), reverse=True)
+    if slots is None:  # the release's own count
+        slots = auto_slots(sizes)
+        assert len(rel.stager.slots) == slots
     assert st["staging_bytes"] == slots * slot_size(sizes, slots)
     if slots > 1:  # the two layers' states are the largest, each over a slot: each step takes every slot
         assert sizes[0] > slot_size(sizes, slots) >= sizes[2]
     assert st["host_state_bytes"] >= pf.state_bytes(ref.states) - 8 * 64 * len(ref.states)
+
+
+def test_auto_slots_size_the_slots_by_the_regular_groups():
+    """``auto_slots``: enough slots that the largest group's share is no larger than the
+    third-largest group (a decoder layer), so the slots together stay about the largest group
+    while more regular groups are in flight; 2 to 16."""
+    embed, layer = 389_000_000, 100_000_000  # Qwen3-4B's tied embedding and a decoder layer (8-bit state)
+    n = auto_slots([embed] + [layer] * 36)
+    assert n == 4 and slot_size([embed] + [layer] * 36, n) == -(-layer // 64) * 64
+    assert n * slot_size([embed] + [layer] * 36, n) <= 2 * slot_size([embed] + [layer] * 36, 2) * 1.05
+    assert auto_slots([622, 622] + [193] * 36) == 4  # an untied head and embedding (8B)
+    assert auto_slots([10, 10, 10]) == 2 and auto_slots([5, 1]) == 2 and auto_slots([]) == 2
+    assert auto_slots([10_000, 10, 1]) == 16 and auto_slots([10_000, 10, 1], most=5) == 5
 
 
 def test_order_is_learned():
@@ -232,7 +248,8 @@ def math_attention():
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("name", ["lion8bit", "adamw8bit"])
-def test_cuda_fused_bf16_equals_on_device(name, math_attention):
+@pytest.mark.parametrize("slots", [2, None])
+def test_cuda_fused_bf16_equals_on_device(name, slots, math_attention):
     """bf16 weights with stochastic rounding and the fused 8-bit kernels, on a GPU: the state
     streamed through pinned memory and side streams gives the same bits as the state kept on
     the device, step after step (the compute stream waits for each fetch, each fetch for the
@@ -240,12 +257,18 @@ def test_cuda_fused_bf16_equals_on_device(name, math_attention):
     data = [ids.cuda() for ids in distinct_batches(5)]
     a, b = tiny_model(torch.bfloat16, layers=4).cuda(), tiny_model(torch.bfloat16, layers=4).cuda()
     ref = GradientRelease(CHAINS[name](), a, stochastic_rounding=True)
-    rel = OffloadedRelease(CHAINS[name](), b, stochastic_rounding=True)
+    rel = OffloadedRelease(CHAINS[name](), b, stochastic_rounding=True, slots=slots)
     assert rel.stager.page_locked  # registered with cudaHostRegister (or the pinned allocator's)
     run(a, ref, data)
     run(b, rel, data)
     torch.cuda.synchronize()
     assert rel.fused_group_steps == ref.fused_group_steps > 0
+    # the on-device release is itself reproducible here (else a difference below is not the offload's)
+    a2 = tiny_model(torch.bfloat16, layers=4).cuda()
+    ref2 = GradientRelease(CHAINS[name](), a2, stochastic_rounding=True)
+    run(a2, ref2, data)
+    torch.cuda.synchronize()
+    assert_same(a, a2, ref, ref2)
     assert_same(a, b, ref, rel)
 
 

@@ -399,3 +399,103 @@ def test_sequence_logps_errors():
     bad[1, 1] = 13
     with pytest.raises(InvalidArgument, match=r"labels: ids must be in \[0, 13\)"):
         sequence_logps(h, W, bad, seq, 4)
+
+
+# ---- sequence_logps(defer_head_grad=True) ----------------------------------------------------
+
+
+def _dpo_of(logp):
+    """A nonlinear loss of the sums (DPO), so that ∂L/∂logp_sum differs per sequence."""
+    ref_c, ref_r = torch.tensor([-20.0, -25.0], dtype=logp.dtype), torch.tensor([-22.0, -21.0], dtype=logp.dtype)
+    return preference_loss(logp[0::2], logp[1::2], ref_c, ref_r, beta=0.3).loss.sum()
+
+
+def _plain_and_deferred(h, W, b, labels, seq, **kw):
+    """(grads of h, W, b by autograd; grads of h, b by autograd and the deferred W object)."""
+    logp, n = sequence_logps(h, W, labels, seq, 4, bias=b, **kw)
+    plain = torch.autograd.grad(_dpo_of(logp), (h, W, b))
+    logp_d, n_d, head = sequence_logps(h, W, labels, seq, 4, bias=b, defer_head_grad=True, **kw)
+    assert torch.equal(logp_d, logp) and torch.equal(n_d, n)
+    assert head is not None and not head.ready  # filled by backward, not by forward
+    loss = _dpo_of(logp_d)
+    gh, gW, gb = torch.autograd.grad(loss, (h, W, b), allow_unused=True)
+    assert gW is None and head.ready  # W got nothing from autograd
+    return plain, (gh, gb), head
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 2.5])
+@pytest.mark.parametrize("chunk", [2, 5, 100])
+def test_deferred_head_grad_equals_autograd(dtype, softcap, chunk):
+    """grad_h and grad_b unchanged; ``add_to`` gives W's autograd gradient; ``add_rows_to`` over
+    slabs (one past the vocabulary's end) gives its rows; the same arithmetic, so equal to
+    rounding of the order of sums (bf16: within a bf16 ulp of the gradient's scale)."""
+    h, W, b, labels, seq = packed_problem(11)
+    h, W, b = (x.detach().to(dtype).requires_grad_() for x in (h, W, b))
+    (rh, rW, rb), (gh, gb), head = _plain_and_deferred(h, W, b, labels, seq, chunk_size=chunk, softcap=softcap)
+    torch.testing.assert_close(gh, rh, rtol=0, atol=0)
+    torch.testing.assert_close(gb, rb, rtol=0, atol=0)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == F64 else dict(rtol=1e-2, atol=1e-2 * rW.abs().max().item())
+    slabs = torch.zeros_like(W)
+    for r0 in range(0, W.shape[0], 4):  # 13 rows: slabs of 4, the last of 1
+        r1 = min(r0 + 4, W.shape[0])
+        head.add_rows_to(slabs[r0:r1], r0, r1)
+    torch.testing.assert_close(slabs, rW, **tol)
+    base = torch.randn_like(W) if dtype == F64 else torch.zeros_like(W)  # adds into what the buffer holds
+    whole = head.add_to(base.clone()) - base
+    torch.testing.assert_close(whole, rW, **tol)
+    assert rW.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="already added"):
+        head.add_to(torch.zeros_like(W))
+
+
+def test_deferred_head_grad_only_where_W_gets_a_gradient():
+    h, W, b, labels, seq = packed_problem(12)
+    assert sequence_logps(h, W.detach(), labels, seq, 4, defer_head_grad=True)[2] is None
+    with torch.no_grad():
+        assert sequence_logps(h, W, labels, seq, 4, defer_head_grad=True)[2] is None
+    logp, _, head = sequence_logps(h, W, torch.full_like(labels, -100), seq, 4, defer_head_grad=True)
+    (gh,) = torch.autograd.grad(logp.sum(), (h,))  # no completion token: zeros, an empty rebuild
+    assert (gh == 0).all() and head.ready
+    assert (head.add_to(torch.zeros_like(W)) == 0).all()
+    logp, _, head = sequence_logps(h, W, labels, seq, 4, defer_head_grad=True)
+    head.discard()  # a step that never ran backward drops what it would hold
+    with pytest.raises(RuntimeError, match="nothing to add"):
+        head.add_to(torch.zeros_like(W))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_sequence_logps_triton_passes_equal_the_torch_path(kernels_on, monkeypatch, dtype, softcap):
+    """On CUDA (the interpreter on the CPU) the chunk's logits stay in W's dtype: ``row_stats``
+    in forward, ``grad_in_place`` in backward and in the deferred rebuild; equal to the torch
+    path (``ce_kernels`` off) up to the rounding of the logits to W's dtype."""
+    from pgs.func import kernels
+    from pgs.func.losses import chunked
+
+    g = torch.Generator().manual_seed(13)
+    h = (torch.randn(2, 24, 16, generator=g) * 0.7).to(kernels_on, dtype)
+    W = (torch.randn(300, 16, generator=g) * 0.5).to(kernels_on, dtype)
+    labels = torch.randint(0, 300, (2, 24), generator=g)
+    labels[:, ::5] = -100
+    seq = torch.arange(4).repeat_interleave(12).reshape(2, 24)
+    labels, seq = labels.to(kernels_on), seq.to(kernels_on)
+
+    def grads(defer):
+        x, w = h.clone().requires_grad_(), W.clone().requires_grad_()
+        out = sequence_logps(x, w, labels, seq, 4, chunk_size=7, softcap=softcap, defer_head_grad=defer)
+        _dpo_of(out[0].cpu()).backward()
+        if defer:
+            assert w.grad is None
+            w.grad = out[2].add_to(torch.zeros_like(w))
+        return out[0], x.grad, w.grad
+
+    on = [grads(False), grads(True)]
+    assert chunked._use_kernels(h, W, chunked._Plan(None, None, -100, softcap, 0.0, 7, None, True, True, False,
+                                                    False), W)
+    monkeypatch.setattr(kernels, "CONFIG", kernels.CONFIG.evolve(ce_kernels=False))
+    off = grads(False)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the products' roundings, about 2 ulps at the largest
+    for got in on:
+        for a, e in zip(got, off):
+            assert ((a.float() - e.float()).abs().max() / e.float().abs().max()).item() < tol

@@ -205,6 +205,67 @@ def test_gradient_release_trains_the_same_objective(tmp_path):
         assert x["reward_margin"] == pytest.approx(y["reward_margin"], abs=1e-4)
 
 
+def release_spec(tmp_path: Path, name: str, memory: str, steps: int = 3) -> Path:
+    """DPO with fp32 AdamW stepped inside backward (one micro-batch a step, no clip) and ``memory``
+    added to its ``[memory]`` section."""
+    text = write_spec(tmp_path, name, steps=steps).read_text()
+    text = text.replace("grad_accum = 2", "grad_accum = 1").replace('alias = "adamw"', 'alias = "adamw"\nclip = 0.0')
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text + "\n[memory]\ngradient_release = true\n" + memory)
+    return path
+
+
+def test_the_loop_defers_the_tied_head_gradient(tmp_path):
+    """With gradient release and ``memory.defer_head_grad`` the forward leaves the tied head's
+    gradient to the embedding's hook (``bound.before_step``), which the backward consumes: no
+    parameter keeps a gradient.  ``"auto"`` defers with tied slabs (or checkpointing) only."""
+    from pgs.runtime.loop.train import _forward, setup
+
+    for name, memory, want in (("chk", "defer_head_grad = true\n", True),
+                               ("auto_plain", "", False), ("auto_slabs", "tied_slabs = 16\n", True),
+                               ("off", "defer_head_grad = false\ntied_slabs = 16\n", False)):
+        r = setup(load_spec(release_spec(tmp_path, name, memory)))
+        embed = r.model.get_input_embeddings().weight
+        assert r.model.get_output_embeddings().weight is embed
+        assert r.objective.defers_head_grad(r, embed) is want, name
+        if name != "chk":
+            r.loader.close()
+            continue
+        r.loader.close()  # the stream is read here directly
+        loss_sum, _ = _forward(r, r.loader.stream.next_batch(r.micro_batch), False)
+        assert list(r.bound._before) == [n for n, p in r.bound.params.items() if p is embed]
+        (head_grad,) = r.bound._before[list(r.bound._before)[0]]
+        assert not head_grad.__self__.ready  # the gates (∂L/∂logp_sum) are known in backward only
+        loss_sum.backward()
+        assert head_grad.__self__.done and r.bound._before == {}
+        assert all(p.grad is None for p in r.model.parameters())
+
+
+def test_deferred_head_grad_and_tied_slabs_train_as_autograd(tmp_path):
+    """DPO stepped inside backward with the head's gradient through autograd (``defer_head_grad =
+    false``, a dense V×D gradient), deferred into the embedding's hook, and deferred slab by slab
+    (``tied_slabs``, no V×D gradient): the same losses and weights after 3 steps, up to
+    summation order."""
+    from safetensors.torch import load_file
+
+    from test_train import step_records
+
+    cases = {"autograd": "defer_head_grad = false\n", "deferred": "defer_head_grad = true\n",
+             "slabs": "defer_head_grad = true\ntied_slabs = 16\n"}
+    for name, memory in cases.items():
+        assert run(load_spec(release_spec(tmp_path, name, memory))) == 0
+    ref = load_file(tmp_path / "autograd" / "step_3" / "model.safetensors")
+    losses = [r["loss"] for r in step_records(tmp_path / "autograd")]
+    assert len(losses) == 3
+    for name in ("deferred", "slabs"):
+        got = load_file(tmp_path / name / "step_3" / "model.safetensors")
+        assert sorted(got) == sorted(ref)
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"{name}: {k}")
+        assert [r["loss"] for r in step_records(tmp_path / name)] == pytest.approx(losses, rel=1e-5)
+    assert losses[-1] != losses[0]  # the runs trained
+
+
 MEMORY_CASES = {
     # an 8-bit chain bound as usual, two micro-batches a step (block-wise state on most tensors)
     "lion8bit": ('alias = "lion8bit"\nargs = { min_8bit_size = 256 }', "grad_accum = 2", "", 1e-3),

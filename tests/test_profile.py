@@ -171,16 +171,13 @@ def test_defer_head_grad_setting_as_pgs_run_resolves_it():
         assert (predict_memory(cfg, **ac) != predict_memory(cfg, defer_head_grad=False, **ac)) == tied
 
 
-@pytest.mark.parametrize("setting, toml", [("auto", ""), (True, "defer_head_grad = true"),
-                                           (False, "defer_head_grad = false")])
-def test_plan_hands_the_spec_setting_to_the_prediction(tmp_path, setting, toml):
-    from pgs.runtime.tools.profile import plan_from_spec
-    from pgs.runtime.spec.load import load_spec
-
+def release_spec_file(tmp_path, memory: str, *, backend: str = "chunked", section: str = ""):
+    """A tiny tied Qwen3 bf16 spec with lion8bit stepped inside backward, ``memory`` added to its
+    ``[memory]`` section, ``loss.backend`` and an objective ``section`` (e.g. ``[preference]``)."""
     spec_file = tmp_path / "spec.toml"
     spec_file.write_text(f"""
 [model]
-config = {{ model_type = "qwen3", hidden_size = 32, intermediate_size = 64, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8, vocab_size = 96 }}
+config = {{ model_type = "qwen3", hidden_size = 32, intermediate_size = 64, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8, vocab_size = 96, tie_word_embeddings = true }}
 tokenizer = "pgs:quickstart/tokenizer"
 dtype = "bfloat16"
 
@@ -192,15 +189,47 @@ sources = [{{ path = "pgs:quickstart/train.jsonl", weight = 1.0 }}]
 alias = "lion8bit"
 clip = 0
 
+[loss]
+backend = "{backend}"
+
 [memory]
 gradient_release = true
-{toml}
+{memory}
 
 [train]
 steps = 10
 batch_size = 2
-""")
-    assert plan_from_spec(load_spec(spec_file))["kwargs"]["defer_head_grad"] == setting
+
+{section}""")
+    return spec_file
+
+
+@pytest.mark.parametrize("setting, toml", [("auto", ""), (True, "defer_head_grad = true"),
+                                           (False, "defer_head_grad = false")])
+def test_plan_hands_the_spec_setting_to_the_prediction(tmp_path, setting, toml):
+    from pgs.runtime.tools.profile import plan_from_spec
+    from pgs.runtime.spec.load import load_spec
+
+    assert plan_from_spec(load_spec(release_spec_file(tmp_path, toml)))["kwargs"]["defer_head_grad"] == setting
+
+
+@pytest.mark.parametrize("section, backend, want", [
+    ("", "chunked", {"loss": "chunked", "defer_head_grad": True}),
+    ("", "dense", {"loss": "dense", "defer_head_grad": False}),
+    # the sequence log-probs are chunked whatever loss.backend says, and defer as SFT's loss does
+    ('[preference]\nkind = "dpo"\nreference = "cached"\n', "dense", {"loss": "chunked", "defer_head_grad": True}),
+    ('[distill]\nteacher_config = { model_type = "qwen3", hidden_size = 32, intermediate_size = 64, '
+     'num_hidden_layers = 1, num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8, vocab_size = 96 }\n',
+     "chunked", {"loss": "chunked", "defer_head_grad": False}),
+])
+def test_plan_follows_the_objectives_head(tmp_path, section, backend, want):
+    """``pgs profile`` sizes the head's loss as the spec's objective runs it (``head_loss``)."""
+    from pgs.runtime.tools.profile import plan_from_spec
+    from pgs.runtime.spec.load import load_spec
+
+    spec = load_spec(release_spec_file(tmp_path, "defer_head_grad = true", backend=backend, section=section))
+    kwargs = plan_from_spec(spec)["kwargs"]
+    assert {k: kwargs[k] for k in want} == want
 
 
 def test_profile_spec_on_cpu(tmp_path):
@@ -255,3 +284,4 @@ def test_compiled_activation_formula_is_close_to_inductors_saved_tensors(dtype):
     eager = activation_bytes(cfg, B * S, dtype=dtype, policy="none")
     assert abs(predicted - measured) <= 0.06 * measured, (predicted, measured, eager)
     assert predicted < eager
+

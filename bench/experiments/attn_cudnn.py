@@ -10,7 +10,9 @@ output and in dq/dk/dv; (2) whether autograd reaches through the forward op by i
 cost of a new document count (cuDNN builds a graph per shape); (6) torch.compile through a
 torch.library custom op wrapping both; (7) dense causal SDPA, cuDNN against FlashAttention-2;
 (8) with ``--frontend-only``: nvidia-cudnn-frontend's THD SDPA op (``cudnn.sdpa_torch``, its
-wheel carried in ``.whl``) against FlashAttention-2's varlen kernel (``frontend_thd``).
+wheel carried in ``.whl``) against FlashAttention-2's varlen kernel (``frontend_thd``);
+(9) ``--frontend-pad``: padding and determinism; (10) ``--frontend-workspace``: the backward's
+device memory by document-count bucket and ``max_seqlen`` at the Qwen3-4B recipe's shape.
 """
 
 from __future__ import annotations
@@ -108,10 +110,60 @@ def timeit(fn, q, k, v, go, n=20):
     return e0.elapsed_time(e1) / n
 
 
+def frontend_workspace(gen, cpu_gen):
+    """(10) with ``--frontend-workspace``: the device memory the frontend's THD backward adds
+    (its workspace, dQ/dK/dV, the re-padded LSE: peak allocated during backward over allocated
+    before it) and fwd+bwd time at the Qwen3-4B 1×4096 recipe's attention (32/8 heads, d 128,
+    documents of 300-3000 tokens), by the document-count bucket the count is padded to and
+    by ``max_seqlen`` (the row width, or the longest document rounded up to 512)."""
+    import cudnn
+
+    fe = cudnn.sdpa_torch
+    W, hq, hkv, d = 4096, 32, 8, 128
+    scale = d ** -0.5
+    cu = packed_cu(1, W, 300, 3000, cpu_gen)
+    longest = int((cu[1:] - cu[:-1]).max())
+    q, k, v = qkv(W, hq, hkv, d, gen)
+    go = torch.randn(W, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
+    rows = []
+    for bucket in (0, 8, 16, 32, 64):
+        for m in (W, -(-longest // 512) * 512):
+            cp = cu if bucket == 0 else torch.cat([cu, cu[-1:].expand((-(cu.numel() - 1 + 2)) % bucket + 2)])
+            try:
+                a, b, c = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+                o = fe(a, b, c, scale=scale, is_causal=True, cu_seqlens_q=cp, cu_seqlens_kv=cp, max_seqlen_q=m,
+                       max_seqlen_kv=m, return_lse=True)[0]
+                o.backward(go)  # builds the graph
+                for t in (a, b, c):
+                    t.grad = None
+                o = fe(a, b, c, scale=scale, is_causal=True, cu_seqlens_q=cp, cu_seqlens_kv=cp, max_seqlen_q=m,
+                       max_seqlen_kv=m, return_lse=True)[0]
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                o.backward(go)
+                torch.cuda.synchronize()
+                extra = torch.cuda.max_memory_allocated() - before
+                ms = timeit(lambda x, y, z: fe(x, y, z, scale=scale, is_causal=True, cu_seqlens_q=cp,
+                                               cu_seqlens_kv=cp, max_seqlen_q=m, max_seqlen_kv=m,
+                                               return_lse=True)[0], q, k, v, go)
+                rows.append({"bucket": bucket, "docs": cu.numel() - 1, "docs_padded": cp.numel() - 1,
+                             "max_seqlen": m, "backward_extra_mib": extra / 2**20, "ms_fwd_bwd": ms})
+            except Exception as e:  # noqa: BLE001
+                rows.append({"bucket": bucket, "max_seqlen": m, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(json.dumps(rows[-1]), flush=True)
+    say("fe_workspace", {"longest": longest, "rows": rows})
+
+
 def main(out_path: str):
     global BIAS
     gen = torch.Generator(device=dev).manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
+    if "--frontend-workspace" in sys.argv:
+        frontend_workspace(gen, cpu_gen)
+        with open(out_path, "w") as f:
+            json.dump(res, f, indent=1)
+        return
     if "--frontend-pad" in sys.argv:
         frontend_pad(gen, cpu_gen)
         with open(out_path, "w") as f:

@@ -65,10 +65,11 @@ class DeferredHeadGrad:
     """The head's gradient s·Σ_k Gₖᵀ H_k, not yet computed (see the module docstring).
 
     Filled by the loss's forward (rows, gates, LSEs, h, W) and backward (the scale s: the
-    gradient reaching ``loss_sum``).  ``add_to(out)`` adds it into ``out`` [V, D] (any float
-    dtype; the chunk products are formed in W's dtype, as the plain path's), chunk by chunk,
-    and then drops everything it holds; it may run once.  ``ready`` says whether backward has
-    reached the loss.
+    gradient reaching ``loss_sum``); ``sequence_logps(..., defer_head_grad=True)`` fills all of
+    it in its backward (gates −∂L/∂logp_sum of each row's sequence, s = 1).  ``add_to(out)``
+    adds it into ``out`` [V, D] (any float dtype; the chunk products are formed in W's dtype,
+    as the plain path's), chunk by chunk, and then drops everything it holds; it may run once.
+    ``ready`` says whether backward has reached the loss.
     """
 
     #: ``add_to`` rebuilds each chunk with the loss's Triton gradient pass where the forward ran

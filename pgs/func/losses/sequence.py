@@ -3,18 +3,39 @@
     logp_sum[s] = Σ_{i : seq_i = s, y_i ≠ −100} log softmax(z_i)[y_i],   z_i = softcap(W h_i + b)
     lengths[s]  = |{i : seq_i = s, y_i ≠ −100}|
 
-The input to preference losses (``preference_loss``): chosen and rejected arms of a pair are
-two isolated documents of one packed row, told apart by ``seq_ids``.  Labels follow
-``token_loss``'s convention: ``labels[i]`` is the target predicted *from* ``h[i]`` (already
-shifted by the caller), −100 for a token that is not a completion token.
+The input to preference losses (``preference_loss``; DPO, Rafailov et al., arXiv 2305.18290):
+chosen and rejected arms of a pair are two isolated documents of one packed row, told apart by
+``seq_ids``.  Labels follow ``token_loss``'s convention: ``labels[i]`` is the target predicted
+*from* ``h[i]`` (already shifted by the caller), −100 for a token that is not a completion token.
 
 The loss is a nonlinear function of the per-sequence sums, so the logit gradient of token i,
-w_{seq_i}·(e_{y_i} − p_i) with w = ∂L/∂logp_sum, is only known in backward; unlike the
-chunked token loss (whose gradient is fixed up to one scalar and computed in the forward),
-backward here rebuilds each chunk's logits from the saved rows and their log-sum-exps.
-Cost: one head matmul per chunk in forward, three in backward (logits, grad_h, grad_W);
-extra memory O(chunk·V) plus grad_h [N, D] and grad_W [V, D], and one LSE per valid row kept
-from forward to backward.
+
+    ∂L/∂z_i = w_{seq_i}·(e_{y_i} − p_i) = gate_i·(p_i − e_{y_i}),   w = ∂L/∂logp_sum,  gate_i = −w_{seq_i}
+
+(times the softcap derivative 1 − (z/s)²), is only known in backward; unlike the chunked token
+loss (whose gradient is fixed up to one scalar and computed in the forward), backward here
+rebuilds each chunk's logits from the saved rows and their log-sum-exps.  It is the chunked
+loss's G with gate_i = −w_{seq_i}, z-loss 0 and scale 1, so it is built by the same code: the
+Triton passes of ``triton_ce`` on CUDA (the chunk's logits in W's dtype, LSE and log p_y by
+``row_stats`` in forward, overwritten in place by G with ``grad_in_place`` in backward; the
+torch path elsewhere, and for a bias gradient) and ``chunked._logit_grad`` otherwise.
+Cost: one head matmul per chunk in forward, three in backward (logits, grad_h, grad_W); extra
+memory one chunk's logits (chunk·V in W's dtype with the Triton passes; fp32 logits and
+softmax, 8 B per element, on the torch path), grad_h [N, D] and grad_W [V, D], and one LSE per
+valid row kept from forward to backward.
+
+Deferred head gradient (``defer_head_grad=True``).  With a tied head (the input embedding's
+weight) stepped by gradient release, a dense grad_W [V, D] handed to autograd at the start of
+backward lives through the whole backward (0.72 GiB at Qwen3-4B) and defeats ``tied_slabs``
+(whose point is that no V×D gradient exists).  Deferred, backward computes grad_h (and the
+bias's gradient) and gives W no gradient; it saves the valid rows, their gates −w_{seq_i} and
+LSEs into a ``chunked.DeferredHeadGrad`` (scale 1), whose ``add_to(out)`` adds
+Σ_k Gₖᵀ H_k into a [V, D] buffer and ``add_rows_to(out, r0, r1)`` only vocabulary rows
+[r0, r1) — the same object, and the same rebuild, as ``token_loss(..., defer_head_grad=True)``
+(``GradientRelease.before_step`` takes it).  Unlike the token loss it is filled in backward
+(the gates need w): ``head_grad.ready`` turns True when backward has passed the loss.  Cost:
+one more head matmul per chunk (backward: logits, grad_h; the rebuild: logits, grad_W), and
+16 B per valid row (index, gate, LSE) plus h held until the rebuild, instead of grad_W.
 """
 
 from __future__ import annotations
@@ -24,58 +45,79 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from pgs.errors import InvalidArgument
-from pgs.func.losses.chunked import _chunk_logits
+from pgs.func.losses.chunked import DeferredHeadGrad, _chunk_logits, _logit_grad, _Plan, _use_kernels
 from pgs.func.losses.head import check_options, compute_dtype, flatten_inputs
 
 
 class _SequenceLogps(torch.autograd.Function):
-    """``apply(h [N, D], W [V, D], bias [V] | None, labels [N], seq [N], rows [M], num, chunk, softcap)``
-    → logp_sum [num] (compute dtype); ``rows``: the valid rows, ``seq`` their sequence ids by row."""
+    """``apply(h [N, D], W [V, D], bias [V] | None, labels [N], seq [N], rows [M], num, plan, deferred)``
+    → logp_sum [num] (compute dtype); ``rows``: the valid rows, ``seq`` their sequence ids by row;
+    ``plan``: a ``chunked._Plan`` (chunk size, softcap, z-loss 0, which gradients); ``deferred``:
+    a ``DeferredHeadGrad`` that backward fills instead of giving W a gradient, or None."""
 
     @staticmethod
-    def forward(ctx, h, W, bias, labels, seq, rows, num, chunk, softcap):
+    def forward(ctx, h, W, bias, labels, seq, rows, num, plan, deferred):
         cdtype = compute_dtype(h)
         out = torch.zeros(num, dtype=cdtype, device=h.device)
         lses = torch.empty(rows.numel(), dtype=cdtype, device=h.device)
+        kernels = _use_kernels(h, W, plan, None)
         with torch.no_grad():
-            for start in range(0, rows.numel(), chunk):
-                r = rows[start : start + chunk]
-                z = _chunk_logits(h.index_select(0, r), W, bias, softcap)
-                lse = torch.logsumexp(z, dim=-1)
-                logp = z.gather(1, labels.index_select(0, r)[:, None]).squeeze(1) - lse
-                out.index_add_(0, seq.index_select(0, r), logp)
+            for start in range(0, rows.numel(), plan.chunk_size):
+                r = rows[start : start + plan.chunk_size]
+                hc, y = h.index_select(0, r), labels.index_select(0, r)
+                if kernels:  # the chunk's logits in W's dtype, the row statistics in fp32
+                    from pgs.func.losses import triton_ce
+
+                    lse, _, _, logp = triton_ce.row_stats(hc @ W.t(), y, bias, plan.softcap)
+                else:
+                    z = _chunk_logits(hc, W, bias, plan.softcap)
+                    lse = torch.logsumexp(z, dim=-1)
+                    logp = z.gather(1, y[:, None]).squeeze(1) - lse
+                    del z
+                out.index_add_(0, seq.index_select(0, r), logp.to(cdtype))
                 lses[start : start + r.numel()] = lse
         ctx.save_for_backward(h, W, bias, labels, seq, rows, lses)
-        ctx.chunk, ctx.softcap = chunk, softcap
+        ctx.plan, ctx.deferred = plan, deferred
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         h, W, bias, labels, seq, rows, lses = ctx.saved_tensors
+        plan, deferred = ctx.plan, ctx.deferred
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.zeros_like(h) if need_h else None
         cdtype = compute_dtype(h)
+        # gate_i = −∂L/∂logp_sum of each valid row's sequence: G = gate·(p − e_y), as chunked's
+        gates = grad_out.detach().index_select(0, seq.index_select(0, rows)).to(cdtype).neg_()
+        if need_w and deferred is not None:  # W's share is rebuilt later, by whoever holds ``deferred``
+            deferred.save(h, W, bias, labels, rows, gates, lses, plan)
+            deferred.scale = torch.ones((), dtype=cdtype, device=h.device)
+            need_w = False
+        grad_h = torch.zeros_like(h) if need_h else None
         grad_w = torch.zeros_like(W) if need_w else None  # W's dtype, as the chunked token loss
         grad_b = torch.zeros(W.shape[0], dtype=cdtype, device=W.device) if need_b else None
-        for start in range(0, rows.numel(), ctx.chunk):
-            r = rows[start : start + ctx.chunk]
-            hc = h.index_select(0, r)
-            z = _chunk_logits(hc, W, bias, ctx.softcap)
-            w = grad_out.index_select(0, seq.index_select(0, r)).to(cdtype)  # ∂L/∂logp_sum of each row's sequence
-            # G = w·(e_y − p) · softcap′, in p's storage
-            g = (z - lses[start : start + r.numel(), None]).exp_().mul_(-w[:, None])
-            g[torch.arange(r.numel(), device=g.device), labels.index_select(0, r)] += w
-            if ctx.softcap is not None:
-                g.mul_(z.div_(ctx.softcap).square_().neg_().add_(1))  # d softcap(x)/dx = 1 − tanh²
-            del z
-            if need_b:
-                grad_b += g.sum(0)
-            g_low = g.to(W.dtype)
+        if not (need_h or need_w or need_b):
+            return None, None, None, None, None, None, None, None, None
+        kernels = not need_b and _use_kernels(h, W, plan, grad_w)
+        for start in range(0, rows.numel(), plan.chunk_size):
+            r = rows[start : start + plan.chunk_size]
+            hc, y = h.index_select(0, r), labels.index_select(0, r)
+            gate, lse = gates[start : start + r.numel()], lses[start : start + r.numel()]
+            if kernels:  # W's dtype, in place: coef = gate (no z-loss)
+                from pgs.func.losses import triton_ce
+
+                g_low = triton_ce.grad_in_place(hc @ W.t(), y, bias, plan.softcap, lse, gate, gate)
+            else:
+                g = _logit_grad(_chunk_logits(hc, W, bias, plan.softcap), lse, y, gate, plan)
+                if need_b:
+                    grad_b += g.sum(0)
+                g_low = g.to(W.dtype)
+                del g
             if need_h:
                 grad_h.index_copy_(0, r, (g_low @ W).to(h.dtype))
             if need_w:
                 grad_w.addmm_(g_low.t(), hc.to(W.dtype))
+            del g_low
         return (
             grad_h,
             grad_w,
@@ -94,7 +136,8 @@ def sequence_logps(
     chunk_size: int = 2048,
     bias: Tensor | None = None,
     softcap: float | None = None,
-) -> tuple[Tensor, Tensor]:
+    defer_head_grad: bool = False,
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, DeferredHeadGrad | None]:
     """Summed log p(label) per sequence over its completion tokens, chunked over rows.
 
     ``logp_sum[s] = Σ_{i: seq_ids_i = s, labels_i ≠ −100} (z_{i,y_i} − LSE(z_i))`` with
@@ -102,7 +145,8 @@ def sequence_logps(
     more than ``chunk_size`` rows of logits exist; equal to log_softmax of the full logits,
     gathered and scatter-added by sequence id, up to fp32 summation order (forward and
     backward).  Gradients flow to ``hidden``, ``weight`` and ``bias``; one backward per
-    forward (no double backward).
+    forward (no double backward).  The logit gradient is ∂L/∂z_i = −w_{seq_i}·(p_i − e_{y_i})
+    with w = ∂L/∂logp_sum (the module docstring).
 
     Args:
         hidden: final hidden states [B, S, D] or [N, D].
@@ -114,9 +158,17 @@ def sequence_logps(
         num_sequences: the number of sequences (the outputs' length).
         chunk_size: rows of logits per chunk.
         bias: optional head bias [V].  softcap: s in z ← s·tanh(z/s), or None.
+        defer_head_grad: autograd gives ``weight`` no gradient; backward fills the returned
+            ``head_grad`` instead, whose ``add_to(out)`` / ``add_rows_to(out, r0, r1)`` add
+            Σ_k Gₖᵀ H_k (all rows / rows [r0, r1) of the vocabulary) once backward has passed
+            this function (``head_grad.ready``); ``discard()`` drops it.  How a tied head's
+            gradient joins the embedding's under gradient release (``GradientRelease.before_step``,
+            docs/memory.md).
 
     Returns:
-        ``(logp_sum [num_sequences] fp32 (fp64 for fp64 hidden), lengths [num_sequences] int64)``.
+        ``(logp_sum [num_sequences] fp32 (fp64 for fp64 hidden), lengths [num_sequences] int64)``,
+        and with ``defer_head_grad=True`` a third element ``head_grad``: a ``DeferredHeadGrad``,
+        or None where ``weight`` gets no gradient anyway (frozen, or grad mode off).
 
     Example:
         >>> h, W = torch.randn(1, 6, 4), torch.randn(9, 4)
@@ -125,6 +177,13 @@ def sequence_logps(
         >>> logp, n = sequence_logps(h, W, labels, seq, 2)
         >>> n.tolist()
         [2, 1]
+        >>> W.requires_grad_(True)  # doctest: +ELLIPSIS
+        tensor(...)
+        >>> logp, n, head = sequence_logps(h, W, labels, seq, 2, defer_head_grad=True)
+        >>> logp.sum().backward()
+        >>> W.grad is None, head.ready
+        (True, True)
+        >>> grad = head.add_to(torch.zeros_like(W))  # = the W.grad of defer_head_grad=False
     """
     check_options(softcap, 0.0, chunk_size)
     if isinstance(num_sequences, bool) or int(num_sequences) != num_sequences or num_sequences < 0:
@@ -146,5 +205,12 @@ def sequence_logps(
         if lo < 0 or hi >= weight.shape[0]:
             raise InvalidArgument(f"labels: ids must be in [0, {weight.shape[0]}) or -100, got {lo if lo < 0 else hi}")
     lengths = torch.bincount(seq_valid, minlength=num_sequences)[:num_sequences]
-    logp = _SequenceLogps.apply(h, weight, bias, y.long(), seq, rows, num_sequences, int(chunk_size), softcap)
+    grad_on = torch.is_grad_enabled()
+    plan = _Plan(None, None, -100, softcap, 0.0, int(chunk_size), None,
+                 need_h=grad_on and h.requires_grad, need_w=grad_on and weight.requires_grad,
+                 need_b=grad_on and bias is not None and bias.requires_grad, scale_in_place=False)
+    deferred = DeferredHeadGrad() if defer_head_grad and plan.need_w else None
+    logp = _SequenceLogps.apply(h, weight, bias, y.long(), seq, rows, num_sequences, plan, deferred)
+    if defer_head_grad:
+        return logp, lengths, deferred
     return logp, lengths

@@ -187,7 +187,8 @@ def preflight(run_dir: str, checkpoint_bytes: int, *, factor: float = 3.0) -> No
     """Refuse (exit 83) when ``run_dir`` is not writable or has too little free disk.
 
     ``checkpoint_bytes``: model + optimizer state bytes of one checkpoint; ``factor`` copies
-    must fit (a new checkpoint written next to the kept one, plus the export).
+    must fit (``pgs.runtime.tools.resources.disk_copies`` of the run's ``[checkpoint]``: the
+    kept ones, the one being written, the best one, the export).
     """
     try:
         os.makedirs(run_dir, exist_ok=True)

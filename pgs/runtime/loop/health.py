@@ -14,8 +14,9 @@ Two tiers, so that the steady step gains no host read:
   ‖g‖ mean / max / std and spikes, loss spikes, the entropy's mean and least-squares slope
   per step (the trend that precedes a collapse, design/002), and the update-to-weight norm
   ratio ‖Δw‖/‖w‖ of that step per parameter group (``GROUPS``).  The ratio needs the weights
-  before the step: on those steps only, the trainable weights are copied (to pinned host
-  memory on CUDA, ``non_blocking``) before the step and compared after it, and the ratios are
+  before the step: on those steps only, a fixed strided sample of each trainable weight's
+  elements (``UpdateRatio``: up to ``RATIO_SAMPLE`` per parameter, a few MiB on the device, no
+  copy of the whole model) is kept before the step and compared after it, and the ratios are
   copied back to the host without waiting, read when the step's line is written.
 
 The tripwire ``train.entropy_halt`` (0: off): when the interval's mean next-token entropy is
@@ -97,36 +98,52 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-class UpdateRatio:
-    """‖w_after − w_before‖ / ‖w_after‖ per group for one step: ``before`` copies the weights,
-    ``after`` queues the norms and their copy to the host, ``read`` returns them."""
+#: Elements of each parameter the update ratio watches (all of a smaller parameter).
+RATIO_SAMPLE = 8192
 
-    def __init__(self, model):
+
+class UpdateRatio:
+    """‖w_after − w_before‖ / ‖w_after‖ per group for one step, over a fixed strided sample of
+    each parameter's elements: ``before`` copies the sampled elements (on the device), ``after``
+    queues the norms and their copy to the host, ``read`` returns them.
+
+    Why a sample: the exact ratio needs the whole model's weights from before the step, a
+    second copy of every weight (7.5 GiB at Qwen3-4B: no room on the device under the memory
+    recipes, and a host round trip of that size costs a tenth of a step each way).  Up to
+    ``RATIO_SAMPLE`` elements per parameter, evenly strided over its flattened values (every
+    element of a smaller parameter: exact there), held on the device between the two calls
+    (≈ 6 MiB at 4B); the sums of squares over the same elements estimate the group's ratio (for
+    sign-based updates such as Lion's, whose elements all move by about the learning rate, the
+    estimate is close to exact)."""
+
+    def __init__(self, model, sample: int = RATIO_SAMPLE):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         groups = [group_of(n) for n, _ in named]
         self.names = sorted(set(groups))
         self.index = [self.names.index(g) for g in groups]
+        self.sample = int(sample)
         self._snapshot: list[torch.Tensor] | None = None
         self._pending: tuple[int, torch.Tensor, Any] | None = None
 
+    def _sampled(self, p: torch.Tensor) -> torch.Tensor:
+        flat = _local(p).detach().reshape(-1)
+        stride = max(1, -(-flat.numel() // self.sample))
+        return flat[::stride]
+
+    @torch.no_grad()
     def before(self) -> None:
-        weights = [_local(p).detach() for p in self.params]
-        if self._snapshot is None:
-            pin = weights[0].device.type == "cuda" if weights else False
-            self._snapshot = [torch.empty(w.shape, dtype=w.dtype, device="cpu", pin_memory=pin) for w in weights]
-        for buf, w in zip(self._snapshot, weights):
-            buf.copy_(w, non_blocking=True)
+        self._snapshot = [self._sampled(p).clone() for p in self.params]
 
     @torch.no_grad()
     def after(self, step: int) -> None:
         if not self.params or self._snapshot is None:
             return
-        weights = [_local(p).detach() for p in self.params]
-        device = weights[0].device
-        diff = torch.stack([(w.float() - s.to(device, non_blocking=True).float()).square().sum()
-                            for w, s in zip(weights, self._snapshot)])
-        size = torch.stack([w.float().square().sum() for w in weights])
+        now = [self._sampled(p).float() for p in self.params]
+        device = now[0].device
+        diff = torch.stack([(w - s.float()).square().sum() for w, s in zip(now, self._snapshot)])
+        size = torch.stack([w.square().sum() for w in now])
+        self._snapshot = None
         if not isinstance(self.index, torch.Tensor) or self.index.device != device:  # once: no copy per step
             self.index = torch.as_tensor(self.index, device=device)
         index = self.index

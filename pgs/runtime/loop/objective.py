@@ -162,6 +162,22 @@ def steps_for(rows: int, batch_size: int) -> int:
     return max(1, math.ceil(rows / batch_size))
 
 
+def tied_head_deferrable(spec, run, weight) -> bool:
+    """Whether a forward may hand the head's gradient to the optimizer (``run.bound.before_step``
+    with a ``DeferredHeadGrad``) instead of to autograd: gradient release on one process (the
+    binder steps inside backward and takes contributions), ``memory.defer_head_grad`` resolved on
+    (``MemorySpec.head_grad_deferred``: ``"auto"`` with checkpointing or tied slabs), and a
+    trainable head that is the input embedding's weight (tied), so its gradient joins the
+    embedding's own right before that weight steps (whole, or slab by slab with ``tied_slabs``):
+    no V×D gradient through backward.  The objectives' ``defers_head_grad`` start here."""
+
+    if not (run.bound.in_backward and run.bound.defers_contributions and spec.memory.head_grad_deferred()
+            and weight.requires_grad):
+        return False
+    embed = run.model.get_input_embeddings()
+    return embed is not None and embed.weight is weight
+
+
 # -- embedding noise (NEFTune, SymNoise), shared by the objectives that train on token embeddings
 def embedding_noise_generator(spec, device: torch.device) -> dict[str, torch.Generator]:
     """``{"noise": generator}`` when the spec adds input-embedding noise (``loss.neftune_alpha``
@@ -186,4 +202,4 @@ def embedding_noise_hook(spec, generators: dict[str, torch.Generator], batch, de
 
 
 __all__ = ["Objective", "build_objective", "embedding_noise_generator", "embedding_noise_hook", "objective_class",
-           "objective_classes", "rank_and_world", "steps_for"]
+           "objective_classes", "rank_and_world", "steps_for", "tied_head_deferrable"]

@@ -13,6 +13,12 @@ before the first step, and keeps the numbers in the run folder
 (``pgs.runtime.store.reference``); a resumed run reads them back.  ``"live"`` keeps a frozen
 copy on the device that scores each batch.  ``simpo`` and ``orpo`` need no reference.
 
+Memory: with gradient release on one process and a tied head (``memory.defer_head_grad``, on by
+``"auto"`` with checkpointing or ``tied_slabs``) the policy's sequence log-probs leave the head's
+gradient to a ``DeferredHeadGrad`` that their backward fills (gates −∂L/∂logp_sum per token) and
+the embedding's hook adds right before that weight steps, slab by slab with ``tied_slabs``: no
+V×D head gradient through backward, as in SFT (docs/memory.md).
+
 Several processes (FSDP2): each rank reads its share of every global batch of pairs
 (``PreferenceStream(rank=, world_size=)``), the step divides by the global pair count, the
 reference cache is read or computed by rank 0 before the model is sharded and read back from
@@ -35,7 +41,8 @@ from pgs.errors import PgsError
 from pgs.func.losses import preference_loss, sequence_logps
 from pgs.runtime.data.preference import Pair, PreferenceBatch, PreferenceStream, eval_batches, read_pairs
 from pgs.runtime.dist import fsdp as D
-from pgs.runtime.loop.objective import embedding_noise_generator, embedding_noise_hook, rank_and_world, steps_for
+from pgs.runtime.loop.objective import (embedding_noise_generator, embedding_noise_hook, rank_and_world, steps_for,
+                                        tied_head_deferrable)
 from pgs.runtime.model.build import build_model, output_head
 from pgs.runtime.store import reference as cache
 
@@ -44,14 +51,22 @@ STAT_KEYS = ("reward_chosen", "reward_rejected", "preference_accuracy", "logp_ch
 
 
 def pair_logps(model, batch: PreferenceBatch, device: torch.device, chunk_size: int,
-               embed_noise=None) -> tuple[torch.Tensor, torch.Tensor]:
+               embed_noise=None, defer=None) -> tuple:
     """Summed log-probs ``[P, 2]`` (fp32; column 0 chosen, 1 rejected) and completion lengths
-    ``[P, 2]`` of the batch's pairs under ``model``."""
+    ``[P, 2]`` of the batch's pairs under ``model``.
+
+    ``defer(weight) -> bool``: asked with the head's weight after the forward; where it says so
+    the head's gradient is left out of autograd (``sequence_logps(..., defer_head_grad=True)``).
+    With ``defer`` given the result has a third element: that ``DeferredHeadGrad``, or None."""
     h = D.final_hidden(model, batch.input_ids.to(device), batch.position_ids.to(device), embed_noise=embed_noise)
     weight, bias, softcap = output_head(model)
-    sums, lengths = sequence_logps(h, weight, batch.labels.to(device), batch.seq_ids.to(device), 2 * batch.num_pairs,
-                                   chunk_size=chunk_size, bias=bias, softcap=softcap)
-    return sums.view(-1, 2), lengths.view(-1, 2)
+    deferring = defer is not None and defer(weight)
+    out = sequence_logps(h, weight, batch.labels.to(device), batch.seq_ids.to(device), 2 * batch.num_pairs,
+                         chunk_size=chunk_size, bias=bias, softcap=softcap, defer_head_grad=deferring)
+    logps, lengths = out[0].view(-1, 2), out[1].view(-1, 2)
+    if defer is None:
+        return logps, lengths
+    return logps, lengths, out[2] if deferring else None
 
 
 @torch.no_grad()
@@ -241,7 +256,10 @@ class PreferenceObjective:
         chunk = self.spec.loss.chunk_size
         device = run.device
         noise = embedding_noise_hook(self.spec, self._generators, batch, device)
-        logps, lengths = pair_logps(run.model, batch, device, chunk, embed_noise=noise)
+        logps, lengths, head_grad = pair_logps(run.model, batch, device, chunk, embed_noise=noise,
+                                               defer=lambda weight: self.defers_head_grad(run, weight))
+        if head_grad is not None:  # joins the embedding's gradient in the tied weight's hook (filled by backward)
+            run.bound.before_step(output_head(run.model)[0], head_grad)
         ref = self.reference.logps(batch, device, chunk)
         out = self.loss(logps[:, 0], logps[:, 1], lengths, ref)
         loss_sum = out.loss.sum()
@@ -250,7 +268,11 @@ class PreferenceObjective:
         return loss_sum, self.sums(out, logps.detach())
 
     def defers_head_grad(self, run, weight) -> bool:
-        return False  # sequence log-probs give the head's gradient through autograd
+        """As SFT's (``objective.tied_head_deferrable``: gradient release on one process, a tied
+        trainable head, ``memory.defer_head_grad``): the sequence log-probs' backward leaves the
+        head's gradient to a ``DeferredHeadGrad``, added into the embedding's gradient right
+        before that weight steps (slab by slab with ``tied_slabs``: no V×D gradient at all)."""
+        return tied_head_deferrable(self.spec, run, weight)
 
     @staticmethod
     def sums(out, logps: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,8 @@ from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.packing import doc_ids
 from pgs.runtime.dist import context as CP, fsdp as D
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
-from pgs.runtime.loop.objective import embedding_noise_generator, embedding_noise_hook, rank_and_world, steps_for
+from pgs.runtime.loop.objective import (embedding_noise_generator, embedding_noise_hook, rank_and_world, steps_for,
+                                        tied_head_deferrable)
 from pgs.runtime.model.build import output_head
 
 #: Eval records answered by greedy generation when the eval data has a known checker (the
@@ -93,17 +94,12 @@ class SFTObjective:
         return loss_sum, entropy.reshape(1).float()
 
     def defers_head_grad(self, run, weight) -> bool:
-        """Gradient release on one process, a tied head (the input embedding's weight), the
-        chunked loss and ``memory.defer_head_grad`` (``"auto"``: with checkpointing or slabs):
-        the head's gradient is added into the embedding's own gradient buffer right before that
-        weight steps (one V×D buffer, only at the end of backward)."""
-        if not (run.bound.in_backward and run.bound.defers_contributions and self.spec.memory.head_grad_deferred()
-                and weight.requires_grad):
-            return False
-        if self.spec.loss.backend != "chunked":
-            return False
-        embed = run.model.get_input_embeddings()
-        return embed is not None and embed.weight is weight
+        """Gradient release on one process, a tied head (the input embedding's weight),
+        ``memory.defer_head_grad`` (``"auto"``: with checkpointing or slabs;
+        ``objective.tied_head_deferrable``) and the chunked loss: the head's gradient is added
+        into the embedding's own gradient buffer right before that weight steps (one V×D buffer,
+        only at the end of backward; none with tied slabs)."""
+        return self.spec.loss.backend == "chunked" and tied_head_deferrable(self.spec, run, weight)
 
     def step_metrics(self, stats: list[float], count: int, valid_tokens: int, extra: dict) -> dict:
         return {"entropy": stats[0] / max(valid_tokens, 1), **extra}

@@ -64,6 +64,7 @@ from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
 from pgs.runtime.store import checkpoint as ckpt, dcp
+from pgs.runtime.tools.resources import disk_copies
 from pgs.runtime.store.export import export_hf
 
 @attrs.define
@@ -561,7 +562,8 @@ def _train(spec, resume: str | None, wall: control.WallClock, ctx: D.DistContext
 def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profile: tuple[int, int] | None) -> int:
     run_dir = spec.checkpoint.dir
     main = is_main(r)
-    control.preflight(run_dir, parameter_bytes(r.model) + r.bound.state_bytes())
+    control.preflight(run_dir, parameter_bytes(r.model) + r.bound.state_bytes(),
+                      factor=disk_copies(spec.checkpoint))  # the same count as pgs validate's check
     if main:
         ckpt.remove_stale_temporaries(run_dir)
     D.barrier()

@@ -117,6 +117,21 @@ def _host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
     return buf, True
 
 
+def auto_slots(sizes: list[int], most: int = 16) -> int:
+    """The staging slot count ``OffloadedRelease`` takes by default: as many slots as make the
+    largest group's share of them no larger than the third-largest group (so a slot is sized by
+    the regular groups, not by an embedding or untied head), at least 2, at most ``most``.
+
+    The slots' total stays about the largest group, as with two slots of half of it, but more
+    groups are in flight: with ``n`` slots the fetches run ``n − 1`` groups ahead of backward,
+    so the copies of groups whose gradients complete close together (a layer's last ones, then
+    the next layer's first) overlap each other's steps instead of waiting for one slot."""
+    if len(sizes) < 3:
+        return 2
+    ordered = sorted(sizes, reverse=True)
+    return max(2, min(int(most), -(-ordered[0] // max(ordered[2], 1))))
+
+
 def slot_size(sizes: list[int], slots: int) -> int:
     """Bytes of one staging slot for groups of ``sizes`` bytes: the largest group that is not one
     of the two largest, or the largest's share of all the slots, whichever is more (64-byte
@@ -418,10 +433,11 @@ class OffloadedRelease(GradientRelease):
     ``slots`` device staging buffers inside backward.  See the module docstring.
 
     Takes ``GradientRelease``'s arguments, plus ``slots`` (staging slots, ``slot_size`` each;
-    2: one group steps while the next one's state arrives).
+    None: ``auto_slots`` of the groups' state sizes; 2: one group steps while the next one's
+    state arrives).
     """
 
-    def __init__(self, chain, model, *, slots: int = 2, **kw):
+    def __init__(self, chain, model, *, slots: int | None = None, **kw):
         self._slots = slots
         super().__init__(chain, model, **kw)
         self._order = list(reversed(list(self.groups)))  # first guess: backward runs the layers in reverse
@@ -432,8 +448,11 @@ class OffloadedRelease(GradientRelease):
         made (the whole state never exists on the device); the buffers sized from a meta init."""
         shapes = {g: self.chain.init({n: torch.empty_like(t, device="meta") for n, t in
                                       self._group_tensors(g)[0].items()}) for g in self.groups}
+        slots = self._slots
+        if slots is None:
+            slots = auto_slots([StateLayout(s).nbytes for s in shapes.values()])
         self.stager = StateStager(shapes, ((g, self.chain.init(self._group_tensors(g)[0])) for g in self.groups),
-                                  slots=self._slots)
+                                  slots=slots)
         return {g: self.stager.home(g) for g in self.groups}
 
     def _expected_after(self, group: str | None) -> list[str]:

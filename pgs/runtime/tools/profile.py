@@ -9,8 +9,9 @@
   (one state per release group under gradient release, as ``GradientRelease`` builds it),
   or ``state_bytes_per_param × trainable parameters`` when no chain is given.  With
   ``offload_optimizer`` (release only) the state lives in pinned host memory (``host_state``,
-  not part of ``total``/``peak``) and the device holds ``slots`` staging slots
-  (``offload.slot_size``: a group larger than a slot takes them all; leaves padded to 64 B);
+  not part of ``total``/``peak``) and the device holds the staging slots (``offload.auto_slots``
+  of them, ``offload.slot_size`` each: a group larger than a slot takes them all; leaves padded
+  to 64 B);
   ``pcie_per_step`` is 2 × the host state (each group's state in and out once per step).
 - ``gradients``: all trainable gradients (``bind``); under gradient release, the largest
   group's gradients (one decoder layer's, or the embedding's).
@@ -26,6 +27,10 @@
 - With ``defer_head_grad`` (release, tied head, chunked loss) the loss holds grad_h, h and
   16 B per token instead of the V × D buffer; the head's gradient is rebuilt into the
   embedding's gradient at the end of backward (one chunk's work then).
+- The head's loss is the one the spec's objective runs (``head_loss``): SFT's token loss
+  (``loss.backend``), ``[preference]``'s sequence log-probs (chunked, deferred as SFT's: their
+  backward holds one chunk's logits, b B per element with the Triton passes, like the chunked
+  loss's forward), ``[distill]``'s chunked divergence (never deferred).
 - With ``tied_slabs`` (release) the embedding's V × D gradient is replaced by one slab's
   (rows × D) plus the looked-up rows' gradients and their per-id sums, and the head's rebuilt
   chunk spans the slab's columns only (``predict_memory``'s ``tied_slabs``).
@@ -226,6 +231,15 @@ def chunk_work_bytes(rows: int, vocab: int, b: int, kernels: bool) -> tuple[int,
     return forward, rebuild
 
 
+def _staging_bytes(sizes: list[int], slots: int | None) -> int:
+    """Device bytes of ``OffloadedRelease``'s staging slots for group states of ``sizes`` bytes
+    (``slots`` None: the release's own choice, ``offload.auto_slots``)."""
+    from pgs.runtime.optim.offload import auto_slots, slot_size
+
+    n = auto_slots(sizes) if slots is None else int(slots)
+    return n * slot_size(sizes, n)
+
+
 def predict_memory(
     model_config,
     *,
@@ -252,7 +266,7 @@ def predict_memory(
     mlp_tiles: int = 0,
     compiled_layers: bool = False,
     offload_optimizer: bool = False,
-    offload_slots: int = 2,
+    offload_slots: int | None = None,
 ) -> dict[str, int]:
     """Bytes per category (``CATEGORIES``) plus ``total`` and ``peak``.  See the module docstring.
 
@@ -289,7 +303,8 @@ def predict_memory(
         compiled_layers: the decoder layers are ``torch.compile``d (``activation_parts``'s
             ``compiled``: what inductor saves).
         offload_optimizer: the state in pinned host memory, ``offload_slots`` staging buffers on
-            the device (``OffloadedRelease``; needs ``gradient_release``): adds ``host_state``
+            the device (None: as many as ``OffloadedRelease`` takes, ``offload.auto_slots``;
+            needs ``gradient_release``): adds ``host_state``
             and ``pcie_per_step`` (bytes) to the result.
 
     Example::
@@ -327,20 +342,18 @@ def predict_memory(
         inits = [chain.init({n: as_state_param(params[n]) for n in names}) for names in groups.values()]
         out["optimizer_state"] = sum(pf.state_bytes(s) for s in inits)
         if offload_optimizer:
-            from pgs.runtime.optim.offload import StateLayout, slot_size
+            from pgs.runtime.optim.offload import StateLayout
 
             sizes = [StateLayout(s).nbytes for s in inits]
             host_state = sum(sizes)
-            out["optimizer_state"] = int(offload_slots) * slot_size(sizes, int(offload_slots))
+            out["optimizer_state"] = _staging_bytes(sizes, offload_slots)
     elif state_bytes_per_param is not None:
         out["optimizer_state"] = int(round(state_bytes_per_param * n_train))
         if offload_optimizer:
-            from pgs.runtime.optim.offload import slot_size
-
             host_state = out["optimizer_state"]
             sizes = [int(round(state_bytes_per_param * sum(params[n].numel() for n in names)))
                      for names in groups.values()]
-            out["optimizer_state"] = int(offload_slots) * slot_size(sizes, int(offload_slots))
+            out["optimizer_state"] = _staging_bytes(sizes, offload_slots)
     else:
         raise InvalidArgument("predict_memory: give chain= (sized exactly) or state_bytes_per_param=")
 
@@ -463,6 +476,21 @@ def _spec_model_config(spec):
     return AutoConfig.from_pretrained(m.path, local_files_only=True, trust_remote_code=m.trust_remote_code)
 
 
+def head_loss(spec) -> dict[str, Any]:
+    """``predict_memory``'s ``loss`` and ``defer_head_grad`` for the objective the spec selects,
+    as ``pgs run`` computes its head: SFT's token loss with ``loss.backend`` (deferred only with
+    the chunked backend, when asked); ``[preference]``'s sequence log-probs, chunked whatever the
+    backend, deferred as ``memory.defer_head_grad`` says (``PreferenceObjective.defers_head_grad``);
+    ``[distill]``'s chunked divergence, whose head gradient goes through autograd."""
+    if getattr(spec, "preference", None) is not None:
+        return {"loss": "chunked", "defer_head_grad": spec.memory.defer_head_grad}
+    if getattr(spec, "distill", None) is not None:
+        return {"loss": "chunked", "defer_head_grad": False}
+    backend = spec.loss.backend
+    return {"loss": "dense" if backend == "dense" else "chunked",
+            "defer_head_grad": spec.memory.defer_head_grad if backend == "chunked" else False}
+
+
 def plan_from_spec(spec, **overrides) -> dict[str, Any]:
     """Everything ``predict_memory`` needs, read from a checked spec (plus ``overrides``)."""
 
@@ -493,10 +521,7 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   tied_slabs=int(opts["tied_slabs"]) or None, mlp_tiles=int(opts["mlp_tiles"]),
                   release_groups=opts["release_groups"], compiled_layers=opts["compile_layers"],
                   offload_optimizer=bool(opts["offload_optimizer"] and opts["gradient_release"]),
-                  loss="dense" if spec.loss.backend == "dense" else "chunked", loss_chunk=spec.loss.chunk_size,
-                  model=model,
-                  # pgs run defers a tied head's gradient only with the chunked backend and when asked
-                  defer_head_grad=spec.memory.defer_head_grad if spec.loss.backend == "chunked" else False)
+                  loss_chunk=spec.loss.chunk_size, model=model, **head_loss(spec))
     return {"config": cfg, "kwargs": kwargs, "notes": notes, "micro_batch": micro,
             "seq_len": spec.data.max_seq_len, "options": opts}
 
