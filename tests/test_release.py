@@ -9,7 +9,7 @@ import torch
 import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.runtime.optim.bound import bind
-from pgs.runtime.optim.release import GradientRelease, group_of, group_parameters
+from pgs.runtime.optim.release import GradientRelease, group_of, group_parameters, sublayer_group_of
 
 VOCAB = 96
 
@@ -60,7 +60,7 @@ CHAINS = {
 
 
 @pytest.mark.parametrize("name", sorted(CHAINS))
-@pytest.mark.parametrize("groups", ["layer", "parameter"])
+@pytest.mark.parametrize("groups", ["layer", "sublayer", "parameter"])
 def test_equals_bind_exactly(name, groups):
     data = batches(3)
     a, b = tiny_model(), tiny_model()
@@ -93,6 +93,26 @@ def test_grouping():
     assert sum(len(v) for v in by_param.values()) == len(names)
     with pytest.raises(InvalidArgument, match="groups"):
         group_parameters(names, "block")
+
+
+def test_sublayer_groups_split_each_layer_into_its_mlp_and_attention_halves():
+    """``"sublayer"``: the MLP and the norm feeding it in one group, the attention and its norm
+    (and q/k norms) in the other; parameters outside the layers alone."""
+    model = tiny_model()
+    names = [n for n, _ in model.named_parameters()]
+    groups = group_parameters(names, "sublayer")
+    for i in (0, 1):
+        mlp, attn = groups[f"model.layers.{i}/mlp"], groups[f"model.layers.{i}/attn"]
+        assert sorted(mlp) == sorted(n for n in names if n.startswith(f"model.layers.{i}.")
+                                     and (".mlp." in n or "post_attention_layernorm" in n))
+        assert f"model.layers.{i}.input_layernorm.weight" in attn
+        assert all(".self_attn." in n or "input_layernorm" in n for n in attn)
+    assert groups["model.embed_tokens.weight"] == ["model.embed_tokens.weight"]
+    assert sum(len(v) for v in groups.values()) == len(names) and len(groups) == 2 * 2 + 2
+    assert sublayer_group_of("model.layers.7.block_sparse_moe.experts.3.w1.weight") == "model.layers.7/mlp"
+    assert sublayer_group_of("model.layers.7.mlp.experts.gate_up_proj") == "model.layers.7/mlp"
+    assert sublayer_group_of("model.layers.7.self_attn.q_norm.weight") == "model.layers.7/attn"
+    assert sublayer_group_of("lm_head.weight") == "lm_head.weight"
 
 
 def test_each_hook_fires_once_tied_included():

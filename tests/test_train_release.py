@@ -249,13 +249,14 @@ def test_auto_defers_the_tied_head_gradient_only_where_memory_is_traded(tmp_path
 def test_mlp_tiles_and_per_parameter_groups_from_the_spec(tmp_path):
     """``[memory] mlp_tiles`` tiles every decoder MLP and ``release_groups = "parameter"`` gives
     each parameter its own group; the first step's loss is unchanged and the second's equal up
-    to summation order (the tiles sum the MLP's weight gradients in another order)."""
+    to summation order (the tiles sum the MLP's weight gradients in another order).
+    ``release_groups = "sublayer"`` splits each layer in two groups, with equal losses."""
     from pgs.runtime.loop import control
     from pgs.runtime.spec.load import load_spec
     from pgs.runtime.loop.train import setup, train_step
 
     losses = []
-    for tiles, groups in ((0, "layer"), (3, "parameter")):
+    for tiles, groups in ((0, "layer"), (3, "parameter"), (0, "sublayer")):
         sets = [f"memory.mlp_tiles={tiles}", f'memory.release_groups="{groups}"']
         run = setup(load_spec(release_spec(tmp_path, f"tiles_{tiles}"), sets))
         mlps = [layer.mlp for layer in run.model.model.layers]
@@ -266,12 +267,17 @@ def test_mlp_tiles_and_per_parameter_groups_from_the_spec(tmp_path):
             sizes = dict((n, p.numel()) for n, p in run.model.named_parameters())
             for g, names in run.bound.groups.items():
                 assert len(names) == 1 or (g.endswith("/small") and all(sizes[n] < SMALL_PARAMETER for n in names))
+        elif groups == "sublayer":  # two groups per decoder layer
+            layered = [g for g in run.bound.groups if ".layers." in g]
+            assert layered and all(g.endswith(("/mlp", "/attn")) for g in layered)
+            assert len(layered) == 2 * len(run.model.model.layers)
         else:
             assert all(len(names) > 1 for g, names in run.bound.groups.items() if ".layers." in g)
         with control.StopSignals() as signals:
             losses.append([train_step(run, signals, control.WallClock(None))[0]["loss"] for _ in range(2)])
     assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-6)
     assert losses[1][1] == pytest.approx(losses[0][1], rel=1e-5)
+    assert losses[2] == losses[0]  # sublayer groups: the same elementwise updates, bit for bit
 
 
 def test_the_12gib_recipe_from_a_spec_trains_as_the_bound_run(tmp_path):

@@ -97,6 +97,24 @@ def group_of(name: str) -> str:
     return m.group(1) if m else name
 
 
+#: A decoder layer's parameters that belong to its MLP half (``groups="sublayer"``): the MLP or
+#: mixture of experts and the norm that feeds it (Llama/Qwen ``post_attention_layernorm``,
+#: Gemma's feed-forward norms); everything else in the layer is its attention half.
+_MLP_HALF_RE = re.compile(r"(?:^|\.)(?:mlp|ffn|feed_forward|block_sparse_moe|experts|"
+                          r"post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm)\.")
+
+
+def sublayer_group_of(name: str) -> str:
+    """The ``"sublayer"`` group of a parameter: ``"model.layers.3/mlp"`` for the MLP half of a
+    decoder layer (``_MLP_HALF_RE``), ``"model.layers.3/attn"`` for the rest of the layer, the
+    name itself outside the decoder layers."""
+    m = _LAYER_RE.match(name)
+    if not m:
+        return name
+    rest = name[m.end():]
+    return m.group(1) + ("/mlp" if _MLP_HALF_RE.search("." + rest) else "/attn")
+
+
 #: with ``groups="parameter"``, parameters below this many elements step with the other small
 #: parameters of their layer (norm weights, biases: their gradients are tiny, and a call each
 #: would cost more host time than their update)
@@ -107,12 +125,17 @@ def group_parameters(names, groups: str | Callable[[str], str] = "layer", sizes:
     """``{group: [parameter names]}`` in the parameters' order.
 
     ``groups``: ``"layer"`` (a decoder layer's parameters step together; the others alone),
-    ``"parameter"`` (every parameter alone; with ``sizes`` (name → numel), the ones under
-    ``SMALL_PARAMETER`` elements together per layer, in a group ``"<layer>/small"``), or a
-    function ``name -> group key``.
+    ``"sublayer"`` (a layer's MLP half and its attention half step apart, ``sublayer_group_of``:
+    under ``"sublayer"`` activation checkpointing backward finishes the MLP half's gradients
+    before it recomputes the attention half, so they are stepped and freed before that
+    backward's peak, for two group steps per layer instead of one), ``"parameter"`` (every
+    parameter alone; with ``sizes`` (name → numel), the ones under ``SMALL_PARAMETER`` elements
+    together per layer, in a group ``"<layer>/small"``), or a function ``name -> group key``.
     """
     if groups == "layer":
         key = group_of
+    elif groups == "sublayer":
+        key = sublayer_group_of
     elif groups == "parameter":
         def key(n):
             if sizes is not None and sizes[n] < SMALL_PARAMETER:
@@ -121,7 +144,8 @@ def group_parameters(names, groups: str | Callable[[str], str] = "layer", sizes:
     elif callable(groups):
         key = groups
     else:
-        raise InvalidArgument(f"GradientRelease: groups={groups!r} is not \"layer\", \"parameter\" or a function name -> group")
+        raise InvalidArgument(f"GradientRelease: groups={groups!r} is not \"layer\", \"sublayer\", \"parameter\" "
+                              "or a function name -> group")
     out: dict[str, list[str]] = {}
     for n in names:
         out.setdefault(str(key(n)), []).append(n)
@@ -268,7 +292,8 @@ class GradientRelease:
     Args:
         chain: any ``pgs.func.Transform`` without ``global`` parts.
         model: an ``nn.Module`` (its trainable parameters) or a dict ``name -> Parameter``.
-        groups: ``"layer"`` (default), ``"parameter"``, or a function ``name -> group``.
+        groups: ``"layer"`` (default), ``"sublayer"``, ``"parameter"``, or a function
+            ``name -> group`` (``group_parameters``).
         stochastic_rounding: round bf16 parameters stochastically in the update.
         master_weights: None, or ``"fp32"`` to keep fp32 masters of low-precision parameters.
         grad_accum: must be 1 (refused otherwise, with the reason).

@@ -31,7 +31,7 @@ WSD_SHAPES = ("linear", "cosine", "1-sqrt", "power", "exponential")
 DEVICES = ("auto", "cpu", "cuda")
 CHECKPOINT_POLICIES = ("none", "full", "selective", "sublayer")
 MASTER_WEIGHTS = ("none", "fp32")
-RELEASE_GROUPS = ("layer", "parameter")
+RELEASE_GROUPS = ("layer", "sublayer", "parameter")
 REFERENCE_MODES = ("cached", "live")
 MERGE_METHODS = ("none", "linear", "slerp")  # pgs.func.merge.METHODS, and "none"
 
@@ -328,9 +328,10 @@ class MemorySpec:
     (0: off) steps the input embedding's (tied) weight in slabs of that many vocabulary rows
     at the end of backward, so no dense V×D gradient exists (gradient release, one process,
     an elementwise chain; ``GradientRelease(..., tied_slabs=rows)``).  ``release_groups``
-    (``"layer"`` or ``"parameter"``) is what steps together inside backward: a decoder layer's
-    parameters, or each parameter as soon as its gradient exists (a layer's gradients then never
-    all exist at once).  ``mlp_tiles`` (0: off) computes each decoder layer's gated MLP in that
+    (``"layer"``, ``"sublayer"`` or ``"parameter"``) is what steps together inside backward: a
+    decoder layer's parameters, its MLP half and its attention half apart (the MLP's gradients
+    are stepped before the attention's backward runs), or each parameter as soon as its
+    gradient exists (a layer's gradients then never all exist at once).  ``mlp_tiles`` (0: off) computes each decoder layer's gated MLP in that
     many token slices, forward and backward (``pgs.runtime.model.tiled_mlp``): the MLP's
     [tokens, intermediate] tensors never exist whole.  ``offload_optimizer`` keeps each release
     group's chain state in pinned host memory and streams it through two device staging
