@@ -169,3 +169,26 @@ def test_the_global_batch_must_split_over_the_processes(tmp_path, monkeypatch):
 
 # memory.gradient_release with several processes is no longer refused: it runs per FSDP unit
 # (pgs.runtime.optim.sharded_release), checked end to end in tests/test_fsdp_release.py.
+
+
+def test_a_nan_on_one_rank_halts_both_with_81_and_one_marker(tmp_path):
+    """NaN losses on rank 1 only: the finiteness flag is agreed over the ranks (a max
+    all-reduce), so both ranks skip the same steps, reach the skip cap at the same step and exit
+    81 with one ``HALT.json`` (rank 0's), no hang and no checkpoint of the poisoned steps."""
+    spec = tiny_spec(tmp_path, "nan1", steps=STEPS, every=0, max_skips=2)
+    spec.write_text(spec.read_text().replace("grad_accum = 2", "grad_accum = 1"))
+    run_dir = tmp_path / "nan1"
+    procs = start_ranks(spec, **Faults(nan_steps={3, 4, 5, 6}, nan_rank=1).env())
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [81, 81], [o[1][-2000:] for o in outs]
+    marker = json.loads((run_dir / "HALT.json").read_text())
+    assert marker["exit_code"] == 81 and marker["step"] == 5 and "3 consecutive" in marker["reason"]
+    logged = step_records(run_dir)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5]  # rank 0's log: each step once
+    assert [r["skipped"] for r in logged][2:] == [1, 1, 1]  # rank 0's own losses were finite
+    assert not any(p.name.startswith("step_") for p in run_dir.iterdir())

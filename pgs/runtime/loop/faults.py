@@ -35,23 +35,25 @@ def _crash_at(value):
 
 @attrs.frozen
 class Faults:
-    """``nan_steps``: those steps' losses (1-based) become NaN.  ``crash_at``: ``(where, step)``,
-    SIGKILL at that point (``CRASH_POINTS``).  ``slow_step_s``: sleep that long after each step.
-    ``on_attempt``: the faults strike only in that attempt of ``pgs supervise`` (``attempt``,
-    which ``from_env`` reads from ``PGS_ATTEMPT``; 1 outside a supervisor); None: always."""
+    """``nan_steps``: those steps' losses (1-based) become NaN, on every process or only on
+    process ``nan_rank``.  ``crash_at``: ``(where, step)``, SIGKILL at that point
+    (``CRASH_POINTS``).  ``slow_step_s``: sleep that long after each step.  ``on_attempt``: the
+    faults strike only in that attempt of ``pgs supervise`` (``attempt``, which ``from_env``
+    reads from ``PGS_ATTEMPT``; 1 outside a supervisor); None: always."""
 
     nan_steps: frozenset = attrs.field(default=frozenset(), converter=lambda s: frozenset(int(x) for x in s))
     crash_at: tuple | None = attrs.field(default=None, converter=_crash_at)
     slow_step_s: float = attrs.field(default=0.0, converter=float)
     on_attempt: int | None = None
     attempt: int = 1
+    nan_rank: int | None = None
 
     def _active(self) -> bool:
         return self.on_attempt is None or self.on_attempt == self.attempt
 
-    def poisons(self, step: int) -> bool:
-        """Whether step ``step``'s loss is made NaN."""
-        return step in self.nan_steps and self._active()
+    def poisons(self, step: int, rank: int = 0) -> bool:
+        """Whether step ``step``'s loss is made NaN on process ``rank``."""
+        return step in self.nan_steps and self._active() and (self.nan_rank is None or rank == self.nan_rank)
 
     def crash(self, where: str, step: int) -> None:
         """SIGKILL this process on the spot if ``crash_at`` is ``(where, step)``."""
@@ -62,7 +64,8 @@ class Faults:
     def env(self) -> dict[str, str]:
         """The environment entry that hands these faults to a child ``pgs run``."""
         return {ENV: json.dumps({"nan_steps": sorted(self.nan_steps), "crash_at": self.crash_at,
-                                 "slow_step_s": self.slow_step_s, "on_attempt": self.on_attempt})}
+                                 "slow_step_s": self.slow_step_s, "on_attempt": self.on_attempt,
+                                 "nan_rank": self.nan_rank})}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Faults":

@@ -357,7 +357,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     # the loss's denominator, on every rank before any forward: the objective's count (valid
     # tokens, pairs) of the whole step; valid tokens are counted for every objective
     n_valid, n_mean = D.global_counts(sum(b.num_trained_tokens for b in batches), objective.count(batches))
-    poison = run.faults.poisons(run.step + 1)
+    poison = run.faults.poisons(run.step + 1, D.rank())
     if run.moe is not None and objective.router_tap:  # the objective's forward feeds the tap
         run.moe.begin_step(batches, run.device, n_valid)
     loss_parts, stat_parts = [], []
