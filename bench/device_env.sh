@@ -1,8 +1,16 @@
 # Sourced by bench/device.sh and bench/device_product.sh (run from the repo root with ".whl" carried):
-# installs the carried wheels into /tmp/site once, sets PYTHONPATH, OUT and T0, and defines
+# installs the carried wheels into /tmp/site (again when new ones are carried), sets PYTHONPATH, OUT and T0, and defines
 # left N (seconds left of a budget of N) and log MSG (a timestamped line in $OUT/all.log).
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# (a warm machine keeps /tmp/site between calls: wheels carried since the last install, e.g. the
+# TRL ones copied in for one suite, are installed then; /tmp/site/.wheels lists what is in)
+if [ -d .whl ]; then
+  mkdir -p /tmp/site
+  for w in .whl/*.whl; do
+    grep -qxF "$(basename "$w")" /tmp/site/.wheels 2>/dev/null && continue
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    ls .whl | grep '\.whl$' > /tmp/site/.wheels
+    break
+  done
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
