@@ -221,6 +221,23 @@ def test_aux_losses_change_gradients_not_the_logged_loss(tmp_path):
     assert plain[-1]["moe/z_loss"] != aux[-1]["moe/z_loss"]
 
 
+@pytest.mark.slow
+def test_router_telemetry_and_losses_through_compiled_layers(tmp_path):
+    """``memory.compile_layers`` compiles each decoder layer, routers and their forward hooks
+    inside: the telemetry and the router losses still reach the run (same step-1 loss and
+    router statistics as the eager run, up to the compiled kernels' rounding)."""
+    eager = run_spec(moe_spec(tmp_path, "eager", load_balance=0.2, z_loss=0.01))
+    path = moe_spec(tmp_path, "compiled", load_balance=0.2, z_loss=0.01)
+    path.write_text(path.read_text().replace("[memory]\n", "[memory]\ncompile_layers = true\n"))
+    compiled = run_spec(path, timeout=480)
+    assert "compile_layers = true" in (tmp_path / "compiled" / "spec.resolved.toml").read_text()
+    assert len(compiled) == len(eager) == 3
+    for key in METRIC_KEYS:
+        assert compiled[0][key] == pytest.approx(eager[0][key], rel=1e-4, abs=1e-6), key
+    assert compiled[0]["loss"] == pytest.approx(eager[0]["loss"], rel=1e-5)
+    assert compiled[-1]["loss"] == pytest.approx(eager[-1]["loss"], rel=1e-3)
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_checkpointed_recompute_is_not_counted_twice(fast):
     """A checkpointed layer's recompute in backward runs the routers again; the tap counts the
