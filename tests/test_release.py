@@ -224,3 +224,27 @@ def test_step_refuses_call_time_extras():
     with pytest.raises(InvalidArgument, match="GradientRelease.step: call-time extras"):
         rel.step(lr=1e-3)
     rel.step()  # nothing pending: a no-op
+
+
+@pytest.mark.parametrize("groups", ["layer", "sublayer"])
+def test_sublayer_groups_free_the_mlp_gradients_before_the_attention_recompute(groups):
+    """Under ``"sublayer"`` checkpointing, backward recomputes a layer's attention half after its
+    MLP half's backward: with ``"sublayer"`` release groups the MLP's weights have already stepped
+    and their gradients are gone by then (what lowers the peak inside the attention's backward);
+    with ``"layer"`` groups they are still waiting for the attention's gradients."""
+    from pgs.runtime.model.layers import apply_activation_checkpointing
+
+    model = tiny_model()
+    apply_activation_checkpointing(model, "sublayer")
+    layer = model.model.layers[1]
+    seen = []
+
+    def recompute(module, args, kwargs):
+        if torch.is_grad_enabled():  # the recompute inside backward (forward runs without autograd)
+            seen.append([p.grad is not None for p in layer.mlp.parameters()])
+
+    handle = layer.self_attn.register_forward_pre_hook(recompute, with_kwargs=True)
+    rel = run_release(model, CHAINS["adamw"](), batches(1), groups=groups)
+    handle.remove()
+    assert len(seen) == 1 and len(seen[0]) == 3 and rel.steps == 1
+    assert seen[0] == ([False] * 3 if groups == "sublayer" else [True] * 3)
