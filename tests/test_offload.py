@@ -97,7 +97,7 @@ def test_order_is_learned():
     data = batches(3)
     m = tiny_model(layers=3)
     rel = OffloadedRelease(CHAINS["lion8bit"](), m, groups="parameter")
-    rel._order = list(rel.groups)  # a wrong first guess (forward order): groups arrive unannounced
+    rel._set_order(list(rel.groups))  # a wrong first guess (forward order): groups arrive unannounced
     run(m, rel, data[:1])
     first = rel.stager.unannounced
     assert first > 0

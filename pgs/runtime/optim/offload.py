@@ -440,8 +440,12 @@ class OffloadedRelease(GradientRelease):
     def __init__(self, chain, model, *, slots: int | None = None, **kw):
         self._slots = slots
         super().__init__(chain, model, **kw)
-        self._order = list(reversed(list(self.groups)))  # first guess: backward runs the layers in reverse
+        self._set_order(list(reversed(list(self.groups))))  # first guess: backward runs the layers in reverse
         self._seen: list[str] = []
+
+    def _set_order(self, order: list[str]) -> None:
+        self._order = order
+        self._position = {g: i for i, g in enumerate(order)}  # (a list search per group step otherwise)
 
     def _init_states(self) -> dict:
         """Each group's state made on the device and moved to the host before the next one's is
@@ -460,9 +464,8 @@ class OffloadedRelease(GradientRelease):
         n = len(self.stager.slots)
         if group is None:
             return self._order[:n]
-        try:
-            i = self._order.index(group)
-        except ValueError:
+        i = self._position.get(group)
+        if i is None:
             return []
         return self._order[i + 1:i + n]
 
@@ -490,7 +493,7 @@ class OffloadedRelease(GradientRelease):
         super().finish()
         if active:
             if sorted(self._seen) == sorted(self.groups):
-                self._order = list(self._seen)
+                self._set_order(list(self._seen))
             for i, g in enumerate(self._expected_after(None)):  # the next step's first groups, during its forward
                 self.stager.prefetch(g, evict=i == 0)  # (a staged group that this step never used makes room)
 
