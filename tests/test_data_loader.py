@@ -157,8 +157,11 @@ def test_state_dict_is_the_consumed_position_not_the_read_ahead(files, tok, work
         read_ahead(loader, 3)
         state = loader.state_dict()
         assert state == plain.state_dict()
-        if worker == "thread":
-            assert state != loader.stream.state_dict()  # the worker's own stream is further on
+        if worker == "thread":  # the worker's own stream is further on: its queued steps say where
+            # (read under the queue's lock: the live stream is the worker thread's, mid-update)
+            with loader._worker.queue.mutex:
+                queued = [item[1] for item in loader._worker.queue.queue]
+            assert len(queued) >= 3 and all(q != state for q in queued)
         else:
             assert loader.stream.state_dict() == start  # the process has a copy; this one stays
         json.dumps(state)
