@@ -157,3 +157,29 @@ def test_context_on_one_process_is_refused(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "parallel.context: 2 ranks per sequence need pgs run --nproc N" in done.stderr
+
+
+@pytest.mark.parametrize("section", ["preference", "neftune"])
+def test_context_refused_for_an_objective_that_needs_whole_sequences(tmp_path, section):
+    """``splits_rows``: a [preference] run (log-probs summed over whole arms) refuses rows split
+    over context ranks in one line naming its section, as embedding noise does, before anything
+    is built and before the process count is looked at."""
+    from pgs.errors import SpecError
+    from pgs.runtime.loop.train import setup
+    from pgs.runtime.spec.load import load_spec
+    from test_train import tiny_spec
+
+    path = tiny_spec(tmp_path, section)
+    text = path.read_text()
+    if section == "preference":
+        text = text.replace('sources = [{ path = "pgs:quickstart/train.jsonl" }]',
+                            'sources = [{ path = "pgs:quickstart/pairs_train.jsonl" }]')
+        text = text.replace('eval = "pgs:quickstart/eval.jsonl"', 'eval = "pgs:quickstart/pairs_eval.jsonl"')
+        text += '\n[preference]\nkind = "dpo"\n'
+        want = r"parallel.context: a \[preference\] run needs whole sequences"
+    else:
+        want = "parallel.context: not with embedding noise"
+    path.write_text(text + "\n[parallel]\ncontext = 2\n")
+    sets = ["loss.neftune_alpha=5.0"] if section == "neftune" else []
+    with pytest.raises(SpecError, match=want):
+        setup(load_spec(str(path), sets))

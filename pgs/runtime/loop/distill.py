@@ -98,6 +98,7 @@ class DistillObjective:
     console_keys = ("on_policy", "gen_tokens_per_s")
     loader_ahead = None
     router_tap = False  # the student's forward here does not feed a MoE router tap (no router losses or statistics)
+    splits_rows = False  # the student samples from whole prompts
 
     def __init__(self, spec, tokenizer, teacher, device: torch.device, stream):
         self.spec = spec

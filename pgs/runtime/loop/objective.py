@@ -43,7 +43,10 @@ Plugging in a new objective (e.g. on-policy distillation, a ``[distill]`` sectio
    numbers ``prepare`` returned, such as generated tokens/s) into the step's record,
    ``console_keys`` are the record's keys the progress line shows, ``evaluate`` returns the
    eval record (every rank calls it with several processes: keep the collectives the same).
-5. Document it in ``docs/`` and add a quickstart-size end-to-end test.
+5. Say what the loop may do around ``forward``: ``router_tap`` (it feeds a MoE model's router
+   tap, so router losses and statistics apply), ``splits_rows`` (it trains on a part of each
+   row when ``[parallel] context`` splits rows over ranks; False refuses that split).
+6. Document it in ``docs/`` and add a quickstart-size end-to-end test.
 
 The loop keeps what every objective shares: the optimizer and its gradient release, the
 control plane (skips, stops, halts), checkpoints and exact resume, the metrics file.
@@ -79,6 +82,11 @@ class Objective(Protocol):
     #: ``begin_micro``/``end_micro`` around the model, router losses into the gradient), so the
     #: loop opens the tap's step and logs its ``moe/*`` values.
     router_tap: bool
+    #: Whether ``forward`` trains on this rank's part of rows split over context-parallel ranks
+    #: (``[parallel] context``, ``run.context``): a token loss summed over the part is a share of
+    #: the row's; an objective that needs whole sequences (log-probs summed per sequence,
+    #: generation from a prompt) sets False and ``setup`` refuses the split.
+    splits_rows: bool
 
     def steps_per_epoch(self, batch_size: int) -> int:
         """Optimizer steps in one pass over the training data (``train.epochs`` runs)."""

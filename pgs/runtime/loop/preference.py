@@ -215,6 +215,7 @@ class PreferenceObjective:
                     "logp_rejected")
     loader_ahead = 2  # pairs are tokenized up front: their batches are cheap, no pack window to keep ahead of
     router_tap = False  # a [preference] run takes no router loss and logs no router statistics
+    splits_rows = False  # a sequence's log-prob sums over the whole arm
 
     def __init__(self, spec, reference: Reference, eval_pairs: Sequence[Pair], *, stream=None,
                  device: torch.device | None = None):

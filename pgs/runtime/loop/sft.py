@@ -45,6 +45,7 @@ class SFTObjective:
     console_keys = ("entropy",)
     loader_ahead = None
     router_tap = True
+    splits_rows = True  # a token loss: each rank sums its own part of a row
 
     def __init__(self, spec, tokenizer, device: torch.device, stream):
         self.spec = spec

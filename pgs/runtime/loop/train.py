@@ -179,11 +179,15 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     cp = spec.parallel.context
     shard = None
     if cp > 1:  # ranks split each row: ring attention (dist/context.py); the rest is data parallel
+        chosen = objective_class(spec)
+        if not chosen.splits_rows:
+            raise SpecError(f"parallel.context: a [{chosen.section}] run needs whole sequences on each rank "
+                            "(set parallel.context = 1)")
+        if spec.loss.embedding_noise() is not None:
+            raise SpecError("parallel.context: not with embedding noise (loss.neftune_alpha, loss.symnoise_alpha: "
+                            "they read whole rows)")
         if not sharded:
             raise SpecError(f"parallel.context: {cp} ranks per sequence need pgs run --nproc N (N a multiple of {cp})")
-        if spec.preference is not None or spec.distill is not None or spec.loss.embedding_noise() is not None:
-            raise SpecError("parallel.context: not with [preference], [distill] or embedding noise "
-                            "(loss.neftune_alpha, loss.symnoise_alpha: they read whole rows)")
     if sharded:
         check_world_size(spec.train, world, cp)
         if spec.averaging is not None:
