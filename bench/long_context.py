@@ -46,7 +46,7 @@ SMALL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "m
          "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.head_dim=16",
          "model.config.vocab_size=512", "model.dtype=float32", "memory.compile_layers=false",
          "memory.stochastic_rounding=false", "memory.offload_checkpoints=false", "memory.tied_slabs=0",
-         "schedule.warmup=2"]
+         "schedule.warmup=2", "train.device=cpu"]
 
 
 def write_long_records(path: str, words: int, records: int, seed: int = 0) -> None:
