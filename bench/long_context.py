@@ -16,10 +16,19 @@ length (``--lengths``, default 16k, 32k, 64k, 128k tokens), in one call:
    with gradient checkpointing, its own loss, torch AdamW) on random tokens of one row of L
    tokens, in a child process.
 
-Every (setup, shape, length) is its own child process under ``--timeout`` seconds; an
-out-of-memory or a timeout is recorded as that entry's error and the next one runs.  The JSON
-(``--out``) is rewritten after every entry, so a call cut short keeps what it measured.  On the
-CPU, ``--small`` runs the same path at a tiny shape and short rows (a smoke run of this script).
+Every (setup, shape, length) is its own child process (its own process group) under
+``--timeout`` seconds, and all of them under ``--budget`` seconds (an entry gets what is left;
+one that would get less than 30 s is recorded as skipped).  Each entry's ``status``: ``ok``;
+``oom`` (it does not fit: a result, with the peak reached before the failed allocation where the
+child could read it; the longer rows of that setup and shape are then skipped); ``refused`` (pgs's
+preflight, exit 83: the predicted peak is more than the device has free); ``timeout`` (the steps
+logged before it still give tok/s and the peak); ``error`` (anything else, with the output's last
+lines); ``skipped``.  A pgs run is stopped as soon as its last step is logged (the final
+checkpoint it would write is no part of the measurement, and takes disk: 12 GB at 4B), and its
+run folder is removed after its metrics are read (``metrics_<shape>_<length>.jsonl`` stays in the
+work folder).  The JSON (``--out``) is rewritten after every entry, so a call cut short keeps
+what it measured.  On the CPU, ``--small`` runs the same path at a tiny shape and short rows (a
+smoke run of this script).
 
     python -m bench long-context --shapes qwen3-0.6b,qwen3-4b --lengths 16384,32768,65536,131072
 """
@@ -31,10 +40,12 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +91,74 @@ def _tail(proc_out: str) -> str:
     return " | ".join(lines[-3:])[-600:]
 
 
-def run_pgs(shape: str, length: int, data: str, args, workdir: str) -> dict:
+#: what an out-of-memory failure prints (torch's allocator, cuBLAS/cuDNN workspaces, the host)
+OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
+               "out of memory")
+#: pgs's exit code for a preflight refusal (docs/exit-codes.md)
+EXIT_PREFLIGHT = 83
+
+
+def outcome(returncode: int | None, output: str, timed_out: bool, timeout: float) -> tuple[str, str]:
+    """``(status, note)`` of a child that exited with ``returncode`` after printing ``output``."""
+    if timed_out:
+        return "timeout", f"timeout after {timeout:.0f} s"
+    if returncode == 0:
+        return "ok", ""
+    oom = next((line for line in (output or "").splitlines()[::-1] if any(m in line for m in OOM_MARKERS)), None)
+    if oom is not None:
+        return "oom", "does not fit: " + oom.strip()[:300]
+    if returncode == EXIT_PREFLIGHT:
+        return "refused", _tail(output)
+    return "error", f"exit {returncode}: " + _tail(output)
+
+
+def run_child(cmd: list[str], timeout: float, env: dict, done=None) -> tuple[int | None, str, bool]:
+    """Run ``cmd`` in its own process group: ``(returncode or None, stdout + stderr, timed out)``.
+
+    ``done()`` (polled every second) True ends the child early (the whole group, SIGKILL) as a
+    success; past ``timeout`` the group is killed and the output so far is kept."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.time() + timeout
+    timed_out = finished_early = False
+    while proc.poll() is None:
+        if time.time() > deadline:
+            timed_out = True
+            break
+        if done is not None and done():
+            finished_early = True
+            break
+        try:
+            proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    reader.join(timeout=10)
+    return (0 if finished_early else proc.returncode), "".join(chunks), timed_out
+
+
+def _step_records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a line being written when the run was stopped
+                pass
+    return out
+
+
+def run_pgs(shape: str, length: int, data: str, args, workdir: str, timeout: float) -> dict:
     run_dir = os.path.join(workdir, f"run_{shape}_{length}")
     shutil.rmtree(run_dir, ignore_errors=True)
     tiles = max(2, length // 8192)
@@ -91,25 +169,30 @@ def run_pgs(shape: str, length: int, data: str, args, workdir: str) -> dict:
     cmd = [sys.executable, "-m", "pgs", "run", SPECS[shape]] + [x for s in sets for x in ("--set", s)]
     out = {"setup": "pgs run", "shape": shape, "length": length, "mlp_tiles": tiles,
            "command": "python -m pgs run " + " ".join(cmd[4:])}
-    started = time.time()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
-                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        out["returncode"] = proc.returncode
-        if proc.returncode != 0:
-            out["error"] = _tail(proc.stderr or proc.stdout)
-    except subprocess.TimeoutExpired:
-        out["error"] = f"timeout after {args.timeout} s"
-    out["wall_s"] = round(time.time() - started, 1)
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(metrics):  # a run cut short still logged its steps
-        with open(metrics, encoding="utf-8") as handle:
-            out.update(_summary([json.loads(line) for line in handle if line.strip()], args.skip))
+
+    def last_step_logged() -> bool:  # the last step's record is written before the final checkpoint
+        return any(r.get("step") == args.steps and "loss" in r for r in _step_records(metrics))
+
+    started = time.time()
+    rc, output, timed_out = run_child(cmd, timeout, dict(os.environ, PYTHONUNBUFFERED="1"), done=last_step_logged)
+    out["returncode"] = rc
+    out["status"], note = outcome(rc, output, timed_out, timeout)
+    if note:
+        out["error"] = note
+    out["wall_s"] = round(time.time() - started, 1)
+    records = _step_records(metrics)  # a run cut short still logged its steps
+    if records:
+        out.update(_summary(records, args.skip))
+        shutil.copyfile(metrics, os.path.join(workdir, f"metrics_{shape}_{length}.jsonl"))
+    shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoint: 12 GB at 4B, and no part of the figures
     return out
 
 
 def peer_one(variant: str, shape: str, length: int, steps: int, skip: int, small: bool) -> dict:
-    """One HF peer at one length, in this process (the child of :func:`run_peer`)."""
+    """One HF peer at one length, in this process (the child of :func:`run_peer`).  Prints a
+    JSON line after every step (the parent keeps the last one if it has to stop this child);
+    an out-of-memory error ends it with ``status = "oom"`` and the peak reached."""
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -118,51 +201,76 @@ def peer_one(variant: str, shape: str, length: int, steps: int, skip: int, small
     table, _batch, _seq = (sft_step.SMALL_SHAPES["tiny"] if small else sft_step.SHAPES[shape])
     table = dict(table, max_position_embeddings=max(length, int(table.get("max_position_embeddings", 0) or 0)))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = sft_step.build(table, device, "sdpa")
-    if small:
-        model = model.float()
-    peer_args = argparse.Namespace(compile_backend=None, compile_options=None, small=small, triton_on_cpu=False,
-                                   mlp_tiles=4, defer=False, no_defer=False)
-    step, _opt = sft_step.variant_setup(sft_step.split_switches(variant)[0], model, peer_args, 0)
-    gen = torch.Generator().manual_seed(0)
-    times = []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    for _ in range(steps):
-        ids = torch.randint(0, table["vocab_size"], (1, length), generator=gen).to(device)
-        pos = torch.arange(length, device=device)[None]
-        t0 = time.perf_counter()
-        loss = step(ids, pos, ids)
+    out: dict = {"steps": 0, "tokens_per_row": length}
+
+    def report(status: str) -> dict:
+        out["status"] = status
         if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    timed = times[skip:] or times[-1:]
-    out = {"steps": steps, "tok_s": length * len(timed) / sum(timed), "median_step_s": statistics.median(timed),
-           "tokens_per_row": length, "last_loss": float(loss)}
-    if device.type == "cuda":
-        out["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        out["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-    return out
+            out["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            out["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        print(json.dumps(out), flush=True)
+        return out
+
+    times = []
+    try:
+        model = sft_step.build(table, device, "sdpa")
+        if small:
+            model = model.float()
+        out["attn_implementation"] = model.config._attn_implementation
+        peer_args = argparse.Namespace(compile_backend=None, compile_options=None, small=small, triton_on_cpu=False,
+                                       mlp_tiles=4, defer=False, no_defer=False)
+        step, _opt = sft_step.variant_setup(sft_step.split_switches(variant)[0], model, peer_args, 0)
+        gen = torch.Generator().manual_seed(0)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(steps):
+            ids = torch.randint(0, table["vocab_size"], (1, length), generator=gen).to(device)
+            pos = torch.arange(length, device=device)[None]
+            t0 = time.perf_counter()
+            loss = step(ids, pos, ids)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            timed = times[skip:] or times[-1:]
+            out.update(steps=len(times), tok_s=length * len(timed) / sum(timed), median_step_s=statistics.median(timed),
+                       last_loss=float(loss))
+            report("running")
+    except torch.OutOfMemoryError as err:
+        out["error"] = "does not fit: " + str(err).splitlines()[0][:300]
+        return report("oom")
+    return report("ok")
 
 
-def run_peer(variant: str, shape: str, length: int, args) -> dict:
+def run_peer(variant: str, shape: str, length: int, args, timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--peer-one", variant, "--shapes", shape,
            "--lengths", str(length), "--steps", str(args.steps), "--skip", str(args.skip)] + \
           (["--small"] if args.small else [])
     out = {"setup": variant, "shape": shape, "length": length}
     started = time.time()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
-                              env=dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1"))
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-        if proc.returncode == 0 and lines:
-            out.update(json.loads(lines[-1]))
-        else:
-            out["error"] = _tail(proc.stderr or proc.stdout)
-    except subprocess.TimeoutExpired:
-        out["error"] = f"timeout after {args.timeout} s"
+    rc, output, timed_out = run_child(cmd, timeout, dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1"))
+    lines = [x for x in output.splitlines() if x.startswith("{")]
+    if lines:  # the child's last report: its steps so far, or its out-of-memory error
+        out.update(json.loads(lines[-1]))
+    status, note = outcome(rc, output, timed_out, timeout)
+    if out.get("status") != "oom":
+        out["status"] = status
+        if note:
+            out["error"] = note
     out["wall_s"] = round(time.time() - started, 1)
     return out
+
+
+def _note(r: dict) -> str:
+    status = r.get("status", "")
+    note = "" if status in ("ok", "running") else status
+    if status == "timeout" and r.get("steps"):
+        note += f" ({r['steps']} steps logged)"
+    if r.get("tokens_per_row") not in (None, r["length"]):
+        note += f" rows of {r['tokens_per_row']} tokens"
+    error = (r.get("error") or "")
+    if status in ("oom", "error", "refused", "skipped"):
+        note += ": " + error[:110]
+    return note.strip()
 
 
 def table(results: list[dict]) -> str:
@@ -175,7 +283,7 @@ def table(results: list[dict]) -> str:
     for r in results:
         rows.append(f"| {r['shape']} | {r['length']:,} | {r['setup']} | {f(r.get('tok_s'), ',.0f')} | "
                     f"{f(r.get('max_allocated_gib'), '.2f')} | {f(r.get('max_reserved_gib'), '.2f')} | "
-                    f"{(r.get('error') or '')[:100]} |")
+                    f"{_note(r)} |")
     return "\n".join(rows)
 
 
@@ -188,6 +296,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of tok/s")
     p.add_argument("--chunk", type=int, default=4096, help="loss.chunk_size (rows of logits at a time)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per (setup, shape, length) entry")
+    p.add_argument("--budget", type=int, default=0,
+                   help="seconds for the whole call (0: no limit): an entry gets at most what is left, and one "
+                        "that would get less than 30 s is skipped, so the table is printed before an outer timeout")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more spec overrides for pgs")
     p.add_argument("--small", action="store_true", help="a tiny shape and short rows on the CPU (smoke run)")
     p.add_argument("--workdir", default="", help="run folders and the generated data (default: a temporary folder)")
@@ -199,7 +310,7 @@ def main(argv=None) -> int:
     if args.small and args.lengths == p.get_default("lengths"):
         lengths = [256, 512]
     if args.peer_one:
-        print(json.dumps(peer_one(args.peer_one, shapes[0], lengths[0], args.steps, args.skip, args.small)))
+        peer_one(args.peer_one, shapes[0], lengths[0], args.steps, args.skip, args.small)  # prints its JSON lines
         return 0
     unknown = [s for s in shapes if s not in SPECS]
     if unknown:
@@ -210,10 +321,25 @@ def main(argv=None) -> int:
     write_long_records(data, words=int(max(lengths) * 1.25), records=args.steps + 2)
     results: list[dict] = []
     peers = [x for x in args.peers.split(",") if x]
+    began = time.time()
+    too_long: dict[tuple[str, str], int] = {}  # (setup, shape) -> the length that did not fit
     for shape in shapes:
-        for length in lengths:
+        for length in sorted(lengths):  # short rows first: a call cut short still has a table
             for setup in ["pgs", *peers]:
-                r = run_pgs(shape, length, data, args, workdir) if setup == "pgs" else run_peer(setup, shape, length, args)
+                name = "pgs run" if setup == "pgs" else setup
+                left = args.budget - (time.time() - began) if args.budget else float("inf")
+                if (name, shape) in too_long:
+                    r = {"setup": name, "shape": shape, "length": length, "status": "skipped",
+                         "error": f"does not fit at {too_long[name, shape]:,} tokens per row"}
+                elif left < 30:
+                    r = {"setup": name, "shape": shape, "length": length, "status": "skipped",
+                         "error": f"--budget {args.budget} s spent"}
+                else:
+                    timeout = min(args.timeout, left - 5)
+                    r = (run_pgs(shape, length, data, args, workdir, timeout) if setup == "pgs"
+                         else run_peer(setup, shape, length, args, timeout))
+                if r["status"] in ("oom", "refused"):
+                    too_long[name, shape] = length
                 results.append(r)
                 print(json.dumps(r), flush=True)
                 if args.out:
@@ -222,7 +348,7 @@ def main(argv=None) -> int:
                         json.dump({"shapes": shapes, "lengths": lengths, "steps": args.steps, "skip": args.skip,
                                    "results": results}, handle, indent=1)
     print(table(results))
-    return 0 if all(not r.get("error") for r in results) else 1
+    return 0 if all(r.get("status") != "error" for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -183,3 +183,15 @@ def test_data_inspect_to_a_file_marks_the_trained_tokens(tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr
     assert "<|im_start|>assistant\n[[4<|im_end|>]]" in proc.stdout
     assert proc.stdout.count("[[") == 1 and "\x1b[" not in proc.stdout
+
+
+def test_run_on_a_cuda_device_this_host_lacks_is_one_line(tmp_path, capsys):
+    """A spec for ``cuda`` (the shipped GPU recipes) run where there is none, or for a CUDA index
+    past the host's devices: one line naming train.device (was a traceback from torch.cuda)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = "cuda" if count == 0 else f"cuda:{count}"
+    proc = _cli(["run", str(_spec(tmp_path)), "--set", f'train.device="{device}"', "--set", "train.steps=1"], capsys)
+    line = _one_line(proc)
+    assert line.startswith(f"pgs: error: train.device: '{device}', but this host has "), line

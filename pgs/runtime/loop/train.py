@@ -117,9 +117,21 @@ def seed_everything(seed: int) -> None:
 
 
 def _device(name: str) -> torch.device:
+    """``train.device`` as a device; a CUDA device this host does not have is a ``SpecError``
+    (``pgs validate`` passes such a spec, whose device may be elsewhere; ``pgs run`` cannot)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise SpecError(f"train.device: {name!r}, but this host has no CUDA device (torch "
+                            f"{torch.__version__}{'' if torch.version.cuda else ', built without CUDA'}); "
+                            "set train.device = \"auto\" or \"cpu\"")
+        if device.index is not None and device.index >= count:
+            raise SpecError(f"train.device: {name!r}, but this host has {count} CUDA device(s) (cuda:0"
+                            f"{f'..cuda:{count - 1}' if count > 1 else ''})")
+    return device
 
 
 class _NullLog:

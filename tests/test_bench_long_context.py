@@ -1,0 +1,94 @@
+"""bench/long_context.py's harness, without a GPU: the generated records fill a row of the asked
+length (one causal document per row, no padding document), a child's outcome is classified
+(out of memory is a result, not a crash; pgs's preflight refusal; a timeout keeps what was
+printed), a child is stopped early when its work is logged, and after a length that does not
+fit the longer ones of that setup are skipped while the budget skips what it cannot start."""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import long_context as lc  # noqa: E402
+
+
+def test_records_fill_the_row(tmp_path):
+    from pgs.runtime.model.build import load_tokenizer
+
+    tokenizer = load_tokenizer(os.path.join(ROOT, "pgs", "assets", "quickstart", "tokenizer"))
+    path = tmp_path / "long.jsonl"
+    length = 4096
+    lc.write_long_records(str(path), words=int(length * 1.25), records=2)
+    for line in path.read_text().splitlines():
+        completion = json.loads(line)["completion"]
+        assert len(tokenizer(completion, add_special_tokens=False)["input_ids"]) > length
+
+
+@pytest.mark.parametrize("rc, output, timed_out, status", [
+    (0, "", False, "ok"),
+    (1, "Traceback\n  File x\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 74.00 GiB.", False, "oom"),
+    (83, "pgs: error: data.max_seq_len = 131072: 1 rows × 131072 tokens need at least 150 GiB", False, "refused"),
+    (1, "Traceback\nRuntimeError: cuDNN error: CUDNN_STATUS_NOT_SUPPORTED", False, "error"),
+    (None, "step 1", True, "timeout"),
+])
+def test_outcome(rc, output, timed_out, status):
+    got, note = lc.outcome(rc, output, timed_out, 60)
+    assert got == status
+    if status == "oom":
+        assert note.startswith("does not fit: ") and "Tried to allocate 74.00 GiB" in note
+    if status == "error":
+        assert "CUDNN_STATUS_NOT_SUPPORTED" in note and note.startswith("exit 1")
+
+
+def test_run_child_timeout_keeps_output_and_kills_the_group():
+    code = "import subprocess, sys, time; print('first', flush=True); " \
+           "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    t0 = time.time()
+    rc, output, timed_out = lc.run_child([sys.executable, "-c", code], 3, dict(os.environ))
+    assert timed_out and "first" in output and time.time() - t0 < 20
+
+
+def test_run_child_done_ends_early_as_success(tmp_path):
+    flag = tmp_path / "flag"
+    code = f"import time, pathlib; pathlib.Path({str(flag)!r}).write_text('x'); time.sleep(60)"
+    t0 = time.time()
+    rc, _, timed_out = lc.run_child([sys.executable, "-c", code], 50, dict(os.environ), done=flag.exists)
+    assert (rc, timed_out) == (0, False) and time.time() - t0 < 20
+
+
+def test_longer_rows_skipped_after_oom_and_budget(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake_pgs(shape, length, data, args, workdir, timeout):
+        calls.append(("pgs", length, timeout))
+        status = "oom" if length >= 2048 else "ok"
+        return {"setup": "pgs run", "shape": shape, "length": length, "status": status, "tok_s": 1.0,
+                "error": "does not fit: CUDA out of memory" if status == "oom" else None}
+
+    def fake_peer(variant, shape, length, args, timeout):
+        calls.append((variant, length, timeout))
+        return {"setup": variant, "shape": shape, "length": length, "status": "ok", "tok_s": 2.0}
+
+    monkeypatch.setattr(lc, "run_pgs", fake_pgs)
+    monkeypatch.setattr(lc, "run_peer", fake_peer)
+    out = tmp_path / "out.json"
+    lc.main(["--shapes", "qwen3-0.6b", "--lengths", "4096,1024,2048", "--steps", "1", "--timeout", "77",
+             "--workdir", str(tmp_path), "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [(r["setup"], r["length"], r["status"]) for r in results] == [
+        ("pgs run", 1024, "ok"), ("hf_eager_ac", 1024, "ok"), ("pgs run", 2048, "oom"), ("hf_eager_ac", 2048, "ok"),
+        ("pgs run", 4096, "skipped"), ("hf_eager_ac", 4096, "ok")]
+    assert all(t == 77 for *_, t in calls)
+    assert "does not fit at 2,048" in results[4]["error"]
+    table = capsys.readouterr().out
+    assert "| oom: does not fit: CUDA out of memory |" in table
+
+    calls.clear()
+    lc.main(["--shapes", "qwen3-0.6b", "--lengths", "1024", "--steps", "1", "--budget", "20",
+             "--workdir", str(tmp_path), "--out", str(out)])
+    assert calls == [] and all(r["status"] == "skipped" for r in json.loads(out.read_text())["results"])
