@@ -57,7 +57,7 @@ SMALL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "m
          "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.head_dim=16",
          "model.config.vocab_size=512", "model.dtype=float32", "memory.compile_layers=false",
          "memory.stochastic_rounding=false", "memory.offload_checkpoints=false", "memory.tied_slabs=0",
-         "schedule.warmup=2", "train.device=cpu"]
+         "train.device=cpu"]
 
 
 def write_long_records(path: str, words: int, records: int, seed: int = 0) -> None:
@@ -158,14 +158,27 @@ def _step_records(path: str) -> list[dict]:
     return out
 
 
+def mlp_tiles(length: int) -> int:
+    """``memory.mlp_tiles`` for rows of ``length`` tokens: slices of about 8k tokens (at least 2)."""
+    return max(2, length // 8192)
+
+
+def pgs_overrides(length: int, data: str, steps: int, chunk: int, run_dir: str, small: bool = False) -> list[str]:
+    """The ``--set`` list of the pgs entry: the shipped spec with the long-row recipe at ``length``.
+
+    ``schedule.warmup`` is cut to fit the few steps (the shipped specs' 10 warm-up steps are
+    more than a run of ``steps`` < 10, which pgs refuses); the positions cover the row."""
+    return RECIPE + [f"data.max_seq_len={length}", f"data.sources=[{{path = \"{data}\"}}]",
+                     f"model.config.max_position_embeddings={max(length, 40960)}", f"memory.mlp_tiles={mlp_tiles(length)}",
+                     f"loss.chunk_size={chunk}", f"train.steps={steps}", f"schedule.warmup={max(0, min(2, steps - 1))}",
+                     f"checkpoint.dir={run_dir}", "train.log_every=1"] + (SMALL if small else [])
+
+
 def run_pgs(shape: str, length: int, data: str, args, workdir: str, timeout: float) -> dict:
     run_dir = os.path.join(workdir, f"run_{shape}_{length}")
     shutil.rmtree(run_dir, ignore_errors=True)
-    tiles = max(2, length // 8192)
-    sets = RECIPE + [f"data.max_seq_len={length}", f"data.sources=[{{path = \"{data}\"}}]",
-                     f"model.config.max_position_embeddings={max(length, 40960)}", f"memory.mlp_tiles={tiles}",
-                     f"loss.chunk_size={args.chunk}", f"train.steps={args.steps}", f"checkpoint.dir={run_dir}",
-                     "train.log_every=1"] + (SMALL if args.small else []) + args.set
+    tiles = mlp_tiles(length)
+    sets = pgs_overrides(length, data, args.steps, args.chunk, run_dir, args.small) + args.set
     cmd = [sys.executable, "-m", "pgs", "run", SPECS[shape]] + [x for s in sets for x in ("--set", s)]
     out = {"setup": "pgs run", "shape": shape, "length": length, "mlp_tiles": tiles,
            "command": "python -m pgs run " + " ".join(cmd[4:])}

@@ -92,3 +92,25 @@ def test_longer_rows_skipped_after_oom_and_budget(tmp_path, monkeypatch, capsys)
     lc.main(["--shapes", "qwen3-0.6b", "--lengths", "1024", "--steps", "1", "--budget", "20",
              "--workdir", str(tmp_path), "--out", str(out)])
     assert calls == [] and all(r["status"] == "skipped" for r in json.loads(out.read_text())["results"])
+
+
+@pytest.mark.parametrize("shape", sorted(lc.SPECS))
+@pytest.mark.parametrize("steps", [1, 4])
+def test_gpu_entries_pass_pgs_spec_checks(tmp_path, shape, steps):
+    """The spec each GPU entry runs (shipped spec + long-row recipe at 128k tokens, few steps)
+    loads, builds its chain and schedule for the run's steps, and its positions cover the row:
+    what `pgs run` checks before it builds a model (the shipped specs' 10 warm-up steps in a
+    4-step run were refused)."""
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.spec.preflight import check_chain, check_seq_len, model_config
+
+    length = 131072
+    data = tmp_path / "long.jsonl"
+    lc.write_long_records(str(data), words=64, records=1)
+    sets = lc.pgs_overrides(length, str(data), steps, 4096, str(tmp_path / "run"))
+    spec = load_spec(os.path.join(ROOT, lc.SPECS[shape]), sets)
+    assert (spec.data.max_seq_len, spec.data.packing, spec.memory.mlp_tiles) == (length, False, 16)
+    assert spec.memory.offload_checkpoints and spec.memory.activation_checkpointing == "full"
+    spec.build_chain(total_steps=spec.train.steps)  # the schedule fits the run
+    check_chain(spec)
+    check_seq_len(spec, model_config(spec.model, 485))
