@@ -12,9 +12,14 @@ length (``--lengths``, default 16k, 32k, 64k, 128k tokens), in one call:
    with the layer inputs offloaded to host memory, ``max_position_embeddings >= L``.  Figures
    from the run's own ``metrics.jsonl``: peak allocated / reserved memory and tokens/s of the
    steps after ``--skip``.
-2. Each HF peer (``--peers``, ``bench/sft_step.py`` HF variants; default ``hf_eager_ac``: HF
-   with gradient checkpointing, its own loss, torch AdamW) on random tokens of one row of L
-   tokens, in a child process.
+2. Each HF peer (``--peers``, ``bench/sft_step.py`` HF variants) on random tokens of one row of
+   L tokens (positions 0..L-1, so transformers builds no mask and SDPA runs causal, the kernel
+   PyTorch picks, as for pgs's one-document rows), the same model configuration as the spec's
+   (``max_position_embeddings`` raised alike), in a child process.  Default ``hf_liger_ac``: HF
+   with Liger's kernels and fused linear cross-entropy (no ``[L, V]`` logits either; the HF peer
+   shared/docs/ANCHORS.md names for Qwen3-0.6B), activation checkpointing of every layer, torch
+   AdamW; ``hf_eager_ac`` is HF's own loss, whose fp32 ``[L, V]`` logits (74 GiB at 128k) are
+   what stops it first.
 
 Every (setup, shape, length) is its own child process (its own process group) under
 ``--timeout`` seconds, and all of them under ``--budget`` seconds (an entry gets what is left;
@@ -304,7 +309,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="qwen3-0.6b,qwen3-4b", help=f"comma-separated, of {sorted(SPECS)}")
     p.add_argument("--lengths", default="16384,32768,65536,131072", help="tokens per row, comma-separated")
-    p.add_argument("--peers", default="hf_eager_ac", help="bench/sft_step.py HF variants, comma-separated ('' none)")
+    p.add_argument("--peers", default="hf_liger_ac", help="bench/sft_step.py HF variants, comma-separated ('' none)")
     p.add_argument("--steps", type=int, default=6, help="steps per entry")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of tok/s")
     p.add_argument("--chunk", type=int, default=4096, help="loss.chunk_size (rows of logits at a time)")
@@ -322,6 +327,8 @@ def main(argv=None) -> int:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     if args.small and args.lengths == p.get_default("lengths"):
         lengths = [256, 512]
+    if args.small and args.peers == p.get_default("peers"):
+        args.peers = "hf_eager_ac"  # Liger's kernels are Triton on CUDA
     if args.peer_one:
         peer_one(args.peer_one, shapes[0], lengths[0], args.steps, args.skip, args.small)  # prints its JSON lines
         return 0

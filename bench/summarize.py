@@ -3,7 +3,8 @@ at the end of a call): ``python bench/summarize.py RESULT.json [...]``.
 
 Rows are read from every suite's JSON: ``rows`` / ``variants`` / ``results`` as a mapping of
 name to row (optim-8bit, optim-step, optim-muon), ``results`` as a list of rows named by
-``variant``, ``backend`` or ``setup`` (sft-step, sft-converge, loss-memory, product, distill), ``runs``
+``variant``, ``backend`` or ``setup`` (sft-step, sft-converge, loss-memory, product, distill; long-context's also by shape and length,
+with its status), ``runs``
 (fsdp); numbers are rounded, and a missing or unreadable file is one line saying so.
 """
 
@@ -50,8 +51,11 @@ def lines(path: str) -> list[str]:
             out += [_row(name, row) for name, row in rows.items()]
         elif isinstance(rows, list):
             for i, r in enumerate(rows):
-                name = next((r[k] for k in ("variant", "backend", "setup", "world_size") if k in r), i)
-                out.append(_row(str(name), r))
+                name = str(next((r[k] for k in ("variant", "backend", "setup", "world_size") if k in r), i))
+                if "shape" in r and "length" in r:  # long-context: one row per setup, shape and length
+                    name = f"{name} {r['shape']} {r['length']}"
+                    r = dict(r, error=" ".join(x for x in (r.get("status"), r.get("error")) if x and x != "ok"))
+                out.append(_row(name, r))
     return out
 
 

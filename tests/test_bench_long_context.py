@@ -81,8 +81,8 @@ def test_longer_rows_skipped_after_oom_and_budget(tmp_path, monkeypatch, capsys)
              "--workdir", str(tmp_path), "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     assert [(r["setup"], r["length"], r["status"]) for r in results] == [
-        ("pgs run", 1024, "ok"), ("hf_eager_ac", 1024, "ok"), ("pgs run", 2048, "oom"), ("hf_eager_ac", 2048, "ok"),
-        ("pgs run", 4096, "skipped"), ("hf_eager_ac", 4096, "ok")]
+        ("pgs run", 1024, "ok"), ("hf_liger_ac", 1024, "ok"), ("pgs run", 2048, "oom"), ("hf_liger_ac", 2048, "ok"),
+        ("pgs run", 4096, "skipped"), ("hf_liger_ac", 4096, "ok")]
     assert all(t == 77 for *_, t in calls)
     assert "does not fit at 2,048" in results[4]["error"]
     table = capsys.readouterr().out
@@ -114,3 +114,15 @@ def test_gpu_entries_pass_pgs_spec_checks(tmp_path, shape, steps):
     spec.build_chain(total_steps=spec.train.steps)  # the schedule fits the run
     check_chain(spec)
     check_seq_len(spec, model_config(spec.model, 485))
+
+
+@pytest.mark.parametrize("shape", sorted(lc.SPECS))
+def test_hf_peer_has_the_spec_model(shape):
+    """Both sides train the same architecture: the HF peer's config table is the shipped spec's
+    ``model.config`` (the bench raises ``max_position_embeddings`` on both alike)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import sft_step
+    from pgs.runtime.spec.load import load_spec
+
+    spec = load_spec(os.path.join(ROOT, lc.SPECS[shape]))
+    assert dict(spec.model.config) == sft_step.SHAPES[shape][0]
