@@ -117,6 +117,24 @@ def outcome(returncode: int | None, output: str, timed_out: bool, timeout: float
     return "error", f"exit {returncode}: " + _tail(output)
 
 
+#: the process groups of the children running now (killed if this process is terminated: they
+#: run in groups of their own, which an outer ``timeout`` does not signal)
+_CHILDREN: set[int] = set()
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _on_terminate(signum, frame):
+    for pid in list(_CHILDREN):
+        _kill_group(pid)
+    raise SystemExit(128 + signum)
+
+
 def run_child(cmd: list[str], timeout: float, env: dict, done=None) -> tuple[int | None, str, bool]:
     """Run ``cmd`` in its own process group: ``(returncode or None, stdout + stderr, timed out)``.
 
@@ -124,6 +142,7 @@ def run_child(cmd: list[str], timeout: float, env: dict, done=None) -> tuple[int
     success; past ``timeout`` the group is killed and the output so far is kept."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    _CHILDREN.add(proc.pid)
     chunks: list[str] = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()
@@ -141,11 +160,9 @@ def run_child(cmd: list[str], timeout: float, env: dict, done=None) -> tuple[int
         except subprocess.TimeoutExpired:
             pass
     if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(proc.pid)
         proc.wait()
+    _CHILDREN.discard(proc.pid)
     reader.join(timeout=10)
     return (0 if finished_early else proc.returncode), "".join(chunks), timed_out
 
@@ -332,6 +349,7 @@ def main(argv=None) -> int:
     if args.peer_one:
         peer_one(args.peer_one, shapes[0], lengths[0], args.steps, args.skip, args.small)  # prints its JSON lines
         return 0
+    signal.signal(signal.SIGTERM, _on_terminate)  # an outer timeout: no child left on the GPU
     unknown = [s for s in shapes if s not in SPECS]
     if unknown:
         p.error(f"--shapes: {unknown} not in {sorted(SPECS)}")

@@ -126,3 +126,35 @@ def test_hf_peer_has_the_spec_model(shape):
 
     spec = load_spec(os.path.join(ROOT, lc.SPECS[shape]))
     assert dict(spec.model.config) == sft_step.SHAPES[shape][0]
+
+
+def test_terminated_bench_kills_its_running_child(tmp_path):
+    """An outer timeout (SIGTERM to the bench) ends the child's own process group too."""
+    import signal
+    import subprocess
+
+    pidfile = tmp_path / "pid"
+    child_code = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    script = tmp_path / "bench_like.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from bench import long_context as lc\n"
+        "signal.signal(signal.SIGTERM, lc._on_terminate)\n"
+        f"lc.run_child([sys.executable, '-c', {child_code!r}], 60, dict(os.environ))\n")
+    bench = subprocess.Popen([sys.executable, str(script)])
+    for _ in range(200):
+        if pidfile.exists() and pidfile.read_text():
+            break
+        time.sleep(0.1)
+    child = int(pidfile.read_text())
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=20) == 128 + signal.SIGTERM
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the child outlived the terminated bench")
