@@ -309,14 +309,15 @@ def _note(r: dict) -> str:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| shape | tokens/row | setup | tok/s | peak alloc GiB | peak reserved GiB | note |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| shape | tokens/row | setup | tok/s | median step s | peak alloc GiB | peak reserved GiB | note |",
+            "|---|---|---|---|---|---|---|---|"]
 
     def f(x, fmt):
         return "" if x is None else format(x, fmt)
 
     for r in results:
         rows.append(f"| {r['shape']} | {r['length']:,} | {r['setup']} | {f(r.get('tok_s'), ',.0f')} | "
+                    f"{f(r.get('median_step_s'), '.2f')} | "
                     f"{f(r.get('max_allocated_gib'), '.2f')} | {f(r.get('max_reserved_gib'), '.2f')} | "
                     f"{_note(r)} |")
     return "\n".join(rows)
