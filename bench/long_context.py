@@ -77,7 +77,7 @@ def write_long_records(path: str, words: int, records: int, seed: int = 0) -> No
 
 def _summary(records: list[dict], skip: int) -> dict:
     steps = [r for r in records if "loss" in r and "tokens" in r]
-    out: dict = {"steps": len(steps)}
+    out: dict = {"steps": len(steps), "skipped_steps": sum(int(r.get("skipped", 0) or 0) for r in steps)}
     timed = steps[skip:] or steps[-1:]
     if timed:
         out["tok_s"] = sum(r["tokens"] for r in timed) / sum(r["step_seconds"] for r in timed)
@@ -300,6 +300,10 @@ def _note(r: dict) -> str:
     note = "" if status in ("ok", "running") else status
     if status == "timeout" and r.get("steps"):
         note += f" ({r['steps']} steps logged)"
+    if r.get("skipped_steps"):  # pgs skipped non-finite steps: the figures are not a training step's
+        note += f" {r['skipped_steps']} steps skipped (non-finite loss or spike)"
+    if r.get("last_loss") is not None and r["last_loss"] != r["last_loss"]:
+        note += " loss NaN"
     if r.get("tokens_per_row") not in (None, r["length"]):
         note += f" rows of {r['tokens_per_row']} tokens"
     error = (r.get("error") or "")

@@ -158,3 +158,16 @@ def test_terminated_bench_kills_its_running_child(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail("the child outlived the terminated bench")
+
+
+def test_summary_and_note_of_a_pgs_run():
+    """tok/s from the steps after the warm-up, the peak over every step, skipped steps flagged."""
+    steps = [{"step": i, "loss": 2.0, "tokens": 100, "step_seconds": s, "mem_gib": m, "reserved_gib": m + 1,
+              "skipped": k} for i, s, m, k in ((1, 9.0, 5.0, 0), (2, 1.0, 7.0, 1), (3, 3.0, 6.0, 0))]
+    got = lc._summary([{"step": 0, "event": "start"}] + steps, skip=1)
+    assert got["tok_s"] == 200 / 4.0 and got["median_step_s"] == 2.0 and got["max_allocated_gib"] == 7.0
+    assert got["max_reserved_gib"] == 8.0 and got["steps"] == 3 and got["skipped_steps"] == 1
+    row = dict(got, setup="pgs run", shape="qwen3-0.6b", length=100, status="ok")
+    assert "1 steps skipped" in lc._note(row)
+    assert lc._note(dict(row, skipped_steps=0)) == ""
+    assert "rows of 90 tokens" in lc._note(dict(row, skipped_steps=0, tokens_per_row=90))
