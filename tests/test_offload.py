@@ -299,21 +299,29 @@ def _differences(a: dict, b: dict) -> list[str]:
     return out
 
 
-def lockstep_bf16(device, make, *, slots, steps, layers):
+def alone(name: str) -> str:
+    """A release grouping: every parameter in a group of its own (small ones too)."""
+    return name
+
+
+def lockstep_bf16(device, make, *, slots, steps, layers, groups="layer"):
     """Three runs of the bf16 tiny model with stochastic rounding, interleaved step by step, each
     on its own generator stream from one starting state: the on-device release twice (is the
     reference reproducible here?) and the offloaded one.  After every step, parameters, state
     leaves and generator states are compared; returns ``{pair: (first step, [differences])}``
     for the pairs that ever differ, so that one failing run says whether the reference itself
     varies, and at which step and leaf (a state leaf alone: the staging; a parameter alone:
-    the apply or its rounding seed; the generator: a different number of random draws)."""
+    the apply or its rounding seed; the generator: a different number of random draws).
+    ``groups``: the releases' grouping; with ``alone`` (every parameter its own group) the tied
+    embedding is the one group larger than a slot, which takes every slot (with layer groups
+    the decoder layers are the largest groups: larger than a slot with 2 layers, none is with 4)."""
     device = torch.device(device)
     data = [ids.to(device) for ids in distinct_batches(steps)]
     runs = {}
     for label, cls, kw in (("ref", GradientRelease, {}), ("ref2", GradientRelease, {}),
                            ("offload", OffloadedRelease, {"slots": slots})):
         m = tiny_model(torch.bfloat16, layers=layers).to(device)  # (seeds the generators the same way)
-        runs[label] = (m, cls(make(), m, stochastic_rounding=True, **kw))
+        runs[label] = (m, cls(make(), m, stochastic_rounding=True, groups=groups, **kw))
     start = RngStream(device)
     streams = {label: RngStream(device) for label in runs}
     for s in streams.values():
@@ -340,14 +348,20 @@ def _report(found: dict) -> str:
 @cuda
 @pytest.mark.parametrize("name", ["lion8bit", "adamw8bit"])
 @pytest.mark.parametrize("slots", [2, None])
-def test_cuda_fused_bf16_equals_on_device(name, slots, math_attention):
+@pytest.mark.parametrize("groups", ["layer", "alone"])
+def test_cuda_fused_bf16_equals_on_device(name, slots, groups, math_attention):
     """bf16 weights with stochastic rounding and the fused 8-bit kernels, on a GPU: the state
     streamed through pinned memory and side streams gives the same bits as the state kept on
     the device, step after step (the compute stream waits for each fetch, each fetch for the
     slot's and the group's last write-back).  Each run has its own generator stream
     (``RngStream``: AdamW8bit's small leaves round with the global generator); a failure names
-    the first step and every leaf that differs, for the reference against itself as well."""
-    runs, found = lockstep_bf16("cuda", CHAINS[name], slots=slots, steps=5, layers=4)
+    the first step and every leaf that differs, for the reference against itself as well.
+    ``alone``: the tied embedding is a group larger than a slot (the fetch over every slot)."""
+    runs, found = lockstep_bf16("cuda", CHAINS[name], slots=slots, steps=5, layers=4,
+                                groups=alone if groups == "alone" else groups)
+    if groups == "alone":
+        st = runs["offload"][1].stager
+        assert [g for g in st.layouts if st._big(g)] == ["model.embed_tokens.weight"]
     rel, ref = runs["offload"][1], runs["ref"][1]
     assert rel.stager.page_locked  # registered with cudaHostRegister (or the pinned allocator's)
     assert rel.fused_group_steps == ref.fused_group_steps > 0
@@ -357,13 +371,19 @@ def test_cuda_fused_bf16_equals_on_device(name, slots, math_attention):
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
                     reason="needs CUDA or Triton's interpreter")
-def test_fused_adamw8bit_bf16_equals_on_device_interpreted():
+@pytest.mark.parametrize("groups", ["layer", "alone"])
+def test_fused_adamw8bit_bf16_equals_on_device_interpreted(groups):
     """The CUDA test's comparison on the CPU: the fused 8-bit kernels in Triton's interpreter
     (``backend="triton"``), bf16 with stochastic rounding, the tied embedding; AdamW8bit, whose
-    small leaves round with the global generator (so each run needs its own stream)."""
+    small leaves round with the global generator (so each run needs its own stream).  The
+    groups larger than a slot: the two decoder layers (``"layer"``), the embedding (``alone``)."""
     make = lambda: pf.adamw8bit(1e-2, weight_decay=0.1, block_size=64, min_8bit_size=256, backend="triton")  # noqa: E731
-    runs, found = lockstep_bf16("cpu", make, slots=2, steps=3, layers=2)
-    assert runs["offload"][1].fused_group_steps == runs["ref"][1].fused_group_steps == 3 * 4
+    runs, found = lockstep_bf16("cpu", make, slots=2, steps=3, layers=2, groups=alone if groups == "alone" else groups)
+    rel = runs["offload"][1]
+    big = [g for g in rel.stager.layouts if rel.stager._big(g)]
+    assert big == (["model.embed_tokens.weight"] if groups == "alone" else ["model.layers.0", "model.layers.1"])
+    assert rel.fused_group_steps == runs["ref"][1].fused_group_steps == 3 * len(rel.groups)
+    assert rel.plain_group_steps == 0
     assert not found, _report(found)
 
 
