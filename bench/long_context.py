@@ -167,6 +167,13 @@ def run_child(cmd: list[str], timeout: float, env: dict, done=None) -> tuple[int
     return (0 if finished_early else proc.returncode), "".join(chunks), timed_out
 
 
+def child_env() -> dict:
+    """The environment of a child: this one's, the repository first on ``PYTHONPATH`` and the rest
+    kept (device.sh installs the GPU extras, Liger among them, into a folder on ``PYTHONPATH``)."""
+    paths = [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1")
+
+
 def _step_records(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
@@ -210,7 +217,7 @@ def run_pgs(shape: str, length: int, data: str, args, workdir: str, timeout: flo
         return any(r.get("step") == args.steps and "loss" in r for r in _step_records(metrics))
 
     started = time.time()
-    rc, output, timed_out = run_child(cmd, timeout, dict(os.environ, PYTHONUNBUFFERED="1"), done=last_step_logged)
+    rc, output, timed_out = run_child(cmd, timeout, child_env(), done=last_step_logged)
     out["returncode"] = rc
     out["status"], note = outcome(rc, output, timed_out, timeout)
     if note:
@@ -282,7 +289,7 @@ def run_peer(variant: str, shape: str, length: int, args, timeout: float) -> dic
           (["--small"] if args.small else [])
     out = {"setup": variant, "shape": shape, "length": length}
     started = time.time()
-    rc, output, timed_out = run_child(cmd, timeout, dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1"))
+    rc, output, timed_out = run_child(cmd, timeout, child_env())
     lines = [x for x in output.splitlines() if x.startswith("{")]
     if lines:  # the child's last report: its steps so far, or its out-of-memory error
         out.update(json.loads(lines[-1]))

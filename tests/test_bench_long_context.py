@@ -171,3 +171,10 @@ def test_summary_and_note_of_a_pgs_run():
     assert "1 steps skipped" in lc._note(row)
     assert lc._note(dict(row, skipped_steps=0)) == ""
     assert "rows of 90 tokens" in lc._note(dict(row, skipped_steps=0, tokens_per_row=90))
+
+
+def test_child_env_keeps_the_extras_on_pythonpath(monkeypatch):
+    """device.sh puts the carried wheels (Liger for the HF peer) on PYTHONPATH: a child keeps them."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/tmp/site", ROOT]))
+    paths = lc.child_env()["PYTHONPATH"].split(os.pathsep)
+    assert paths == [ROOT, "/tmp/site"]
