@@ -180,3 +180,28 @@ def test_faults_travel_through_one_variable_and_refuse_nonsense():
         Faults(crash_at=("checkpoint", 3))
     with pytest.raises(InvalidArgument, match=r"\$PGS_FAULTS: not a fault description"):
         Faults.from_env({"PGS_FAULTS": "nan_steps=5"})
+
+
+@pytest.mark.parametrize("keep,export,copies", [(1, "false", 2), (2, "true", 4), (0, "false", 3)])
+def test_the_runs_disk_preflight_counts_what_validate_counts(tmp_path, monkeypatch, keep, export, copies):
+    """``pgs run``'s own disk check asks for ``resources.disk_copies`` checkpoints (the kept ones,
+    the one being written, best/, the export), as ``pgs validate`` does; it asked for 3 whatever
+    the spec said, which refused a Qwen3-8B run that keeps one checkpoint on a 64 GiB disk."""
+    from pgs.runtime.loop.train import run
+    from pgs.runtime.spec.load import load_spec
+
+    asked = []
+
+    def fake(run_dir, checkpoint_bytes, *, factor=3.0):
+        asked.append(factor)
+        raise PreflightRefused("stop here")
+
+    monkeypatch.setattr(control, "preflight", fake)
+    spec = load_spec(tiny_spec(tmp_path, "run", steps=4, every=0, keep=keep, export=export))
+    try:
+        code = run(spec)
+    except PreflightRefused as err:  # raised, or turned into its exit code by the loop
+        assert "stop here" in str(err)
+        code = err.exit_code
+    assert code == EXIT_PREFLIGHT
+    assert asked == [copies]
