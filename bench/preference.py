@@ -45,7 +45,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.product import SMALL, run_pgs  # noqa: E402 - the product path, measured one way everywhere
+from bench.product import SMALL, markdown_table, run_pgs  # noqa: E402 - the product path, measured one way everywhere
 
 SMALL_PAIRS = ["data.max_seq_len=1024"]
 
@@ -176,21 +176,14 @@ def run_trl(args, variant: str) -> dict:
         return json.load(open(path))
 
 
+#: The table's columns: (header, result key, format).
+COLUMNS = [("pairs/s", "pairs_per_s", ",.2f"), ("tok/s", "mean_tok_s", ",.0f"), ("median step s", "median_step_s", ".3f"),
+           ("max alloc GiB", "max_allocated_gib", ".3f"), ("max reserved GiB", "max_reserved_gib", ".3f"),
+           ("reference s", "reference_s", ".1f")]
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| setup | pairs/s | tok/s | median step s | max alloc GiB | max reserved GiB | reference s |",
-             "|---|---|---|---|---|---|---|"]
-
-    def f(x, fmt):
-        return "" if x is None else format(x, fmt)
-
-    for r in rows:
-        if r.get("error"):
-            lines.append(f"| {r['setup']} | error: {str(r['error']).strip().splitlines()[-1][:150]} ||||||")
-            continue
-        lines.append(f"| {r['setup']} | {f(r.get('pairs_per_s'), ',.2f')} | {f(r.get('mean_tok_s'), ',.0f')} | "
-                     f"{f(r.get('median_step_s'), '.3f')} | {f(r.get('max_allocated_gib'), '.3f')} | "
-                     f"{f(r.get('max_reserved_gib'), '.3f')} | {f(r.get('reference_s'), '.1f')} |")
-    return "\n".join(lines)
+    return markdown_table(rows, COLUMNS)
 
 
 def ratios(results: list[dict]) -> dict:

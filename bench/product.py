@@ -248,24 +248,15 @@ def run_harness(args) -> dict:
             "max_allocated_gib": result.get("peak_gib"), "error": result.get("error")}
 
 
+#: The table's columns: (header, result key, format).
+COLUMNS = [("mean tok/s", "mean_tok_s", ",.0f"), ("wall tok/s", "wall_tok_s", ",.0f"),
+           ("median step s", "median_step_s", ".3f"), ("max/median", "max_over_median", ".2f"),
+           ("max alloc GiB", "max_allocated_gib", ".3f"), ("max reserved GiB", "max_reserved_gib", ".3f"),
+           ("nvidia-smi GiB", "nvidia_smi_max_gib", ".2f"), ("launch→step 1 s", "launch_to_step1_s", ".1f")]
+
+
 def table(results: list[dict]) -> str:
-    rows = ["| setup | mean tok/s | wall tok/s | median step s | max/median | max alloc GiB | max reserved GiB | "
-            "nvidia-smi GiB | launch→step 1 s |",
-            "|---|---|---|---|---|---|---|---|---|"]
-
-    def f(x, fmt):
-        return "" if x is None else format(x, fmt)
-
-    for r in results:
-        if r.get("error"):
-            rows.append(f"| {r['setup']} | error: {str(r['error']).splitlines()[-1][:120]} ||||||||")
-            continue
-        rows.append(f"| {r['setup']} | {f(r.get('mean_tok_s'), ',.0f')} | {f(r.get('wall_tok_s'), ',.0f')} | "
-                    f"{f(r.get('median_step_s'), '.3f')} | "
-                    f"{f(r.get('max_over_median'), '.2f')} | {f(r.get('max_allocated_gib'), '.3f')} | "
-                    f"{f(r.get('max_reserved_gib'), '.3f')} | {f(r.get('nvidia_smi_max_gib'), '.2f')} | "
-                    f"{f(r.get('launch_to_step1_s'), '.1f')} |")
-    return "\n".join(rows)
+    return markdown_table(results, COLUMNS)
 
 
 def main(argv=None) -> int:
