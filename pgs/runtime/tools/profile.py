@@ -553,7 +553,7 @@ def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: in
     SFT adds nothing.  ``[preference]`` packs a pair's two arms into one row of ``seq_len``
     (``PreferenceStream``), so its tokens are SFT's; a ``"live"`` reference adds its weights (a
     copy of the policy, or ``reference_path``'s model) and its no-grad forward after the
-    policy's (a layer's working set, its final hidden state and one chunk's logits); a
+    policy's (a layer's working set, then its final hidden state and one chunk's logits); a
     ``"cached"`` one adds the scoring pass before the first step (``score_pairs``: 8 rows a
     forward, no optimizer state yet) and a [pairs, 2] table.  ``[distill]`` adds the teacher's
     weights (``distill.teacher_dtype``), its no-grad forward with its final hidden state held
@@ -580,11 +580,13 @@ def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: in
                 _text_config(ref_cfg).vocab_size = c.vocab_size
                 ref = meta_model(ref_cfg, dtype)
             out["frozen_weights"] = model_bytes(ref)
-            out["frozen_forward"] = (layer_working_bytes(ref_cfg, n, dtype)
-                                     + b * _text_config(ref_cfg).hidden_size * n + chunk_logits)
+            # its layers one at a time, then its final hidden state and one chunk of its log-probs
+            out["frozen_forward"] = max(layer_working_bytes(ref_cfg, n, dtype),
+                                        b * _text_config(ref_cfg).hidden_size * n + chunk_logits)
         else:
             scored = 8 * seq_len  # score_pairs: eval_batches of 8 rows
-            out["scoring_pass"] = layer_working_bytes(cfg, scored, dtype) + b * c.hidden_size * scored + chunk_logits
+            out["scoring_pass"] = max(layer_working_bytes(cfg, scored, dtype),
+                                      b * c.hidden_size * scored + chunk_logits)
     distill = getattr(spec, "distill", None)
     if distill is not None:
         t_cfg = _teacher_config(spec, c.vocab_size)
