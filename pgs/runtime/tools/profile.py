@@ -4,6 +4,9 @@
 
 - ``weights``: every parameter and buffer of the model, counted from a model built on the
   meta device (exact: tied weights once, buffers such as rotary frequencies included).
+- ``frozen_models``: the weights of the frozen models the spec's objective keeps on the device
+  (``objective_memory``): a ``[preference]`` live reference (a copy of the policy, or
+  ``reference_path``'s model), a ``[distill]`` teacher (in ``distill.teacher_dtype``).
 - ``master_weights``: fp32 copies of low-precision trainable parameters (4 B each) when asked.
 - ``optimizer_state``: the chain's real state, built by ``chain.init`` on meta parameters
   (one state per release group under gradient release, as ``GradientRelease`` builds it),
@@ -36,10 +39,18 @@
   chunk spans the slab's columns only (``predict_memory``'s ``tied_slabs``).
 
 ``total`` is their sum (an upper bound).  ``peak`` takes phases into account: static
-(weights, masters, state) plus the largest of (end of forward: kept activations + the
-loss's chunk + the loss's held buffers), (backward of a recomputed layer: kept + recompute
-+ held buffers + gradients) and (the last update: gradients + temporaries).  Neither counts
-allocator slack (0.15-0.5 GiB on an H200, ANCHORS.md) or the CUDA/NCCL context.
+(weights, frozen models, masters, state) plus the largest of (end of forward: kept
+activations + the loss's held buffers + the larger of the loss's chunk and a frozen model's
+no-grad forward), (backward of a recomputed layer: kept + recompute + held buffers +
+gradients) and (the last update: gradients + temporaries); and, for the objectives that have
+them, the on-policy sampling phase (static + KV cache + prefill) and the reference cache's
+scoring pass before the first step (weights + its forward).  Neither counts allocator slack
+(0.15-0.5 GiB on an H200, ANCHORS.md) or the CUDA/NCCL context.
+
+``measure_memory`` (``pgs profile --measure``) runs a few steps of the objective the spec
+trains, through that objective's own ``prepare``/``forward`` (``Objective.for_profile`` builds
+it with one synthetic micro-batch of the spec's shapes), and reports the peak per phase: the
+caching allocator's on CUDA, ``TensorMeter``'s live tensor bytes elsewhere.
 """
 
 from __future__ import annotations
@@ -646,7 +657,8 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
 
 
 def profile(spec, measure: bool = False, spec_path: str | None = None, *, console=None, **overrides) -> int:
-    """``pgs profile SPEC [--measure]``: print the predicted memory (and measured peaks on CUDA)."""
+    """``pgs profile SPEC [--measure]``: print the predicted memory of the spec's objective's step
+    (and, with ``measure``, the peaks measured while running that step: ``measure_memory``)."""
     from rich.console import Console
     from rich.table import Table
 
