@@ -557,9 +557,9 @@ def _teacher_config(spec, vocab: int):
     return cfg
 
 
-def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: int) -> tuple[dict[str, int], list[str]]:
+def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: int) -> dict[str, int]:
     """``predict_memory``'s objective terms of the spec's objective (its ``frozen_*``, ``sampling``
-    and ``scoring_pass``; ``loss_chunk`` where the loss covers fewer rows than a chunk) and notes, for ``rows`` × ``seq_len`` tokens per micro-batch.
+    and ``scoring_pass``; ``loss_chunk`` where the loss covers fewer rows than a chunk), for ``rows`` × ``seq_len`` tokens per micro-batch.
 
     SFT adds nothing.  ``[preference]`` packs a pair's two arms into one row of ``seq_len``
     (``PreferenceStream``), so its tokens are SFT's; a ``"live"`` reference adds its weights (a
@@ -569,13 +569,12 @@ def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: in
     forward, no optimizer state yet) and a [pairs, 2] table.  ``[distill]`` adds the teacher's
     weights (``distill.teacher_dtype``), its no-grad forward with its final hidden state held
     into the divergence, and with ``on_policy`` > 0 the sampling phase: the student's KV cache for
-    ``rows`` × ``seq_len`` positions (prompts of ``seq_len − max_new_tokens``, as ``pgs profile
-    --measure`` lays them out) plus a prefill layer's working set."""
+    the longest prompts a row can hold (``seq_len − 1`` tokens, one trained token after them) and
+    ``max_new_tokens`` samples, plus a prefill layer's working set."""
     c = _text_config(cfg)
     n = rows * seq_len
     b = torch.empty((), dtype=_dtype(dtype)).element_size()
     out: dict[str, int] = {}
-    notes: list[str] = []
     pref = getattr(spec, "preference", None)
     if pref is not None and pref.uses_reference:
         from pgs.func import kernels
@@ -610,12 +609,12 @@ def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: in
             kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
             head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
             new = int(distill.generation_settings()["max_new_tokens"])
-            prompt = max(1, seq_len - new)
+            prompt = max(1, seq_len - 1)
             cache = rows * (prompt + new) * c.num_hidden_layers * 2 * kv_heads * head_dim * b
             out["sampling"] = cache + layer_working_bytes(cfg, rows * prompt, dtype) + rows * c.vocab_size * 16
         if distill.on_policy >= 1:  # every step trains on samples: the divergence covers their tokens only
             out["loss_chunk"] = min(chunk, rows * int(distill.generation_settings()["max_new_tokens"]))
-    return out, notes
+    return out
 
 
 def plan_from_spec(spec, **overrides) -> dict[str, Any]:
@@ -649,9 +648,7 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   release_groups=opts["release_groups"], compiled_layers=opts["compile_layers"],
                   offload_optimizer=bool(opts["offload_optimizer"] and opts["gradient_release"]),
                   loss_chunk=spec.loss.chunk_size, model=model, **head_loss(spec))
-    extra, objective_notes = objective_memory(spec, cfg, model, dt, micro, spec.data.max_seq_len, spec.loss.chunk_size)
-    kwargs.update(extra)
-    notes.extend(objective_notes)
+    kwargs.update(objective_memory(spec, cfg, model, dt, micro, spec.data.max_seq_len, spec.loss.chunk_size))
     return {"config": cfg, "kwargs": kwargs, "notes": notes, "micro_batch": micro,
             "seq_len": spec.data.max_seq_len, "options": opts}
 
@@ -676,18 +673,19 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
             plan["notes"].append("--measure: not run (gradient release would be refused, as pgs run would refuse it)")
         else:
             measured = measure_memory(spec, plan)
+    unit, scale = ("GiB", GiB) if pred["peak"] >= GiB else ("MiB", 1024**2)  # a tiny model's figures stay readable
     table = Table(title=title)
     table.add_column("category")
-    table.add_column("predicted GiB", justify="right")
+    table.add_column(f"predicted {unit}", justify="right")
     for k in CATEGORIES:
-        table.add_row(k, f"{pred[k] / GiB:.3f}")
+        table.add_row(k, f"{pred[k] / scale:.3f}")
     table.add_section()
-    table.add_row("total (sum of the above, if all were live at once)", f"{pred['total'] / GiB:.3f}")
-    table.add_row("peak (what is live together at the worst phase)", f"{pred['peak'] / GiB:.3f}")
+    table.add_row("total (sum of the above, if all were live at once)", f"{pred['total'] / scale:.3f}")
+    table.add_row("peak (what is live together at the worst phase)", f"{pred['peak'] / scale:.3f}")
     if "host_state" in pred:
         table.add_section()
-        table.add_row("host: optimizer state (pinned; offload_optimizer)", f"{pred['host_state'] / GiB:.3f}")
-        table.add_row("PCIe per step (state in + out)", f"{pred['pcie_per_step'] / GiB:.3f}")
+        table.add_row("host: optimizer state (pinned; offload_optimizer)", f"{pred['host_state'] / scale:.3f}")
+        table.add_row("PCIe per step (state in + out)", f"{pred['pcie_per_step'] / scale:.3f}")
     console.print(table)
     console.print(f"vocabulary {_text_config(plan['config']).vocab_size:,}; the peak is the figure to compare with "
                   "a GPU (add allocator slack and the CUDA context)", soft_wrap=True, highlight=False)
@@ -697,10 +695,10 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
                       soft_wrap=True, highlight=False)
         mt = Table(title="measured peak per phase")
         mt.add_column("phase")
-        mt.add_column("peak allocated GiB", justify="right")
+        mt.add_column(f"peak allocated {unit}", justify="right")
         for k, val in measured.phases.items():
-            mt.add_row(k, f"{val / GiB:.3f}")
-        mt.add_row("predicted peak", f"{pred['peak'] / GiB:.3f}")
+            mt.add_row(k, f"{val / scale:.3f}")
+        mt.add_row("predicted peak", f"{pred['peak'] / scale:.3f}")
         console.print(mt)
     for note in plan["notes"]:
         console.print(f"note: {note}")
