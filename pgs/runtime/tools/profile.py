@@ -744,6 +744,7 @@ class TensorMeter(TorchDispatchMode):
         super().__init__()
         self.device = device
         self._live: dict[int, int] = {}
+        self._finalizers: dict[int, weakref.finalize] = {}
         self._now = 0
         self._peak = 0
         self._base = 0
@@ -757,8 +758,15 @@ class TensorMeter(TorchDispatchMode):
         self._peak = self._now
         return super().__enter__()
 
+    def __exit__(self, *exc):
+        for f in self._finalizers.values():  # the storages outlive the meter: stop counting them
+            f.detach()
+        self._finalizers.clear()
+        return super().__exit__(*exc)
+
     def _free(self, key: int) -> None:
         self._now -= self._live.pop(key, 0)
+        self._finalizers.pop(key, None)
 
     def _track(self, t: torch.Tensor) -> None:
         try:
@@ -770,7 +778,7 @@ class TensorMeter(TorchDispatchMode):
         key, size = id(storage), storage.nbytes()
         old = self._live.get(key)
         if old is None:
-            weakref.finalize(storage, self._free, key)
+            self._finalizers[key] = weakref.finalize(storage, self._free, key)
         self._live[key] = size
         self._now += size - (old or 0)
         self._peak = max(self._peak, self._now)
@@ -802,13 +810,6 @@ class Measured:
     batch: str
     phases: dict[str, int]
     device: str
-
-
-def _measure_device(spec) -> torch.device:
-    name = spec.train.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
 
 
 def objective_label(spec) -> str:
@@ -859,10 +860,10 @@ def measure_memory(spec, plan, *, steps: int = 3, device: torch.device | str | N
     (which includes the update under gradient release) and ``step``.
     """
     from pgs.runtime.loop.objective import objective_class
-    from pgs.runtime.loop.train import Run
+    from pgs.runtime.loop.train import Run, _device
 
     opts = plan["options"]
-    dev = _measure_device(spec) if device is None else torch.device(device)
+    dev = _device(spec.train.device) if device is None else torch.device(device)  # as pgs run picks it
     m = spec.model
     tokenizer = load_tokenizer(m.tokenizer or m.path)
     meter = CudaMeter(dev) if dev.type == "cuda" else TensorMeter(dev)
