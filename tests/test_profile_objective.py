@@ -32,6 +32,7 @@ sources = [{{ path = "pgs:quickstart/train.jsonl", weight = 1.0 }}]
 
 [optimizer]
 alias = "adamw"
+clip = {clip}
 
 [train]
 steps = 10
@@ -52,7 +53,9 @@ DISTILL = (f'[distill]\nteacher_config = {{ {TEACHER} }}\nteacher_dtype = "float
 def spec_of(tmp_path, section: str = "", batch: int = 2, seq: int = 64, dtype: str = "float32", model: str = MODEL):
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "spec.toml"
-    path.write_text(SPEC.format(model=model, batch=batch, seq=seq, dtype=dtype, run_dir=tmp_path / "run", section=section))
+    clip = 0 if "gradient_release" in section else 1.0  # release needs the chain without a global clip
+    path.write_text(SPEC.format(model=model, batch=batch, seq=seq, dtype=dtype, clip=clip, run_dir=tmp_path / "run",
+                                section=section))
     return load_spec(path)
 
 
@@ -167,8 +170,8 @@ def test_prediction_of_a_live_reference_adds_its_weights(tmp_path, checkpointing
     the first step is not the peak)."""
     memory = f'\n[memory]\nactivation_checkpointing = "{checkpointing}"\n'
     pred = {}
-    for name, section in (("live", PREFERENCE.format(reference="live")), ("cached", PREFERENCE.format(reference="cached")),
-                          ("sft", "")):
+    for name, section in (("live", PREFERENCE.format(reference="live")),
+                          ("cached", PREFERENCE.format(reference="cached")), ("sft", "")):
         spec = spec_of(tmp_path / name, section + memory, batch=1, seq=2048, dtype="bfloat16", model=QWEN3_06B)
         pred[name] = predict_memory(**_kw(spec))
     weights = pred["live"]["weights"]
@@ -194,3 +197,18 @@ def test_prediction_title_names_the_objective(tmp_path, reference):
     assert profile(spec_of(tmp_path, PREFERENCE.format(reference=reference)),
                    console=Console(file=buf, width=200)) == 0
     assert f"predicted memory of the preference (dpo, reference {reference}) step" in buf.getvalue()
+
+
+def test_measure_under_release_defers_the_pair_head_gradient(tmp_path, monkeypatch):
+    """With gradient release, checkpointing and a tied head the measured preference step hands
+    the head's gradient to the optimizer as ``pgs run`` does (``PreferenceObjective.forward`` →
+    ``GradientRelease.before_step``) once a micro-batch."""
+    from pgs.runtime.optim.release import GradientRelease
+
+    section = (PREFERENCE.format(reference="live")
+               + '\n[memory]\ngradient_release = true\nactivation_checkpointing = "full"\n')
+    spec = spec_of(tmp_path, section, dtype="bfloat16")
+    handed = count_calls(monkeypatch, GradientRelease, "before_step")
+    measured = measure_memory(spec, plan_from_spec(spec), steps=2)
+    assert len(handed) == 2 and "reference live" in measured.objective
+    assert measured.phases["backward"] > measured.phases["static"]

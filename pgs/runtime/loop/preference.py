@@ -253,8 +253,9 @@ class PreferenceObjective:
         for i in range(rows):
             shared = random_document(prompt, prompt, vocab, generator)
             chosen, rejected = (random_document(arm - prompt, 0, vocab, generator) for _ in range(2))
-            pairs.append(Pair(*(Document(shared.input_ids + a.input_ids, shared.train_mask + a.train_mask, shared.origin)
-                                for a in (chosen, rejected)), i))
+            arms = (Document(shared.input_ids + a.input_ids, shared.train_mask + a.train_mask, shared.origin)
+                    for a in (chosen, rejected))
+            pairs.append(Pair(*arms, i))
         pref = spec.preference
         if pref.uses_reference and pref.reference != "live":
             reference = Reference("cached", train=torch.zeros(rows, 2), eval=torch.zeros(0, 2))

@@ -559,7 +559,8 @@ def _teacher_config(spec, vocab: int):
 
 def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: int) -> dict[str, int]:
     """``predict_memory``'s objective terms of the spec's objective (its ``frozen_*``, ``sampling``
-    and ``scoring_pass``; ``loss_chunk`` where the loss covers fewer rows than a chunk), for ``rows`` × ``seq_len`` tokens per micro-batch.
+    and ``scoring_pass``; ``loss_chunk`` where the loss covers fewer rows than a chunk), for
+    ``rows`` × ``seq_len`` tokens per micro-batch.
 
     SFT adds nothing.  ``[preference]`` packs a pair's two arms into one row of ``seq_len``
     (``PreferenceStream``), so its tokens are SFT's; a ``"live"`` reference adds its weights (a
