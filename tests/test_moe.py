@@ -282,3 +282,89 @@ def test_router_losses_refused_for_an_objective_that_does_not_feed_the_tap(tmp_p
     path.write_text(text + '\n[preference]\nkind = "dpo"\n')
     with pytest.raises(SpecError, match=r"a \[preference\] run takes no router loss"):
         setup(load_spec(str(path)))
+
+
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_experts_implementation_is_the_one_built(name):
+    """``model.experts_implementation`` reaches transformers: the built model runs its experts
+    through the implementation asked for; ``"auto"`` is transformers' own default."""
+    from transformers import AutoModelForCausalLM
+
+    from pgs.runtime.model.build import build_config
+
+    for impl in IMPLEMENTATIONS:
+        model = build_model(config=dict(CONFIGS[name]), attn_implementation="sdpa", experts_implementation=impl)
+        assert model.config._experts_implementation == impl
+    auto = build_model(config=dict(CONFIGS[name]), attn_implementation="sdpa")
+    own = AutoModelForCausalLM.from_config(build_config(dict(CONFIGS[name])), attn_implementation="sdpa")
+    assert auto.config._experts_implementation == own.config._experts_implementation is not None
+
+
+def _loss_and_grads(model, ids, pos):
+    from pgs.func.losses import token_loss
+    from pgs.runtime.model.build import output_head
+
+    h = final_hidden(model, ids, pos)
+    W, bias, softcap = output_head(model)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    r = token_loss(h, W, labels, bias=bias, softcap=softcap, chunk_size=8)
+    loss = r.loss_sum / r.num_valid
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_experts_implementations_give_equal_losses_and_gradients(name, monkeypatch):
+    """eager (HF's loop over experts), grouped_mm and batched_mm: the same weights (same init
+    seed) give the same loss and the same gradient of every parameter, the experts' stacked
+    weights and the routers included, on a packed batch with padding.  On this CPU, grouped_mm
+    runs torch's grouped GEMM itself (counted), not transformers' per-expert fallback."""
+    ids, pos, _ = _batch(rows=2, width=12, lengths=(12, 7), seed=3)
+    grouped_calls = []
+    if hasattr(torch.nn.functional, "grouped_mm"):
+        real = torch.nn.functional.grouped_mm
+        monkeypatch.setattr(torch.nn.functional, "grouped_mm",
+                            lambda *a, **k: grouped_calls.append(1) or real(*a, **k))
+    results = {}
+    for impl in IMPLEMENTATIONS:
+        model = build_model(config=dict(CONFIGS[name]), attn_implementation="sdpa", experts_implementation=impl,
+                            init_seed=1)
+        results[impl] = _loss_and_grads(model, ids, pos)
+    loss, grads = results["eager"]
+    experts = [n for n in grads if "experts" in n]
+    assert experts and all(float(grads[n].abs().max()) > 0 for n in experts)
+    for impl in ("grouped_mm", "batched_mm"):
+        other_loss, other = results[impl]
+        torch.testing.assert_close(other_loss, loss, rtol=1e-6, atol=1e-6)
+        assert set(other) == set(grads)
+        for n in grads:
+            torch.testing.assert_close(other[n], grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{impl} {n}: {m}")
+    if hasattr(torch.nn.functional, "grouped_mm"):
+        assert grouped_calls  # 2 layers x 2 projections in forward at least
+
+
+def test_experts_implementation_refusals(tmp_path):
+    """An unknown name, and any implementation on a dense model, are refused in one line
+    naming the field: by the spec, by the build, and by ``pgs validate`` (exit 2)."""
+    from pgs.errors import SpecError
+    from pgs.runtime.spec.load import ModelSpec
+
+    with pytest.raises(SpecError, match=r"model.experts_implementation: 'fast' is not one of .*'grouped_mm'"):
+        ModelSpec(experts_implementation="fast")
+    dense = dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=97)
+    with pytest.raises(SpecError, match=r"model.experts_implementation: 'eager': Qwen3ForCausalLM has no "
+                                        r"mixture-of-experts layers"):
+        build_model(config=dense, attn_implementation="sdpa", experts_implementation="eager")
+    assert build_model(config=dense, attn_implementation="sdpa", experts_implementation="auto").training  # no refusal
+    path = tiny_spec(tmp_path, "dense")
+    done = subprocess.run([sys.executable, "-m", "pgs", "validate", str(path), "--set",
+                           "model.experts_implementation=grouped_mm"], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "model.experts_implementation: 'grouped_mm': Qwen3ForCausalLM has no mixture-of-experts layers" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -118,7 +118,8 @@ def _reference_model(spec, policy, tokenizer, device: torch.device):
     if pref.reference_path is None:
         return policy
     return build_model(path=pref.reference_path, config=None, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                       varlen_kernel=m.varlen_kernel, init_seed=m.init_seed, vocab_size=len(tokenizer), device=device,
+                       varlen_kernel=m.varlen_kernel, experts_implementation=m.experts_implementation,
+                       init_seed=m.init_seed, vocab_size=len(tokenizer), device=device,
                        trust_remote_code=m.trust_remote_code)
 
 

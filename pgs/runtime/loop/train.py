@@ -238,8 +238,9 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     dtype = "float32" if mixed else m.dtype
     attn = CP.register() if shard is not None else m.attn_implementation
     model = build_model(path=m.path, config=config, dtype=dtype, attn_implementation=attn,
-                        varlen_kernel=m.varlen_kernel, init_seed=m.init_seed, vocab_size=len(tokenizer),
-                        device=device, trust_remote_code=m.trust_remote_code)
+                        varlen_kernel=m.varlen_kernel, experts_implementation=m.experts_implementation,
+                        init_seed=m.init_seed, vocab_size=len(tokenizer), device=device,
+                        trust_remote_code=m.trust_remote_code)
     if spec.data.packing:
         verdict = require_packing_isolation(model, spec.data.allow_packing_leakage)
         if not verdict.isolates and (not sharded or ctx.is_main):

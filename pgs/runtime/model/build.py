@@ -26,6 +26,7 @@ from torch import Tensor
 from pgs.errors import SpecError
 from pgs.runtime.model.attention import hf_implementation, packed_kwargs, set_varlen_kernel, uses_varlen
 from pgs.runtime.model.loading import config_from_table, load_tokenizer as load
+from pgs.runtime.model.moe import check_experts_implementation, experts_implementation as experts_choice
 
 DTYPES = {
     "float32": torch.float32,
@@ -74,6 +75,7 @@ def build_model(
     dtype: str | torch.dtype | None = "float32",
     attn_implementation: str | None = "auto",
     varlen_kernel: str = "auto",
+    experts_implementation: str = "auto",
     init_seed: int = 0,
     vocab_size: int | None = None,
     device: torch.device | str | None = None,
@@ -89,7 +91,10 @@ def build_model(
     and a CUDA init differ (different generators).  Exactly one of the two.  ``device``: None
     is the default device (the CPU, or that of an enclosing ``with torch.device(...)``).
     ``varlen_kernel``: the packed-attention kernel (``pgs.runtime.model.attention.set_varlen_kernel``;
-    resolved here for ``device`` when the model uses it).  ``trust_remote_code``
+    resolved here for ``device`` when the model uses it).  ``experts_implementation``
+    (``model.experts_implementation``): how a mixture-of-experts model runs its experts,
+    ``"auto"`` for transformers' own default (``pgs.runtime.model.moe.experts_implementation``;
+    refused for a model without experts).  ``trust_remote_code``
     (``model.trust_remote_code``): let transformers run the modelling code a local folder ships
     (its ``auto_map``), for the configuration and the model alike.
     """
@@ -106,17 +111,19 @@ def build_model(
             raise SpecError(f"model.path: {path!r} is not a folder (pgs loads local models only)")
         from transformers import AutoConfig
 
+        folder_config = (AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+                         if attn_implementation == "auto" or experts_implementation != "auto" else None)
         attn_implementation = hf_implementation(
-            attn_implementation, AutoConfig.from_pretrained(path, local_files_only=True,
-                                                            trust_remote_code=trust_remote_code)
-            if attn_implementation == "auto" else None, device=cuda)
+            attn_implementation, folder_config if attn_implementation == "auto" else None, device=cuda)
+        experts = experts_choice(experts_implementation, folder_config)
+        extra = {} if experts is None else {"experts_implementation": experts}
         # straight onto the device where transformers can (its device_map needs accelerate); else
         # on the CPU (whatever device an enclosing context names) and then moved
         direct = device.type not in ("cpu", "meta") and importlib.util.find_spec("accelerate") is not None
         with contextlib.nullcontext() if direct else torch.device("cpu"):
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True,
-                device_map=device if direct else None, trust_remote_code=trust_remote_code,
+                device_map=device if direct else None, trust_remote_code=trust_remote_code, **extra,
             )
         model.to(device)
     else:
@@ -126,14 +133,17 @@ def build_model(
         hf_config = build_config(table)
         attn_implementation = hf_implementation(attn_implementation, hf_config, device=cuda)
         hf_config._attn_implementation = attn_implementation
+        experts = experts_choice(experts_implementation, hf_config)
+        extra = {} if experts is None else {"experts_implementation": experts}
         with torch.random.fork_rng(devices=[device.index] if cuda else [], device_type="cuda"), torch.device(device):
             torch.random.default_generator.manual_seed(int(init_seed))
             if cuda:
                 torch.cuda.default_generators[device.index].manual_seed(int(init_seed))
             model = AutoModelForCausalLM.from_config(
                 hf_config, dtype=torch_dtype, attn_implementation=attn_implementation,
-                trust_remote_code=trust_remote_code,
+                trust_remote_code=trust_remote_code, **extra,
             )
+    check_experts_implementation(model, experts)
     model.train()
     return model
 

@@ -56,6 +56,70 @@ METRIC_KEYS = ("moe/lb_loss", "moe/z_loss", "moe/max_vio", "moe/max_vio_worst", 
                "moe/router_entropy", "moe/tokens")
 
 
+def causal_lm_class(config) -> type | None:
+    """The transformers causal-LM class of ``config`` (None where transformers' own mapping does
+    not know it, e.g. a folder's remote code)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ValueError):
+        return None
+
+
+def has_experts(model_class: type) -> bool:
+    """Whether transformers can switch the expert implementation of ``model_class`` (its
+    modelling code runs its experts through ``@use_experts_implementation``)."""
+    can = getattr(model_class, "_can_set_experts_implementation", None)
+    return bool(can()) if can is not None else False
+
+
+def experts_implementation(name: str, config) -> str | None:
+    """What to hand transformers for ``model.experts_implementation = name``: None for
+    ``"auto"`` (transformers' own default: ``grouped_mm`` where the model supports it, else
+    ``eager``), else ``name``.
+
+    ``eager`` runs HF's loop over the experts that received tokens (one small matmul pair per
+    expert); ``grouped_mm`` sorts the token-expert pairs by expert and runs each projection as
+    one ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` over all experts;
+    ``batched_mm`` gathers each pair's expert weights and runs one batched matmul (memory grows
+    with tokens x top-k).  A ``SpecError`` naming the field when this transformers has no
+    selectable expert implementations or lacks ``name``, or when the model (``config``'s
+    causal-LM class) has no experts to run another way."""
+    if name == "auto":
+        return None
+    import transformers
+
+    field = f"model.experts_implementation: {name!r}"
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        raise SpecError(f"{field} needs a transformers with selectable expert implementations; "
+                        f"{transformers.__version__} has none (leave it \"auto\")") from None
+    if name != "eager" and name not in ALL_EXPERTS_FUNCTIONS.valid_keys():
+        raise SpecError(f"{field} is not an expert implementation of transformers {transformers.__version__} "
+                        f"(it has eager, {', '.join(sorted(ALL_EXPERTS_FUNCTIONS.valid_keys()))})")
+    cls = causal_lm_class(config)
+    if cls is not None and not has_experts(cls):
+        raise SpecError(f"{field}: {cls.__name__} has no mixture-of-experts layers "
+                        "(leave it \"auto\")")
+    return name
+
+
+def check_experts_implementation(model, name: str | None) -> None:
+    """After the build: the model runs its experts through ``name`` (a model whose class
+    ``experts_implementation`` could not look up, such as remote code, is checked here)."""
+    if name is None:
+        return
+    if not any(has_experts(type(m)) for m in model.modules()):
+        raise SpecError(f"model.experts_implementation: {name!r}: {type(model).__name__} has no mixture-of-experts layers "
+                        "(leave it \"auto\")")
+    used = getattr(model.config, "_experts_implementation", None)
+    if used != name:
+        raise SpecError(f"model.experts_implementation: {name!r} asked for, but transformers built "
+                        f"{type(model).__name__} with {used!r}")
+
+
 def _router_classes(model) -> tuple[type, ...]:
     """The classes transformers hooks for ``output_router_logits`` (``_can_record_outputs``)."""
     found = []

@@ -61,8 +61,8 @@ def load_model(spec, device: torch.device):
     if m.config is not None:
         config = {k: v for k, v in m.config.items() if not (k == "vocab_size" and not v)}
     model = build_model(path=m.path, config=config, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                        varlen_kernel=m.varlen_kernel, init_seed=m.init_seed, vocab_size=len(tokenizer),
-                        device=device)
+                        varlen_kernel=m.varlen_kernel, experts_implementation=m.experts_implementation,
+                        init_seed=m.init_seed, vocab_size=len(tokenizer), device=device)
     model.eval()
     return model, tokenizer
 

@@ -37,6 +37,7 @@ from pgs.runtime.data.templates import apply_chat_template
 from pgs.runtime.model.attention import hf_implementation
 from pgs.runtime.model.loading import (TOKENIZER_FILES, config_from_folder, config_from_table, first_line,  # noqa: F401
                                       known_model_types, load_tokenizer, quiet_transformers)
+from pgs.runtime.model.moe import experts_implementation
 from pgs.runtime.spec.sections import suggest
 
 #: ``data.max_seq_len`` allowed when the model's configuration names no
@@ -243,6 +244,7 @@ def preflight_spec(spec, *, count_parameters: bool = False, processes: int | Non
         field = "model.config.vocab_size" if m.config is not None else "model.path"
         raise SpecError(f"{field}: the model has {vocab} embeddings but the tokenizer has {len(tokenizer)} tokens")
     check_architecture(m, config)
+    experts_implementation(m.experts_implementation, config)  # a known implementation, a model with experts
     check_seq_len(spec, config)
     check_run_dir(spec.checkpoint.dir)
     found = Preflight(tokenizer=tokenizer, config=config)

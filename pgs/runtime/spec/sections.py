@@ -25,6 +25,9 @@ ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"  # pgs/assets
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "varlen", "eager", "flash_attention_2", "flex_attention")
 VARLEN_KERNELS = ("auto", "cudnn", "flash")  # pgs.runtime.model.attention.VARLEN_KERNELS
+#: transformers' expert implementations of MoE layers that run without a hub download ("auto":
+#: transformers' own default); pgs.runtime.model.moe.experts_implementation checks the model.
+EXPERTS_IMPLEMENTATIONS = ("auto", "eager", "grouped_mm", "batched_mm")
 FREEZE_POLICIES = ("none", "non_attention")
 SCHEDULES = ("constant", "linear_warmup", "cosine", "wsd", "power_decay")
 WSD_SHAPES = ("linear", "cosine", "1-sqrt", "power", "exponential")
@@ -115,6 +118,7 @@ class ModelSpec:
     dtype: str = attrs.field(default="float32", validator=_one_of(DTYPES))
     attn_implementation: str = attrs.field(default="auto", validator=_one_of(ATTN_IMPLEMENTATIONS))
     varlen_kernel: str = attrs.field(default="auto", validator=_one_of(VARLEN_KERNELS))
+    experts_implementation: str = attrs.field(default="auto", validator=_one_of(EXPERTS_IMPLEMENTATIONS))
     freeze: str | tuple[str, ...] = attrs.field(default="none")
     trust_remote_code: bool = attrs.field(default=False, validator=_bool)
     init_seed: int = attrs.field(default=0, validator=_int_at_least(0))

@@ -872,8 +872,8 @@ def measure_memory(spec, plan, *, steps: int = 3, device: torch.device | str | N
         with dev:  # random init on the device: minutes faster than on the host at 4B
             config = None if m.config is None else {**m.config, "vocab_size": _text_config(plan["config"]).vocab_size}
             model = build_model(path=m.path, config=config, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                                varlen_kernel=m.varlen_kernel, init_seed=m.init_seed,
-                                trust_remote_code=m.trust_remote_code).to(dev)
+                                varlen_kernel=m.varlen_kernel, experts_implementation=m.experts_implementation,
+                                init_seed=m.init_seed, trust_remote_code=m.trust_remote_code).to(dev)
         freeze(model, m.freeze)
         generator = torch.Generator().manual_seed(spec.train.seed)
         # as pgs run: the objective (its reference, its teacher) from the initial weights, before [memory]

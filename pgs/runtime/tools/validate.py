@@ -41,7 +41,8 @@ def print_summary(spec, facts: dict) -> None:
     table.add_row("model", (m.path or "random init") + f"  [{facts.get('model', '')}]")
     table.add_row("parameters", facts.get("parameters", "?") + (f", frozen {facts['frozen']}" if "frozen" in facts else ""))
     table.add_row("dtype / attention", f"{m.dtype} / {m.attn_implementation}"
-                  + (f" ({m.varlen_kernel} kernel)" if m.varlen_kernel != "auto" else ""))
+                  + (f" ({m.varlen_kernel} kernel)" if m.varlen_kernel != "auto" else "")
+                  + (f" / experts {m.experts_implementation}" if m.experts_implementation != "auto" else ""))
     table.add_row("tokenizer", f"{m.tokenizer}  [{facts.get('tokenizer', '')}]")
     stats = facts.get("data")
     for src in spec.data.sources:
