@@ -197,7 +197,9 @@ def run_peer(spec_path: str, args) -> dict:
     peer_args = argparse.Namespace(compile_backend=None, compile_options=None, small=args.small, triton_on_cpu=False,
                                    mlp_tiles=4, defer=False, no_defer=False)
     out: dict = {"setup": name, "spec": spec_path}
-    model = sft_step.build(table, device, "sdpa" if causal or "_varlen" not in name else "varlen")
+    model = sft_step.build(table, device, "sdpa" if causal or "_varlen" not in name else "varlen",
+                           experts=spec.model.experts_implementation)
+    out["experts_implementation"] = getattr(model.config, "_experts_implementation", None)  # None: a dense model
     if not (spec.model.dtype == "bfloat16"):
         model = model.to(getattr(torch, spec.model.dtype))
     hf_step, _opt = sft_step.variant_setup(sft_step.split_switches(name)[0], model, peer_args, 0)
@@ -211,7 +213,7 @@ def run_peer(spec_path: str, args) -> dict:
         pos = (torch.arange(ids.shape[1]).expand_as(ids) if causal else b.position_ids).to(device)
         return ids, pos, labels.to(device), b.num_tokens
 
-    times, tokens = [], []
+    times, tokens, losses = [], [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for i in range(args.steps):
@@ -222,10 +224,11 @@ def run_peer(spec_path: str, args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         tokens.append(n)
+        losses.append(loss)
     timed, counted = times[args.skip:], tokens[args.skip:]
     median = statistics.median(timed)
     out.update(mean_tok_s=sum(counted) / sum(timed), median_step_s=median, max_over_median=max(timed) / median,
-               steps=args.steps, last_loss=float(loss), step_s=[round(t, 3) for t in timed],
+               steps=args.steps, first_loss=float(losses[0]), last_loss=float(loss), step_s=[round(t, 3) for t in timed],
                mean_tokens_per_step=sum(counted) / len(counted))
     if device.type == "cuda":
         out["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30

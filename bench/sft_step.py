@@ -176,18 +176,23 @@ def default_loss_chunk(shape: str) -> int:
 PACKED = {"qwen3-0.6b", "tiny"}
 
 
-def build(table: dict, device: torch.device, attn: str = "sdpa"):
+def build(table: dict, device: torch.device, attn: str = "sdpa", experts: str = "auto"):
+    """The HF model of ``table`` (random init, seed 0, bf16) on ``device``; ``experts``: a
+    mixture-of-experts model's expert implementation (``model.experts_implementation``;
+    ``"auto"``: transformers' default)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pgs.runtime.model.attention import hf_implementation
+    from pgs.runtime.model.moe import experts_implementation
 
     cfg_table = dict(table)
     cfg = AutoConfig.for_model(cfg_table.pop("model_type"), **cfg_table)
     cfg.use_cache = False
+    chosen = experts_implementation(experts, cfg)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
-                                                 attn_implementation=hf_implementation(attn))
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=hf_implementation(attn),
+                                                 **({} if chosen is None else {"experts_implementation": chosen}))
     return model.train()
 
 

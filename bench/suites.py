@@ -72,6 +72,9 @@ SUITES = {s.name: s for s in (
     Suite("distill", "distill.py", "product",
           "on-policy distillation (GKD, lambda 1): `pgs run` with [distill] (0.6B student, 4B teacher) beside "
           "TRL's GKDTrainer, same chats; generated + trained tokens/s, peak memory, partial JSON after each"),
+    Suite("moe", "moe.py", "product",
+          "mixture-of-experts experts: `pgs run` on OLMoE-1B-7B per expert implementation (eager, grouped_mm) "
+          "beside HF's own forward + backward + AdamW with the same implementations, same batches"),
     Suite("offload", "offload_bench.py", "product",
           "optimizer state on the host: `pgs run` on the 8B 20 GiB spec beside HF compiled + AC + fused AdamW, "
           "the 4B recipe with and without offload, PCIe bandwidth"),
