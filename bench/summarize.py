@@ -3,7 +3,7 @@ at the end of a call): ``python bench/summarize.py RESULT.json [...]``.
 
 Rows are read from every suite's JSON: ``rows`` / ``variants`` / ``results`` as a mapping of
 name to row (optim-8bit, optim-step, optim-muon), ``results`` as a list of rows named by
-``variant``, ``backend`` or ``setup`` (sft-step, sft-converge, loss-memory, product, distill; long-context's also by shape and length,
+``variant``, ``backend`` or ``setup`` (sft-step, sft-converge, loss-memory, product, distill, moe; long-context's also by shape and length,
 with its status), ``runs``
 (fsdp); numbers are rounded, and a missing or unreadable file is one line saying so.
 """
@@ -16,7 +16,8 @@ import sys
 
 KEYS = ("ms", "median_ms", "back_to_back_ms", "ratio_to_floor", "over_floor", "fraction_of_copy_bw",
         "host_ms_per_step", "tok_s", "mean_tok_s", "tokens_per_s", "scaling_efficiency", "last10_mean",
-        "held_out_loss", "e2e_tok_s", "gen_tok_s", "train_tok_s", "gen_share", "peak_gib", "max_allocated_gib",
+        "held_out_loss", "e2e_tok_s", "gen_tok_s", "train_tok_s", "gen_share", "vs_eager", "vs_hf", "peak_gib",
+        "max_allocated_gib",
         "max_reserved_gib", "error")
 
 
