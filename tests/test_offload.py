@@ -484,23 +484,20 @@ def test_pgs_run_offloaded_sigkill_resume_equals_on_device_run(tmp_path):
     """Through ``pgs run``: the offloaded run, killed after step 4 and resumed from its step-3
     checkpoint, ends with the weights and optimizer file of the on-device release run."""
     import signal
-    import subprocess
 
     from pgs.runtime.loop.faults import Faults
-    from test_train import ROOT, assert_same_checkpoint, child_env, command
+    from helpers import assert_same_checkpoint, launch
     from test_train_release import release_spec
 
     ref = release_spec(tmp_path, "ref")
-    done = subprocess.run(command(ref), cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
+    done = launch(ref)
     assert done.returncode == 0, done.stderr[-3000:]
     spec = release_spec(tmp_path, "run")
     spec.write_text(spec.read_text() + "offload_optimizer = true\n")
-    first = subprocess.run(command(spec), cwd=ROOT, env=child_env(**Faults(crash_at=("step", 5)).env()),
-                           capture_output=True, text=True, timeout=240)
+    first = launch(spec, **Faults(crash_at=("step", 5)).env())
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     assert "optimizer state in host memory" in first.stdout + first.stderr
-    resumed = subprocess.run(command(spec, "auto"), cwd=ROOT, env=child_env(), capture_output=True, text=True,
-                             timeout=240)
+    resumed = launch(spec, "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step_3" in resumed.stderr
     assert_same_checkpoint(tmp_path / "run" / "step_6", tmp_path / "ref" / "step_6")  # weights and optimizer bits

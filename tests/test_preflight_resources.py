@@ -19,27 +19,16 @@ from pgs.cli import main
 from pgs.errors import PreflightRefused
 from pgs.runtime.spec.load import load_spec
 from pgs.runtime.tools import resources as R
-from tests.test_faults_validate_run import _one_line, _spec
+from helpers import cli_error, config_toml, cpu_spec
 
-LONG = """\
-[model.config]
-model_type = "qwen3"
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-head_dim = 8
-max_position_embeddings = 1048576
-tie_word_embeddings = true
-"""
+LONG = config_toml(num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1048576)
 
 
 def test_an_impossible_max_seq_len_is_refused_by_validate_and_run_with_exit_83(tmp_path, capsys):
-    spec = _spec(tmp_path, model=LONG)
+    spec = cpu_spec(tmp_path, model=LONG)
     sets = ["--set", "data.max_seq_len=524288"]  # 2 rows × 2 layers × 512k² × 4 B of masks: ~4 TiB
-    code_v, line_v = _one_line(["validate", str(spec), *sets], capsys)
-    code_r, line_r = _one_line(["run", str(spec), *sets], capsys)
+    code_v, line_v = cli_error(["validate", str(spec), *sets], capsys)
+    code_r, line_r = cli_error(["run", str(spec), *sets], capsys)
     assert (code_v, code_r) == (83, 83)
     assert line_v.startswith("pgs: error: data.max_seq_len = 524288: 2 rows × 524288 tokens per micro-batch")
     assert "attention masks" in line_v and "free on cpu" in line_v
@@ -48,14 +37,14 @@ def test_an_impossible_max_seq_len_is_refused_by_validate_and_run_with_exit_83(t
 
 
 def test_the_same_spec_at_a_sane_length_passes(tmp_path):
-    spec = load_spec(_spec(tmp_path, model=LONG), ["data.max_seq_len=96"])
+    spec = load_spec(cpu_spec(tmp_path, model=LONG), ["data.max_seq_len=96"])
     prediction = R.check_host(spec)
     assert prediction is not None and 0 < prediction.peak < 2**30
     assert prediction.checkpoint > 0
 
 
 def test_memory_refusal_names_the_field_and_the_numbers(tmp_path):
-    spec = load_spec(_spec(tmp_path, model=LONG), ["data.max_seq_len=4096"])
+    spec = load_spec(cpu_spec(tmp_path, model=LONG), ["data.max_seq_len=4096"])
     prediction = R.predict(spec, torch.device("cpu"))
     R.check_memory(spec, prediction, torch.device("cpu"), available=prediction.peak, where="x has")
     with pytest.raises(PreflightRefused) as err:
