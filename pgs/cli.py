@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("profile", help="estimate (or --measure) memory and speed of a spec",
-                       description="Estimate the memory and throughput of a spec; --measure runs a few steps.")
+                       description="Estimate the memory of the step the spec trains (SFT, [preference] or [distill]); "
+                                   "--measure runs a few steps of it.")
     p.add_argument("spec", metavar="SPEC", help="the spec file (.toml)")
     _add_set(p)
     p.add_argument("--measure", action="store_true", help="run a few real steps instead of estimating")

@@ -135,3 +135,25 @@ def test_disk_copies_follow_what_checkpoint_keeps():
     assert R.disk_copies(NS(keep=1, best_metric="", export=False)) == 2
     assert R.disk_copies(NS(keep=2, best_metric="eval_loss", export=True)) == 5
     assert R.disk_copies(NS(keep=0, best_metric="", export=False)) == R.DISK_COPIES
+
+
+def test_device_limit_is_the_room_a_cuda_spec_is_checked_against_even_without_the_device(tmp_path):
+    """memory.device_limit_gib caps what the run may reserve, so the preflight checks the
+    prediction against the cap, on a host that has no GPU as well (pgs validate on a laptop)."""
+    spec = load_spec(_spec(tmp_path, model=LONG), ["data.max_seq_len=4096"])
+    prediction = R.predict(spec, torch.device("cpu"))
+    below = prediction.peak / R.GiB * 0.9
+    capped = load_spec(_spec(tmp_path, model=LONG), ["data.max_seq_len=4096", f"memory.device_limit_gib={below}"])
+    R.check_memory(capped, prediction, torch.device("cpu"), available=None)  # the cap is a CUDA allocator's
+    with pytest.raises(PreflightRefused) as err:
+        R.check_memory(capped, prediction, torch.device("cuda"), available=None)
+    assert f"memory.device_limit_gib = {below:g} allows {below:.2f} GiB free on cuda" in str(err.value)
+    roomy = load_spec(_spec(tmp_path, model=LONG), ["data.max_seq_len=4096", f"memory.device_limit_gib={below * 2}"])
+    R.check_memory(roomy, prediction, torch.device("cuda"), available=prediction.peak)
+
+
+@pytest.mark.parametrize("value", ["-1", '"big"'])
+def test_a_bad_device_limit_names_the_field(tmp_path, capsys, value):
+    spec = _spec(tmp_path, model=LONG)
+    code, line = _one_line(["validate", str(spec), "--set", f"memory.device_limit_gib={value}"], capsys)
+    assert code == 2 and line.startswith("pgs: error: ") and "memory.device_limit_gib" in line

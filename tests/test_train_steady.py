@@ -5,6 +5,7 @@ the step's metrics are read without draining the device queue."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -125,3 +126,41 @@ def test_a_malformed_profile_range_is_one_line_and_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--profile" in err[0], err
     assert not (tmp_path / "badprof").exists()
+
+
+_CAPPED = """
+import torch
+from pgs.runtime.loop.train import configure_allocator
+configure_allocator(torch.device("cuda"), 1.0)
+MiB = 2**20
+keep = []
+for round in range(6):  # blocks of changing sizes (at most 821 MiB live), some kept a while
+    blocks = [torch.empty((8 + 13 * ((i * 7 + round) % 11)) * MiB, dtype=torch.uint8, device="cuda")
+              for i in range(6)]
+    keep += blocks[::2]
+    del blocks
+    keep = keep[-4:]
+print("reserved", torch.cuda.max_memory_reserved() / 2**30)
+try:
+    torch.empty(1100 * MiB, dtype=torch.uint8, device="cuda")
+    print("over the cap: allocated")
+except torch.OutOfMemoryError:
+    print("over the cap: out of memory")
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_device_limit_caps_what_the_allocator_reserves():
+    """memory.device_limit_gib: the caching allocator reserves at most the cap, giving cached
+    blocks back instead of growing, and a request past the cap is out of memory (a fresh process:
+    the cap is process-wide)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _CAPPED], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert float(lines["reserved"]) <= 1.0
+    assert lines["over"] == "the cap: out of memory"

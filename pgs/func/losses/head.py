@@ -1,4 +1,5 @@
-"""The output head shared by every backend: shape checks and logits z = softcap(h Wᵀ + b)."""
+"""The output head shared by every backend: shape checks, logits z = softcap(h Wᵀ + b), and a
+chunk's head gradients from its logit gradient (the chunked token, sequence and distillation losses)."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.packing import Document, PackedBatch, best_fit_decreasing, collate
 from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
-from pgs.runtime.loop.objective import rank_and_world, steps_for
+from pgs.runtime.loop.objective import random_document, rank_and_world, steps_for
 from pgs.runtime.model.build import build_model, final_hidden, output_head
 from pgs.runtime.model.generate import GenerationSettings, generate
 
@@ -117,6 +117,8 @@ class DistillObjective:
         self.steps = 0
         self.on_policy_steps = 0
         self.teacher_accuracy: dict | None = None
+        # pgs profile --measure: every step on-policy when λ > 0 (generation is the heavier step)
+        self.sample_every_step = False
 
     @classmethod
     def create(cls, spec, *, model, tokenizer, device: torch.device, ctx=None) -> "DistillObjective":
@@ -126,6 +128,20 @@ class DistillObjective:
         return cls(spec, tokenizer, load_teacher(spec, tokenizer, device), device,
                    TrainStream(spec.data, tokenizer, rank=rank, world_size=world))
 
+    @classmethod
+    def for_profile(cls, spec, *, model, tokenizer, device: torch.device, rows: int, seq_len: int,
+                    generator: torch.Generator) -> tuple["DistillObjective", list]:
+        """``pgs profile --measure``'s distillation step: the teacher as ``create`` loads it, and
+        ``rows`` rows of one document each, a prompt of ``seq_len − max_new_tokens`` random tokens
+        (at least one) and a trained completion of the rest.  With ``distill.on_policy`` > 0 every
+        profiled step is on-policy: ``prepare`` samples the completions from the prompts."""
+        objective = cls(spec, tokenizer, load_teacher(spec, tokenizer, device), device, None)
+        objective.sample_every_step = spec.distill.on_policy > 0
+        vocab = model.get_input_embeddings().num_embeddings
+        prompt = max(1, seq_len - int(objective.settings.max_new_tokens))
+        docs = [random_document(max(seq_len, prompt + 1), prompt, vocab, generator) for _ in range(rows)]
+        return objective, [collate([[d] for d in docs], objective.pad_id, seq_len)]
+
     def steps_per_epoch(self, batch_size: int) -> int:
         return steps_for(dataset_stats(self.spec.data, self.tokenizer).sequences, batch_size)
 
@@ -133,6 +149,7 @@ class DistillObjective:
     def prepare(self, run, batches: list) -> tuple[list, dict]:
         """With probability λ, the step's completions sampled by the student (module docstring)."""
         on = bool(torch.rand((), generator=self._generators["distill_coin"]) < self.d.on_policy)
+        on = on or self.sample_every_step
         self.steps += 1
         if not on:
             return batches, {"on_policy": 0.0, "generated_tokens": 0, "gen_tokens_per_s": 0.0}

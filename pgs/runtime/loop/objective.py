@@ -46,7 +46,13 @@ Plugging in a new objective (e.g. on-policy distillation, a ``[distill]`` sectio
 5. Say what the loop may do around ``forward``: ``router_tap`` (it feeds a MoE model's router
    tap, so router losses and statistics apply), ``splits_rows`` (it trains on a part of each
    row when ``[parallel] context`` splits rows over ranks; False refuses that split).
-6. Document it in ``docs/`` and add a quickstart-size end-to-end test.
+6. ``for_profile`` (a classmethod): the objective and one micro-batch of random tokens of the
+   spec's shapes, built without reading or writing anything (no data, no caches), for
+   ``pgs profile --measure`` (``pgs.runtime.tools.profile.measure_memory``), which then runs
+   ``prepare``, ``count``, ``forward`` and the backward as the loop does, so the measured step
+   is the one ``pgs run`` trains.  Frozen models the objective keeps (a live reference, a
+   teacher) are built here as ``create`` builds them.
+7. Document it in ``docs/`` and add a quickstart-size end-to-end test.
 
 The loop keeps what every objective shares: the optimizer and its gradient release, the
 control plane (skips, stops, halts), checkpoints and exact resume, the metrics file.
@@ -87,6 +93,13 @@ class Objective(Protocol):
     #: the row's; an objective that needs whole sequences (log-probs summed per sequence,
     #: generation from a prompt) sets False and ``setup`` refuses the split.
     splits_rows: bool
+
+    @classmethod
+    def for_profile(cls, spec, *, model, tokenizer, device: torch.device, rows: int, seq_len: int,
+                    generator: torch.Generator) -> tuple["Objective", list]:
+        """``(objective, [one micro-batch])`` for ``pgs profile --measure``: ``rows`` rows of
+        ``seq_len`` random tokens (``generator``) laid out as the objective's stream lays out its
+        data; nothing read from the data sources, nothing written (module docstring, step 6)."""
 
     def steps_per_epoch(self, batch_size: int) -> int:
         """Optimizer steps in one pass over the training data (``train.epochs`` runs)."""
@@ -186,6 +199,28 @@ def tied_head_deferrable(spec, run, weight) -> bool:
     return embed is not None and embed.weight is weight
 
 
+def random_document(length: int, prompt: int, vocab: int, generator: torch.Generator):
+    """A ``Document`` of ``length`` random token ids below ``vocab`` whose first ``prompt`` tokens
+    are not trained (the rest are): the synthetic data of ``Objective.for_profile``."""
+
+    from pgs.runtime.data.packing import Document
+
+    ids = torch.randint(0, max(1, int(vocab)), (max(0, int(length)),), generator=generator).tolist()
+    keep = min(max(0, int(prompt)), len(ids))
+    return Document(tuple(ids), (False,) * keep + (True,) * (len(ids) - keep), "pgs profile")
+
+
+def pad_token(tokenizer) -> int:
+    """The id that pads rows: the tokenizer's pad token, else its eos, else 0 (profiling a model
+    without a tokenizer's special tokens)."""
+
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            return int(value)
+    return 0
+
+
 # -- embedding noise (NEFTune, SymNoise), shared by the objectives that train on token embeddings
 def embedding_noise_generator(spec, device: torch.device) -> dict[str, torch.Generator]:
     """``{"noise": generator}`` when the spec adds input-embedding noise (``loss.neftune_alpha``
@@ -210,4 +245,4 @@ def embedding_noise_hook(spec, generators: dict[str, torch.Generator], batch, de
 
 
 __all__ = ["Objective", "build_objective", "embedding_noise_generator", "embedding_noise_hook", "objective_class",
-           "objective_classes", "rank_and_world", "steps_for", "tied_head_deferrable"]
+           "objective_classes", "pad_token", "random_document", "rank_and_world", "steps_for", "tied_head_deferrable"]

@@ -39,10 +39,11 @@ import torch
 
 from pgs.errors import PgsError
 from pgs.func.losses import preference_loss, sequence_logps
-from pgs.runtime.data.preference import Pair, PreferenceBatch, PreferenceStream, eval_batches, read_pairs
+from pgs.runtime.data.packing import Document
+from pgs.runtime.data.preference import Pair, PreferenceBatch, PreferenceStream, collate_pairs, eval_batches, read_pairs
 from pgs.runtime.dist import fsdp as D
-from pgs.runtime.loop.objective import (embedding_noise_generator, embedding_noise_hook, rank_and_world, steps_for,
-                                        tied_head_deferrable)
+from pgs.runtime.loop.objective import (embedding_noise_generator, embedding_noise_hook, pad_token, random_document,
+                                        rank_and_world, steps_for, tied_head_deferrable)
 from pgs.runtime.model.build import build_model, output_head
 from pgs.runtime.store import reference as cache
 
@@ -235,6 +236,33 @@ class PreferenceObjective:
         os.makedirs(spec.checkpoint.dir, exist_ok=True)
         reference = prepare_reference(spec, model, tokenizer, device, stream.pairs, eval_pairs)
         return cls(spec, reference, eval_pairs, stream=stream, device=device)
+
+    @classmethod
+    def for_profile(cls, spec, *, model, tokenizer, device: torch.device, rows: int, seq_len: int,
+                    generator: torch.Generator) -> tuple["PreferenceObjective", list]:
+        """``pgs profile --measure``'s preference step: ``rows`` rows of ``seq_len`` tokens, each one
+        pair whose two arms (a shared prompt of a quarter of the row's half, then the arm's
+        trained completion) fill the row, as ``PreferenceStream`` packs pairs; the reference as
+        ``create`` makes it (``"live"``: a frozen copy on the device, or ``reference_path``'s
+        model), a ``"cached"`` one a table of zeros for these pairs (the cache is not read or
+        written: its scoring pass runs before the first step, not in it)."""
+        vocab = model.get_input_embeddings().num_embeddings
+        arm = max(2, seq_len // 2)
+        prompt = arm // 4
+        pairs = []
+        for i in range(rows):
+            shared = random_document(prompt, prompt, vocab, generator)
+            chosen, rejected = (random_document(arm - prompt, 0, vocab, generator) for _ in range(2))
+            arms = (Document(shared.input_ids + a.input_ids, shared.train_mask + a.train_mask, shared.origin)
+                    for a in (chosen, rejected))
+            pairs.append(Pair(*arms, i))
+        pref = spec.preference
+        if pref.uses_reference and pref.reference != "live":
+            reference = Reference("cached", train=torch.zeros(rows, 2), eval=torch.zeros(0, 2))
+        else:
+            reference = prepare_reference(spec, model, tokenizer, device, [], [])
+        batch = collate_pairs([[p] for p in pairs], pad_token(tokenizer), seq_len=max(seq_len, 2 * arm))
+        return cls(spec, reference, [], device=device), [batch]
 
     def steps_per_epoch(self, batch_size: int) -> int:
         return steps_for(self.stream.rows_per_epoch(), batch_size)

@@ -27,8 +27,9 @@ from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.packing import doc_ids
 from pgs.runtime.dist import context as CP, fsdp as D
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
-from pgs.runtime.loop.objective import (embedding_noise_generator, embedding_noise_hook, rank_and_world, steps_for,
-                                        tied_head_deferrable)
+from pgs.runtime.data.packing import collate
+from pgs.runtime.loop.objective import (embedding_noise_generator, embedding_noise_hook, pad_token, random_document,
+                                        rank_and_world, steps_for, tied_head_deferrable)
 from pgs.runtime.model.build import output_head
 
 #: Eval records answered by greedy generation when the eval data has a known checker (the
@@ -59,6 +60,15 @@ class SFTObjective:
     def create(cls, spec, *, model, tokenizer, device: torch.device, ctx=None) -> "SFTObjective":
         rank, world = rank_and_world(ctx, spec.parallel.context)
         return cls(spec, tokenizer, device, TrainStream(spec.data, tokenizer, rank=rank, world_size=world))
+
+    @classmethod
+    def for_profile(cls, spec, *, model, tokenizer, device: torch.device, rows: int, seq_len: int,
+                    generator: torch.Generator) -> tuple["SFTObjective", list]:
+        """``pgs profile --measure``'s SFT step: ``rows`` rows of one ``seq_len``-token document
+        each, every token trained (a full packed row, the step's largest token loss)."""
+        vocab = model.get_input_embeddings().num_embeddings
+        docs = [[random_document(seq_len, 0, vocab, generator)] for _ in range(rows)]
+        return cls(spec, tokenizer, device, None), [collate(docs, pad_token(tokenizer), seq_len)]
 
     def steps_per_epoch(self, batch_size: int) -> int:
         return steps_for(dataset_stats(self.spec.data, self.tokenizer).sequences, batch_size)

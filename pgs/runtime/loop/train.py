@@ -162,16 +162,36 @@ def apply_memory(model, memory, fast_recompute: bool = True) -> None:
         layers.compile_layers(model)
 
 
-def configure_allocator(device: torch.device) -> None:
-    """Expandable segments for CUDA's caching allocator, unless ``PYTORCH_CUDA_ALLOC_CONF``
-    says otherwise.  Variable-length packed batches, recomputed layers and the chunked loss
-    allocate blocks of ever-changing sizes; with fixed segments the allocator keeps reserving
-    new ones that the freed blocks cannot be split to fit (the 0.6B packed run reserved 56 GiB
-    for 46 allocated), and with expandable segments one mapping per stream grows and shrinks
-    instead, so reserved stays next to allocated (docs/memory.md, "Allocator")."""
-    if device.type != "cuda" or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+def configure_allocator(device: torch.device, limit_gib: float = 0.0) -> None:
+    """CUDA's caching allocator for a training run.
+
+    Expandable segments, unless ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise: variable-length
+    packed batches, recomputed layers and the chunked loss allocate blocks of ever-changing
+    sizes; with fixed segments the allocator keeps reserving new ones that the freed blocks
+    cannot be split to fit (the 0.6B packed run reserved 56 GiB for 46 allocated), and with
+    expandable segments one mapping per stream grows and shrinks instead, so reserved stays
+    next to allocated (docs/memory.md, "Allocator").
+
+    ``limit_gib`` (``memory.device_limit_gib``; 0: none) caps the allocator's reserved bytes
+    (``torch.cuda.set_per_process_memory_fraction``): a request that would pass the cap first
+    has the cached free blocks returned to the driver and is retried, so a recipe meant for a
+    smaller card reserves no more than that card holds even on a larger one, where nothing
+    else would make the allocator give cached blocks back.  A garbage-collection threshold
+    (0.9 of the cap, unless the environment sets the allocator) returns unused cached blocks
+    before the cap is reached, so the retry path (which synchronizes the device) stays rare.
+    """
+    if device.type != "cuda":
         return
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    if limit_gib and limit_gib * 2**30 > total:
+        raise SpecError(f"memory.device_limit_gib: {limit_gib:g} GiB is more than the device's "
+                        f"{total / 2**30:.1f} GiB ({torch.cuda.get_device_name(index)})")
+    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        torch.cuda.memory._set_allocator_settings(
+            "expandable_segments:True" + (",garbage_collection_threshold:0.9" if limit_gib else ""))
+    if limit_gib:
+        torch.cuda.set_per_process_memory_fraction(limit_gib * 2**30 / total, index)
 
 
 def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) -> Run:
@@ -208,7 +228,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
             shard = CP.make_shard(ctx.rank, world, cp, spec.parallel.layout)
     seed_everything(spec.train.seed)
     device = ctx.device if sharded else _device(spec.train.device)
-    configure_allocator(device)
+    configure_allocator(device, spec.memory.device_limit_gib)
     m = spec.model
     config = None
     if m.config is not None:

@@ -336,6 +336,10 @@ class MemorySpec:
     [tokens, intermediate] tensors never exist whole.  ``offload_optimizer`` keeps each release
     group's chain state in pinned host memory and streams it through two device staging
     buffers inside backward (``pgs.runtime.optim.offload``; gradient release, one process).
+    ``device_limit_gib`` (0: none) caps what CUDA's caching allocator may reserve on the device,
+    as on a card of that size: past the cap it returns its cached free blocks to the driver
+    and retries instead of reserving more, and a step that needs more than the cap fails as
+    out of memory (``train.configure_allocator``).
     """
 
     section: ClassVar[str] = "memory"
@@ -354,6 +358,7 @@ class MemorySpec:
     release_groups: str = attrs.field(default="layer", validator=_one_of(RELEASE_GROUPS))
     mlp_tiles: int = attrs.field(default=0, validator=_int_at_least(0))
     offload_optimizer: bool = attrs.field(default=False, validator=_bool)
+    device_limit_gib: float = attrs.field(default=0.0, converter=_to_float, validator=_number_in(0.0))
 
     def head_grad_deferred(self) -> bool:
         """``defer_head_grad`` resolved: ``"auto"`` defers where memory is what the spec trades

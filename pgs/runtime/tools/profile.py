@@ -4,6 +4,9 @@
 
 - ``weights``: every parameter and buffer of the model, counted from a model built on the
   meta device (exact: tied weights once, buffers such as rotary frequencies included).
+- ``frozen_models``: the weights of the frozen models the spec's objective keeps on the device
+  (``objective_memory``): a ``[preference]`` live reference (a copy of the policy, or
+  ``reference_path``'s model), a ``[distill]`` teacher (in ``distill.teacher_dtype``).
 - ``master_weights``: fp32 copies of low-precision trainable parameters (4 B each) when asked.
 - ``optimizer_state``: the chain's real state, built by ``chain.init`` on meta parameters
   (one state per release group under gradient release, as ``GradientRelease`` builds it),
@@ -36,31 +39,49 @@
   chunk spans the slab's columns only (``predict_memory``'s ``tied_slabs``).
 
 ``total`` is their sum (an upper bound).  ``peak`` takes phases into account: static
-(weights, masters, state) plus the largest of (end of forward: kept activations + the
-loss's chunk + the loss's held buffers), (backward of a recomputed layer: kept + recompute
-+ held buffers + gradients) and (the last update: gradients + temporaries).  Neither counts
-allocator slack (0.15-0.5 GiB on an H200, ANCHORS.md) or the CUDA/NCCL context.
+(weights, frozen models, masters, state) plus the largest of (end of forward: kept
+activations + the loss's held buffers + the larger of the loss's chunk and a frozen model's
+no-grad forward), (backward of a recomputed layer: kept + recompute + held buffers +
+gradients) and (the last update: gradients + temporaries); and, for the objectives that have
+them, the on-policy sampling phase (static + KV cache + prefill) and the reference cache's
+scoring pass before the first step (weights + its forward).  Neither counts allocator slack
+(0.15-0.5 GiB on an H200, ANCHORS.md) or the CUDA/NCCL context.
+
+``measure_memory`` (``pgs profile --measure``) runs a few steps of the objective the spec
+trains, through that objective's own ``prepare``/``forward`` (``Objective.for_profile`` builds
+it with one synthetic micro-batch of the spec's shapes), and reports the peak per phase: the
+caching allocator's on CUDA, ``TensorMeter``'s live tensor bytes elsewhere.
 """
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any, Callable
 
+import attrs
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import pgs.func as pf
 from pgs.errors import InvalidArgument
-from pgs.func.losses import chunked, chunked_cross_entropy, cross_entropy, token_loss
+from pgs.func.losses import chunked
 from pgs.func.plan import RELEASE, plan_for
-from pgs.runtime.model.build import DTYPES, build_config, build_model, final_hidden, freeze, load_tokenizer, output_head
+from pgs.runtime.model.build import DTYPES, build_config, build_model, freeze, load_tokenizer
 from pgs.runtime.model.layers import apply_activation_checkpointing
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim.bound import bind
 from pgs.runtime.optim.release import GradientRelease, group_parameters, refusal
 from pgs.runtime.spec.sections import head_grad_wanted
 
-CATEGORIES = ("weights", "master_weights", "optimizer_state", "gradients", "activations", "loss", "temporaries")
+CATEGORIES = ("weights", "frozen_models", "master_weights", "optimizer_state", "gradients", "activations", "loss",
+              "temporaries")
 GiB = 1024**3
+#: Bytes per [chunk, V] element the distillation loss holds at its fullest (``pgs.func.losses.distill``):
+#: about ten fp32 tensors — both heads' logits, log-probabilities and probabilities, the JSD's
+#: mixture, and the per-row divergence's and the gradient's temporaries (rough: the kind decides).
+DISTILL_CHUNK_BYTES = 40
 
 
 # ----------------------------------------------------------------------------- model shapes
@@ -267,6 +288,11 @@ def predict_memory(
     compiled_layers: bool = False,
     offload_optimizer: bool = False,
     offload_slots: int | None = None,
+    frozen_weights: int = 0,
+    frozen_forward: int = 0,
+    frozen_held: int = 0,
+    sampling: int = 0,
+    scoring_pass: int = 0,
 ) -> dict[str, int]:
     """Bytes per category (``CATEGORIES``) plus ``total`` and ``peak``.  See the module docstring.
 
@@ -306,6 +332,12 @@ def predict_memory(
             the device (None: as many as ``OffloadedRelease`` takes, ``offload.auto_slots``;
             needs ``gradient_release``): adds ``host_state``
             and ``pcie_per_step`` (bytes) to the result.
+        frozen_weights, frozen_forward, frozen_held, sampling, scoring_pass: what the spec's
+            objective adds (``objective_memory``): the weights of the frozen models it keeps on
+            the device (a live reference, a teacher: ``frozen_models``), the working set of
+            their no-grad forward and what it leaves for the loss (at the end of the policy's
+            forward), the on-policy sampling phase (KV cache, prefill), and the reference
+            cache's scoring pass before the first step (weights only, no state yet).
 
     Example::
 
@@ -388,6 +420,7 @@ def predict_memory(
     if fused_update is None:
         fused_update = bool(gradient_release and chain is not None and plan_for(chain, RELEASE) is not None)
     deferred = loss == "chunked" and defer_head_grad
+    out["frozen_models"] = int(frozen_weights)
     if loss_kernels is None:
         from pgs.func import kernels
 
@@ -398,10 +431,12 @@ def predict_memory(
             loss_held = 2 * n * h * b + 16 * n
         else:
             loss_held = v * h * b + n * h * b  # grad_W and grad_h, from the loss's forward into backward
+    elif loss == "distill":  # both heads' fp32 chunk logits and their softmax terms; grad_W and grad_h
+        loss_work, rebuild_work, loss_held = DISTILL_CHUNK_BYTES * min(loss_chunk, n) * v, 0, v * h * b + n * h * b
     elif loss == "dense":
         loss_work, rebuild_work, loss_held = n * v * (b + 4 + 4), 0, 0
     else:
-        raise InvalidArgument(f"predict_memory: loss={loss!r} is not \"chunked\" or \"dense\"")
+        raise InvalidArgument(f"predict_memory: loss={loss!r} is not \"chunked\", \"distill\" or \"dense\"")
     if slab_names:  # the head part is rebuilt per slab: a chunk × slab-columns block, not chunk × V
         slab_cols = min(int(tied_slabs), v)
         rebuild_work = chunk_work_bytes(min(loss_chunk, n), slab_cols, b, loss_kernels)[1] if deferred else 0
@@ -413,8 +448,11 @@ def predict_memory(
     if gradient_release and fused_update:
         out["temporaries"] = 4 * biggest if master_weights == "fp32" else 0
     out["total"] = sum(out[k] for k in CATEGORIES)
-    static = out["weights"] + out["master_weights"] + out["optimizer_state"]
+    static = out["weights"] + out["frozen_models"] + out["master_weights"] + out["optimizer_state"]
     grads = out["gradients"]
+    # end of the policy's forward: its kept activations and the loss's held buffers, then the larger
+    # of the loss's chunk and a frozen model's no-grad forward (what that forward leaves for the loss too)
+    forward_end = kept + loss_held + int(frozen_held) + max(loss_work, int(frozen_forward))
     if gradient_release:
         # inside the layers' backward only a layer's gradients exist; the embedding's (often the
         # largest group) comes last, when the kept activations are gone
@@ -429,12 +467,16 @@ def predict_memory(
             slab_grads = max(group_bytes[g] for g in late)
             last = max(loss_held + 2 * n * h * b + 8 * n * h,
                        loss_held + n * h * b + slab_grads + out["temporaries"] + rebuild_work)
-        phases = (kept + loss_work + loss_held,  # end of forward: the loss's chunk
+        phases = (forward_end,  # end of forward: the loss's chunk
                   kept + recompute + loss_held + grads_mid,  # backward of a recomputed layer
                   last)  # last group's update (the embedding; with deferral the head's rebuilt chunk)
     else:
-        phases = (kept + loss_work + loss_held, kept + recompute + loss_held + grads, grads + out["temporaries"])
+        phases = (forward_end, kept + recompute + loss_held + grads, grads + out["temporaries"])
     out["peak"] = static + max(phases)
+    if sampling:  # on-policy sampling: no graph, no gradients; the KV cache and the prefill
+        out["peak"] = max(out["peak"], static + int(sampling))
+    if scoring_pass:  # before the first step, before the optimizer's state exists
+        out["peak"] = max(out["peak"], out["weights"] + out["frozen_models"] + int(scoring_pass))
     if host_state is not None:
         out["host_state"] = host_state
         out["pcie_per_step"] = 2 * host_state
@@ -481,14 +523,99 @@ def head_loss(spec) -> dict[str, Any]:
     as ``pgs run`` computes its head: SFT's token loss with ``loss.backend`` (deferred only with
     the chunked backend, when asked); ``[preference]``'s sequence log-probs, chunked whatever the
     backend, deferred as ``memory.defer_head_grad`` says (``PreferenceObjective.defers_head_grad``);
-    ``[distill]``'s chunked divergence, whose head gradient goes through autograd."""
+    ``[distill]``'s chunked divergence (``loss="distill"``: both heads' logits per chunk), whose
+    head gradient goes through autograd."""
     if getattr(spec, "preference", None) is not None:
         return {"loss": "chunked", "defer_head_grad": spec.memory.defer_head_grad}
     if getattr(spec, "distill", None) is not None:
-        return {"loss": "chunked", "defer_head_grad": False}
+        return {"loss": "distill", "defer_head_grad": False}
     backend = spec.loss.backend
     return {"loss": "dense" if backend == "dense" else "chunked",
             "defer_head_grad": spec.memory.defer_head_grad if backend == "chunked" else False}
+
+
+def layer_working_bytes(cfg, tokens: int, dtype) -> int:
+    """What one decoder layer holds at its fullest in a no-grad forward over ``tokens`` tokens,
+    taken as the tensors it would keep for backward (``activation_parts``'s A_none): an upper
+    bound of a frozen model's (a reference's, a teacher's) working set, whose layers free their
+    inputs as they go."""
+    b = torch.empty((), dtype=_dtype(dtype)).element_size()
+    _, recompute = activation_parts(cfg, tokens, dtype=dtype, policy="full")  # (A_none − b·h) · tokens
+    return recompute + b * _text_config(cfg).hidden_size * tokens
+
+
+def _teacher_config(spec, vocab: int):
+    d = spec.distill
+    if d.teacher_config is not None:
+        table = {k: v for k, v in d.teacher_config.items() if not (k == "vocab_size" and not v)}
+        cfg = _hf_config(table)
+    else:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(d.teacher_path, local_files_only=True)
+    _text_config(cfg).vocab_size = int(vocab)  # load_teacher builds it with the tokenizer's vocabulary
+    return cfg
+
+
+def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: int) -> dict[str, int]:
+    """``predict_memory``'s objective terms of the spec's objective (its ``frozen_*``, ``sampling``
+    and ``scoring_pass``; ``loss_chunk`` where the loss covers fewer rows than a chunk), for
+    ``rows`` × ``seq_len`` tokens per micro-batch.
+
+    SFT adds nothing.  ``[preference]`` packs a pair's two arms into one row of ``seq_len``
+    (``PreferenceStream``), so its tokens are SFT's; a ``"live"`` reference adds its weights (a
+    copy of the policy, or ``reference_path``'s model) and its no-grad forward after the
+    policy's (a layer's working set, then its final hidden state and one chunk's logits); a
+    ``"cached"`` one adds the scoring pass before the first step (``score_pairs``: 8 rows a
+    forward, no optimizer state yet) and a [pairs, 2] table.  ``[distill]`` adds the teacher's
+    weights (``distill.teacher_dtype``), its no-grad forward with its final hidden state held
+    into the divergence, and with ``on_policy`` > 0 the sampling phase: the student's KV cache for
+    the longest prompts a row can hold (``seq_len − 1`` tokens, one trained token after them) and
+    ``max_new_tokens`` samples, plus a prefill layer's working set."""
+    c = _text_config(cfg)
+    n = rows * seq_len
+    b = torch.empty((), dtype=_dtype(dtype)).element_size()
+    out: dict[str, int] = {}
+    pref = getattr(spec, "preference", None)
+    if pref is not None and pref.uses_reference:
+        from pgs.func import kernels
+
+        # the reference's log-probs: one chunk's forward, as the policy's (chunk_work_bytes)
+        chunk_logits = chunk_work_bytes(min(chunk, n), c.vocab_size, b, kernels.CONFIG.ce_kernels)[0]
+        if pref.reference == "live":
+            ref_cfg, ref = cfg, model
+            if pref.reference_path is not None:
+                from transformers import AutoConfig
+
+                ref_cfg = AutoConfig.from_pretrained(pref.reference_path, local_files_only=True)
+                _text_config(ref_cfg).vocab_size = c.vocab_size
+                ref = meta_model(ref_cfg, dtype)
+            out["frozen_weights"] = model_bytes(ref)
+            # its layers one at a time, then its final hidden state and one chunk of its log-probs
+            out["frozen_forward"] = max(layer_working_bytes(ref_cfg, n, dtype),
+                                        b * _text_config(ref_cfg).hidden_size * n + chunk_logits)
+        else:
+            scored = 8 * seq_len  # score_pairs: eval_batches of 8 rows
+            out["scoring_pass"] = max(layer_working_bytes(cfg, scored, dtype),
+                                      b * c.hidden_size * scored + chunk_logits)
+    distill = getattr(spec, "distill", None)
+    if distill is not None:
+        t_cfg = _teacher_config(spec, c.vocab_size)
+        t_dtype = _dtype(distill.teacher_dtype)
+        tb = torch.empty((), dtype=t_dtype).element_size()
+        out["frozen_weights"] = model_bytes(meta_model(t_cfg, t_dtype))
+        out["frozen_forward"] = layer_working_bytes(t_cfg, n, t_dtype)
+        out["frozen_held"] = tb * _text_config(t_cfg).hidden_size * n  # the teacher's final hidden state
+        if distill.on_policy > 0:
+            kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+            new = int(distill.generation_settings()["max_new_tokens"])
+            prompt = max(1, seq_len - 1)
+            cache = rows * (prompt + new) * c.num_hidden_layers * 2 * kv_heads * head_dim * b
+            out["sampling"] = cache + layer_working_bytes(cfg, rows * prompt, dtype) + rows * c.vocab_size * 16
+        if distill.on_policy >= 1:  # every step trains on samples: the divergence covers their tokens only
+            out["loss_chunk"] = min(chunk, rows * int(distill.generation_settings()["max_new_tokens"]))
+    return out
 
 
 def plan_from_spec(spec, **overrides) -> dict[str, Any]:
@@ -522,12 +649,14 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   release_groups=opts["release_groups"], compiled_layers=opts["compile_layers"],
                   offload_optimizer=bool(opts["offload_optimizer"] and opts["gradient_release"]),
                   loss_chunk=spec.loss.chunk_size, model=model, **head_loss(spec))
+    kwargs.update(objective_memory(spec, cfg, model, dt, micro, spec.data.max_seq_len, spec.loss.chunk_size))
     return {"config": cfg, "kwargs": kwargs, "notes": notes, "micro_batch": micro,
             "seq_len": spec.data.max_seq_len, "options": opts}
 
 
 def profile(spec, measure: bool = False, spec_path: str | None = None, *, console=None, **overrides) -> int:
-    """``pgs profile SPEC [--measure]``: print the predicted memory (and measured peaks on CUDA)."""
+    """``pgs profile SPEC [--measure]``: print the predicted memory of the spec's objective's step
+    (and, with ``measure``, the peaks measured while running that step: ``measure_memory``)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -535,114 +664,272 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
     plan = plan_from_spec(spec, **overrides)
     pred = predict_memory(plan["config"], **plan["kwargs"])
     opts = plan["options"]
-    title = (f"predicted memory: {plan['micro_batch']}×{plan['seq_len']} tokens, "
+    title = (f"predicted memory of the {objective_label(spec)} step: {plan['micro_batch']}×{plan['seq_len']} tokens, "
              f"release={'on' if opts['gradient_release'] else 'off'}, "
              f"checkpointing={opts['activation_checkpointing']}")
     measured = None
     if measure:
-        if torch.cuda.is_available():
-            measured = measure_memory(spec, plan)
+        refused = [n for n in plan["notes"] if n.startswith("gradient release would be refused")]
+        if refused:
+            plan["notes"].append("--measure: not run (gradient release would be refused, as pgs run would refuse it)")
         else:
-            plan["notes"].append("--measure needs a CUDA device; showing the prediction only")
+            measured = measure_memory(spec, plan)
+    unit, scale = ("GiB", GiB) if pred["peak"] >= GiB else ("MiB", 1024**2)  # a tiny model's figures stay readable
     table = Table(title=title)
     table.add_column("category")
-    table.add_column("predicted GiB", justify="right")
+    table.add_column(f"predicted {unit}", justify="right")
     for k in CATEGORIES:
-        table.add_row(k, f"{pred[k] / GiB:.3f}")
+        table.add_row(k, f"{pred[k] / scale:.3f}")
     table.add_section()
-    table.add_row("total (sum of the above, if all were live at once)", f"{pred['total'] / GiB:.3f}")
-    table.add_row("peak (what is live together at the worst phase)", f"{pred['peak'] / GiB:.3f}")
+    table.add_row("total (sum of the above, if all were live at once)", f"{pred['total'] / scale:.3f}")
+    table.add_row("peak (what is live together at the worst phase)", f"{pred['peak'] / scale:.3f}")
     if "host_state" in pred:
         table.add_section()
-        table.add_row("host: optimizer state (pinned; offload_optimizer)", f"{pred['host_state'] / GiB:.3f}")
-        table.add_row("PCIe per step (state in + out)", f"{pred['pcie_per_step'] / GiB:.3f}")
+        table.add_row("host: optimizer state (pinned; offload_optimizer)", f"{pred['host_state'] / scale:.3f}")
+        table.add_row("PCIe per step (state in + out)", f"{pred['pcie_per_step'] / scale:.3f}")
     console.print(table)
     console.print(f"vocabulary {_text_config(plan['config']).vocab_size:,}; the peak is the figure to compare with "
                   "a GPU (add allocator slack and the CUDA context)", soft_wrap=True, highlight=False)
     if measured is not None:
-        mt = Table(title="measured on " + torch.cuda.get_device_name())
+        where = "the CPU (live tensor bytes)" if measured.device == "cpu" else measured.device
+        console.print(f"measured on {where}: the {measured.objective} step; one micro-batch of {measured.batch}",
+                      soft_wrap=True, highlight=False)
+        mt = Table(title="measured peak per phase")
         mt.add_column("phase")
-        mt.add_column("peak allocated GiB", justify="right")
-        for k, val in measured.items():
-            mt.add_row(k, f"{val / GiB:.3f}")
-        mt.add_row("predicted peak", f"{pred['peak'] / GiB:.3f}")
+        mt.add_column(f"peak allocated {unit}", justify="right")
+        for k, val in measured.phases.items():
+            mt.add_row(k, f"{val / scale:.3f}")
+        mt.add_row("predicted peak", f"{pred['peak'] / scale:.3f}")
         console.print(mt)
     for note in plan["notes"]:
         console.print(f"note: {note}")
     return 0
 
 
-def measure_memory(spec, plan, *, steps: int = 3) -> dict[str, int]:
-    """Run ``steps`` training steps of ``spec`` on CUDA with random tokens; peak bytes per phase.
+class CudaMeter:
+    """Peak allocated bytes on a CUDA device, from its caching allocator's statistics."""
 
-    Phases: ``static`` (model + optimizer state), and the peaks of ``forward``,
-    ``backward`` (which includes the update under gradient release) and ``step``.
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self) -> "CudaMeter":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def current(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def reset(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+class TensorMeter(TorchDispatchMode):
+    """Live tensor bytes on a device whose allocator keeps no statistics (the CPU): every tensor
+    an operator returns while the meter is active has its storage counted until that storage
+    is freed (a ``weakref.finalize`` on it), tied and viewed tensors once.  What is counted is
+    what CUDA's ``memory_allocated`` counts, without the allocator's rounding: storages
+    that were alive when the meter started are its baseline (``current`` and ``peak`` are
+    above it).  Slower than running bare (a Python call per operator)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self._live: dict[int, int] = {}
+        self._finalizers: dict[int, weakref.finalize] = {}
+        self._now = 0
+        self._peak = 0
+        self._base = 0
+
+    def __enter__(self) -> "TensorMeter":
+        gc.collect()
+        for obj in gc.get_objects():
+            if issubclass(type(obj), torch.Tensor):  # type(): no __class__ property of a lazy module runs
+                self._track(obj)
+        self._base = self._now
+        self._peak = self._now
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for f in self._finalizers.values():  # the storages outlive the meter: stop counting them
+            f.detach()
+        self._finalizers.clear()
+        return super().__exit__(*exc)
+
+    def _free(self, key: int) -> None:
+        self._now -= self._live.pop(key, 0)
+        self._finalizers.pop(key, None)
+
+    def _track(self, t: torch.Tensor) -> None:
+        try:
+            if t.device != self.device or t.is_meta:
+                return
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):  # no storage (a wrapper subclass)
+            return
+        key, size = id(storage), storage.nbytes()
+        old = self._live.get(key)
+        if old is None:
+            self._finalizers[key] = weakref.finalize(storage, self._free, key)
+        self._live[key] = size
+        self._now += size - (old or 0)
+        self._peak = max(self._peak, self._now)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def current(self) -> int:
+        return self._now - self._base
+
+    def reset(self) -> None:
+        self._peak = self._now
+
+    def peak(self) -> int:
+        return self._peak - self._base
+
+
+@attrs.define
+class Measured:
+    """What ``measure_memory`` found: the objective it ran, what one micro-batch held, and peak
+    bytes per phase (``static``, ``prepare`` where the objective rebuilds its batches, e.g.
+    on-policy samples, then ``forward``, ``backward`` and ``step``)."""
+
+    objective: str
+    batch: str
+    phases: dict[str, int]
+    device: str
+
+
+def objective_label(spec) -> str:
+    """The objective the spec trains, in a few words (``pgs profile``'s prediction title)."""
+    if getattr(spec, "preference", None) is not None:
+        p = spec.preference
+        return f"preference ({p.kind}, reference {p.reference if p.uses_reference else 'none'})"
+    if getattr(spec, "distill", None) is not None:
+        d = spec.distill
+        return f"distill ({d.kind}, teacher in {d.teacher_dtype}, on_policy {d.on_policy:g})"
+    return f"sft ({spec.build_objective().name})"
+
+
+def _objective_text(spec, objective) -> str:
+    """The objective as the measurement ran it, in a few words."""
+    if objective.name == "preference":
+        p = spec.preference
+        return f"preference ({p.kind}, reference {objective.reference.mode})"
+    if objective.name == "distill":
+        d = spec.distill
+        teacher = sum(t.numel() for t in objective.teacher.parameters())
+        sampled = "every step on-policy" if d.on_policy > 0 else "off-policy"
+        return f"distill ({d.kind}, teacher {teacher:,} parameters in {d.teacher_dtype}, {sampled})"
+    return f"{objective.name} ({spec.build_objective().name})" if objective.name == "sft" else objective.name
+
+
+def _batch_text(objective, batches, extra: dict) -> str:
+    rows = sum(b.input_ids.shape[0] for b in batches)
+    width = max(b.input_ids.shape[1] for b in batches)
+    unit = "pairs" if objective.name == "preference" else "trained tokens"
+    text = f"{rows} rows × {width} tokens, {objective.count(batches):,} {unit}"
+    if extra.get("generated_tokens"):
+        text += f", {int(extra['generated_tokens']):,} tokens sampled"
+    return text
+
+
+def measure_memory(spec, plan, *, steps: int = 3, device: torch.device | str | None = None) -> Measured:
+    """Run ``steps`` training steps of ``spec``'s objective on random tokens; peak bytes per phase.
+
+    The objective is the one ``pgs run`` trains (``objective_class``): its ``for_profile`` builds
+    it with one micro-batch of the spec's shapes (pairs for ``[preference]``, prompts whose
+    completions the student samples for ``[distill]``) and what it keeps on the device (a live
+    reference, a teacher), then each step runs its ``prepare``, ``forward``, the backward of
+    ``loss_sum / count`` and the optimizer step, as the loop does.  On CUDA the peaks are the
+    allocator's (``max_memory_allocated``); elsewhere (the CPU) a ``TensorMeter`` counts live
+    tensor storages.  Phases: ``static`` (the models and the optimizer state), ``prepare``
+    (when the objective rebuilds the batches: on-policy generation), ``forward``, ``backward``
+    (which includes the update under gradient release) and ``step``.
     """
+    from pgs.runtime.loop.objective import objective_class
+    from pgs.runtime.loop.train import Run, _device
 
     opts = plan["options"]
-    dev = torch.device("cuda")
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    dev = _device(spec.train.device) if device is None else torch.device(device)  # as pgs run picks it
     m = spec.model
-    with dev:  # random init on the GPU: minutes faster than on the host at 4B
-        config = None if m.config is None else {**m.config, "vocab_size": _text_config(plan["config"]).vocab_size}
-        model = build_model(path=m.path, config=config, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                            varlen_kernel=m.varlen_kernel, init_seed=m.init_seed,
-                            trust_remote_code=m.trust_remote_code).to(dev)
-    freeze(model, m.freeze)
-    if int(opts.get("mlp_tiles", 0)) > 1:
-        apply_mlp_tiles(model, int(opts["mlp_tiles"]))
-    apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]),
-                                   offload=bool(opts.get("offload_checkpoints", False)))
-    chain = plan["kwargs"]["chain"]
-    if opts["gradient_release"]:
-        binder = GradientRelease
-        if opts.get("offload_optimizer"):
-            from pgs.runtime.optim.offload import OffloadedRelease as binder
-        opt = binder(chain, model, master_weights=opts["master_weights"],
-                              stochastic_rounding=spec.model.dtype == "bfloat16",
-                              tied_slabs=int(opts.get("tied_slabs", 0)) or None,
-                              groups=opts.get("release_groups", "layer"))
-    else:
-        opt = bind(chain, model, compile=spec.optimizer.compile, jit=spec.optimizer.jit)
-    torch.cuda.synchronize()
-    out = {"static": torch.cuda.memory_allocated()}
-    peaks = {"forward": 0, "backward": 0, "step": 0}
-    vocab = _text_config(model.config).vocab_size
-    shape = (plan["micro_batch"], plan["seq_len"])
-    for _ in range(steps):
-        ids = torch.randint(0, vocab, shape, device=dev)
-        pos = torch.arange(shape[1], device=dev).expand(shape)
-        torch.cuda.reset_peak_memory_stats()
-        h = final_hidden(model, ids, pos)
-        W, bias, softcap = output_head(model)
-        fn = cross_entropy if spec.loss.backend == "dense" else chunked_cross_entropy
-        kw = {} if spec.loss.backend == "dense" else {"chunk_size": spec.loss.chunk_size}
-        slabs = opts["gradient_release"] and int(opts.get("tied_slabs", 0)) and spec.loss.backend != "dense"
-        if slabs:  # the head's gradient deferred into the slabs, as pgs run does
-
-            r = token_loss(h, W, ids, bias=bias, softcap=softcap, defer_head_grad=W.requires_grad, **kw)
-            if r.head_grad is not None:
-                opt.before_step(W, r.head_grad)
+    tokenizer = load_tokenizer(m.tokenizer or m.path)
+    meter = CudaMeter(dev) if dev.type == "cuda" else TensorMeter(dev)
+    with meter:
+        with dev:  # random init on the device: minutes faster than on the host at 4B
+            config = None if m.config is None else {**m.config, "vocab_size": _text_config(plan["config"]).vocab_size}
+            model = build_model(path=m.path, config=config, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                                varlen_kernel=m.varlen_kernel, init_seed=m.init_seed,
+                                trust_remote_code=m.trust_remote_code).to(dev)
+        freeze(model, m.freeze)
+        generator = torch.Generator().manual_seed(spec.train.seed)
+        # as pgs run: the objective (its reference, its teacher) from the initial weights, before [memory]
+        objective, batches = objective_class(spec).for_profile(spec, model=model, tokenizer=tokenizer, device=dev,
+                                                               rows=plan["micro_batch"], seq_len=plan["seq_len"],
+                                                               generator=generator)
+        if int(opts.get("mlp_tiles", 0)) > 1:
+            apply_mlp_tiles(model, int(opts["mlp_tiles"]))
+        apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]),
+                                       offload=bool(opts.get("offload_checkpoints", False)))
+        chain = plan["kwargs"]["chain"]
+        if opts["gradient_release"]:
+            binder = GradientRelease
+            if opts.get("offload_optimizer"):
+                from pgs.runtime.optim.offload import OffloadedRelease as binder
+            opt = binder(chain, model, master_weights=opts["master_weights"],
+                         stochastic_rounding=spec.model.dtype == "bfloat16",
+                         tied_slabs=int(opts.get("tied_slabs", 0)) or None,
+                         groups=opts.get("release_groups", "layer"))
         else:
-            r = fn(h, W, ids, bias=bias, softcap=softcap, **kw)
-        loss = r.loss_sum / r.num_valid
-        torch.cuda.synchronize()
-        peaks["forward"] = max(peaks["forward"], torch.cuda.max_memory_allocated())
-        torch.cuda.reset_peak_memory_stats()
-        loss.backward()
-        del h, r, loss
-        torch.cuda.synchronize()
-        peaks["backward"] = max(peaks["backward"], torch.cuda.max_memory_allocated())
-        torch.cuda.reset_peak_memory_stats()
-        opt.step()
-        opt.zero_grad()
-        torch.cuda.synchronize()
-        peaks["step"] = max(peaks["step"], torch.cuda.max_memory_allocated())
-    out.update(peaks)
-    del model, opt
-    torch.cuda.empty_cache()
-    return out
+            opt = bind(chain, model, compile=spec.optimizer.compile, jit=spec.optimizer.jit)
+        run = Run(spec=spec, run_dir=spec.checkpoint.dir, device=dev, model=model, tokenizer=tokenizer, bound=opt,
+                  objective=objective, total_steps=steps, micro_batch=plan["micro_batch"], skips=None)
+        phases = {"static": meter.current()}
+        peaks: dict[str, int] = {}
+
+        def note(phase: str) -> None:
+            peaks[phase] = max(peaks.get(phase, 0), meter.peak())
+            meter.reset()
+
+        extra: dict = {}
+        prepared = batches
+        for _ in range(steps):
+            meter.reset()
+            prepared, extra = objective.prepare(run, batches)
+            if prepared is not batches:
+                note("prepare")
+            count = max(1, objective.count(prepared))
+            for batch in prepared:
+                meter.reset()
+                loss_sum, _stats = objective.forward(run, batch, False)
+                note("forward")
+                (loss_sum / count).backward()
+                del loss_sum, _stats
+                note("backward")
+            opt.step()
+            opt.zero_grad()
+            note("step")
+        phases.update(peaks)
+        measured = Measured(objective=_objective_text(spec, objective), batch=_batch_text(objective, prepared, extra),
+                            phases=phases,
+                            device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev))
+        del run, model, opt, objective, batches, prepared
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return measured
 
 
 def main(spec, measure: bool = False) -> int:

@@ -158,9 +158,14 @@ def _cgroup_room() -> int | None:
 
 def check_memory(spec, prediction: Prediction, device: torch.device, available: int | None = None,
                  where: str = "") -> None:
-    """Refuse (exit 83) when the predicted peak is more than ``device`` has free."""
+    """Refuse (exit 83) when the predicted peak is more than ``device`` has free, or than
+    ``memory.device_limit_gib`` lets the allocator reserve (that cap is checked even where the
+    device itself is not here)."""
     if available is None:
         available, where = available_memory(device)
+    limit = int(getattr(spec.memory, "device_limit_gib", 0.0) * GiB) if device.type == "cuda" else 0
+    if limit and (available is None or limit < available):
+        available, where = limit, f"memory.device_limit_gib = {spec.memory.device_limit_gib:g} allows"
     if available is None or prediction.peak <= available:
         return
     biggest = max(prediction.parts, key=prediction.parts.get)

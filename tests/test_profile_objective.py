@@ -1,0 +1,214 @@
+"""``pgs profile`` for the objective the spec trains (pgs/runtime/tools/profile.py): ``--measure``
+runs the ``[preference]`` step (pairs, the live reference's forward) and the ``[distill]`` step
+(on-policy samples, the teacher's forward) through the objectives' own code, on the CPU with
+``TensorMeter``; the prediction adds a live reference's weights and a teacher's."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from rich.console import Console
+
+from pgs.runtime.loop import distill as distill_mod, preference as preference_mod
+from pgs.runtime.spec.load import load_spec
+from pgs.runtime.tools.profile import (TensorMeter, measure_memory, model_bytes, plan_from_spec, predict_memory,
+                                       profile)
+
+MODEL = ('model_type = "qwen3", hidden_size = 32, intermediate_size = 64, num_hidden_layers = 2, '
+         'num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8, tie_word_embeddings = true')
+TEACHER = MODEL.replace("hidden_size = 32", "hidden_size = 48").replace("num_hidden_layers = 2", "num_hidden_layers = 1")
+
+SPEC = """
+[model]
+config = {{ {model} }}
+tokenizer = "pgs:quickstart/tokenizer"
+dtype = "{dtype}"
+
+[data]
+max_seq_len = {seq}
+sources = [{{ path = "pgs:quickstart/train.jsonl", weight = 1.0 }}]
+
+[optimizer]
+alias = "adamw"
+clip = {clip}
+
+[train]
+steps = 10
+batch_size = {batch}
+device = "cpu"
+
+[checkpoint]
+dir = "{run_dir}"
+
+{section}
+"""
+
+PREFERENCE = '[preference]\nkind = "dpo"\nreference = "{reference}"\n'
+DISTILL = (f'[distill]\nteacher_config = {{ {TEACHER} }}\nteacher_dtype = "float32"\non_policy = 0.5\n\n'
+           '[distill.generation]\nmax_new_tokens = 8\n')
+
+
+def spec_of(tmp_path, section: str = "", batch: int = 2, seq: int = 64, dtype: str = "float32", model: str = MODEL):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "spec.toml"
+    clip = 0 if "gradient_release" in section else 1.0  # release needs the chain without a global clip
+    path.write_text(SPEC.format(model=model, batch=batch, seq=seq, dtype=dtype, clip=clip, run_dir=tmp_path / "run",
+                                section=section))
+    return load_spec(path)
+
+
+def run_profile(spec) -> str:
+    buf = io.StringIO()
+    assert profile(spec, measure=True, console=Console(file=buf, width=200)) == 0
+    return buf.getvalue()
+
+
+def count_calls(monkeypatch, owner, name: str) -> list:
+    calls = []
+    original = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapped)
+    return calls
+
+
+def test_tensor_meter_counts_live_storages_once():
+    meter = TensorMeter(torch.device("cpu"))
+    with meter:
+        a = torch.zeros(1024, 256)  # 1 MiB
+        view = a[:10]  # the same storage
+        assert meter.current() == 2**20
+        b = a + 1
+        assert meter.current() == 2 * 2**20
+        del a, view
+        assert meter.current() == 2**20  # a's storage is gone
+        meter.reset()
+        c = b * 2
+        del c
+        assert meter.peak() == 2 * 2**20 and meter.current() == 2**20
+        x = torch.ones(256, 256, requires_grad=True)
+        (x * x).sum().backward()  # backward's tensors are counted too
+        assert x.grad is not None and meter.current() >= 2**20 + 2 * 256 * 256 * 4
+        del b, x
+
+
+def test_measure_runs_the_preference_step_with_its_live_reference(tmp_path, monkeypatch):
+    """The measured step is DPO's: rows of pairs, the live reference scored each step (its own
+    model, not the policy), and a reference's weights more on the device than with the cache."""
+    live = spec_of(tmp_path / "live", PREFERENCE.format(reference="live"))
+    cached = spec_of(tmp_path / "cached", PREFERENCE.format(reference="cached"))
+    logps = count_calls(monkeypatch, preference_mod, "pair_logps")
+    text = run_profile(live)
+    assert "the preference (dpo, reference live) step" in text and "2 rows × 64 tokens, 2 pairs" in text
+    assert "sft" not in text.split("measured on")[1]
+    models = {id(args[0]) for args in logps}
+    assert len(models) == 2 and len(logps) == 2 * 3  # policy and reference, 3 steps
+    assert not (tmp_path / "live" / "run").exists()  # nothing written: no reference cache
+
+    measured = {s: measure_memory(sp, plan_from_spec(sp), steps=1)
+                for s, sp in (("live", live), ("cached", cached))}
+    assert "reference cached" in measured["cached"].objective
+    weights = predict_memory(**_kw(live))["weights"]
+    extra = measured["live"].phases["static"] - measured["cached"].phases["static"]
+    assert abs(extra - weights) <= 0.02 * weights, (extra, weights)
+    assert set(measured["live"].phases) == {"static", "forward", "backward", "step"}
+
+
+def _kw(spec) -> dict:
+    plan = plan_from_spec(spec)
+    return {"model_config": plan["config"], **plan["kwargs"]}
+
+
+def test_measure_runs_the_distill_step_sampling_and_the_teacher(tmp_path, monkeypatch):
+    """The measured step is on-policy distillation: prompts sampled from (a ``prepare`` phase),
+    the teacher built and run on the sampled rows, the divergence over the sampled tokens."""
+    spec = spec_of(tmp_path, DISTILL)
+    teachers = count_calls(monkeypatch, distill_mod, "load_teacher")
+    scored = count_calls(monkeypatch, distill_mod.DistillObjective, "teacher_hidden")
+    sampled = count_calls(monkeypatch, distill_mod, "generate")
+    text = run_profile(spec)
+    assert "the distill (jsd, teacher" in text and "every step on-policy" in text
+    assert len(teachers) == 1 and len(scored) == 3 and len(sampled) == 3
+    # 2 rows, prompts of 64 − 8 tokens, 8 sampled tokens each (a stop token may end one early)
+    assert "2 rows × 64 tokens" in text and "tokens sampled" in text
+    lines = [line for line in text.splitlines() if "│" in line]
+    assert any(line.split("│")[1].strip() == "prepare" for line in lines)
+    measured = measure_memory(spec, plan_from_spec(spec), steps=1)
+    teacher = model_bytes(distill_mod.load_teacher(spec, _tokenizer(spec), torch.device("cpu")))
+    sft = measure_memory(spec_of(tmp_path / "sft"), plan_from_spec(spec_of(tmp_path / "sft")), steps=1)
+    extra = measured.phases["static"] - sft.phases["static"]
+    assert abs(extra - teacher) <= 0.02 * teacher, (extra, teacher)
+
+
+def _tokenizer(spec):
+    from pgs.runtime.model.build import load_tokenizer
+
+    return load_tokenizer(spec.model.tokenizer)
+
+
+def test_measure_of_an_sft_spec_names_sft(tmp_path):
+    text = run_profile(spec_of(tmp_path))
+    assert "the sft (ce) step" in text and "2 rows × 64 tokens, 126 trained tokens" in text
+    assert "prepare" not in text
+
+
+#: Qwen3-0.6B's shape (sized on the meta device only: nothing is built)
+QWEN3_06B = ('model_type = "qwen3", hidden_size = 1024, intermediate_size = 3072, num_hidden_layers = 28, '
+             'num_attention_heads = 16, num_key_value_heads = 8, head_dim = 128, vocab_size = 151936, '
+             'tie_word_embeddings = true')
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_prediction_of_a_live_reference_adds_its_weights(tmp_path, checkpointing):
+    """At Qwen3-0.6B's shape (bf16, 1×2048), a live reference costs one more copy of the policy's
+    weights at the peak, within 5%; a cached one costs what SFT costs (its scoring pass before
+    the first step is not the peak)."""
+    memory = f'\n[memory]\nactivation_checkpointing = "{checkpointing}"\n'
+    pred = {}
+    for name, section in (("live", PREFERENCE.format(reference="live")),
+                          ("cached", PREFERENCE.format(reference="cached")), ("sft", "")):
+        spec = spec_of(tmp_path / name, section + memory, batch=1, seq=2048, dtype="bfloat16", model=QWEN3_06B)
+        pred[name] = predict_memory(**_kw(spec))
+    weights = pred["live"]["weights"]
+    assert pred["live"]["frozen_models"] == weights and pred["cached"]["frozen_models"] == 0
+    assert pred["cached"]["peak"] == pred["sft"]["peak"]
+    assert weights <= pred["live"]["peak"] - pred["cached"]["peak"] <= 1.05 * weights, (pred, weights)
+
+
+def test_prediction_adds_the_teacher(tmp_path):
+    """The teacher's weights (as ``load_teacher`` builds them) join a distill spec's, and its
+    peak is above SFT's by at least them."""
+    spec = spec_of(tmp_path / "d", DISTILL)
+    distill = predict_memory(**_kw(spec))
+    sft = predict_memory(**_kw(spec_of(tmp_path / "s")))
+    teacher = model_bytes(distill_mod.load_teacher(spec, _tokenizer(spec), torch.device("cpu")))
+    assert distill["frozen_models"] == teacher
+    assert distill["peak"] >= sft["peak"] + teacher
+
+
+@pytest.mark.parametrize("reference", ["live", "cached"])
+def test_prediction_title_names_the_objective(tmp_path, reference):
+    buf = io.StringIO()
+    assert profile(spec_of(tmp_path, PREFERENCE.format(reference=reference)),
+                   console=Console(file=buf, width=200)) == 0
+    assert f"predicted memory of the preference (dpo, reference {reference}) step" in buf.getvalue()
+
+
+def test_measure_under_release_defers_the_pair_head_gradient(tmp_path, monkeypatch):
+    """With gradient release, checkpointing and a tied head the measured preference step hands
+    the head's gradient to the optimizer as ``pgs run`` does (``PreferenceObjective.forward`` →
+    ``GradientRelease.before_step``) once a micro-batch."""
+    from pgs.runtime.optim.release import GradientRelease
+
+    section = (PREFERENCE.format(reference="live")
+               + '\n[memory]\ngradient_release = true\nactivation_checkpointing = "full"\n')
+    spec = spec_of(tmp_path, section, dtype="bfloat16")
+    handed = count_calls(monkeypatch, GradientRelease, "before_step")
+    measured = measure_memory(spec, plan_from_spec(spec), steps=2)
+    assert len(handed) == 2 and "reference live" in measured.objective
+    assert measured.phases["backward"] > measured.phases["static"]
