@@ -172,3 +172,27 @@ def test_stochastic_round_is_unbiased_and_follows_the_seed():
     S.stochastic_round_([m], seed)
     S.stochastic_round_([c], seed)
     assert torch.equal(m, c) and not torch.equal(m, x[5:2980].reshape(35, 85).t())
+
+
+def test_stochastic_round_splits_a_tensor_over_max_launch(monkeypatch):
+    """A tensor over ``MAX_LAUNCH`` elements (int32 offsets) is rounded in pieces: the first
+    piece draws what an unsplit launch draws, the later ones their own streams
+    (``_chunk_seed``); every value stays a bf16 neighbour, next to a small tensor in the same call."""
+    from pgs.func import kernels as K
+
+    gen = torch.Generator().manual_seed(5)
+    big, small = torch.randn(5000, generator=gen).to(DEV), torch.randn(300, generator=gen).to(DEV)
+    seed = torch.tensor([11], dtype=torch.int64, device=DEV)
+    whole = [big.clone(), small.clone()]
+    S.stochastic_round_(whole, seed)
+    monkeypatch.setattr(K, "MAX_LAUNCH", 2048)
+    parts = [big.clone(), small.clone()]
+    S.stochastic_round_(parts, seed)
+    assert torch.equal(parts[0][:2048], whole[0][:2048]) and torch.equal(parts[1], whole[1])
+    assert not torch.equal(parts[0][2048:], whole[0][2048:])
+    for x, y in ((big, parts[0]), (small, parts[1])):
+        assert torch.equal(y, y.bfloat16().float())
+        assert bool(((y - x).abs() <= x.abs() * 2.0**-7).all())
+    again = [big.clone(), small.clone()]
+    S.stochastic_round_(again, seed)
+    assert all(torch.equal(a, b) for a, b in zip(again, parts))

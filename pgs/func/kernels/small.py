@@ -109,10 +109,11 @@ try:
     @triton.jit
     def sr_round_kernel(x0, n0, x1, n1, x2, n2, x3, n3, seed_ptr, leaf0,
                         BLOCK: tl.constexpr, STRIDE: tl.constexpr):
-        """Program (i, b): block b of the fp32 buffer i rounded in place with leaf
-        ``leaf0 + i``'s noise (unused slots repeat buffer 0 with n = 0)."""
-        i = tl.program_id(0)
-        b = tl.program_id(1)
+        """Program (b, i): block b of the fp32 buffer i rounded in place with leaf
+        ``leaf0 + i``'s noise (unused slots repeat buffer 0 with n = 0).  Blocks on the grid's
+        first axis, which a large buffer (a fallback embedding) needs: the others stop at 65535."""
+        b = tl.program_id(0)
+        i = tl.program_id(1)
         if i == 0:
             _round_leaf(x0, n0, b, leaf0, seed_ptr, BLOCK, STRIDE)
         elif i == 1:
@@ -173,26 +174,46 @@ def stochastic_round_(xs: list, seed: torch.Tensor, first: int = 0) -> None:
     count).  So the rounding is a function of the state and the values only (never of torch's
     global generator), and Lion8bit's small leaves round alike whichever path stepped them.
     ±inf and NaN stay (the cast then rounds them as it would).  Needs a GPU or Triton's CPU
-    interpreter.  Stochastic rounding: Gupta et al., arXiv 1502.02551."""
+    interpreter (``usable_for``).  A tensor over ``MAX_LAUNCH`` elements (offsets are int32) is
+    rounded in pieces, piece k > 0 with the seed ``kernels._chunk_seed`` gives it, as the 8-bit
+    kernels split their launches.  Stochastic rounding: Gupta et al., arXiv 1502.02551."""
     from pgs.errors import InvalidArgument
+    from pgs.func import kernels as K
 
     if not xs:
         return
-    if not HAVE_TRITON or (xs[0].device.type != "cuda" and not interpreting()):
-        raise InvalidArgument("8-bit optimizer: stochastic rounding of the small leaves runs in a Triton "
-                              "kernel: it needs a GPU, or TRITON_INTERPRET=1 on the CPU (backend='triton')")
+    if not usable_for(xs[0]):
+        raise InvalidArgument("stochastic rounding of small or fallback leaves runs in a Triton kernel: "
+                              "it needs a GPU, or TRITON_INTERPRET=1 on the CPU (backend='triton')")
     if any(x.dtype != torch.float32 for x in xs):
         raise ValueError("stochastic_round_: fp32 buffers only")
     bufs = [x if x.is_contiguous() else x.contiguous() for x in xs]  # the kernel walks memory linearly
-    for at in range(0, len(bufs), MAX_LEAVES):
-        chunk = bufs[at:at + MAX_LEAVES]
+    launches = []  # (buffers, seed, first leaf index)
+    for i, x in enumerate(bufs):
+        if x.numel() > K.MAX_LAUNCH:
+            flat = x.view(-1)
+            for k, s in enumerate(range(0, flat.numel(), K.MAX_LAUNCH)):
+                launches.append(([flat[s:s + K.MAX_LAUNCH]], K._chunk_seed(seed, k), first + i))
+    small = [i for i, x in enumerate(bufs) if x.numel() <= K.MAX_LAUNCH]
+    for at in range(0, len(small), MAX_LEAVES):
+        run = small[at:at + MAX_LEAVES]
+        if run == list(range(run[0], run[0] + len(run))):  # consecutive leaves: one launch
+            launches.append(([bufs[i] for i in run], seed, first + run[0]))
+        else:
+            launches.extend(([bufs[i]], seed, first + i) for i in run)
+    for chunk, sd, leaf0 in launches:
         args = []
         for j in range(MAX_LEAVES):
             x = chunk[j] if j < len(chunk) else chunk[0]
             args += [x, x.numel() if j < len(chunk) else 0]
         blocks = -(-max(x.numel() for x in chunk) // BLOCK)
-        _launch(sr_round_kernel, (len(chunk), max(blocks, 1)), (*args, seed, first + at),
+        _launch(sr_round_kernel, (max(blocks, 1), len(chunk)), (*args, sd, leaf0),
                 dict(BLOCK=BLOCK, STRIDE=LEAF_STRIDE, num_warps=4))
     for x, buf in zip(xs, bufs):
         if buf is not x:
             x.copy_(buf)
+
+
+def usable_for(x: torch.Tensor) -> bool:
+    """Whether ``stochastic_round_`` can round ``x``'s device: a GPU, or Triton's CPU interpreter."""
+    return HAVE_TRITON and (x.device.type == "cuda" or interpreting())
