@@ -428,16 +428,12 @@ def test_pf_muon_stochastic_rounding_ignores_the_global_generator():
     params = {k: v.to(DEV) for k, v in params.items()}
     grads = [{k: v.to(DEV) for k, v in g.items()} for g in grads]
 
+    from test_8bit_sr_seed import compiled_run
+
     def run(global_seed, sr=True):
         opt = pf.muon(0.02, weight_decay=0.1, adam_lr=3e-3, adam_weight_decay=0.01, ns_dtype=torch.float32)
         fast = pf.compile(opt, donate=True, jit=False, stochastic_rounding=sr)
-        p = {k: v.clone() for k, v in params.items()}
-        state = fast.init(p)
-        for i, g in enumerate(grads):
-            torch.manual_seed(global_seed + i)
-            torch.rand(1000)
-            p, state = fast.step(g, state, p)
-        return {k: v.detach().cpu().clone() for k, v in p.items()}
+        return compiled_run(fast, params, grads, global_seed)[0]
 
     a, b, near = run(0), run(500), run(0, sr=False)
     for k in shapes:
