@@ -245,6 +245,9 @@ def preflight_spec(spec, *, count_parameters: bool = False, processes: int | Non
     check_architecture(m, config)
     check_seq_len(spec, config)
     check_run_dir(spec.checkpoint.dir)
+    if spec.memory.device_limit_gib and spec.train.device == "cpu":  # it would do nothing: refused, not ignored
+        raise SpecError(f"memory.device_limit_gib: {spec.memory.device_limit_gib:g} caps CUDA's caching allocator, "
+                        "and train.device is \"cpu\" (set it to 0)")
     found = Preflight(tokenizer=tokenizer, config=config)
     if count_parameters or isinstance(m.freeze, tuple):
         found.shapes = parameter_shapes(config, m.trust_remote_code)
