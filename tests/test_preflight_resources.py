@@ -176,3 +176,14 @@ def test_a_device_limit_on_an_auto_device_that_is_the_cpu_is_refused_by_run(tmp_
                            capsys)
     assert code == 2 and line.startswith("pgs: error: memory.device_limit_gib: 4 caps CUDA's caching allocator, "
                                          "and this run trains on cpu")
+
+
+def test_validate_shows_the_predicted_peak_and_the_cap(tmp_path, capsys):
+    from pgs.runtime.spec.preflight import check_resources
+
+    spec = load_spec(_spec(tmp_path, model=LONG), ["data.max_seq_len=96", "memory.device_limit_gib=3",
+                                                   "train.device=cuda"])  # validated here, run on a GPU elsewhere
+    memory = check_resources(spec)["memory"]
+    peak = R.predict(spec, torch.device("cuda")).peak
+    assert memory == (f"predicted peak {peak / 2**30:.2f} GiB per process (pgs profile; a lower bound), "
+                      "allocator capped at 3 GiB (memory.device_limit_gib)")

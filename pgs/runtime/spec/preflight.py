@@ -54,6 +54,7 @@ class Preflight:
     chain: str = ""
     warnings: list[str] = attrs.field(factory=list)
     distill: str | None = None  # the teacher, described (a distillation run)
+    prediction: Any = None  # tools.resources.Prediction: one process's predicted peak (None: not sized)
 
 
 def model_config(model, vocab_size: int | None = None):
@@ -265,7 +266,8 @@ def preflight_spec(spec, *, count_parameters: bool = False, processes: int | Non
         found.distill = check_distill(spec, tokenizer, config)
     from pgs.runtime.tools.resources import check_host  # the memory and disk the run will need (exit 83)
 
-    if check_host(spec, processes) is None:
+    found.prediction = check_host(spec, processes)
+    if found.prediction is None:
         found.warnings.append("the run's memory could not be predicted (the architecture does not build on the "
                               "meta device); memory and disk not checked")
     return found
@@ -403,6 +405,11 @@ def check_resources(spec, records: int = 200) -> dict:
         if not verdict.isolates:
             facts["warnings"].append(f"packing leaks across documents: {verdict.reason}")
     facts["chain"] = found.chain
+    if found.prediction is not None:
+        limit = spec.memory.device_limit_gib
+        facts["memory"] = (f"predicted peak {found.prediction.peak / 2**30:.2f} GiB per process (pgs profile; "
+                           "a lower bound)" + (f", allocator capped at {limit:g} GiB (memory.device_limit_gib)"
+                                               if limit else ""))
     if found.distill is not None:
         facts["distill"] = found.distill
     if spec.preference is not None:
