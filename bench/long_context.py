@@ -5,8 +5,9 @@ length (``--lengths``, default 16k, 32k, 64k, 128k tokens), in one call:
 
 1. ``pgs run`` on the shape's shipped spec (``specs/qwen3_0.6b_packed.toml``,
    ``specs/qwen3_4b_12gib.toml``) with the memory recipe for long rows (docs/memory.md):
-   ``data.max_seq_len = L`` with ``truncation = "truncate"`` over a generated file of long
-   single-turn records (so every row is one causal document of exactly L tokens, the case where
+   ``data.max_seq_len = L`` with ``truncation = "truncate"`` over a generated file of
+   single-turn records a little longer than L tokens with the spec's tokenizer (``words_for``;
+   so every row is one causal document of exactly L tokens, the case where
    attention is quadratic, as for the HF peer), ``memory.mlp_tiles`` (the MLP in token slices),
    ``loss.chunk_size`` (the chunked loss: no ``[L, V]`` logits), full activation checkpointing
    with the layer inputs offloaded to host memory, ``max_position_embeddings >= L``.  Figures
@@ -27,7 +28,7 @@ one that would get less than 30 s is recorded as skipped).  Each entry's ``statu
 ``oom`` (it does not fit: a result, with the peak reached before the failed allocation where the
 child could read it; the longer rows of that setup and shape are then skipped); ``refused`` (pgs's
 preflight, exit 83: the predicted peak is more than the device has free); ``timeout`` (the steps
-logged before it still give tok/s and the peak); ``error`` (anything else, with the output's last
+logged before it still give tok/s and the peak; the note ends with the output's last lines); ``error`` (anything else, with the output's last
 lines); ``skipped``.  A pgs run is stopped as soon as its last step is logged (the final
 checkpoint it would write is no part of the measurement, and takes disk: 12 GB at 4B), and its
 run folder is removed after its metrics are read (``metrics_<shape>_<length>.jsonl`` stays in the
@@ -79,6 +80,24 @@ def write_long_records(path: str, words: int, records: int, seed: int = 0) -> No
             handle.write(json.dumps({"prompt": "Continue.", "completion": text}) + "\n")
 
 
+def words_for(tokens: int, tokenizer_path: str) -> int:
+    """Words of ``write_long_records``'s text that make at least ``tokens`` tokens with this
+    tokenizer (measured on a sample, 10% over): records sized for the row being run, not for the
+    longest one (a record of the longest row's size is tokenized whole before it is cut to a
+    shorter row's length)."""
+    from pgs.runtime.model.build import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    sample = 2000
+    path = os.path.join(tempfile.mkdtemp(prefix="pgs-words-"), "sample.jsonl")
+    write_long_records(path, words=sample, records=1)
+    with open(path, encoding="utf-8") as handle:
+        text = json.loads(handle.readline())["completion"]
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    per_word = len(tokenizer(text, add_special_tokens=False)["input_ids"]) / sample
+    return int(tokens * 1.1 / per_word) + 1
+
+
 def _summary(records: list[dict], skip: int) -> dict:
     steps = [r for r in records if "loss" in r and "tokens" in r]
     out: dict = {"steps": len(steps), "skipped_steps": sum(int(r.get("skipped", 0) or 0) for r in steps)}
@@ -109,8 +128,8 @@ EXIT_PREFLIGHT = 83
 
 def outcome(returncode: int | None, output: str, timed_out: bool, timeout: float) -> tuple[str, str]:
     """``(status, note)`` of a child that exited with ``returncode`` after printing ``output``."""
-    if timed_out:
-        return "timeout", f"timeout after {timeout:.0f} s"
+    if timed_out:  # what it printed last says where it was (preflight, data, compilation, a step)
+        return "timeout", f"timeout after {timeout:.0f} s" + (": " + _tail(output) if (output or "").strip() else "")
     if returncode == 0:
         return "ok", ""
     oom = next((line for line in (output or "").splitlines()[::-1] if any(m in line for m in OOM_MARKERS)), None)
@@ -366,8 +385,19 @@ def main(argv=None) -> int:
         p.error(f"--shapes: {unknown} not in {sorted(SPECS)}")
     workdir = args.workdir or tempfile.mkdtemp(prefix="pgs-long-")
     os.makedirs(workdir, exist_ok=True)
-    data = os.path.join(workdir, "long.jsonl")
-    write_long_records(data, words=int(max(lengths) * 1.25), records=args.steps + 2)
+    data_files: dict[tuple[str, int], str] = {}
+
+    def data_for(shape: str, length: int) -> str:
+        """``args.steps + 2`` records a little longer than ``length`` tokens with the shape's tokenizer."""
+        key = (shape, length)
+        if key not in data_files:
+            from pgs.runtime.spec.load import load_spec
+
+            tokenizer = load_spec(os.path.join(ROOT, SPECS[shape]), args.set).model.tokenizer
+            data_files[key] = os.path.join(workdir, f"long_{shape}_{length}.jsonl")
+            write_long_records(data_files[key], words=words_for(length, tokenizer), records=args.steps + 2)
+        return data_files[key]
+
     results: list[dict] = []
     peers = [x for x in args.peers.split(",") if x]
     began = time.time()
@@ -385,7 +415,7 @@ def main(argv=None) -> int:
                          "error": f"--budget {args.budget} s spent"}
                 else:
                     timeout = min(args.timeout, left - 5)
-                    r = (run_pgs(shape, length, data, args, workdir, timeout) if setup == "pgs"
+                    r = (run_pgs(shape, length, data_for(shape, length), args, workdir, timeout) if setup == "pgs"
                          else run_peer(setup, shape, length, args, timeout))
                 if r["status"] in ("oom", "refused"):
                     too_long[name, shape] = length

@@ -300,6 +300,12 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as handle:
             json.dump({"spec": args.spec, "steps": args.steps, "skip": args.skip, "results": results}, handle, indent=1)
+        stem = os.path.splitext(args.out)[0]
+        for r in results:  # the profile's summaries beside the JSON (the trace itself stays in the run folder)
+            for name in ("ops.txt", "streams.txt"):
+                path = os.path.join(r.get("profile_dir") or "", name)
+                if r.get("profile_dir") and os.path.exists(path):
+                    shutil.copyfile(path, f"{stem}-{name}")
     return 0 if all(not r.get("error") for r in results) else 1
 
 

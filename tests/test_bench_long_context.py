@@ -190,3 +190,23 @@ def test_table_columns_and_the_note():
         "|---|---|---|---|---|---|---|---|",
         "| qwen3-0.6b | 131,072 | pgs run | 4,322 | 30.33 | 60.00 | 70.50 |  |",
         "| qwen3-0.6b | 131,072 | hf_liger_ac |  |  | 130.00 |  | oom: does not fit: CUDA out of memory |"]
+
+
+def test_records_are_sized_for_the_row_being_run(tmp_path):
+    """words_for: records a little over the row's length with the spec's tokenizer (not the
+    longest row's size for every row: a 128k-token record was tokenized whole for a 16k row)."""
+    from pgs.runtime.model.build import load_tokenizer
+
+    path = os.path.join(ROOT, "pgs", "assets", "quickstart", "tokenizer")
+    tokenizer = load_tokenizer(path)
+    for length in (1024, 4096):
+        data = tmp_path / f"long_{length}.jsonl"
+        lc.write_long_records(str(data), words=lc.words_for(length, path), records=2)
+        for line in data.read_text().splitlines():
+            n = len(tokenizer(json.loads(line)["completion"], add_special_tokens=False)["input_ids"])
+            assert length < n < 1.25 * length
+
+
+def test_a_timeout_note_ends_with_what_the_run_printed_last():
+    status, note = lc.outcome(None, "pgs: building the model\ndata: window 0\n", True, 150)
+    assert status == "timeout" and note == "timeout after 150 s: pgs: building the model | data: window 0"

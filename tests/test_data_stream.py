@@ -102,3 +102,44 @@ def test_eval_stream_gives_every_rank_the_same_number_of_batches(files, tok):
     shares = [list(EvalStream(cfg, tok, batch_size=8, rank=r, world_size=3)) for r in range(3)]
     assert len({len(s) for s in shares}) == 1
     assert sum(b.num_docs for s in shares for b in s) == 60
+
+
+def _window_origins(stream) -> list[str]:
+    """The documents of the stream's next window, in draw order (the packer reorders them)."""
+    while stream._sequences is not None and stream._taken < len(stream._sequences):
+        stream._next_sequence()
+    stream._next_sequence()
+    return sorted(d.origin for seq in stream._sequences for d in seq)
+
+
+def test_a_window_of_long_documents_closes_at_its_token_budget_and_skips_no_record(files, tok):
+    """With a token budget of 3 rows a window holds the few documents that reach it, not
+    pack_window of them, stopping at the first batch of draws that reaches it; every record is
+    still drawn in order (each window is the next draws of the mixed order, none left unused)
+    and a resume mid-window is exact."""
+    a, _ = files
+    cfg = DataConfig(sources=[a], max_seq_len=160)
+    capped = TrainStream(cfg, tok, pack_window=64, window_tokens=3 * 160)
+    first = _window_origins(capped)
+    tokens = sum(len(d) for seq in capped._sequences for d in seq)
+    assert 3 <= len(first) < 64 and tokens >= 3 * 160
+    assert tokens - max(len(d) for seq in capped._sequences for d in seq) < 3 * 160  # closed at the budget
+    one_at_a_time = TrainStream(cfg, tok, pack_window=1)  # windows of one document: the draw order
+    at = 0
+    for window in [first] + [_window_origins(capped) for _ in range(6)]:
+        assert window == sorted(_window_origins(one_at_a_time)[0] for _ in window), at  # the next draws
+        at += len(window)
+    capped._next_sequence()  # into the next window: one of its sequences taken
+    state = json.loads(json.dumps(capped.state_dict()))
+    want = [capped.next_batch(1).input_ids.tolist() for _ in range(4)]
+    resumed = TrainStream(cfg, tok, pack_window=64, window_tokens=3 * 160)
+    resumed.load_state_dict(state)
+    assert [resumed.next_batch(1).input_ids.tolist() for _ in range(4)] == want
+
+
+def test_windows_of_short_chats_do_not_reach_the_default_token_budget(files, tok):
+    """The default budget (2**20 tokens or 16 rows) leaves windows of chats as they were: the
+    same sequences as a stream with no budget at all."""
+    cfg = config(files)
+    assert sequences(TrainStream(cfg, tok, pack_window=64), 40) == sequences(
+        TrainStream(cfg, tok, pack_window=64, window_tokens=2**40), 40)

@@ -146,3 +146,33 @@ def test_a_bad_device_limit_names_the_field(tmp_path, capsys, value):
     spec = cpu_spec(tmp_path, model=LONG)
     code, line = cli_error(["validate", str(spec), "--set", f"memory.device_limit_gib={value}"], capsys)
     assert code == 2 and line.startswith("pgs: error: ") and "memory.device_limit_gib" in line
+
+
+def test_a_device_limit_on_a_cpu_run_is_refused_not_ignored(tmp_path, capsys):
+    spec = cpu_spec(tmp_path, model=LONG)
+    sets = ["--set", "memory.device_limit_gib=4", "--set", "train.device=cpu"]
+    code_v, line_v = cli_error(["validate", str(spec), *sets], capsys)
+    code_r, line_r = cli_error(["run", str(spec), *sets], capsys)
+    assert (code_v, code_r) == (2, 2) and line_v == line_r
+    assert line_v == 'pgs: error: memory.device_limit_gib: 4 caps CUDA\'s caching allocator, and train.device is "cpu" (set it to 0)'
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="train.device = auto is the CPU only without CUDA")
+def test_a_device_limit_on_an_auto_device_that_is_the_cpu_is_refused_by_run(tmp_path, capsys):
+    spec = cpu_spec(tmp_path, model=LONG)
+    code, line = cli_error(["run", str(spec), "--set", "memory.device_limit_gib=4", "--set", "train.device=auto"],
+                           capsys)
+    assert code == 2 and line.startswith("pgs: error: memory.device_limit_gib: 4 caps CUDA's caching allocator, "
+                                         "and this run trains on cpu")
+
+
+def test_validate_shows_the_predicted_peak_and_the_cap(tmp_path, capsys):
+    from pgs.runtime.spec.preflight import check_resources
+
+    spec = load_spec(cpu_spec(tmp_path, model=LONG), ["data.max_seq_len=96", "memory.device_limit_gib=3",
+                                                   "train.device=cuda"])  # validated here, run on a GPU elsewhere
+    memory = check_resources(spec)["memory"]
+    peak = R.predict(spec, torch.device("cuda")).peak
+    assert memory == (f"predicted peak {peak / 2**30:.2f} GiB per process (pgs profile; a lower bound), "
+                      "allocator capped at 3 GiB (memory.device_limit_gib)")

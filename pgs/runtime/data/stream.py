@@ -1,7 +1,8 @@
 """The training stream (mixed, packed, resumable) and the eval stream.
 
 The training data is one deterministic stream of packed sequences.  It is built a *window*
-at a time: ``pack_window`` documents are drawn from the mixed order (``sources``), tokenized,
+at a time: ``pack_window`` documents (fewer where they reach the window's token budget,
+``default_window_tokens``) are drawn from the mixed order (``sources``), tokenized,
 packed best-fit-decreasing into sequences of ``max_seq_len``, and the sequences shuffled by
 ``(seed, window)``.  A batch is the next ``batch_size * world_size`` sequences of that global
 stream; rank ``r`` keeps the ``r``-th slice of ``batch_size``.
@@ -78,6 +79,24 @@ def _document(conversation: Conversation, encoded, config: DataConfig, stats: Da
     return document
 
 
+#: a pack window's token budget: at least this many tokens (and 16 full rows) before a window
+#: of fewer than ``pack_window`` documents closes
+WINDOW_TOKENS = 2**20
+WINDOW_ROWS = 16
+
+
+def default_window_tokens(max_seq_len: int) -> int:
+    """The tokens a pack window closes at when it has not reached ``pack_window`` documents.
+
+    A window of ``pack_window`` documents is tokenized before its first sequence is trained;
+    with documents of 100k tokens and more that is tens of millions of tokens and minutes
+    before step 1 (held as Python ints: gigabytes), for no gain: packing best-fit needs a few
+    rows' worth of choice, and a document as long as a row is its row.  Short chats never
+    reach the budget (512 documents of 2,048 tokens are 2**20), so their windows are the same
+    with and without it."""
+    return max(WINDOW_TOKENS, WINDOW_ROWS * int(max_seq_len))
+
+
 def pack_documents(documents: list[Document], config: DataConfig) -> list[list[Document]]:
     """Sequences of documents: best-fit-decreasing when packing, else one document each."""
     if not config.packing:
@@ -110,6 +129,7 @@ class TrainStream:
         rank: int = 0,
         world_size: int = 1,
         pack_window: int = 512,
+        window_tokens: int | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
@@ -118,6 +138,7 @@ class TrainStream:
         self.rank = rank
         self.world_size = world_size
         self.pack_window = int(pack_window)
+        self.window_tokens = int(window_tokens) if window_tokens is not None else default_window_tokens(config.max_seq_len)
         self.stats = DataStats()
         self._sources = [SourceIndex(s, config.on_bad_record, self.stats) for s in config.sources]
         self._order = MixedOrder([len(s) for s in self._sources], [s.weight for s in config.sources], config.seed)
@@ -131,13 +152,17 @@ class TrainStream:
     def _build_window(self, stats: DataStats) -> list[list[Document]]:
         documents: list[Document] = []
         misses = 0
+        tokens = 0
         records = sum(len(s) for s in self._sources)
         config = self.config
-        while len(documents) < self.pack_window:
+        while len(documents) < self.pack_window and tokens < self.window_tokens:
             # Draw as many records as documents are missing (never more: each gives at most
-            # one), tokenize them in one batch, then take the outcomes in draw order exactly as
-            # one at a time would: the same counts, the same first error.
-            draws = [self._order.next() for _ in range(self.pack_window - len(documents))]
+            # one) and as the tokens still missing could need at max_seq_len each (so a window
+            # of long documents stops at its token budget without drawing a record it then
+            # leaves unused), tokenize them in one batch, then take the outcomes in draw order
+            # exactly as one at a time would: the same counts, the same first error.
+            rows_missing = -(-(self.window_tokens - tokens) // config.max_seq_len)
+            draws = [self._order.next() for _ in range(min(self.pack_window - len(documents), rows_missing))]
             read: list = []
             for s, i in draws:
                 try:
@@ -163,6 +188,7 @@ class TrainStream:
                         )
                     continue
                 documents.append(document)
+                tokens += len(document)
         sequences = pack_documents(documents, config)
         random.Random(f"{config.seed}:{self._window}").shuffle(sequences)
         stats.sequences += len(sequences)
@@ -212,6 +238,8 @@ class TrainStream:
             "last_turn_only": c.last_turn_only,
             "supervise_empty_think": c.supervise_empty_think,
             "pack_window": self.pack_window,
+            **({"window_tokens": self.window_tokens}
+               if self.window_tokens != default_window_tokens(c.max_seq_len) else {}),
             "chat_template": c.chat_template,
             # only when not the default, so that checkpoints from before the field still resume
             **({"train_roles": list(c.train_roles)} if c.train_roles != ("assistant",) else {}),
