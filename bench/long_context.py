@@ -55,6 +55,10 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.product import markdown_table  # noqa: E402 - the bench's one table format
+
 SPECS = {"qwen3-0.6b": "specs/qwen3_0.6b_packed.toml", "qwen3-4b": "specs/qwen3_4b_12gib.toml"}
 #: The long-row memory recipe (docs/memory.md) applied over each shipped spec.
 RECIPE = ["memory.activation_checkpointing=full", "memory.offload_checkpoints=true", "train.batch_size=1", "train.grad_accum=1", "data.packing=false", "data.truncation=truncate",
@@ -338,19 +342,14 @@ def _note(r: dict) -> str:
     return note.strip()
 
 
+#: The table's columns: (header, result key or function of the row, format).
+COLUMNS = [("shape", "shape", ""), ("tokens/row", "length", ","), ("setup", "setup", ""), ("tok/s", "tok_s", ",.0f"),
+           ("median step s", "median_step_s", ".2f"), ("peak alloc GiB", "max_allocated_gib", ".2f"),
+           ("peak reserved GiB", "max_reserved_gib", ".2f"), ("note", _note, "")]
+
+
 def table(results: list[dict]) -> str:
-    rows = ["| shape | tokens/row | setup | tok/s | median step s | peak alloc GiB | peak reserved GiB | note |",
-            "|---|---|---|---|---|---|---|---|"]
-
-    def f(x, fmt):
-        return "" if x is None else format(x, fmt)
-
-    for r in results:
-        rows.append(f"| {r['shape']} | {r['length']:,} | {r['setup']} | {f(r.get('tok_s'), ',.0f')} | "
-                    f"{f(r.get('median_step_s'), '.2f')} | "
-                    f"{f(r.get('max_allocated_gib'), '.2f')} | {f(r.get('max_reserved_gib'), '.2f')} | "
-                    f"{_note(r)} |")
-    return "\n".join(rows)
+    return markdown_table(results, COLUMNS, setup=None, inline_errors=True)  # the note column shows an error
 
 
 def main(argv=None) -> int:

@@ -222,29 +222,30 @@ def pcie_floor(results: list[dict]) -> None:
                 r["pcie_share_of_step"] = s / r["median_step_s"]
 
 
+#: The table's columns: (header, result key, format).
+COLUMNS = [("mean tok/s", "mean_tok_s", ",.0f"), ("max alloc GiB", "max_allocated_gib", ".2f"),
+           ("max reserved GiB", "max_reserved_gib", ".2f"), ("host RSS GiB", "host_rss_max_gib", ".1f"),
+           ("host state GiB", "host_state_gib", ".2f"), ("PCIe GiB/step", "pcie_gib_per_step", ".2f"),
+           ("PCIe s/step", "pcie_s_per_step", ".3f"), ("step s (median)", "median_step_s", ".3f")]
+
+
+def _setup_cell(r: dict) -> str:
+    """The setup, with its error's last line and its timeout beside it (the figures it logged stay)."""
+    err = r.get("error")
+    note = "" if not err else f" (error: {str(err).strip().splitlines()[-1][:100]})"
+    if r.get("timed_out"):
+        note += f" (timed out at {r['timed_out']:.0f} s)"
+    return f"{r['setup']}{note}"
+
+
 def table(results: list[dict]) -> str:
-    rows = ["| setup | mean tok/s | max alloc GiB | max reserved GiB | host RSS GiB | host state GiB | "
-            "PCIe GiB/step | PCIe s/step | step s (median) |", "|---|---|---|---|---|---|---|---|---|"]
-
-    def f(x, fmt):
-        return "" if x is None else format(x, fmt)
-
-    for r in results:
-        if r["setup"] == "bandwidth":
-            continue
-        err = r.get("error")
-        note = "" if not err else f" (error: {str(err).strip().splitlines()[-1][:100]})"
-        if r.get("timed_out"):
-            note += f" (timed out at {r['timed_out']:.0f} s)"
-        rows.append(f"| {r['setup']}{note} | {f(r.get('mean_tok_s'), ',.0f')} | {f(r.get('max_allocated_gib'), '.2f')} | "
-                    f"{f(r.get('max_reserved_gib'), '.2f')} | {f(r.get('host_rss_max_gib'), '.1f')} | "
-                    f"{f(r.get('host_state_gib'), '.2f')} | {f(r.get('pcie_gib_per_step'), '.2f')} | "
-                    f"{f(r.get('pcie_s_per_step'), '.3f')} | {f(r.get('median_step_s'), '.3f')} |")
+    text = product.markdown_table([r for r in results if r["setup"] != "bandwidth"], COLUMNS, setup=_setup_cell,
+                                  inline_errors=True)
     bw = next((r for r in results if r["setup"] == "bandwidth"), None)
     if bw and "h2d_gb_s" in bw:
-        rows.append(f"\nhost↔device (1 GiB, page-locked): H2D {bw['h2d_gb_s']:.1f} GB/s, D2H {bw['d2h_gb_s']:.1f} GB/s, "
-                    f"both at once {bw['both_gb_s_each']:.1f} GB/s each")
-    return "\n".join(rows)
+        text += (f"\n\nhost↔device (1 GiB, page-locked): H2D {bw['h2d_gb_s']:.1f} GB/s, D2H {bw['d2h_gb_s']:.1f} GB/s, "
+                 f"both at once {bw['both_gb_s_each']:.1f} GB/s each")
+    return text
 
 
 def main(argv=None) -> int:

@@ -96,17 +96,26 @@ def summarize(records: list[dict], skip: int) -> dict:
     return out
 
 
-def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """A Markdown table of result rows: ``columns`` as ``(header, key, format)``, the first
-    column the row's ``setup``; a row with an ``error`` shows the error's last line instead."""
-    lines = ["| setup | " + " | ".join(h for h, _, _ in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+def markdown_table(rows: list[dict], columns: list[tuple], setup=lambda r: r["setup"],
+                   inline_errors: bool = False) -> str:
+    """A Markdown table of result rows: ``columns`` as ``(header, key, format)``, ``key`` a row's
+    key or a function of the row (``format`` "" for text; a missing or None value is an empty
+    cell).  The first column is ``setup``: the row's ``setup``, or what the function ``setup``
+    makes of the row (``None``: no such column).  A row with an ``error`` shows the error's last
+    line instead of its cells, unless ``inline_errors`` (the caller's columns or ``setup`` show it)."""
+    def cell(r: dict, key, fmt: str) -> str:
+        value = key(r) if callable(key) else r.get(key)
+        return "" if value is None else format(value, fmt)
+
+    lead = [] if setup is None else ["setup"]
+    lines = ["| " + " | ".join(lead + [h for h, _, _ in columns]) + " |", "|---" * (len(lead) + len(columns)) + "|"]
     for r in rows:
-        if r.get("error"):
+        first = [] if setup is None else [str(setup(r))]
+        if r.get("error") and not inline_errors:
             last = (str(r["error"]).strip().splitlines() or [""])[-1][:150]
-            lines.append(f"| {r['setup']} | error: {last} " + "|" * len(columns))
+            lines.append("| " + "".join(f"{c} | " for c in first) + f"error: {last} " + "|" * len(columns))
             continue
-        cells = ["" if r.get(key) is None else format(r[key], fmt) for _, key, fmt in columns]
-        lines.append(f"| {r['setup']} | " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(first + [cell(r, key, fmt) for _, key, fmt in columns]) + " |")
     return "\n".join(lines)
 
 
@@ -294,6 +303,12 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as handle:
             json.dump({"spec": args.spec, "steps": args.steps, "skip": args.skip, "results": results}, handle, indent=1)
+        stem = os.path.splitext(args.out)[0]
+        for r in results:  # the profile's summaries beside the JSON (the trace itself stays in the run folder)
+            for name in ("ops.txt", "streams.txt"):
+                path = os.path.join(r.get("profile_dir") or "", name)
+                if r.get("profile_dir") and os.path.exists(path):
+                    shutil.copyfile(path, f"{stem}-{name}")
     return 0 if all(not r.get("error") for r in results) else 1
 
 

@@ -1,7 +1,13 @@
-"""Fixtures shared by the test modules of this folder."""
+"""Fixtures shared by the test modules of this folder (their shared functions: helpers.py)."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# ``from helpers import ...`` in the test modules, whatever pytest's import mode.
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pgs.cli import main
 from pgs.runtime.loop import train
 from pgs.runtime.loop.averaging import CHECKPOINT_FILE, EXPORT_DIR, WeightAverager
 from pgs.runtime.spec.load import load_spec
-from test_train import assert_same_tensors, tiny_spec
+from helpers import assert_same_tensors, tiny_spec
 
 
 def _run(tmp_path, name, *sets, resume=None, **fields):

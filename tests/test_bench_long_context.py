@@ -180,6 +180,18 @@ def test_child_env_keeps_the_extras_on_pythonpath(monkeypatch):
     assert paths == [ROOT, "/tmp/site"]
 
 
+def test_table_columns_and_the_note():
+    rows = [{"setup": "pgs run", "shape": "qwen3-0.6b", "length": 131072, "status": "ok", "tok_s": 4321.5,
+             "median_step_s": 30.333, "max_allocated_gib": 60.004, "max_reserved_gib": 70.5, "error": None},
+            {"setup": "hf_liger_ac", "shape": "qwen3-0.6b", "length": 131072, "status": "oom",
+             "error": "does not fit: CUDA out of memory", "max_allocated_gib": 130.0}]
+    assert lc.table(rows).splitlines() == [
+        "| shape | tokens/row | setup | tok/s | median step s | peak alloc GiB | peak reserved GiB | note |",
+        "|---|---|---|---|---|---|---|---|",
+        "| qwen3-0.6b | 131,072 | pgs run | 4,322 | 30.33 | 60.00 | 70.50 |  |",
+        "| qwen3-0.6b | 131,072 | hf_liger_ac |  |  | 130.00 |  | oom: does not fit: CUDA out of memory |"]
+
+
 def test_records_are_sized_for_the_row_being_run(tmp_path):
     """words_for: records a little over the row's length with the spec's tokenizer (not the
     longest row's size for every row: a 128k-token record was tokenized whole for a 16k row)."""

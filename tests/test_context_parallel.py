@@ -107,15 +107,13 @@ def test_pgs_run_with_context_parallel_equals_one_process(tmp_path):
     FSDP2 over the same ranks, full activation checkpointing so that the ring also runs in the
     recompute of backward) against one process: the same rows, the same losses and eval losses
     to fp32 rounding, the same weights after 4 AdamW steps to 1e-5."""
-    from test_train import ROOT, child_env, records, step_records, tiny_spec
-    from test_train_distributed import assert_same_weights, final_weights
+    from helpers import assert_same_weights, final_weights, launch, records, step_records, tiny_spec
 
     single = tiny_spec(tmp_path, "single", steps=4, every=0, export="true", eval_every=4)
     split = tiny_spec(tmp_path, "split", steps=4, every=0, export="true", eval_every=4)
     split.write_text(split.read_text() + '\n[memory]\nactivation_checkpointing = "full"\n\n[parallel]\ncontext = 2\n')
     for spec, extra in ((single, []), (split, ["--nproc", "2"])):
-        done = subprocess.run([sys.executable, "-m", "pgs", "run", str(spec), *extra], cwd=ROOT,
-                              env=child_env(PGS_PG_TIMEOUT_S=60), capture_output=True, text=True, timeout=300)
+        done = launch(spec, timeout=300, args=extra, PGS_PG_TIMEOUT_S=60)
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     one, two = step_records(tmp_path / "single"), step_records(tmp_path / "split")
     assert [r["step"] for r in two] == [1, 2, 3, 4]
@@ -131,7 +129,7 @@ def test_pgs_run_with_context_parallel_equals_one_process(tmp_path):
 def test_context_must_divide_the_processes_and_the_rows_split_over_data_ranks(tmp_path, monkeypatch):
     from pgs.errors import SpecError
     from pgs.runtime.spec.load import check_world_size, load_spec
-    from test_train import tiny_spec
+    from helpers import tiny_spec
 
     spec = load_spec(tiny_spec(tmp_path, "cp"), ["parallel.context=2"])
     assert (spec.parallel.context, spec.parallel.layout) == (2, "zigzag")
@@ -149,12 +147,11 @@ def test_context_must_divide_the_processes_and_the_rows_split_over_data_ranks(tm
 
 
 def test_context_on_one_process_is_refused(tmp_path):
-    from test_train import ROOT, child_env, tiny_spec
+    from helpers import launch, tiny_spec
 
     spec = tiny_spec(tmp_path, "one")
     spec.write_text(spec.read_text() + "\n[parallel]\ncontext = 2\n")
-    done = subprocess.run([sys.executable, "-m", "pgs", "run", str(spec)], cwd=ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=120)
+    done = launch(spec, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "parallel.context: 2 ranks per sequence need pgs run --nproc N" in done.stderr
 
@@ -167,7 +164,7 @@ def test_context_refused_for_an_objective_that_needs_whole_sequences(tmp_path, s
     from pgs.errors import SpecError
     from pgs.runtime.loop.train import setup
     from pgs.runtime.spec.load import load_spec
-    from test_train import tiny_spec
+    from helpers import tiny_spec
 
     path = tiny_spec(tmp_path, section)
     text = path.read_text()

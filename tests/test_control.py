@@ -14,7 +14,7 @@ from pgs.errors import EXIT_PREFLIGHT, EXIT_SKIP_CAP, EXIT_WALL_BUDGET, HaltErro
 from pgs.runtime.loop import control
 from pgs.runtime.loop.faults import Faults
 
-from test_train import assert_same_checkpoint, launch, records, step_records, tiny_spec
+from helpers import assert_same_checkpoint, launch, records, step_records, tiny_spec
 
 
 # -- units ------------------------------------------------------------------------------

@@ -13,57 +13,18 @@ from transformers import AutoTokenizer
 
 from pgs.cli import main
 from pgs.runtime.data.synthetic import generate, write_jsonl
-from tests.test_train import launch
+from helpers import LOOP, launch, loop_fields, model_toml, write_toml
 
 MISTRAL_TOKENS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
                   "[/TOOL_RESULTS]"]
 
-SPEC = """
-[model]
-tokenizer = "{tokenizer}"
-init_seed = 3
-
-[model.config]
-model_type = "qwen3"
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-head_dim = 16
-max_position_embeddings = 256
-tie_word_embeddings = true
-
+SPEC = """{model}
 [data]
 sources = [{sources}]
 max_seq_len = 256
 chat_template = "mistral-v3"
 seed = 1
-
-[optimizer]
-alias = "adamw"
-args = {{ weight_decay = 0.0 }}
-
-[schedule]
-name = "cosine"
-peak = 1e-2
-warmup = 5
-
-[train]
-steps = {steps}
-batch_size = 4
-grad_accum = 1
-seed = 7
-eval_every = 0
-log_every = 1000
-
-[checkpoint]
-dir = "{run_dir}"
-every = 0
-keep = 0
-best_metric = ""
-export = true
-"""
+""" + LOOP
 
 
 def mistral_tokenizer(folder: Path) -> str:
@@ -75,10 +36,11 @@ def mistral_tokenizer(folder: Path) -> str:
 
 
 def write_spec(tmp_path: Path, sources: str, steps: int = 10) -> Path:
-    spec = tmp_path / "spec.toml"
-    spec.write_text(SPEC.format(tokenizer=mistral_tokenizer(tmp_path / "tok"), sources=sources, steps=steps,
-                                run_dir=tmp_path / "run"))
-    return spec
+    model = model_toml(mistral_tokenizer(tmp_path / "tok"), hidden_size=64, intermediate_size=128,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    fields = loop_fields(schedule='name = "cosine"\npeak = 1e-2\nwarmup = 5', grad_accum=1, export="true",
+                         steps=steps, run_dir=tmp_path / "run")
+    return write_toml(tmp_path / "spec.toml", SPEC, model=model, sources=sources, **fields)
 
 
 @pytest.mark.slow

@@ -12,21 +12,19 @@ import pytest
 from pgs.runtime.loop.faults import Faults
 from pgs.runtime.loop.train import run
 from pgs.runtime.spec.load import load_spec
-from test_train import assert_same_checkpoint, launch, records, run_plain_and_released, step_records
+from helpers import (LOOP, assert_same_checkpoint, inline_table, launch, loop_fields, quickstart_head, records,
+                     run_plain_and_released, step_records, tiny_config, write_toml)
 
 pytestmark = pytest.mark.slow
 
-ASSETS = Path(__file__).resolve().parent.parent / "pgs" / "assets" / "quickstart"
-STUDENT = ('model_type = "qwen3", hidden_size = 32, intermediate_size = 64, num_hidden_layers = 2, '
-           'num_attention_heads = 2, num_key_value_heads = 1, head_dim = 16, max_position_embeddings = 256, '
-           'tie_word_embeddings = true')
-TEACHER = STUDENT.replace("hidden_size = 32", "hidden_size = 48").replace("num_hidden_layers = 2", "num_hidden_layers = 1")
+STUDENT = inline_table(tiny_config(max_position_embeddings=256))
+TEACHER = inline_table(tiny_config(max_position_embeddings=256, hidden_size=48, num_hidden_layers=1))
 
 SPEC = """
 [model]
 tokenizer = "pgs:quickstart/tokenizer"
 init_seed = 3
-config = {{ {student} }}
+config = {student}
 
 [data]
 sources = ["{train}"]
@@ -35,7 +33,7 @@ max_seq_len = 192
 seed = 1
 
 [distill]
-teacher_config = {{ {teacher} }}
+teacher_config = {teacher}
 teacher_init_seed = {teacher_seed}
 teacher_dtype = "float32"
 on_policy = 0.5
@@ -46,43 +44,18 @@ eval_prompts = 8
 max_new_tokens = 6
 temperature = 1.0
 top_p = 0.95
-
-[optimizer]
-alias = "adamw"
-args = {{ weight_decay = 0.0 }}
-
-[schedule]
-name = "constant"
-peak = 3e-3
-
-[train]
-steps = {steps}
-batch_size = 4
-grad_accum = 2
-seed = 7
-eval_every = {eval_every}
-log_every = 1000
-
-[checkpoint]
-dir = "{run_dir}"
-every = 2
-keep = 0
-best_metric = ""
-export = false
-"""
+""" + LOOP
 
 
 def write_spec(tmp_path: Path, name: str = "run", **fields) -> Path:
     train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     if not train.exists() and "train" not in fields:
-        train.write_text("\n".join((ASSETS / "train.jsonl").read_text().splitlines()[:64]) + "\n")
-        held.write_text("\n".join((ASSETS / "eval.jsonl").read_text().splitlines()[:12]) + "\n")
-    values = dict(student=STUDENT, teacher=TEACHER, teacher_seed=0, kind="jsd", steps=6, eval_every=3, train=train,
-                  eval=held, run_dir=tmp_path / name)
+        quickstart_head("train.jsonl", 64, train)
+        quickstart_head("eval.jsonl", 12, held)
+    values = loop_fields(student=STUDENT, teacher=TEACHER, teacher_seed=0, kind="jsd", steps=6, eval_every=3, every=2,
+                         train=train, eval=held, run_dir=tmp_path / name)
     values.update(fields)
-    path = tmp_path / f"{name}.toml"
-    path.write_text(SPEC.format(**values))
-    return path
+    return write_toml(tmp_path / f"{name}.toml", SPEC, **values)
 
 
 @pytest.fixture(scope="module")

@@ -13,24 +13,13 @@ from pgs.cli import main
 from pgs.errors import SpecError
 from pgs.runtime.spec.load import DistillSpec, load_spec, spec_from_dict
 from pgs.runtime.spec.preflight import check_resources
+from helpers import model_toml, tiny_config, write_toml
 
-ARCH = dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, max_position_embeddings=256)
+SMALL = dict(num_hidden_layers=1, max_position_embeddings=256, tie_word_embeddings=None)
+ARCH = tiny_config(**SMALL)
 TOKENIZER = Path(__file__).resolve().parents[1] / "pgs" / "assets" / "quickstart" / "tokenizer"
 
-SPEC = """
-[model]
-tokenizer = "pgs:quickstart/tokenizer"
-[model.config]
-model_type = "qwen3"
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-head_dim = 16
-max_position_embeddings = 256
-[data]
+SPEC = model_toml(init_seed=None, **SMALL) + """[data]
 sources = ["pgs:quickstart/train.jsonl"]
 eval = "pgs:quickstart/eval.jsonl"
 max_seq_len = 256
@@ -48,9 +37,7 @@ CONFIG_TEACHER = 'teacher_config = { model_type = "qwen3", hidden_size = 64, int
 
 
 def write(tmp_path: Path, distill: str = CONFIG_TEACHER) -> Path:
-    path = tmp_path / "spec.toml"
-    path.write_text(SPEC.format(distill=distill, run_dir=tmp_path / "run"))
-    return path
+    return write_toml(tmp_path / "spec.toml", SPEC, distill=distill, run_dir=tmp_path / "run")
 
 
 def teacher_folder(tmp_path: Path, tokenizer=None, vocab_size: int | None = None) -> Path:

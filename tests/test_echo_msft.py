@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,11 +16,9 @@ from pgs.runtime.data.chat import encode_chat
 from pgs.runtime.loop.faults import Faults
 from pgs.runtime.loop.msft import pick_excluded, source_names
 
-ROOT = Path(__file__).resolve().parent.parent
-QUICKSTART = ROOT / "pgs" / "assets" / "quickstart"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import QUICKSTART, ROOT, launch, model_toml, records as _records  # noqa: E402
 from test_data_chat import QWEN3_STYLE, WEATHER_TOOL, call, tokenizer_with, trained_runs  # noqa: E402
-from test_prepare import TINY_MODEL  # noqa: E402
 
 ECHO_TURNS = [
     {"role": "user", "content": "Is it 12C cloudy in Oslo?"},
@@ -73,7 +69,7 @@ def test_pick_excluded_is_the_earliest_best_and_source_names():
     assert source_names([S("a/x.jsonl"), S("b/x.jsonl")]) == ["source0", "source1"]
 
 
-SPEC = TINY_MODEL + """
+SPEC = model_toml(num_hidden_layers=1) + """
 [data]
 sources = [{ path = "DIR/add.jsonl", eval = "DIR/add_eval.jsonl" },
            { path = "DIR/weather.jsonl", eval = "DIR/weather_eval.jsonl", weight = 0.5 }]
@@ -118,14 +114,7 @@ def _msft_spec(tmp_path: Path) -> Path:
 
 
 def _launch(spec: Path, *extra, **env):
-    environ = {k: v for k, v in os.environ.items() if k != "PGS_FAULTS"}
-    environ.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT), **env)
-    return subprocess.run([sys.executable, "-m", "pgs", "run", str(spec), *extra], cwd=ROOT, env=environ,
-                          capture_output=True, text=True, timeout=300)
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return launch(spec, timeout=300, args=extra, PYTHONPATH=ROOT, **env)
 
 
 @pytest.mark.slow

@@ -153,11 +153,11 @@ def test_pgs_run_trains_a_remote_code_model(tmp_path, tokenizer, capsys):
     from pgs.cli import main
 
     folder = _remote_folder(tmp_path, len(tokenizer))
-    from tests.test_faults_validate_run import _spec
+    from helpers import cpu_spec
 
     model = f'path = "{folder.as_posix()}"\ntrust_remote_code = true\nattn_implementation = "sdpa"\ndtype = "float32"'
     sets = ["train.steps=2", "checkpoint.export=true", 'checkpoint.best_metric=""', 'checkpoint.max_shard_size="40KB"']
-    assert main(["run", str(_spec(tmp_path, model=model)), *[a for x in sets for a in ("--set", x)]]) == 0, \
+    assert main(["run", str(cpu_spec(tmp_path, model=model)), *[a for x in sets for a in ("--set", x)]]) == 0, \
         capsys.readouterr().err
     final = tmp_path / "run" / "final"
     assert (final / INDEX).exists()

@@ -1,6 +1,6 @@
 """Issue 29, items 2 and 3: a disk that fills mid-checkpoint, and a run folder used twice.
 
-Both through ``pgs run`` end to end on tests/test_train.py's tiny spec, in this process (the
+Both through ``pgs run`` end to end on tests/helpers.py's tiny spec, in this process (the
 full disk is injected by making safetensors' ``save_file`` or a file write raise what a full
 disk raises).
 """
@@ -19,7 +19,7 @@ from pgs import cli
 from pgs.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL
 from pgs.runtime.store import checkpoint as ckpt
 from pgs.runtime.store import dcp
-from tests.test_train import records, step_records, tiny_spec
+from helpers import records, step_records, tiny_spec
 
 
 @pytest.fixture(autouse=True)

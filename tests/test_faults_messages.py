@@ -14,6 +14,7 @@ import pytest
 
 from pgs.cli import main
 from pgs.errors import DataError, InvalidArgument
+from helpers import error_line, write_toml
 from test_cli_malformed import DATA_SPEC
 
 # the malformed-data fixtures' tiny spec, with a run folder of its own and room for more sections
@@ -21,9 +22,7 @@ SPEC = DATA_SPEC.replace("{path}", "{data}") + '[checkpoint]\ndir = "run"\n{extr
 
 
 def _spec(tmp_path: Path, extra: str = "", data: str = "pgs:quickstart/train.jsonl") -> Path:
-    path = tmp_path / "spec.toml"
-    path.write_text(SPEC.format(extra=extra, data=data), encoding="utf-8")
-    return path
+    return write_toml(tmp_path / "spec.toml", SPEC, extra=extra, data=data)
 
 
 def _cli(args: list[str], capsys) -> subprocess.CompletedProcess:
@@ -33,12 +32,9 @@ def _cli(args: list[str], capsys) -> subprocess.CompletedProcess:
 
 
 def _one_line(proc: subprocess.CompletedProcess, code: int = 2) -> str:
-    assert "Traceback" not in proc.stderr, proc.stderr
+    line = error_line(proc.stderr)
     assert proc.returncode == code, (proc.returncode, proc.stderr)
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("pgs: error: "), proc.stderr
-    return lines[0]
+    return line
 
 
 # ------------------------------------------------------------------------- 5. messages

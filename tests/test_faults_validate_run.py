@@ -15,70 +15,15 @@ from pathlib import Path
 import pytest
 
 from pgs.cli import main
-from pgs.runtime.spec.load import ASSETS_DIR, ChainEntry, load_spec
-
-ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER = ASSETS_DIR / "quickstart" / "tokenizer"
-
-SPEC = """\
-[model]
-tokenizer = "{tokenizer}"
-{model}
-
-[data]
-sources = [{{ path = "pgs:quickstart/train.jsonl" }}]
-max_seq_len = 96
-
-[train]
-steps = 1
-batch_size = 2
-eval_every = 0
-log_every = 1000
-device = "cpu"
-
-[checkpoint]
-dir = "{run_dir}"
-every = 0
-export = false
-"""
-
-CONFIG = """\
-[model.config]
-model_type = "qwen3"
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 1
-num_attention_heads = 4
-num_key_value_heads = 2
-head_dim = 8
-max_position_embeddings = 128
-tie_word_embeddings = true
-"""
-
-
-def _spec(tmp_path: Path, *, model: str = CONFIG, tokenizer: Path = TOKENIZER, run_dir: Path | None = None) -> Path:
-    path = tmp_path / "spec.toml"
-    run_dir = run_dir if run_dir is not None else tmp_path / "run"
-    path.write_text(SPEC.format(model=model, tokenizer=tokenizer.as_posix(), run_dir=run_dir.as_posix()),
-                    encoding="utf-8")
-    return path
-
-
-def _one_line(argv: list[str], capsys) -> tuple[int, str]:
-    code = main(argv)
-    _, err = capsys.readouterr()
-    assert "Traceback" not in err, err
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("pgs: error: "), err
-    return code, lines[0]
+from pgs.runtime.spec.load import ChainEntry, load_spec
+from helpers import ROOT, cli_error, cpu_spec
 
 
 def assert_both_refuse(spec: Path, expected: str, capsys, sets: tuple[str, ...] = ()) -> str:
     """``pgs validate`` and ``pgs run`` give exit 2 and the same one line containing ``expected``."""
     overrides = [a for s in sets for a in ("--set", s)]
-    code_v, line_v = _one_line(["validate", str(spec), *overrides], capsys)
-    code_r, line_r = _one_line(["run", str(spec), *overrides], capsys)
+    code_v, line_v = cli_error(["validate", str(spec), *overrides], capsys)
+    code_r, line_r = cli_error(["run", str(spec), *overrides], capsys)
     assert (code_v, code_r) == (2, 2), (line_v, line_r)
     assert expected in line_v, (expected, line_v)
     assert line_r == line_v
@@ -104,20 +49,20 @@ def _model_folder(tmp_path: Path, **fields) -> Path:
 
 
 def test_absurd_max_seq_len(tmp_path, capsys):
-    line = assert_both_refuse(_spec(tmp_path), "data.max_seq_len: 1000000000 is longer than the model's "
+    line = assert_both_refuse(cpu_spec(tmp_path), "data.max_seq_len: 1000000000 is longer than the model's "
                               "max_position_embeddings = 128", capsys, ("data.max_seq_len=1000000000",))
     assert "set data.max_seq_len <= 128" in line
 
 
 def test_max_seq_len_above_config_positions(tmp_path, capsys):
-    assert_both_refuse(_spec(tmp_path), "data.max_seq_len: 129 is longer than the model's "
+    assert_both_refuse(cpu_spec(tmp_path), "data.max_seq_len: 129 is longer than the model's "
                        "max_position_embeddings = 128 (model.config); set data.max_seq_len <= 128",
                        capsys, ("data.max_seq_len=129",))
 
 
 def test_max_seq_len_above_folder_positions(tmp_path, capsys):
     folder = _model_folder(tmp_path, max_position_embeddings=64)
-    assert_both_refuse(_spec(tmp_path, model=f'path = "{folder.as_posix()}"'),
+    assert_both_refuse(cpu_spec(tmp_path, model=f'path = "{folder.as_posix()}"'),
                        "data.max_seq_len: 96 is longer than the model's max_position_embeddings = 64 "
                        "(model.path's config.json); set data.max_seq_len <= 64", capsys)
 
@@ -125,7 +70,7 @@ def test_max_seq_len_above_folder_positions(tmp_path, capsys):
 def test_max_seq_len_at_the_limit_is_fine(tmp_path):
     from pgs.runtime.spec.preflight import check_seq_len, config_from_table, position_limit
 
-    spec = load_spec(_spec(tmp_path), ["data.max_seq_len=128"])
+    spec = load_spec(cpu_spec(tmp_path), ["data.max_seq_len=128"])
     config = config_from_table({**spec.model.config, "vocab_size": 512})
     check_seq_len(spec, config)
     assert position_limit(config) == (128, "max_position_embeddings = 128")
@@ -135,20 +80,20 @@ def test_max_seq_len_at_the_limit_is_fine(tmp_path):
 
 
 def test_key_value_heads_do_not_divide(tmp_path, capsys):
-    assert_both_refuse(_spec(tmp_path), "model.config.num_key_value_heads: 3 does not divide "
+    assert_both_refuse(cpu_spec(tmp_path), "model.config.num_key_value_heads: 3 does not divide "
                        "num_attention_heads = 4", capsys, ("model.config.num_key_value_heads=3",))
 
 
 def test_key_value_heads_do_not_divide_in_a_folder(tmp_path, capsys):
     folder = _model_folder(tmp_path, num_key_value_heads=3)
-    line = assert_both_refuse(_spec(tmp_path, model=f'path = "{folder.as_posix()}"'),
+    line = assert_both_refuse(cpu_spec(tmp_path, model=f'path = "{folder.as_posix()}"'),
                               "num_key_value_heads: 3 does not divide num_attention_heads = 4", capsys)
     assert "config.json" in line
 
 
 def test_unknown_model_type_in_a_folder_is_short(tmp_path, capsys):
     folder = _model_folder(tmp_path, model_type="qwen99")
-    line = assert_both_refuse(_spec(tmp_path, model=f'path = "{folder.as_posix()}"'),
+    line = assert_both_refuse(cpu_spec(tmp_path, model=f'path = "{folder.as_posix()}"'),
                               "model_type: unknown architecture 'qwen99' (did you mean qwen3?)", capsys)
     assert len(line) < 300, len(line)
 
@@ -159,27 +104,27 @@ def test_unknown_model_type_in_a_folder_is_short(tmp_path, capsys):
 def test_checkpoint_dir_under_a_file(tmp_path, capsys):
     blocker = tmp_path / "afile"
     blocker.write_text("not a folder")
-    spec = _spec(tmp_path, run_dir=blocker / "run")
+    spec = cpu_spec(tmp_path, run_dir=blocker / "run")
     assert_both_refuse(spec, f"checkpoint.dir: {blocker / 'run'} cannot be created: {blocker} is a file", capsys)
 
 
 def test_checkpoint_dir_is_a_file(tmp_path, capsys):
     blocker = tmp_path / "afile"
     blocker.write_text("not a folder")
-    assert_both_refuse(_spec(tmp_path, run_dir=blocker), f"checkpoint.dir: {blocker} is a file", capsys)
+    assert_both_refuse(cpu_spec(tmp_path, run_dir=blocker), f"checkpoint.dir: {blocker} is a file", capsys)
 
 
 def test_empty_tokenizer_folder(tmp_path, capsys):
     empty = tmp_path / "tok"
     empty.mkdir()
-    assert_both_refuse(_spec(tmp_path, tokenizer=empty), f"model.tokenizer: {empty} holds no tokenizer", capsys)
+    assert_both_refuse(cpu_spec(tmp_path, tokenizer=empty), f"model.tokenizer: {empty} holds no tokenizer", capsys)
 
 
 def test_unreadable_tokenizer_folder(tmp_path, capsys):
     broken = tmp_path / "tok"
     broken.mkdir()
     (broken / "tokenizer.json").write_text("{ not json")
-    assert_both_refuse(_spec(tmp_path, tokenizer=broken), f"model.tokenizer: cannot load a tokenizer from {broken}",
+    assert_both_refuse(cpu_spec(tmp_path, tokenizer=broken), f"model.tokenizer: cannot load a tokenizer from {broken}",
                        capsys)
 
 
@@ -187,6 +132,7 @@ def test_unreadable_tokenizer_folder(tmp_path, capsys):
 
 
 RESEARCH = ROOT / "specs" / "research_stack.toml"
+
 
 
 def test_swapping_a_transform_starts_from_its_defaults():
@@ -224,6 +170,6 @@ def test_position_limit_rope_factor_and_none(tmp_path):
     assert position_limit(scaled) == (131072, "max_position_embeddings = 32768 x rope factor 4")
     unnamed = SimpleNamespace()
     assert position_limit(unnamed) == (None, "")
-    check_seq_len(load_spec(_spec(tmp_path), [f"data.max_seq_len={MAX_SEQ_LEN_UNBOUNDED}"]), unnamed)
+    check_seq_len(load_spec(cpu_spec(tmp_path), [f"data.max_seq_len={MAX_SEQ_LEN_UNBOUNDED}"]), unnamed)
     with pytest.raises(SpecError, match="names no max_position_embeddings and pgs refuses more than 1048576"):
-        check_seq_len(load_spec(_spec(tmp_path), ["data.max_seq_len=1000000000"]), unnamed)
+        check_seq_len(load_spec(cpu_spec(tmp_path), ["data.max_seq_len=1000000000"]), unnamed)

@@ -135,12 +135,12 @@ def test_global_transform_is_refused_with_the_reason():
 
 
 def test_pgs_run_two_ranks_with_release_equals_without(tmp_path):
-    """Two torchrun launches of tests/test_train.py's tiny spec (2 ranks, grad_accum = 1,
+    """Two torchrun launches of tests/helpers.py's tiny spec (2 ranks, grad_accum = 1,
     clip = 0, AdamW), with and without gradient release, started together: the same final
     weights bit for bit, the same losses, and the release run logs lr and grad_norm."""
     from safetensors.torch import load_file
 
-    from test_train import ROOT, child_env, step_records
+    from helpers import ROOT, child_env, step_records
     from test_train_distributed import STEPS, TIMEOUT_S, spec_for
 
     procs = {}

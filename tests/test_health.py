@@ -14,7 +14,7 @@ from pgs.errors import EXIT_TRIPWIRE
 from pgs.runtime.loop import train
 from pgs.runtime.loop.health import SPIKE_Z, WARMUP, HealthMonitor, group_of
 from pgs.runtime.spec.load import load_spec
-from test_train import tiny_spec
+from helpers import tiny_spec
 
 
 class _Tiny(torch.nn.Module):

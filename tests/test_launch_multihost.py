@@ -14,7 +14,7 @@ import pytest
 
 from pgs.cli import main
 from pgs.runtime.dist import fsdp, launch
-from test_train import tiny_spec
+from helpers import tiny_spec
 
 RECORDER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
             "TORCH_NCCL_ENABLE_MONITORING", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")

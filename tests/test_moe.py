@@ -5,10 +5,6 @@ isolation of Qwen3-MoE / OLMoE / Mixtral, and ``pgs run`` with telemetry (one pr
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -17,7 +13,7 @@ from pgs.runtime.data.isolation import packing_isolation
 from pgs.runtime.model.build import build_model, final_hidden
 from pgs.runtime.model.moe import METRIC_KEYS, RouterTap, find_routers, router_tap
 from pgs.runtime.spec.load import MoESpec
-from test_train import ROOT, child_env, tiny_spec
+from helpers import launch, step_records, tiny_spec
 
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
               max_position_embeddings=128, vocab_size=97, tie_word_embeddings=False)
@@ -176,7 +172,7 @@ EXPERTS = {"qwen3_moe": "num_experts = 4\nmoe_intermediate_size = 16", "olmoe": 
 
 def moe_spec(tmp_path, name, *, model_type="qwen3_moe", steps=3, grad_accum=2, checkpointing="none",
              load_balance=0.0, z_loss=0.0, **fields):
-    """tests/test_train.py's tiny spec (``fields``: its other fields) with a 4-expert top-2 model of
+    """tests/helpers.py's tiny spec (``fields``: its other fields) with a 4-expert top-2 model of
     ``model_type`` and ``[moe]``."""
     path = tiny_spec(tmp_path, name, steps=steps, **{"every": 0, **fields})
     text = path.read_text().replace('model_type = "qwen3"',
@@ -189,11 +185,9 @@ def moe_spec(tmp_path, name, *, model_type="qwen3_moe", steps=3, grad_accum=2, c
 
 
 def run_spec(path, timeout=240):
-    done = subprocess.run([sys.executable, "-m", "pgs", "run", str(path)], cwd=ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    done = launch(path, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = (path.parent / path.stem / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r]
+    return step_records(path.parent / path.stem)
 
 
 @pytest.mark.slow

@@ -11,16 +11,12 @@ as 2 chunks that split dimension 0.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from pgs.runtime.model.moe import METRIC_KEYS
+from helpers import assert_same_weights, final_weights, step_records, torchrun
 from test_moe import moe_spec, run_spec
-from test_train import ROOT, child_env, step_records
-from test_train_distributed import assert_same_weights, final_weights
 
 TIMEOUT_S = 300
 STEPS = 4
@@ -35,9 +31,7 @@ def _spec(tmp_path, name):
 def test_moe_two_ranks_equal_one_process_and_experts_are_sharded(tmp_path):
     single = run_spec(_spec(tmp_path, "single"), timeout=TIMEOUT_S)
     two = _spec(tmp_path, "two")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "pgs", "run", str(two)], cwd=ROOT, env=child_env(PGS_PG_TIMEOUT_S=60),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = torchrun(two, timeout=TIMEOUT_S)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     ranks = step_records(tmp_path / "two")
     assert [r["step"] for r in ranks] == list(range(1, STEPS + 1))

@@ -8,6 +8,7 @@ at fp32 rounding (the same operations in another order); bf16 results at bf16 ro
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -412,3 +413,29 @@ def test_changing_hyperparameters_compiles_nothing_new():
         if seen is None:
             seen = compiled()
         assert compiled() == seen  # per-step values are read from device memory
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="the seeded rounding runs in Triton: a GPU or the interpreter")
+def test_pf_muon_stochastic_rounding_ignores_the_global_generator():
+    """``pf.muon``'s fused step on bf16 parameters with stochastic rounding (the Muon groups'
+    elementwise pass and the AdamW fallback's apply) seeds every draw from Muon's step count:
+    two runs from one state with torch's global generator reseeded and drawn from in between
+    give the same bits, and the rounding did decide something (nearest differs)."""
+    shapes = {"embed.weight": (20, 8), "layers.0.q.weight": (16, 8), "layers.0.up.weight": (24, 8),
+              "layers.0.norm.weight": (8,), "layers.1.q.weight": (16, 8)}
+    params, grads = _data(steps=2, shapes=shapes, dtype=torch.bfloat16)
+    params = {k: v.to(DEV) for k, v in params.items()}
+    grads = [{k: v.to(DEV) for k, v in g.items()} for g in grads]
+
+    from test_8bit_sr_seed import compiled_run
+
+    def run(global_seed, sr=True):
+        opt = pf.muon(0.02, weight_decay=0.1, adam_lr=3e-3, adam_weight_decay=0.01, ns_dtype=torch.float32)
+        fast = pf.compile(opt, donate=True, jit=False, stochastic_rounding=sr)
+        return compiled_run(fast, params, grads, global_seed)[0]
+
+    a, b, near = run(0), run(500), run(0, sr=False)
+    for k in shapes:
+        assert torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)), k
+    assert all(not torch.equal(a[k], near[k]) for k in ("embed.weight", "layers.0.q.weight")), "no draw decided"

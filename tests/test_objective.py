@@ -15,7 +15,7 @@ from pgs.errors import SpecError
 from pgs.runtime.loop import objective as O
 from pgs.runtime.loop.preference import PreferenceObjective
 from pgs.runtime.loop.sft import SFTObjective
-from test_train import records, step_records, tiny_spec
+from helpers import records, step_records, tiny_spec
 
 #: The members the loop reads (the protocol's annotations and methods).
 MEMBERS = sorted(set(O.Objective.__annotations__) | {

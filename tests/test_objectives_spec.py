@@ -16,7 +16,7 @@ from pgs.runtime.data import Document, collate
 from pgs.runtime.data.packing import doc_ids
 from pgs.runtime.loop import train
 from pgs.runtime.spec.load import load_spec
-from test_train import tiny_spec
+from helpers import tiny_spec
 
 
 def _doc(n: int, seed: int) -> Document:

@@ -245,103 +245,47 @@ def math_attention():
         yield
 
 
-class RngStream:
-    """One run's own stream of the global generators (the CPU's and the device's): entering it
-    swaps its state in, leaving swaps it out.  Stochastic rounding of the 8-bit chains' small
-    (fp32-state) leaves draws from the global generator (``stochastic_round_fp32`` in the fused
-    step's ``_step_small``; AdamW8bit has no seeded small-leaf kernel, Lion8bit's ``small_kernel``
-    is), so two runs compared bit for bit must each draw from the same starting state: stepped
-    one after another on one generator, the second would round with the first's leftovers."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.state = self._get()
-
-    def _get(self):
-        return torch.get_rng_state(), torch.cuda.get_rng_state() if self.cuda else None
-
-    def _set(self, state) -> None:
-        torch.set_rng_state(state[0])
-        if self.cuda:
-            torch.cuda.set_rng_state(state[1])
-
-    def __enter__(self):
-        self.outer = self._get()
-        self._set(self.state)
-        return self
-
-    def __exit__(self, *exc):
-        self.state = self._get()
-        self._set(self.outer)
-
-
-def _snapshot(model, rel, rng: RngStream) -> dict:
-    """Parameters, optimizer state (host copies) and the run's generator state, by name."""
-    out = {"param." + n: p.detach().cpu() for n, p in model.named_parameters()}
-    out.update({"state." + k: v for k, v in rel.state_dict("cpu").items()})
-    out["rng.cpu"] = rng.state[0]
-    if rng.state[1] is not None:
-        out["rng.device"] = rng.state[1]
-    return out
-
-
-def _differences(a: dict, b: dict) -> list[str]:
-    """Every key whose tensors differ, with how many elements and by how much."""
-    out = []
-    for k in sorted(set(a) | set(b)):
-        x, y = a.get(k), b.get(k)
-        if x is None or y is None or x.dtype != y.dtype or x.shape != y.shape:
-            out.append(f"{k} (missing or another dtype/shape)")
-        elif not torch.equal(x, y):
-            ne = x != y
-            d = (x.double() - y.double()).abs().max().item() if x.is_floating_point() else None
-            out.append(f"{k} ({int(ne.sum())}/{x.numel()} elements" + (f", max |d| {d:.3g})" if d is not None else ")"))
-    return out
-
-
 def alone(name: str) -> str:
     """A release grouping: every parameter in a group of its own (small ones too)."""
     return name
 
 
-def lockstep_bf16(device, make, *, slots, steps, layers, groups="layer"):
-    """Three runs of the bf16 tiny model with stochastic rounding, interleaved step by step, each
-    on its own generator stream from one starting state: the on-device release twice (is the
-    reference reproducible here?) and the offloaded one.  After every step, parameters, state
-    leaves and generator states are compared; returns ``{pair: (first step, [differences])}``
-    for the pairs that ever differ, so that one failing run says whether the reference itself
-    varies, and at which step and leaf (a state leaf alone: the staging; a parameter alone:
-    the apply or its rounding seed; the generator: a different number of random draws).
-    ``groups``: the releases' grouping; with ``alone`` (every parameter its own group) the tied
-    embedding is the one group larger than a slot, which takes every slot (with layer groups
-    the decoder layers are the largest groups: larger than a slot with 2 layers, none is with 4)."""
+def _disturb(seed: int) -> None:
+    """Reseed torch's global generators and draw from them, as other code between runs would."""
+    torch.manual_seed(seed)
+    torch.rand(1000)
+    if torch.cuda.is_available():
+        torch.rand(1000, device="cuda")
+
+
+def three_runs_bf16(device, make, *, slots, steps, layers, groups="layer"):
+    """The bf16 tiny model with stochastic rounding, trained three times one after another:
+    the on-device release twice (is the reference reproducible here?) and the offloaded one,
+    the global generators reseeded and drawn from before each.  The fused 8-bit steps draw
+    every rounding from the state's seed (the step count and the tensor's index), never from
+    those generators, so the three must be equal bit for bit.  ``groups``: the releases'
+    grouping; with ``alone`` (every parameter its own group) the tied embedding is the one
+    group larger than a slot, which takes every slot (with layer groups the decoder layers are
+    the largest groups: larger than a slot with 2 layers, none is with 4)."""
     device = torch.device(device)
     data = [ids.to(device) for ids in distinct_batches(steps)]
     runs = {}
-    for label, cls, kw in (("ref", GradientRelease, {}), ("ref2", GradientRelease, {}),
-                           ("offload", OffloadedRelease, {"slots": slots})):
-        m = tiny_model(torch.bfloat16, layers=layers).to(device)  # (seeds the generators the same way)
-        runs[label] = (m, cls(make(), m, stochastic_rounding=True, groups=groups, **kw))
-    start = RngStream(device)
-    streams = {label: RngStream(device) for label in runs}
-    for s in streams.values():
-        s.state = start.state
-    found = {}
-    for step, ids in enumerate(data):
-        for label, (m, rel) in runs.items():
-            with streams[label]:
-                loss_of(m, ids).backward()
-        snaps = {label: _snapshot(m, rel, streams[label]) for label, (m, rel) in runs.items()}
-        for pair in (("ref", "ref2"), ("ref", "offload")):
-            diff = _differences(snaps[pair[0]], snaps[pair[1]])
-            if diff and pair not in found:
-                found[pair] = (step, diff)
-    return runs, found
+    for i, (label, cls, kw) in enumerate((("ref", GradientRelease, {}), ("ref2", GradientRelease, {}),
+                                          ("offload", OffloadedRelease, {"slots": slots}))):
+        m = tiny_model(torch.bfloat16, layers=layers).to(device)
+        rel = cls(make(), m, stochastic_rounding=True, groups=groups, **kw)
+        _disturb(1000 + i)
+        run(m, rel, data)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        runs[label] = (m, rel)
+    return runs
 
 
-def _report(found: dict) -> str:
-    return "; ".join(f"{a} vs {b}: first at step {step}: " + ", ".join(diff[:10]) + (" ..." if len(diff) > 10 else "")
-                     for (a, b), (step, diff) in found.items())
+def assert_three_same(runs) -> None:
+    (a, ra), (a2, ra2), (b, rb) = runs["ref"], runs["ref2"], runs["offload"]
+    assert_same(a, a2, ra, ra2)  # the reference is reproducible (else a difference below is not the offload's)
+    assert_same(a, b, ra, rb)
 
 
 @pytest.mark.cuda
@@ -352,20 +296,18 @@ def _report(found: dict) -> str:
 def test_cuda_fused_bf16_equals_on_device(name, slots, groups, math_attention):
     """bf16 weights with stochastic rounding and the fused 8-bit kernels, on a GPU: the state
     streamed through pinned memory and side streams gives the same bits as the state kept on
-    the device, step after step (the compute stream waits for each fetch, each fetch for the
-    slot's and the group's last write-back).  Each run has its own generator stream
-    (``RngStream``: AdamW8bit's small leaves round with the global generator); a failure names
-    the first step and every leaf that differs, for the reference against itself as well.
-    ``alone``: the tied embedding is a group larger than a slot (the fetch over every slot)."""
-    runs, found = lockstep_bf16("cuda", CHAINS[name], slots=slots, steps=5, layers=4,
-                                groups=alone if groups == "alone" else groups)
+    the device (the compute stream waits for each fetch, each fetch for the slot's and the
+    group's last write-back).  ``alone``: the tied embedding is a group larger than a slot (the
+    fetch over every slot)."""
+    runs = three_runs_bf16("cuda", CHAINS[name], slots=slots, steps=5, layers=4,
+                           groups=alone if groups == "alone" else groups)
     if groups == "alone":
         st = runs["offload"][1].stager
         assert [g for g in st.layouts if st._big(g)] == ["model.embed_tokens.weight"]
     rel, ref = runs["offload"][1], runs["ref"][1]
     assert rel.stager.page_locked  # registered with cudaHostRegister (or the pinned allocator's)
     assert rel.fused_group_steps == ref.fused_group_steps > 0
-    assert not found, _report(found)
+    assert_three_same(runs)
 
 
 @pytest.mark.slow
@@ -374,43 +316,44 @@ def test_cuda_fused_bf16_equals_on_device(name, slots, groups, math_attention):
 @pytest.mark.parametrize("groups", ["layer", "alone"])
 def test_fused_adamw8bit_bf16_equals_on_device_interpreted(groups):
     """The CUDA test's comparison on the CPU: the fused 8-bit kernels in Triton's interpreter
-    (``backend="triton"``), bf16 with stochastic rounding, the tied embedding; AdamW8bit, whose
-    small leaves round with the global generator (so each run needs its own stream).  The
-    groups larger than a slot: the two decoder layers (``"layer"``), the embedding (``alone``)."""
+    (``backend="triton"``), bf16 with stochastic rounding (AdamW8bit's small leaves through the
+    seeded rounding kernel), the tied embedding.  The groups larger than a slot: the two
+    decoder layers (``"layer"``), the embedding (``alone``)."""
     make = lambda: pf.adamw8bit(1e-2, weight_decay=0.1, block_size=64, min_8bit_size=256, backend="triton")  # noqa: E731
-    runs, found = lockstep_bf16("cpu", make, slots=2, steps=3, layers=2, groups=alone if groups == "alone" else groups)
+    runs = three_runs_bf16("cpu", make, slots=2, steps=3, layers=2, groups=alone if groups == "alone" else groups)
     rel = runs["offload"][1]
     big = [g for g in rel.stager.layouts if rel.stager._big(g)]
     assert big == (["model.embed_tokens.weight"] if groups == "alone" else ["model.layers.0", "model.layers.1"])
     assert rel.fused_group_steps == runs["ref"][1].fused_group_steps == 3 * len(rel.groups)
     assert rel.plain_group_steps == 0
-    assert not found, _report(found)
+    assert_three_same(runs)
 
 
-def test_global_generator_decides_adamw8bit_small_leaves():
-    """Why the comparisons above give each run its own generator stream: with stochastic
-    rounding, AdamW8bit's fused step rounds its small (fp32-state) leaves from the global
-    generator, so two identical runs stepped one after the other on one generator differ in
-    those leaves (and then everywhere), while from the same generator state they are equal."""
+def test_adamw8bit_small_leaves_ignore_the_global_generator():
+    """With stochastic rounding AdamW8bit's fused step rounds its small (fp32-state) leaves from
+    the state's seed: two identical runs stepped one after the other on one generator, and a
+    third from a reseeded generator, give the same parameters (the small leaves included: each
+    moved, by a step whose fraction of an ulp the rounding decides)."""
     if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs CUDA or Triton's interpreter")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     make = lambda: pf.adamw8bit(1e-2, weight_decay=0.1, block_size=64, min_8bit_size=256, backend="triton")  # noqa: E731
     ids = distinct_batches(1)[0].to(dev)
+    start = tiny_model(torch.bfloat16, layers=1)
     out = []
-    for _ in range(3):
+    for i in range(3):
         m = tiny_model(torch.bfloat16, layers=1).to(dev)
-        GradientRelease(make(), m, stochastic_rounding=True)
-        if len(out) == 2:  # the third starts where the second left the generator
-            torch.set_rng_state(after[0])
-            if dev == "cuda":
-                torch.cuda.set_rng_state(after[1])
+        rel = GradientRelease(make(), m, stochastic_rounding=True)
+        if i == 2:
+            _disturb(7)
         loss_of(m, ids).backward()
-        after = (torch.get_rng_state(), torch.cuda.get_rng_state() if dev == "cuda" else None)
-        out.append(dict(m.named_parameters()))
-    assert all(torch.equal(p, out[1][n]) for n, p in out[0].items())
-    differ = [n for n, p in out[0].items() if not torch.equal(p, out[2][n])]
-    assert differ and all(out[0][n].numel() < 256 for n in differ), differ  # only the small leaves
+        assert rel.fused_group_steps == len(rel.groups)
+        out.append({n: p.detach().cpu() for n, p in m.named_parameters()})
+    small = [n for n, p in out[0].items() if p.numel() < 256]
+    assert small and all(not torch.equal(out[0][n], p) for n, p in start.named_parameters() if n in small)
+    for other in out[1:]:
+        differ = [n for n, p in out[0].items() if not torch.equal(p, other[n])]
+        assert not differ, differ
 
 
 @pytest.mark.cuda
@@ -484,23 +427,20 @@ def test_pgs_run_offloaded_sigkill_resume_equals_on_device_run(tmp_path):
     """Through ``pgs run``: the offloaded run, killed after step 4 and resumed from its step-3
     checkpoint, ends with the weights and optimizer file of the on-device release run."""
     import signal
-    import subprocess
 
     from pgs.runtime.loop.faults import Faults
-    from test_train import ROOT, assert_same_checkpoint, child_env, command
+    from helpers import assert_same_checkpoint, launch
     from test_train_release import release_spec
 
     ref = release_spec(tmp_path, "ref")
-    done = subprocess.run(command(ref), cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
+    done = launch(ref)
     assert done.returncode == 0, done.stderr[-3000:]
     spec = release_spec(tmp_path, "run")
     spec.write_text(spec.read_text() + "offload_optimizer = true\n")
-    first = subprocess.run(command(spec), cwd=ROOT, env=child_env(**Faults(crash_at=("step", 5)).env()),
-                           capture_output=True, text=True, timeout=240)
+    first = launch(spec, **Faults(crash_at=("step", 5)).env())
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     assert "optimizer state in host memory" in first.stdout + first.stderr
-    resumed = subprocess.run(command(spec, "auto"), cwd=ROOT, env=child_env(), capture_output=True, text=True,
-                             timeout=240)
+    resumed = launch(spec, "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step_3" in resumed.stderr
     assert_same_checkpoint(tmp_path / "run" / "step_6", tmp_path / "ref" / "step_6")  # weights and optimizer bits

@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from pgs.runtime.store import reference as cache
+from helpers import launch, records, step_records, torchrun
 from test_preference_run import write_spec
-from test_train import launch, records, step_records
-from test_train_distributed import torchrun
 
 pytestmark = pytest.mark.slow  # two launches, ~1 minute on two busy CPU cores
 

@@ -16,28 +16,12 @@ from pgs.runtime.loop.train import run
 from pgs.runtime.spec.load import load_spec
 from pgs.runtime.store import reference as cache
 from pgs.runtime.tools.report import write_report
-from test_train import assert_same_checkpoint, launch, records, run_plain_and_released, step_records
+from helpers import (LOOP, QUICKSTART, assert_same_checkpoint, launch, loop_fields, model_toml, quickstart_head,
+                     records, run_plain_and_released, step_records, write_toml)
 
 pytestmark = pytest.mark.slow  # ~3 minutes on two busy CPU cores
 
-ASSETS = Path(__file__).resolve().parent.parent / "pgs" / "assets" / "quickstart"
-
-SPEC = """
-[model]
-tokenizer = "pgs:quickstart/tokenizer"
-init_seed = 3
-
-[model.config]
-model_type = "qwen3"
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 2
-num_key_value_heads = 1
-head_dim = 16
-max_position_embeddings = 256
-tie_word_embeddings = true
-
+SPEC = model_toml(max_position_embeddings=256) + """
 [data]
 sources = ["{train}"]
 eval = "{eval}"
@@ -48,52 +32,18 @@ seed = 1
 kind = "{kind}"
 beta = 0.5
 reference = "{reference}"
-
-[optimizer]
-alias = "adamw"
-args = {{ weight_decay = 0.0 }}
-
-[schedule]
-name = "constant"
-peak = 3e-3
-
-[train]
-steps = {steps}
-batch_size = 4
-grad_accum = 2
-seed = 7
-eval_every = {eval_every}
-log_every = 1000
-
-[checkpoint]
-dir = "{run_dir}"
-every = 4
-keep = 0
-best_metric = ""
-export = false
-"""
-
-
-def pairs_files(tmp_path: Path, n_train: int = 48, n_eval: int = 16) -> tuple[Path, Path]:
-    out = []
-    for split, n in (("train", n_train), ("eval", n_eval)):
-        lines = (ASSETS / f"pairs_{split}.jsonl").read_text().splitlines()[:n]
-        path = tmp_path / f"pairs_{split}.jsonl"
-        path.write_text("\n".join(lines) + "\n")
-        out.append(path)
-    return out[0], out[1]
+""" + LOOP
 
 
 def write_spec(tmp_path: Path, name: str = "run", **fields) -> Path:
     train, held = (tmp_path / "pairs_train.jsonl", tmp_path / "pairs_eval.jsonl")
     if not train.exists():
-        pairs_files(tmp_path)
-    values = dict(kind="dpo", reference="cached", steps=8, eval_every=0, train=train, eval=held,
-                  run_dir=tmp_path / name)
+        quickstart_head("pairs_train.jsonl", 48, train)
+        quickstart_head("pairs_eval.jsonl", 16, held)
+    values = loop_fields(kind="dpo", reference="cached", steps=8, every=4, train=train, eval=held,
+                         run_dir=tmp_path / name)
     values.update(fields)
-    path = tmp_path / f"{name}.toml"
-    path.write_text(SPEC.format(**values))
-    return path
+    return write_toml(tmp_path / f"{name}.toml", SPEC, **values)
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +110,7 @@ def test_stale_cache_is_refused_naming_what_changed(uninterrupted, tmp_path):
     path = cache.cache_path(str(tmp_path / "stale"))
     before = os.stat(path).st_mtime_ns
     with open(tmp_path / "pairs_train.jsonl", "a") as f:  # one more pair: other data
-        f.write((ASSETS / "pairs_train.jsonl").read_text().splitlines()[100] + "\n")
+        f.write((QUICKSTART / "pairs_train.jsonl").read_text().splitlines()[100] + "\n")
     with pytest.raises(cache.StaleReference, match=r"another data than this run's"):
         run(load_spec(spec_path), resume="auto")
     assert os.stat(path).st_mtime_ns == before  # refused, not overwritten
@@ -247,8 +197,6 @@ def test_deferred_head_grad_and_tied_slabs_train_as_autograd(tmp_path):
     (``tied_slabs``, no V×D gradient): the same losses and weights after 3 steps, up to
     summation order."""
     from safetensors.torch import load_file
-
-    from test_train import step_records
 
     cases = {"autograd": "defer_head_grad = false\n", "deferred": "defer_head_grad = true\n",
              "slabs": "defer_head_grad = true\ntied_slabs = 16\n"}

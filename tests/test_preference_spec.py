@@ -11,20 +11,10 @@ import pytest
 from pgs.errors import DataError, SpecError
 from pgs.runtime.spec.load import PreferenceSpec, load_spec, spec_from_dict
 from pgs.runtime.spec.preflight import check_resources
+from helpers import model_toml, write_toml
 
-SPEC = """
-[model]
-tokenizer = "pgs:quickstart/tokenizer"
-[model.config]
-model_type = "qwen3"
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-head_dim = 16
-max_position_embeddings = 256
-[data]
+SPEC = model_toml(init_seed=None, num_hidden_layers=1, max_position_embeddings=256,
+                  tie_word_embeddings=None) + """[data]
 sources = ["{train}"]
 eval = "pgs:quickstart/pairs_eval.jsonl"
 max_seq_len = 256
@@ -39,9 +29,7 @@ dir = "{run_dir}"
 
 
 def write(tmp_path: Path, preference: str = "", train: str = "pgs:quickstart/pairs_train.jsonl") -> Path:
-    path = tmp_path / "spec.toml"
-    path.write_text(SPEC.format(preference=preference, train=train, run_dir=tmp_path / "run"))
-    return path
+    return write_toml(tmp_path / "spec.toml", SPEC, preference=preference, train=train, run_dir=tmp_path / "run")
 
 
 def test_defaults_and_round_trip(tmp_path):

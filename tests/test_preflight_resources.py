@@ -19,27 +19,16 @@ from pgs.cli import main
 from pgs.errors import PreflightRefused
 from pgs.runtime.spec.load import load_spec
 from pgs.runtime.tools import resources as R
-from tests.test_faults_validate_run import _one_line, _spec
+from helpers import cli_error, config_toml, cpu_spec
 
-LONG = """\
-[model.config]
-model_type = "qwen3"
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-head_dim = 8
-max_position_embeddings = 1048576
-tie_word_embeddings = true
-"""
+LONG = config_toml(num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1048576)
 
 
 def test_an_impossible_max_seq_len_is_refused_by_validate_and_run_with_exit_83(tmp_path, capsys):
-    spec = _spec(tmp_path, model=LONG)
+    spec = cpu_spec(tmp_path, model=LONG)
     sets = ["--set", "data.max_seq_len=524288"]  # 2 rows × 2 layers × 512k² × 4 B of masks: ~4 TiB
-    code_v, line_v = _one_line(["validate", str(spec), *sets], capsys)
-    code_r, line_r = _one_line(["run", str(spec), *sets], capsys)
+    code_v, line_v = cli_error(["validate", str(spec), *sets], capsys)
+    code_r, line_r = cli_error(["run", str(spec), *sets], capsys)
     assert (code_v, code_r) == (83, 83)
     assert line_v.startswith("pgs: error: data.max_seq_len = 524288: 2 rows × 524288 tokens per micro-batch")
     assert "attention masks" in line_v and "free on cpu" in line_v
@@ -48,14 +37,14 @@ def test_an_impossible_max_seq_len_is_refused_by_validate_and_run_with_exit_83(t
 
 
 def test_the_same_spec_at_a_sane_length_passes(tmp_path):
-    spec = load_spec(_spec(tmp_path, model=LONG), ["data.max_seq_len=96"])
+    spec = load_spec(cpu_spec(tmp_path, model=LONG), ["data.max_seq_len=96"])
     prediction = R.check_host(spec)
     assert prediction is not None and 0 < prediction.peak < 2**30
     assert prediction.checkpoint > 0
 
 
 def test_memory_refusal_names_the_field_and_the_numbers(tmp_path):
-    spec = load_spec(_spec(tmp_path, model=LONG), ["data.max_seq_len=4096"])
+    spec = load_spec(cpu_spec(tmp_path, model=LONG), ["data.max_seq_len=4096"])
     prediction = R.predict(spec, torch.device("cpu"))
     R.check_memory(spec, prediction, torch.device("cpu"), available=prediction.peak, where="x has")
     with pytest.raises(PreflightRefused) as err:
@@ -140,20 +129,50 @@ def test_disk_copies_follow_what_checkpoint_keeps():
 def test_device_limit_is_the_room_a_cuda_spec_is_checked_against_even_without_the_device(tmp_path):
     """memory.device_limit_gib caps what the run may reserve, so the preflight checks the
     prediction against the cap, on a host that has no GPU as well (pgs validate on a laptop)."""
-    spec = load_spec(_spec(tmp_path, model=LONG), ["data.max_seq_len=4096"])
+    spec = load_spec(cpu_spec(tmp_path, model=LONG), ["data.max_seq_len=4096"])
     prediction = R.predict(spec, torch.device("cpu"))
     below = prediction.peak / R.GiB * 0.9
-    capped = load_spec(_spec(tmp_path, model=LONG), ["data.max_seq_len=4096", f"memory.device_limit_gib={below}"])
+    capped = load_spec(cpu_spec(tmp_path, model=LONG), ["data.max_seq_len=4096", f"memory.device_limit_gib={below}"])
     R.check_memory(capped, prediction, torch.device("cpu"), available=None)  # the cap is a CUDA allocator's
     with pytest.raises(PreflightRefused) as err:
         R.check_memory(capped, prediction, torch.device("cuda"), available=None)
     assert f"memory.device_limit_gib = {below:g} allows {below:.2f} GiB free on cuda" in str(err.value)
-    roomy = load_spec(_spec(tmp_path, model=LONG), ["data.max_seq_len=4096", f"memory.device_limit_gib={below * 2}"])
+    roomy = load_spec(cpu_spec(tmp_path, model=LONG), ["data.max_seq_len=4096", f"memory.device_limit_gib={below * 2}"])
     R.check_memory(roomy, prediction, torch.device("cuda"), available=prediction.peak)
 
 
 @pytest.mark.parametrize("value", ["-1", '"big"'])
 def test_a_bad_device_limit_names_the_field(tmp_path, capsys, value):
-    spec = _spec(tmp_path, model=LONG)
-    code, line = _one_line(["validate", str(spec), "--set", f"memory.device_limit_gib={value}"], capsys)
+    spec = cpu_spec(tmp_path, model=LONG)
+    code, line = cli_error(["validate", str(spec), "--set", f"memory.device_limit_gib={value}"], capsys)
     assert code == 2 and line.startswith("pgs: error: ") and "memory.device_limit_gib" in line
+
+
+def test_a_device_limit_on_a_cpu_run_is_refused_not_ignored(tmp_path, capsys):
+    spec = cpu_spec(tmp_path, model=LONG)
+    sets = ["--set", "memory.device_limit_gib=4", "--set", "train.device=cpu"]
+    code_v, line_v = cli_error(["validate", str(spec), *sets], capsys)
+    code_r, line_r = cli_error(["run", str(spec), *sets], capsys)
+    assert (code_v, code_r) == (2, 2) and line_v == line_r
+    assert line_v == 'pgs: error: memory.device_limit_gib: 4 caps CUDA\'s caching allocator, and train.device is "cpu" (set it to 0)'
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="train.device = auto is the CPU only without CUDA")
+def test_a_device_limit_on_an_auto_device_that_is_the_cpu_is_refused_by_run(tmp_path, capsys):
+    spec = cpu_spec(tmp_path, model=LONG)
+    code, line = cli_error(["run", str(spec), "--set", "memory.device_limit_gib=4", "--set", "train.device=auto"],
+                           capsys)
+    assert code == 2 and line.startswith("pgs: error: memory.device_limit_gib: 4 caps CUDA's caching allocator, "
+                                         "and this run trains on cpu")
+
+
+def test_validate_shows_the_predicted_peak_and_the_cap(tmp_path, capsys):
+    from pgs.runtime.spec.preflight import check_resources
+
+    spec = load_spec(cpu_spec(tmp_path, model=LONG), ["data.max_seq_len=96", "memory.device_limit_gib=3",
+                                                   "train.device=cuda"])  # validated here, run on a GPU elsewhere
+    memory = check_resources(spec)["memory"]
+    peak = R.predict(spec, torch.device("cuda")).peak
+    assert memory == (f"predicted peak {peak / 2**30:.2f} GiB per process (pgs profile; a lower bound), "
+                      "allocator capped at 3 GiB (memory.device_limit_gib)")

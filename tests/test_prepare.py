@@ -19,29 +19,9 @@ from pgs.func.losses import token_nll_entropy
 from pgs.runtime.prepare import score as S, select as sel
 from pgs.runtime.prepare import self_answer as sa
 from pgs.runtime.prepare.verify import make_verifier, parse_answer
+from helpers import QUICKSTART, model_toml
 
-ROOT = Path(__file__).resolve().parent.parent
-QUICKSTART = ROOT / "pgs" / "assets" / "quickstart"
-
-TINY_MODEL = """
-[model]
-tokenizer = "pgs:quickstart/tokenizer"
-init_seed = 3
-
-[model.config]
-model_type = "qwen3"
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-head_dim = 16
-max_position_embeddings = 128
-tie_word_embeddings = true
-
-"""
-
-TINY = TINY_MODEL + """
+TINY = model_toml(num_hidden_layers=1) + """
 [data]
 sources = [{ path = "DATA" }]
 max_seq_len = 120

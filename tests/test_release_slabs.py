@@ -146,7 +146,7 @@ def test_pgs_run_with_tied_slabs_matches_the_deferred_run(tmp_path):
     order, and a checkpoint's optimizer state has the same keys (slabs are views of it)."""
     from safetensors.torch import load_file
 
-    from test_train import step_records
+    from helpers import step_records
     from test_train_release import _run_in_process, release_spec
 
     for name, slabs in (("deferred", 0), ("slabs", 16)):

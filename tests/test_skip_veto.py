@@ -174,10 +174,10 @@ def test_the_loop_logs_skipped_only_for_a_vetoed_step_which_changes_nothing(tmp_
         return result
 
     monkeypatch.setattr(sft, "token_loss", spiking)  # the SFT objective's loss
-    from tests.test_faults_validate_run import _spec
+    from helpers import cpu_spec
 
     sets = [a for item in LOOP_SETS for a in ("--set", item.format(mode=mode))]
-    assert main(["run", str(_spec(tmp_path)), *sets]) == 0
+    assert main(["run", str(cpu_spec(tmp_path)), *sets]) == 0
     run = tmp_path / "run"
     steps = [_json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert [r["step"] for r in steps] == list(range(1, 8))

@@ -19,7 +19,7 @@ import pytest
 from pgs.runtime.loop.faults import Faults
 from pgs.runtime.spec.load import load_spec
 from pgs.runtime.tools.supervise import Policy, Progress, decide, group_alive, reap_group, supervise
-from tests.test_train import tiny_spec
+from helpers import tiny_spec
 
 P0 = Progress(step=None, checkpoint_step=None, checkpoint=None)
 P4 = Progress(step=5, checkpoint_step=4, checkpoint="step_4")

@@ -18,7 +18,7 @@ import torch
 
 from pgs.cli import main
 from pgs.runtime.loop.metrics import MetricsLog
-from tests.test_faults_validate_run import _one_line, _spec
+from helpers import cli_error, cpu_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,16 +35,16 @@ def _fake_module(monkeypatch, name: str, **attrs) -> types.ModuleType:
 @pytest.mark.parametrize("tracker", ["tensorboard", "mlflow", "wandb", "trackio"])
 def test_a_tracker_without_its_extra_is_refused_before_the_run(tmp_path, capsys, monkeypatch, tracker):
     monkeypatch.setitem(sys.modules, tracker, None)  # as on an install without it
-    spec = _spec(tmp_path)
+    spec = cpu_spec(tmp_path)
     for command in ("validate", "run"):
-        code, line = _one_line([command, str(spec), "--set", f"log.{tracker}=true"], capsys)
+        code, line = cli_error([command, str(spec), "--set", f"log.{tracker}=true"], capsys)
         assert code == 2
         assert f"log.{tracker} = true needs the {tracker} package: pip install 'pgs[{tracker}]'" in line
     assert not (tmp_path / "run").exists()
 
 
 def _run(tmp_path: Path, *sets: str) -> Path:
-    spec = _spec(tmp_path)
+    spec = cpu_spec(tmp_path)
     assert main(["run", str(spec), "--set", "train.steps=2", *[a for s in sets for a in ("--set", s)]]) == 0
     return tmp_path / "run"
 
@@ -156,7 +156,7 @@ def test_importing_pgs_does_not_import_triton():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gate applies where no CUDA device is")
 def test_a_cpu_run_ends_without_nanobind_noise(tmp_path):
-    from tests.test_train import child_env, tiny_spec
+    from helpers import child_env, tiny_spec
 
     spec = tiny_spec(tmp_path, steps=4, every=0)
     env = {k: v for k, v in child_env().items() if k != "TRITON_INTERPRET"}

@@ -8,12 +8,8 @@ their final weights and optimizer state must equal an uninterrupted run's bit fo
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,126 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from pgs.runtime.loop.faults import Faults
-
-ROOT = Path(__file__).resolve().parent.parent
-
-TINY_SPEC = """
-[model]
-tokenizer = "pgs:quickstart/tokenizer"
-init_seed = 3
-
-[model.config]
-model_type = "qwen3"
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 2
-num_key_value_heads = 1
-head_dim = 16
-max_position_embeddings = 128
-tie_word_embeddings = true
-
-[data]
-sources = [{{ path = "pgs:quickstart/train.jsonl" }}]
-eval = "pgs:quickstart/eval.jsonl"
-max_seq_len = 96
-seed = 1
-
-[optimizer]
-alias = "adamw"
-args = {{ weight_decay = 0.01 }}
-
-[schedule]
-name = "cosine"
-peak = 3e-3
-warmup = 3
-
-[train]
-steps = {steps}
-batch_size = 4
-grad_accum = 2
-seed = 7
-eval_every = {eval_every}
-log_every = 1000
-max_wall_seconds = {wall}
-max_consecutive_skips = {max_skips}
-
-[checkpoint]
-dir = "{run_dir}"
-every = {every}
-keep = {keep}
-best_metric = ""
-export = {export}
-"""
-
-
-def tiny_spec(tmp_path: Path, name: str = "run", **overrides) -> Path:
-    """Write a tiny spec into ``tmp_path/name.toml``; its run folder is ``tmp_path/name``."""
-    fields = dict(steps=24, eval_every=0, wall=0, max_skips=3, every=4, keep=0, export="false")
-    fields.update(overrides)
-    fields["run_dir"] = str(tmp_path / name)
-    path = tmp_path / f"{name}.toml"
-    path.write_text(TINY_SPEC.format(**fields))
-    return path
-
-
-def command(spec: Path, resume: str | None = None) -> list[str]:
-    """``python -m pgs run`` once the CLI exists; until then the same call through ``python -c``."""
-    if importlib.util.find_spec("pgs.__main__") is not None:
-        return [sys.executable, "-m", "pgs", "run", str(spec)] + (["--resume", resume] if resume else [])
-    code = ("import sys; from pgs.runtime.spec.load import load_spec; from pgs.runtime.loop.train import run; "
-            "from pgs.runtime.loop.faults import Faults; sys.exit(run(load_spec(sys.argv[1]), "
-            "resume=sys.argv[2] or None, spec_path=sys.argv[1], faults=Faults.from_env()))")
-    return [sys.executable, "-c", code, str(spec), resume or ""]
-
-
-def child_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PGS_FAULTS"}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def launch(spec: Path, resume: str | None = None, timeout: float = 240, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(command(spec, resume), cwd=ROOT, env=child_env(**env), capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def step_records(run_dir: Path) -> list[dict]:
-    return [r for r in records(run_dir) if "loss" in r]
-
-
-def run_plain_and_released(tmp_path: Path, text: str) -> tuple[list[dict], list[dict]]:
-    """Run the spec ``text`` (written for run folder ``tmp_path / "plain"``) as it is, with one
-    micro-batch a step and no clip, and again with ``memory.gradient_release``; both step records."""
-    from pgs.runtime.loop.train import run
-    from pgs.runtime.spec.load import load_spec
-
-    text = text.replace("grad_accum = 2", "grad_accum = 1").replace('alias = "adamw"', 'alias = "adamw"\nclip = 0.0')
-    (tmp_path / "plain.toml").write_text(text)
-    released = text.replace(str(tmp_path / "plain"), str(tmp_path / "released")) + "\n[memory]\ngradient_release = true\n"
-    (tmp_path / "released.toml").write_text(released)
-    assert run(load_spec(tmp_path / "plain.toml")) == 0
-    assert run(load_spec(tmp_path / "released.toml")) == 0
-    return step_records(tmp_path / "plain"), step_records(tmp_path / "released")
-
-
-def assert_same_tensors(a: dict, b: dict, what: str) -> None:
-    assert sorted(a) == sorted(b), f"{what}: different keys"
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"
-
-
-def assert_same_checkpoint(a: Path, b: Path) -> None:
-    assert_same_tensors(load_file(a / "model.safetensors"), load_file(b / "model.safetensors"), "model")
-    assert_same_tensors(load_file(a / "optimizer.safetensors"), load_file(b / "optimizer.safetensors"), "optimizer")
-    ta, tb = (json.loads((p / "trainer.json").read_text()) for p in (a, b))
-    assert ta["data"] == tb["data"] and ta["trained_tokens"] == tb["trained_tokens"]
+from helpers import ROOT, assert_same_checkpoint, child_env, command, launch, records, step_records, tiny_spec
 
 
 @pytest.fixture(scope="module")

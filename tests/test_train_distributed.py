@@ -1,6 +1,6 @@
 """``pgs run`` under torchrun: FSDP2 on the CPU with 2 gloo ranks, end to end.
 
-tests/test_train.py's tiny spec, ``batch_size = 4``.  One process with ``grad_accum = 2`` and
+tests/helpers.py's tiny spec, ``batch_size = 4``.  One process with ``grad_accum = 2`` and
 two ranks with ``grad_accum = 1`` see the same micro-batches (rank r takes the r-th pair of
 rows of each global batch), each divided by the same global valid-token count.
 
@@ -30,16 +30,14 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from pgs.runtime.loop.faults import Faults
-from test_train import ROOT, child_env, command, records, step_records, tiny_spec
+from helpers import (ROOT, assert_same_weights, child_env, command, final_weights, launch, records, step_records,
+                     tiny_spec, torchrun)
 
 TIMEOUT_S = 240
 STEPS = 10
@@ -63,12 +61,6 @@ def dist_env(**extra) -> dict:
     return child_env(PGS_PG_TIMEOUT_S=60, **extra)
 
 
-def torchrun(spec: Path, resume: str | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "pgs", "run", str(spec)] + (["--resume", resume] if resume else [])
-    return subprocess.run(cmd, cwd=ROOT, env=dist_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-
-
 def start_ranks(spec: Path, **env) -> list[subprocess.Popen]:
     """Two ``python -m pgs run`` processes with the environment torchrun would give them."""
     port = _free_port()
@@ -76,27 +68,15 @@ def start_ranks(spec: Path, **env) -> list[subprocess.Popen]:
     for rank in range(2):
         e = dist_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=port, **env)
-        procs.append(subprocess.Popen([sys.executable, "-m", "pgs", "run", str(spec)], cwd=ROOT, env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen(command(spec), cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
     return procs
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "final" / "model.safetensors")
-
-
-def assert_same_weights(a: dict, b: dict, what: str, atol: float = 0.0) -> None:
-    assert sorted(a) == sorted(b), what
-    for k in a:
-        diff = (a[k] - b[k]).abs().max().item()
-        assert (torch.equal(a[k], b[k]) if atol == 0 else diff <= atol), f"{what}: {k} max |diff| {diff:.3g}"
 
 
 def test_two_ranks_equal_one_process_and_sigterm_resume_is_exact(tmp_path):
     # 1. One process, grad_accum = 2.
     single = spec_for(tmp_path, "single", ranks=1)
-    done = subprocess.run(command(single), cwd=ROOT, env=child_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    done = launch(single, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
 
     # 2. Two ranks under torchrun: the same weights, bit for bit; one log (rank 0's).

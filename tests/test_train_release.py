@@ -1,6 +1,6 @@
 """``[memory] gradient_release = true`` in the real loop (``pgs run``), on the CPU.
 
-A tiny Qwen3 (tests/test_train.py's spec, ``grad_accum = 1``, ``optimizer.clip = 0``) trains
+A tiny Qwen3 (tests/helpers.py's tiny spec, ``grad_accum = 1``, ``optimizer.clip = 0``) trains
 with the chain inside backward.  Expected, and checked:
 
 - the weights equal the same run without gradient release **bit for bit** (fp32 AdamW): each
@@ -25,14 +25,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_train import ROOT, assert_same_checkpoint, child_env, command, step_records, tiny_spec
+from helpers import ROOT, assert_same_checkpoint, child_env, launch, step_records, tiny_spec
 from pgs.runtime.loop.faults import Faults
 
 RELEASE = "\n[memory]\ngradient_release = {release}\ndefer_head_grad = {defer}\n"
 
 
 def release_spec(tmp_path: Path, name: str, *, release: bool = True, defer: bool | str = False, **fields) -> Path:
-    """tests/test_train.py's tiny spec with grad_accum = 1, clip = 0 and a [memory] section."""
+    """tests/helpers.py's tiny spec with grad_accum = 1, clip = 0 and a [memory] section."""
     fields.setdefault("steps", 6)
     fields.setdefault("every", 3)
     path = tiny_spec(tmp_path, name, **fields)
@@ -100,16 +100,14 @@ def test_nonfinite_loss_is_skipped_before_backward(tmp_path, monkeypatch):
 
 def test_sigkill_then_resume_with_release_is_bit_exact(tmp_path):
     ref = release_spec(tmp_path, "ref")
-    done = subprocess.run(command(ref), cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
+    done = launch(ref)
     assert done.returncode == 0, done.stderr[-3000:]
 
     spec = release_spec(tmp_path, "run")
-    first = subprocess.run(command(spec), cwd=ROOT, env=child_env(**Faults(crash_at=("step", 5)).env()),
-                           capture_output=True, text=True, timeout=240)
+    first = launch(spec, **Faults(crash_at=("step", 5)).env())
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     assert (tmp_path / "run" / "step_3" / "COMPLETE").exists()
-    resumed = subprocess.run(command(spec, "auto"), cwd=ROOT, env=child_env(), capture_output=True, text=True,
-                             timeout=240)
+    resumed = launch(spec, "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "step_3" in resumed.stderr
     # weights and the release state (every group's moments and count, the layout fingerprint)

@@ -13,7 +13,7 @@ import torch
 from pgs.runtime.model import layers
 
 from pgs.runtime.loop import control
-from test_train import tiny_spec
+from helpers import tiny_spec
 
 
 def _compiles(frame_counts) -> int:

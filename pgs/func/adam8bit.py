@@ -167,7 +167,11 @@ def adamw8bit(
     """AdamW8bit = chain(scale_by_adam8bit, add_decayed_weights, scale_by_learning_rate).
 
     θ ← θ − η_t (m̂/(sqrt(v̂)+ε) + λθ), m and v kept in 8 bits.  Fused under
-    ``pf.compile(...).step`` on CUDA, as ``lion8bit`` is.
+    ``pf.compile(...).step`` on CUDA, as ``lion8bit`` is.  With stochastic rounding into bf16
+    (arXiv 1502.02551) every leaf's noise comes from a seed made of the state's step count and
+    the leaf's index (``sr_seeds``): the 8-bit leaves in their kernel, the small fp32-state
+    leaves (norm weights) in ``kernels/small.py``'s ``stochastic_round_``, as Lion8bit's.  The
+    fused step is a function of (updates, state, params): torch's global generator is never read.
 
     Example::
 

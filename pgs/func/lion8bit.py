@@ -15,7 +15,6 @@ from pgs.func import kernels as K
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count
 from pgs.func.base import ELEMENTWISE, EmptyState, Transform, chain, check_range, identity
-from pgs.func.apply import stochastic_round_fp32
 from pgs.func.kernels.fused_transform import FusedTransform, constant_lr, hp_tensor, increment_pair, one_minus, sr_seeds
 from pgs.func.layout import group_label
 from pgs.func.learning_rate import ScaleByLearningRateState, lr_value, scale_by_learning_rate
@@ -173,30 +172,43 @@ def _descend(kind: Fused8bit, xs: list, us: list, lr, wd) -> None:
         torch._foreach_sub_(xs, torch._foreach_mul(us, lr32))
 
 
-def _apply_lists(kind: Fused8bit, keys, fp, ps, x, xs, us, lr, wd, stochastic_rounding, new_p, new, old) -> None:
+def _round_small(xs: list, seed) -> None:
+    """The small leaves' new fp32 values ``xs`` stochastically rounded in place to values bf16
+    holds (the cast back is then exact), with the noise of ``seed``: the step's seed from the
+    optimizer state's count (``sr_seeds``), drawn per leaf as Lion8bit's small-leaf kernel draws
+    it (``kernels/small.py``).  ``seed`` None: no stochastic rounding (the cast rounds to nearest)."""
+    if seed is not None:
+        from pgs.func.kernels import small as KS
+
+        KS.stochastic_round_(xs, seed)
+
+
+def _apply_lists(kind: Fused8bit, keys, fp, ps, x, xs, us, lr, wd, seed, new_p, new, old) -> None:
     """``_step_small``'s apply with the direction as a list (``small_inplace``): the same
     operations per leaf as multi-tensor ops on the views ``xs`` of the one fp32 buffer ``x``,
-    which stochastic rounding then draws over as a whole."""
+    then the same seeded rounding (``_round_small``)."""
     _descend(kind, xs, [u if u.dtype == torch.float32 else u.float() for u in us], lr, wd)
-    if stochastic_rounding and ps[0].dtype == torch.bfloat16:
-        stochastic_round_fp32(x, inplace=True)
+    _round_small(xs, seed)
     torch._foreach_copy_(ps, xs)
     _kept_in_place(keys, fp, old, new_p, new)
 
 
-def _step_small(kind: Fused8bit, ctx, keys: list, fg, fp, old, lr, wd, stochastic_rounding: bool, donate: bool,
+def _step_small(kind: Fused8bit, ctx, keys: list, fg, fp, old, lr, wd, seed, donate: bool,
                 new_p: dict, new: list) -> None:
     """The small (fp32-state) leaves ``keys``, which share dtypes and weight decay, as ONE
     flat leaf: the reference direction and the fp32 apply are elementwise, so concatenating
-    changes no value (stochastic rounding draws its noise over the concatenation), and a group
-    of small leaves costs one set of tiny kernels instead of one set per leaf.
+    changes no value, and a group of small leaves costs one set of tiny kernels instead of one
+    set per leaf.  ``seed``: the step's stochastic-rounding seed for these leaves (bf16
+    parameters with stochastic rounding; None otherwise), drawn leaf by leaf (``_round_small``:
+    the noise is a function of the optimizer state, not of torch's global generator).
 
     The kernels (each a multi-tensor ``torch._foreach_*`` op where it touches every leaf): the
     gradients copied into one compute-dtype buffer and the parameters into one fp32 buffer
     (one copy for both, casting on the way: ``_load``); the moments concatenated (a cat per
     field; Lion with ``donate``: stepped in place leaf by leaf, ``small_inplace``); the
     direction (``kind.small``); ``p − η(u + λp)`` in place in the fp32 buffer (λp, + u, × η,
-    then the subtraction, each rounded to fp32); stochastic rounding; then, with ``donate``,
+    then the subtraction, each rounded to fp32); stochastic rounding (one Triton launch per
+    ≤ 4 leaves); then, with ``donate``,
     one copy back into the parameters (the cast to their dtype, exact after stochastic
     rounding) and one into the moments.  ``lr`` is a number (a constant learning rate: no
     conversion kernel; a Python number is rounded to fp32 exactly as ``lr.to(float32)``) or
@@ -209,13 +221,12 @@ def _step_small(kind: Fused8bit, ctx, keys: list, fg, fp, old, lr, wd, stochasti
     if donate and kind.small_inplace is not None and not isinstance(wd, torch.Tensor):
         us = kind.small_inplace(ctx, g_views, [[o[k] for k in keys] for o in old])
         if us is not None:
-            _apply_lists(kind, keys, fp, ps, x, xs, us, lr, wd, stochastic_rounding, new_p, new, old)
+            _apply_lists(kind, keys, fp, ps, x, xs, us, lr, wd, seed, new_p, new, old)
             return
     moments = tuple(o[keys[0]] if len(keys) == 1 else torch.cat([_flat1(o[k]) for k in keys]) for o in old)
     u, out = kind.small(ctx, g, moments)
     _descend(kind, [x], [u.float()], lr, wd)
-    if stochastic_rounding and ps[0].dtype == torch.bfloat16:
-        stochastic_round_fp32(x, inplace=True)  # bf16 values in fp32: the cast below is exact
+    _round_small(xs, seed)  # bf16 values in fp32: the cast below is exact
     if donate:
         torch._foreach_copy_(ps, xs)
         dst = [o[k] for o in old for k in keys]
@@ -299,14 +310,15 @@ def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size
                 d[k] = m
         index = {k: i for i, k in enumerate(fg)} if small else None
         for wd, keys in small.values():
+            # the group's seed: its first leaf's, whichever route steps it (the same noise)
+            sr = stochastic_rounding and fp[keys[0]].dtype == torch.bfloat16
+            seed = seed_of(index[keys[0]]) if sr else None
             if donate and kind.small_kernel is not None:  # one Triton launch per ≤ 4 leaves, in place
-                sr = stochastic_rounding and fp[keys[0]].dtype == torch.bfloat16
                 if kind.small_kernel(ctx, [fg[k] for k in keys], [fp[k] for k in keys],
-                                     [[o[k] for k in keys] for o in old], lr_k, wd,
-                                     seed_of(index[keys[0]]) if sr else None):
+                                     [[o[k] for k in keys] for o in old], lr_k, wd, seed):
                     _kept_in_place(keys, fp, old, new_p, new)
                     continue
-            _step_small(kind, ctx, keys, fg, fp, old, lr_k, wd, stochastic_rounding, donate, new_p, new)
+            _step_small(kind, ctx, keys, fg, fp, old, lr_k, wd, seed, donate, new_p, new)
         new_state = {
             n_dir: kind.make_state(dir_count, *new),
             n_dec: state[n_dec] if isinstance(state[n_dec], EmptyState) else EmptyState(),

@@ -250,7 +250,8 @@ def muon_fused_step(
        ``fold`` (default: on with the symmetric kernel only) writes aX + BX as (B + aI)X);
     3. one elementwise pass per tensor writes θ (into ``out[i]``, default ``params[i]``, in
        place), in fp32 arithmetic, cast or stochastically rounded (bf16 parameters; the Triton
-       pass seeds Philox from ``step``, the step counter, and the group's index).
+       pass seeds Philox from ``step``, the step counter, and the group's index; the torch pass
+       rounds with that seed through ``round_to_bf16``).
 
     ``mus`` are updated in place.  Hyperparameters may be numbers or 0-d tensors (the
     learning rate of a schedule): they are read from a device tensor, so nothing recompiles and
@@ -300,9 +301,9 @@ def muon_fused_step(
         for j, i in enumerate(idx):
             p, dst = params[i], out[i]
             sr = stochastic_rounding and p.dtype == torch.bfloat16
+            if sr and seed is None:
+                seed = sr_seed(step if step is not None else torch.zeros((), device=dev), gi)
             if tri:
-                if sr and seed is None:
-                    seed = sr_seed(step if step is not None else torch.zeros((), device=dev), gi)
                 ns.muon_post(p, o[j], dst, hp, ratio, seed, salt=j)
                 continue
             cd = compute_dtype(p)
@@ -311,8 +312,24 @@ def muon_fused_step(
             p32 = p.to(cd)
             v = o[j].to(cd).reshape(p.shape) * ratio + wd_c * p32
             new = p32 + v * (-lr_c)
-            dst.copy_(stochastic_round_to_bf16(new) if sr else new)
+            dst.copy_(round_to_bf16(new, seed, j) if sr else new)
     return out
+
+
+def round_to_bf16(x: torch.Tensor, seed: torch.Tensor, leaf: int = 0) -> torch.Tensor:
+    """``x`` (a temporary fp32 result; rounded in place) stochastically rounded into bf16
+    (unbiased; arXiv 1502.02551) with the noise of ``seed``, a seed made of the optimizer
+    state's step count, and ``leaf`` (``kernels/small.py``'s ``stochastic_round_``: the 8-bit
+    chains' small-leaf noise), so the step is a function of its inputs and state.  Where no
+    Triton runs (the CPU without ``TRITON_INTERPRET=1``) it draws from torch's global generator
+    (``stochastic_round_to_bf16``)."""
+    from pgs.func.kernels import small as KS
+
+    if not KS.usable_for(x):
+        return stochastic_round_to_bf16(x)
+    x = x.float().contiguous()
+    KS.stochastic_round_([x], seed, first=leaf)
+    return x.to(torch.bfloat16)
 
 
 class ScaleByMuonState(NamedTuple):
@@ -548,13 +565,19 @@ def _with_fused_step(t: Transform, fused_step) -> Transform:
                           fused_step=fused_step)
 
 
+#: Sets the fallback tensors' stochastic-rounding seeds apart from the Muon groups' (``sr_seed``).
+FALLBACK_SALT = 0xFA11
+
+
 def _muon_partition_step(branch: Transform, other: Transform, route):
     """``fused_step`` of ``pf.muon``: its Muon groups fused, the fallback's through its update.
 
     On the flat layout the groups are split by label (partition groups by ``route``): the Muon
     groups go to ``muon_matrices``'s fused step, the fallback groups through the fallback
-    chain's ``update`` and an fp32 apply (the generic flat step, eager).
+    chain's ``update`` and an fp32 apply (the generic flat step, eager), stochastically rounded
+    (bf16) from a seed per fallback tensor made of Muon's step count (``round_to_bf16``).
     """
+    from pgs.func.kernels.fused_transform import sr_seed
 
     def fused_step(fg, state, fp, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
         layout = ctx.layout
@@ -574,13 +597,18 @@ def _muon_partition_step(branch: Transform, other: Transform, route):
         s_fb = state["fallback"]
         if fp_f:
             u, s_new = call_update(other, fg_f, s_fb, fp_f, {**(extra or {}), "ctx": ctx})
-            for k, p in fp_f.items():
+            s_m = state["muon"]
+            count = s_m[list(s_m)[-1]].count  # the step Muon's own rounding seeds from
+            for j, (k, p) in enumerate(fp_f.items()):
                 if u.get(k) is None:
                     new_p[k] = p
                     continue
                 cd = torch.promote_types(p.dtype, torch.float32)
                 x = p.to(cd) + u[k].to(cd)
-                x = stochastic_round_to_bf16(x) if (stochastic_rounding and p.dtype == torch.bfloat16) else x.to(p.dtype)
+                if stochastic_rounding and p.dtype == torch.bfloat16:  # a seed per fallback tensor
+                    x = round_to_bf16(x, sr_seed(count, ctx.sr_offset + j, salt=FALLBACK_SALT))
+                else:
+                    x = x.to(p.dtype)
                 if donate:
                     p.copy_(x)
                     x = p

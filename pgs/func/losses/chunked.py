@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from pgs.func import kernels as K
-from pgs.func.losses.head import check_options, compute_dtype, flatten_inputs
+from pgs.func.losses.head import add_chunk_head_grads, check_options, compute_dtype, flatten_inputs
 from pgs.func.losses.objectives import CE, TokenObjective, TokenInputs, resolve_objective
 from pgs.func.losses.result import TokenLossResult
 
@@ -164,16 +164,13 @@ class DeferredHeadGrad:
                 lse32, coef, gate_s = chunk[2], chunk[3], chunk[4]
                 z = hc @ Ws.t()
                 g = triton_ce.grad_in_place(z, y, bs, plan.softcap, lse32, coef, gate_s)
-                out.addmm_(g.t(), hc)
+                add_chunk_head_grads(g, hc, Ws, None, None, out)
                 del z, g
                 continue
             lse, gate = chunk[2], chunk[3]
             g = _logit_grad(_chunk_logits(hc, Ws, bs, plan.softcap), lse, y, gate, plan, in_slab=not whole)
             g.mul_(scale.to(g.dtype))
-            if out.dtype == W.dtype:
-                out.addmm_(g.to(W.dtype).t(), hc.to(W.dtype))
-            else:
-                out.addmm_(g.to(out.dtype).t(), hc.to(out.dtype))
+            add_chunk_head_grads(g, hc, Ws, None, None, out)
             del g
         return out
 
@@ -274,10 +271,7 @@ def _kernel_chunk(hc, W, bias, y, rows, plan: _Plan, sums, grad_h, grad_w):
     if plan.need_h or plan.need_w:
         gates = torch.as_tensor(gate, dtype=lse.dtype, device=lse.device).expand(lse.shape)
         g = triton_ce.grad_in_place(z, y, bias, plan.softcap, lse, gates + 2 * plan.z_loss * lse, gates)
-        if plan.need_h:
-            grad_h.index_copy_(0, rows, (g @ W).to(grad_h.dtype))
-        if plan.need_w:
-            grad_w.addmm_(g.t(), hc)
+        add_chunk_head_grads(g, hc, W, rows, grad_h, grad_w)
     return gate, lse
 
 
@@ -303,14 +297,7 @@ def _torch_chunk(hc, W, bias, y, rows, plan: _Plan, sums, grad_h, grad_w, grad_b
     del z
     if plan.need_b:
         grad_b += g.sum(0)
-    g_low = g.to(W.dtype)
-    if plan.need_h:
-        grad_h.index_copy_(0, rows, (g_low @ W).to(grad_h.dtype))
-    if plan.need_w:
-        if grad_w.dtype == W.dtype:
-            grad_w.addmm_(g_low.t(), hc.to(W.dtype))
-        else:
-            grad_w.addmm_(g.to(grad_w.dtype).t(), hc.to(grad_w.dtype))
+    add_chunk_head_grads(g, hc, W, rows, grad_h, grad_w)
     return gate, lse
 
 

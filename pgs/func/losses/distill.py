@@ -45,7 +45,7 @@ from torch import Tensor
 
 from pgs.errors import InvalidArgument
 from pgs.func.losses.chunked import _chunk_logits
-from pgs.func.losses.head import check_options, compute_dtype
+from pgs.func.losses.head import add_chunk_head_grads, check_options, compute_dtype
 from pgs.func.losses.preference import _check_number
 
 DISTILL_KINDS = ("forward_kl", "reverse_kl", "jsd")
@@ -128,10 +128,7 @@ class _DistillLoss(torch.autograd.Function):
                     grad_b += g.sum(0)
                 g_low = g.to(Ws.dtype)
                 del g
-                if need_h:
-                    grad_h.index_copy_(0, r, (g_low @ Ws).to(hs.dtype))
-                if need_w:
-                    grad_w.addmm_(g_low.t(), hc.to(Ws.dtype))
+                add_chunk_head_grads(g_low, hc, Ws, r, grad_h, grad_w)
         ctx.grads = (grad_h, grad_w, None if grad_b is None else grad_b.to(bs.dtype))
         return total
 

@@ -65,3 +65,24 @@ def head_logits(h: Tensor, W: Tensor, bias: Tensor | None, softcap: float | None
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     return z
+
+
+def add_chunk_head_grads(g: Tensor, hc: Tensor, W: Tensor, rows: Tensor | None, grad_h: Tensor | None,
+                         grad_w: Tensor | None) -> None:
+    """One chunk's share of the head's input and weight gradients, from its logit gradient
+    G = ∂L/∂z [n, V] (EQUATIONS.md C6): ``grad_h[rows] = G W`` (written, not added: a row lies
+    in one chunk; in grad_h's dtype) and ``grad_W += Gᵀ H_c`` with ``hc`` = H_c = h[rows].
+
+    The products run in W's dtype, G rounded to it once.  A grad_W that accumulates in another
+    dtype than W's (fp32 of a bf16 head) takes G and H_c in its own dtype instead.  ``None``
+    skips a gradient.  A caller done with its compute-dtype G rounds it to W's dtype itself and
+    drops it before the call, so that only the rounded copy is live during the products (the
+    rounding here is then no copy)."""
+    low = g.to(W.dtype) if grad_h is not None or (grad_w is not None and grad_w.dtype == W.dtype) else None
+    if grad_h is not None:
+        grad_h.index_copy_(0, rows, (low @ W).to(grad_h.dtype))
+    if grad_w is not None:
+        if grad_w.dtype == W.dtype:
+            grad_w.addmm_(low.t(), hc.to(W.dtype))
+        else:
+            grad_w.addmm_(g.to(grad_w.dtype).t(), hc.to(grad_w.dtype))

@@ -46,7 +46,7 @@ from torch.autograd.function import once_differentiable
 
 from pgs.errors import InvalidArgument
 from pgs.func.losses.chunked import DeferredHeadGrad, _chunk_logits, _logit_grad, _Plan, _use_kernels
-from pgs.func.losses.head import check_options, compute_dtype, flatten_inputs
+from pgs.func.losses.head import add_chunk_head_grads, check_options, compute_dtype, flatten_inputs
 
 
 class _SequenceLogps(torch.autograd.Function):
@@ -113,10 +113,7 @@ class _SequenceLogps(torch.autograd.Function):
                     grad_b += g.sum(0)
                 g_low = g.to(W.dtype)
                 del g
-            if need_h:
-                grad_h.index_copy_(0, r, (g_low @ W).to(h.dtype))
-            if need_w:
-                grad_w.addmm_(g_low.t(), hc.to(W.dtype))
+            add_chunk_head_grads(g_low, hc, W, r, grad_h, grad_w)
             del g_low
         return (
             grad_h,

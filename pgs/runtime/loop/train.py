@@ -181,6 +181,9 @@ def configure_allocator(device: torch.device, limit_gib: float = 0.0) -> None:
     before the cap is reached, so the retry path (which synchronizes the device) stays rare.
     """
     if device.type != "cuda":
+        if limit_gib:  # a setting that would do nothing is refused, not ignored
+            raise SpecError(f"memory.device_limit_gib: {limit_gib:g} caps CUDA's caching allocator, and this run "
+                            f"trains on {device.type} (set it to 0, or train.device = \"cuda\")")
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory

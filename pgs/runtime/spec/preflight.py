@@ -55,6 +55,7 @@ class Preflight:
     chain: str = ""
     warnings: list[str] = attrs.field(factory=list)
     distill: str | None = None  # the teacher, described (a distillation run)
+    prediction: Any = None  # tools.resources.Prediction: one process's predicted peak (None: not sized)
 
 
 def model_config(model, vocab_size: int | None = None):
@@ -247,6 +248,9 @@ def preflight_spec(spec, *, count_parameters: bool = False, processes: int | Non
     experts_implementation(m.experts_implementation, config)  # a known implementation, a model with experts
     check_seq_len(spec, config)
     check_run_dir(spec.checkpoint.dir)
+    if spec.memory.device_limit_gib and spec.train.device == "cpu":  # it would do nothing: refused, not ignored
+        raise SpecError(f"memory.device_limit_gib: {spec.memory.device_limit_gib:g} caps CUDA's caching allocator, "
+                        "and train.device is \"cpu\" (set it to 0)")
     found = Preflight(tokenizer=tokenizer, config=config)
     if count_parameters or isinstance(m.freeze, tuple):
         found.shapes = parameter_shapes(config, m.trust_remote_code)
@@ -264,7 +268,8 @@ def preflight_spec(spec, *, count_parameters: bool = False, processes: int | Non
         found.distill = check_distill(spec, tokenizer, config)
     from pgs.runtime.tools.resources import check_host  # the memory and disk the run will need (exit 83)
 
-    if check_host(spec, processes) is None:
+    found.prediction = check_host(spec, processes)
+    if found.prediction is None:
         found.warnings.append("the run's memory could not be predicted (the architecture does not build on the "
                               "meta device); memory and disk not checked")
     return found
@@ -402,6 +407,11 @@ def check_resources(spec, records: int = 200) -> dict:
         if not verdict.isolates:
             facts["warnings"].append(f"packing leaks across documents: {verdict.reason}")
     facts["chain"] = found.chain
+    if found.prediction is not None:
+        limit = spec.memory.device_limit_gib
+        facts["memory"] = (f"predicted peak {found.prediction.peak / 2**30:.2f} GiB per process (pgs profile; "
+                           "a lower bound)" + (f", allocator capped at {limit:g} GiB (memory.device_limit_gib)"
+                                               if limit else ""))
     if found.distill is not None:
         facts["distill"] = found.distill
     if spec.preference is not None:

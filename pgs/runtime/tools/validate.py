@@ -65,6 +65,8 @@ def print_summary(spec, facts: dict) -> None:
     length = f"{t.steps} steps" if t.steps is not None else f"{t.epochs} epochs"
     table.add_row("train", f"{length}, batch {t.batch_size} × {spec.data.max_seq_len} tokens, "
                            f"grad_accum {t.grad_accum}, device {t.device}")
+    if "memory" in facts:
+        table.add_row("memory", facts["memory"])
     table.add_row("run folder", spec.run_dir)
     console.print(table)
     for warning in facts["warnings"] + (stats.warnings() if stats is not None else []):
