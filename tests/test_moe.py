@@ -359,3 +359,21 @@ def test_experts_implementation_refusals(tmp_path, capsys):
     code, line = cli_error(["validate", str(path), "--set", "model.experts_implementation=grouped_mm"], capsys)
     assert code == 2
     assert "model.experts_implementation: 'grouped_mm': Qwen3ForCausalLM has no mixture-of-experts layers" in line
+
+
+def test_pgs_run_setup_builds_the_spec_experts_implementation(tmp_path):
+    """``model.experts_implementation`` in a spec reaches the model ``pgs run`` builds (its setup:
+    preflight, build, [memory]): eager is not transformers' default, so it must come from the spec."""
+    from pgs.runtime.loop.train import setup
+    from pgs.runtime.spec.load import load_spec
+
+    path = moe_spec(tmp_path, "olmoe", model_type="olmoe", grad_accum=1)
+    for impl in ("eager", "grouped_mm"):
+        spec = load_spec(str(path), [f"model.experts_implementation={impl}"])
+        assert spec.model.experts_implementation == impl
+        run = setup(spec)
+        try:
+            assert run.model.config._experts_implementation == impl
+            assert type(run.model).__name__ == "OlmoeForCausalLM"
+        finally:
+            run.loader.close()
