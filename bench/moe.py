@@ -27,8 +27,8 @@ Each row says which implementation the model was built with (the build refuses a
 ``vs eager`` is a setup's tokens/s over the same setup's ``eager`` row, ``vs HF`` a pgs row's over
 the HF row of the same implementation.  The same init seed and batches give each side the same
 step-1 loss under every implementation (up to the kernels' rounding); both sides seed their init
-with 0 (the spec's ``init_seed``, ``sft_step.build``), so on one device they start from the same
-weights too.  The JSON (``--out``) is
+with 0 (the spec's ``init_seed``, ``sft_step.build``): on the CPU they start from the same weights
+too (tests/test_bench_moe.py; not checked on a GPU).  The JSON (``--out``) is
 rewritten after every entry, a Markdown table goes to stdout::
 
     python -m bench moe                                  # eager and grouped_mm, 12 steps each
