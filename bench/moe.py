@@ -41,6 +41,7 @@ smoke run of this script (tests/test_bench_moe.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -98,7 +99,7 @@ def run_pgs(impl: str, args, workdir: str) -> dict:
                                                for r in product.read_metrics(run_dir))
 
     started = time.time()
-    with product.GpuMemory() if args.nvidia_smi else product._Null() as smi:
+    with product.GpuMemory() if args.nvidia_smi else contextlib.nullcontext() as smi:
         rc, output, timed_out = long_context.run_child(cmd, args.timeout, long_context.child_env(),
                                                        done=last_step_logged)
     out["returncode"] = rc

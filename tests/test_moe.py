@@ -297,6 +297,15 @@ def test_experts_implementation_is_the_one_built(name):
     assert auto.config._experts_implementation == own.config._experts_implementation is not None
 
 
+def test_experts_implementation_of_a_model_folder(tmp_path):
+    """A local folder (``model.path``) loads with the implementation asked for, whatever its
+    config.json says."""
+    tiny("olmoe").save_pretrained(tmp_path / "olmoe")
+    for impl in ("eager", "grouped_mm"):
+        model = build_model(path=str(tmp_path / "olmoe"), attn_implementation="sdpa", experts_implementation=impl)
+        assert model.config._experts_implementation == impl
+
+
 def _loss_and_grads(model, ids, pos):
     from pgs.func.losses import token_loss
     from pgs.runtime.model.build import output_head
