@@ -4,6 +4,7 @@ the activation formula exactly against what autograd saves, and its monotonic pr
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -311,3 +312,18 @@ def test_activation_formula_of_routed_experts_equals_saved_tensors(model_type, s
     assert abs(predicted - saved["grouped_mm"]) <= 0.02 * saved["grouped_mm"]
     extra = 2 * 2 * 64 * B * S * 2  # k · b · h per token and layer
     assert abs(saved["eager"] - predicted - extra) <= 0.02 * saved["eager"]
+
+
+def test_a_spec_running_the_eager_expert_loop_is_predicted_its_extra_inputs(tmp_path):
+    """model.experts_implementation = "eager" reaches the prediction: k·b·h more per token and
+    layer than grouped_mm (OLMoE-1B-7B's shape: 8·2·2048 B × 4096 tokens × 16 layers = 1 GiB)."""
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.tools.profile import plan_from_spec
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs", "olmoe_1b_7b.toml")
+    sets = [f"checkpoint.dir={tmp_path / 'run'}"]
+    grouped, eager = (plan_from_spec(load_spec(path, sets + [f"model.experts_implementation={impl}"]))
+                      for impl in ('"grouped_mm"', '"eager"'))
+    a = predict_memory(grouped["config"], **grouped["kwargs"])["activations"]
+    b = predict_memory(eager["config"], **eager["kwargs"])["activations"]
+    assert b - a == 8 * 2 * 2048 * 4096 * 16

@@ -148,6 +148,7 @@ def activation_parts(
     offload: bool = False,
     mlp_tiles: int = 0,
     compiled: bool = False,
+    experts_eager: bool = False,
 ) -> tuple[int, int]:
     """``(kept, recompute)``: bytes that forward leaves for backward for ``tokens`` tokens of a
     HF Qwen3/Llama-style decoder, and the extra bytes of one layer recomputed in backward.
@@ -214,7 +215,8 @@ def activation_parts(
     moe = _experts_shape(c)
     if moe is not None and not tiled:  # a routed MLP: k expert MLPs per token, their inputs, the router
         n_experts, top_k, inter_e = moe
-        mlp = top_k * ((3 if compiled else 4) * b * inter_e + 2 * b * h) + (b + 4) * n_experts + 4 * top_k
+        mlp = top_k * ((3 if compiled else 4) * b * inter_e + (3 if experts_eager else 2) * b * h)
+        mlp += (b + 4) * n_experts + 4 * top_k
     a_none = 2 * norm + 2 * b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q + mlp
     a_kept = {"none": a_none, "full": b * h, "sublayer": 2 * b * h,
               "selective": b * h + b * (q + 2 * k) + b * q + 4 * n_q + 2 * b * h + 2 * b * inter}[policy]
@@ -308,6 +310,7 @@ def predict_memory(
     tied_slabs: int | None = None,
     mlp_tiles: int = 0,
     compiled_layers: bool = False,
+    experts_eager: bool = False,
     offload_optimizer: bool = False,
     offload_slots: int | None = None,
     frozen_weights: int = 0,
@@ -329,6 +332,8 @@ def predict_memory(
             ``apply_activation_checkpointing`` (``offload``).
         micro_batch_tokens: tokens in one forward (micro-batch × sequence length).
         loss: ``"chunked"`` (any backend that never holds [N, V]) or ``"dense"``.
+        experts_eager: a mixture-of-experts model runs transformers' ``eager`` expert loop,
+            which keeps one more [tokens·k, hidden] tensor per layer than ``grouped_mm``.
         loss_chunk: rows per chunk of the chunked loss.
         vocab: overrides the config's vocabulary size.
         trainable: ``name -> bool``; None trains every parameter.
@@ -425,7 +430,8 @@ def predict_memory(
 
     kept, recompute = activation_parts(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
                                        every=checkpoint_every, gqa_native=gqa_native, offload=checkpoint_offload,
-                                       mlp_tiles=int(mlp_tiles or 0), compiled=bool(compiled_layers))
+                                       mlp_tiles=int(mlp_tiles or 0), compiled=bool(compiled_layers),
+                                       experts_eager=experts_eager)
     out["activations"] = kept + recompute
     c = _text_config(cfg)
     v, h = c.vocab_size, c.hidden_size
@@ -670,7 +676,8 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   tied_slabs=int(opts["tied_slabs"]) or None, mlp_tiles=int(opts["mlp_tiles"]),
                   release_groups=opts["release_groups"], compiled_layers=opts["compile_layers"],
                   offload_optimizer=bool(opts["offload_optimizer"] and opts["gradient_release"]),
-                  loss_chunk=spec.loss.chunk_size, model=model, **head_loss(spec))
+                  loss_chunk=spec.loss.chunk_size, model=model,
+                  experts_eager=getattr(spec.model, "experts_implementation", "auto") == "eager", **head_loss(spec))
     kwargs.update(objective_memory(spec, cfg, model, dt, micro, spec.data.max_seq_len, spec.loss.chunk_size))
     return {"config": cfg, "kwargs": kwargs, "notes": notes, "micro_batch": micro,
             "seq_len": spec.data.max_seq_len, "options": opts}
