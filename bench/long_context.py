@@ -70,13 +70,18 @@ SMALL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "m
          "train.device=cpu"]
 
 
-def write_long_records(path: str, words: int, records: int, seed: int = 0) -> None:
-    """``records`` prompt/completion records of about ``words`` words each (deterministic)."""
+def long_texts(words: int, records: int, seed: int = 0):
+    """``records`` texts of ``words`` words each (deterministic): two-letter syllables and numbers."""
     rng = random.Random(seed)
     vocab = [f"{a}{b}" for a in "abcdefghijklmnopqrstuvwxyz" for b in "aeiou"] + [str(i) for i in range(100)]
+    for _ in range(records):
+        yield " ".join(rng.choice(vocab) for _ in range(words))
+
+
+def write_long_records(path: str, words: int, records: int, seed: int = 0) -> None:
+    """``records`` prompt/completion records of about ``words`` words each (deterministic)."""
     with open(path, "w", encoding="utf-8") as handle:
-        for _ in range(records):
-            text = " ".join(rng.choice(vocab) for _ in range(words))
+        for text in long_texts(words, records, seed):
             handle.write(json.dumps({"prompt": "Continue.", "completion": text}) + "\n")
 
 
@@ -87,14 +92,9 @@ def words_for(tokens: int, tokenizer_path: str) -> int:
     shorter row's length)."""
     from pgs.runtime.model.build import load_tokenizer
 
-    tokenizer = load_tokenizer(tokenizer_path)
     sample = 2000
-    path = os.path.join(tempfile.mkdtemp(prefix="pgs-words-"), "sample.jsonl")
-    write_long_records(path, words=sample, records=1)
-    with open(path, encoding="utf-8") as handle:
-        text = json.loads(handle.readline())["completion"]
-    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-    per_word = len(tokenizer(text, add_special_tokens=False)["input_ids"]) / sample
+    (text,) = long_texts(sample, 1)
+    per_word = len(load_tokenizer(tokenizer_path)(text, add_special_tokens=False)["input_ids"]) / sample
     return int(tokens * 1.1 / per_word) + 1
 
 
