@@ -163,9 +163,9 @@ def check_memory(spec, prediction: Prediction, device: torch.device, available: 
     device itself is not here)."""
     if available is None:
         available, where = available_memory(device)
-    limit = int(getattr(spec.memory, "device_limit_gib", 0.0) * GiB) if device.type == "cuda" else 0
-    if limit and (available is None or limit < available):
-        available, where = limit, f"memory.device_limit_gib = {spec.memory.device_limit_gib:g} allows"
+    limit_gib = spec.memory.device_limit_gib if device.type == "cuda" else 0
+    if limit_gib and (available is None or limit_gib * GiB < available):
+        available, where = int(limit_gib * GiB), f"memory.device_limit_gib = {limit_gib:g} allows"
     if available is None or prediction.peak <= available:
         return
     biggest = max(prediction.parts, key=prediction.parts.get)
