@@ -188,8 +188,8 @@ def stream_summary(events: list[dict], steps: int, top: int = 8, min_gap_us: flo
     for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
         before = next((n for t, n in reversed(ends) if t <= a + 1e-3), "")
         after = next((e.get("name", "") for e in ordered if e["ts"] >= b - 1e-3), "")
-        during = [f"stream {s} busy {_overlap(iv, [(a, b)]) / (b - a):.0%}" for s, iv in others.items()
-                  if _overlap(iv, [(a, b)]) > 0]
+        shared = {s: _overlap(iv, [(a, b)]) for s, iv in others.items()}
+        during = [f"stream {s} busy {t / (b - a):.0%}" for s, t in shared.items() if t > 0]
         lines.append(f"  {(b - a) / 1e3:.3f} ms at +{(a - start) / 1e3:.1f} ms: after {before[:70]!r}, "
                      f"before {after[:70]!r}" + (f"; {', '.join(during)}" if during else "; no side stream busy"))
     return "\n".join(lines) + "\n"
