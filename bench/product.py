@@ -304,11 +304,10 @@ def main(argv=None) -> int:
         with open(args.out, "w", encoding="utf-8") as handle:
             json.dump({"spec": args.spec, "steps": args.steps, "skip": args.skip, "results": results}, handle, indent=1)
         stem = os.path.splitext(args.out)[0]
-        for r in results:  # the profile's summaries beside the JSON (the trace itself stays in the run folder)
-            for name in ("ops.txt", "streams.txt"):
-                path = os.path.join(r.get("profile_dir") or "", name)
-                if r.get("profile_dir") and os.path.exists(path):
-                    shutil.copyfile(path, f"{stem}-{name}")
+        for folder in (r["profile_dir"] for r in results if r.get("profile_dir")):
+            for name in ("ops.txt", "streams.txt"):  # the profile's summaries beside the JSON (not the trace)
+                if os.path.exists(os.path.join(folder, name)):
+                    shutil.copyfile(os.path.join(folder, name), f"{stem}-{name}")
     return 0 if all(not r.get("error") for r in results) else 1
 
 
