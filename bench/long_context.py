@@ -57,7 +57,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.product import markdown_table  # noqa: E402 - the bench's one table format
+from bench.product import markdown_table, read_metrics  # noqa: E402 - the bench's table format, metrics reader
 
 SPECS = {"qwen3-0.6b": "specs/qwen3_0.6b_packed.toml", "qwen3-4b": "specs/qwen3_4b_12gib.toml"}
 #: The long-row memory recipe (docs/memory.md) applied over each shipped spec.
@@ -197,19 +197,6 @@ def child_env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1")
 
 
-def _step_records(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            try:
-                out.append(json.loads(line))
-            except ValueError:  # a line being written when the run was stopped
-                pass
-    return out
-
-
 def mlp_tiles(length: int) -> int:
     """``memory.mlp_tiles`` for rows of ``length`` tokens: slices of about 8k tokens (at least 2)."""
     return max(2, length // 8192)
@@ -234,10 +221,9 @@ def run_pgs(shape: str, length: int, data: str, args, workdir: str, timeout: flo
     cmd = [sys.executable, "-m", "pgs", "run", SPECS[shape]] + [x for s in sets for x in ("--set", s)]
     out = {"setup": "pgs run", "shape": shape, "length": length, "mlp_tiles": tiles,
            "command": "python -m pgs run " + " ".join(cmd[4:])}
-    metrics = os.path.join(run_dir, "metrics.jsonl")
 
     def last_step_logged() -> bool:  # the last step's record is written before the final checkpoint
-        return any(r.get("step") == args.steps and "loss" in r for r in _step_records(metrics))
+        return any(r.get("step") == args.steps and "loss" in r for r in read_metrics(run_dir))
 
     started = time.time()
     rc, output, timed_out = run_child(cmd, timeout, child_env(), done=last_step_logged)
@@ -246,9 +232,10 @@ def run_pgs(shape: str, length: int, data: str, args, workdir: str, timeout: flo
     if note:
         out["error"] = note
     out["wall_s"] = round(time.time() - started, 1)
-    records = _step_records(metrics)  # a run cut short still logged its steps
+    records = read_metrics(run_dir)  # a run cut short still logged its steps
     if records:
         out.update(_summary(records, args.skip))
+        metrics = os.path.join(run_dir, "metrics.jsonl")
         shutil.copyfile(metrics, os.path.join(workdir, f"metrics_{shape}_{length}.jsonl"))
     shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoint: 12 GB at 4B, and no part of the figures
     return out

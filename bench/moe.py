@@ -95,8 +95,7 @@ def run_pgs(impl: str, args, workdir: str) -> dict:
     metrics = os.path.join(run_dir, "metrics.jsonl")
 
     def last_step_logged() -> bool:  # the last step's record is written before the final checkpoint
-        return os.path.exists(metrics) and any(r.get("step") == args.steps and "loss" in r
-                                               for r in product.read_metrics(run_dir))
+        return any(r.get("step") == args.steps and "loss" in r for r in product.read_metrics(run_dir))
 
     started = time.time()
     with product.GpuMemory() if args.nvidia_smi else contextlib.nullcontext() as smi:
@@ -107,7 +106,7 @@ def run_pgs(impl: str, args, workdir: str) -> dict:
     if note:
         out["error"] = note
     out["wall_s"] = round(time.time() - started, 1)
-    records = product.read_metrics(run_dir) if os.path.exists(metrics) else []
+    records = product.read_metrics(run_dir)
     steps = [r for r in records if "loss" in r and "tokens" in r]
     if steps:  # a run cut short still logged its steps
         summary = product.summarize(records, args.skip)

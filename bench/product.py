@@ -120,9 +120,13 @@ def markdown_table(rows: list[dict], columns: list[tuple], setup=lambda r: r["se
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    """The records of a run's metrics.jsonl (a line cut short by a kill is left out)."""
+    """The records of a run's metrics.jsonl (a line cut short by a kill is left out; none before
+    the run wrote its first)."""
     records = []
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as handle:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return records
+    with open(path, encoding="utf-8") as handle:
         for line in handle:
             try:
                 records.append(json.loads(line))
