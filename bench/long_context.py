@@ -62,7 +62,8 @@ from bench.product import markdown_table, read_metrics  # noqa: E402 - the bench
 SPECS = {"qwen3-0.6b": "specs/qwen3_0.6b_packed.toml", "qwen3-4b": "specs/qwen3_4b_12gib.toml"}
 #: The long-row memory recipe (docs/memory.md) applied over each shipped spec.
 RECIPE = ["memory.activation_checkpointing=full", "memory.offload_checkpoints=true", "train.batch_size=1", "train.grad_accum=1", "data.packing=false", "data.truncation=truncate",
-          "train.eval_every=0", "checkpoint.every=0", "checkpoint.export=false"]
+          "train.eval_every=0", "checkpoint.every=0", "checkpoint.export=false",
+          "memory.device_limit_gib=0"]  # the 4B spec's 12.5 GiB cap belongs to its 4k recipe, not to long rows
 SMALL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
          "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.head_dim=16",
          "model.config.vocab_size=512", "model.dtype=float32", "memory.compile_layers=false",
@@ -343,7 +344,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="qwen3-0.6b,qwen3-4b", help=f"comma-separated, of {sorted(SPECS)}")
     p.add_argument("--lengths", default="16384,32768,65536,131072", help="tokens per row, comma-separated")
-    p.add_argument("--peers", default="hf_liger_ac", help="bench/sft_step.py HF variants, comma-separated ('' none)")
+    p.add_argument("--peers", default="hf_liger_ac", help="bench/sft_step.py HF variants, comma-separated (--peers= for none)")
     p.add_argument("--steps", type=int, default=6, help="steps per entry")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of tok/s")
     p.add_argument("--chunk", type=int, default=4096, help="loss.chunk_size (rows of logits at a time)")
@@ -370,6 +371,14 @@ def main(argv=None) -> int:
     unknown = [s for s in shapes if s not in SPECS]
     if unknown:
         p.error(f"--shapes: {unknown} not in {sorted(SPECS)}")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import sft_step  # noqa: E402 - the bench's HF variants, to refuse an unknown one before anything runs
+
+    hf = [v for v in sft_step.VARIANTS if v.startswith("hf_")]
+    unknown = [x for x in args.peers.split(",") if x and x not in hf]
+    if unknown:
+        p.error(f"--peers: {unknown} are not bench/sft_step.py HF variants ({', '.join(hf[:6])}, ...); "
+                "--peers= for none")
     workdir = args.workdir or tempfile.mkdtemp(prefix="pgs-long-")
     os.makedirs(workdir, exist_ok=True)
     data_files: dict[tuple[str, int], str] = {}
