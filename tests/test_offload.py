@@ -8,6 +8,8 @@ copied back (``StateStager``).  The ``cuda`` tests run the side streams and even
 
 from __future__ import annotations
 
+import json
+
 import attrs
 import pytest
 import torch
@@ -101,11 +103,13 @@ def test_order_is_learned():
     run(m, rel, data[:1])
     first = rel.stager.unannounced
     assert first > 0
+    assert rel.step_copies["offload/unannounced"] == first  # what the step record logs
     before = rel.stager.fetches
     run(m, rel, data[1:])
     assert rel.stager.unannounced == first
     n = len(rel.groups)
     assert rel.stager.fetches - before == 2 * n  # the first two were fetched at the end of step 1
+    assert rel.step_copies == {"offload/fetches": n, "offload/unannounced": 0}  # the last step's own
 
 
 def test_resume_is_exact(tmp_path):
@@ -440,6 +444,10 @@ def test_pgs_run_offloaded_sigkill_resume_equals_on_device_run(tmp_path):
     first = launch(spec, **Faults(crash_at=("step", 5)).env())
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     assert "optimizer state in host memory" in first.stdout + first.stderr
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r and "event" not in r]
+    assert steps and all(r["offload/fetches"] > 0 for r in steps)
+    assert steps[-1]["offload/unannounced"] == 0  # the order learned in step 1 holds
     resumed = launch(spec, "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step_3" in resumed.stderr

@@ -43,3 +43,17 @@ def test_per_step_figures_divide_by_the_steps_and_small_gaps_are_not_listed():
 def test_no_device_activity():
     assert stream_summary([{"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 5}], 3) == \
         "no device activity in the trace\n"
+
+
+def test_gaps_are_summed_by_the_side_stream_whose_work_ended_them_else_the_host():
+    events = [
+        _event(7, 0, 100, "bwd"), _event(7, 300, 100, "step"),  # gap 100..300, closed by stream 20's copy at 290
+        _event(20, 150, 140, "Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", bytes=2**20),
+        _event(7, 500, 100, "bwd"),  # gap 400..500: the copy on 21 ended 80 µs earlier (not waited for)
+        _event(21, 400, 20, "Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", bytes=2**20),
+        _event(7, 750, 100, "step"),  # gap 600..750: nothing on a side stream
+    ]
+    lines = stream_summary(events, 2).splitlines()
+    at = lines.index("  by what ended them (side work ending ≤ 50 µs before compute resumed; else the host):")
+    assert lines[at + 1:at + 3] == ["    host: 1.0 per step, 0.12 ms per step",
+                                    "    stream 20: 0.5 per step, 0.10 ms per step"]

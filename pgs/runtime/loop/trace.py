@@ -19,6 +19,7 @@ Only the main process profiles; the steps outside ``A..B`` run untouched.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from collections import defaultdict
@@ -136,6 +137,11 @@ def _kind(event: dict) -> str:
     return "copy"
 
 
+#: a side stream's work that ends at most this long (µs) before the compute stream resumes is
+#: taken as what the compute stream waited for (an event wait's latency is a few µs)
+WAIT_SLACK_US = 50.0
+
+
 def stream_summary(events: list[dict], steps: int, top: int = 8, min_gap_us: float = 20.0) -> str:
     """Where the device's time went over ``steps`` traced steps, per stream, from a Kineto
     Chrome trace's events (``ph == "X"`` of the categories ``DEVICE_CATEGORIES``, times in µs).
@@ -145,7 +151,11 @@ def stream_summary(events: list[dict], steps: int, top: int = 8, min_gap_us: flo
     the copies), and for side streams the share of their busy time that overlapped the compute
     stream's.  Then the compute stream's idle time inside the traced window (first device event
     to last), per step, and its ``top`` largest gaps of at least ``min_gap_us``, each named by the
-    compute work before and after it and by what the side streams did during it."""
+    compute work before and after it and by what the side streams did during it.
+
+    The gaps are also summed by what ended them: a gap that closes within ``WAIT_SLACK_US`` of
+    the end of a side stream's work (a copy the compute stream waited for through an event) is
+    that stream's; any other gap is the host's (the compute stream waited for launches)."""
     device = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
     if not device:
         return "no device activity in the trace\n"
@@ -182,6 +192,21 @@ def stream_summary(events: list[dict], steps: int, top: int = 8, min_gap_us: flo
     lines += ["", f"compute stream idle: {idle / 1e3 / steps:.2f} ms per step "
                   f"({idle / max(end - start, 1e-9):.0%} of the window); gaps of {min_gap_us:g} µs or more: "
                   f"{len(gaps) / steps:.1f} per step, {_length(gaps) / 1e3 / steps:.2f} ms per step"]
+    side_ends = sorted(((e["ts"] + e["dur"], s) for s, evs in by_stream.items() if s != compute for e in evs),
+                       key=lambda x: x[0])
+    end_times = [t for t, _ in side_ends]
+    waited: dict[object, list[float]] = defaultdict(lambda: [0, 0.0])  # closer -> [gaps, µs]
+    for a, b in gaps:
+        at = bisect.bisect_right(end_times, b + 1e-3)  # the last side work that ended by the gap's end
+        closer = side_ends[at - 1][1] if at and end_times[at - 1] >= max(a, b - WAIT_SLACK_US) else "host"
+        waited[closer][0] += 1
+        waited[closer][1] += b - a
+    if gaps:
+        lines.append(f"  by what ended them (side work ending ≤ {WAIT_SLACK_US:g} µs before compute resumed; "
+                     "else the host):")
+        for closer, (n, us) in sorted(waited.items(), key=lambda kv: -kv[1][1]):
+            name = "host" if closer == "host" else f"stream {closer}"
+            lines.append(f"    {name}: {n / steps:.1f} per step, {us / 1e3 / steps:.2f} ms per step")
     ordered = sorted(by_stream[compute], key=lambda e: e["ts"])
     ends = sorted(((e["ts"] + e["dur"], e.get("name", "")) for e in ordered))
     others = {s: busy[s] for s in busy if s != compute}

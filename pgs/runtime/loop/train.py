@@ -414,6 +414,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     nonfinite = not math.isfinite(loss_sum) or n_valid == 0 or n_mean == 0
     flags = control.agree([signals.received, wall.spent(), nonfinite, 0])
     opt = StepMetrics()
+    extra_values: dict = {}
     grad_norm = None
     if flags[control.NONFINITE]:
         del pending  # no backward (release): the chain state and the weights stay as they were
@@ -422,6 +423,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
         (pending / max(n_mean, 1)).backward()  # every group steps inside this call
         run.bound.step()  # completes what backward started (groups that got no gradient)
         opt = run.bound.metrics(tensors=True)
+        extra_values = dict(getattr(run.bound, "step_copies", None) or {})  # memory.offload_optimizer
     else:
         # The chain's clip keeps the pre-clip norm in its state; measure it only when it does not.
         grad_norm = None if run.chain_has_norm else run.bound.grad_norm()
@@ -445,6 +447,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     values.update({f"stat{i}": v for i, v in enumerate(stats)})
     if run.moe is not None and objective.router_tap:
         values.update(run.moe.step_values())
+    values.update(extra_values)
     values = {k: v for k, v in values.items() if v is not None}
     ended = time.perf_counter()
     # the step's period: from the end of the previous step's launches (or this step's start) to
@@ -472,7 +475,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
             "skipped": int(skipped),
             "skipped_total": skipped_total,
             "spike": spike,
-            **{k: x for k, x in v.items() if k.startswith("moe/")},
+            **{k: x for k, x in v.items() if k.startswith(("moe/", "offload/"))},
         }
 
     return StepRecord(values, finish), flags

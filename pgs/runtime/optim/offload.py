@@ -442,6 +442,8 @@ class OffloadedRelease(GradientRelease):
         super().__init__(chain, model, **kw)
         self._set_order(list(reversed(list(self.groups))))  # first guess: backward runs the layers in reverse
         self._seen: list[str] = []
+        self._counted = (0, 0)  # the stager's (fetches, unannounced) at the end of the last step
+        self.step_copies: dict[str, int] = {}
 
     def _set_order(self, order: list[str]) -> None:
         self._order = order
@@ -496,6 +498,13 @@ class OffloadedRelease(GradientRelease):
                 self._set_order(list(self._seen))
             for i, g in enumerate(self._expected_after(None)):  # the next step's first groups, during its forward
                 self.stager.prefetch(g, evict=i == 0)  # (a staged group that this step never used makes room)
+            s = self.stager
+            # what the step record logs: fetches started during this step (the next step's first
+            # ones included), and how many groups arrived unannounced (fetched on demand: the
+            # compute stream waited for the whole copy)
+            self.step_copies = {"offload/fetches": s.fetches - self._counted[0],
+                                "offload/unannounced": s.unannounced - self._counted[1]}
+            self._counted = (s.fetches, s.unannounced)
 
     def state_dict(self, device=None):
         self.stager.synchronize()
