@@ -75,23 +75,28 @@ def router_stats(logits: Tensor, top_k: int, selected: Tensor | None = None,
     logp = x - logz[:, None]
     p = logp.exp()
     entropy = -(p.detach() * logp.detach()).sum(-1)
-    onehot = torch.zeros_like(x, dtype=x.dtype).scatter_add_(
-        -1, selected.long(), torch.ones(selected.shape, dtype=x.dtype, device=x.device))
     z = logz.square()
+    # counts_i: each (token, choice) pair adds the token's weight (1, or its mask) into bin i; the
+    # sums are whole numbers, exact in fp32 up to 2^24 assignments
+    weight = (torch.ones(selected.shape, dtype=x.dtype, device=x.device) if keep is None
+              else keep[:, None].expand(selected.shape).reshape(-1))
+    counts = x.new_zeros(x.shape[-1]).scatter_add_(0, selected.reshape(-1).long(), weight.reshape(-1))
     if keep is not None:
-        p, z, entropy, onehot = p * keep[:, None], z * keep, entropy * keep, onehot * keep[:, None]
+        p, z, entropy = p * keep[:, None], z * keep, entropy * keep
         tokens = keep.sum()
     else:
         tokens = torch.tensor(float(x.shape[0]), dtype=x.dtype, device=x.device)
-    return RouterStats(p.sum(0), z.sum(), onehot.detach().sum(0), entropy.sum(), tokens)
+    return RouterStats(p.sum(0), z.sum(), counts, entropy.sum(), tokens)
 
 
-def load_balance_loss(counts: Tensor, prob_sum: Tensor, tokens: Tensor, top_k: int,
+def load_balance_loss(counts: Tensor, prob_sum: Tensor, tokens: Tensor, top_k: int | Tensor,
                       count_tokens: Tensor | None = None) -> Tensor:
     """Switch load-balancing loss ``E · Σ_i f_i P_i`` (arXiv:2101.03961, eq. 4), per router.
 
     ``counts``, ``prob_sum``: ``[..., E]`` token sums (:func:`router_stats`; ``counts`` gets no
-    gradient); ``tokens``: ``[...]``, the ``T`` of ``P = prob_sum / T``.  ``count_tokens``: the
+    gradient); ``tokens``: ``[...]``, the ``T`` of ``P = prob_sum / T``.  ``top_k``: an int, or
+    a ``[...]`` tensor of each router's ``k`` (stacked routers of different ``k``; one call for
+    every layer instead of one per layer).  ``count_tokens``: the
     ``T`` of ``f = counts / (k·T)`` when the counts cover other tokens than ``prob_sum`` (one
     micro-batch's share of a global batch's loss: ``f`` from the counts known so far, ``P`` a
     partial sum over the global token count); None: ``tokens``.  Returns ``[...]``: 1 for
@@ -100,7 +105,8 @@ def load_balance_loss(counts: Tensor, prob_sum: Tensor, tokens: Tensor, top_k: i
     num_experts = counts.shape[-1]
     t = tokens.clamp_min(1)[..., None]
     tc = t if count_tokens is None else count_tokens.clamp_min(1)[..., None]
-    f = counts.detach() / (int(top_k) * tc)
+    k = top_k.to(tc.dtype)[..., None] if isinstance(top_k, Tensor) else int(top_k)
+    f = counts.detach() / (k * tc)
     return num_experts * (f * (prob_sum / t)).sum(-1)
 
 

@@ -133,7 +133,8 @@ class UpdateRatio:
 
     @torch.no_grad()
     def before(self) -> None:
-        self._snapshot = [self._sampled(p).clone() for p in self.params]
+        # the copy in fp32 at once: ``after`` then subtracts it as it is
+        self._snapshot = [self._sampled(p).to(torch.float32, copy=True) for p in self.params]
 
     @torch.no_grad()
     def after(self, step: int) -> None:
@@ -141,8 +142,11 @@ class UpdateRatio:
             return
         now = [self._sampled(p).float() for p in self.params]
         device = now[0].device
-        diff = torch.stack([(w - s.float()).square().sum() for w, s in zip(now, self._snapshot)])
-        size = torch.stack([w.square().sum() for w in now])
+        # the differences and squares as multi-tensor ops (one launch each on a GPU, not one per
+        # parameter); only the sums run per parameter
+        delta = torch._foreach_sub(now, self._snapshot)
+        diff = torch.stack([d.sum() for d in torch._foreach_mul(delta, delta)])
+        size = torch.stack([w.sum() for w in torch._foreach_mul(now, now)])
         self._snapshot = None
         if not isinstance(self.index, torch.Tensor) or self.index.device != device:  # once: no copy per step
             self.index = torch.as_tensor(self.index, device=device)

@@ -191,6 +191,9 @@ class RouterTap:
         self._handles = [m.register_forward_hook(self._hook) for _, _, m in routers]
         self._active = False
         self._mask: Tensor | None = None
+        self._masks: dict[torch.dtype, Tensor] = {}  # the mask in each statistics dtype, cast once per micro-batch
+        self._top_k: Tensor | None = None  # top_k as a device tensor ([L]), made once
+        self._layer_ids: Tensor | None = None  # the layers' indices as a device tensor ([L]), made once
         self._parts: list[list[RouterStats]] = [[] for _ in routers]
         self._window: Tensor | None = None  # [L, 2E + 3] detached sums of the step (this rank)
         self._seen: Tensor | None = None  # [L, E + 1] counts and tokens so far, all ranks (load balance)
@@ -218,7 +221,7 @@ class RouterTap:
                 and not output[2].is_floating_point():
             selected = output[2]  # the model's own choice (a router with a bias or groups may differ)
         logits = logits.reshape(-1, logits.shape[-1])
-        mask = self._mask if self._mask is not None and self._mask.numel() == logits.shape[0] else None
+        mask = self._mask_for(logits) if self._mask is not None and self._mask.numel() == logits.shape[0] else None
         j = self._slot[id(module)]
         # the same ops in forward and in a checkpointed recompute (torch.utils.checkpoint checks that
         # the recompute saves what forward saved); only the forward's result is kept
@@ -229,6 +232,23 @@ class RouterTap:
         if recording:
             self._parts[j].append(stats)
         return None
+
+    def _mask_for(self, logits: Tensor) -> Tensor:
+        """The micro-batch's mask in the dtype ``router_stats`` sums ``logits`` in, cast once
+        for all the routers (the cast is then no op of theirs)."""
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        mask = self._masks.get(dtype)
+        if mask is None:
+            mask = self._masks[dtype] = self._mask.to(device=logits.device, dtype=dtype)
+        return mask
+
+    def _per_layer(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(top_k, layer index)`` of every router as ``[L]`` float64 tensors on ``device``,
+        copied there once."""
+        if self._top_k is None or self._top_k.device != device:
+            both = torch.tensor([self.top_k, self.layers], dtype=torch.float64).to(device)
+            self._top_k, self._layer_ids = both[0], both[1]
+        return self._top_k, self._layer_ids
 
     # ------------------------------------------------------------------ the loop's calls
 
@@ -246,13 +266,17 @@ class RouterTap:
         self._seen = None
 
     def begin_micro(self, batch, device: torch.device) -> None:
-        """Count the router calls of the next forward, padding excluded."""
+        """Count the router calls of the next forward, padding excluded.  The mask is made where
+        the batch lives: a row's length is the last of its ``cu_seqlens`` (on the device after the
+        loader's copy), never read on the host (a read there would wait for the device)."""
         mask = getattr(batch, "token_mask", None)  # a context-parallel shard says which of its tokens are real
         if mask is None:
-            lengths = torch.tensor([int(c[-1]) if len(c) else 0 for c in batch.cu_seqlens], dtype=torch.long)
+            rows = batch.cu_seqlens
+            lengths = torch.stack([c[-1] if len(c) else c.new_zeros(()) for c in rows]).to(device, non_blocking=True)
             width = batch.input_ids.shape[-1]
-            mask = torch.arange(width)[None, :] < lengths[:, None]
+            mask = torch.arange(width, device=device)[None, :] < lengths[:, None]
         self._mask = mask.reshape(-1).to(device, non_blocking=True)
+        self._masks = {}
         self._parts = [[] for _ in self.layers]
         self._active = True
 
@@ -296,9 +320,9 @@ class RouterTap:
             self._seen = seen if self._seen is None else self._seen + seen
             counts = self._seen[:, :experts].to(stats.prob_sum.dtype)
             count_tokens = self._seen[:, experts].to(stats.prob_sum.dtype)
-            per_router = [load_balance_loss(counts[j], stats.prob_sum[j], n[j], self.top_k[j], count_tokens[j])
-                          for j in range(layers)]
-            aux = aux + self.load_balance * torch.stack(per_router).mean()
+            top_k, _ = self._per_layer(counts.device)
+            per_router = load_balance_loss(counts, stats.prob_sum, n, top_k, count_tokens)
+            aux = aux + self.load_balance * per_router.mean()
         if self.z_coef > 0:
             aux = aux + self.z_coef * router_z_loss(stats.z_sum, n).mean()
         return aux * self._denominator
@@ -314,18 +338,17 @@ class RouterTap:
         experts = (window.shape[1] - 3) // 2
         counts, prob_sum = window[:, :experts], window[:, experts:2 * experts]
         z_sum, entropy_sum, tokens = window[:, 2 * experts], window[:, 2 * experts + 1], window[:, 2 * experts + 2]
-        lb = torch.stack([load_balance_loss(counts[j], prob_sum[j], tokens[j], self.top_k[j])
-                          for j in range(len(self.layers))])
+        top_k, layer_ids = self._per_layer(window.device)
+        lb = load_balance_loss(counts, prob_sum, tokens, top_k)  # every layer at once
         vio = max_violation(counts)
         util = load_utilization(counts)
         dead = dead_fraction(counts)
-        layer_ids = torch.tensor(self.layers, dtype=torch.float64, device=window.device)
         return {
             "moe/lb_loss": lb.mean(),
             "moe/z_loss": router_z_loss(z_sum, tokens).mean(),
             "moe/max_vio": vio.mean(),
             "moe/max_vio_worst": vio.max(),
-            "moe/max_vio_layer": layer_ids[vio.argmax()],
+            "moe/max_vio_layer": layer_ids.gather(0, vio.argmax().reshape(1)).reshape(()),  # a tensor index: no host read
             "moe/utilization": util.mean(),
             "moe/utilization_worst": util.min(),
             "moe/dead_frac": dead.mean(),
