@@ -34,6 +34,15 @@ rewritten after every entry, a Markdown table goes to stdout::
     python -m bench moe                                  # eager and grouped_mm, 12 steps each
     python -m bench moe --impls grouped_mm --steps 30 --peer ""
 
+``--profile A:B`` passes ``pgs run --profile A:B`` to every pgs run and copies each run's
+``profile/ops.txt`` and ``profile/streams.txt`` (pgs/runtime/loop/trace.py: operators by device
+and host time; per stream busy time and the compute stream's idle gaps) to
+``<out stem>-<impl>-ops.txt`` / ``-streams.txt`` beside the JSON (``bench/product.py``'s
+``copy_profile``).  The traced steps run under the profiler, so a profiled call's figures are
+not the speed: run it apart::
+
+    python -m bench moe --impls grouped_mm --steps 8 --skip 3 --profile 5:7 --out bench/results/moe-profile.json
+
 On the CPU, ``--small`` runs the same path at a tiny shape (8 experts of 2, two layers): the
 smoke run of this script (tests/test_bench_moe.py).
 """
@@ -75,13 +84,26 @@ def available_impls() -> list[str]:
     return [i for i in DEFAULT_IMPLS if i == "eager" or i in ALL_EXPERTS_FUNCTIONS.valid_keys()]
 
 
+def health_every(spec_path: str, sets: list[str]) -> int:
+    """The spec's own health-summary interval (``train.health_every``, 0: ``train.log_every``)
+    with ``sets`` applied."""
+    from pgs.runtime.spec.load import load_spec
+
+    train = load_spec(spec_path, sets).train
+    return train.health_every or train.log_every
+
+
 def pgs_overrides(impl: str, args, run_dir: str) -> list[str]:
     """The ``--set`` list of one pgs entry: the implementation, the steps, no checkpoint inside
-    the run, a warm-up that fits the few steps (pgs refuses one longer than the run)."""
+    the run, a warm-up that fits the few steps (pgs refuses one longer than the run), a record
+    every step, and the health summary (its update ratio samples every weight before and after
+    the step) at the spec's own interval, which would otherwise follow ``log_every`` to every
+    step."""
+    sets = (SMALL if args.small else []) + args.set
     return ([f"model.experts_implementation={impl}", f"train.steps={args.steps}", f"checkpoint.dir={run_dir}",
              "checkpoint.every=0", "checkpoint.export=false", "train.log_every=1", "train.eval_every=0",
-             f"schedule.warmup={max(0, min(2, args.steps - 1))}"]
-            + (SMALL if args.small else []) + args.set)
+             f"train.health_every={health_every(args.spec, sets)}",
+             f"schedule.warmup={max(0, min(2, args.steps - 1))}"] + sets)
 
 
 def run_pgs(impl: str, args, workdir: str) -> dict:
@@ -90,6 +112,8 @@ def run_pgs(impl: str, args, workdir: str) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "pgs", "run", args.spec]
     cmd += [x for s in pgs_overrides(impl, args, run_dir) for x in ("--set", s)]
+    if args.profile:
+        cmd += ["--profile", args.profile]
     out: dict = {"setup": f"pgs run {impl}", "side": "pgs", "experts_implementation": impl,
                  "command": "python -m pgs run " + " ".join(cmd[4:])}
     metrics = os.path.join(run_dir, "metrics.jsonl")
@@ -122,6 +146,11 @@ def run_pgs(impl: str, args, workdir: str) -> dict:
         out["error"] = "no step logged: " + long_context._tail(output)
     if smi is not None and smi.samples:
         out["nvidia_smi_max_gib"] = max(g for _, g in smi.samples)
+    if args.profile:  # the trace's summaries beside the JSON (or in the workdir), before the folder goes
+        stem = f"{os.path.splitext(args.out)[0] if args.out else os.path.join(workdir, 'moe')}-{impl}"
+        out["profile"] = product.copy_profile(os.path.join(run_dir, "profile"), stem)
+        if not out["profile"] and "error" not in out:
+            out["error"] = f"--profile {args.profile}: the run wrote no profile summary"
     shutil.rmtree(run_dir, ignore_errors=True)  # its final checkpoint: no part of the figures
     return out
 
@@ -173,7 +202,8 @@ def write(args, results: list[dict]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as handle:
         json.dump({"spec": args.spec, "steps": args.steps, "skip": args.skip, "impls": args.impls,
-                   "peer": args.peer, "small": args.small, "results": results}, handle, indent=1)
+                   "peer": args.peer, "small": args.small, "profile": args.profile, "results": results},
+                  handle, indent=1)
 
 
 def main(argv=None) -> int:
@@ -188,9 +218,21 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300, help="seconds for each pgs run")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="spec overrides for both sides")
     p.add_argument("--small", action="store_true", help="a tiny shape on the CPU (a smoke run of this script)")
+    p.add_argument("--profile", default="", metavar="A:B",
+                   help="pgs run --profile A:B: each pgs run's ops.txt and streams.txt beside the JSON")
     p.add_argument("--workdir", default="", help="where the run folders go (default: a temporary folder)")
     p.add_argument("--out", default="", help="JSON results")
     args = p.parse_args(argv)
+    if args.profile:
+        from pgs.errors import SpecError
+        from pgs.runtime.loop.trace import parse_steps
+
+        try:
+            last = parse_steps(args.profile)[1]
+        except SpecError as err:
+            p.error(str(err))
+        if last > args.steps:
+            p.error(f"--profile {args.profile}: step {last} is past --steps {args.steps}")
     args.impls = [i for i in args.impls.split(",") if i]
     if not args.impls:
         p.error("--impls: no expert implementation to run (this transformers has none to choose)")

@@ -307,12 +307,25 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as handle:
             json.dump({"spec": args.spec, "steps": args.steps, "skip": args.skip, "results": results}, handle, indent=1)
-        stem = os.path.splitext(args.out)[0]
         for folder in (r["profile_dir"] for r in results if r.get("profile_dir")):
-            for name in ("ops.txt", "streams.txt"):  # the profile's summaries beside the JSON (not the trace)
-                if os.path.exists(os.path.join(folder, name)):
-                    shutil.copyfile(os.path.join(folder, name), f"{stem}-{name}")
+            copy_profile(folder, os.path.splitext(args.out)[0])
     return 0 if all(not r.get("error") for r in results) else 1
+
+
+#: the summaries of ``pgs run --profile`` (pgs/runtime/loop/trace.py) that a suite keeps; the
+#: trace itself stays in the run folder
+PROFILE_SUMMARIES = ("ops.txt", "streams.txt")
+
+
+def copy_profile(folder: str, stem: str) -> list[str]:
+    """Copy a run's profile summaries (``folder``: its ``profile/``) to ``<stem>-ops.txt`` and
+    ``<stem>-streams.txt`` (``streams.txt`` exists on CUDA only); returns the paths written."""
+    written = []
+    for name in PROFILE_SUMMARIES:
+        if os.path.exists(os.path.join(folder, name)):
+            shutil.copyfile(os.path.join(folder, name), f"{stem}-{name}")
+            written.append(f"{stem}-{name}")
+    return written
 
 
 if __name__ == "__main__":

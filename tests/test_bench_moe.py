@@ -25,12 +25,24 @@ def test_registered_and_default_impls():
 
 def test_pgs_overrides_set_the_implementation_and_no_checkpoint_inside_the_run(tmp_path):
     class Args:
-        steps, small, set = 3, True, ["train.seed=5"]
+        spec, steps, small, set = moe.SPEC, 3, True, ["train.seed=5"]
 
     sets = moe.pgs_overrides("grouped_mm", Args, str(tmp_path))
     assert sets[0] == "model.experts_implementation=grouped_mm"
     assert {"train.steps=3", "checkpoint.every=0", "schedule.warmup=2", f"checkpoint.dir={tmp_path}"} <= set(sets)
     assert set(moe.SMALL) <= set(sets) and sets[-1] == "train.seed=5"  # the caller's overrides last: they win
+    # a record every step, the health summary (the update ratio's weight samples) at the spec's
+    # own interval (its log_every, 10), not every step
+    assert "train.log_every=1" in sets and "train.health_every=10" in sets
+    Args.set = ["train.log_every=4"]
+    assert "train.health_every=4" in moe.pgs_overrides("eager", Args, str(tmp_path))
+
+
+def test_profile_steps_refused_past_the_run(capsys):
+    for bad, why in (("5:9", "past --steps 6"), ("3", "is not A:B")):
+        with pytest.raises(SystemExit) as exit_:
+            moe.main(["--profile", bad, "--steps", "6", "--impls", "eager"])
+        assert exit_.value.code == 2 and why in capsys.readouterr().err
 
 
 def test_ratios_against_eager_and_hf():
@@ -51,7 +63,7 @@ def test_small_run_of_the_whole_call(tmp_path):
     out = tmp_path / "moe.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run([sys.executable, "-m", "bench", "moe", "--small", "--steps", "2", "--skip", "0",
-                           "--workdir", str(tmp_path), "--out", str(out)], cwd=ROOT, env=env,
+                           "--profile", "2:2", "--workdir", str(tmp_path), "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     results = json.loads(out.read_text())["results"]
@@ -73,4 +85,9 @@ def test_small_run_of_the_whole_call(tmp_path):
         assert "model.experts_implementation=" + r["experts_implementation"] in r["command"]
         assert (tmp_path / f"metrics_{r['experts_implementation']}.jsonl").exists()
         assert not (tmp_path / f"run_{r['experts_implementation']}").exists()  # its checkpoint removed
+        # --profile: pgs run --profile 2:2, its operator table kept beside the JSON (streams.txt: CUDA only)
+        assert "--profile 2:2" in r["command"]
+        ops = tmp_path / f"moe-{r['experts_implementation']}-ops.txt"
+        assert r["profile"] == [str(ops)] and "aten::" in ops.read_text()
+    assert json.loads(out.read_text())["profile"] == "2:2" and "profile" not in results[2]
     assert done.stdout.count("| pgs run ") == 2 and done.stdout.count("| HF ") == 2

@@ -386,3 +386,87 @@ def test_pgs_run_setup_builds_the_spec_experts_implementation(tmp_path):
             assert type(run.model).__name__ == "OlmoeForCausalLM"
         finally:
             run.loader.close()
+
+
+def _tap_ops(layers: int) -> dict[str, "collections.Counter"]:
+    """The aten ops of a router tap's second step on a tiny OLMoE of ``layers`` layers, by the
+    loop's call: ``hooks`` (the routers' forward hooks: the forward with the tap counting less
+    the same forward without it), ``begin`` (begin_step + begin_micro), ``end_micro``,
+    ``step_values``.  The first step fills the tap's caches."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = build_model(config=dict(CONFIGS["olmoe"], num_hidden_layers=layers), dtype=torch.float32,
+                        attn_implementation="sdpa", init_seed=1)
+    tap = RouterTap(find_routers(model))
+    ids, pos, batch = _batch()
+    cpu = torch.device("cpu")
+    out = {}
+    for step in range(2):
+        with torch.no_grad(), Count() as plain:
+            final_hidden(model, ids, pos)  # not counted by the tap (no begin_micro)
+        with Count() as begin:
+            tap.begin_step([batch], cpu)
+            tap.begin_micro(batch, cpu)
+        with torch.no_grad(), Count() as forward:
+            final_hidden(model, ids, pos)
+        with Count() as end:
+            tap.end_micro()
+        with Count() as values:
+            tap.step_values()
+        out = {"hooks": forward.ops - plain.ops, "begin": begin.ops, "end_micro": end.ops, "step_values": values.ops}
+    tap.close()
+    return out
+
+
+def test_router_tap_reads_nothing_on_the_host_and_reduces_all_layers_at_once():
+    """The telemetry adds no host read to a step (on a GPU each would wait for the device: a
+    row's length, the worst layer's index, the layers' indices copied every step), runs a fixed
+    number of ops per router in forward, and reduces the window with the same ops whatever the
+    number of layers (one batched reduction, not one per layer)."""
+    from test_release_launches import HOST_ONLY, SYNCS
+
+    two, four = _tap_ops(2), _tap_ops(4)
+    for part, ops in four.items():
+        assert not SYNCS & set(ops), (part, ops)  # no .item() / int() / bool() of a tensor
+    assert "lift_fresh" not in four["step_values"] + four["end_micro"], four  # no tensor from host numbers per step
+    assert four["step_values"] == two["step_values"] and four["end_micro"] == two["end_micro"]
+    per_router = {k: v / 2 for k, v in (four["hooks"] - two["hooks"]).items()}
+    launching = sum(v for k, v in per_router.items() if k not in HOST_ONLY)
+    # per router: the logits in fp32, log-softmax, entropy, the masked sums and one scatter_add
+    # of the counts (before: a [T, E] one-hot, its mask product and sum, and the mask's cast)
+    assert launching <= 18, per_router
+    assert per_router.get("scatter_add_") == 1 and "zeros_like" not in per_router, per_router
+
+
+def test_batched_load_balance_and_scattered_counts_equal_the_per_layer_forms():
+    """One ``load_balance_loss`` call over stacked layers (``top_k`` a tensor, layers of
+    different k) equals one call per layer, bit for bit; ``router_stats``' counts (one
+    scatter_add of the tokens' mask) equal the masked one-hot sum."""
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 50, (3, 8), generator=gen).double()
+    prob_sum = torch.rand(3, 8, generator=gen, dtype=torch.float64) * 20
+    tokens = torch.tensor([40.0, 33.0, 0.0], dtype=torch.float64)
+    ks = [2, 3, 1]
+    batched = load_balance_loss(counts, prob_sum, tokens, torch.tensor(ks))
+    assert torch.equal(batched, torch.stack([load_balance_loss(counts[j], prob_sum[j], tokens[j], ks[j])
+                                             for j in range(3)]))
+    logits = torch.randn(30, 8, generator=gen)
+    mask = torch.rand(30, generator=gen) > 0.3
+    for m in (mask, None):
+        s = router_stats(logits, 3, mask=m)
+        top = torch.topk(logits, 3, dim=-1).indices
+        onehot = torch.zeros(30, 8).scatter_add_(-1, top, torch.ones(30, 3))
+        keep = torch.ones(30) if m is None else m.float()
+        assert torch.equal(s.counts, (onehot * keep[:, None]).sum(0)) and float(s.counts.sum()) == 3 * float(keep.sum())
