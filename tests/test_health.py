@@ -154,3 +154,14 @@ def test_the_entropy_tripwire_halts_with_80_and_halt_json(tmp_path, capsys):
     assert "train.entropy_halt" in marker["reason"]
     assert max(r["step"] for r in records if "loss" in r) <= 3  # stopped at the first summary
     assert "train.entropy_halt" in capsys.readouterr().err
+
+
+def test_a_summary_every_step_logs_every_step_update_ratio(tmp_path):
+    """``train.health_every = 1``: step N's ratio is measured before step N-1's record is read
+    (the loop reads a record one step late); each record still gets its own step's ratio."""
+    code, records = _run(tmp_path, "every", "train.health_every=1")
+    assert code == 0
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    ratios = [r.get("health/update_ratio") for r in steps]
+    assert ratios[0] == 0.0 and all(0 < x < 1 for x in ratios[1:]), ratios  # step 1: the warm-up's zero rate

@@ -124,7 +124,9 @@ class UpdateRatio:
         self.index = [self.names.index(g) for g in groups]
         self.sample = int(sample)
         self._snapshot: list[torch.Tensor] | None = None
-        self._pending: tuple[int, torch.Tensor, Any] | None = None
+        # step -> (sums, copy event): with a summary every step, step N's ratio is queued before
+        # step N-1's record is read, so more than one can wait
+        self._pending: dict[int, tuple[torch.Tensor, Any]] = {}
 
     def _sampled(self, p: torch.Tensor) -> torch.Tensor:
         flat = _local(p).detach().reshape(-1)
@@ -161,14 +163,15 @@ class UpdateRatio:
             event = torch.cuda.Event()
             event.record()
             sums = host
-        self._pending = (step, sums, event)
+        self._pending[step] = (sums, event)
 
     def read(self, step: int) -> dict:
         """``health/update_ratio/<group>`` and ``health/update_ratio`` of ``step`` (if measured)."""
-        if self._pending is None or self._pending[0] != step:
+        for old in [s for s in self._pending if s < step]:  # a record that was never read
+            del self._pending[old]
+        if step not in self._pending:
             return {}
-        _, sums, event = self._pending
-        self._pending = None
+        sums, event = self._pending.pop(step)
         if event is not None:
             event.synchronize()
         diff, size = sums.tolist()
