@@ -14,7 +14,8 @@ for short inputs only):
 1. ``pgs run SPEC --set model.experts_implementation=IMPL`` (default ``specs/olmoe_1b_7b.toml``)
    through the real CLI in a child process, ``--steps`` steps, no checkpoint inside the run; the
    child is stopped as soon as its last step is logged (the final checkpoint, 28 GB here, is no
-   part of the measurement: ``bench/long_context.py``'s ``run_child``).  Figures from the run's
+   part of the measurement: ``bench/long_context.py``'s ``run_child``); a record every step, the
+   health summary (``train.health_every``) at the spec's own interval.  Figures from the run's
    own ``metrics.jsonl`` (``bench/product.py``'s ``summarize``: tokens/s over the steps after
    ``--skip``, step times, peak allocated / reserved memory) and the last step's router
    telemetry; the device's used memory sampled by ``nvidia-smi`` beside it.
