@@ -114,8 +114,9 @@ class Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _count_triton(mode: Count) -> collections.Counter:
-    """Triton kernel runs (interpreter), the dispatch counter paused inside them."""
+def _count_triton(mode: Count, counting: dict):
+    """Triton kernel runs (interpreter) while ``counting["on"]``, the dispatch counter paused
+    inside them; ``(Counter, restore)``."""
     import triton.runtime.interpreter as TI
 
     kernels = collections.Counter()
@@ -123,14 +124,18 @@ def _count_triton(mode: Count) -> collections.Counter:
 
     def counted(self, *a, **k):
         mode.paused[0] += 1
-        kernels[self.fn.__name__] += 1
+        if counting["on"]:
+            kernels[self.fn.__name__] += 1
         try:
             return run(self, *a, **k)
         finally:
             mode.paused[0] -= 1
 
+    def restore():
+        TI.InterpretedFunction.run = run
+
     TI.InterpretedFunction.run = counted
-    return kernels
+    return kernels, restore
 
 
 def pgs_step_ops(impl: str, steps: tuple[int, int], overrides=()) -> tuple[Count, collections.Counter]:
@@ -139,8 +144,8 @@ def pgs_step_ops(impl: str, steps: tuple[int, int], overrides=()) -> tuple[Count
     from pgs.runtime.spec.load import load_spec
 
     mode = Count()
-    kernels = _count_triton(mode)
     counting = {"on": False}
+    kernels, restore = _count_triton(mode, counting)
 
     class Hook:  # in place of trace.Profiler: the loop calls before(step) / after(step) / close()
         def __init__(self, run_dir, window, device):
@@ -170,6 +175,7 @@ def pgs_step_ops(impl: str, steps: tuple[int, int], overrides=()) -> tuple[Count
             code = train.run(spec, profile=steps)
         finally:
             train.Profiler = saved
+            restore()
     if code != 0:
         raise SystemExit(f"pgs run exited {code}")
     return mode, collections.Counter(kernels)
