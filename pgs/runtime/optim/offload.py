@@ -83,10 +83,9 @@ class StateLayout:
     def views(self, buf: torch.Tensor) -> dict[int, torch.Tensor]:
         return {i: buf[off:off + nb].view(dtype).view(shape) for i, off, nb, dtype, shape in self.entries}
 
-    def tree(self, state, views: dict[int, torch.Tensor]):
-        """``state`` with its travelling leaves replaced by ``views``."""
-        leaves, spec = T.flatten(state)
-        return T.unflatten([views.get(i, x) for i, x in enumerate(leaves)], spec)
+    def tree(self, leaves: list, views: dict[int, torch.Tensor]):
+        """The state whose flat leaves are ``leaves``, its travelling ones replaced by ``views``."""
+        return T.unflatten([views.get(i, x) for i, x in enumerate(leaves)], self.spec)
 
 
 def _unregister(buf: torch.Tensor) -> None:
@@ -183,6 +182,10 @@ class StateStager:
         total = sum(lay.nbytes for lay in self.layouts.values())
         self._whole = None
         self.homes = {}
+        # each group's home tree flattened, kept beside it: a step's acquire and release rebuild
+        # trees from leaf lists (torch's pytree walk costs tens of µs per group and call, on the
+        # host, inside backward)
+        self.home_leaves: dict[str, list] = {}
         for g, s in states:
             if self._whole is None:  # the device is the first state's; the host buffer is made then
                 self.device = next((x.device for x in T.leaves(s) if _travels(x)), torch.device("cpu"))
@@ -232,7 +235,8 @@ class StateStager:
                                       "storage; the state must be separate tensors per leaf to be streamed")
             storages.add(key)
             views[i].copy_(x)
-        return T.unflatten([views.get(i, x) for i, x in enumerate(leaves)], spec)
+        self.home_leaves[group] = [views.get(i, x) for i, x in enumerate(leaves)]
+        return T.unflatten(self.home_leaves[group], spec)
 
     def home(self, group: str):
         return self.homes[group]
@@ -372,7 +376,7 @@ class StateStager:
             slot.active = True
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(held[0].ready)
-        return lay.tree(self.homes[group], self._device_views(group, held[0].index))
+        return lay.tree(self.home_leaves[group], self._device_views(group, held[0].index))
 
     def _device_views(self, group: str, first: int) -> dict:
         key = (group, first)
@@ -402,7 +406,8 @@ class StateStager:
         home_views = self._views.get((group, -1))
         if home_views is None:
             home_views = self._views[(group, -1)] = lay.views(self.host[group])
-        home = T.unflatten([home_views.get(i, x) for i, x in enumerate(leaves)], spec)
+        self.home_leaves[group] = [home_views.get(i, x) for i, x in enumerate(leaves)]
+        home = T.unflatten(self.home_leaves[group], lay.spec)
         start = held[0].index * self.slot_bytes
         src, dst = self.stage[start:start + lay.nbytes], self.host[group]
         if self.cuda:
