@@ -246,3 +246,33 @@ def test_compiled_noise_equals_eager():
     eager = stochastic_round_fp32(x, seed=seed, start=123)
     compiled = torch.compile(lambda x, s: stochastic_round_fp32(x, seed=s, start=123), fullgraph=True)(x, seed)
     assert torch.equal(eager.view(torch.int32), compiled.view(torch.int32))
+
+
+def test_sharded_apply_rounds_each_shard_as_the_whole_tensor():
+    """``bind_sharded``'s plain apply on FSDP2's Shard(0) pieces (rank r: rows from r·⌈rows/world⌉,
+    torch.chunk's split, the last rank short or empty) draws each shard's part of the whole
+    tensor's stream: the ranks' results put together equal one process's ``apply_updates``.
+    The ranks are simulated in one process (the binder's apply reads only rank, world, shapes)."""
+    from pgs.runtime.optim.sharded_bind import ShardedBoundOptimizer
+
+    gen = torch.Generator().manual_seed(8)
+    shapes = {"a": (7, 5), "b": (3, 4), "c": (10,)}
+    full = {k: (torch.randn(s, generator=gen) * 3).bfloat16() for k, s in shapes.items()}
+    ups = {k: torch.randn(s, generator=gen) * 0.01 for k, s in shapes.items()}
+    opt = pf.sgd(1e-3)
+    state = opt.init(full)
+    _, state = opt.update(ups, state, full)
+    want = pf.apply_updates(full, ups, stochastic_rounding=True, state=state)
+    world = 4
+    pieces: dict[str, list] = {k: [] for k in shapes}
+    for rank in range(world):
+        binder = ShardedBoundOptimizer.__new__(ShardedBoundOptimizer)
+        binder.params, binder.stochastic_rounding = full, True
+        binder.group, binder.world, binder.rank = object(), world, rank
+        local = {k: v.chunk(world)[rank] if rank < len(v.chunk(world)) else v[:0] for k, v in full.items()}
+        local_u = {k: v.chunk(world)[rank] if rank < len(v.chunk(world)) else v[:0] for k, v in ups.items()}
+        got = binder._apply(local, local_u, state)
+        for k in shapes:
+            pieces[k].append(got[k])
+    for k in shapes:
+        assert torch.equal(torch.cat(pieces[k]).view(torch.int16), want[k].view(torch.int16)), k
