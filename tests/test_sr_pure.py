@@ -276,3 +276,38 @@ def test_sharded_apply_rounds_each_shard_as_the_whole_tensor():
             pieces[k].append(got[k])
     for k in shapes:
         assert torch.equal(torch.cat(pieces[k]).view(torch.int16), want[k].view(torch.int16)), k
+
+
+def test_release_plain_path_resumes_exactly_from_a_state_dict():
+    """bf16 weights, stochastic rounding, the plain path: two steps, ``state_dict``, a fresh
+    release on a fresh model loaded from it, a third step (the global generator drawn from
+    differently) equals three uninterrupted steps bit for bit: the counts in the state are
+    the whole seed."""
+    from test_release import batches, loss_of, tiny_model
+
+    from pgs.runtime.optim.release import GradientRelease
+
+    def chain():
+        return pf.lion(1e-3, weight_decay=0.1)
+
+    data = batches(3)
+    a, b = tiny_model(torch.bfloat16), tiny_model(torch.bfloat16)
+    rel_a = GradientRelease(chain(), a, stochastic_rounding=True, fused=False)
+    for i, ids in enumerate(data):
+        _perturb_global(i)
+        loss_of(a, ids).backward()
+    rel_b = GradientRelease(chain(), b, stochastic_rounding=True, fused=False)
+    for ids in data[:2]:
+        loss_of(b, ids).backward()
+    saved, weights = rel_b.state_dict(), {k: v.clone() for k, v in b.state_dict().items()}
+    rel_a.remove()
+    rel_b.remove()
+    c = tiny_model(torch.bfloat16, seed=5)
+    c.load_state_dict(weights)
+    resumed = GradientRelease(chain(), c, stochastic_rounding=True, fused=False)
+    resumed.load_state_dict(saved)
+    _perturb_global(99)
+    loss_of(c, data[2]).backward()
+    assert resumed.plain_group_steps > 0
+    for (n, p), q in zip(a.named_parameters(), c.parameters()):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16)), n
