@@ -3,11 +3,12 @@
 Stochastic rounding keeps small updates to low-precision weights unbiased in expectation
 (Gupta et al., "Deep Learning with Limited Numerical Precision", arXiv 1502.02551):
 
-    SR(x) = ⌊x⌋ with probability 1 − q,  ⌈x⌉ with probability q = (x − ⌊x⌋)/ulp,  E[SR(x)] = x
+    SR(x) = x₀ with probability 1 − q,  x₁ with probability q = |x − x₀| / |x₁ − x₀|,  E[SR(x)] = x
 
-where ⌊x⌋, ⌈x⌉ are x's bf16 neighbours.  bf16 keeps the top 16 bits of an fp32 word, so adding
-16 uniform random bits r below them and cutting the low 16 bits rounds up exactly when
-r ≥ 2^16·(1 − q): with probability q.
+where x₀, x₁ are x's bf16 neighbours toward and away from zero.  bf16 keeps the top 16 bits
+of an fp32 word (sign and magnitude), so adding 16 uniform random bits r to the low 16 bits
+d = 2^16·q and cutting them carries into the kept bits (|x| goes to x₁) exactly when
+r ≥ 2^16 − d: with probability q.
 
 The random bits are a function of a seed and the element's index, never of torch's global
 generator: the noise of the 8-bit kernels' counter-based hash stream (``blockwise8._sr_noise``)
@@ -74,7 +75,8 @@ def stream_key(seed: torch.Tensor) -> torch.Tensor:
 
 
 def _noise(key: torch.Tensor, n: int, base: int, device) -> torch.Tensor:
-    """16 random bits (int32 in [0, 2^16)) at offsets base, …, base + n − 1 (mod 2^32)."""
+    """16 random bits (int32 in [0, 2^16)) at offsets base, …, base + n − 1 (mod 2^32: int32
+    addition wraps like the kernel's int32 offsets)."""
     x = torch.arange(n, dtype=torch.int32, device=device)
     x.add_(_i32(base)).bitwise_xor_(key.reshape(1))
     return _mix(x).bitwise_right_shift_(16).bitwise_and_(0xFFFF)
@@ -195,8 +197,9 @@ def apply_updates(params, updates, *, stochastic_rounding: bool = False, state=N
             return None
         if not seeds:
             if state is None:
-                raise InvalidArgument("apply_updates: stochastic_rounding draws its noise from the chain state's "
-                                      "step count: pass state= (the state the update returned) or an explicit generator=")
+                raise InvalidArgument("apply_updates: stochastic_rounding draws its noise from the chain "
+                                      "state's step count: pass state= (the state the update returned) "
+                                      "or an explicit generator=")
             seeds.append(sr_seeds(step_count(state), first, len(T.leaves(params))))
         return seeds[0][i]
 

@@ -38,8 +38,9 @@ backward.  Per-tensor and matrix transforms (per-tensor clipping, Muon per layer
 
 Precision.  ``stochastic_rounding=True`` rounds bf16 parameters stochastically in the update
 (no fp32 master copy), with noise seeded by the group state's step count and the tensor's index
-(``pf.apply_updates``; the fused kernels seed alike), never by torch's global generator.  ``master_weights="fp32"`` instead keeps an fp32 copy of every
-low-precision parameter in the optimizer (4 more bytes per parameter); the chain sees fp32
+(``pf.apply_updates``; the fused kernels seed alike), never by torch's global generator.
+``master_weights="fp32"`` instead keeps an fp32 copy of every low-precision parameter in the
+optimizer (4 more bytes per parameter); the chain sees fp32
 parameters and gradients, and the model's bf16 weights are the rounded masters.
 
 Fused update.  Where the plan registry has a fused update-and-apply for the chain inside
