@@ -18,6 +18,7 @@ import torch
 
 import pgs.func as pf
 from pgs.errors import InvalidArgument
+from pgs.func import tree as T
 from pgs.func.apply import sr_noise, sr_seeds, step_count, stochastic_round_fp32
 
 TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -110,10 +111,14 @@ def test_apply_updates_ignores_the_global_generator_and_follows_the_step():
         assert not torch.equal(a[k], c[k]), f"{k}: step 2 drew step 1's noise"
         assert not torch.equal(a[k], d[k]), f"{k}: another tensor index drew the same noise"
         assert not torch.equal(a[k], near[k]), f"{k}: no rounding was decided"
-    # the seeds themselves: one per (count, index), as the fused steps make them
+    # the seeds themselves: one per (count, index), as the fused steps make them; leaf i of the
+    # tree rounds as stochastic_round_fp32 with seed i does
     seeds = sr_seeds(step_count(s1), 0, 2)
     assert seeds.tolist() == [1_000_003 + 7919, 1_000_003 + 2 * 7919]
     assert not torch.equal(sr_noise(seeds[0], 512), sr_noise(seeds[1], 512))
+    for i, k in enumerate(T.paths(params)):
+        alone = stochastic_round_fp32(params[k].float() + u[k].float(), seed=seeds[i]).bfloat16()
+        assert torch.equal(alone.view(torch.int16), a[k].view(torch.int16)), k
 
 
 def _neighbours(x: torch.Tensor):

@@ -96,14 +96,19 @@ def sr_noise(seed: torch.Tensor, n: int, *, leaf: int = 0, start: int = 0) -> to
     equally likely and the rounding is unbiased; for a fixed seed distinct offsets give
     distinct words.
     """
-    seed = seed.reshape(-1)[:1]
+    return _keyed_noise(seed.reshape(-1)[:1], None, n, leaf, start)
+
+
+def _keyed_noise(seed: torch.Tensor, key: torch.Tensor | None, n: int, leaf: int, start: int) -> torch.Tensor:
+    """``sr_noise``, with ``key`` = ``stream_key(seed)`` already made (None: made here), so that
+    a call rounding many tensors derives all their keys in one pass."""
     length = K.MAX_LAUNCH
     parts, g, end = [], int(start), int(start) + int(n)
     while g < end:
         k, within = divmod(g, length)
         m = min(end - g, length - within)
-        key = stream_key(K._chunk_seed(seed, k))
-        parts.append(_noise(key, m, leaf * LEAF_STRIDE + within, seed.device))
+        kk = key if (k == 0 and key is not None) else stream_key(K._chunk_seed(seed, k))
+        parts.append(_noise(kk, m, leaf * LEAF_STRIDE + within, seed.device))
         g += m
     if not parts:
         return torch.zeros(0, dtype=torch.int32, device=seed.device)
@@ -126,12 +131,17 @@ def stochastic_round_fp32(x: torch.Tensor, generator: torch.Generator | None = N
         raise InvalidArgument("stochastic rounding: pass seed= (an int64 tensor, e.g. sr_seed(step_count(state), i)) "
                               "or generator= (a torch.Generator), exactly one")
     x = x.float()
-    bits = x.contiguous().view(torch.int32)
     if seed is not None:
-        noise = sr_noise(seed, x.numel(), leaf=leaf, start=start).view(x.shape)
+        noise = sr_noise(seed, x.numel(), leaf=leaf, start=start)
     else:
         noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    rounded = ((bits + noise) & -65536).view(torch.float32)
+    return _round(x, noise, inplace)
+
+
+def _round(x: torch.Tensor, noise: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """fp32 ``x`` + ``noise`` (int32 in [0, 2^16), x's element count) below the bf16 bits, cut."""
+    bits = x.contiguous().view(torch.int32)
+    rounded = ((bits + noise.view(x.shape)) & -65536).view(torch.float32)
     # round to nearest where x is not finite: ±inf come through the noise unchanged (their low
     # 16 bits are zero, and the carry-free truncation gives the same word back), so only NaN
     # (whose payload the noise could carry into an inf or wrap to −0) must be kept: x == x,
@@ -189,26 +199,28 @@ def apply_updates(params, updates, *, stochastic_rounding: bool = False, state=N
         params = pf.apply_updates(params, updates, stochastic_rounding=True, state=state)
     """
     T.check_same_structure(params, updates, "params", "updates")
-    seeds: list[torch.Tensor] = []  # made at the first bf16 leaf (one kernel for all leaves)
+    streams: list[tuple[torch.Tensor, torch.Tensor]] = []  # (seeds, keys): made at the first bf16 leaf
     index = iter(range(1 << 62))  # leaf i in tree order (tree_map visits the tensor leaves in order)
 
-    def seed_of(i: int) -> torch.Tensor | None:
-        if generator is not None:
-            return None
-        if not seeds:
+    def noise_of(i: int, n: int) -> torch.Tensor:
+        if not streams:
             if state is None:
                 raise InvalidArgument("apply_updates: stochastic_rounding draws its noise from the chain "
                                       "state's step count: pass state= (the state the update returned) "
                                       "or an explicit generator=")
-            seeds.append(sr_seeds(step_count(state), first, len(T.leaves(params))))
-        return seeds[0][i]
+            seeds = sr_seeds(step_count(state), first, len(T.leaves(params)))
+            streams.append((seeds, stream_key(seeds)))  # every leaf's key in one pass
+        seeds, keys = streams[0]
+        return _keyed_noise(seeds[i:i + 1], keys[i:i + 1], n, 0, start)
 
     def one(p, u):
         i = next(index)
         cd = torch.promote_types(p.dtype, torch.float32)
         new = p.to(cd) + u.to(cd)
         if stochastic_rounding and p.dtype == torch.bfloat16:
-            return stochastic_round_to_bf16(new, generator, seed=seed_of(i), start=start)
+            if generator is not None:
+                return stochastic_round_to_bf16(new, generator)
+            return _round(new.float(), noise_of(i, new.numel())).to(torch.bfloat16)
         return new.to(p.dtype)
 
     return T.tree_map(one, params, updates)
