@@ -22,8 +22,9 @@ kernel, these torch ops on any device) draws the same bits for the same (seed, o
 The step's seed of tensor i is ``sr_seed(count, i)`` (``kernels/fused_transform.py``), made from
 the chain state's step count (``step_count``), so ``apply_updates`` is a pure function of
 (params, updates, state) and a resume repeats its draws.  Cost: ~12 integer elementwise ops per
-element (one fused kernel under ``torch.compile``, separate kernels in eager mode) plus ~25 ops
-on one element per tensor for the key; the fused kernels draw the same numbers in registers.
+element (one fused kernel under ``torch.compile``, separate kernels in eager mode) plus ~20
+small ops per ``apply_updates`` call for the keys of all its tensors; this is the plain path's
+cost only: the fused kernels draw the same numbers in registers.
 """
 
 from __future__ import annotations
