@@ -49,6 +49,7 @@ Refused (spec error, ``make_optimizer``): without gradient release; with several
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -448,7 +449,7 @@ class OffloadedRelease(GradientRelease):
         self._set_order(list(reversed(list(self.groups))))  # first guess: backward runs the layers in reverse
         self._seen: list[str] = []
         self._counted = (0, 0)  # the stager's (fetches, unannounced) at the end of the last step
-        self.step_copies: dict[str, int] = {}
+        self._stager_s = 0.0  # host seconds in the stager's calls since the last step's end
 
     def _set_order(self, order: list[str]) -> None:
         self._order = order
@@ -484,32 +485,41 @@ class OffloadedRelease(GradientRelease):
 
     @torch.no_grad()
     def _step_group(self, group: str) -> None:
+        t = time.perf_counter()
         self.states[group] = self.stager.acquire(group)
         for g in self._expected_after(group):
             self.stager.prefetch(g)
+        t1 = time.perf_counter()
         try:
             super()._step_group(group)
         finally:
+            t2 = time.perf_counter()
             self.states[group] = self.stager.release(group, self.states[group])
         self._seen.append(group)
         for g in self._expected_after(group):  # room again (a group larger than a slot held them all)
             self.stager.prefetch(g)
+        self._stager_s += (t1 - t) + (time.perf_counter() - t2)
 
     def finish(self) -> None:
         active = self._arrivals.active
         super().finish()
         if active:
+            t = time.perf_counter()
             if sorted(self._seen) == sorted(self.groups):
                 self._set_order(list(self._seen))
             for i, g in enumerate(self._expected_after(None)):  # the next step's first groups, during its forward
                 self.stager.prefetch(g, evict=i == 0)  # (a staged group that this step never used makes room)
+            self._stager_s += time.perf_counter() - t
             s = self.stager
-            # what the step record logs: fetches started during this step (the next step's first
-            # ones included), and how many groups arrived unannounced (fetched on demand: the
-            # compute stream waited for the whole copy)
-            self.step_copies = {"offload/fetches": s.fetches - self._counted[0],
-                                "offload/unannounced": s.unannounced - self._counted[1]}
+            # what the step record logs beside release/host_ms: fetches started during this step
+            # (the next step's first ones included), how many groups arrived unannounced (fetched
+            # on demand: the compute stream waited for the whole copy), and the host's time in
+            # the stager (fetch, acquire, write-back: Python, events, copies queued)
+            self.step_extras = {**self.step_extras, "offload/fetches": s.fetches - self._counted[0],
+                                "offload/unannounced": s.unannounced - self._counted[1],
+                                "offload/host_ms": self._stager_s * 1e3}
             self._counted = (s.fetches, s.unannounced)
+            self._stager_s = 0.0
 
     def state_dict(self, device=None):
         self.stager.synchronize()

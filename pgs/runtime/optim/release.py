@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any, Callable
 
 import torch
@@ -373,7 +374,12 @@ class GradientRelease:
         self._norms: list[torch.Tensor] = []  # ‖g‖ of each gradient of this backward (track_grad_norm)
         self._last_norms: list[torch.Tensor] = []
         self._last_sumsq_memo: torch.Tensor | None = None
-        self._arrivals = Arrivals(self.groups, on_complete=self._step_group, on_start=self._begin, on_end=self.finish)
+        self._arrivals = Arrivals(self.groups, on_complete=self._timed_step_group, on_start=self._begin,
+                                  on_end=self.finish)
+        self._host_s = 0.0  # host seconds inside this backward's group steps
+        #: what the last backward reports beside the chain's metrics (the step record logs it):
+        #: ``release/host_ms``, the host's time inside its group steps (Python, the chain's launches)
+        self.step_extras: dict[str, float] = {}
         self.tied_slabs: int | None = None
         self._slab_name: str | None = None
         self._row_grads = None
@@ -413,6 +419,15 @@ class GradientRelease:
         targets = [self.masters.get(n, p) for n, p in zip(names, lives)]
         cached = self._trees[group] = ({n: t.detach() for n, t in zip(names, targets)}, lives, targets)
         return cached
+
+    def _timed_step_group(self, group: str) -> None:
+        """``_step_group``, its host time counted (``step_extras``: no device sync, so where the
+        launch queue is full it includes the wait for room in it)."""
+        t = time.perf_counter()
+        try:
+            self._step_group(group)
+        finally:
+            self._host_s += time.perf_counter() - t
 
     @torch.no_grad()
     def _step_group(self, group: str) -> None:
@@ -560,8 +575,10 @@ class GradientRelease:
         if not self._arrivals.active:
             return
         for g in self._arrivals.pending():
-            self._step_group(g)
+            self._timed_step_group(g)
         self._arrivals.reset()
+        self.step_extras = {"release/host_ms": self._host_s * 1e3}
+        self._host_s = 0.0
         self._last_norms, self._last_sumsq_memo = self._norms, None
         self._norms = []
         self.steps += 1
