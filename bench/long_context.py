@@ -106,6 +106,7 @@ def _summary(records: list[dict], skip: int) -> dict:
     if timed:
         out["tok_s"] = sum(r["tokens"] for r in timed) / sum(r["step_seconds"] for r in timed)
         out["median_step_s"] = statistics.median(r["step_seconds"] for r in timed)
+        out["step_s"] = [round(r["step_seconds"], 4) for r in steps]  # every step, warm-up included
         out["tokens_per_row"] = timed[-1]["tokens"]
         out["last_loss"] = timed[-1]["loss"]
     peaks = [r for r in records if "mem_gib" in r]
@@ -286,7 +287,7 @@ def peer_one(variant: str, shape: str, length: int, steps: int, skip: int, small
             times.append(time.perf_counter() - t0)
             timed = times[skip:] or times[-1:]
             out.update(steps=len(times), tok_s=length * len(timed) / sum(timed), median_step_s=statistics.median(timed),
-                       last_loss=float(loss))
+                       step_s=[round(t, 4) for t in times], last_loss=float(loss))
             report("running")
     except torch.OutOfMemoryError as err:
         out["error"] = "does not fit: " + str(err).splitlines()[0][:300]

@@ -167,6 +167,7 @@ def test_summary_and_note_of_a_pgs_run():
     got = lc._summary([{"step": 0, "event": "start"}] + steps, skip=1)
     assert got["tok_s"] == 200 / 4.0 and got["median_step_s"] == 2.0 and got["max_allocated_gib"] == 7.0
     assert got["max_reserved_gib"] == 8.0 and got["steps"] == 3 and got["skipped_steps"] == 1
+    assert got["step_s"] == [9.0, 1.0, 3.0]  # every step's time, so an outlier behind a mean shows
     row = dict(got, setup="pgs run", shape="qwen3-0.6b", length=100, status="ok")
     assert "1 steps skipped" in lc._note(row)
     assert lc._note(dict(row, skipped_steps=0)) == ""

@@ -103,13 +103,15 @@ def test_order_is_learned():
     run(m, rel, data[:1])
     first = rel.stager.unannounced
     assert first > 0
-    assert rel.step_copies["offload/unannounced"] == first  # what the step record logs
+    assert rel.step_extras["offload/unannounced"] == first  # what the step record logs
     before = rel.stager.fetches
     run(m, rel, data[1:])
     assert rel.stager.unannounced == first
     n = len(rel.groups)
     assert rel.stager.fetches - before == 2 * n  # the first two were fetched at the end of step 1
-    assert rel.step_copies == {"offload/fetches": n, "offload/unannounced": 0}  # the last step's own
+    extras = rel.step_extras  # the last step's own
+    assert extras["offload/fetches"] == n and extras["offload/unannounced"] == 0
+    assert 0 < extras["offload/host_ms"] < extras["release/host_ms"]  # the stager's share of the group steps
 
 
 def test_resume_is_exact(tmp_path):
@@ -448,6 +450,7 @@ def test_pgs_run_offloaded_sigkill_resume_equals_on_device_run(tmp_path):
     steps = [r for r in records if "loss" in r and "event" not in r]
     assert steps and all(r["offload/fetches"] > 0 for r in steps)
     assert steps[-1]["offload/unannounced"] == 0  # the order learned in step 1 holds
+    assert all(0 < r["offload/host_ms"] < r["release/host_ms"] for r in steps)
     resumed = launch(spec, "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step_3" in resumed.stderr

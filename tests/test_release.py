@@ -71,6 +71,7 @@ def test_equals_bind_exactly(name, groups):
         assert torch.equal(p, q), n
     assert rel.counts() == {3}  # every group's count advanced once per step
     assert rel.steps == 3
+    assert rel.step_extras["release/host_ms"] > 0  # the last backward's host time in its group steps
     assert rel.metrics().lr == ref.metrics().lr
 
 

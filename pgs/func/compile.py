@@ -30,7 +30,7 @@ import torch
 
 from pgs.errors import InvalidArgument
 from pgs.func import fused_adamw_lion as _fused, tree as T
-from pgs.func.apply import stochastic_round_to_bf16
+from pgs.func.apply import sr_seeds, step_count, stochastic_round_to_bf16
 from pgs.func.base import Transform
 from pgs.func.layout import Layout, call_init, call_update
 from pgs.func.plan import FLAT, Plan, plan_for
@@ -149,12 +149,21 @@ class FlatChain:
         return u, s
 
     def _flat_step(self, fg, state, fp, extra):
-        u, s = call_update(self.opt, fg, state, fp, {**extra, "ctx": context_of(extra).evolve(layout=self.layout)})
+        ctx = context_of(extra).evolve(layout=self.layout)
+        u, s = call_update(self.opt, fg, state, fp, {**extra, "ctx": ctx})
         new_p = {}
-        for k, p in fp.items():
+        seeds = None
+        for j, (k, p) in enumerate(fp.items()):
             cd = torch.promote_types(p.dtype, torch.float32)
             x = p.to(cd) + u[k].to(cd)
-            x = stochastic_round_to_bf16(x) if (self.stochastic_rounding and p.dtype == torch.bfloat16) else x.to(p.dtype)
+            if self.stochastic_rounding and p.dtype == torch.bfloat16:
+                # group buffer j's noise: the hash stream of the new state's step count and the
+                # buffer's index (pgs.func.apply), never torch's global generator
+                if seeds is None:
+                    seeds = sr_seeds(step_count(s), ctx.sr_offset, len(fp))
+                x = stochastic_round_to_bf16(x, seed=seeds[j])
+            else:
+                x = x.to(p.dtype)
             if self.donate:
                 p.copy_(x)
                 x = p
@@ -194,7 +203,9 @@ def compile(opt: Transform, *, jit: bool = True, donate: bool = False, align: in
         donate: update state (and parameters in ``step``) in place.
         align: element alignment of each tensor inside its group (a multiple of every
             transform's own ``align``, e.g. the 8-bit block size).
-        stochastic_rounding: ``step`` rounds bf16 parameters stochastically.
+        stochastic_rounding: ``step`` rounds bf16 parameters stochastically, with noise seeded by
+            the chain state's step count (``pgs.func.apply``; the fused plans seed theirs alike),
+            so ``step`` is a function of (grads, state, params).
         fused: let ``step`` use the fused plan the registry has for the chain
             (``pgs.func.plan``: the 8-bit and Muon chains' own steps, AdamW/Lion kernels, the
             AdaGC/MONA/Lion8bit/hyperball passes) where the device supports it.

@@ -321,12 +321,12 @@ def round_to_bf16(x: torch.Tensor, seed: torch.Tensor, leaf: int = 0) -> torch.T
     (unbiased; arXiv 1502.02551) with the noise of ``seed``, a seed made of the optimizer
     state's step count, and ``leaf`` (``kernels/small.py``'s ``stochastic_round_``: the 8-bit
     chains' small-leaf noise), so the step is a function of its inputs and state.  Where no
-    Triton runs (the CPU without ``TRITON_INTERPRET=1``) it draws from torch's global generator
-    (``stochastic_round_to_bf16``)."""
+    Triton runs (the CPU without ``TRITON_INTERPRET=1``) the same noise comes from torch ops
+    (``pgs.func.apply.sr_noise``): the same bits on every route."""
     from pgs.func.kernels import small as KS
 
     if not KS.usable_for(x):
-        return stochastic_round_to_bf16(x)
+        return stochastic_round_to_bf16(x, seed=seed, leaf=leaf)
     x = x.float().contiguous()
     KS.stochastic_round_([x], seed, first=leaf)
     return x.to(torch.bfloat16)

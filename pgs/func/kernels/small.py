@@ -14,11 +14,13 @@ for up to ``MAX_LEAVES`` leaves, in place, with the arithmetic of the reference 
 ``lerp`` is torch's: ``m + w(g − m)`` for |w| < ½, else ``g − (g − m)(1 − w)``.  Results equal
 the torch path up to FMA contraction (an ulp of m or of the fp32 parameter before rounding);
 stochastic rounding draws its 16 noise bits from the 8-bit kernels' hash stream
-(``blockwise8._sr_noise``) instead of ``torch.randint``: another unbiased draw.
+(``blockwise8._sr_noise``).
 
 ``stochastic_round_`` is that rounding alone, for the small leaves stepped by torch ops
 (AdamW8bit's always, Lion8bit's where this kernel cannot serve): the same seed and offsets,
 so the step is a function of (updates, state, params), never of torch's global generator.
+``pgs.func.apply.sr_noise`` draws the same words with torch ops (where no Triton runs, and on
+the plain optimizer paths).
 """
 
 from __future__ import annotations

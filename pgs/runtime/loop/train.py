@@ -423,7 +423,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
         (pending / max(n_mean, 1)).backward()  # every group steps inside this call
         run.bound.step()  # completes what backward started (groups that got no gradient)
         opt = run.bound.metrics(tensors=True)
-        extra_values = dict(getattr(run.bound, "step_copies", None) or {})  # memory.offload_optimizer
+        extra_values = dict(getattr(run.bound, "step_extras", None) or {})  # release/, offload/ host figures
     else:
         # The chain's clip keeps the pre-clip norm in its state; measure it only when it does not.
         grad_norm = None if run.chain_has_norm else run.bound.grad_norm()
@@ -475,7 +475,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
             "skipped": int(skipped),
             "skipped_total": skipped_total,
             "spike": spike,
-            **{k: x for k, x in v.items() if k.startswith(("moe/", "offload/"))},
+            **{k: x for k, x in v.items() if k.startswith(("moe/", "release/", "offload/"))},
         }
 
     return StepRecord(values, finish), flags

@@ -151,7 +151,7 @@ class BoundOptimizer:
         grads = self._grads_tree()
         params = self._detached()
         updates, self.state = self.chain.update(grads, self.state, params, **extra)
-        new = pf.apply_updates(params, updates, stochastic_rounding=self.stochastic_rounding)
+        new = pf.apply_updates(params, updates, stochastic_rounding=self.stochastic_rounding, state=self.state)
         for n, p in self.params.items():
             p.copy_(new[n])
 

@@ -49,6 +49,7 @@ Refused (spec error, ``make_optimizer``): without gradient release; with several
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -83,10 +84,9 @@ class StateLayout:
     def views(self, buf: torch.Tensor) -> dict[int, torch.Tensor]:
         return {i: buf[off:off + nb].view(dtype).view(shape) for i, off, nb, dtype, shape in self.entries}
 
-    def tree(self, state, views: dict[int, torch.Tensor]):
-        """``state`` with its travelling leaves replaced by ``views``."""
-        leaves, spec = T.flatten(state)
-        return T.unflatten([views.get(i, x) for i, x in enumerate(leaves)], spec)
+    def tree(self, leaves: list, views: dict[int, torch.Tensor]):
+        """The state whose flat leaves are ``leaves``, its travelling ones replaced by ``views``."""
+        return T.unflatten([views.get(i, x) for i, x in enumerate(leaves)], self.spec)
 
 
 def _unregister(buf: torch.Tensor) -> None:
@@ -183,6 +183,10 @@ class StateStager:
         total = sum(lay.nbytes for lay in self.layouts.values())
         self._whole = None
         self.homes = {}
+        # each group's home tree flattened, kept beside it: a step's acquire and release rebuild
+        # trees from leaf lists (torch's pytree walk costs tens of µs per group and call, on the
+        # host, inside backward)
+        self.home_leaves: dict[str, list] = {}
         for g, s in states:
             if self._whole is None:  # the device is the first state's; the host buffer is made then
                 self.device = next((x.device for x in T.leaves(s) if _travels(x)), torch.device("cpu"))
@@ -232,7 +236,8 @@ class StateStager:
                                       "storage; the state must be separate tensors per leaf to be streamed")
             storages.add(key)
             views[i].copy_(x)
-        return T.unflatten([views.get(i, x) for i, x in enumerate(leaves)], spec)
+        self.home_leaves[group] = [views.get(i, x) for i, x in enumerate(leaves)]
+        return T.unflatten(self.home_leaves[group], spec)
 
     def home(self, group: str):
         return self.homes[group]
@@ -372,7 +377,7 @@ class StateStager:
             slot.active = True
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(held[0].ready)
-        return lay.tree(self.homes[group], self._device_views(group, held[0].index))
+        return lay.tree(self.home_leaves[group], self._device_views(group, held[0].index))
 
     def _device_views(self, group: str, first: int) -> dict:
         key = (group, first)
@@ -402,7 +407,8 @@ class StateStager:
         home_views = self._views.get((group, -1))
         if home_views is None:
             home_views = self._views[(group, -1)] = lay.views(self.host[group])
-        home = T.unflatten([home_views.get(i, x) for i, x in enumerate(leaves)], spec)
+        self.home_leaves[group] = [home_views.get(i, x) for i, x in enumerate(leaves)]
+        home = T.unflatten(self.home_leaves[group], lay.spec)
         start = held[0].index * self.slot_bytes
         src, dst = self.stage[start:start + lay.nbytes], self.host[group]
         if self.cuda:
@@ -443,7 +449,7 @@ class OffloadedRelease(GradientRelease):
         self._set_order(list(reversed(list(self.groups))))  # first guess: backward runs the layers in reverse
         self._seen: list[str] = []
         self._counted = (0, 0)  # the stager's (fetches, unannounced) at the end of the last step
-        self.step_copies: dict[str, int] = {}
+        self._stager_s = 0.0  # host seconds in the stager's calls since the last step's end
 
     def _set_order(self, order: list[str]) -> None:
         self._order = order
@@ -479,32 +485,41 @@ class OffloadedRelease(GradientRelease):
 
     @torch.no_grad()
     def _step_group(self, group: str) -> None:
+        t = time.perf_counter()
         self.states[group] = self.stager.acquire(group)
         for g in self._expected_after(group):
             self.stager.prefetch(g)
+        t1 = time.perf_counter()
         try:
             super()._step_group(group)
         finally:
+            t2 = time.perf_counter()
             self.states[group] = self.stager.release(group, self.states[group])
         self._seen.append(group)
         for g in self._expected_after(group):  # room again (a group larger than a slot held them all)
             self.stager.prefetch(g)
+        self._stager_s += (t1 - t) + (time.perf_counter() - t2)
 
     def finish(self) -> None:
         active = self._arrivals.active
         super().finish()
         if active:
+            t = time.perf_counter()
             if sorted(self._seen) == sorted(self.groups):
                 self._set_order(list(self._seen))
             for i, g in enumerate(self._expected_after(None)):  # the next step's first groups, during its forward
                 self.stager.prefetch(g, evict=i == 0)  # (a staged group that this step never used makes room)
+            self._stager_s += time.perf_counter() - t
             s = self.stager
-            # what the step record logs: fetches started during this step (the next step's first
-            # ones included), and how many groups arrived unannounced (fetched on demand: the
-            # compute stream waited for the whole copy)
-            self.step_copies = {"offload/fetches": s.fetches - self._counted[0],
-                                "offload/unannounced": s.unannounced - self._counted[1]}
+            # what the step record logs beside release/host_ms: fetches started during this step
+            # (the next step's first ones included), how many groups arrived unannounced (fetched
+            # on demand: the compute stream waited for the whole copy), and the host's time in
+            # the stager (fetch, acquire, write-back: Python, events, copies queued)
+            self.step_extras = {**self.step_extras, "offload/fetches": s.fetches - self._counted[0],
+                                "offload/unannounced": s.unannounced - self._counted[1],
+                                "offload/host_ms": self._stager_s * 1e3}
             self._counted = (s.fetches, s.unannounced)
+            self._stager_s = 0.0
 
     def state_dict(self, device=None):
         self.stager.synchronize()

@@ -37,8 +37,10 @@ running; ``accumulate(...)`` or ``grad_accum > 1``, because the step happens at 
 backward.  Per-tensor and matrix transforms (per-tensor clipping, Muon per layer) are fine.
 
 Precision.  ``stochastic_rounding=True`` rounds bf16 parameters stochastically in the update
-(no fp32 master copy).  ``master_weights="fp32"`` instead keeps an fp32 copy of every
-low-precision parameter in the optimizer (4 more bytes per parameter); the chain sees fp32
+(no fp32 master copy), with noise seeded by the group state's step count and the tensor's index
+(``pf.apply_updates``; the fused kernels seed alike), never by torch's global generator.
+``master_weights="fp32"`` instead keeps an fp32 copy of every low-precision parameter in the
+optimizer (4 more bytes per parameter); the chain sees fp32
 parameters and gradients, and the model's bf16 weights are the rounded masters.
 
 Fused update.  Where the plan registry has a fused update-and-apply for the chain inside
@@ -70,6 +72,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any, Callable
 
 import torch
@@ -357,9 +360,10 @@ class GradientRelease:
         plan = plan_for(chain, RELEASE) if fused else None
         self._fused_step = None if plan is None else plan.step
         # tensors before each group: distinct stochastic-rounding seeds for every tensor of a step
-        self._sr_offset, at = {}, 0
+        self._sr_offset, self._sr_index, at = {}, {}, 0
         for g, names in self.groups.items():
             self._sr_offset[g] = at
+            self._sr_index.update((n, at + j) for j, n in enumerate(names))
             at += len(names)
         self._n_tensors = at  # slab s of a slabbed weight rounds with stream at + s
         self.fused_group_steps = 0  # group steps that ran the fused path (for benchmarks and tests)
@@ -370,7 +374,12 @@ class GradientRelease:
         self._norms: list[torch.Tensor] = []  # ‖g‖ of each gradient of this backward (track_grad_norm)
         self._last_norms: list[torch.Tensor] = []
         self._last_sumsq_memo: torch.Tensor | None = None
-        self._arrivals = Arrivals(self.groups, on_complete=self._step_group, on_start=self._begin, on_end=self.finish)
+        self._arrivals = Arrivals(self.groups, on_complete=self._timed_step_group, on_start=self._begin,
+                                  on_end=self.finish)
+        self._host_s = 0.0  # host seconds inside this backward's group steps
+        #: what the last backward reports beside the chain's metrics (the step record logs it):
+        #: ``release/host_ms``, the host's time inside its group steps (Python, the chain's launches)
+        self.step_extras: dict[str, float] = {}
         self.tied_slabs: int | None = None
         self._slab_name: str | None = None
         self._row_grads = None
@@ -411,6 +420,15 @@ class GradientRelease:
         cached = self._trees[group] = ({n: t.detach() for n, t in zip(names, targets)}, lives, targets)
         return cached
 
+    def _timed_step_group(self, group: str) -> None:
+        """``_step_group``, its host time counted (``step_extras``: no device sync, so where the
+        launch queue is full it includes the wait for room in it)."""
+        t = time.perf_counter()
+        try:
+            self._step_group(group)
+        finally:
+            self._host_s += time.perf_counter() - t
+
     @torch.no_grad()
     def _step_group(self, group: str) -> None:
         names = self.groups[group]
@@ -448,7 +466,7 @@ class GradientRelease:
             del grads
             for n, p in zip(names, lives):
                 p.grad = None
-                self._apply(n, params[n], updates[n])
+                self._apply(n, params[n], updates[n], self.rounding(n, self.states[group]))
             self.plain_group_steps += 1
         self._arrivals.done.add(group)
 
@@ -499,14 +517,24 @@ class GradientRelease:
         rounding stream), or None where the chain has no fused step (then nothing ran)."""
         return self._fused_call(state, params, grads, self._n_tensors + slab)
 
-    def _apply(self, name: str, param: torch.Tensor, update: torch.Tensor) -> None:
-        """θ ← θ + u (``pf.apply_updates``), slab by slab, so that the fp32 temporaries of a
-        large tensor (the embedding: V·D) stay ``apply_chunk`` elements; elementwise, so the
-        result equals one whole-tensor call (stochastic rounding draws other random bits)."""
+    def rounding(self, name: str, state) -> dict:
+        """``pf.apply_updates``'s rounding arguments for parameter ``name`` after a plain step to
+        ``state`` (its group's new chain state): with stochastic rounding, the noise stream of the
+        state's step count and the parameter's index among all released tensors (the index its
+        fused step would seed from), so the plain path never reads torch's global generator."""
+        if not self.stochastic_rounding:
+            return {}
+        return {"stochastic_rounding": True, "state": state, "first": self._sr_index[name]}
+
+    def _apply(self, name: str, param: torch.Tensor, update: torch.Tensor, rounding: dict) -> None:
+        """θ ← θ + u (``pf.apply_updates`` with ``rounding``), slab by slab, so that the fp32
+        temporaries of a large tensor (the embedding: V·D) stay ``apply_chunk`` elements;
+        elementwise, and slab s draws elements [lo, lo + apply_chunk) of the tensor's noise stream
+        (``start``), so the result equals one whole-tensor call bit for bit."""
         target = self.masters.get(name)
         live = self.params[name]
         if not (live.is_contiguous() and (target is None or target.is_contiguous())):
-            new = pf.apply_updates(param, update, stochastic_rounding=self.stochastic_rounding)
+            new = pf.apply_updates(param, update, **rounding)
             if target is not None:
                 target.copy_(new)
             live.copy_(new)
@@ -514,8 +542,8 @@ class GradientRelease:
         flat_p, flat_u = param.reshape(-1), update.reshape(-1)
         step = self.apply_chunk
         for lo in range(0, flat_p.numel(), step):
-            piece = pf.apply_updates({"p": flat_p[lo:lo + step]}, {"p": flat_u[lo:lo + step]},
-                                     stochastic_rounding=self.stochastic_rounding)["p"]
+            piece = pf.apply_updates({"p": flat_p[lo:lo + step]}, {"p": flat_u[lo:lo + step]}, start=lo,
+                                     **rounding)["p"]
             if target is not None:
                 target.view(-1)[lo:lo + step].copy_(piece)
             live.view(-1)[lo:lo + step].copy_(piece)
@@ -547,8 +575,10 @@ class GradientRelease:
         if not self._arrivals.active:
             return
         for g in self._arrivals.pending():
-            self._step_group(g)
+            self._timed_step_group(g)
         self._arrivals.reset()
+        self.step_extras = {"release/host_ms": self._host_s * 1e3}
+        self._host_s = 0.0
         self._last_norms, self._last_sumsq_memo = self._norms, None
         self._norms = []
         self.steps += 1

@@ -248,9 +248,27 @@ class ShardedBoundOptimizer:
                         local(p).copy_(new[n])
                 return
         updates, self.state = self.chain.update(self._local_grads(), self.state, params, **self.hooks(), **extra)
-        new = pf.apply_updates(params, updates, stochastic_rounding=self.stochastic_rounding)
+        new = self._apply(params, updates, self.state)
         for n, p in self.params.items():
             local(p).copy_(new[n])
+
+    def _apply(self, params: dict, updates: dict, state) -> dict:
+        """θ ← θ + u on the local shards (``pf.apply_updates``).  With stochastic rounding a shard
+        draws its part of the whole tensor's noise stream: the seed of the chain state's step
+        count and the parameter's index, from the shard's first element on (FSDP2's Shard(0):
+        rank r holds rows from r·⌈rows/world⌉), so the ranks draw what one process would."""
+        if not self.stochastic_rounding:
+            return pf.apply_updates(params, updates)
+        index = {n: i for i, n in enumerate(self.params)}
+        new = {}
+        for n, p in params.items():
+            start = 0
+            if self.group is not None:
+                rows, chunk = self._rows(n)
+                start = min(self.rank * chunk, rows) * (self.params[n].numel() // max(rows, 1))
+            new[n] = pf.apply_updates(p, updates[n], stochastic_rounding=True, state=state, first=index[n],
+                                      start=start)
+        return new
 
     @torch.no_grad()
     def zero_grad(self) -> None:

@@ -202,7 +202,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         for n in names:
             self.params[n].grad = None  # frees this unit's reduce-scatter output
         if out is None:
-            new = pf.apply_updates(params, updates, stochastic_rounding=self.stochastic_rounding)
+            new = self._apply(params, updates, self.states[unit])
         for n in names:
             if new[n] is not params[n]:
                 params[n].copy_(new[n])

@@ -244,8 +244,9 @@ class TiedSlabs:
                 updates, new = release.chain.update({name: g}, views, {name: p_slab})
                 del g
                 self._write_back(full, views, new, live.shape)
-                piece = pf.apply_updates({"p": p_slab}, {"p": updates[name]},
-                                         stochastic_rounding=release.stochastic_rounding)["p"]
+                # rows [r0, r1) draw the whole weight's noise at their offsets: as the dense step
+                piece = pf.apply_updates({"p": p_slab}, {"p": updates[name]}, start=r0 * D,
+                                         **release.rounding(name, new))["p"]
                 if name in release.masters:
                     p_slab.copy_(piece)
                 live[r0:r1].copy_(piece)
