@@ -104,6 +104,33 @@ def test_recompute_of_a_layer_prefetches_the_layer_before():
     assert torch.equal(held[0].get(), xs[0])  # asked again: a fresh copy
 
 
+def test_prefetch_depth_starts_that_many_layers_ahead():
+    xs = [torch.randn(2, 3) for _ in range(5)]
+    held = [OffloadedInput(x, depth=2) for x in xs]  # one forward: layers 0..4
+    for h in held:
+        h.release()
+    held[4].get()  # backward's first layer starts the copies of layers 3 and 2
+    assert [h.ready is not None for h in held] == [False, False, True, True, False]
+    held[3].get()  # then each layer starts the one two below it (3's own copy is taken)
+    assert [h.ready is not None for h in held] == [False, True, True, False, False]
+    ys = [held[i].get() for i in (2, 1, 0)]
+    for y, x in zip(ys, (xs[2], xs[1], xs[0])):
+        assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize("policy", ["full", "sublayer"])
+def test_prefetch_depth_keeps_loss_and_grads(policy):
+    ref_loss, ref_grads, _ = loss_and_grads(tiny_model())
+    model = tiny_model()
+    apply_activation_checkpointing(model, policy, offload=3)
+    loss, grads, _ = loss_and_grads(model)
+    assert torch.equal(loss, ref_loss)
+    for n in ref_grads:
+        assert torch.equal(grads[n], ref_grads[n]), n
+    with pytest.raises(InvalidArgument, match="layers to fetch ahead"):
+        apply_activation_checkpointing(tiny_model(), policy, offload=-1)
+
+
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

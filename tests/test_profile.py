@@ -145,6 +145,17 @@ def test_activation_formula_is_monotonic():
     assert activation_bytes(cfg, 4096, gqa_native=False) > a["none"]
 
 
+@pytest.mark.parametrize("policy", ["full", "sublayer"])
+def test_offload_prefetch_depth_adds_its_inputs_to_the_recompute(policy):
+    """``memory.offload_prefetch = d``: d − 1 more layer inputs (b·h per token each) on the
+    device during backward than the default depth 1; what forward keeps does not change."""
+    cfg = config(layers=8, hidden=256, inter=768)
+    k1, r1 = activation_parts(cfg, 4096, policy=policy, offload=True)
+    k3, r3 = activation_parts(cfg, 4096, policy=policy, offload=3)
+    assert k3 == k1 and r3 - r1 == 2 * 2 * 256 * 4096  # bf16
+    assert activation_parts(cfg, 4096, policy=policy, offload=1) == (k1, r1)
+
+
 def test_release_and_checkpointing_lower_the_peak():
     cfg = config(layers=8, hidden=256, inter=768)
     kw = dict(chain=pf.adamw(1e-3), micro_batch_tokens=4096)
@@ -212,6 +223,16 @@ def test_plan_hands_the_spec_setting_to_the_prediction(tmp_path, setting, toml):
     from pgs.runtime.spec.load import load_spec
 
     assert plan_from_spec(load_spec(release_spec_file(tmp_path, toml)))["kwargs"]["defer_head_grad"] == setting
+
+
+def test_plan_hands_the_offload_prefetch_depth_to_the_prediction(tmp_path):
+    from pgs.runtime.tools.profile import plan_from_spec
+    from pgs.runtime.spec.load import load_spec
+
+    toml = 'activation_checkpointing = "full"\noffload_checkpoints = true'
+    one = plan_from_spec(load_spec(release_spec_file(tmp_path, toml)))
+    two = plan_from_spec(load_spec(release_spec_file(tmp_path, toml + "\noffload_prefetch = 2")))
+    assert one["kwargs"]["checkpoint_offload"] == 1 and two["kwargs"]["checkpoint_offload"] == 2
 
 
 @pytest.mark.parametrize("section, backend, want", [

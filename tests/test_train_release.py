@@ -122,6 +122,7 @@ REFUSALS = [
     ({"chain": '[{ name = "zclip" }, { name = "adamw" }]'}, "memory.gradient_release: optimizer.chain[0] (zclip)"),
     ({"memory.gradient_release": "false", "memory.master_weights": '"fp32"'}, "memory.master_weights"),
     ({"memory.offload_checkpoints": "true"}, "memory.offload_checkpoints: offloads the inputs of \"full\" or"),
+    ({"memory.offload_prefetch": 2}, "memory.offload_prefetch = 2: how far ahead backward fetches"),
 ]
 
 
@@ -162,7 +163,8 @@ def test_memory_section_round_trips_and_profile_reads_it(tmp_path):
     assert load_spec(again).memory == spec.memory
     opts = memory_options(spec)
     assert opts == {"gradient_release": True, "activation_checkpointing": "selective", "checkpoint_every": 2,
-                    "master_weights": None, "offload_checkpoints": False, "offload_optimizer": False}
+                    "master_weights": None, "offload_checkpoints": False, "offload_prefetch": 1,
+                    "offload_optimizer": False}
     from pgs.errors import SpecError
 
     with pytest.raises(SpecError, match=r"memory.activation_checkpointing: 'fulll' is not one of .*did you mean"):
@@ -183,8 +185,10 @@ def test_activation_checkpointing_from_the_spec_keeps_the_loss(tmp_path, monkeyp
     monkeypatch.setattr(layers, "apply_activation_checkpointing",
                         lambda *a, **k: offloads.append(k.get("offload")) or real(*a, **k))
     losses = []
-    for policy, offload in (("none", False), ("full", False), ("full", True), ("sublayer", True)):
-        sets = [f'memory.activation_checkpointing="{policy}"', f"memory.offload_checkpoints={str(offload).lower()}"]
+    for policy, offload in (("none", False), ("full", False), ("full", True), ("sublayer", True), ("full", 2)):
+        sets = [f'memory.activation_checkpointing="{policy}"', f"memory.offload_checkpoints={str(bool(offload)).lower()}"]
+        if offload is not True and offload:  # memory.offload_prefetch: inputs fetched that many layers ahead
+            sets.append(f"memory.offload_prefetch={offload}")
         run = setup(load_spec(release_spec(tmp_path, f"ac_{policy}_{offload}"), sets))
         decoder = run.model.model.layers
         assert all(("_pgs_forward_before_checkpointing" in layer.__dict__) == (policy != "none") for layer in decoder)
@@ -194,7 +198,8 @@ def test_activation_checkpointing_from_the_spec_keeps_the_loss(tmp_path, monkeyp
     assert losses[0][1] == pytest.approx(losses[1][1], rel=1e-5)
     assert losses[2][1] == losses[1][1]  # offloading the kept inputs changes no arithmetic
     assert losses[3][1] == pytest.approx(losses[1][1], rel=1e-5)  # the layer as two halves: same math
-    assert offloads == [False, True, True]
+    assert losses[4] == losses[2]  # fetching two layers ahead changes no arithmetic either
+    assert offloads == [False, 1, 1, 2]  # the depth apply_activation_checkpointing gets (1: offload_prefetch's default)
 
 
 def test_deferred_head_grad_run_matches_the_bound_run(tmp_path):

@@ -156,7 +156,9 @@ def apply_memory(model, memory, fast_recompute: bool = True) -> None:
         apply_mlp_tiles(model, memory.mlp_tiles)
     if memory.activation_checkpointing != "none":
         layers.apply_activation_checkpointing(model, memory.activation_checkpointing, memory.checkpoint_every,
-                                                     offload=getattr(memory, "offload_checkpoints", False),
+                                                     offload=(getattr(memory, "offload_prefetch", 1)
+                                                              if getattr(memory, "offload_checkpoints", False)
+                                                              else False),
                                                      fast_recompute=fast_recompute)
     if memory.compile_layers:
         layers.compile_layers(model)

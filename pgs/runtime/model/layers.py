@@ -134,17 +134,21 @@ class OffloadedInput:
     only refills saved tensors).
 
     Prefetch: the handles of one forward are linked in order (``previous``, a weak reference).
-    Backward recomputes the layers last to first, so when layer i's ``get()`` runs, layer i-1's
-    copy back is started at once (``prefetch()``) on the side stream, after its own
-    device→host copy: it then overlaps layer i's recompute and backward, and the compute stream
-    only waits on its event.  One layer input more is on the device at a time.
+    Backward recomputes the layers last to first, so when layer i's ``get()`` runs, the copies
+    back of layers i-1, …, i-``depth`` are started (``prefetch()``, each once) on the side
+    stream, after their own device→host copies: they then overlap the recompute and backward
+    of the layers in between, and the compute stream only waits on their events.  ``depth``
+    layer inputs more are on the device at a time; more than one gives a copy back more time
+    where the host→device copy engine is shared (offloaded optimizer state streams through it
+    in the same backward).
     """
 
     _last: dict = {}  # device -> weak reference to the newest handle of the running forward
 
-    def __init__(self, x: torch.Tensor):
+    def __init__(self, x: torch.Tensor, depth: int = 1):
         import weakref
 
+        self.depth = max(1, int(depth))
         self.device = x.device
         self.requires_grad = x.requires_grad
         self.live: torch.Tensor | None = x
@@ -192,8 +196,11 @@ class OffloadedInput:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(done)
             x.record_stream(current)  # made on the side stream, used and freed on this one
-        before = self.previous() if self.previous is not None else None
-        if before is not None:
+        before = self
+        for _ in range(self.depth):  # the next ``depth`` layers of backward (started ones: no-ops)
+            before = before.previous() if before.previous is not None else None
+            if before is None:
+                break
             before.prefetch()
         # as the original input (a compiled layer guards on it, and must save the same tensors)
         return x.requires_grad_(self.requires_grad)
@@ -229,7 +236,7 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, offload, x):
         ctx.run = run
-        ctx.held = OffloadedInput(x) if offload else None
+        ctx.held = OffloadedInput(x, int(offload)) if offload else None
         if not offload:
             ctx.save_for_backward(x)
         out = run(x)
@@ -285,7 +292,7 @@ def _wants_early_stop(layer) -> bool:
     return mlp is not None and "_pgs_forward_before_mlp_tiles" in vars(mlp)
 
 
-def _checkpoint_call(fn, x, rest: tuple, offload: bool, extra: dict, kwargs: dict, fast: bool = False):
+def _checkpoint_call(fn, x, rest: tuple, offload: bool | int, extra: dict, kwargs: dict, fast: bool = False):
     """``checkpoint(fn, x, *rest, **kwargs)``; with ``offload`` the input ``x`` reaches ``fn``
     through an ``OffloadedInput`` handle, not as a checkpoint argument, so nothing keeps it on
     the device after this call (the recompute reads the host copy; gradients flow through the
@@ -297,7 +304,7 @@ def _checkpoint_call(fn, x, rest: tuple, offload: bool, extra: dict, kwargs: dic
 
         return _Recompute.apply(run, offload, x)
     if offload and isinstance(x, torch.Tensor):
-        held = OffloadedInput(x)
+        held = OffloadedInput(x, int(offload))
 
         def from_handle(handle, *more, **kw):
             return fn(handle.get(), *more, **kw)
@@ -308,7 +315,7 @@ def _checkpoint_call(fn, x, rest: tuple, offload: bool, extra: dict, kwargs: dic
     return checkpoint(fn, x, *rest, use_reentrant=False, **extra, **kwargs)
 
 
-def _checkpointed(layer: torch.nn.Module, forward, context_fn, offload: bool = False, rng: bool = True,
+def _checkpointed(layer: torch.nn.Module, forward, context_fn, offload: bool | int = False, rng: bool = True,
                   fast: bool = False):
     def run(*args, **kwargs):
         if not (layer.training and torch.is_grad_enabled()):
@@ -325,7 +332,7 @@ def _checkpointed(layer: torch.nn.Module, forward, context_fn, offload: bool = F
     return _tagged(run, forward, context_fn, offload, rng, fast)
 
 
-def _tagged(run, inner, context_fn, offload: bool, rng: bool, fast: bool):
+def _tagged(run, inner, context_fn, offload: bool | int, rng: bool, fast: bool):
     """``run`` with what ``compile_layers`` and ``remove_activation_checkpointing`` read back to
     rebuild or undo a checkpointed layer: its own forward and the checkpoint's settings."""
     run._pgs_inner = inner
@@ -352,7 +359,7 @@ def sublayer_parts(layer: torch.nn.Module):
     return attention, mlp
 
 
-def _checkpointed_sublayers(layer: torch.nn.Module, original, offload: bool, parts=None, rng: bool = True,
+def _checkpointed_sublayers(layer: torch.nn.Module, original, offload: bool | int, parts=None, rng: bool = True,
                             fast: bool = False):
     """The ``"sublayer"`` policy: the attention half and the MLP half are checkpointed apart, so
     backward holds one half's recomputed activations at a time (the layer's output is the
@@ -389,7 +396,7 @@ def remove_activation_checkpointing(model) -> None:
                 layer.forward = original
 
 
-def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, offload: bool = False,
+def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, offload: bool | int = False,
                                    fast_recompute: bool = True, preserve_rng: bool = False) -> list[int]:
     """Checkpoint the decoder layers of ``model`` in place; returns the checkpointed indices.
 
@@ -405,7 +412,8 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, 
             and backward instead of on the device (``OffloadedInput``): −b·h bytes per token
             and checkpointed layer on the device, one device→host copy per layer in forward
             (on a side stream) and one host→device copy per layer in backward (on the side
-            stream, started one layer ahead).  ``"full"`` and ``"sublayer"`` policies.
+            stream, started one layer ahead; an int ``d`` ≥ 1 instead of True: ``d`` layers
+            ahead, ``d`` inputs on the device).  ``"full"`` and ``"sublayer"`` policies.
 
     The generators' state is saved and restored around each recompute only when the model
     draws random numbers (``model_draws_random``) or ``preserve_rng`` is set.
@@ -425,6 +433,9 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, 
         raise InvalidArgument(f"apply_activation_checkpointing: policy={policy!r} is not one of {POLICIES}")
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise InvalidArgument(f"apply_activation_checkpointing: every={every!r} must be an int >= 1")
+    if isinstance(offload, int) and not isinstance(offload, bool) and offload < 0:
+        raise InvalidArgument(f"apply_activation_checkpointing: offload={offload!r}: True, False, or the layers "
+                              "to fetch ahead (an int >= 1; 0 is off)")
     if offload and policy not in ("full", "sublayer"):
         raise InvalidArgument(f"apply_activation_checkpointing: offload=True needs policy \"full\" or \"sublayer\", got {policy!r} "
                               "(a selective policy replays the recompute's ops against the forward's, and the "

@@ -328,7 +328,10 @@ class MemorySpec:
     (``"auto"``, the default: with activation checkpointing or tied slabs; ``head_grad_deferred``).
     ``offload_checkpoints`` keeps each checkpointed layer's input in pinned host memory
     instead of on the device (``activation_checkpointing = "full"`` or ``"sublayer"``;
-    ``"sublayer"`` checkpoints each layer's attention half and MLP half apart).  ``tied_slabs``
+    ``"sublayer"`` checkpoints each layer's attention half and MLP half apart);
+    ``offload_prefetch`` (default 1) is how many checkpointed inputs ahead backward starts
+    copying them back (that many more inputs on the device; more lead where the host→device
+    copy engine also carries the offloaded optimizer state).  ``tied_slabs``
     (0: off) steps the input embedding's (tied) weight in slabs of that many vocabulary rows
     at the end of backward, so no dense V×D gradient exists (gradient release, one process,
     an elementwise chain; ``GradientRelease(..., tied_slabs=rows)``).  ``release_groups``
@@ -358,6 +361,7 @@ class MemorySpec:
     defer_head_grad: bool | str = attrs.field(
         default="auto", validator=_expect('true, false or "auto"', lambda v: isinstance(v, bool) or v == "auto"))
     offload_checkpoints: bool = attrs.field(default=False, validator=_bool)
+    offload_prefetch: int = attrs.field(default=1, validator=_int_at_least(1))
     tied_slabs: int = attrs.field(default=0, validator=_int_at_least(0))
     release_groups: str = attrs.field(default="layer", validator=_one_of(RELEASE_GROUPS))
     mlp_tiles: int = attrs.field(default=0, validator=_int_at_least(0))

@@ -145,7 +145,7 @@ def activation_parts(
     policy: str = "none",
     every: int = 1,
     gqa_native: bool = True,
-    offload: bool = False,
+    offload: bool | int = False,
     mlp_tiles: int = 0,
     compiled: bool = False,
     experts_eager: bool = False,
@@ -175,7 +175,8 @@ def activation_parts(
     (tests/test_profile.py); the working set of backward itself (activation gradients,
     ≈ one layer's A_none) is not included.  ``offload`` (``"full"`` only): the checkpointed
     layers' inputs live in host memory, so they keep 0 on the device; the recompute then also
-    holds the input copied back (b·h).  ``mlp_tiles = k > 1`` (``pgs.runtime.model.tiled_mlp``): the
+    holds the input copied back (b·h), and with ``offload = d`` (``memory.offload_prefetch``) the
+    d − 1 further inputs fetched ahead ((d − 1)·b·h).  ``mlp_tiles = k > 1`` (``pgs.runtime.model.tiled_mlp``): the
     MLP keeps none of its 4·b·I per token (its input is the second norm's output, counted
     above) and its backward holds one tile's tensors, ≈ 8·b·I for ⌈tokens / k⌉ tokens.
     ``"sublayer"``: each layer keeps two inputs (2·b·h; 0 offloaded) and backward recomputes
@@ -231,6 +232,8 @@ def activation_parts(
         recompute = (max(attn_half, norm + b * h + mlp) + (b * h if offload else 0)) * tokens
     if tiled:  # one tile's working set in the MLP's backward
         recompute += 8 * b * inter * -(-tokens // mlp_tiles)
+    if offload and checkpointed:  # inputs fetched further ahead than the next one (offload_prefetch)
+        recompute += (int(offload) - 1) * b * h * tokens
     return per_token * tokens, recompute
 
 
@@ -296,7 +299,7 @@ def predict_memory(
     master_weights: str | None = None,
     activation_checkpointing: str = "none",
     checkpoint_every: int = 1,
-    checkpoint_offload: bool = False,
+    checkpoint_offload: bool | int = False,
     micro_batch_tokens: int = 4096,
     loss: str = "chunked",
     loss_chunk: int = 1024,
@@ -519,10 +522,11 @@ def memory_options(spec) -> dict[str, Any]:
 
     Looked up in ``[memory]`` (when the spec has that section), then ``[train]``:
     ``gradient_release``, ``activation_checkpointing``, ``checkpoint_every``, ``master_weights``,
-    ``offload_checkpoints``, ``offload_optimizer``.  (``tied_slabs`` is read by ``plan_from_spec``.)
+    ``offload_checkpoints``, ``offload_prefetch``, ``offload_optimizer``.  (``tied_slabs`` is read by
+    ``plan_from_spec``.)
     """
     opts = {"gradient_release": False, "activation_checkpointing": "none", "checkpoint_every": 1,
-            "master_weights": None, "offload_checkpoints": False, "offload_optimizer": False}
+            "master_weights": None, "offload_checkpoints": False, "offload_prefetch": 1, "offload_optimizer": False}
     for section in (getattr(spec, "train", None), getattr(spec, "memory", None)):
         for key in opts:
             value = getattr(section, key, None) if section is not None else None
@@ -672,7 +676,7 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   master_weights=opts["master_weights"],
                   activation_checkpointing=opts["activation_checkpointing"],
                   checkpoint_every=int(opts["checkpoint_every"]), micro_batch_tokens=tokens,
-                  checkpoint_offload=bool(opts["offload_checkpoints"]),
+                  checkpoint_offload=int(opts["offload_prefetch"]) if opts["offload_checkpoints"] else False,
                   tied_slabs=int(opts["tied_slabs"]) or None, mlp_tiles=int(opts["mlp_tiles"]),
                   release_groups=opts["release_groups"], compiled_layers=opts["compile_layers"],
                   offload_optimizer=bool(opts["offload_optimizer"] and opts["gradient_release"]),
@@ -912,7 +916,8 @@ def measure_memory(spec, plan, *, steps: int = 3, device: torch.device | str | N
         if int(opts.get("mlp_tiles", 0)) > 1:
             apply_mlp_tiles(model, int(opts["mlp_tiles"]))
         apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]),
-                                       offload=bool(opts.get("offload_checkpoints", False)))
+                                       offload=(int(opts.get("offload_prefetch", 1))
+                                                if opts.get("offload_checkpoints", False) else False))
         chain = plan["kwargs"]["chain"]
         if opts["gradient_release"]:
             binder = GradientRelease
