@@ -141,3 +141,14 @@ def test_no_clip_line_without_a_clip(tmp_path: Path):
     assert _clip_threshold({}) is None
     assert _clip_threshold({"optimizer": {"chain": [{"name": "clip_by_global_norm", "max_norm": 0.5}]}}) == 0.5
     assert _clip_threshold({"optimizer": {"chain": [{"name": "clip_by_global_norm", "args": {"max_norm": 2}}]}}) == 2
+
+
+def test_memory_peaks_and_the_release_host_time_in_the_summary(tmp_path: Path):
+    rows = [{"step": s, "loss": 1.0, "mem_gib": 10.0 + s, "reserved_gib": 12.0 + s, "release/host_ms": 2.0 * s,
+             "offload/host_ms": 1.0, "offload/unannounced": 3 if s == 1 else 0} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text(_lines(rows), encoding="utf-8")
+    got = dict(summary_rows(read_metrics(str(tmp_path / "metrics.jsonl"))))
+    assert got["peak allocated GiB"] == "13.000" and got["peak reserved GiB"] == "15.000"
+    assert got["mean host ms in release group steps"] == "4.0"
+    assert got["mean host ms in optimizer offload staging"] == "1.0"
+    assert got["offload groups fetched on demand"] == "3 (all steps)"

@@ -155,6 +155,14 @@ def summary_rows(metrics: Metrics) -> list[tuple[str, str]]:
     add("last entropy", metrics.last("entropy"))
     add("min entropy", metrics.best("entropy")[1] if metrics.series.get("entropy") else None)
     add("mean tokens/s", metrics.mean("tokens_per_s"), ",.0f")
+    for key, label in (("mem_gib", "peak allocated GiB"), ("reserved_gib", "peak reserved GiB")):
+        add(label, metrics.best(key, lowest=False)[1] if metrics.series.get(key) else None, ".3f")
+    # where a host-bound release step spends its host time (docs/runtime.md, per-step metrics)
+    add("mean host ms in release group steps", metrics.mean("release/host_ms"), ".1f")
+    add("mean host ms in optimizer offload staging", metrics.mean("offload/host_ms"), ".1f")
+    if metrics.series.get("offload/unannounced"):
+        rows.append(("offload groups fetched on demand",
+                     f"{int(sum(v for _, v in metrics.series['offload/unannounced']))} (all steps)"))
     if metrics.series.get("skipped"):
         rows.append(("skipped steps", f"{int(metrics.last('skipped'))} (last value)"))
     return rows
