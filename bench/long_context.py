@@ -56,6 +56,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # sft_step: the bench's HF variants, imported where used
 
 from bench.product import markdown_table, read_metrics  # noqa: E402 - the bench's table format, metrics reader
 
@@ -249,7 +250,6 @@ def peer_one(variant: str, shape: str, length: int, steps: int, skip: int, small
     an out-of-memory error ends it with ``status = "oom"`` and the peak reached."""
     import torch
 
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
     import sft_step  # noqa: E402 - the bench's HF variants, built one way everywhere
 
     table, _batch, _seq = (sft_step.SMALL_SHAPES["tiny"] if small else sft_step.SHAPES[shape])
@@ -372,7 +372,6 @@ def main(argv=None) -> int:
     unknown = [s for s in shapes if s not in SPECS]
     if unknown:
         p.error(f"--shapes: {unknown} not in {sorted(SPECS)}")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import sft_step  # noqa: E402 - the bench's HF variants, to refuse an unknown one before anything runs
 
     hf = [v for v in sft_step.VARIANTS if v.startswith("hf_")]

@@ -4,7 +4,8 @@ at the end of a call): ``python bench/summarize.py RESULT.json [...]``.
 Rows are read from every suite's JSON: ``rows`` / ``variants`` / ``results`` as a mapping of
 name to row (optim-8bit, optim-step, optim-muon), ``results`` as a list of rows named by
 ``variant``, ``backend`` or ``setup`` (sft-step, sft-converge, loss-memory, product, distill, moe;
-long-context's also by shape and length, with its status), ``runs`` (fsdp); numbers are rounded, and a missing or unreadable file is one line saying so.
+long-context's also by shape and length, with its status), ``runs`` (fsdp); numbers are rounded,
+and a missing or unreadable file is one line saying so.
 """
 
 from __future__ import annotations
