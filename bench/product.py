@@ -74,6 +74,10 @@ class GpuMemory:
         self._thread.join()
 
 
+#: step-record keys averaged into the summary where a run logs them (gradient release, the offload)
+HOST_KEYS = ("release/host_ms", "offload/host_ms", "offload/fetches", "offload/unannounced")
+
+
 def summarize(records: list[dict], skip: int) -> dict:
     """Throughput and step-time figures of a run's step records (see the module docstring)."""
     steps = [r for r in records if "loss" in r and "tokens" in r]
@@ -89,6 +93,10 @@ def summarize(records: list[dict], skip: int) -> dict:
            "median_step_s": median, "median_tok_s": statistics.median(r["tokens"] for r in timed) / median,
            "max_over_median": max(periods) / median, "slow_steps": [r["step"] for r in timed if r["step_seconds"] > 1.5 * median],
            "mean_tokens_per_step": tokens / max(len(timed) - 1, 1)}
+    for key in HOST_KEYS:  # where a step's host time goes (docs/runtime.md), mean over the timed steps
+        values = [r[key] for r in timed if key in r]
+        if values:
+            out["mean " + key] = sum(values) / len(values)
     peaks = [r for r in records if "mem_gib" in r]
     if peaks:
         out["max_allocated_gib"] = max(r["mem_gib"] for r in peaks)

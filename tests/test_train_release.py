@@ -163,7 +163,7 @@ def test_memory_section_round_trips_and_profile_reads_it(tmp_path):
     assert load_spec(again).memory == spec.memory
     opts = memory_options(spec)
     assert opts == {"gradient_release": True, "activation_checkpointing": "selective", "checkpoint_every": 2,
-                    "master_weights": None, "offload_checkpoints": False, "offload_prefetch": 1,
+                    "master_weights": None, "offload_checkpoints": False, "offload_prefetch": "auto",
                     "offload_optimizer": False}
     from pgs.errors import SpecError
 
@@ -199,7 +199,29 @@ def test_activation_checkpointing_from_the_spec_keeps_the_loss(tmp_path, monkeyp
     assert losses[2][1] == losses[1][1]  # offloading the kept inputs changes no arithmetic
     assert losses[3][1] == pytest.approx(losses[1][1], rel=1e-5)  # the layer as two halves: same math
     assert losses[4] == losses[2]  # fetching two layers ahead changes no arithmetic either
-    assert offloads == [False, 1, 1, 2]  # the depth apply_activation_checkpointing gets (1: offload_prefetch's default)
+    assert offloads == [False, 1, 1, 2]  # the depth apply_activation_checkpointing gets ("auto" is 1 here)
+
+
+@pytest.mark.parametrize("setting,offload_optimizer,depth", [
+    ("auto", False, 1), ("auto", True, 2), (1, True, 1), (3, False, 3), (3, True, 3)])
+def test_offload_prefetch_auto_is_two_where_the_optimizer_state_shares_the_copies(tmp_path, setting,
+                                                                                    offload_optimizer, depth):
+    """``memory.offload_prefetch = "auto"`` (the default): the checkpointed inputs come back two
+    layers ahead where the optimizer state's fetches share the host→device copies, else one; an
+    int is taken as given; a bad value is one spec error naming the field."""
+    from pgs.errors import SpecError
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.spec.sections import prefetch_depth
+
+    value = f'"{setting}"' if isinstance(setting, str) else str(setting)
+    spec = load_spec(release_spec(tmp_path, "pf"), ['memory.activation_checkpointing="full"',
+                                                     "memory.offload_checkpoints=true",
+                                                     f"memory.offload_optimizer={str(offload_optimizer).lower()}",
+                                                     f"memory.offload_prefetch={value}"])
+    assert spec.memory.checkpoint_prefetch() == depth == prefetch_depth(setting, offload_optimizer)
+    for bad in ("0", '"two"', "1.5"):
+        with pytest.raises(SpecError, match=r'memory.offload_prefetch: .*an integer >= 1 or "auto"'):
+            load_spec(release_spec(tmp_path, "pf_bad"), [f"memory.offload_prefetch={bad}"])
 
 
 def test_deferred_head_grad_run_matches_the_bound_run(tmp_path):

@@ -285,10 +285,10 @@ def check_memory(spec: Spec, chain) -> None:
         raise SpecError(f"memory.offload_checkpoints: offloads the inputs of \"full\" or \"sublayer\" checkpointed "
                         f"layers; activation_checkpointing is {mem.activation_checkpointing!r} (set it to \"full\" "
                         "or \"sublayer\", or offload_checkpoints = false)")
-    if mem.offload_prefetch != 1 and not mem.offload_checkpoints:
+    if mem.offload_prefetch not in (1, "auto") and not mem.offload_checkpoints:
         raise SpecError(f"memory.offload_prefetch = {mem.offload_prefetch}: how far ahead backward fetches the "
                         "offloaded checkpoint inputs; set memory.offload_checkpoints = true, or leave "
-                        "offload_prefetch at 1")
+                        "offload_prefetch at \"auto\"")
     if mem.tied_slabs and not mem.gradient_release:
         raise SpecError(f"memory.tied_slabs = {mem.tied_slabs}: the embedding's weight is stepped in row slabs by "
                         "gradient release at the end of backward; set memory.gradient_release = true or tied_slabs = 0")

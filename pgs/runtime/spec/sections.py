@@ -329,9 +329,9 @@ class MemorySpec:
     ``offload_checkpoints`` keeps each checkpointed layer's input in pinned host memory
     instead of on the device (``activation_checkpointing = "full"`` or ``"sublayer"``;
     ``"sublayer"`` checkpoints each layer's attention half and MLP half apart);
-    ``offload_prefetch`` (default 1) is how many checkpointed inputs ahead backward starts
-    copying them back (that many more inputs on the device; more lead where the host→device
-    copy engine also carries the offloaded optimizer state).  ``tied_slabs``
+    ``offload_prefetch`` is how many checkpointed inputs ahead backward starts copying them back
+    (that many on the device at a time; ``"auto"``, the default: 2 with ``offload_optimizer``,
+    whose state fetches share the host→device copy engine, else 1; ``checkpoint_prefetch``).  ``tied_slabs``
     (0: off) steps the input embedding's (tied) weight in slabs of that many vocabulary rows
     at the end of backward, so no dense V×D gradient exists (gradient release, one process,
     an elementwise chain; ``GradientRelease(..., tied_slabs=rows)``).  ``release_groups``
@@ -361,7 +361,8 @@ class MemorySpec:
     defer_head_grad: bool | str = attrs.field(
         default="auto", validator=_expect('true, false or "auto"', lambda v: isinstance(v, bool) or v == "auto"))
     offload_checkpoints: bool = attrs.field(default=False, validator=_bool)
-    offload_prefetch: int = attrs.field(default=1, validator=_int_at_least(1))
+    offload_prefetch: int | str = attrs.field(
+        default="auto", validator=_expect('an integer >= 1 or "auto"', lambda v: v == "auto" or (_is_int(v) and v >= 1)))
     tied_slabs: int = attrs.field(default=0, validator=_int_at_least(0))
     release_groups: str = attrs.field(default="layer", validator=_one_of(RELEASE_GROUPS))
     mlp_tiles: int = attrs.field(default=0, validator=_int_at_least(0))
@@ -375,6 +376,10 @@ class MemorySpec:
         where memory is tight, not where activations dwarf it."""
         return head_grad_wanted(self.defer_head_grad, self.activation_checkpointing, self.tied_slabs)
 
+    def checkpoint_prefetch(self) -> int:
+        """``offload_prefetch`` resolved (``prefetch_depth``)."""
+        return prefetch_depth(self.offload_prefetch, self.offload_optimizer)
+
 
 def head_grad_wanted(setting: bool | str, activation_checkpointing: str | None, tied_slabs: int | None) -> bool:
     """``memory.defer_head_grad`` resolved (``MemorySpec.head_grad_deferred``, ``pgs profile``'s
@@ -382,6 +387,18 @@ def head_grad_wanted(setting: bool | str, activation_checkpointing: str | None, 
     if setting == "auto":
         return activation_checkpointing not in (None, "none") or bool(tied_slabs)
     return bool(setting)
+
+
+def prefetch_depth(setting: int | str, offload_optimizer: bool) -> int:
+    """``memory.offload_prefetch`` resolved (``MemorySpec.checkpoint_prefetch``, ``pgs profile``'s
+    prediction): ``"auto"`` is 2 where the optimizer state is offloaded too, else 1.  Why 2 there:
+    each group's state fetch (≈ 0.1 GB per decoder layer at 4B) queues on the same host→device
+    copy engine as the next layer's input, so the input copied back one layer ahead arrives late
+    and the compute stream waits for it; two layers ahead it is there (docs/memory.md, one layer
+    input more on the device: 21 MB at Qwen3-4B's 1×4096).  An int says itself."""
+    if setting == "auto":
+        return 2 if offload_optimizer else 1
+    return int(setting)
 
 
 def _kind_known(instance, attribute, value):

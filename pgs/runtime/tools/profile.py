@@ -73,7 +73,7 @@ from pgs.runtime.model.layers import apply_activation_checkpointing
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim.bound import bind
 from pgs.runtime.optim.release import GradientRelease, group_parameters, refusal
-from pgs.runtime.spec.sections import head_grad_wanted
+from pgs.runtime.spec.sections import head_grad_wanted, prefetch_depth
 
 CATEGORIES = ("weights", "frozen_models", "master_weights", "optimizer_state", "gradients", "activations", "loss",
               "temporaries")
@@ -526,7 +526,7 @@ def memory_options(spec) -> dict[str, Any]:
     ``plan_from_spec``.)
     """
     opts = {"gradient_release": False, "activation_checkpointing": "none", "checkpoint_every": 1,
-            "master_weights": None, "offload_checkpoints": False, "offload_prefetch": 1, "offload_optimizer": False}
+            "master_weights": None, "offload_checkpoints": False, "offload_prefetch": "auto", "offload_optimizer": False}
     for section in (getattr(spec, "train", None), getattr(spec, "memory", None)):
         for key in opts:
             value = getattr(section, key, None) if section is not None else None
@@ -676,7 +676,8 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   master_weights=opts["master_weights"],
                   activation_checkpointing=opts["activation_checkpointing"],
                   checkpoint_every=int(opts["checkpoint_every"]), micro_batch_tokens=tokens,
-                  checkpoint_offload=int(opts["offload_prefetch"]) if opts["offload_checkpoints"] else False,
+                  checkpoint_offload=(prefetch_depth(opts["offload_prefetch"], opts["offload_optimizer"])
+                                      if opts["offload_checkpoints"] else False),
                   tied_slabs=int(opts["tied_slabs"]) or None, mlp_tiles=int(opts["mlp_tiles"]),
                   release_groups=opts["release_groups"], compiled_layers=opts["compile_layers"],
                   offload_optimizer=bool(opts["offload_optimizer"] and opts["gradient_release"]),
@@ -916,7 +917,7 @@ def measure_memory(spec, plan, *, steps: int = 3, device: torch.device | str | N
         if int(opts.get("mlp_tiles", 0)) > 1:
             apply_mlp_tiles(model, int(opts["mlp_tiles"]))
         apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]),
-                                       offload=(int(opts.get("offload_prefetch", 1))
+                                       offload=(prefetch_depth(opts.get("offload_prefetch", "auto"), opts.get("offload_optimizer", False))
                                                 if opts.get("offload_checkpoints", False) else False))
         chain = plan["kwargs"]["chain"]
         if opts["gradient_release"]:
