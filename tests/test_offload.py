@@ -151,6 +151,42 @@ def test_tied_slabs_offloaded():
     assert_same(a, b, ref, rel)
 
 
+def test_big_embedding_last_in_backward_is_announced_and_exact():
+    """The 4B recipe's shape in small: the tied embedding, the last group backward completes,
+    is larger than a slot.  Its shares are fetched while the last layers step, so once the
+    order is learned no group is fetched on demand; the weights and state equal the on-device
+    release's."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    def model():
+        cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, vocab_size=1024, tie_word_embeddings=True,
+                          use_cache=False, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(cfg).train()
+
+    data = batches(4)
+    a, b = model(), model()
+    ref = GradientRelease(CHAINS["adamw8bit"](), a)
+    rel = OffloadedRelease(CHAINS["adamw8bit"](), b)
+    embed = "model.embed_tokens.weight"
+    assert rel.stager._big(embed) and len(rel.stager.slots) >= 3
+    seen = []  # at each acquire: the group, and how many slots hold a share of the embedding
+    acquire = rel.stager.acquire
+    rel.stager.acquire = lambda g: seen.append((g, len(rel.stager._slots_of(embed)))) or acquire(g)
+    unannounced = []
+    for ids in data:
+        loss_of(a, ids).backward()
+        loss_of(b, ids).backward()
+        unannounced.append(rel.step_extras["offload/unannounced"])
+    assert rel._order[-1] == embed
+    assert unannounced[1:] == [0, 0, 0]
+    last_layer = rel._order[-2]
+    held = [n for g, n in seen[len(rel.groups):] if g == last_layer]  # steps 2-4
+    assert len(held) == 3 and all(n >= 1 for n in held)  # shares in flight before the last layer steps
+    assert_same(a, b, ref, rel)
+
+
 def test_stager_copies_through_a_slot():
     """The staging class alone: acquire hands out views of a slot (not the host buffer), a step
     writing in place or returning new tensors is written back, 0-d leaves stay put."""
@@ -197,6 +233,66 @@ def test_stager_big_group_waits_for_the_busy_slot():
     assert torch.equal(st.home("b")["m"], torch.arange(16.0) + 1)
     dc = st.acquire("c")  # unannounced: fetched on demand
     assert torch.equal(dc["m"], -torch.arange(16.0)) and st.unannounced == 2
+
+
+def test_stager_big_group_shares_follow_the_groups_before_it():
+    """A big group named while regular groups still wait for their steps takes the free slot at
+    once and reserves the others: each share is copied as the group in its slot is written back
+    (the waiting groups keep their slots and step from them), so the big group is whole, and
+    announced, when its turn comes."""
+    big = {"m": torch.arange(90.0)}
+    regs = {g: {"m": torch.full((16,), float(i))} for i, g in enumerate("bcd")}
+    states = {"a": big, **regs}
+    st = StateStager(states, states.items(), slots=3)
+    assert st._big("a") and not any(st._big(g) for g in "bcd")
+    db = st.acquire("b")  # on demand (the first group of a step)
+    st.prefetch("c")
+    st.prefetch("a")
+    slot = {s.group: s for s in st.slots}
+    assert slot["b"].reserved == "a" and slot["c"].reserved == "a" and "a" in slot  # the free one is a's now
+    st.prefetch("d")  # no room for a regular group behind the big one's shares
+    assert not st._slots_of("d")
+    st.release("b", {"m": db["m"] + 1})
+    assert slot["b"].group == "a" and slot["b"].reserved is None
+    dc = st.acquire("c")  # announced: c kept its slot
+    assert torch.equal(dc["m"], torch.full((16,), 1.0))
+    st.release("c", {"m": dc["m"] * 3})
+    assert all(s.group == "a" and s.reserved is None for s in st.slots)
+    da = st.acquire("a")
+    assert torch.equal(da["m"], torch.arange(90.0)) and st.unannounced == 1  # only b's
+    st.release("a", {"m": da["m"] - 1})
+    assert torch.equal(st.home("a")["m"], torch.arange(90.0) - 1)
+    assert torch.equal(st.home("b")["m"], torch.zeros(16) + 1) and torch.equal(st.home("c")["m"], torch.full((16,), 3.0))
+
+
+def test_stager_big_group_whose_predecessor_never_steps_is_fetched_on_demand():
+    """The order was wrong: a group holding one of the big group's reserved slots never steps.
+    The big group's step fetches it whole (unannounced), evicting the stale group; a regular
+    group arriving unannounced while the big one's shares are reserved takes a slot too."""
+    big = {"m": torch.arange(90.0)}
+    regs = {g: {"m": torch.full((16,), float(i))} for i, g in enumerate("bcd")}
+    states = {"a": big, **regs}
+    st = StateStager(states, states.items(), slots=3)
+    db = st.acquire("b")
+    st.prefetch("c")
+    st.prefetch("a")
+    st.release("b", {"m": db["m"] + 1})  # c never steps: its slot stays reserved for a
+    da = st.acquire("a")
+    assert st.unannounced == 2 and torch.equal(da["m"], torch.arange(90.0))
+    st.release("a", {"m": da["m"] * 2})
+    dc = st.acquire("c")  # evicted by a's fetch: on demand, its home intact
+    assert torch.equal(dc["m"], torch.full((16,), 1.0)) and st.unannounced == 3
+    st.release("c", {"m": dc["m"]})
+    st.prefetch("c")
+    st.prefetch("a")  # c waits in one slot: a takes the two free ones, reserves c's
+    dd = st.acquire("d")  # unannounced, every free slot a's or reserved: a's shares give way
+    assert torch.equal(dd["m"], torch.full((16,), 2.0)) and st.unannounced == 4
+    st.release("d", {"m": dd["m"] + 5})
+    assert not any(s.reserved == "a" for s in st.slots)
+    da = st.acquire("a")
+    assert torch.equal(da["m"], 2 * torch.arange(90.0))
+    st.release("a", {"m": da["m"]})
+    assert torch.equal(st.home("d")["m"], torch.full((16,), 7.0))
 
 
 def _memory(**kw):
