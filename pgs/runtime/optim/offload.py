@@ -54,7 +54,7 @@ import weakref
 
 import torch
 
-from pgs.errors import InvalidArgument
+from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.runtime.optim.release import GradientRelease
 
@@ -71,6 +71,7 @@ class StateLayout:
 
     def __init__(self, state):
         leaves, self.spec = T.flatten(state)
+        self.structure = T.Structure(self.spec)  # rebuilt twice per group and step: compiled walks
         self.entries = []  # (leaf index, offset, nbytes, dtype, shape)
         at = 0
         for i, x in enumerate(leaves):
@@ -86,7 +87,7 @@ class StateLayout:
 
     def tree(self, leaves: list, views: dict[int, torch.Tensor]):
         """The state whose flat leaves are ``leaves``, its travelling ones replaced by ``views``."""
-        return T.unflatten([views.get(i, x) for i, x in enumerate(leaves)], self.spec)
+        return self.structure.build([views.get(i, x) for i, x in enumerate(leaves)])
 
 
 def _unregister(buf: torch.Tensor) -> None:
@@ -406,9 +407,11 @@ class StateStager:
             return new_state
         held = self._slots_of(group)
         views = self._device_views(group, held[0].index)
-        leaves, spec = T.flatten(new_state)
-        if spec != lay.spec:
-            raise InvalidArgument(f"offload_optimizer: the chain returned a state of another structure for {group!r}")
+        try:
+            leaves = lay.structure.read(new_state)
+        except TreeMismatch as why:
+            raise InvalidArgument(f"offload_optimizer: the chain returned a state of another structure for "
+                                  f"{group!r} ({why})") from None
         for i, v in views.items():
             x = leaves[i]
             if x.data_ptr() != v.data_ptr():  # the plain path returns new tensors; the fused one writes in place
@@ -417,7 +420,7 @@ class StateStager:
         if home_views is None:
             home_views = self._views[(group, -1)] = lay.views(self.host[group])
         self.home_leaves[group] = [home_views.get(i, x) for i, x in enumerate(leaves)]
-        home = T.unflatten(self.home_leaves[group], lay.spec)
+        home = lay.structure.build(self.home_leaves[group])
         start = held[0].index * self.slot_bytes
         src, dst = self.stage[start:start + lay.nbytes], self.host[group]
         if self.cuda:
