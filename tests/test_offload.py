@@ -151,29 +151,76 @@ def test_tied_slabs_offloaded():
     assert_same(a, b, ref, rel)
 
 
+def big_vocab_model():
+    """A tiny Qwen3 whose tied embedding's state is larger than a layer's (a group larger than a slot)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, vocab_size=1024, tie_word_embeddings=True,
+                      use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).train()
+
+
+def test_slabs_wait_only_for_the_shares_holding_their_rows():
+    """The tied embedding stepped in row slabs from a state larger than a slot: the step does not
+    wait for the whole fetch; each slab waits for the shares that hold its rows (the scales sit
+    in the first share), so the first slab never waits for the last share.  Equal to the
+    on-device release."""
+    data = batches(3)
+    a, b = big_vocab_model(), big_vocab_model()
+    ref = GradientRelease(CHAINS["lion8bit"](), a, tied_slabs=256)
+    rel = OffloadedRelease(CHAINS["lion8bit"](), b, tied_slabs=256)
+    st, embed = rel.stager, "model.embed_tokens.weight"
+    assert st._big(embed) and len(st.slots) >= 3
+    lay = st.layouts[embed]
+    assert [nb for _, _, nb, _, _ in lay.entries] == sorted(nb for _, _, nb, _, _ in lay.entries)  # scales first
+    waits = []  # (group, indices of the slots of one wait)
+    real = st._wait
+    st._wait = lambda g, slots: waits.append((g, sorted(s.index for s in slots))) or real(g, slots)
+    for ids in data:
+        waits.clear()
+        slab_step(a, ids, ref)
+        slab_step(b, ids, rel)
+        mine = [w for g, w in waits if g == embed]
+        assert len(mine) == 1024 // 256 + 1  # one per slab, then the write-back's (all of them)
+        last = max(s.index for s in st.slots if st.layouts[embed].nbytes > s.index * st.slot_bytes)
+        assert last not in mine[0]  # slab 0: its rows and the scales, not the last share
+        assert last in mine[-2] and mine[-1] == sorted(s.index for s in st.slots)
+    assert_same(a, b, ref, rel)
+
+
+def test_covering_maps_views_to_their_slots():
+    big = {"codes": torch.zeros(40, 8, dtype=torch.uint8), "absmax": torch.ones(5)}
+    small = {"codes": torch.zeros(100, dtype=torch.uint8)}
+    states = {"e": big, "l": small, "k": small}
+    st = StateStager(states, states.items(), slots=3)
+    assert st._big("e") and st.slot_bytes == 128
+    dev = st.acquire("e")  # absmax at 0 (20 B, padded to 64), codes' 320 B from 64 on
+    idx = lambda ts: [s.index for s in st.covering("e", ts)]  # noqa: E731
+    assert idx([dev["absmax"]]) == [0]
+    assert idx([dev["codes"][:8]]) == [0]  # bytes 64-127
+    assert idx([dev["codes"][8:9]]) == [1] and idx([dev["codes"][23:24]]) == [1]  # bytes 128-135, 248-255
+    assert idx([dev["codes"][24:25]]) == [2]  # bytes 256-263
+    assert idx([dev["codes"][7:9]]) == [0, 1]
+    assert idx([dev["codes"]]) == [0, 1, 2] and idx([torch.ones(3), dev["absmax"]]) == [0]
+    st.release("e", dev)
+
+
 def test_big_embedding_last_in_backward_is_announced_and_exact():
     """The 4B recipe's shape in small: the tied embedding, the last group backward completes,
     is larger than a slot.  Its shares are fetched while the last layers step, so once the
     order is learned no group is fetched on demand; the weights and state equal the on-device
     release's."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    def model():
-        cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=8, vocab_size=1024, tie_word_embeddings=True,
-                          use_cache=False, attn_implementation="sdpa")
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(cfg).train()
-
     data = batches(4)
-    a, b = model(), model()
+    a, b = big_vocab_model(), big_vocab_model()
     ref = GradientRelease(CHAINS["adamw8bit"](), a)
     rel = OffloadedRelease(CHAINS["adamw8bit"](), b)
     embed = "model.embed_tokens.weight"
     assert rel.stager._big(embed) and len(rel.stager.slots) >= 3
     seen = []  # at each acquire: the group, and how many slots hold a share of the embedding
     acquire = rel.stager.acquire
-    rel.stager.acquire = lambda g: seen.append((g, len(rel.stager._slots_of(embed)))) or acquire(g)
+    rel.stager.acquire = lambda g, **kw: seen.append((g, len(rel.stager._slots_of(embed)))) or acquire(g, **kw)
     unannounced = []
     for ids in data:
         loss_of(a, ids).backward()
@@ -480,6 +527,32 @@ def test_cuda_a_slow_stream_does_not_race(slow, math_attention):
                 big = torch.tanh(big @ big / 64)
         loss_of(b, ids).backward()
     rel.state_dict()  # synchronizes with the copies
+    torch.cuda.synchronize()
+    assert_same(a, b, ref, rel)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("slow", ["compute", "h2d", "d2h"])
+def test_cuda_slabs_waiting_share_by_share_do_not_race(slow, math_attention):
+    """The tied embedding, larger than a slot, stepped in row slabs that each wait only for the
+    shares holding their rows (``StateStager.wait_for``), with one stream delayed in turn: equal
+    to the on-device release bit for bit."""
+    data = [ids.cuda() for ids in distinct_batches(4)]
+    a, b = big_vocab_model().cuda(), big_vocab_model().cuda()
+    ref = GradientRelease(CHAINS["lion8bit"](), a, tied_slabs=256)
+    rel = OffloadedRelease(CHAINS["lion8bit"](), b, tied_slabs=256)
+    assert rel.stager._big("model.embed_tokens.weight")
+    stream = {"compute": torch.cuda.current_stream(), "h2d": rel.stager.h2d, "d2h": rel.stager.d2h}[slow]
+    big = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    for ids in data:
+        slab_step(a, ids, ref)
+        with torch.cuda.stream(stream):
+            for _ in range(20):
+                big = torch.tanh(big @ big / 64)
+        slab_step(b, ids, rel)
+    rel.state_dict()
     torch.cuda.synchronize()
     assert_same(a, b, ref, rel)
 

@@ -25,7 +25,9 @@ The order, for a group ``g`` whose gradients complete inside backward:
    than a slot takes every slot: a free one is filled at once, one whose group is stepping or
    still waiting to step as soon as that group is written back.
 2. acquire: the compute stream waits for the copy's event; the group's state tree is rebuilt
-   from views of the slot, and the ordinary step (fused or plain) runs on it, in place.
+   from views of the slot, and the ordinary step (fused or plain) runs on it, in place.  The
+   weight stepped in row slabs (tied slabs) waits per slab instead, for the shares holding that
+   slab's rows (``wait_for``: every share copy has its own event).
 3. write-back: an event on the compute stream after the step; the ``d2h`` side stream waits
    for it and copies the slot back to the group's host buffer; that copy's event frees the
    slot and guards the next fetch of ``g``.
@@ -74,10 +76,13 @@ class StateLayout:
         self.structure = T.Structure(self.spec)  # rebuilt twice per group and step: compiled walks
         self.entries = []  # (leaf index, offset, nbytes, dtype, shape)
         at = 0
-        for i, x in enumerate(leaves):
-            if not _travels(x):
-                continue
-            nb = x.numel() * x.element_size()
+        # smaller leaves first: a group streamed in several shares (one per staging slot) then has
+        # its scales (absmax) in the first share and its codes' rows in order after them, so a
+        # step that reads the state a row range at a time (tied slabs) waits only for the shares
+        # holding its rows (``StateStager.wait_for``)
+        sized = sorted((x.numel() * x.element_size(), i) for i, x in enumerate(leaves) if _travels(x))
+        for nb, i in sized:
+            x = leaves[i]
             self.entries.append((i, at, nb, x.dtype, tuple(x.shape)))
             at += -(-nb // ALIGN) * ALIGN
         self.nbytes = at
@@ -151,7 +156,8 @@ class _Slot:
         self.index, self.buf = index, buf
         self.group: str | None = None  # the group fetched (or being fetched) into it
         self.active = False  # its group's step is running (between acquire and release)
-        self.ready = None  # event: the host → device copy into it is done
+        self.ready = None  # event: the host → device copy into it is done (None: nothing to wait for)
+        self.seq = 0  # when that copy was queued on the in-order fetch stream (later = after it)
         self.free = None  # event: the device → host copy of its last occupant is done
         self.reserved: str | None = None  # a big group that takes this slot once its step is written back
         self.age = 0
@@ -216,6 +222,8 @@ class StateStager:
         self.h2d_bytes = self.d2h_bytes = 0
         self.fetches = self.unannounced = 0
         self._clock = 0
+        self._seq = 0  # fetch copies queued so far (``_Slot.seq``)
+        self._waited: dict[str, int] = {}  # group -> the last share its step's compute stream waited for
         self._views: dict[tuple[str, int], dict] = {}  # (group, first slot) -> views of the staged leaves
 
     # -- host side ----------------------------------------------------------------------------
@@ -332,7 +340,6 @@ class StateStager:
             self._copy_in(group, slot)
         self.h2d_bytes += lay.nbytes
         self.fetches += 1
-        self._mark_ready(group)
 
     def _copy_in(self, group: str, slot: _Slot) -> None:
         """Host → device copy of ``group``'s bytes that belong in ``slot`` (the whole state for a
@@ -344,9 +351,12 @@ class StateStager:
             dst_at = lo
         else:
             lo, hi, dst_at = 0, lay.nbytes, slot.index * self.slot_bytes
+        slot.ready, slot.seq = None, 0
         if hi <= lo:
             return
         src, dst = self.host[group][lo:hi], self.stage[dst_at:dst_at + hi - lo]
+        self._seq += 1
+        slot.seq = self._seq
         if self.cuda:
             with torch.cuda.stream(self.h2d):
                 if slot.free is not None:
@@ -354,22 +364,47 @@ class StateStager:
                 if group in self.written:
                     self.h2d.wait_event(self.written[group])
                 dst.copy_(src, non_blocking=True)
+                slot.ready = torch.cuda.Event()
+                slot.ready.record(self.h2d)
         else:
             dst.copy_(src)
 
-    def _mark_ready(self, group: str) -> None:
-        """Once every part of ``group``'s fetch is queued: the event its step waits for."""
-        if any(s.reserved == group for s in self.slots):
+    def _wait(self, group: str, slots) -> None:
+        """The compute stream waits for ``group``'s shares in ``slots``: for the one queued last
+        (the fetch stream runs in order, so the earlier ones are done by then), unless an earlier
+        wait of this step already covered it."""
+        last = max(slots, key=lambda s: s.seq, default=None)
+        if last is None or last.seq <= self._waited.get(group, 0):
             return
-        ready = None
-        if self.cuda:
-            ready = torch.cuda.Event()
-            ready.record(self.h2d)  # the copy stream runs in order: after every part
-        for s in self._slots_of(group):
-            s.ready = ready
+        self._waited[group] = last.seq
+        if self.cuda and last.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(last.ready)
 
-    def acquire(self, group: str):
-        """``group``'s state on the device (views of its staging slots), ordered after its fetch."""
+    def covering(self, group: str, tensors) -> list[_Slot]:
+        """The staging slots holding the bytes of ``tensors`` (views of ``group``'s staged state;
+        other tensors are ignored)."""
+        base, size = self.stage.data_ptr(), self.slot_bytes
+        out = set()
+        for t in tensors:
+            if not _travels(t) or t.numel() == 0:
+                continue
+            lo = t.data_ptr() - base
+            span = (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+            if lo < 0 or lo + span > self.stage.numel() * self.stage.element_size():
+                continue  # not in the staging buffer (a 0-d scalar, a host tensor)
+            out.update(range(lo // size, (lo + span - 1) // size + 1))
+        return [s for s in self.slots if s.index in out and s.group == group]
+
+    def wait_for(self, group: str, tensors) -> None:
+        """Order the compute stream after the fetch of the shares that hold ``tensors`` (after
+        ``acquire(group, wait=False)``): a step that reads its state a part at a time starts on
+        the first part while the last share is still on its way."""
+        self._wait(group, self.covering(group, tensors))
+
+    def acquire(self, group: str, *, wait: bool = True):
+        """``group``'s state on the device (views of its staging slots), ordered after its fetch
+        (``wait``; else the caller orders each use by ``wait_for``, and ``release`` waits for the
+        rest before the write-back)."""
         lay = self.layouts[group]
         if lay.nbytes == 0:
             return self.homes[group]
@@ -385,8 +420,9 @@ class StateStager:
                 raise RuntimeError(f"offload_optimizer: no free staging slot for group {group!r}")
         for slot in held:
             slot.active = True
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(held[0].ready)
+        self._waited[group] = 0
+        if wait:
+            self._wait(group, held)
         return lay.tree(self.home_leaves[group], self._device_views(group, held[0].index))
 
     def _device_views(self, group: str, first: int) -> dict:
@@ -406,6 +442,7 @@ class StateStager:
             self.homes[group] = new_state
             return new_state
         held = self._slots_of(group)
+        self._wait(group, held)  # a step that waited part by part: the write-back reads every share
         views = self._device_views(group, held[0].index)
         try:
             leaves = lay.structure.read(new_state)
@@ -440,7 +477,6 @@ class StateStager:
             if slot.reserved is not None:  # a big group waited for this slot: its share comes now
                 slot.group, slot.reserved = slot.reserved, None
                 self._copy_in(slot.group, slot)
-                self._mark_ready(slot.group)
         self.d2h_bytes += lay.nbytes
         self.homes[group] = home
         return home
@@ -498,7 +534,11 @@ class OffloadedRelease(GradientRelease):
     @torch.no_grad()
     def _step_group(self, group: str) -> None:
         t = time.perf_counter()
-        self.states[group] = self.stager.acquire(group)
+        # the weight stepped in row slabs (tied_slabs) reads its state a slab at a time: each slab
+        # waits for the shares holding its rows (state_ready), so the first slabs step while the
+        # last share of a state larger than a slot is still being copied
+        slabbed = self._slab_name is not None and self.groups[group] == [self._slab_name]
+        self.states[group] = self.stager.acquire(group, wait=not slabbed)
         for g in self._expected_after(group):
             self.stager.prefetch(g)
         t1 = time.perf_counter()
@@ -511,6 +551,11 @@ class OffloadedRelease(GradientRelease):
         for g in self._expected_after(group):  # room again (a group larger than a slot held them all)
             self.stager.prefetch(g)
         self._stager_s += (t1 - t) + (time.perf_counter() - t2)
+
+    def state_ready(self, group: str, part) -> None:
+        """Before a slab's step reads ``part`` (views of the group's staged state): the compute
+        stream waits for the fetch of the shares that hold it."""
+        self.stager.wait_for(group, T.leaves(part))
 
     def finish(self) -> None:
         active = self._arrivals.active

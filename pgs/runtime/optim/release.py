@@ -512,6 +512,11 @@ class GradientRelease:
         if self.track_grad_norm:  # Σ‖g‖² is reduced once, when read (_last_sumsq)
             self._norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
 
+    def state_ready(self, group: str, part) -> None:
+        """Called before a step reads ``part`` of ``group``'s chain state (a slab's views): the
+        state is where it is read, so nothing to do here (the offloaded release orders the read
+        after the copy that brings that part to the device)."""
+
     def fused_slab_update(self, state, params: dict, grads: dict, slab: int):
         """The fused update-and-apply of slab ``slab`` of a slabbed weight (its own stochastic
         rounding stream), or None where the chain has no fused step (then nothing ran)."""

@@ -232,6 +232,7 @@ class TiedSlabs:
             g = g.to(p_slab.dtype) if g.dtype != p_slab.dtype else g
             release.record_norm(g)
             views = self._slab_state(full, live.shape, r0, r1, D)
+            release.state_ready(group, views)  # (offloaded: this slab's share of the state is there)
             new = None
             if fused is not False:
                 new = release.fused_slab_update(views, {name: p_slab}, {name: g}, s)
