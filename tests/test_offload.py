@@ -178,6 +178,9 @@ def test_slabs_wait_only_for_the_shares_holding_their_rows():
     waits = []  # (group, indices of the slots of one wait)
     real = st._wait
     st._wait = lambda g, slots: waits.append((g, sorted(s.index for s in slots))) or real(g, slots)
+    queued = []  # at the embedding's step: the order its shares were queued in, by slot index
+    acquire = st.acquire
+    st.acquire = lambda g, **kw: (g == embed and queued.append([s.seq for s in st.slots])) or acquire(g, **kw)
     for ids in data:
         waits.clear()
         slab_step(a, ids, ref)
@@ -187,6 +190,9 @@ def test_slabs_wait_only_for_the_shares_holding_their_rows():
         last = max(s.index for s in st.slots if st.layouts[embed].nbytes > s.index * st.slot_bytes)
         assert last not in mine[0]  # slab 0: its rows and the scales, not the last share
         assert last in mine[-2] and mine[-1] == sorted(s.index for s in st.slots)
+    # once the order is learned the slots go round so that the embedding's shares are queued in
+    # the order of its bytes: share 0 (the scales, slab 0's rows) first, the last share last
+    assert all(seqs == sorted(seqs) for seqs in queued[1:]), queued
     assert_same(a, b, ref, rel)
 
 

@@ -295,6 +295,14 @@ class StateStager:
             if s.reserved == group:
                 s.reserved = None
 
+    def rotate(self, first: int) -> None:
+        """The empty slots are taken from slot ``first`` on, in index order, by the next
+        regular fetches (their ages set older than any other, ``first`` the oldest)."""
+        n = len(self.slots)
+        for s in self.slots:
+            if s.group is None and s.reserved is None and not s.active:
+                s.age = -n + (s.index - first) % n
+
     def prefetch(self, group: str, *, evict: bool = False) -> None:
         """Start copying ``group``'s state to the device, if it is not staged already and there
         is room (a staged group waiting for its step is not evicted unless ``evict``).
@@ -548,9 +556,26 @@ class OffloadedRelease(GradientRelease):
             t2 = time.perf_counter()
             self.states[group] = self.stager.release(group, self.states[group])
         self._seen.append(group)
+        if self.stager._big(group):  # every slot free at once: where the next run of groups starts
+            self._rotate(self._position.get(group, len(self._order)) + 1)
         for g in self._expected_after(group):  # room again (a group larger than a slot held them all)
             self.stager.prefetch(g)
         self._stager_s += (t1 - t) + (time.perf_counter() - t2)
+
+    def _rotate(self, start: int) -> None:
+        """Choose the slot where the groups from ``order[start]`` on begin to be fetched, so that
+        the last of them before the next group larger than a slot sits in the last slot.  Each
+        group is fetched into the slot its predecessor ``n`` places before freed, so the slots go
+        round in order; the big group's shares then free in the order of its own bytes (share 0,
+        the scales and first rows, first), and its row slabs start on the early shares while the
+        last one is still on its way (``state_ready``)."""
+        n = len(self.stager.slots)
+        regular = 0
+        for g in self._order[start:]:
+            if self.stager._big(g):
+                self.stager.rotate((-regular) % n)
+                return
+            regular += self.stager.layouts[g].nbytes > 0
 
     def state_ready(self, group: str, part) -> None:
         """Before a slab's step reads ``part`` (views of the group's staged state): the compute
@@ -564,6 +589,7 @@ class OffloadedRelease(GradientRelease):
             t = time.perf_counter()
             if sorted(self._seen) == sorted(self.groups):
                 self._set_order(list(self._seen))
+            self._rotate(0)
             for i, g in enumerate(self._expected_after(None)):  # the next step's first groups, during its forward
                 self.stager.prefetch(g, evict=i == 0)  # (a staged group that this step never used makes room)
             self._stager_s += time.perf_counter() - t
