@@ -10,11 +10,34 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: seconds a launcher has, after SIGTERM at its timeout, to stop its workers before SIGKILL
+STOP_GRACE_S = 60
+
+
+def run_bounded(cmd: list[str], timeout: float | None, *, env: dict | None = None) -> tuple[subprocess.CompletedProcess, bool]:
+    """``cmd`` (a torchrun or ``pgs run --nproc`` launcher) with its output captured, and whether
+    it ran past ``timeout``.  torchrun starts each worker in a session of its own, so killing
+    the launcher would leave them running (holding their GPUs): at the timeout the launcher
+    gets SIGTERM, which it forwards (the workers stop; a ``pgs run`` worker checkpoints first),
+    and SIGKILL only after :data:`STOP_GRACE_S` more."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), True
 
 
 def torchrun_json(script: str, nproc: int, args: list[str], *, timeout: float | None = None,
@@ -26,10 +49,9 @@ def torchrun_json(script: str, nproc: int, args: list[str], *, timeout: float | 
         path = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                script] + list(args) + ["--worker-out", path]
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"world_size": nproc, "error": f"killed after {timeout} s"}
+        proc, timed_out = run_bounded(cmd, timeout, env=env)
+        if timed_out:
+            return {"world_size": nproc, "error": f"stopped after {timeout} s\n" + (proc.stderr or "")[-2000:]}
         if proc.returncode != 0 or not os.path.exists(path):
             return {"world_size": nproc, "error": f"exit {proc.returncode}\n" + (proc.stderr or proc.stdout)[-3000:]}
         with open(path, encoding="utf-8") as handle:
