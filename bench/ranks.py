@@ -51,7 +51,7 @@ def torchrun_json(script: str, nproc: int, args: list[str], *, timeout: float | 
                script] + list(args) + ["--worker-out", path]
         proc, timed_out = run_bounded(cmd, timeout, env=env)
         if timed_out:
-            return {"world_size": nproc, "error": f"stopped after {timeout} s\n" + (proc.stderr or "")[-2000:]}
+            return {"world_size": nproc, "error": (proc.stderr or "")[-2000:] + f"\nstopped after {timeout} s"}
         if proc.returncode != 0 or not os.path.exists(path):
             return {"world_size": nproc, "error": f"exit {proc.returncode}\n" + (proc.stderr or proc.stdout)[-3000:]}
         with open(path, encoding="utf-8") as handle:
