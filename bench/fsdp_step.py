@@ -20,12 +20,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.ranks import add_scaling, peaks_per_rank, torchrun_json  # noqa: E402
 
 QWEN3_1_7B = dict(model_type="qwen3", vocab_size=151_936, hidden_size=2048, intermediate_size=6144,
                   num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -81,9 +82,7 @@ def worker(args) -> None:
         times.append(time.perf_counter() - t)
     med = statistics.median(times)
     tokens = args.batch * args.seq * ctx.world_size
-    peak = torch.cuda.max_memory_allocated() / 2**30 if ctx.device.type == "cuda" else None
-    peaks = [None] * ctx.world_size
-    torch.distributed.all_gather_object(peaks, peak)
+    peaks = peaks_per_rank(ctx.device)["max_allocated_gib_per_rank"]
     if ctx.rank == 0:
         result = {"world_size": ctx.world_size, "median_step_s": med, "tokens_per_step": tokens,
                   "tokens_per_s": tokens / med, "tokens_per_s_per_gpu": tokens / med / ctx.world_size,
@@ -98,24 +97,12 @@ def worker(args) -> None:
 def launch(args) -> None:
     runs = []
     for n in args.nprocs:
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-            path = tmp.name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__,
-               "--worker-out", path, "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--chunk", str(args.chunk)]
-        cmd += ["--small"] if args.small else []
-        cmd += ["--checkpointing"] if args.checkpointing else []
-        code = subprocess.call(cmd)
-        if code != 0:
-            runs.append({"world_size": n, "error": f"exit {code}"})
-            continue
-        with open(path) as handle:
-            runs.append(json.load(handle))
-        os.unlink(path)
-    base = next((r for r in runs if r.get("world_size") == 1 and "tokens_per_s" in r), None)
-    for r in runs:
-        if base and "tokens_per_s" in r:
-            r["scaling_efficiency"] = r["tokens_per_s"] / (base["tokens_per_s"] * r["world_size"])
+        flags = ["--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
+                 "--warmup", str(args.warmup), "--chunk", str(args.chunk)]
+        flags += ["--small"] if args.small else []
+        flags += ["--checkpointing"] if args.checkpointing else []
+        runs.append(torchrun_json(os.path.abspath(__file__), n, flags))
+    add_scaling(runs, "tokens_per_s_per_gpu")
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "shape": "small" if args.small else "qwen3-1.7b"}
     out = {"env": env, "runs": runs}

@@ -24,7 +24,23 @@ included; "median" and "max/median" are over the steps' periods.  Results go to 
         --harness pgs_release_noac_varlen --steps 40
     python -m bench product --spec specs/qwen3_4b_12gib.toml --peer hf_compiled_ac --steps 40
 
-On the CPU, ``--small`` runs the same path at a tiny shape (a smoke run of this script).
+Several GPUs (``--nproc 1,2``; issue 28): for each N, ``pgs run SPEC --nproc N`` (the CLI's
+torchrun launch, FSDP2, the spec's ``[memory]`` less :data:`MULTI_PROCESS` where N > 1, one
+checkpoint save, at the end) with the same ``--set``s, and with ``--peer titan_fsdp`` the torchtitan-style FSDP2 + fused AdamW
+peer (``bench/titan_fsdp.py``) on the same model config and rows per rank.  Weak scaling: the
+spec's global ``train.batch_size`` is multiplied by N, so every rank trains on the micro-batch
+one process does.  The loop's step records are rank 0's, with ``tokens`` summed over the ranks,
+so "mean" tok/s is global and per GPU is it over N; ``scaling`` is a setup's per-GPU tok/s over
+its own N = 1 row of the same call, ``vs titan`` pgs's per-GPU tok/s over the peer's at the same
+N; every rank's peak memory comes from the run's ``done`` record (the peer gathers its own)::
+
+    python -m bench product --spec specs/qwen3_4b_12gib.toml --nproc 1,2 --peer titan_fsdp --steps 20 --skip 4
+
+The N = 1 row is the spec as shipped (one process, no FSDP2): the one-GPU product the scaling
+is held against.  Not run on GPUs yet (written before a multi-GPU machine was lent).
+
+On the CPU, ``--small`` runs the same path at a tiny shape (a smoke run of this script; gloo
+with ``--nproc``).
 """
 
 from __future__ import annotations
@@ -41,11 +57,77 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.ranks import STOP_GRACE_S, add_scaling, run_bounded, torchrun_json  # noqa: E402 - the multi-process launch and figures
+
 SMALL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
          "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.head_dim=16",
          "model.config.vocab_size=512", "data.max_seq_len=512", "model.dtype=float32", "memory.compile_layers=false",
          "memory.stochastic_rounding=false", "memory.tied_slabs=0", "memory.offload_checkpoints=false",
+         "memory.device_limit_gib=0",
          "schedule.warmup=2", "train.device=auto"]
+
+
+#: ``[memory]`` overrides for ``--nproc N`` with N > 1: the one-GPU 4B recipe's options that a
+#: sharded run refuses or that size the one-GPU run only (docs/distributed.md, "The multi-GPU
+#: bench").  A ``--set`` of the same key wins.
+MULTI_PROCESS = [
+    # the row-slab step of the tied weight runs on one process (make_optimizer refuses it)
+    "memory.tied_slabs=0",
+    # refused: with several processes each one already holds only its shard of the state
+    "memory.offload_optimizer=false",
+    # the 12.5 GiB cap is the one-GPU budget (bf16 weights, no masters); FSDP2 keeps fp32 sharded
+    # masters (4 B/param / N) and the root unit gathered, more than that at N = 2 by estimate
+    "memory.device_limit_gib=0",
+]
+
+
+def spec_batch(spec: str, args) -> tuple[int, int]:
+    """The spec's ``train.batch_size`` and ``train.grad_accum`` with this call's overrides."""
+    from pgs.runtime.spec.load import load_spec
+
+    loaded = load_spec(spec, (SMALL if args.small else []) + args.set)
+    return loaded.train.batch_size, loaded.train.grad_accum
+
+
+def world_sets(spec: str, args, nproc: int) -> list[str]:
+    """The overrides of a run on ``nproc`` processes: one checkpoint save, at the end (the
+    mid-run save left out, so that every N and the peer fit one call's budget), and
+    :data:`MULTI_PROCESS` where N > 1, both before the call's own ``--set``s, which win; then
+    the global batch ``nproc`` times the spec's, so that each rank trains on the micro-batch one
+    process does (weak scaling)."""
+    batch, _ = spec_batch(spec, args)
+    return (["checkpoint.every=0"] + (MULTI_PROCESS if nproc > 1 else []) + args.set
+            + [f"train.batch_size={batch * nproc}"])
+
+
+def per_world(summary: dict, records: list[dict], nproc: int) -> dict:
+    """The figures of a run on ``nproc`` processes: the step records' ``tokens`` are the whole
+    step's (summed over the ranks by the loop), so the summary's tok/s is global, and per GPU is
+    it over N.  Every rank's peak memory comes from the run's ``done`` record (CUDA only)."""
+    out: dict = {"world_size": nproc}
+    if summary.get("mean_tok_s"):
+        out.update(global_tok_s=summary["mean_tok_s"], per_gpu_tok_s=summary["mean_tok_s"] / nproc)
+    done = next((r for r in reversed(records) if r.get("event") == "done"), {})
+    if "mem_gib_per_rank" in done:
+        out["max_allocated_gib_per_rank"] = done["mem_gib_per_rank"]
+        out["max_reserved_gib_per_rank"] = done["reserved_gib_per_rank"]
+    elif "mem_gib" in done:  # one process: its own peaks
+        out["max_allocated_gib_per_rank"], out["max_reserved_gib_per_rank"] = [done["mem_gib"]], [done["reserved_gib"]]
+    return out
+
+
+def run_titan(spec: str, args, nproc: int) -> dict:
+    """The torchtitan-style FSDP2 + AdamW peer (``bench/titan_fsdp.py``) on ``nproc`` processes,
+    the same model config and rows per rank as ``pgs run --nproc N``."""
+    batch, accum = spec_batch(spec, args)
+    sets = (SMALL if args.small else []) + args.set + [f"train.batch_size={batch * nproc}"]
+    flags = ["--spec", spec, "--rows", str(batch // accum), "--steps", str(args.steps), "--skip", str(args.skip)]
+    flags += [x for s in sets for x in ("--set", s)]
+    out = torchrun_json(os.path.join(ROOT, "bench", "titan_fsdp.py"), nproc, flags,
+                        timeout=getattr(args, "timeout", None))
+    out["setup"] = f"titan_fsdp --nproc {nproc}"
+    return out
 
 
 class GpuMemory:
@@ -143,16 +225,20 @@ def read_metrics(run_dir: str) -> list[dict]:
     return records
 
 
-def run_pgs(spec: str, args, workdir: str) -> dict:
+def run_pgs(spec: str, args, workdir: str, nproc: int | None = None) -> dict:
     """``pgs run`` in a child process; the figures from its metrics.jsonl.  ``args.timeout``
     (optional, seconds): the child is killed after it, and the steps it logged are summarized
-    (``timed_out`` says so)."""
-    run_dir = os.path.join(workdir, "run")
+    (``timed_out`` says so).  ``nproc``: ``pgs run --nproc N`` with :func:`world_sets` (None:
+    one process, as before ``--nproc`` existed)."""
+    run_dir = os.path.join(workdir, "run" if nproc is None else f"run-{nproc}")
     shutil.rmtree(run_dir, ignore_errors=True)  # the bench's own scratch folder: a fresh run each time
     every = max(1, args.steps // 2)
     sets = [f"train.steps={args.steps}", f"checkpoint.dir={run_dir}", f"checkpoint.every={every}",
-            "checkpoint.keep=1", "train.log_every=5"] + (SMALL if args.small else []) + args.set
+            "checkpoint.keep=1", "train.log_every=5"] + (SMALL if args.small else [])
+    sets += args.set if nproc is None else world_sets(spec, args, nproc)
     cmd = [sys.executable, "-m", "pgs", "run", spec] + [x for s in sets for x in ("--set", s)]
+    if nproc is not None:
+        cmd += ["--nproc", str(nproc)]
     if args.profile:
         cmd += ["--profile", args.profile]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -160,15 +246,24 @@ def run_pgs(spec: str, args, workdir: str) -> dict:
     timeout = getattr(args, "timeout", None)
     timed_out = False
     with GpuMemory() if args.nvidia_smi else _Null() as smi:
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as err:  # killed: what it logged so far still counts
-            text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (err.stdout, err.stderr)]
-            proc = subprocess.CompletedProcess(cmd, None, *text)
-            timed_out = True
-    out = {"setup": "pgs run", "spec": spec, "command": " ".join(cmd[1:]), "returncode": proc.returncode}
+        if nproc is not None:  # torchrun's workers stop with it (bench/ranks.py), within a short grace
+            proc, timed_out = run_bounded(cmd, timeout, env=dict(env, PGS_SHUTDOWN_GRACE_S=str(STOP_GRACE_S // 2)))
+            if timed_out:
+                proc.returncode = None
+        else:
+            try:
+                proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired as err:  # killed: what it logged so far still counts
+                text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                        for x in (err.stdout, err.stderr)]
+                proc = subprocess.CompletedProcess(cmd, None, *text)
+                timed_out = True
+    out = {"setup": "pgs run" if nproc is None else f"pgs run --nproc {nproc}", "spec": spec,
+           "command": " ".join(cmd[1:]), "returncode": proc.returncode}
+    if nproc is not None:
+        out["world_size"] = nproc
     if timed_out:
-        out["timed_out"] = f"killed after {timeout} s"
+        out["timed_out"] = f"{'stopped' if nproc is not None else 'killed'} after {timeout} s"
     if proc.returncode != 0 and not (timed_out and os.path.exists(os.path.join(run_dir, "metrics.jsonl"))):
         out["error"] = (out.get("timed_out", "") + "\n" + (proc.stderr or proc.stdout)[-3000:]).strip()
         return out
@@ -176,6 +271,8 @@ def run_pgs(spec: str, args, workdir: str) -> dict:
     steps = [r for r in records if "loss" in r and "tokens" in r]
     out["launch_to_step1_s"] = steps[0]["time"] - started if steps else None
     out.update(summarize(records, args.skip))
+    if nproc is not None:
+        out.update(per_world(out, records, nproc))
     out["first_steps_s"] = [round(r["step_seconds"], 3) for r in steps[:args.skip]]
     out["step_s"] = [round(r["step_seconds"], 3) for r in steps[args.skip:]]
     out["last_loss"] = steps[-1]["loss"] if steps else None
@@ -279,8 +376,50 @@ COLUMNS = [("mean tok/s", "mean_tok_s", ",.0f"), ("wall tok/s", "wall_tok_s", ",
            ("nvidia-smi GiB", "nvidia_smi_max_gib", ".2f"), ("launch→step 1 s", "launch_to_step1_s", ".1f")]
 
 
-def table(results: list[dict]) -> str:
-    return markdown_table(results, COLUMNS)
+
+def _per_rank(key: str):
+    def cell(r: dict):
+        values = r.get(key)
+        return None if not values or None in values else " / ".join(f"{v:.2f}" for v in values)
+    return cell
+
+
+#: The columns of a ``--nproc`` call: global and per-GPU tok/s, the efficiency against the same
+#: setup's one-process row, pgs against the titan peer at the same N, every rank's peaks.
+WORLD_COLUMNS = [("GPUs", "world_size", "d"), ("global tok/s", "global_tok_s", ",.0f"),
+                 ("tok/s per GPU", "per_gpu_tok_s", ",.0f"), ("scaling", "scaling_efficiency", ".3f"),
+                 ("vs titan", "vs_titan", ".2f"), ("median step s", "median_step_s", ".3f"),
+                 ("max/median", "max_over_median", ".2f"),
+                 ("max alloc GiB per rank", _per_rank("max_allocated_gib_per_rank"), ""),
+                 ("max reserved GiB per rank", _per_rank("max_reserved_gib_per_rank"), ""),
+                 ("launch→step 1 s", "launch_to_step1_s", ".1f")]
+
+
+def table(results: list[dict], columns: list[tuple] = COLUMNS) -> str:
+    return markdown_table(results, columns)
+
+
+def run_worlds(args, workdir: str) -> list[dict]:
+    """``--nproc``: ``pgs run --nproc N`` and (``--peer titan_fsdp``) the titan peer for each N,
+    in ``--order``; each setup's scaling against its own N = 1 row, pgs against the peer."""
+    pgs_rows, titan_rows = [], []
+    for which in args.order.split(","):
+        for n in args.nproc:
+            if which == "pgs":
+                pgs_rows.append(run_pgs(args.spec, args, workdir, n))
+            elif which == "peer" and args.peer == "titan_fsdp":
+                titan_rows.append(run_titan(args.spec, args, n))
+            else:
+                continue
+            print(json.dumps({k: v for k, v in (pgs_rows + titan_rows)[-1].items()
+                              if k not in ("step_s", "stderr_tail")}), flush=True)
+    for rows in (pgs_rows, titan_rows):
+        add_scaling(rows, "per_gpu_tok_s")
+    for row in pgs_rows:
+        peer = next((t for t in titan_rows if t.get("world_size") == row.get("world_size")), None)
+        if peer is not None and row.get("per_gpu_tok_s") and peer.get("per_gpu_tok_s"):
+            row["vs_titan"] = row["per_gpu_tok_s"] / peer["per_gpu_tok_s"]
+    return pgs_rows + titan_rows
 
 
 def main(argv=None) -> int:
@@ -297,24 +436,34 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="a tiny shape on the CPU (a smoke run of this script)")
     p.add_argument("--workdir", default="", help="where the run folder goes (default: a temporary folder)")
     p.add_argument("--out", default="", help="JSON results")
+    p.add_argument("--nproc", default="", metavar="LIST",
+                   help="pgs run --nproc N for each N (e.g. 1,2): global and per-GPU tok/s, scaling against N = 1")
+    p.add_argument("--timeout", type=float, default=None, help="seconds each run may take (killed after)")
     args = p.parse_args(argv)
+    args.nproc = [int(n) for n in args.nproc.split(",") if n.strip()]
+    if args.peer == "titan_fsdp" and not args.nproc:
+        p.error("--peer titan_fsdp runs beside --nproc (e.g. --nproc 1,2)")
+    if args.nproc and args.peer not in ("", "titan_fsdp"):
+        p.error(f"--peer {args.peer}: with --nproc the peer is titan_fsdp (or none)")
     args.nvidia_smi = not args.small
     workdir = args.workdir or tempfile.mkdtemp(prefix="pgs-product-")
-    results = []
-    for which in args.order.split(","):
+    results = run_worlds(args, workdir) if args.nproc else []
+    for which in args.order.split(",") if not args.nproc else ["harness"]:
+        before = len(results)
         if which == "pgs":
             results.append(run_pgs(args.spec, args, workdir))
         elif which == "peer" and args.peer:
             results.append(run_peer(args.spec, args))
         elif which == "harness" and args.harness:
             results.append(run_harness(args))
-        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("step_s", "stderr_tail")}) if results else "",
-              flush=True)
-    print(table(results))
+        if len(results) > before:
+            print(json.dumps({k: v for k, v in results[-1].items() if k not in ("step_s", "stderr_tail")}), flush=True)
+    print(table(results, WORLD_COLUMNS if args.nproc else COLUMNS))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as handle:
-            json.dump({"spec": args.spec, "steps": args.steps, "skip": args.skip, "results": results}, handle, indent=1)
+            json.dump({"spec": args.spec, "steps": args.steps, "skip": args.skip, "nproc": args.nproc,
+                       "results": results}, handle, indent=1)
         for folder in (r["profile_dir"] for r in results if r.get("profile_dir")):
             copy_profile(folder, os.path.splitext(args.out)[0])
     return 0 if all(not r.get("error") for r in results) else 1

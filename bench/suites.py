@@ -65,7 +65,8 @@ SUITES = {s.name: s for s in (
           "peak memory and tok/s per row length (16k-128k) for Qwen3-0.6B/4B: pgs run's long-row recipe "
           "beside HF, each entry under a timeout, partial JSON after each"),
     Suite("product", "product.py", "product",
-          "`pgs run` on a shipped spec (--spec) beside its HF peer and the sft-step harness, same batches"),
+          "`pgs run` on a shipped spec (--spec) beside its HF peer and the sft-step harness, same batches; "
+          "--nproc 1,2 --peer titan_fsdp: pgs run --nproc N beside torchtitan-style FSDP2, scaling per GPU"),
     Suite("preference", "preference.py", "product",
           "`pgs run` with [preference] DPO (cached reference) on a shipped recipe beside its SFT run and "
           "TRL's DPOTrainer, same pairs"),

@@ -33,3 +33,73 @@ def test_summary_skips_warm_up_and_averages_the_host_times_over_the_timed_steps(
 
 def test_summary_of_too_few_steps_is_an_error_row():
     assert "error" in summarize(_records()[:3], skip=2)
+
+
+def test_per_world_figures_are_global_and_per_gpu_and_read_every_ranks_peaks():
+    from bench.product import per_world
+
+    records = _records() + [{"step": 6, "event": "done", "mem_gib": 8.1, "reserved_gib": 9.0,
+                             "mem_gib_per_rank": [8.1, 8.3], "reserved_gib_per_rank": [9.0, 9.5]}]
+    summary = summarize(records, skip=2)
+    out = per_world(summary, records, 2)
+    # the loop's step record sums the tokens over the ranks: the summary's tok/s is global
+    assert out["global_tok_s"] == summary["mean_tok_s"] and out["per_gpu_tok_s"] == summary["mean_tok_s"] / 2
+    assert out["max_allocated_gib_per_rank"] == [8.1, 8.3] and out["max_reserved_gib_per_rank"] == [9.0, 9.5]
+    one = per_world(summary, records[:-1] + [{"step": 6, "event": "done", "mem_gib": 8.1, "reserved_gib": 9.0}], 1)
+    assert one["per_gpu_tok_s"] == one["global_tok_s"] and one["max_allocated_gib_per_rank"] == [8.1]
+
+
+def test_scaling_is_each_setups_per_gpu_rate_against_its_own_one_process_row():
+    from bench.ranks import add_scaling
+
+    rows = [{"world_size": 1, "per_gpu_tok_s": 100.0}, {"world_size": 2, "per_gpu_tok_s": 90.0},
+            {"world_size": 4, "error": "exit 1"}]
+    add_scaling(rows, "per_gpu_tok_s")
+    assert [r.get("scaling_efficiency") for r in rows] == [1.0, 0.9, None]
+
+
+def test_world_sets_scale_the_global_batch_and_drop_the_one_gpu_options_for_several_processes():
+    import argparse
+
+    from bench.product import MULTI_PROCESS, SMALL, world_sets
+
+    args = argparse.Namespace(small=True, set=["memory.device_limit_gib=0"])
+    spec = os.path.join(os.path.dirname(__file__), "..", "specs", "qwen3_4b_12gib.toml")
+    assert world_sets(spec, args, 1) == ["checkpoint.every=0", "memory.device_limit_gib=0", "train.batch_size=1"]
+    assert world_sets(spec, args, 2) == (["checkpoint.every=0"] + MULTI_PROCESS
+                                         + ["memory.device_limit_gib=0", "train.batch_size=2"])
+    assert "memory.tied_slabs=0" in MULTI_PROCESS and "memory.tied_slabs=0" in SMALL
+
+
+@pytest.mark.slow
+def test_nproc_runs_pgs_and_the_titan_peer_on_one_and_two_gloo_ranks(tmp_path):
+    """``python -m bench product --small --nproc 1,2 --peer titan_fsdp`` on the CPU (gloo): one
+    row per setup and world size, tok/s from the runs, the efficiency from the same call."""
+    import json
+    import subprocess
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    out = tmp_path / "product.json"
+    env = {k: v for k, v in os.environ.items() if k != "PGS_FAULTS"}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PGS_PG_TIMEOUT_S="60",
+               PYTHONPATH=os.path.abspath(root))
+    cmd = [sys.executable, "-m", "bench", "product", "--spec", "specs/qwen3_4b_12gib.toml", "--small",
+           "--nproc", "1,2", "--peer", "titan_fsdp", "--steps", "4", "--skip", "1", "--timeout", "150",
+           "--workdir", str(tmp_path / "runs"), "--out", str(out)]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["nproc"] == [1, 2]
+    rows = {r["setup"]: r for r in result["results"]}
+    assert set(rows) == {"pgs run --nproc 1", "pgs run --nproc 2", "titan_fsdp --nproc 1", "titan_fsdp --nproc 2"}
+    for setup, row in rows.items():
+        n = row["world_size"]
+        assert not row.get("error") and n == int(setup[-1])
+        assert row["global_tok_s"] > 0 and row["per_gpu_tok_s"] == pytest.approx(row["global_tok_s"] / n)
+        one = rows[setup[:-1] + "1"]  # the same setup on one process, same call
+        assert row["scaling_efficiency"] == pytest.approx(row["per_gpu_tok_s"] / one["per_gpu_tok_s"])
+    # weak scaling: every rank its own micro-batch, so two ranks train on about twice the tokens a step
+    assert rows["pgs run --nproc 2"]["mean_tokens_per_step"] > 1.5 * rows["pgs run --nproc 1"]["mean_tokens_per_step"]
+    assert rows["pgs run --nproc 2"]["vs_titan"] == pytest.approx(
+        rows["pgs run --nproc 2"]["per_gpu_tok_s"] / rows["titan_fsdp --nproc 2"]["per_gpu_tok_s"])
+    assert "| pgs run --nproc 2 | 2 |" in done.stdout

@@ -222,6 +222,15 @@ def broadcast_object(obj):
     return box[0]
 
 
+def gather_object(obj) -> list:
+    """Every rank's ``obj`` (picklable), rank by rank, on every rank; ``[obj]`` on one process."""
+    if not is_distributed():
+        return [obj]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
+
+
 # ----------------------------------------------------------------------------------------
 # sharding
 

@@ -494,6 +494,20 @@ def _memory_gib(device: torch.device) -> dict:
             "reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
 
 
+def _final_memory(run: Run) -> dict:
+    """The ``done`` record's peak memory: this rank's, and with several processes every rank's
+    (``mem_gib_per_rank``, ``reserved_gib_per_rank``; a collective, which every rank reaches at
+    the same step).  Empty off CUDA."""
+    mine = _memory_gib(run.device)
+    if run.ctx is None:
+        return mine
+    every = D.gather_object(mine)
+    if not mine:
+        return mine
+    return {**mine, "mem_gib_per_rank": [m["mem_gib"] for m in every],
+            "reserved_gib_per_rank": [m["reserved_gib"] for m in every]}
+
+
 def evaluate(run: Run) -> dict:
     """The objective's eval record at the current step (with several processes, every rank), and
     each source's own eval loss where sources name eval files (one process)."""
@@ -719,7 +733,7 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                 if r.averaging is not None and r.averaging.has_ema:
                     with r.averaging.ema_weights(r.model):
                         _export(r, os.path.join(run_dir, EMA_EXPORT), {"step": r.step, "ema": r.averaging.decay})
-            r.log.write({"step": r.step, "event": "done", **_memory_gib(r.device)})
+            r.log.write({"step": r.step, "event": "done", **_final_memory(r)})
     finally:
         if profiler is not None:
             profiler.close()
