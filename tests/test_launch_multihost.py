@@ -132,3 +132,17 @@ def test_init_sets_the_recorder_under_a_plain_torchrun(tmp_path, monkeypatch):
         assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and (tmp_path / "run" / "nccl_trace").is_dir()
     finally:
         fsdp.shutdown()
+
+
+@pytest.mark.parametrize("sets, field", [(["memory.offload_optimizer=true"], "memory.offload_optimizer"),
+                                         (["memory.tied_slabs=8"], "memory.tied_slabs")])
+def test_single_process_memory_options_are_refused_before_launch(tmp_path, started, capsys, sets, field):
+    """``pgs run --nproc 2`` with a [memory] option that runs on one process: one line naming it,
+    exit 2, and no process started (each rank would otherwise build the model first)."""
+    argv = ["run", str(tiny_spec(tmp_path)), "--nproc", "2", "--set", "memory.gradient_release=true",
+            "--set", "train.grad_accum=1", "--set", "optimizer.clip=0"]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0] and "one process" in err[0] and not started

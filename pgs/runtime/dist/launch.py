@@ -224,6 +224,12 @@ def launch_run(spec, spec_path: str, *, nproc: int, overrides: Sequence[str] = (
         raise SpecError("averaging: weight averaging runs on one process for now; drop --nproc or [averaging]")
     preflight_spec(spec, processes=nproc * (rendezvous.fixed_nodes or 1))
     check_world_size(spec.train, nproc * (rendezvous.fixed_nodes or 1), spec.parallel.context)
+    if nproc * (rendezvous.fixed_nodes or 1) > 1:  # before any process starts, not after each built the model
+        from pgs.runtime.optim.make import single_process_refusal
+
+        why = single_process_refusal(spec.memory)
+        if why:
+            raise SpecError(why)
     if resume is None and not rendezvous.node_rank:
         if overwrite:
             aside = checkpoint.move_aside(spec.checkpoint.dir)

@@ -14,6 +14,18 @@ from pgs.runtime.optim.sharded_bind import ShardedBoundOptimizer
 from pgs.runtime.optim.sharded_release import ShardedGradientRelease
 
 
+def single_process_refusal(memory) -> str | None:
+    """Why ``[memory]`` cannot run on several processes (None: it can).  Checked by ``pgs run
+    --nproc`` before it launches (pgs/runtime/dist/launch.py) and by each rank here."""
+    if getattr(memory, "offload_optimizer", False):
+        return ("memory.offload_optimizer: runs on one process (each process already holds only its "
+                "shard of the state with several); set offload_optimizer = false or run one process")
+    if int(getattr(memory, "tied_slabs", 0) or 0):
+        return ("memory.tied_slabs: the row-slab step of the tied weight runs on one process; "
+                "set tied_slabs = 0 with several processes")
+    return None
+
+
 def make_optimizer(chain: pf.Transform, model: torch.nn.Module, memory, *, sharded: bool = False,
                    grad_accum: int = 1, compile: bool = False, jit: bool = False) -> Optimizer:
     """The binder for a run: ``memory`` is the spec's ``[memory]`` (``MemorySpec``), ``sharded``
@@ -36,12 +48,9 @@ def make_optimizer(chain: pf.Transform, model: torch.nn.Module, memory, *, shard
         raise SpecError("memory.offload_optimizer: streams the state through the device as gradient release "
                         "steps inside backward; set memory.gradient_release = true or offload_optimizer = false")
     if sharded:
-        if offload:
-            raise SpecError("memory.offload_optimizer: runs on one process (each process already holds only its "
-                            "shard of the state with several); set offload_optimizer = false or run one process")
-        if tied_slabs:
-            raise SpecError("memory.tied_slabs: the row-slab step of the tied weight runs on one process; "
-                            "set tied_slabs = 0 with several processes")
+        why = single_process_refusal(memory)
+        if why:
+            raise SpecError(why)
         if memory.gradient_release:
             # each FSDP unit's chain runs right after its reduce-scatter, inside backward; a bf16
             # model already has fp32 sharded masters (mixed precision), so master_weights adds nothing
