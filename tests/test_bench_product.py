@@ -1,4 +1,5 @@
-"""bench/product.py: the summary of a ``pgs run``'s step records, the figures of runs on several processes, and a smoke run of ``--nproc`` on 2 gloo ranks."""
+"""bench/product.py: the summary of a ``pgs run``'s step records, the figures of runs on several
+processes, and a smoke run of ``--nproc`` on 2 gloo ranks."""
 
 import argparse
 import os
