@@ -34,6 +34,7 @@ import torch
 from pgs.errors import InvalidArgument
 from pgs.func import kernels as K
 from pgs.func import tree as T
+from pgs.func.kernels.fused_transform import sr_seeds  # the fused steps' seeds, one per tensor
 
 #: Noise offsets of leaf i start at i·2^24 (``kernels/small.py``'s ``LEAF_STRIDE``).
 LEAF_STRIDE = 1 << 24
@@ -172,14 +173,6 @@ def step_count(state) -> torch.Tensor:
     raise InvalidArgument("stochastic rounding draws its noise from the chain state's step count, but this "
                           "state has no 'count' (add pf.scale_by_learning_rate to the chain, or round with "
                           "an explicit generator=)")
-
-
-def sr_seeds(count: torch.Tensor, first: int, n: int) -> torch.Tensor:
-    """The int64 seeds of tensors first, …, first + n − 1 at step ``count``: ``sr_seed(count, i)``
-    of ``kernels/fused_transform.py`` (count·1000003 + (i + 1)·7919), as the fused 8-bit steps
-    seed their tensors, in one tensor on the count's device."""
-    idx = torch.arange(first + 1, first + 1 + n, dtype=torch.int64, device=count.device)
-    return torch.add(idx * 7919, count.to(torch.int64).reshape(()), alpha=1_000_003)
 
 
 def apply_updates(params, updates, *, stochastic_rounding: bool = False, state=None, first: int = 0,

@@ -73,7 +73,7 @@ def one_minus(x):
 
 def sr_seed(count: torch.Tensor, group_index: int, salt: int = 0) -> torch.Tensor:
     """A per-step, per-group stochastic-rounding seed as an int64 device tensor (no host sync;
-    ``pgs.func.apply.sr_seeds`` makes the same values for a run of tensors); ``salt``
+    ``sr_seeds`` makes the same values for a run of tensors); ``salt``
     sets a caller's seeds apart from another's at the same step and group."""
     return (count.to(torch.int64) * 1_000_003 + ((group_index + 1) * 7919 + salt)).reshape(1)
 
