@@ -218,7 +218,7 @@ def test_offload_prefetch_auto_is_two_where_the_optimizer_state_shares_the_copie
                                                      "memory.offload_checkpoints=true",
                                                      f"memory.offload_optimizer={str(offload_optimizer).lower()}",
                                                      f"memory.offload_prefetch={value}"])
-    assert spec.memory.checkpoint_prefetch() == depth == prefetch_depth(setting, offload_optimizer)
+    assert prefetch_depth(spec.memory.offload_prefetch, spec.memory.offload_optimizer) == depth
     for bad in ("0", '"two"', "1.5"):
         with pytest.raises(SpecError, match=r'memory.offload_prefetch: .*an integer >= 1 or "auto"'):
             load_spec(release_spec(tmp_path, "pf_bad"), [f"memory.offload_prefetch={bad}"])

@@ -331,7 +331,7 @@ class MemorySpec:
     ``"sublayer"`` checkpoints each layer's attention half and MLP half apart);
     ``offload_prefetch`` is how many checkpointed inputs ahead backward starts copying them back
     (that many on the device at a time; ``"auto"``, the default: 2 with ``offload_optimizer``,
-    whose state fetches share the host→device copy engine, else 1; ``checkpoint_prefetch``).  ``tied_slabs``
+    whose state fetches share the host→device copy engine, else 1; ``prefetch_depth``).  ``tied_slabs``
     (0: off) steps the input embedding's (tied) weight in slabs of that many vocabulary rows
     at the end of backward, so no dense V×D gradient exists (gradient release, one process,
     an elementwise chain; ``GradientRelease(..., tied_slabs=rows)``).  ``release_groups``
@@ -376,10 +376,6 @@ class MemorySpec:
         where memory is tight, not where activations dwarf it."""
         return head_grad_wanted(self.defer_head_grad, self.activation_checkpointing, self.tied_slabs)
 
-    def checkpoint_prefetch(self) -> int:
-        """``offload_prefetch`` resolved (``prefetch_depth``)."""
-        return prefetch_depth(self.offload_prefetch, self.offload_optimizer)
-
 
 def head_grad_wanted(setting: bool | str, activation_checkpointing: str | None, tied_slabs: int | None) -> bool:
     """``memory.defer_head_grad`` resolved (``MemorySpec.head_grad_deferred``, ``pgs profile``'s
@@ -390,7 +386,7 @@ def head_grad_wanted(setting: bool | str, activation_checkpointing: str | None, 
 
 
 def prefetch_depth(setting: int | str, offload_optimizer: bool) -> int:
-    """``memory.offload_prefetch`` resolved (``MemorySpec.checkpoint_prefetch``, ``pgs profile``'s
+    """``memory.offload_prefetch`` resolved (``pgs run``'s checkpointing, ``pgs profile``'s
     prediction): ``"auto"`` is 2 where the optimizer state is offloaded too, else 1.  Why 2 there:
     each group's state fetch (≈ 0.1 GB per decoder layer at 4B) queues on the same host→device
     copy engine as the next layer's input, so the input copied back one layer ahead arrives late
