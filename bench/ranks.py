@@ -62,12 +62,12 @@ def peaks_per_rank(device) -> dict:
     """Every rank's peak allocated and reserved device memory, GiB, rank by rank (a collective:
     call it on every rank); ``None`` entries off CUDA."""
     import torch
-    import torch.distributed as dist
+
+    from pgs.runtime.dist.fsdp import gather_object
 
     mine = ((torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30)
             if device.type == "cuda" else (None, None))
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = gather_object(mine)
     return {"max_allocated_gib_per_rank": [a for a, _ in every], "max_reserved_gib_per_rank": [r for _, r in every]}
 
 
