@@ -12,13 +12,14 @@ every setup, so partial results survive):
    (``bench/product.py --order peer --peer hf_compiled_ac``: compiled decoder layers,
    checkpointing, ``torch.optim.AdamW(fused=True)``).
 4. ``pgs_4b`` and ``pgs_4b_offload``: ``specs/qwen3_4b_12gib.toml`` with the state on the
-   device and with ``--set memory.offload_optimizer=true``.
+   device and with ``--set memory.offload_optimizer=true --set memory.device_limit_gib=9`` (the 9 GiB recipe).
 
 For the ``pgs run`` setups: tokens/s is ``bench/product.py``'s "mean" over steps
 ``--skip``+1 to N (the run's own step records), max allocated / reserved are the run's
-``torch.cuda`` peaks, host memory is the run's peak resident set (the process and its
-children, from /proc: the pinned state, the offloaded checkpoints, the model's build), and
-with offload the run's own ``offload`` record gives the PCIe bytes per step; their time at
+``torch.cuda`` peaks, host memory is the proportional set size (PSS) of the run's process
+tree (/proc, every 0.5 s: the pinned state, the offloaded checkpoints, the libraries once
+however many compile workers share them), reported by phase: before step 1, while stepping,
+while saving (the run's ``checkpoint`` events time each save); and with offload the run's own ``offload`` record gives the PCIe bytes per step; their time at
 the measured bandwidth (each direction at its own, the two overlapping) is the floor the
 copies put under a step if nothing overlapped them.  Checkpoints: one save at the end (after
 the last step record; the timeout may cut it without losing the figures).
@@ -48,45 +49,103 @@ SETUPS = {  # name -> (kind, spec, extra --set, default timeout s)
     "pgs_8b_offload": ("pgs", "specs/qwen3_8b_20gib.toml", [], 200),
     "hf_8b_compiled_ac": ("peer", "specs/qwen3_8b_20gib.toml", [], 170),
     "pgs_4b": ("pgs", "specs/qwen3_4b_12gib.toml", [], 110),
-    "pgs_4b_offload": ("pgs", "specs/qwen3_4b_12gib.toml", ["memory.offload_optimizer=true"], 110),
+    "pgs_4b_offload": ("pgs", "specs/qwen3_4b_12gib.toml",
+                       ["memory.offload_optimizer=true", "memory.device_limit_gib=9"], 110),
 }
 
 
-def _rss_tree(pid: int) -> int:
-    """Resident bytes of ``pid`` and its descendants (/proc; 0 where it cannot be read)."""
-    total, todo = 0, [pid]
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (/proc)."""
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
+        out.append(p)
         try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     todo += [int(c) for c in f.read().split()]
         except (OSError, ValueError):
             continue
-    return total
+    return out
+
+
+def _field(path: str, name: str) -> int:
+    """A ``kB`` field of a /proc status-like file, in bytes (0 where it cannot be read)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(name):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def host_sample(pid: int) -> tuple[int, int, int]:
+    """(proportional set size of the process tree, resident set of the tree, resident set of
+    ``pid`` alone), bytes.  The tree's PSS counts a page shared by k processes once in all (the
+    libraries that Inductor's compile workers share with the run), so it is the host memory the
+    run takes; the RSS sum counts such pages once per process."""
+    pids = _tree(pid)
+    pss = sum(_field(f"/proc/{p}/smaps_rollup", "Pss:") for p in pids)
+    rss = sum(_field(f"/proc/{p}/status", "VmRSS:") for p in pids)
+    return pss, rss, _field(f"/proc/{pid}/status", "VmRSS:")
 
 
 class HostMemory(product.GpuMemory):
-    """Samples the resident set of a process tree every ``period`` s; ``peak`` bytes (the
-    product bench's sampler thread, reading /proc instead of nvidia-smi)."""
+    """Samples ``host_sample`` of a process tree every ``period`` s into ``samples``
+    (time, pss, rss, main rss) (the product bench's sampler thread, reading /proc instead of
+    nvidia-smi)."""
 
     def __init__(self, pid: int, period: float = 0.5):
         super().__init__(period)
-        self.pid, self.peak = pid, 0
+        self.pid = pid
 
     def _loop(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_tree(self.pid))
+            self.samples.append((time.time(), *host_sample(self.pid)))
             self._stop.wait(self.period)
 
 
-def _run_child(cmd: list[str], timeout: float, env=None) -> tuple[int | None, str, str, int]:
+def host_phases(samples: list[tuple], records: list[dict]) -> dict:
+    """Host memory (the tree's PSS) by phase of a ``pgs run``: before its first step record
+    (model build, compilation, the state's first placement), while it steps (saves excluded),
+    and while it saves (each ``checkpoint`` event's ``checkpoint_seconds`` before its time)."""
+    if not samples:
+        return {}
+    out = {"host_pss_max_gib": max(s[1] for s in samples) / GiB,
+           "host_rss_main_max_gib": max(s[3] for s in samples) / GiB}
+    steps = [r for r in records if "loss" in r and "tokens" in r]
+    saves = [(r["time"] - r.get("checkpoint_seconds", 0.0) - 0.5, r["time"] + 0.5)
+             for r in records if r.get("event") == "checkpoint"]
+    if not steps:
+        return out
+    start = steps[0]["time"] - steps[0].get("step_seconds", 0.0)
+    end = max(r["time"] for r in records)
+
+    def peak(keep) -> float | None:
+        vals = [s[1] for s in samples if keep(s[0])]
+        return max(vals) / GiB if vals else None
+
+    def saving(t):
+        return any(a <= t <= b for a, b in saves)
+
+    out["host_pss_setup_gib"] = peak(lambda t: t < start)
+    out["host_pss_steps_gib"] = peak(lambda t: start <= t <= end and not saving(t))
+    if saves:
+        out["host_pss_save_gib"] = peak(saving)
+        out["checkpoint_s"] = [r.get("checkpoint_seconds") for r in records if r.get("event") == "checkpoint"]
+    return out
+
+
+def _rss_peak(samples: list[tuple]) -> float:
+    """The largest resident-set sum of the tree, GiB (counts shared pages once per process)."""
+    return max((s[2] for s in samples), default=0) / GiB
+
+
+def _run_child(cmd: list[str], timeout: float, env=None) -> tuple[int | None, str, str, list]:
     """Run ``cmd`` in its own process group; kill the group at ``timeout``.  (returncode or
-    None on timeout, stdout, stderr, peak resident bytes of the process tree)."""
+    None on timeout, stdout, stderr, the host-memory samples of the process tree)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
         with HostMemory(proc.pid) as host:
@@ -98,20 +157,21 @@ def _run_child(cmd: list[str], timeout: float, env=None) -> tuple[int | None, st
                 rc = None
         out.seek(0)
         err.seek(0)
-        return rc, out.read(), err.read(), host.peak
+        return rc, out.read(), err.read(), host.samples
 
 
 def run_pgs(name: str, spec: str, sets: list[str], args, timeout: float) -> dict:
     run_dir = os.path.join(args.workdir, name)
     subprocess.run(["rm", "-rf", run_dir])
+    # the small shape's sets last: on the CPU they override the setup's device-only ones (the cap)
     sets = [f"train.steps={args.steps}", f"checkpoint.dir={run_dir}", "checkpoint.every=0", "checkpoint.keep=1",
-            "train.log_every=5"] + (product.SMALL if args.small else []) + sets
+            "train.log_every=5"] + sets + (product.SMALL if args.small else [])
     cmd = [sys.executable, "-m", "pgs", "run", spec] + [x for s in sets for x in ("--set", s)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     started = time.time()
-    rc, _, err, host_peak = _run_child(cmd, timeout, env)
+    rc, _, err, samples = _run_child(cmd, timeout, env)
     out = {"setup": name, "spec": spec, "command": " ".join(cmd[1:]), "returncode": rc,
-           "host_rss_max_gib": host_peak / GiB, "seconds": time.time() - started}
+           "host_rss_max_gib": _rss_peak(samples), "seconds": time.time() - started}
     if rc is None:
         out["timed_out"] = timeout
     records = []
@@ -123,6 +183,7 @@ def run_pgs(name: str, spec: str, sets: list[str], args, timeout: float) -> dict
                     records.append(json.loads(line))
                 except ValueError:
                     pass
+    out.update(host_phases(samples, records))
     steps = [r for r in records if "loss" in r and "tokens" in r]
     if steps:
         out.update(product.summarize(records, args.skip))
@@ -150,8 +211,9 @@ def run_peer(name: str, spec: str, sets: list[str], args, timeout: float) -> dic
         cmd += ["--small"] if args.small else []
         cmd += [x for s in sets for x in ("--set", s)]
         started = time.time()
-        rc, _, err, host_peak = _run_child(cmd, timeout, dict(os.environ, PYTHONUNBUFFERED="1"))
-        out = {"setup": name, "spec": spec, "returncode": rc, "host_rss_max_gib": host_peak / GiB,
+        rc, _, err, samples = _run_child(cmd, timeout, dict(os.environ, PYTHONUNBUFFERED="1"))
+        out = {"setup": name, "spec": spec, "returncode": rc, "host_rss_max_gib": _rss_peak(samples),
+               **host_phases(samples, []),
                "seconds": time.time() - started}
         if rc is None:
             out["timed_out"] = timeout
@@ -224,7 +286,9 @@ def pcie_floor(results: list[dict]) -> None:
 
 #: The table's columns: (header, result key, format).
 COLUMNS = [("mean tok/s", "mean_tok_s", ",.0f"), ("max alloc GiB", "max_allocated_gib", ".2f"),
-           ("max reserved GiB", "max_reserved_gib", ".2f"), ("host RSS GiB", "host_rss_max_gib", ".1f"),
+           ("max reserved GiB", "max_reserved_gib", ".2f"), ("host PSS GiB: setup", "host_pss_setup_gib", ".1f"),
+           ("steps", "host_pss_steps_gib", ".1f"), ("save", "host_pss_save_gib", ".1f"),
+           ("max", "host_pss_max_gib", ".1f"),
            ("host state GiB", "host_state_gib", ".2f"), ("PCIe GiB/step", "pcie_gib_per_step", ".2f"),
            ("PCIe s/step", "pcie_s_per_step", ".3f"), ("step s (median)", "median_step_s", ".3f")]
 

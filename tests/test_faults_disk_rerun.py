@@ -188,7 +188,7 @@ def test_overwrite_moves_the_old_run_aside(tmp_path, capsys):
     assert all(torch.equal(moved[k], old_weights[k]) for k in moved)
     # the new run is alone in its folder: one fresh start, steps once
     assert [r["step"] for r in step_records(run_dir)] == [1, 2, 3, 4]
-    assert [r["event"] for r in records(run_dir) if "event" in r] == ["start", "done"]
+    assert [r["event"] for r in records(run_dir) if "event" in r] == ["start", "checkpoint", "done"]
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith("step_")) == ["step_4"]
 
 

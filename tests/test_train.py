@@ -31,6 +31,14 @@ def reference(tmp_path_factory) -> Path:
     return tmp / "ref"
 
 
+def test_each_save_is_an_event_with_its_folder_and_time(reference):
+    saves = [r for r in records(reference) if r.get("event") == "checkpoint"]
+    assert [r["step"] for r in saves] == [4, 8, 12, 16, 20, 24]
+    for r in saves:
+        assert Path(r["path"]).name == f"step_{r['step']}" and Path(r["path"]).is_dir()
+        assert r["checkpoint_seconds"] > 0
+
+
 def test_sigkill_anywhere_then_resume_auto_is_bit_exact(tmp_path, reference):
     spec = tiny_spec(tmp_path, "run")
     run_dir = tmp_path / "run"

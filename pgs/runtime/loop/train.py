@@ -712,7 +712,10 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                     eval_and_keep_best(r)
                     r.step_clock = None  # evaluation is not a training step's time
                 if saving:
+                    began = time.perf_counter()
                     path = save(r)
+                    r.log.write({"step": r.step, "event": "checkpoint", "path": path,
+                                 "checkpoint_seconds": round(time.perf_counter() - began, 3)})
                     r.step_clock = None
                     if stop:
                         if flags[control.SIGNAL]:
