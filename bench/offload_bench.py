@@ -228,13 +228,13 @@ def run_peer(name: str, spec: str, sets: list[str], args, timeout: float) -> dic
 
 BANDWIDTH = r"""
 import json, time, torch
-from pgs.runtime.optim.offload import _host_buffer
+from pgs.runtime.pinned import host_buffer
 n = 1 << 30
-host, registered = _host_buffer(n, True)
+host, registered = host_buffer(n, True)
 host.fill_(1)
 dev = torch.empty(n, dtype=torch.uint8, device="cuda")
 dev2 = torch.empty(n, dtype=torch.uint8, device="cuda")
-host2, _ = _host_buffer(n, True)
+host2, _ = host_buffer(n, True)
 a, b = torch.cuda.Stream(), torch.cuda.Stream()
 def timed(fn, reps=5):
     fn(); torch.cuda.synchronize()

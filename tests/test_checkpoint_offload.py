@@ -161,3 +161,51 @@ def test_offload_on_cuda_keeps_loss_and_grads(policy, fast):
         torch.testing.assert_close(la, lb, **tol)
         for n in gb:
             torch.testing.assert_close(ga[n], gb[n], **tol, msg=n)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_inputs_reuse_exactly_sized_page_locked_buffers():
+    """The inputs' host copies come from ``HOST_POOL``: after the first step no buffer is made
+    again, and each holds its input's bytes, not the pinned allocator's next power of two."""
+    from pgs.runtime.model.layers import HOST_POOL
+
+    model = tiny_model().cuda()
+    apply_activation_checkpointing(model, "sublayer", offload=True)
+    before = HOST_POOL.made, HOST_POOL.bytes
+    made = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        model(input_ids=IDS.cuda(), labels=IDS.cuda()).loss.backward()
+        gc.collect()
+        made.append(HOST_POOL.made)
+    torch.cuda.synchronize()
+    layers = len(decoder_layers(model))
+    hidden = model.config.hidden_size
+    new = made[0] - before[0]
+    assert 0 < new <= 2 * layers and made[1] == made[2] == made[0]
+    assert HOST_POOL.bytes - before[1] == new * IDS.numel() * hidden * 4  # fp32 inputs, exact size
+
+
+@pytest.mark.parametrize("policy", ["full", "sublayer"])
+def test_profile_predicts_the_host_bytes_the_offloaded_inputs_hold(policy):
+    """``pgs profile``'s ``host_inputs`` equals the host copies alive between forward and
+    backward (every checkpointed layer's kept inputs)."""
+    from pgs.runtime.tools.profile import offloaded_input_bytes, predict_memory
+
+    model = tiny_model()
+    apply_activation_checkpointing(model, policy, offload=True)
+    loss = model(input_ids=IDS, labels=IDS).loss
+    held, ref = [], OffloadedInput._last[IDS.device]  # the forward's handles, newest first
+    while ref is not None and ref() is not None:
+        held.append(ref())
+        ref = held[-1].previous
+    host = sum(o.host.numel() * o.host.element_size() for o in held)
+    loss.backward()
+    want = offloaded_input_bytes(model.config, IDS.numel(), dtype=torch.float32, policy=policy)
+    assert host == want > 0
+    pred = predict_memory(model.config, dtype=torch.float32, chain=pf.lion(1e-4), gradient_release=True,
+                          activation_checkpointing=policy, checkpoint_offload=1, micro_batch_tokens=IDS.numel())
+    assert pred["host_inputs"] == want
+    assert "host_inputs" not in predict_memory(model.config, dtype=torch.float32, chain=pf.lion(1e-4),
+                                               activation_checkpointing=policy, micro_batch_tokens=IDS.numel())

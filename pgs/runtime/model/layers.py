@@ -33,6 +33,7 @@ backward) and what ``torch.compile`` traces.
 from __future__ import annotations
 
 import os
+import weakref
 
 from typing import Any
 
@@ -40,6 +41,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from pgs.errors import InvalidArgument, MissingExtra
+from pgs.runtime.pinned import HostPool
 
 POLICIES = ("none", "full", "selective", "sublayer")
 #: decoder layers whose forward is ``x + attn(norm1(x))`` then ``h + mlp(norm2(h))`` (the
@@ -123,6 +125,10 @@ def _copy_stream(device: torch.device):
     return _STREAMS[key]
 
 
+#: The checkpointed layer inputs' page-locked host buffers (``pgs.runtime.pinned.HostPool``).
+HOST_POOL = HostPool()
+
+
 class OffloadedInput:
     """A checkpointed layer's input, kept in host memory between its forward and its recompute.
 
@@ -146,8 +152,6 @@ class OffloadedInput:
     _last: dict = {}  # device -> weak reference to the newest handle of the running forward
 
     def __init__(self, x: torch.Tensor, depth: int = 1):
-        import weakref
-
         self.depth = max(1, int(depth))
         self.device = x.device
         self.requires_grad = x.requires_grad
@@ -158,7 +162,11 @@ class OffloadedInput:
         self.previous = OffloadedInput._last.get(self.device)
         OffloadedInput._last[self.device] = weakref.ref(self)
         if x.is_cuda:
-            self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            # page-locked at its own size (the pinned caching allocator would round a 20 MiB
+            # input up to 32), back in the pool when this handle dies; the copies out of and
+            # back into a reused buffer are ordered by their one side stream
+            self.host = HOST_POOL.take(x.shape, x.dtype)
+            weakref.finalize(self, HOST_POOL.give, self.host)
             stream = _copy_stream(x.device)
             stream.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(stream):

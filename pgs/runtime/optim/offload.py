@@ -59,6 +59,7 @@ import torch
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.runtime.optim.release import GradientRelease
+from pgs.runtime.pinned import host_buffer, unregister
 
 #: byte alignment of each leaf inside a group's buffers (vectorised kernels read 16 B at a time)
 ALIGN = 64
@@ -93,34 +94,6 @@ class StateLayout:
     def tree(self, leaves: list, views: dict[int, torch.Tensor]):
         """The state whose flat leaves are ``leaves``, its travelling ones replaced by ``views``."""
         return self.structure.build([views.get(i, x) for i, x in enumerate(leaves)])
-
-
-def _unregister(buf: torch.Tensor) -> None:
-    """Undo ``_host_buffer``'s registration (the stager's finalizer: it holds ``buf`` until then)."""
-    try:
-        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-    except Exception:  # pragma: no cover - interpreter shutdown
-        pass
-
-
-def _host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
-    """``nbytes`` of host memory, page-locked when ``pin`` (device copies from and to it are
-    asynchronous).  Registered with ``cudaHostRegister`` rather than taken from the pinned
-    caching allocator, which rounds every block up to a power of two (an 8.2 GB state would
-    hold 16 GB); falls back to that allocator if the registration fails.  ``(buffer, registered)``."""
-    if not pin or nbytes == 0:
-        return torch.empty(nbytes, dtype=torch.uint8), False
-    page = 4096  # registered at page boundaries, whole pages (a view of a slightly larger block)
-    raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % page
-    buf = raw[start:start + nbytes]
-    try:
-        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), -(-nbytes // page) * page, 0))
-    except Exception:  # pragma: no cover - no cudart binding
-        err = -1
-    if err != 0:  # pragma: no cover - depends on the driver
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False
-    return buf, True
 
 
 def auto_slots(sizes: list[int], most: int = 16) -> int:
@@ -198,9 +171,9 @@ class StateStager:
             if self._whole is None:  # the device is the first state's; the host buffer is made then
                 self.device = next((x.device for x in T.leaves(s) if _travels(x)), torch.device("cpu"))
                 self.cuda = self.device.type == "cuda"
-                self._whole, registered = _host_buffer(total, self.cuda)
+                self._whole, registered = host_buffer(total, self.cuda)
                 if registered:
-                    weakref.finalize(self, _unregister, self._whole)
+                    weakref.finalize(self, unregister, self._whole)
                 # registered memory is page-locked, though torch's is_pinned() (which asks its own
                 # pinned allocator) says False for it
                 self.page_locked = registered or self._whole.is_pinned()

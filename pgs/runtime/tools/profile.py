@@ -16,6 +16,9 @@
   of them, ``offload.slot_size`` each: a group larger than a slot takes them all; leaves padded
   to 64 B);
   ``pcie_per_step`` is 2 × the host state (each group's state in and out once per step).
+  With offloaded checkpoints the kept layer inputs wait in pinned host memory
+  (``host_inputs``: checkpointed layers × the inputs each keeps × b·h per token, at their own
+  size: ``pgs.runtime.pinned.HostPool``).
 - ``gradients``: all trainable gradients (``bind``); under gradient release, the largest
   group's gradients (one decoder layer's, or the embedding's).
 - ``activations``: what backward keeps, per decoder layer and token (``activation_bytes``
@@ -235,6 +238,18 @@ def activation_parts(
     if offload and checkpointed:  # inputs fetched further ahead than the next one (offload_prefetch)
         recompute += (int(offload) - 1) * b * h * tokens
     return per_token * tokens, recompute
+
+
+def offloaded_input_bytes(cfg, tokens: int, *, dtype=torch.bfloat16, policy: str = "full", every: int = 1) -> int:
+    """Host bytes of the checkpointed layers' inputs with ``offload_checkpoints``: each
+    checkpointed layer keeps its input (``"full"``) or its two sublayers' inputs
+    (``"sublayer"``), b·h per token each, all of a step's forward at once."""
+    if policy not in ("full", "sublayer"):
+        return 0
+    c = _text_config(cfg)
+    b = torch.empty((), dtype=_dtype(dtype)).element_size()
+    layers = len(range(0, c.num_hidden_layers, every))
+    return layers * (2 if policy == "sublayer" else 1) * b * c.hidden_size * int(tokens)
 
 
 def _has_qk_norm(c) -> bool:
@@ -511,6 +526,9 @@ def predict_memory(
     if host_state is not None:
         out["host_state"] = host_state
         out["pcie_per_step"] = 2 * host_state
+    if checkpoint_offload:
+        out["host_inputs"] = offloaded_input_bytes(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
+                                                   every=checkpoint_every)
     return out
 
 
@@ -721,6 +739,10 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
         table.add_section()
         table.add_row("host: optimizer state (pinned; offload_optimizer)", f"{pred['host_state'] / scale:.3f}")
         table.add_row("PCIe per step (state in + out)", f"{pred['pcie_per_step'] / scale:.3f}")
+    if pred.get("host_inputs"):
+        if "host_state" not in pred:
+            table.add_section()
+        table.add_row("host: checkpointed inputs (pinned; offload_checkpoints)", f"{pred['host_inputs'] / scale:.3f}")
     console.print(table)
     console.print(f"vocabulary {_text_config(plan['config']).vocab_size:,}; the peak is the figure to compare with "
                   "a GPU (add allocator slack and the CUDA context)", soft_wrap=True, highlight=False)
