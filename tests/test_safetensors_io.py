@@ -41,14 +41,18 @@ def mixed() -> dict[str, torch.Tensor]:
     return out
 
 
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (compares float8 and NaNs exactly)."""
+    t = t.detach().cpu().contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+
+
 def assert_same_tensors(path, expected):
     got = load_file(str(path))
     assert set(got) == set(expected)
     for k, v in expected.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
-        assert torch.equal(got[k].view(torch.uint8) if v.numel() and v.dtype.is_floating_point and v.element_size() == 1
-                           else got[k], v.cpu().view(torch.uint8) if v.numel() and v.dtype.is_floating_point
-                           and v.element_size() == 1 else v.cpu()), k
+        assert torch.equal(_bytes_of(got[k]), _bytes_of(v)), k
 
 
 @pytest.mark.parametrize("metadata", [None, {}, {"format": "pt"}, {"pgs": "optimizer"}])
@@ -172,3 +176,26 @@ def test_cuda_tensors_stream_through_pinned_pieces(tmp_path):
     for chunk in (16, 100, 1 << 20):
         sio.write(tmp_path / "ours.safetensors", cuda, {"format": "pt"}, chunk_bytes=chunk)
         assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes(), chunk
+
+
+def test_lazy_read_of_save_file_output(tmp_path):
+    tensors = mixed()
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    lazy = sio.read(tmp_path / "ref.safetensors")
+    assert lazy.metadata == {"format": "pt"} and set(lazy) == set(tensors) and len(lazy) == len(tensors)
+    for k, v in tensors.items():
+        got = lazy[k]
+        assert got.dtype == v.dtype and got.shape == v.shape and lazy.shape(k) == tuple(v.shape), k
+        assert torch.equal(_bytes_of(got), _bytes_of(v)), k
+    assert lazy["w.bf16"] is not lazy["w.bf16"]  # read afresh each time
+
+
+def test_lazy_read_refuses_a_cut_file(tmp_path):
+    sio.write(tmp_path / "a.safetensors", {"x": torch.randn(100)})
+    data = (tmp_path / "a.safetensors").read_bytes()
+    (tmp_path / "b.safetensors").write_bytes(data[:-4])
+    with pytest.raises(ValueError, match="data_offsets"):
+        sio.read(tmp_path / "b.safetensors")
+    (tmp_path / "c.safetensors").write_bytes(data[:5])
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        sio.read(tmp_path / "c.safetensors")

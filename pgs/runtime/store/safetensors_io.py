@@ -52,6 +52,7 @@ def _dtypes() -> dict[torch.dtype, str]:
 
 DTYPES = _dtypes()
 _RANK = {dtype: i for i, dtype in enumerate(DTYPES)}
+_BY_CODE = {code: dtype for dtype, code in DTYPES.items()}
 
 
 def _check(name, t) -> torch.Tensor:
@@ -123,7 +124,7 @@ class _Bounce:
     the next piece is copied into the other."""
 
     def __init__(self, limit: int):
-        self.limit = limit
+        self.limit = limit  # bytes of each buffer: the largest piece it will hold
         self.buffers: list[torch.Tensor] = []
         self.events: list = []
         self.turn = 0
@@ -180,7 +181,8 @@ def write(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     entries = layout(tensors)
     head = header(entries, metadata)
-    bounce = _Bounce(chunk_bytes)
+    on_cuda = [t.numel() * t.element_size() for _, t in entries if t.device.type == "cuda"]
+    bounce = _Bounce(min(chunk_bytes, max(on_cuda, default=0)))
     try:
         with open(path, "wb") as handle:
             handle.write(head)
@@ -192,3 +194,68 @@ def write(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata
         except OSError:
             pass
         raise
+
+
+class LazyFile(Mapping):
+    """A safetensors file as a read-only ``{name: tensor}`` mapping that reads a tensor from the
+    file each time it is looked up (plain reads into a fresh CPU tensor, no memory map), so that
+    a caller that copies one tensor at a time somewhere else holds one tensor's bytes at most.
+
+    ``metadata``: the file's ``__metadata__`` (empty when it has none).  Only the header is
+    read on construction; the names, shapes and dtypes come from it.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        with open(self.path, "rb") as handle:
+            raw = handle.read(8)
+            if len(raw) != 8:
+                raise ValueError(f"{self.path}: not a safetensors file (shorter than its header length)")
+            (n,) = struct.unpack("<Q", raw)
+            text = handle.read(n)
+            size = os.fstat(handle.fileno()).st_size
+        if len(text) != n:
+            raise ValueError(f"{self.path}: not a safetensors file (header of {n} bytes runs past the end)")
+        head = json.loads(text.decode("utf-8"))
+        self.metadata: dict[str, str] = head.pop("__metadata__", None) or {}
+        self.start = 8 + n
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, entry in head.items():
+            dtype = _BY_CODE.get(entry.get("dtype"))
+            if dtype is None:
+                raise ValueError(f"{self.path}: tensor {name!r} has dtype {entry.get('dtype')!r}, unknown to torch")
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+            numel = 1
+            for d in shape:
+                numel *= d
+            if end - begin != numel * dtype.itemsize or begin < 0 or self.start + end > size:
+                raise ValueError(f"{self.path}: tensor {name!r}'s data_offsets {[begin, end]} do not fit "
+                                 f"its shape {list(shape)} and dtype, or the file")
+            self.entries[name] = (dtype, shape, begin, end)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        dtype, shape, begin, end = self.entries[name]
+        out = torch.empty(shape, dtype=dtype)
+        if end > begin:
+            target = memoryview(_bytes(out).numpy())
+            with open(self.path, "rb") as handle:
+                handle.seek(self.start + begin)
+                got = handle.readinto(target)
+            if got != end - begin:
+                raise ValueError(f"{self.path}: tensor {name!r} is cut short ({got} of {end - begin} bytes)")
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][1]
+
+
+def read(path: str | os.PathLike) -> LazyFile:
+    """The tensors of a safetensors file, each read from the file when looked up (:class:`LazyFile`)."""
+    return LazyFile(path)
