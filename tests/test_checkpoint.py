@@ -177,3 +177,54 @@ def test_export_loads_with_from_pretrained(tmp_path, tied):
 def test_no_pickle_loads_anywhere_in_the_runtime():
     for module in (ckpt, export_mod, train_mod):
         assert "torch.load" not in inspect.getsource(module)
+
+
+def test_compile_bound_save_streams_views_and_matches_save_file(tmp_path):
+    """Parameters bound with compile=True are views of one flat buffer: the checkpoint writes
+    them as they are, and the optimizer file equals save_file's of the copying state_dict."""
+    import struct
+
+    from safetensors.torch import load_file, save_file
+
+    model = tiny()
+    bound = bind(pf.adamw(1e-2), model, compile=True, jit=False)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    bound.step()
+    bound.zero_grad()
+    views = bound.state_dict(copy=False)
+    copies = bound.state_dict(device="cpu")
+    assert set(views) == set(copies)
+    storages = [t.untyped_storage().data_ptr() for t in ckpt.model_tensors(model)[0].values()]
+    assert len(set(storages)) < len(storages), "compile=True parameters should be views of a flat buffer"
+    folder = ckpt.save(str(tmp_path), 1, model=model, optimizer_state=views, rng=ckpt.capture_rng(),
+                       trainer={}, spec_toml="")
+    save_file(copies, str(tmp_path / "ref_opt.safetensors"), metadata={"pgs": "optimizer"})
+    assert (tmp_path / "step_1" / "optimizer.safetensors").read_bytes() == (tmp_path / "ref_opt.safetensors").read_bytes()
+
+    tensors, _aliases = ckpt.model_tensors(model)
+    save_file({k: v.clone() for k, v in tensors.items()}, str(tmp_path / "ref_model.safetensors"),
+              metadata={"format": "pt", "pgs": "model"})
+    ours, ref = (tmp_path / "step_1" / "model.safetensors").read_bytes(), (tmp_path / "ref_model.safetensors").read_bytes()
+    n = struct.unpack("<Q", ours[:8])[0]
+    assert ours[:8] == ref[:8] and ours[8 + n:] == ref[8 + n:]  # the metadata's key order is safetensors' hash map's
+    assert json.loads(ours[8:8 + n]) == json.loads(ref[8:8 + n])
+
+    saved = ckpt.load(folder)
+    fresh = tiny(seed=3)
+    fresh_bound = bind(pf.adamw(1e-2), fresh, compile=True, jit=False)
+    ckpt.load_model_state(fresh, saved.model, saved.trainer["aliases"])
+    fresh_bound.load_state_dict(saved.optimizer)
+    for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), n
+    for k, v in load_file(str(tmp_path / "step_1" / "optimizer.safetensors")).items():
+        assert torch.equal(v, fresh_bound.state_dict()[k]), k
+
+
+def test_state_dict_copy_false_shares_the_live_state():
+    model, bound = trained_pair()
+    views, copies = bound.state_dict(copy=False), bound.state_dict()
+    leaves = {p: x for p, x in pf.leaves_with_paths(bound.state) if isinstance(x, torch.Tensor)}
+    for path, x in leaves.items():
+        assert views[path].data_ptr() == x.data_ptr() and torch.equal(copies[path], x)
+        assert copies[path].data_ptr() != x.data_ptr()

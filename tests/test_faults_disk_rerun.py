@@ -1,8 +1,8 @@
 """Issue 29, items 2 and 3: a disk that fills mid-checkpoint, and a run folder used twice.
 
 Both through ``pgs run`` end to end on tests/helpers.py's tiny spec, in this process (the
-full disk is injected by making safetensors' ``save_file`` or a file write raise what a full
-disk raises).
+full disk is injected by making the safetensors writer ``write_safetensors`` or a file write
+raise what a full disk raises).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def _os_enospc(*args, **kwargs):
 
 def _full_from(step: int, where: str, raise_fn, monkeypatch):
     """Make the checkpoint of ``step`` (and any later one) hit a full disk at ``where``."""
-    real = {"save_file": ckpt.save_file, "_write_text": ckpt._write_text}[where]
+    real = {"write_safetensors": ckpt.write_safetensors, "_write_text": ckpt._write_text}[where]
 
-    def writer(*args, **kwargs):  # save_file(tensors, path, ...), _write_text(path, text)
+    def writer(*args, **kwargs):  # write_safetensors(path, tensors, ...), _write_text(path, text)
         if any(f".step_{step}.tmp-" in str(a) for a in args[:2]):
             raise_fn()
         return real(*args, **kwargs)
@@ -57,8 +57,9 @@ def _full_from(step: int, where: str, raise_fn, monkeypatch):
     monkeypatch.setattr(ckpt, where, writer)
 
 
-@pytest.mark.parametrize("where, raise_fn", [("save_file", _safetensors_enospc), ("_write_text", _os_enospc)],
-                         ids=["safetensors", "oserror"])
+@pytest.mark.parametrize("where, raise_fn", [("write_safetensors", _safetensors_enospc),
+                                             ("write_safetensors", _os_enospc), ("_write_text", _os_enospc)],
+                         ids=["safetensors", "writer-oserror", "oserror"])
 def test_disk_full_mid_checkpoint_is_one_line_exit_84_and_resume_continues(tmp_path, monkeypatch, capsys,
                                                                            where, raise_fn):
     spec = tiny_spec(tmp_path, "run", steps=12, every=4)
@@ -100,7 +101,7 @@ def test_disk_full_while_exporting_final_is_exit_84(tmp_path, monkeypatch, capsy
     def full(*args, **kwargs):
         raise _os_enospc()
 
-    monkeypatch.setattr(export, "save_file", full)
+    monkeypatch.setattr(export, "write_safetensors", full)
     assert cli.main(["run", str(spec)]) == EXIT_DISK_FULL
     lines = _error_lines(capsys.readouterr().err)
     assert len(lines) == 1 and "disk full while writing the export" in lines[0] and "final" in lines[0]
@@ -113,7 +114,7 @@ def test_other_write_errors_are_not_called_a_full_disk(tmp_path, monkeypatch):
     def denied(*args, **kwargs):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(ckpt, "save_file", denied)
+    monkeypatch.setattr(ckpt, "write_safetensors", denied)
     with pytest.raises(OSError, match="Input/output"):
         ckpt.save(str(tmp_path), 1, model=torch.nn.Linear(2, 2), optimizer_state={}, rng={}, trainer={},
                   spec_toml="")

@@ -630,3 +630,22 @@ def test_pgs_run_offloaded_sigkill_resume_equals_on_device_run(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step_3" in resumed.stderr
     assert_same_checkpoint(tmp_path / "run" / "step_6", tmp_path / "ref" / "step_6")  # weights and optimizer bits
+
+
+@pytest.mark.parametrize("cls", [OffloadedRelease, GradientRelease])
+def test_state_views_write_the_same_file(tmp_path, cls):
+    """``state_dict(copy=False)`` (views of the host buffer, for the checkpoint's streaming
+    writer) writes the file that ``save_file`` writes from the copying ``state_dict("cpu")``."""
+    from safetensors.torch import save_file
+
+    from pgs.runtime.store import safetensors_io
+
+    m = tiny_model()
+    rel = run(m, cls(CHAINS["adamw8bit"](), m), batches(2))
+    views = rel.state_dict(copy=False)
+    save_file(rel.state_dict("cpu"), tmp_path / "ref.safetensors", metadata={"pgs": "optimizer"})
+    safetensors_io.write(tmp_path / "ours.safetensors", views, {"pgs": "optimizer"}, chunk_bytes=1000)
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    if cls is OffloadedRelease:  # no copies: the travelling leaves are views of the pinned host buffer
+        whole = rel.stager._whole.untyped_storage().data_ptr()
+        assert any(v.untyped_storage().data_ptr() == whole for v in views.values())

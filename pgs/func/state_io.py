@@ -11,7 +11,7 @@ STATE_VERSION = 1
 VERSION_KEY = "__pgs_state_version__"
 
 
-def state_to_dict(state, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+def state_to_dict(state, device: str | torch.device | None = None, copy: bool = True) -> dict[str, torch.Tensor]:
     """``{"0_scale_by_adam.mu.layers.0.weight": tensor, ...}`` plus a version entry.
 
     Keys are the leaf paths of the state (names of NamedTuple fields, chain entries and
@@ -19,6 +19,10 @@ def state_to_dict(state, device: str | torch.device | None = None) -> dict[str, 
     made contiguous and unshared (safetensors refuses shared storage): copies on their own
     device, or, with ``device`` (e.g. ``"cpu"`` for a checkpoint), copied straight there one
     leaf at a time, so that no second copy of the state ever exists on the accelerator.
+
+    ``copy=False``: the leaves themselves (detached; moved only when ``device`` names another
+    device), possibly views of one buffer and non-contiguous -- for a writer that streams them
+    (``pgs.runtime.store.safetensors_io``) before the state changes again.
     """
     out = {VERSION_KEY: torch.tensor(STATE_VERSION, dtype=torch.int32)}
     for path, x in T.leaves_with_paths(state):
@@ -26,7 +30,12 @@ def state_to_dict(state, device: str | torch.device | None = None) -> dict[str, 
             continue
         if not isinstance(x, torch.Tensor):
             raise TreeMismatch(f"state leaf {path!r} is a {type(x).__name__}; state must hold tensors only")
-        out[path] = x.detach().contiguous().clone() if device is None else x.detach().to(device, copy=True).contiguous()
+        if not copy:
+            out[path] = x.detach() if device is None else x.detach().to(device)
+        elif device is None:
+            out[path] = x.detach().contiguous().clone()
+        else:
+            out[path] = x.detach().to(device, copy=True).contiguous()
     return out
 
 

@@ -160,7 +160,7 @@ class Msft:
         os.makedirs(self.root, exist_ok=True)
         if os.path.isdir(self._folder(run.step)):
             shutil.rmtree(self._folder(run.step))
-        ckpt.save(self.root, run.step, model=run.model, optimizer_state=run.bound.state_dict(device="cpu"),
+        ckpt.save(self.root, run.step, model=run.model, optimizer_state=run.bound.state_dict(copy=False),
                   rng=ckpt.capture_rng(generators=run.objective.generators()), trainer={"msft_snapshot": True},
                   spec_toml=run.spec.to_toml())
 

@@ -322,7 +322,7 @@ def save(run: Run) -> str:
         D.barrier()
         return folder
     folder = ckpt.save(
-        run.run_dir, step, model=run.model, optimizer_state=run.bound.state_dict(device="cpu"),
+        run.run_dir, step, model=run.model, optimizer_state=run.bound.state_dict(copy=False),
         rng=ckpt.capture_rng(generators=run.objective.generators()), trainer=run.counters(),
         spec_toml=run.spec.to_toml(),
         crash_hook=lambda stage: stage == "optimizer" and run.faults.crash("checkpoint_write", step),

@@ -178,10 +178,11 @@ class BoundOptimizer:
             desc = {"tree": list(self.params)}
         return torch.frombuffer(bytearray(json.dumps(desc, sort_keys=True).encode()), dtype=torch.uint8).clone()
 
-    def state_dict(self, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+    def state_dict(self, device: str | torch.device | None = None, copy: bool = True) -> dict[str, torch.Tensor]:
         """The chain's state as ``{path: tensor}`` (safetensors-ready), plus a layout fingerprint;
-        ``device``: copy each tensor straight there (``"cpu"`` for a checkpoint)."""
-        d = pf.state_to_dict(self.state, device)
+        ``device``: copy each tensor straight there (``"cpu"`` for a checkpoint); ``copy=False``:
+        the live state's tensors themselves (``pf.state_to_dict``), for a streaming write."""
+        d = pf.state_to_dict(self.state, device, copy)
         d[_LAYOUT_KEY] = self._layout_fingerprint()
         return d
 

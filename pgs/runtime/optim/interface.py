@@ -88,8 +88,9 @@ class Optimizer(Protocol):
     def grad_norm(self) -> float | None:
         """‖g‖ of the current (or, for a release, the last backward's) gradients."""
 
-    def state_dict(self, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
-        """The state for a single-process checkpoint, ``{key: tensor}`` with a layout fingerprint."""
+    def state_dict(self, device: str | torch.device | None = None, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The state for a single-process checkpoint, ``{key: tensor}`` with a layout fingerprint;
+        ``copy=False``: the live state's tensors themselves (views, for a streaming write)."""
 
     def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
         """Restore ``state_dict``'s output; refuses another parameter layout."""

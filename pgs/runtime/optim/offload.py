@@ -577,9 +577,11 @@ class OffloadedRelease(GradientRelease):
             self._counted = (s.fetches, s.unannounced)
             self._stager_s = 0.0
 
-    def state_dict(self, device=None):
+    def state_dict(self, device=None, copy: bool = True):
+        """As ``GradientRelease.state_dict``, once every copy is done; ``copy=False``: views of
+        the pinned host buffer (the 0-d leaves stay on the device)."""
         self.stager.synchronize()
-        return super().state_dict(device)
+        return super().state_dict(device, copy)
 
     @torch.no_grad()
     def load_state_dict(self, d) -> None:

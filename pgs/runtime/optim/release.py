@@ -613,14 +613,18 @@ class GradientRelease:
         desc = {"groups": self.groups, "masters": sorted(self.masters)}
         return torch.frombuffer(bytearray(json.dumps(desc, sort_keys=True).encode()), dtype=torch.uint8).clone()
 
-    def state_dict(self, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+    def state_dict(self, device: str | torch.device | None = None, copy: bool = True) -> dict[str, torch.Tensor]:
         """Every group's chain state as ``{group.path: tensor}`` (safetensors-ready), the fp32
         masters under ``__master__.{name}``, and a fingerprint of the grouping.  ``device``:
-        copy each tensor straight there (``"cpu"`` for a checkpoint: no device memory added)."""
-        d = pf.state_to_dict(self.states, device)
+        copy each tensor straight there (``"cpu"`` for a checkpoint: no device memory added);
+        ``copy=False``: the live tensors themselves (``pf.state_to_dict``), for a streaming write."""
+        d = pf.state_to_dict(self.states, device, copy)
         for n, m in self.masters.items():
-            d[_MASTER_PREFIX + n] = (m.detach().contiguous().clone() if device is None
-                                     else m.detach().to(device, copy=True).contiguous())
+            if not copy:
+                d[_MASTER_PREFIX + n] = m.detach() if device is None else m.detach().to(device)
+            else:
+                d[_MASTER_PREFIX + n] = (m.detach().contiguous().clone() if device is None
+                                         else m.detach().to(device, copy=True).contiguous())
         d[_LAYOUT_KEY] = self._fingerprint()
         return d
 

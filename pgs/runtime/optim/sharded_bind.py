@@ -288,7 +288,7 @@ class ShardedBoundOptimizer:
         raise InvalidArgument(f"{type(self).__name__}.before_step: a contribution to a sharded gradient is not "
                               "supported (defer_head_grad needs one process)")
 
-    def state_dict(self, device=None) -> dict[str, torch.Tensor]:
+    def state_dict(self, device=None, copy: bool = True) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{type(self).__name__}: sharded optimizer state is saved with DCP "
                               "(pgs.runtime.store.dcp, dcp_state)")
 

@@ -10,6 +10,10 @@ A checkpoint is ``<run_dir>/step_<N>/``::
     spec.resolved.toml     the spec the run was started with
     COMPLETE               manifest: size and sha256 of every file above; written last
 
+The safetensors files are written by ``pgs.runtime.store.safetensors_io.write``, which streams
+each tensor from where it lives (the accelerator, pinned host memory) through a bounded
+buffer, so a save holds no second copy of the weights or of the optimizer state.
+
 It is written into ``.step_<N>.tmp-<pid>/``; each file is fsynced, then the folder, then
 it is renamed to ``step_<N>`` and the run folder is fsynced (a rename that reaches the
 journal before the data would leave zero-length files in a folder that looks complete).
@@ -32,10 +36,14 @@ from typing import Any, Callable, Iterator, Mapping
 
 import attrs
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from pgs.errors import CheckpointError, DiskFull, PgsError, RunExists  # noqa: F401  (CheckpointError: re-exported)
 from pgs.runtime.loop.control import fsync_dir
+from pgs.runtime.store import safetensors_io
+
+#: the writer of every safetensors file of a checkpoint (a module attribute: tests replace it)
+write_safetensors = safetensors_io.write
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
@@ -50,11 +58,14 @@ TMP_DIR = re.compile(r"^\.(step_\d+|best|final|final-ema)\.tmp-\d+$")
 
 @attrs.frozen
 class Checkpoint:
-    """What a step folder holds, loaded (tensors on the CPU)."""
+    """What a step folder holds (tensors on the CPU).
+
+    ``model`` is read lazily: each lookup reads that tensor from ``model.safetensors``
+    (``safetensors_io.LazyFile``), so ``load_model_state`` holds one weight at a time."""
 
     path: str
     step: int
-    model: dict[str, torch.Tensor]
+    model: Mapping[str, torch.Tensor]
     optimizer: dict[str, torch.Tensor]
     rng: dict[str, torch.Tensor]
     trainer: dict[str, Any]
@@ -80,10 +91,11 @@ def _write_text(path: str, text: str) -> None:
 
 
 def model_tensors(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """CPU copies of the model's state, each storage once, and ``{alias: stored_name}`` for tied ones.
+    """The model's state tensors (detached, not copied), each storage once, and
+    ``{alias: stored_name}`` for tied ones.
 
-    Copies, because parameters bound with ``compile=True`` are views of one flat buffer and
-    safetensors refuses shared storage.
+    They stay where they live (the accelerator) and may be views of one flat buffer
+    (parameters bound with ``compile=True``): ``safetensors_io.write`` streams them as they are.
     """
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
@@ -94,7 +106,7 @@ def model_tensors(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
             aliases[name] = seen[key]
             continue
         seen[key] = name
-        tensors[name] = t.detach().to("cpu", copy=True).contiguous()
+        tensors[name] = t.detach()
     return tensors, aliases
 
 
@@ -247,6 +259,8 @@ def save(
 ) -> str:
     """Write ``<run_dir>/step_<step>`` durably; returns its path.
 
+    ``optimizer_state``: ``{key: tensor}`` on any device, views of the live state welcome
+    (``state_dict(copy=False)``): every tensor is streamed to its file, none copied whole.
     ``extra``: more safetensors files of the step (file name -> tensors), written before the
     manifest and covered by it (the weight EMA: ``averaging.safetensors``); ``load_extra``
     reads one back.
@@ -271,15 +285,13 @@ def save(
 
 def _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, trainer, spec_toml, hook,
                 extra=None) -> None:
-    save_file(tensors, os.path.join(tmp, MODEL_FILE), metadata={"format": "pt", "pgs": "model"})
+    write_safetensors(os.path.join(tmp, MODEL_FILE), tensors, {"format": "pt", "pgs": "model"})
     hook("model")
-    save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in optimizer_state.items()},
-              os.path.join(tmp, OPTIMIZER_FILE), metadata={"pgs": "optimizer"})
+    write_safetensors(os.path.join(tmp, OPTIMIZER_FILE), optimizer_state, {"pgs": "optimizer"})
     hook("optimizer")
-    save_file(rng, os.path.join(tmp, RNG_FILE), metadata={"pgs": "rng"})
+    write_safetensors(os.path.join(tmp, RNG_FILE), rng, {"pgs": "rng"})
     for name, extra_tensors in (extra or {}).items():
-        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in extra_tensors.items()},
-                  os.path.join(tmp, name), metadata={"pgs": name})
+        write_safetensors(os.path.join(tmp, name), extra_tensors, {"pgs": name})
     payload = {"format": FORMAT_VERSION, "step": step, "aliases": aliases, **trainer}
     _write_text(os.path.join(tmp, TRAINER_FILE), json.dumps(payload, indent=2, sort_keys=True) + "\n")
     _write_text(os.path.join(tmp, SPEC_FILE), spec_toml)
@@ -358,7 +370,7 @@ def load(folder: str) -> Checkpoint:
     return Checkpoint(
         path=folder,
         step=int(trainer["step"]),
-        model=load_file(os.path.join(folder, MODEL_FILE)),
+        model=safetensors_io.read(os.path.join(folder, MODEL_FILE)),
         optimizer=load_file(os.path.join(folder, OPTIMIZER_FILE)),
         rng=load_file(os.path.join(folder, RNG_FILE)),
         trainer=trainer,
@@ -372,8 +384,11 @@ def load_extra(folder: str, name: str) -> dict[str, torch.Tensor] | None:
 
 
 @torch.no_grad()
-def load_model_state(model, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
-    """Copy ``tensors`` into the model's own storage (parameters keep their identity)."""
+def load_model_state(model, tensors: Mapping[str, torch.Tensor], aliases: dict[str, str]) -> None:
+    """Copy ``tensors`` into the model's own storage (parameters keep their identity).
+
+    Each tensor is looked up once, copied and dropped before the next: with a lazy mapping
+    (``Checkpoint.model``) one weight is in host memory at a time."""
     state = model.state_dict(keep_vars=True)
     missing = [n for n in state if n not in tensors and n not in aliases]
     unexpected = [n for n in tensors if n not in state]
@@ -387,6 +402,7 @@ def load_model_state(model, tensors: dict[str, torch.Tensor], aliases: dict[str,
             if source.shape != target.shape:
                 raise CheckpointError(f"model weight {name}: shape {tuple(source.shape)}, expected {tuple(target.shape)}")
             target.copy_(source.to(dtype=target.dtype, device=target.device))
+            del source
 
 
 # -- housekeeping --------------------------------------------------------------------------

@@ -6,8 +6,10 @@ default ``"5GB"``), else ``model-00001-of-0000N.safetensors`` … with
 ``model.safetensors.index.json`` (``metadata.total_size`` and the ``weight_map`` from each
 tensor to its file) — plus ``config.json``, ``generation_config.json`` (every end-of-turn id
 kept: the model's own, the tokenizer's eos and the chat template's end-of-turn token) and the
-tokenizer.  It is written to a temporary folder and published with the same fsync-and-rename as
-a checkpoint, so ``final/`` and ``best/`` are either the old copy or the new one.
+tokenizer.  The weights are streamed from where they live through a bounded buffer
+(``pgs.runtime.store.safetensors_io``), never copied whole to the host.  It is written to a
+temporary folder and published with the same fsync-and-rename as a checkpoint, so ``final/``
+and ``best/`` are either the old copy or the new one.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ import os
 import re
 import shutil
 
-from safetensors.torch import save_file
-
 from pgs.errors import SpecError
 from pgs.runtime.store.checkpoint import disk_full_guard, model_tensors, publish, tensor_bytes
+from pgs.runtime.store.safetensors_io import write as write_safetensors
 
 EXPORT_INFO = "pgs_export.json"
 WEIGHTS = "model.safetensors"
@@ -64,12 +65,12 @@ def write_weights(tensors: dict, folder: str, max_shard_size="5GB") -> list[str]
     """Write ``tensors`` into ``folder`` as one file or as shards with an index; returns the files."""
     shards = shard(tensors, parse_size(max_shard_size))
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
+        write_safetensors(os.path.join(folder, WEIGHTS), shards[0], {"format": "pt"})
         return [WEIGHTS]
     names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     weight_map = {}
     for name, part in zip(names, shards):
-        save_file(part, os.path.join(folder, name), metadata={"format": "pt"})
+        write_safetensors(os.path.join(folder, name), part, {"format": "pt"})
         weight_map.update(dict.fromkeys(part, name))
     index = {"metadata": {"total_size": tensor_bytes(tensors)}, "weight_map": weight_map}
     with open(os.path.join(folder, INDEX), "w", encoding="utf-8") as handle:
