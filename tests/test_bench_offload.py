@@ -49,10 +49,11 @@ def test_host_memory_by_phase_of_a_run():
 
 def test_host_sample_reads_this_process_and_its_children():
     import subprocess
-    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); time.sleep(30)"])
+    # the child says when its 64 MiB are written (a fixed sleep raced a loaded machine's startup)
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; b = bytearray(64 << 20); "
+                              "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
-        import time
-        time.sleep(1.0)
+        assert child.stdout.readline().strip() == "ready"
         alone = ob.host_sample(child.pid)
         tree = ob.host_sample(os.getpid())
     finally:
