@@ -149,7 +149,13 @@ def test_rng_states_round_trip():
     assert torch.equal(a, torch.rand(4)) and torch.equal(na, torch.rand(4, generator=noise))
 
 
-def test_manifest_lists_sizes_and_hashes(tmp_path):
+def test_manifest_lists_sizes_and_hashes(tmp_path, monkeypatch):
+    """Sizes and sha256 of every file; the safetensors files hashed as they were written (only
+    the small text files are read back for the manifest)."""
+    import hashlib
+    read_back = []
+    real = ckpt._sha256
+    monkeypatch.setattr(ckpt, "_sha256", lambda path: read_back.append(os.path.basename(path)) or real(path))
     model, bound = trained_pair()
     folder = write(tmp_path, 3, model, bound)
     manifest = json.loads(open(os.path.join(folder, ckpt.COMPLETE)).read())
@@ -157,7 +163,10 @@ def test_manifest_lists_sizes_and_hashes(tmp_path):
     assert set(manifest["files"]) == {ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE, ckpt.RNG_FILE, ckpt.TRAINER_FILE,
                                       ckpt.SPEC_FILE}
     for name, entry in manifest["files"].items():
-        assert entry["bytes"] == os.path.getsize(os.path.join(folder, name)) and len(entry["sha256"]) == 64
+        data = open(os.path.join(folder, name), "rb").read()
+        assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest(), name
+    assert sorted(read_back) == sorted([ckpt.TRAINER_FILE, ckpt.SPEC_FILE])
+    assert ckpt.problem(folder) is None
 
 
 @pytest.mark.parametrize("tied", [True, False])

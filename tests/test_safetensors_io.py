@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import struct
 
@@ -101,9 +102,11 @@ def test_small_chunks_non_contiguous_and_shared_storage(tmp_path):
     }
     copies = {k: v.contiguous().clone() for k, v in tensors.items()}
     save_file(copies, str(tmp_path / "ref.safetensors"), metadata={"x": "y"})
+    ref = (tmp_path / "ref.safetensors").read_bytes()
     for chunk in (1, 3, 7, 16, 64, 1 << 20):
-        sio.write(tmp_path / "ours.safetensors", tensors, {"x": "y"}, chunk_bytes=chunk)
-        assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes(), chunk
+        digest = sio.write(tmp_path / "ours.safetensors", tensors, {"x": "y"}, chunk_bytes=chunk)
+        assert (tmp_path / "ours.safetensors").read_bytes() == ref, chunk
+        assert digest == hashlib.sha256(ref).hexdigest(), chunk  # the sha256 of the bytes written
 
 
 def test_pieces_stay_bounded():
@@ -173,9 +176,11 @@ def test_cuda_tensors_stream_through_pinned_pieces(tmp_path):
     host["view.a"], host["view.b"] = flat[:100].view(10, 10).cpu(), flat[100:].view(10, 10).t().contiguous().cpu()
     cuda["t"], host["t"] = cuda["m"].t(), host["m"].t().contiguous()
     save_file(host, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    ref = (tmp_path / "ref.safetensors").read_bytes()
     for chunk in (16, 100, 1 << 20):
-        sio.write(tmp_path / "ours.safetensors", cuda, {"format": "pt"}, chunk_bytes=chunk)
-        assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes(), chunk
+        digest = sio.write(tmp_path / "ours.safetensors", cuda, {"format": "pt"}, chunk_bytes=chunk)
+        assert (tmp_path / "ours.safetensors").read_bytes() == ref, chunk
+        assert digest == hashlib.sha256(ref).hexdigest(), chunk
 
 
 def test_lazy_read_of_save_file_output(tmp_path):

@@ -8,7 +8,8 @@ A checkpoint is ``<run_dir>/step_<N>/``::
     trainer.json           counters, data-stream position, skip counters, best-so-far
     averaging.safetensors  with ``[averaging] ema``: the EMA of the weights (``save(extra=...)``)
     spec.resolved.toml     the spec the run was started with
-    COMPLETE               manifest: size and sha256 of every file above; written last
+    COMPLETE               manifest: size and sha256 of every file above (the safetensors
+                           files hashed as they are written); written last
 
 The safetensors files are written by ``pgs.runtime.store.safetensors_io.write``, which streams
 each tensor from where it lives (the accelerator, pinned host memory) through a bounded
@@ -149,13 +150,18 @@ def restore_rng(states: dict[str, torch.Tensor], noise_generator: torch.Generato
             gen.set_state(states[name])
 
 
-def write_manifest(folder: str, step: int, files: list[str]) -> None:
-    """The ``COMPLETE`` marker: sizes and sha256 of ``files``, fsynced.  Written last."""
+def write_manifest(folder: str, step: int, files: list[str], digests: Mapping[str, str] | None = None) -> None:
+    """The ``COMPLETE`` marker: sizes and sha256 of ``files``, fsynced.  Written last.
+
+    ``digests``: sha256 already computed while a file was written (``write_safetensors``
+    returns it); the files without one are read back and hashed here.
+    """
+    digests = digests or {}
     manifest = {
         "format": FORMAT_VERSION,
         "step": step,
         "files": {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
-                         "sha256": _sha256(os.path.join(folder, name))} for name in files},
+                         "sha256": digests.get(name) or _sha256(os.path.join(folder, name))} for name in files},
     }
     path = os.path.join(folder, COMPLETE)
     _write_text(path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -285,18 +291,20 @@ def save(
 
 def _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, trainer, spec_toml, hook,
                 extra=None) -> None:
-    write_safetensors(os.path.join(tmp, MODEL_FILE), tensors, {"format": "pt", "pgs": "model"})
+    digests = {MODEL_FILE: write_safetensors(os.path.join(tmp, MODEL_FILE), tensors, {"format": "pt", "pgs": "model"})}
     hook("model")
-    write_safetensors(os.path.join(tmp, OPTIMIZER_FILE), optimizer_state, {"pgs": "optimizer"})
+    digests[OPTIMIZER_FILE] = write_safetensors(os.path.join(tmp, OPTIMIZER_FILE), optimizer_state,
+                                                {"pgs": "optimizer"})
     hook("optimizer")
-    write_safetensors(os.path.join(tmp, RNG_FILE), rng, {"pgs": "rng"})
+    digests[RNG_FILE] = write_safetensors(os.path.join(tmp, RNG_FILE), rng, {"pgs": "rng"})
     for name, extra_tensors in (extra or {}).items():
-        write_safetensors(os.path.join(tmp, name), extra_tensors, {"pgs": name})
+        digests[name] = write_safetensors(os.path.join(tmp, name), extra_tensors, {"pgs": name})
     payload = {"format": FORMAT_VERSION, "step": step, "aliases": aliases, **trainer}
     _write_text(os.path.join(tmp, TRAINER_FILE), json.dumps(payload, indent=2, sort_keys=True) + "\n")
     _write_text(os.path.join(tmp, SPEC_FILE), spec_toml)
     hook("manifest")
-    write_manifest(tmp, step, [MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, *(extra or {}), TRAINER_FILE, SPEC_FILE])
+    write_manifest(tmp, step, [MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, *(extra or {}), TRAINER_FILE, SPEC_FILE],
+                   digests)
     publish(tmp, final)
 
 

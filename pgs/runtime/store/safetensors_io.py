@@ -26,6 +26,7 @@ reproducible.  With at most one metadata key the files are byte-for-byte equal.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -142,34 +143,48 @@ class _Bounce:
         return host, event
 
 
-def _write_all(handle, host: torch.Tensor) -> None:
-    handle.write(memoryview(host.numpy()))
+class _Sink:
+    """The open file and the sha256 of every byte handed to it: the checkpoint manifest takes
+    the digest from here instead of reading the file back (a second pass over 24 GiB at 8B)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.digest = hashlib.sha256()
+
+    def write(self, data) -> None:
+        self.digest.update(data)
+        self.handle.write(data)
 
 
-def _stream(handle, t: torch.Tensor, bounce: _Bounce, limit: int) -> None:
+def _write_all(sink: _Sink, host: torch.Tensor) -> None:
+    sink.write(memoryview(host.numpy()))
+
+
+def _stream(sink: _Sink, t: torch.Tensor, bounce: _Bounce, limit: int) -> None:
     if t.device.type == "cpu":
         for piece in pieces(t, limit):
-            _write_all(handle, piece)
+            _write_all(sink, piece)
         return
     if t.device.type != "cuda":
         for piece in pieces(t, limit):  # another accelerator: one piece at a time through the host
-            _write_all(handle, piece.to("cpu"))
+            _write_all(sink, piece.to("cpu"))
         return
     pending = None  # (host view, event) of the piece being copied
     for piece in pieces(t, limit):
         staged = bounce.stage(piece)
         if pending is not None:
             pending[1].synchronize()
-            _write_all(handle, pending[0])
+            _write_all(sink, pending[0])
         pending = staged
     if pending is not None:
         pending[1].synchronize()
-        _write_all(handle, pending[0])
+        _write_all(sink, pending[0])
 
 
 def write(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
-          *, chunk_bytes: int = CHUNK_BYTES) -> None:
-    """Write ``tensors`` to ``path`` as a safetensors file, streaming each one's bytes.
+          *, chunk_bytes: int = CHUNK_BYTES) -> str:
+    """Write ``tensors`` to ``path`` as a safetensors file, streaming each one's bytes;
+    returns the file's sha256 (hex), computed over the bytes as they are written.
 
     Tensors may live on any device, be non-contiguous and share storage with each other;
     none is copied whole.  Not fsynced (callers that publish a folder fsync it).  A failed
@@ -185,15 +200,17 @@ def write(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata
     bounce = _Bounce(min(chunk_bytes, max(on_cuda, default=0)))
     try:
         with open(path, "wb") as handle:
-            handle.write(head)
+            sink = _Sink(handle)
+            sink.write(head)
             for _name, t in entries:
-                _stream(handle, t, bounce, chunk_bytes)
+                _stream(sink, t, bounce, chunk_bytes)
     except BaseException:
         try:
             os.remove(path)
         except OSError:
             pass
         raise
+    return sink.digest.hexdigest()
 
 
 class LazyFile(Mapping):
