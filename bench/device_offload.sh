@@ -4,7 +4,9 @@
 # at the same shape, and the 4B recipe with and without memory.offload_optimizer, each with its
 # own timeout inside one budget.  Environment: STEPS (default 16: the mean is over steps 5-16),
 # ONLY (setups, comma-separated, default all: bandwidth,pgs_8b_offload,hf_8b_compiled_ac,pgs_4b,
-# pgs_4b_offload), TESTS (1: first the CUDA tests of the offload, tests/test_offload.py, ~1 min),
+# pgs_4b_offload), TESTS (1: first the CUDA tests of the offload, tests/test_offload.py, ~1 min;
+# anything else: pytest arguments run first, e.g. TESTS="-m cuda tests/test_pinned.py"; TEST_S
+# seconds for them, default 150),
 # BUDGET (seconds for the setups, default 560 less the tests' time).  Results: $OUT/offload.json
 # (rewritten after every setup, so a cut-off call keeps what finished), $OUT/all.log,
 # $OUT/pytest.log.
@@ -15,6 +17,10 @@ free -g >> "$OUT/all.log"
 if [ "${TESTS:-0}" = 1 ]; then
   log cuda tests
   cuda_tests 100 -m cuda --tb=short tests/test_offload.py
+elif [ -n "${TESTS:-}" ] && [ "$TESTS" != 0 ]; then
+  log pytest $TESTS
+  # shellcheck disable=SC2086  # TESTS is a list of pytest arguments
+  cuda_tests "${TEST_S:-150}" --tb=short $TESTS
 fi
 log offload bench
 BUDGET=${BUDGET:-$(left 565)}
