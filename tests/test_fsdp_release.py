@@ -114,6 +114,27 @@ def test_release_dcp_resume_bit_exact(released):
 
 
 # ----------------------------------------------------------------------------------------
+# one GPU: NCCL and CUDA streams (one rank; several GPUs belong to issue 28's device kind)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_release_over_nccl_on_one_gpu_equals_sharded_bind(tmp_path):
+    """FSDP2 over NCCL on one rank (the same path as with several: a group and a mesh of one),
+    fp32 and bf16 mixed precision: release equals ``bind_sharded`` bit for bit, every sharded
+    gradient freed inside backward, every unit stepped from its hook, a DCP resume bit-exact."""
+    procs = start("cuda", tmp_path, world=1)
+    assert finish(procs, tmp_path) == [0], _logs(tmp_path)
+    (r,) = results(tmp_path, "cuda", world=1)
+    assert r["backend"] == "nccl" and r["device"].startswith("cuda")
+    for key in ("adamw_fp32", "adamw_bf16", "lion_fp32", "lion_bf16"):
+        got = r[key]
+        assert got["max_abs_diff"] == 0.0 and got["resume_max_abs_diff"] == 0.0, (key, got)
+        assert got["finite"] and got["moved"] > 1e-3, (key, got)  # it trained
+        assert got["grads_left"] == 0 and got["streamed"] == [got["units"]] * R.STEPS, (key, got)
+
+
+# ----------------------------------------------------------------------------------------
 # no processes
 
 

@@ -2,6 +2,7 @@
 
 Not a test module.  Started as ``python tests/test_fsdp_release_harness.py release OUT`` once
 per rank with torchrun's environment; reuses the loop and the data of tests/test_fsdp_harness.py.
+Scenario ``cuda``: one rank on one GPU over NCCL (tests/test_fsdp_release.py's CUDA test).
 """
 
 from __future__ import annotations
@@ -128,11 +129,74 @@ def scenario_release(ctx, out: str) -> dict:
     return report
 
 
+def _on(ctx, batch):
+    return tuple(t.to(ctx.device) for t in batch)
+
+
+def scenario_cuda(ctx, out: str) -> dict:
+    """One GPU, NCCL, one rank (``D.init(single=True)``): FSDP2's reduce-scatter and the
+    release's steps on CUDA streams.  For AdamW (tied) and Lion (untied), fp32 and bf16 mixed
+    precision: 10 steps with release against 10 of ``bind_sharded``, a DCP resume of the
+    release run; rank 0's row block of tests/test_fsdp_harness.py's batches."""
+    from pgs.runtime.optim.sharded_bind import bind_sharded
+    from pgs.runtime.optim.sharded_release import ShardedGradientRelease
+
+    def make(name, mp, release):
+        factory, tied = CHAINS[name]
+        model = D.shard_model(H.tiny_model(tied).to(ctx.device), ctx.mesh, mixed_precision=mp)
+        return model, (ShardedGradientRelease(factory(), model) if release else bind_sharded(factory(), model))
+
+    def run(model, opt, first, last, info=None):
+        for step in range(first, last + 1):
+            ids, pos, labels = _on(ctx, H.block(H.global_batch(step), ctx.rank))
+            n = D.global_count(H.valid(labels))
+            H.micro_loss(model, ids, pos, labels, n).backward()
+            if info is not None:
+                info["grads_left"] = info.get("grads_left", 0) + sum(
+                    p.grad is not None for p in model.parameters())
+                info.setdefault("streamed", []).append(getattr(opt, "last_streamed", None))
+            opt.step()
+            opt.zero_grad()
+
+    report: dict = {"backend": ctx.backend, "device": str(ctx.device)}
+    for name in ("adamw", "lion"):
+        for mp in (None, "bf16"):
+            key = f"{name}_{mp or 'fp32'}"
+            model, opt = make(name, mp, True)
+            info: dict = {}
+            run(model, opt, 1, STEPS, info)
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            released = H.full_params(model)
+            model_b, opt_b = make(name, mp, False)
+            run(model_b, opt_b, 1, STEPS)
+            bound = H.full_params(model_b)
+            start = {k: p.detach().to(ctx.device) for k, p in H.tiny_model(CHAINS[name][1]).named_parameters()}
+            model2, opt2 = make(name, mp, True)
+            run(model2, opt2, 1, 5)
+            run_dir = os.path.join(out, f"cuda_{key}")
+            dcp.save(run_dir, 5, model=model2, optimizer=opt2, trainer={"next_step": 6})
+            model3, opt3 = make(name, mp, True)
+            trainer = dcp.load(dcp.latest(run_dir), model=model3, optimizer=opt3)
+            run(model3, opt3, trainer["next_step"], STEPS)
+            again = H.full_params(model3)
+            report[key] = {
+                "max_abs_diff": max((released[k] - bound[k]).abs().max().item() for k in released),
+                "resume_max_abs_diff": max((released[k] - again[k]).abs().max().item() for k in released),
+                "moved": max((released[k] - start[k]).abs().max().item() for k in released),
+                "finite": all(bool(torch.isfinite(v).all()) for v in released.values()),
+                "grads_left": info["grads_left"],
+                "streamed": info["streamed"],
+                "units": len(opt.units),
+            }
+    return report
+
+
 def main(argv: list[str]) -> int:
     name, out = argv[0], argv[1]
     torch.set_num_threads(1)
-    ctx = D.init()
-    result = {"release": scenario_release}[name](ctx, out)
+    ctx = D.init(single=name == "cuda")
+    result = {"release": scenario_release, "cuda": scenario_cuda}[name](ctx, out)
     result.update(rank=ctx.rank, world=ctx.world_size)
     with open(os.path.join(out, f"result_{name}_rank{ctx.rank}.json"), "w") as handle:
         json.dump(result, handle)
