@@ -92,7 +92,7 @@ def worker(args) -> dict | None:
         sync()
         times.append(time.perf_counter() - t0)
         tokens.append(n)
-    counts = torch.tensor(tokens, dtype=torch.float64)
+    counts = torch.tensor(tokens, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(counts)  # every rank's tokens of each step: the global step's
     peaks = peaks_per_rank(device)
     dist.destroy_process_group()
