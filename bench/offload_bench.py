@@ -134,7 +134,12 @@ def host_phases(samples: list[tuple], records: list[dict]) -> dict:
     out["host_pss_steps_gib"] = peak(lambda t: start <= t <= end and not saving(t))
     if saves:
         out["host_pss_save_gib"] = peak(saving)
-        out["checkpoint_s"] = [r.get("checkpoint_seconds") for r in records if r.get("event") == "checkpoint"]
+        events = [r for r in records if r.get("event") == "checkpoint"]
+        out["checkpoint_s"] = [r.get("checkpoint_seconds") for r in events]
+        if all("write_seconds" in r for r in events):  # the save's phases: written + hashed, fsynced
+            out["checkpoint_write_s"] = [r["write_seconds"] for r in events]
+            out["checkpoint_sync_s"] = [r["sync_seconds"] for r in events]
+            out["checkpoint_gib"] = [r["bytes"] / GiB for r in events]
     return out
 
 

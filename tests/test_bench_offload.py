@@ -38,11 +38,13 @@ def test_host_memory_by_phase_of_a_run():
     records = [{"event": "start", "time": 2.0},
                {"step": 1, "loss": 1.0, "tokens": 8, "step_seconds": 2.0, "time": 10.0},
                {"step": 2, "loss": 1.0, "tokens": 8, "step_seconds": 1.0, "time": 19.0},
-               {"step": 2, "event": "checkpoint", "path": "x/step_2", "checkpoint_seconds": 2.5, "time": 22.0},
+               {"step": 2, "event": "checkpoint", "path": "x/step_2", "checkpoint_seconds": 2.5, "time": 22.0,
+                "write_seconds": 1.5, "sync_seconds": 0.75, "bytes": 3 * G},
                {"step": 2, "event": "done", "time": 23.0}]
     out = ob.host_phases(samples, records)
     assert out["host_pss_setup_gib"] == 4 and out["host_pss_steps_gib"] == 6 and out["host_pss_save_gib"] == 9
     assert out["host_pss_max_gib"] == 9 and out["host_rss_main_max_gib"] == 8 and out["checkpoint_s"] == [2.5]
+    assert out["checkpoint_write_s"] == [1.5] and out["checkpoint_sync_s"] == [0.75] and out["checkpoint_gib"] == [3]
     assert ob.host_phases(samples, []) == {"host_pss_max_gib": 9, "host_rss_main_max_gib": 8}
     assert ob.host_phases([], records) == {}
 

@@ -109,6 +109,20 @@ def test_small_chunks_non_contiguous_and_shared_storage(tmp_path):
         assert digest == hashlib.sha256(ref).hexdigest(), chunk  # the sha256 of the bytes written
 
 
+def test_large_pieces_hashed_beside_the_write_give_the_file_s_sha256(tmp_path, monkeypatch):
+    """Pieces of at least ``OVERLAP_BYTES`` are hashed on a worker thread during the write: the
+    digest still equals the file's, for pieces above, at and below the threshold."""
+    monkeypatch.setattr(sio, "OVERLAP_BYTES", 4096)
+    g = torch.Generator().manual_seed(3)
+    tensors = {"big": torch.randn(300, 100, generator=g), "t": torch.randn(64, 90, generator=g).t(),
+               "small": torch.arange(7, dtype=torch.int32)}
+    for chunk in (1000, 4096, 8192, 1 << 20):
+        digest = sio.write(tmp_path / "f.safetensors", tensors, {"k": "v"}, chunk_bytes=chunk)
+        data = (tmp_path / "f.safetensors").read_bytes()
+        assert digest == hashlib.sha256(data).hexdigest(), chunk
+    assert_same_tensors(tmp_path / "f.safetensors", {k: v.contiguous() for k, v in tensors.items()})
+
+
 def test_pieces_stay_bounded():
     t = torch.randn(100, 30).t()  # non-contiguous, rows of 400 bytes
     for limit in (64, 400, 1000, 4096):

@@ -37,6 +37,10 @@ def test_each_save_is_an_event_with_its_folder_and_time(reference):
     for r in saves:
         assert Path(r["path"]).name == f"step_{r['step']}" and Path(r["path"]).is_dir()
         assert r["checkpoint_seconds"] > 0
+        # the save's two phases (written and hashed, then fsynced and renamed) and its files' size
+        assert 0 < r["write_seconds"] and 0 < r["sync_seconds"]
+        assert r["write_seconds"] + r["sync_seconds"] <= r["checkpoint_seconds"] + 0.002  # each rounded to 1 ms
+        assert r["bytes"] == sum(f.stat().st_size for f in Path(r["path"]).iterdir() if f.name != "COMPLETE")
 
 
 def test_sigkill_anywhere_then_resume_auto_is_bit_exact(tmp_path, reference):

@@ -310,8 +310,9 @@ def restore(run: Run, folder: str) -> None:
         run.health.load_state_dict(t["health"])
 
 
-def save(run: Run) -> str:
-    """Write ``step_<N>`` (durably), then purge old ones beyond ``checkpoint.keep``."""
+def save(run: Run, timings: dict[str, float] | None = None) -> str:
+    """Write ``step_<N>`` (durably), then purge old ones beyond ``checkpoint.keep``.
+    ``timings``: filled as ``pgs.runtime.store.checkpoint.save`` fills it (one process only)."""
     step = run.step
     if run.ctx is not None:
         folder = dcp.save(run.run_dir, step, model=run.model, optimizer=run.bound, trainer=run.counters(),
@@ -328,6 +329,7 @@ def save(run: Run) -> str:
         crash_hook=lambda stage: stage == "optimizer" and run.faults.crash("checkpoint_write", step),
         extra={AVERAGING_FILE: run.averaging.state_dict()} if run.averaging is not None and run.averaging.has_ema
         else None,
+        timings=timings,
     )
     ckpt.purge(run.run_dir, run.spec.checkpoint.keep)
     return folder
@@ -712,10 +714,11 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                     eval_and_keep_best(r)
                     r.step_clock = None  # evaluation is not a training step's time
                 if saving:
-                    began = time.perf_counter()
-                    path = save(r)
+                    began, timings = time.perf_counter(), {}
+                    path = save(r, timings)
                     r.log.write({"step": r.step, "event": "checkpoint", "path": path,
-                                 "checkpoint_seconds": round(time.perf_counter() - began, 3)})
+                                 "checkpoint_seconds": round(time.perf_counter() - began, 3),
+                                 **{k: round(v, 3) if isinstance(v, float) else v for k, v in timings.items()}})
                     r.step_clock = None
                     if stop:
                         if flags[control.SIGNAL]:

@@ -262,6 +262,7 @@ def save(
     spec_toml: str,
     crash_hook: Callable[[str], None] | None = None,
     extra: dict[str, dict[str, torch.Tensor]] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> str:
     """Write ``<run_dir>/step_<step>`` durably; returns its path.
 
@@ -270,6 +271,9 @@ def save(
     ``extra``: more safetensors files of the step (file name -> tensors), written before the
     manifest and covered by it (the weight EMA: ``averaging.safetensors``); ``load_extra``
     reads one back.
+
+    ``timings``: when given, filled with ``write_seconds`` (every file written and hashed),
+    ``sync_seconds`` (fsynced and renamed into place) and ``bytes`` (the files' size).
 
     ``crash_hook(stage)`` is called between files (tests kill the process there).  A full
     disk (``ENOSPC``, an exhausted quota) removes the temporary folder and raises
@@ -285,12 +289,13 @@ def save(
     with disk_full_guard(tmp, final, need):
         os.makedirs(tmp)
         _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, trainer, spec_toml,
-                    crash_hook or (lambda stage: None), extra)
+                    crash_hook or (lambda stage: None), extra, timings)
     return final
 
 
 def _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, trainer, spec_toml, hook,
-                extra=None) -> None:
+                extra=None, timings=None) -> None:
+    began = time.perf_counter()
     digests = {MODEL_FILE: write_safetensors(os.path.join(tmp, MODEL_FILE), tensors, {"format": "pt", "pgs": "model"})}
     hook("model")
     digests[OPTIMIZER_FILE] = write_safetensors(os.path.join(tmp, OPTIMIZER_FILE), optimizer_state,
@@ -303,9 +308,13 @@ def _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, traine
     _write_text(os.path.join(tmp, TRAINER_FILE), json.dumps(payload, indent=2, sort_keys=True) + "\n")
     _write_text(os.path.join(tmp, SPEC_FILE), spec_toml)
     hook("manifest")
-    write_manifest(tmp, step, [MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, *(extra or {}), TRAINER_FILE, SPEC_FILE],
-                   digests)
+    files = [MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, *(extra or {}), TRAINER_FILE, SPEC_FILE]
+    write_manifest(tmp, step, files, digests)
+    written = time.perf_counter()
+    size = sum(os.path.getsize(os.path.join(tmp, name)) for name in files)
     publish(tmp, final)
+    if timings is not None:
+        timings.update(write_seconds=written - began, sync_seconds=time.perf_counter() - written, bytes=size)
 
 
 # -- finding and verifying ----------------------------------------------------------------

@@ -31,6 +31,7 @@ import json
 import os
 import struct
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Mapping
 
 import torch
@@ -143,17 +144,39 @@ class _Bounce:
         return host, event
 
 
+#: pieces at least this large are hashed on a worker thread while the file write runs
+OVERLAP_BYTES = 1 << 20
+
+
 class _Sink:
     """The open file and the sha256 of every byte handed to it: the checkpoint manifest takes
-    the digest from here instead of reading the file back (a second pass over 24 GiB at 8B)."""
+    the digest from here instead of reading the file back (a second pass over 24 GiB at 8B).
+
+    A large piece is hashed on one worker thread while this thread writes it (hashlib and the
+    write system call both release the GIL), so a save takes the longer of the two rather than
+    their sum; ``write`` returns once both are done, so the caller may reuse the buffer."""
 
     def __init__(self, handle):
         self.handle = handle
         self.digest = hashlib.sha256()
+        self._worker: ThreadPoolExecutor | None = None
 
     def write(self, data) -> None:
-        self.digest.update(data)
-        self.handle.write(data)
+        if len(data) < OVERLAP_BYTES:
+            self.digest.update(data)
+            self.handle.write(data)
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="pgs-sha256")
+        hashed = self._worker.submit(self.digest.update, data)
+        try:
+            self.handle.write(data)
+        finally:
+            hashed.result()
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
 
 
 def _write_all(sink: _Sink, host: torch.Tensor) -> None:
@@ -201,9 +224,12 @@ def write(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata
     try:
         with open(path, "wb") as handle:
             sink = _Sink(handle)
-            sink.write(head)
-            for _name, t in entries:
-                _stream(sink, t, bounce, chunk_bytes)
+            try:
+                sink.write(head)
+                for _name, t in entries:
+                    _stream(sink, t, bounce, chunk_bytes)
+            finally:
+                sink.close()
     except BaseException:
         try:
             os.remove(path)
