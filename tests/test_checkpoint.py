@@ -149,24 +149,58 @@ def test_rng_states_round_trip():
     assert torch.equal(a, torch.rand(4)) and torch.equal(na, torch.rand(4, generator=noise))
 
 
-def test_manifest_lists_sizes_and_hashes(tmp_path, monkeypatch):
-    """Sizes and sha256 of every file; the safetensors files hashed as they were written (only
-    the small text files are read back for the manifest)."""
+def _chunked_sha256(data: bytes, chunk: int = 8 << 20) -> str:
+    """The manifest's digest as pgs.runtime.store.digest's docstring tells a user to check it."""
     import hashlib
+    return hashlib.sha256(b"".join(hashlib.sha256(data[i:i + chunk]).digest()
+                                   for i in range(0, len(data), chunk))).hexdigest()
+
+
+def test_manifest_lists_sizes_and_hashes(tmp_path, monkeypatch):
+    """Sizes and chunked sha256 of every file; the safetensors files hashed as they were
+    written (only the small text files are read back for the manifest)."""
+    from pgs.runtime.store import digest
+
     read_back = []
-    real = ckpt._sha256
-    monkeypatch.setattr(ckpt, "_sha256", lambda path: read_back.append(os.path.basename(path)) or real(path))
+    real = digest.file_digest
+    monkeypatch.setattr(digest, "file_digest", lambda path, *a, **k: read_back.append(os.path.basename(path))
+                        or real(path, *a, **k))
     model, bound = trained_pair()
     folder = write(tmp_path, 3, model, bound)
     manifest = json.loads(open(os.path.join(folder, ckpt.COMPLETE)).read())
-    assert manifest["step"] == 3
+    assert manifest["step"] == 3 and manifest["format"] == 2 and manifest["chunk_bytes"] == 8 << 20
     assert set(manifest["files"]) == {ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE, ckpt.RNG_FILE, ckpt.TRAINER_FILE,
                                       ckpt.SPEC_FILE}
     for name, entry in manifest["files"].items():
         data = open(os.path.join(folder, name), "rb").read()
-        assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest(), name
+        assert entry["bytes"] == len(data) and entry["sha256_chunks"] == _chunked_sha256(data), name
     assert sorted(read_back) == sorted([ckpt.TRAINER_FILE, ckpt.SPEC_FILE])
     assert ckpt.problem(folder) is None
+
+
+def test_a_format_1_manifest_whole_file_sha256_is_still_verified(tmp_path):
+    """Checkpoints of pgs before the chunked digest (manifest format 1: one sha256 per file)
+    resume as before; a flipped byte is still found; an unknown format or a bad chunk size is
+    named."""
+    import hashlib
+    model, bound = trained_pair()
+    folder = write(tmp_path, 2, model, bound)
+    path = os.path.join(folder, ckpt.COMPLETE)
+    manifest = json.loads(open(path).read())
+    old = {"format": 1, "step": 2, "files": {
+        name: {"bytes": e["bytes"], "sha256": hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()}
+        for name, e in manifest["files"].items()}}
+    open(path, "w").write(json.dumps(old))
+    assert ckpt.problem(folder) is None
+    weights = os.path.join(folder, ckpt.MODEL_FILE)
+    data = bytearray(open(weights, "rb").read())
+    data[-1] ^= 1
+    open(weights, "wb").write(bytes(data))
+    assert ckpt.problem(folder) == f"{ckpt.MODEL_FILE} does not match its sha256 in the manifest"
+    open(path, "w").write(json.dumps({**manifest, "format": 3}))
+    assert "manifest format 3" in ckpt.problem(folder)
+    open(path, "w").write(json.dumps({**manifest, "chunk_bytes": 0}))
+    assert "chunk_bytes 0" in ckpt.problem(folder)
 
 
 @pytest.mark.parametrize("tied", [True, False])

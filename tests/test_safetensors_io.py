@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from pgs.runtime.store import safetensors_io as sio
+from pgs.runtime.store.digest import file_digest
 
 
 def mixed() -> dict[str, torch.Tensor]:
@@ -106,20 +107,27 @@ def test_small_chunks_non_contiguous_and_shared_storage(tmp_path):
     for chunk in (1, 3, 7, 16, 64, 1 << 20):
         digest = sio.write(tmp_path / "ours.safetensors", tensors, {"x": "y"}, chunk_bytes=chunk)
         assert (tmp_path / "ours.safetensors").read_bytes() == ref, chunk
-        assert digest == hashlib.sha256(ref).hexdigest(), chunk  # the sha256 of the bytes written
+        assert digest == file_digest(tmp_path / "ours.safetensors"), chunk  # the digest of the bytes written
 
 
-def test_large_pieces_hashed_beside_the_write_give_the_file_s_sha256(tmp_path, monkeypatch):
-    """Pieces of at least ``OVERLAP_BYTES`` are hashed on a worker thread during the write: the
-    digest still equals the file's, for pieces above, at and below the threshold."""
+def test_large_pieces_hashed_beside_the_write_give_the_file_s_digest(tmp_path, monkeypatch):
+    """Pieces of at least ``OVERLAP_BYTES`` are hashed on worker threads during the write, cut
+    at the digest's chunk boundaries: the digest still equals the file's, for pieces above, at
+    and below the threshold and the chunk size."""
+    from pgs.runtime.store import digest
+
     monkeypatch.setattr(sio, "OVERLAP_BYTES", 4096)
+    monkeypatch.setattr(digest, "CHUNK_BYTES", 3000)
+    monkeypatch.setattr(sio, "ChunkedDigest", lambda: digest.ChunkedDigest(3000))
     g = torch.Generator().manual_seed(3)
     tensors = {"big": torch.randn(300, 100, generator=g), "t": torch.randn(64, 90, generator=g).t(),
                "small": torch.arange(7, dtype=torch.int32)}
     for chunk in (1000, 4096, 8192, 1 << 20):
-        digest = sio.write(tmp_path / "f.safetensors", tensors, {"k": "v"}, chunk_bytes=chunk)
+        got = sio.write(tmp_path / "f.safetensors", tensors, {"k": "v"}, chunk_bytes=chunk)
         data = (tmp_path / "f.safetensors").read_bytes()
-        assert digest == hashlib.sha256(data).hexdigest(), chunk
+        assert got == file_digest(tmp_path / "f.safetensors", 3000), chunk
+        assert got == hashlib.sha256(b"".join(hashlib.sha256(data[i:i + 3000]).digest()
+                                              for i in range(0, len(data), 3000))).hexdigest()
     assert_same_tensors(tmp_path / "f.safetensors", {k: v.contiguous() for k, v in tensors.items()})
 
 
@@ -194,7 +202,7 @@ def test_cuda_tensors_stream_through_pinned_pieces(tmp_path):
     for chunk in (16, 100, 1 << 20):
         digest = sio.write(tmp_path / "ours.safetensors", cuda, {"format": "pt"}, chunk_bytes=chunk)
         assert (tmp_path / "ours.safetensors").read_bytes() == ref, chunk
-        assert digest == hashlib.sha256(ref).hexdigest(), chunk
+        assert digest == file_digest(tmp_path / "ours.safetensors"), chunk
 
 
 def test_lazy_read_of_save_file_output(tmp_path):

@@ -8,8 +8,9 @@ A checkpoint is ``<run_dir>/step_<N>/``::
     trainer.json           counters, data-stream position, skip counters, best-so-far
     averaging.safetensors  with ``[averaging] ema``: the EMA of the weights (``save(extra=...)``)
     spec.resolved.toml     the spec the run was started with
-    COMPLETE               manifest: size and sha256 of every file above (the safetensors
-                           files hashed as they are written); written last
+    COMPLETE               manifest: size and digest (sha256 over 8 MiB chunks, see
+                           ``pgs.runtime.store.digest``) of every file above, the safetensors
+                           files hashed as they are written; written last
 
 The safetensors files are written by ``pgs.runtime.store.safetensors_io.write``, which streams
 each tensor from where it lives (the accelerator, pinned host memory) through a bounded
@@ -41,12 +42,17 @@ from safetensors.torch import load_file
 
 from pgs.errors import CheckpointError, DiskFull, PgsError, RunExists  # noqa: F401  (CheckpointError: re-exported)
 from pgs.runtime.loop.control import fsync_dir
+from pgs.runtime.store import digest as digest_mod
 from pgs.runtime.store import safetensors_io
 
 #: the writer of every safetensors file of a checkpoint (a module attribute: tests replace it)
 write_safetensors = safetensors_io.write
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # trainer.json
+#: the COMPLETE manifest: 2 records each file's chunked digest (``pgs.runtime.store.digest``);
+#: 1 (pgs before it) a whole-file sha256, still verified at resume
+MANIFEST_FORMAT = 2
+MANIFEST_FORMATS = {1: "sha256", 2: digest_mod.NAME}  # format -> the files' digest key
 COMPLETE = "COMPLETE"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -151,17 +157,20 @@ def restore_rng(states: dict[str, torch.Tensor], noise_generator: torch.Generato
 
 
 def write_manifest(folder: str, step: int, files: list[str], digests: Mapping[str, str] | None = None) -> None:
-    """The ``COMPLETE`` marker: sizes and sha256 of ``files``, fsynced.  Written last.
+    """The ``COMPLETE`` marker: size and digest (``pgs.runtime.store.digest``: sha256 over
+    8 MiB chunks) of each of ``files``, fsynced.  Written last.
 
-    ``digests``: sha256 already computed while a file was written (``write_safetensors``
+    ``digests``: digests already computed while a file was written (``write_safetensors``
     returns it); the files without one are read back and hashed here.
     """
     digests = digests or {}
     manifest = {
-        "format": FORMAT_VERSION,
+        "format": MANIFEST_FORMAT,
         "step": step,
+        "chunk_bytes": digest_mod.CHUNK_BYTES,
         "files": {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
-                         "sha256": digests.get(name) or _sha256(os.path.join(folder, name))} for name in files},
+                         digest_mod.NAME: digests.get(name) or digest_mod.file_digest(os.path.join(folder, name))}
+                  for name in files},
     }
     path = os.path.join(folder, COMPLETE)
     _write_text(path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -329,8 +338,13 @@ def problem(folder: str, *, hashes: bool = True) -> str | None:
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"unreadable COMPLETE manifest ({err})"
-    if manifest.get("format") != FORMAT_VERSION:
-        return f"checkpoint format {manifest.get('format')!r}, expected {FORMAT_VERSION}"
+    key = MANIFEST_FORMATS.get(manifest.get("format"))
+    if key is None:
+        return (f"checkpoint manifest format {manifest.get('format')!r}, expected one of "
+                f"{', '.join(map(str, MANIFEST_FORMATS))} (written by a newer pgs?)")
+    chunk = manifest.get("chunk_bytes", digest_mod.CHUNK_BYTES)
+    if type(chunk) is not int or chunk < 1:
+        return f"unreadable COMPLETE manifest (chunk_bytes {chunk!r}, expected a positive integer)"
     for name, entry in files.items():
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
@@ -338,8 +352,10 @@ def problem(folder: str, *, hashes: bool = True) -> str | None:
         size = os.path.getsize(path)
         if size != entry["bytes"]:
             return f"{name} has {size} bytes, the manifest says {entry['bytes']}"
-        if hashes and _sha256(path) != entry["sha256"]:
-            return f"{name} does not match its sha256 in the manifest"
+        if hashes:
+            got = _sha256(path) if key == "sha256" else digest_mod.file_digest(path, chunk)
+            if got != entry.get(key):
+                return f"{name} does not match its {key} in the manifest"
     return None
 
 

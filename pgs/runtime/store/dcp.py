@@ -7,7 +7,7 @@ A distributed checkpoint is ``<run_dir>/step_<N>/``::
     dcp.json              world size, which state keys are per rank
     trainer.json          counters and data-stream position (rank 0)
     spec.resolved.toml    the spec of the run (rank 0)
-    COMPLETE              manifest (size + sha256 of every file above), written last
+    COMPLETE              manifest (size + digest of every file above), written last
 
 It has the same life as a single-process checkpoint (``pgs.runtime.store.checkpoint``): written
 into ``.step_<N>.tmp-<pid>`` (rank 0's pid), fsynced, renamed, and valid only when its

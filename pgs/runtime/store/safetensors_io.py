@@ -26,7 +26,6 @@ reproducible.  With at most one metadata key the files are byte-for-byte equal.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -35,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Mapping
 
 import torch
+
+from pgs.runtime.store.digest import ChunkedDigest, workers
 
 #: chunk size of a write: the most host memory one piece of a tensor takes
 CHUNK_BYTES = 64 << 20
@@ -144,39 +145,42 @@ class _Bounce:
         return host, event
 
 
-#: pieces at least this large are hashed on a worker thread while the file write runs
+#: pieces at least this large are hashed on worker threads while the file write runs
 OVERLAP_BYTES = 1 << 20
 
 
 class _Sink:
-    """The open file and the sha256 of every byte handed to it: the checkpoint manifest takes
-    the digest from here instead of reading the file back (a second pass over 24 GiB at 8B).
+    """The open file and the digest of every byte handed to it (``pgs.runtime.store.digest``:
+    sha256 over 8 MiB chunks): the checkpoint manifest takes it from here instead of reading
+    the file back.
 
-    A large piece is hashed on one worker thread while this thread writes it (hashlib and the
-    write system call both release the GIL), so a save takes the longer of the two rather than
-    their sum; ``write`` returns once both are done, so the caller may reuse the buffer."""
+    A large piece's chunks are hashed on worker threads while this thread writes it (hashlib
+    and the write system call both release the GIL), so the write runs at the page cache's
+    speed rather than one sha256 core's; ``write`` returns once both are done, so the caller
+    may reuse the buffer."""
 
     def __init__(self, handle):
         self.handle = handle
-        self.digest = hashlib.sha256()
-        self._worker: ThreadPoolExecutor | None = None
+        self.digest = ChunkedDigest()
+        self._pool: ThreadPoolExecutor | None = None
 
     def write(self, data) -> None:
         if len(data) < OVERLAP_BYTES:
             self.digest.update(data)
             self.handle.write(data)
             return
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="pgs-sha256")
-        hashed = self._worker.submit(self.digest.update, data)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(workers(), thread_name_prefix="pgs-digest")
+        hashed = self.digest.update(data, self._pool)
         try:
             self.handle.write(data)
         finally:
-            hashed.result()
+            for future in hashed:
+                future.result()
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 def _write_all(sink: _Sink, host: torch.Tensor) -> None:
@@ -207,7 +211,8 @@ def _stream(sink: _Sink, t: torch.Tensor, bounce: _Bounce, limit: int) -> None:
 def write(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
           *, chunk_bytes: int = CHUNK_BYTES) -> str:
     """Write ``tensors`` to ``path`` as a safetensors file, streaming each one's bytes;
-    returns the file's sha256 (hex), computed over the bytes as they are written.
+    returns the file's digest (``pgs.runtime.store.digest``, hex), computed over the bytes as
+    they are written.
 
     Tensors may live on any device, be non-contiguous and share storage with each other;
     none is copied whole.  Not fsynced (callers that publish a folder fsync it).  A failed
