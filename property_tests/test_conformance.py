@@ -253,6 +253,27 @@ def test_state_roundtrip_through_safetensors(entry: Entry, data):
 
 @per_entry
 @given(data=st.data())
+def test_state_loads_in_place_into_a_fresh_init(entry: Entry, data):
+    """What a resume does (``BoundOptimizer.load_state_dict``): each saved entry copied into the
+    tensors of a freshly initialised state (``pf.state_entries``, ``leaf.copy_``).  Holds only if
+    no two leaves of ``init``'s state share memory; the next update then equals the original's."""
+    params, grads = entry_inputs(data, entry)
+    for opt in (entry.make(), pf.compile(entry.make(), jit=False)):
+        _, state = run_steps(opt, params, grads[:2])
+        saved = safetensors.torch.load(safetensors.torch.save(pf.state_to_dict(state)))
+        fresh = opt.init(params)
+        with torch.no_grad():
+            for leaf, value in pf.state_entries(fresh, saved):
+                leaf.copy_(value)
+        assert signature(fresh) == signature(state)
+        u_a, s_a = opt.update(grads[2], state, params)
+        u_b, s_b = opt.update(grads[2], fresh, params)
+        assert_same(u_b, u_a, "next update after loading in place")
+        assert_same(s_b, s_a, "next state after loading in place")
+
+
+@per_entry
+@given(data=st.data())
 def test_inject_hyperparams_matches_plain(entry: Entry, data):
     if entry.inject is None:
         pytest.skip(f"{entry.name}: no inject recipe ({entry.notes})")

@@ -49,7 +49,7 @@ from pgs.func.schedules import (
 )
 from pgs.func.sgd import scale_by_sgd_momentum
 from pgs.func.reported import reported_metrics
-from pgs.func.state_io import state_from_dict, state_to_dict
+from pgs.func.state_io import state_entries, state_from_dict, state_to_dict
 from pgs.func.weight_decay import add_decayed_weights
 from pgs.func.tree import leaves_with_paths, tree_map
 from pgs.func.step import NO_CONTEXT, StepContext

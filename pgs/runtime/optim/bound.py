@@ -21,7 +21,7 @@ per-parameter tree (the reference path) and the result is written back into the 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -186,24 +186,21 @@ class BoundOptimizer:
         d[_LAYOUT_KEY] = self._layout_fingerprint()
         return d
 
-    def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
-        """Restore state written by ``state_dict``; refuses a different parameter layout."""
+    @torch.no_grad()
+    def load_state_dict(self, d: Mapping[str, torch.Tensor]) -> None:
+        """Restore state written by ``state_dict``; refuses a different parameter layout.
+
+        Each entry is copied into the state's own tensor (the donated buffers of a compiled
+        chain stay), one at a time: ``d`` may be a lazily read file
+        (``Checkpoint.optimizer``), and no second copy of the state is ever made on the device."""
         fp = d.get(_LAYOUT_KEY)
         if fp is None or not torch.equal(fp.to(torch.uint8), self._layout_fingerprint()):
             raise TreeMismatch(
                 "optimizer state was saved for a different set of trainable parameters "
                 "(freeze policy, model or compile setting changed)"
             )
-        rest = {k: v for k, v in d.items() if k != _LAYOUT_KEY}
-        new = pf.state_from_dict(self.state, rest)
-        if self.compiled:
-            # keep the donated buffers: copy into them
-            olds, news = T.leaves(self.state), T.leaves(new)
-            for o, n in zip(olds, news):
-                if isinstance(o, torch.Tensor):
-                    o.copy_(n)
-        else:
-            self.state = new
+        for leaf, entry in pf.state_entries(self.state, d, ignore=lambda k: k == _LAYOUT_KEY):
+            leaf.copy_(entry)
 
     def dcp_state(self) -> dict[str, torch.Tensor]:
         """The state as DCP entries (by path, no fingerprint); the per-parameter path only, so

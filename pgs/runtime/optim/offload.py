@@ -56,6 +56,7 @@ import weakref
 
 import torch
 
+import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.runtime.optim.release import GradientRelease
@@ -587,7 +588,12 @@ class OffloadedRelease(GradientRelease):
     def load_state_dict(self, d) -> None:
         self.stager.synchronize()
         super().load_state_dict(d)
-        self.states = {g: self.stager.load(g, s) for g, s in self.states.items()}
+
+    def _load_states(self, d, ignore) -> None:
+        """The entries read from ``d`` (host tensors, as the homes are) and stored into each
+        group's host buffer (``StateStager.load``)."""
+        loaded = pf.state_from_dict(self.states, d, ignore=ignore)
+        self.states = {g: self.stager.load(g, s) for g, s in loaded.items()}
 
     def offload_stats(self) -> dict:
         """Host bytes of the state, device staging bytes, PCIe bytes moved so far and per step."""

@@ -73,7 +73,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -629,18 +629,29 @@ class GradientRelease:
         return d
 
     @torch.no_grad()
-    def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
-        """Restore ``state_dict``'s output; refuses another grouping or parameter set."""
+    def load_state_dict(self, d: Mapping[str, torch.Tensor]) -> None:
+        """Restore ``state_dict``'s output; refuses another grouping or parameter set.
+
+        Each entry is copied into the groups' own state tensors and the masters, one at a time
+        (``d`` may be a lazily read file): no second copy of the state on the device."""
         fp = d.get(_LAYOUT_KEY)
         if fp is None or not torch.equal(fp.to(torch.uint8), self._fingerprint()):
             raise TreeMismatch("optimizer state was saved for different trainable parameters, groups or "
                                "master weights (freeze policy, model, or gradient-release settings changed)")
-        masters = {k[len(_MASTER_PREFIX):]: v for k, v in d.items() if k.startswith(_MASTER_PREFIX)}
-        rest = {k: v for k, v in d.items() if k != _LAYOUT_KEY and not k.startswith(_MASTER_PREFIX)}
-        self.states = pf.state_from_dict(self.states, rest)
+        self._load_states(d, lambda k: k == _LAYOUT_KEY or k.startswith(_MASTER_PREFIX))
         for n, m in self.masters.items():
-            m.copy_(masters[n])
+            key = _MASTER_PREFIX + n
+            saved = d[key] if key in d else None
+            if saved is None or saved.shape != m.shape:
+                raise TreeMismatch(f"optimizer state's {key!r} is "
+                                   f"{'missing' if saved is None else f'of shape {tuple(saved.shape)}'}, "
+                                   f"expected {tuple(m.shape)}")
+            m.copy_(saved)
             self.params[n].copy_(m)
+
+    def _load_states(self, d: Mapping[str, torch.Tensor], ignore) -> None:
+        for leaf, entry in pf.state_entries(self.states, d, ignore=ignore):
+            leaf.copy_(entry)
 
     def counts(self) -> set[int]:
         """The distinct step counts found in the groups' states (one value when in lockstep)."""

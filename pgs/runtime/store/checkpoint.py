@@ -67,13 +67,14 @@ TMP_DIR = re.compile(r"^\.(step_\d+|best|final|final-ema)\.tmp-\d+$")
 class Checkpoint:
     """What a step folder holds (tensors on the CPU).
 
-    ``model`` is read lazily: each lookup reads that tensor from ``model.safetensors``
-    (``safetensors_io.LazyFile``), so ``load_model_state`` holds one weight at a time."""
+    ``model`` and ``optimizer`` are read lazily: each lookup reads that tensor from its file
+    (``safetensors_io.LazyFile``), so ``load_model_state`` and the optimizers'
+    ``load_state_dict`` (which copy entry by entry into what they hold) read one tensor at a time."""
 
     path: str
     step: int
     model: Mapping[str, torch.Tensor]
-    optimizer: dict[str, torch.Tensor]
+    optimizer: Mapping[str, torch.Tensor]
     rng: dict[str, torch.Tensor]
     trainer: dict[str, Any]
 
@@ -404,7 +405,7 @@ def load(folder: str) -> Checkpoint:
         path=folder,
         step=int(trainer["step"]),
         model=safetensors_io.read(os.path.join(folder, MODEL_FILE)),
-        optimizer=load_file(os.path.join(folder, OPTIMIZER_FILE)),
+        optimizer=safetensors_io.read(os.path.join(folder, OPTIMIZER_FILE)),
         rng=load_file(os.path.join(folder, RNG_FILE)),
         trainer=trainer,
     )

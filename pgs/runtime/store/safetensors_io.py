@@ -294,6 +294,9 @@ class LazyFile(Mapping):
                 raise ValueError(f"{self.path}: tensor {name!r} is cut short ({got} of {end - begin} bytes)")
         return out
 
+    def __contains__(self, name) -> bool:  # from the header (Mapping's default would read the tensor)
+        return name in self.entries
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.entries)
 
