@@ -22,7 +22,7 @@ def test_a_full_disk_is_disk_full_and_keeps_the_previous_cache(tmp_path, monkeyp
     path = cache.cache_path(str(tmp_path))
     old = {"train": torch.randn(3, 2), "eval": torch.randn(1, 2)}
     cache.save(path, old, PRINT)
-    monkeypatch.setattr(cache, "save_file", _full)
+    monkeypatch.setattr(cache, "write_safetensors", _full)
     with pytest.raises(DiskFull, match=r"disk full while writing the reference log-probs cache .*reference: it needs"):
         cache.save(path, {"train": torch.randn(5, 2), "eval": torch.randn(2, 2)}, PRINT)
     assert sorted(os.listdir(tmp_path)) == [cache.CACHE_DIR]  # the temporary folder is gone
@@ -34,7 +34,7 @@ def test_other_write_errors_stay_what_they_are(tmp_path, monkeypatch):
     def denied(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(cache, "save_file", denied)
+    monkeypatch.setattr(cache, "write_safetensors", denied)
     with pytest.raises(PermissionError):
         cache.save(cache.cache_path(str(tmp_path)), {"train": torch.zeros(1, 2)}, PRINT)
 

@@ -26,11 +26,11 @@ import shutil
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from pgs.errors import PgsError
 from pgs.runtime.data.chat import chat_template_of
 from pgs.runtime.store import checkpoint as ckpt
+from pgs.runtime.store.safetensors_io import write as write_safetensors
 
 CACHE_DIR = "reference"
 CACHE_FILE = "logps.safetensors"
@@ -133,10 +133,9 @@ def save(path: str, tensors: dict[str, torch.Tensor], print_: dict[str, str]) ->
     folder = os.path.dirname(os.path.abspath(path))
     tmp = _temporary(path)
     shutil.rmtree(tmp, ignore_errors=True)
-    payload = {k: v.contiguous().cpu() for k, v in tensors.items()}
-    with ckpt.disk_full_guard(tmp, folder, ckpt.tensor_bytes(payload), what="reference log-probs cache",
+    with ckpt.disk_full_guard(tmp, folder, ckpt.tensor_bytes(tensors), what="reference log-probs cache",
                               contents="reference log-probs"):
         os.makedirs(tmp)
-        save_file(payload, os.path.join(tmp, os.path.basename(path)),
-                  metadata={"fingerprint": json.dumps(print_, sort_keys=True)})
+        write_safetensors(os.path.join(tmp, os.path.basename(path)), tensors,
+                          {"fingerprint": json.dumps(print_, sort_keys=True)})
         ckpt.publish(tmp, folder)
