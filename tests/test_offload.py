@@ -138,6 +138,64 @@ def test_resume_is_exact(tmp_path):
         assert_same(a, c, straight, rel)
 
 
+def test_resume_from_a_lazy_file_holds_one_group_at_a_time(tmp_path):
+    """A resume reads the offloaded state group by group from the lazily read optimizer file
+    (``Checkpoint.optimizer``): at most one group's entries (and the layout fingerprint) alive
+    at once, and the run continues exactly; an entry the optimizer lacks is named."""
+    import weakref
+
+    from pgs.errors import TreeMismatch
+    from pgs.runtime.store import safetensors_io
+
+    data = batches(4)
+    chain = CHAINS["adamw8bit"]
+    a = tiny_model()
+    straight = run(a, OffloadedRelease(chain(), a), data)
+    b = tiny_model()
+    first = run(b, OffloadedRelease(chain(), b), data[:2])
+    safetensors_io.write(tmp_path / "opt.safetensors", first.state_dict(copy=False))
+    weights = {n: p.detach().clone() for n, p in b.named_parameters()}
+
+    class Counting(dict):
+        most, alive = 0, []
+
+        def __getitem__(self, key):
+            t = lazy[key]
+            self.alive = [r for r in self.alive if r() is not None] + [weakref.ref(t)]
+            self.most = max(self.most, len(self.alive))
+            return t
+
+        def get(self, key, default=None):
+            return self[key] if key in lazy else default
+
+        def __contains__(self, key):
+            return key in lazy
+
+        def __iter__(self):
+            return iter(lazy)
+
+    lazy = safetensors_io.read(tmp_path / "opt.safetensors")
+    c = tiny_model()
+    with torch.no_grad():
+        for n, p in c.named_parameters():
+            p.copy_(weights[n])
+    rel = OffloadedRelease(chain(), c)
+    reader = Counting()
+    rel.load_state_dict(reader)
+    largest = max(len([x for x in T.leaves(st) if x is not None]) for st in rel.states.values())
+    # the 0-d leaves read stay: they are the state (on the device); the rest is one group's at most
+    kept = sum(1 for st in rel.states.values() for x in T.leaves(st) if x is not None and x.ndim == 0)
+    assert reader.most <= largest + kept + 1 < len(lazy)
+    run(c, rel, data[2:])
+    assert_same(a, c, straight, rel)
+
+    extra = dict(first.state_dict("cpu"), **{"zz.unknown": torch.zeros(2)})
+    safetensors_io.write(tmp_path / "extra.safetensors", extra)
+    d = tiny_model()
+    with pytest.raises(TreeMismatch, match="zz.unknown"):
+        OffloadedRelease(chain(), d).load_state_dict(safetensors_io.read(tmp_path / "extra.safetensors"))
+
+
 def test_tied_slabs_offloaded():
     """The 4B recipe's path: the tied embedding stepped in row slabs at the end of backward,
     with the deferred head gradient, from a staged state."""
