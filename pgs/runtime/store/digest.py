@@ -1,9 +1,9 @@
 """The checkpoint manifest's file digest: sha256 over 8 MiB chunks, hashed in parallel.
 
-One sha256 over a whole file is a single sequential pass: about 1.4 GB/s on a server core,
-slower than the page cache takes the bytes (2.6 GB/s measured on the H200 host) and 17 s of
-every save of a Qwen3-8B checkpoint (23 GiB).  The chunks of a file are independent, so
-this digest hashes them on several threads::
+One sha256 over a whole file is a single sequential pass at one core's speed, slower than the
+page cache takes the bytes, so it would set the pace of every save (docs/performance.md,
+"Checkpoint saves").  The chunks of a file are independent, so this digest hashes them on
+several threads::
 
     chunk_i = file[i·C : min((i+1)·C, size)]        C = 8 MiB, i = 0 .. ceil(size / C) - 1
     digest  = sha256( sha256(chunk_0) ‖ sha256(chunk_1) ‖ … )   (raw 32-byte digests; sha256(b"") when empty)
