@@ -119,23 +119,36 @@ def test_resume_is_exact(tmp_path):
     the run continues exactly as without the interruption."""
     from safetensors.torch import load_file, save_file
 
+    data, chain, a, straight, first, restart = _interrupted()
+    save_file(first.state_dict("cpu"), tmp_path / "opt.safetensors")
+    for cls in (OffloadedRelease, GradientRelease):
+        c = restart()
+        rel = cls(chain(), c)
+        rel.load_state_dict(load_file(tmp_path / "opt.safetensors"))
+        run(c, rel, data[2:])
+        assert_same(a, c, straight, rel)
+
+
+def _interrupted():
+    """An offloaded AdamW8bit run of 4 steps straight, and the same run's first 2 steps:
+    (data, chain, the straight model, its release, the 2-step release, a function making a
+    fresh model with the 2-step weights)."""
     data = batches(4)
     chain = CHAINS["adamw8bit"]
     a = tiny_model()
     straight = run(a, OffloadedRelease(chain(), a), data)
     b = tiny_model()
     first = run(b, OffloadedRelease(chain(), b), data[:2])
-    save_file(first.state_dict("cpu"), tmp_path / "opt.safetensors")
     weights = {n: p.detach().clone() for n, p in b.named_parameters()}
-    for cls in (OffloadedRelease, GradientRelease):
+
+    def restart():
         c = tiny_model()
         with torch.no_grad():
             for n, p in c.named_parameters():
                 p.copy_(weights[n])
-        rel = cls(chain(), c)
-        rel.load_state_dict(load_file(tmp_path / "opt.safetensors"))
-        run(c, rel, data[2:])
-        assert_same(a, c, straight, rel)
+        return c
+
+    return data, chain, a, straight, first, restart
 
 
 def test_resume_from_a_lazy_file_holds_one_group_at_a_time(tmp_path):
@@ -147,14 +160,8 @@ def test_resume_from_a_lazy_file_holds_one_group_at_a_time(tmp_path):
     from pgs.errors import TreeMismatch
     from pgs.runtime.store import safetensors_io
 
-    data = batches(4)
-    chain = CHAINS["adamw8bit"]
-    a = tiny_model()
-    straight = run(a, OffloadedRelease(chain(), a), data)
-    b = tiny_model()
-    first = run(b, OffloadedRelease(chain(), b), data[:2])
+    data, chain, a, straight, first, restart = _interrupted()
     safetensors_io.write(tmp_path / "opt.safetensors", first.state_dict(copy=False))
-    weights = {n: p.detach().clone() for n, p in b.named_parameters()}
 
     class Counting(dict):
         most, alive = 0, []
@@ -175,10 +182,7 @@ def test_resume_from_a_lazy_file_holds_one_group_at_a_time(tmp_path):
             return iter(lazy)
 
     lazy = safetensors_io.read(tmp_path / "opt.safetensors")
-    c = tiny_model()
-    with torch.no_grad():
-        for n, p in c.named_parameters():
-            p.copy_(weights[n])
+    c = restart()
     rel = OffloadedRelease(chain(), c)
     reader = Counting()
     rel.load_state_dict(reader)
