@@ -593,20 +593,15 @@ class OffloadedRelease(GradientRelease):
         """Group by group: the group's entries read from ``d`` and stored into its host buffer
         (``StateStager.load``), so the host holds one group's entries beside the state at a
         time (``d`` a lazily read file); the 0-d leaves go where they live (the device)."""
-        wanted: set[str] = set()
+        pairs = pf.state_entries(self.states, d, ignore=ignore)  # the groups' leaves, in order
         for g in list(self.states):
-            wanted.update(self._load_group(g, d))  # its entries are freed before the next group's are read
-        extra = sorted(k for k in d if k not in wanted and k != pf.state_io.VERSION_KEY and not ignore(k))
-        if extra:
-            raise TreeMismatch(f"state dict has entry {extra[0]!r} that the optimizer does not have")
+            self._load_group(g, pairs)  # its entries are freed before the next group's are read
+        next(pairs, None)  # past the last leaf: refuses the entries the optimizer lacks
 
-    def _load_group(self, g: str, d) -> list[str]:
-        s = self.states[g]
-        leaves, spec = T.flatten(s)
-        pairs = iter(pf.state_entries({g: s}, d, ignore=lambda k: True))  # extras: the caller checks them
+    def _load_group(self, g: str, pairs) -> None:
+        leaves, spec = T.flatten(self.states[g])
         loaded = [x if x is None else next(pairs)[1].to(x.device) for x in leaves]
         self.states[g] = self.stager.load(g, T.unflatten(loaded, spec))
-        return [p for p, x in T.leaves_with_paths({g: s}) if x is not None]
 
     def offload_stats(self) -> dict:
         """Host bytes of the state, device staging bytes, PCIe bytes moved so far and per step."""

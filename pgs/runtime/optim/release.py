@@ -639,14 +639,10 @@ class GradientRelease:
             raise TreeMismatch("optimizer state was saved for different trainable parameters, groups or "
                                "master weights (freeze policy, model, or gradient-release settings changed)")
         self._load_states(d, lambda k: k == _LAYOUT_KEY or k.startswith(_MASTER_PREFIX))
-        for n, m in self.masters.items():
-            key = _MASTER_PREFIX + n
-            saved = d[key] if key in d else None
-            if saved is None or saved.shape != m.shape:
-                raise TreeMismatch(f"optimizer state's {key!r} is "
-                                   f"{'missing' if saved is None else f'of shape {tuple(saved.shape)}'}, "
-                                   f"expected {tuple(m.shape)}")
+        # the masters' keys are their tree paths under the prefix: checked as the state's entries are
+        for m, saved in pf.state_entries({_MASTER_PREFIX[:-1]: self.masters}, d, ignore=lambda k: True):
             m.copy_(saved)
+        for n, m in self.masters.items():
             self.params[n].copy_(m)
 
     def _load_states(self, d: Mapping[str, torch.Tensor], ignore) -> None:

@@ -157,9 +157,9 @@ def restore_rng(states: dict[str, torch.Tensor], noise_generator: torch.Generato
             gen.set_state(states[name])
 
 
-def write_manifest(folder: str, step: int, files: list[str], digests: Mapping[str, str] | None = None) -> None:
+def write_manifest(folder: str, step: int, files: list[str], digests: Mapping[str, str] | None = None) -> dict:
     """The ``COMPLETE`` marker: size and digest (``pgs.runtime.store.digest``: sha256 over
-    8 MiB chunks) of each of ``files``, fsynced.  Written last.
+    8 MiB chunks) of each of ``files``, fsynced.  Written last; returns the manifest.
 
     ``digests``: digests already computed while a file was written (``write_safetensors``
     returns it); the files without one are read back and hashed here.
@@ -176,6 +176,7 @@ def write_manifest(folder: str, step: int, files: list[str], digests: Mapping[st
     path = os.path.join(folder, COMPLETE)
     _write_text(path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     _fsync_file(path)
+    return manifest
 
 
 def publish(tmp: str, final: str) -> None:
@@ -319,12 +320,12 @@ def _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, traine
     _write_text(os.path.join(tmp, SPEC_FILE), spec_toml)
     hook("manifest")
     files = [MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, *(extra or {}), TRAINER_FILE, SPEC_FILE]
-    write_manifest(tmp, step, files, digests)
+    manifest = write_manifest(tmp, step, files, digests)
     written = time.perf_counter()
-    size = sum(os.path.getsize(os.path.join(tmp, name)) for name in files)
     publish(tmp, final)
     if timings is not None:
-        timings.update(write_seconds=written - began, sync_seconds=time.perf_counter() - written, bytes=size)
+        timings.update(write_seconds=written - began, sync_seconds=time.perf_counter() - written,
+                       bytes=sum(entry["bytes"] for entry in manifest["files"].values()))
 
 
 # -- finding and verifying ----------------------------------------------------------------
