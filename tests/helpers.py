@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -248,3 +249,28 @@ def cli_error(argv: list[str], capsys) -> tuple[int, str]:
     code = main(argv)
     _, err = capsys.readouterr()
     return code, error_line(err)
+
+
+class CountingReader(Mapping):
+    """A read-only mapping over ``inner`` (a lazily read safetensors file) that records the most
+    tensors it handed out that were alive at once (``most``): what a loader holds at its peak."""
+
+    def __init__(self, inner: Mapping):
+        self.inner, self.alive, self.most = inner, [], 0
+
+    def __getitem__(self, key):
+        import weakref
+
+        t = self.inner[key]
+        self.alive = [r for r in self.alive if r() is not None] + [weakref.ref(t)]
+        self.most = max(self.most, len(self.alive))
+        return t
+
+    def __contains__(self, key) -> bool:
+        return key in self.inner
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pgs.func as pf
+from helpers import CountingReader
 from pgs.runtime.store import checkpoint as ckpt
 from pgs.runtime.store import export as export_mod
 from pgs.runtime.loop import train as train_mod
@@ -273,29 +274,6 @@ def test_state_dict_copy_false_shares_the_live_state():
         assert copies[path].data_ptr() != x.data_ptr()
 
 
-class _Counting:
-    """A mapping over a lazily read file that records the most entries alive at once."""
-
-    def __init__(self, inner):
-        import weakref
-        self.inner, self.alive, self.most, self._ref = inner, [], 0, weakref.ref
-
-    def __getitem__(self, key):
-        t = self.inner[key]
-        self.alive = [r for r in self.alive if r() is not None] + [self._ref(t)]
-        self.most = max(self.most, len(self.alive))
-        return t
-
-    def __contains__(self, key):
-        return key in self.inner
-
-    def __iter__(self):
-        return iter(self.inner)
-
-    def get(self, key, default=None):
-        return self[key] if key in self else default
-
-
 @pytest.mark.parametrize("kind", ["bound", "compiled", "release", "release_masters"])
 def test_optimizer_state_loads_into_its_own_tensors_one_entry_at_a_time(tmp_path, kind):
     """``load_state_dict`` copies each entry of the lazily read optimizer file into the state
@@ -322,7 +300,7 @@ def test_optimizer_state_loads_into_its_own_tensors_one_entry_at_a_time(tmp_path
     folder = write(tmp_path, 2, model, opt)
     fresh_model, fresh = make(1)
     held = {k: v for k, v in fresh.state_dict(copy=False).items() if not k.startswith("__")}
-    reader = _Counting(ckpt.load(folder).optimizer)
+    reader = CountingReader(ckpt.load(folder).optimizer)
     fresh.load_state_dict(reader)
     after = fresh.state_dict(copy=False)
     for k, v in opt.state_dict().items():

@@ -48,27 +48,27 @@ CHAINS = {
 }
 
 
-def build(name: str, ctx, *, release: bool):
+def build(name: str, ctx, *, release: bool, mixed_precision: str | None = None):
     from pgs.runtime.optim.sharded_bind import bind_sharded
     from pgs.runtime.optim.sharded_release import ShardedGradientRelease
 
     factory, tied = CHAINS[name]
-    model = H.tiny_model(tied)
+    model = H.tiny_model(tied).to(ctx.device)
     if name.endswith("_unused"):
         model.model.layers[0].register_parameter("pgs_unused", torch.nn.Parameter(torch.ones(8, 4)))
     if name.endswith("_ckpt"):
         from pgs.runtime.model.layers import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, "sublayer", offload=True)
-    model = D.shard_model(model, ctx.mesh)
+    model = D.shard_model(model, ctx.mesh, mixed_precision=mixed_precision)
     opt = ShardedGradientRelease(factory(), model) if release else bind_sharded(factory(), model)
     return model, opt
 
 
 def train(model, opt, ctx, first: int, last: int, report: dict | None = None) -> None:
-    """H.train's loop, also recording whether any gradient survived a backward."""
+    """H.train's loop on ``ctx.device``, also recording whether any gradient survived a backward."""
     for step in range(first, last + 1):
-        ids, pos, labels = H.block(H.global_batch(step), ctx.rank)
+        ids, pos, labels = (t.to(ctx.device) for t in H.block(H.global_batch(step), ctx.rank))
         n = D.global_count(H.valid(labels))
         H.micro_loss(model, ids, pos, labels, n).backward()
         if report is not None:
@@ -84,7 +84,7 @@ def train_bound(model, opt, ctx, first: int, last: int) -> list[float]:
     """The non-release sharded loop; returns the global gradient norm of every step."""
     norms = []
     for step in range(first, last + 1):
-        ids, pos, labels = H.block(H.global_batch(step), ctx.rank)
+        ids, pos, labels = (t.to(ctx.device) for t in H.block(H.global_batch(step), ctx.rank))
         n = D.global_count(H.valid(labels))
         H.micro_loss(model, ids, pos, labels, n).backward()
         norms.append(opt.grad_norm())
@@ -129,56 +129,32 @@ def scenario_release(ctx, out: str) -> dict:
     return report
 
 
-def _on(ctx, batch):
-    return tuple(t.to(ctx.device) for t in batch)
-
-
 def scenario_cuda(ctx, out: str) -> dict:
     """One GPU, NCCL, one rank (``D.init(single=True)``): FSDP2's reduce-scatter and the
     release's steps on CUDA streams.  For AdamW (tied) and Lion (untied), fp32 and bf16 mixed
     precision: 10 steps with release against 10 of ``bind_sharded``, a DCP resume of the
     release run; rank 0's row block of tests/test_fsdp_harness.py's batches."""
-    from pgs.runtime.optim.sharded_bind import bind_sharded
-    from pgs.runtime.optim.sharded_release import ShardedGradientRelease
-
-    def make(name, mp, release):
-        factory, tied = CHAINS[name]
-        model = D.shard_model(H.tiny_model(tied).to(ctx.device), ctx.mesh, mixed_precision=mp)
-        return model, (ShardedGradientRelease(factory(), model) if release else bind_sharded(factory(), model))
-
-    def run(model, opt, first, last, info=None):
-        for step in range(first, last + 1):
-            ids, pos, labels = _on(ctx, H.block(H.global_batch(step), ctx.rank))
-            n = D.global_count(H.valid(labels))
-            H.micro_loss(model, ids, pos, labels, n).backward()
-            if info is not None:
-                info["grads_left"] = info.get("grads_left", 0) + sum(
-                    p.grad is not None for p in model.parameters())
-                info.setdefault("streamed", []).append(getattr(opt, "last_streamed", None))
-            opt.step()
-            opt.zero_grad()
-
     report: dict = {"backend": ctx.backend, "device": str(ctx.device)}
     for name in ("adamw", "lion"):
         for mp in (None, "bf16"):
             key = f"{name}_{mp or 'fp32'}"
-            model, opt = make(name, mp, True)
+            model, opt = build(name, ctx, release=True, mixed_precision=mp)
             info: dict = {}
-            run(model, opt, 1, STEPS, info)
+            train(model, opt, ctx, 1, STEPS, info)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             released = H.full_params(model)
-            model_b, opt_b = make(name, mp, False)
-            run(model_b, opt_b, 1, STEPS)
+            model_b, opt_b = build(name, ctx, release=False, mixed_precision=mp)
+            train_bound(model_b, opt_b, ctx, 1, STEPS)
             bound = H.full_params(model_b)
             start = {k: p.detach().to(ctx.device) for k, p in H.tiny_model(CHAINS[name][1]).named_parameters()}
-            model2, opt2 = make(name, mp, True)
-            run(model2, opt2, 1, 5)
+            model2, opt2 = build(name, ctx, release=True, mixed_precision=mp)
+            train(model2, opt2, ctx, 1, 5)
             run_dir = os.path.join(out, f"cuda_{key}")
             dcp.save(run_dir, 5, model=model2, optimizer=opt2, trainer={"next_step": 6})
-            model3, opt3 = make(name, mp, True)
+            model3, opt3 = build(name, ctx, release=True, mixed_precision=mp)
             trainer = dcp.load(dcp.latest(run_dir), model=model3, optimizer=opt3)
-            run(model3, opt3, trainer["next_step"], STEPS)
+            train(model3, opt3, ctx, trainer["next_step"], STEPS)
             again = H.full_params(model3)
             report[key] = {
                 "max_abs_diff": max((released[k] - bound[k]).abs().max().item() for k in released),

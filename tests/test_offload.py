@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import pgs.func as pf
+from helpers import CountingReader
 from pgs.errors import SpecError
 from pgs.func import tree as T
 from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
@@ -155,36 +156,16 @@ def test_resume_from_a_lazy_file_holds_one_group_at_a_time(tmp_path):
     """A resume reads the offloaded state group by group from the lazily read optimizer file
     (``Checkpoint.optimizer``): at most one group's entries (and the layout fingerprint) alive
     at once, and the run continues exactly; an entry the optimizer lacks is named."""
-    import weakref
-
     from pgs.errors import TreeMismatch
     from pgs.runtime.store import safetensors_io
 
     data, chain, a, straight, first, restart = _interrupted()
     safetensors_io.write(tmp_path / "opt.safetensors", first.state_dict(copy=False))
 
-    class Counting(dict):
-        most, alive = 0, []
-
-        def __getitem__(self, key):
-            t = lazy[key]
-            self.alive = [r for r in self.alive if r() is not None] + [weakref.ref(t)]
-            self.most = max(self.most, len(self.alive))
-            return t
-
-        def get(self, key, default=None):
-            return self[key] if key in lazy else default
-
-        def __contains__(self, key):
-            return key in lazy
-
-        def __iter__(self):
-            return iter(lazy)
-
     lazy = safetensors_io.read(tmp_path / "opt.safetensors")
     c = restart()
     rel = OffloadedRelease(chain(), c)
-    reader = Counting()
+    reader = CountingReader(lazy)
     rel.load_state_dict(reader)
     largest = max(len([x for x in T.leaves(st) if x is not None]) for st in rel.states.values())
     # the 0-d leaves read stay: they are the state (on the device); the rest is one group's at most
