@@ -13,6 +13,11 @@ every setup, so partial results survive):
    checkpointing, ``torch.optim.AdamW(fused=True)``).
 4. ``pgs_4b`` and ``pgs_4b_offload``: ``specs/qwen3_4b_12gib.toml`` with the state on the
    device and with ``--set memory.offload_optimizer=true --set memory.device_limit_gib=9`` (the 9 GiB recipe).
+5. ``pgs_4b_resume`` and ``pgs_8b_offload_resume``: the recipe killed after step N/2 + 1 and
+   continued with ``--resume auto`` from its checkpoint at N/2 (``run_resume``): the resumed
+   run's peaks (the state's load included), launch to first step, and beside the uninterrupted
+   setup earlier in the same call the largest loss difference and whether the final weights
+   are equal.
 
 For the ``pgs run`` setups: tokens/s is ``bench/product.py``'s "mean" over steps
 ``--skip``+1 to N (the run's own step records), max allocated / reserved are the run's
@@ -51,6 +56,9 @@ SETUPS = {  # name -> (kind, spec, extra --set, default timeout s)
     "pgs_4b": ("pgs", "specs/qwen3_4b_12gib.toml", [], 110),
     "pgs_4b_offload": ("pgs", "specs/qwen3_4b_12gib.toml",
                        ["memory.offload_optimizer=true", "memory.device_limit_gib=9"], 110),
+    # killed after step N/2 + 1 and resumed from the checkpoint at N/2 (run_resume)
+    "pgs_4b_resume": ("resume", "specs/qwen3_4b_12gib.toml", [], 220),
+    "pgs_8b_offload_resume": ("resume", "specs/qwen3_8b_20gib.toml", [], 400),
 }
 
 
@@ -165,47 +173,96 @@ def _run_child(cmd: list[str], timeout: float, env=None) -> tuple[int | None, st
         return rc, out.read(), err.read(), host.samples
 
 
-def run_pgs(name: str, spec: str, sets: list[str], args, timeout: float) -> dict:
+def run_pgs(name: str, spec: str, sets: list[str], args, timeout: float, *, env: dict | None = None,
+            resume: bool = False, keep: bool = False) -> dict:
+    """``pgs run`` of one setup in ``<workdir>/<name>``.  ``env``: more environment (a fault to
+    inject); ``resume``: the folder is kept and the run continues it (``--resume auto``), and its
+    figures are those after the resume; ``keep``: the folder stays for a run that resumes it."""
     run_dir = os.path.join(args.workdir, name)
-    subprocess.run(["rm", "-rf", run_dir])
+    if not resume:
+        subprocess.run(["rm", "-rf", run_dir])
     # the small shape's sets last: on the CPU they override the setup's device-only ones (the cap)
     sets = [f"train.steps={args.steps}", f"checkpoint.dir={run_dir}", "checkpoint.every=0", "checkpoint.keep=1",
             "train.log_every=5"] + sets + (product.SMALL if args.small else [])
     cmd = [sys.executable, "-m", "pgs", "run", spec] + [x for s in sets for x in ("--set", s)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd += ["--resume", "auto"] if resume else []
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     started = time.time()
     rc, _, err, samples = _run_child(cmd, timeout, env)
     out = {"setup": name, "spec": spec, "command": " ".join(cmd[1:]), "returncode": rc,
            "host_rss_max_gib": _rss_peak(samples), "seconds": time.time() - started}
     if rc is None:
         out["timed_out"] = timeout
-    records = []
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                try:
-                    records.append(json.loads(line))
-                except ValueError:
-                    pass
+    records = product.read_metrics(run_dir)
+    if resume:  # this run's records: those after its resume event
+        at = max((i for i, r in enumerate(records) if r.get("event") == "resume"), default=None)
+        if at is None:
+            out["error"] = err[-3000:] or f"no resume event (returncode {rc})"
+            return out
+        out["resumed_from"] = records[at]["from"]
+        records = records[at:]
     out.update(host_phases(samples, records))
     steps = [r for r in records if "loss" in r and "tokens" in r]
     if steps:
         out.update(product.summarize(records, args.skip))
         out["launch_to_step1_s"] = steps[0]["time"] - started
         out["step_s"] = [round(r["step_seconds"], 3) for r in steps]
+        out["losses"] = {r["step"]: r["loss"] for r in steps}
         out["last_loss"] = steps[-1]["loss"]
+    done = next((r for r in records if r.get("event") == "done"), None)
+    if done is not None and "mem_gib" in done:  # the run's own peaks (a resumed run: since its start)
+        out["done_mem_gib"], out["done_reserved_gib"] = done["mem_gib"], done["reserved_gib"]
+    final = os.path.join(run_dir, f"step_{args.steps}", "COMPLETE")
+    if os.path.exists(final):  # the final weights' digest, to compare an interrupted run with
+        with open(final, encoding="utf-8") as handle:
+            out["final_model_digest"] = json.load(handle)["files"]["model.safetensors"].get("sha256_chunks")
     offload = next((r for r in records if r.get("event") == "offload"), None)
     if offload is not None:
         out["host_state_gib"] = offload["host_state_bytes"] / GiB
         out["staging_gib"] = offload["staging_bytes"] / GiB
         out["pcie_gib_per_step"] = offload["pcie_bytes_per_step"] / GiB
-    if not steps or (rc not in (0, None)):
+    if not steps or (rc not in (0, None) and not keep):
         out["error"] = err[-3000:] or f"no step records (returncode {rc})"
     out["stderr_tail"] = err[-1500:]
-    if not args.keep:  # the final checkpoint (24 GB at 8B): room on the disk for the next setup
+    if not args.keep and not keep:  # the final checkpoint (24 GB at 8B): room on the disk for the next setup
         subprocess.run(["rm", "-rf", run_dir])
     return out
+
+
+def run_resume(name: str, spec: str, sets: list[str], args, timeout: float) -> dict:
+    """Resume on the product path: ``pgs run`` to ``N = --steps`` with a checkpoint at
+    ``k = N // 2``, killed (SIGKILL, ``PGS_FAULTS`` ``crash_at``) right after step k + 1, then
+    ``pgs run --resume auto`` to N.  The result is the resumed run's: its steps, its peaks (the
+    load of the state included), ``resume_s`` (launch to its first step); ``interrupted`` holds the
+    first run's.  Beside an uninterrupted setup of the same spec and sets earlier in the call,
+    ``loss_diff`` is the largest difference of a step's loss after the resume and ``same_weights``
+    whether the final model files' digests are equal."""
+    k = args.steps // 2
+    faults = {"PGS_FAULTS": json.dumps({"crash_at": ["step", k + 1]})}
+    began = time.time()
+    first = run_pgs(name, spec, sets + [f"checkpoint.every={k}"], args, timeout / 2, env=faults, keep=True)
+    if first.get("returncode") != -signal.SIGKILL:  # (its summary's error, too few steps to time, is no failure)
+        return {**first, "error": first.get("error") or f"the run to be interrupted ended with {first.get('returncode')}"}
+    out = run_pgs(name, spec, sets, args, timeout - (time.time() - began), resume=True)
+    out["interrupted"] = {key: first.get(key) for key in ("returncode", "seconds", "max_allocated_gib",
+                                                         "max_reserved_gib", "checkpoint_s")}
+    out["resume_s"] = out.pop("launch_to_step1_s", None)
+    return out
+
+
+def compare_resumes(results: list[dict]) -> None:
+    """``loss_diff`` and ``same_weights`` of each resumed setup against the uninterrupted one
+    (same spec and sets; the setup's name without ``_resume``)."""
+    by_name = {r["setup"]: r for r in results}
+    for r in results:
+        base = by_name.get(r["setup"].removesuffix("_resume")) if r["setup"].endswith("_resume") else None
+        if base is None or "losses" not in r or "losses" not in base:
+            continue
+        common = [s for s in r["losses"] if s in base["losses"]]
+        if common:
+            r["loss_diff"] = max(abs(r["losses"][s] - base["losses"][s]) for s in common)
+        if r.get("final_model_digest") and base.get("final_model_digest"):
+            r["same_weights"] = r["final_model_digest"] == base["final_model_digest"]
 
 
 def run_peer(name: str, spec: str, sets: list[str], args, timeout: float) -> dict:
@@ -295,7 +352,8 @@ COLUMNS = [("mean tok/s", "mean_tok_s", ",.0f"), ("max alloc GiB", "max_allocate
            ("steps", "host_pss_steps_gib", ".1f"), ("save", "host_pss_save_gib", ".1f"),
            ("max", "host_pss_max_gib", ".1f"),
            ("host state GiB", "host_state_gib", ".2f"), ("PCIe GiB/step", "pcie_gib_per_step", ".2f"),
-           ("PCIe s/step", "pcie_s_per_step", ".3f"), ("step s (median)", "median_step_s", ".3f")]
+           ("PCIe s/step", "pcie_s_per_step", ".3f"), ("step s (median)", "median_step_s", ".3f"),
+           ("resume s", "resume_s", ".1f"), ("loss diff", "loss_diff", ".2e"), ("same weights", "same_weights", "")]
 
 
 def _setup_cell(r: dict) -> str:
@@ -336,6 +394,7 @@ def main(argv=None) -> int:
 
     def save():
         pcie_floor(results)
+        compare_resumes(results)
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w", encoding="utf-8") as handle:
@@ -351,11 +410,11 @@ def main(argv=None) -> int:
         elif name in SETUPS:
             kind, spec, sets, default = SETUPS[name]
             timeout = min(left, own.get(name, default))
-            fn = run_pgs if kind == "pgs" else run_peer
+            fn = {"pgs": run_pgs, "peer": run_peer, "resume": run_resume}[kind]
             results.append(fn(name, spec, sets, args, timeout))
         else:
             results.append({"setup": name, "error": f"unknown setup (known: bandwidth, {', '.join(SETUPS)})"})
-        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("step_s", "stderr_tail", "error")}),
+        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("step_s", "losses", "stderr_tail", "error")}),
               flush=True)
         save()
     print(table(results), flush=True)
