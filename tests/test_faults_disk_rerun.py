@@ -57,15 +57,18 @@ def _full_from(step: int, where: str, raise_fn, monkeypatch):
     monkeypatch.setattr(ckpt, where, writer)
 
 
-@pytest.mark.parametrize("where, raise_fn", [("write_safetensors", _safetensors_enospc),
-                                             ("write_safetensors", _os_enospc), ("_write_text", _os_enospc)],
-                         ids=["safetensors", "writer-oserror", "oserror"])
+@pytest.mark.parametrize("where, raise_fn, args", [
+    ("write_safetensors", _safetensors_enospc, ()), ("write_safetensors", _os_enospc, ()), ("_write_text", _os_enospc, ()),
+    ("write_safetensors", _os_enospc, ("--set", "checkpoint.background=true"))],
+    ids=["safetensors", "writer-oserror", "oserror", "background"])
 def test_disk_full_mid_checkpoint_is_one_line_exit_84_and_resume_continues(tmp_path, monkeypatch, capsys,
-                                                                           where, raise_fn):
+                                                                           where, raise_fn, args):
+    """``background``: step 8 is written on the save thread (checkpoint.background) while
+    training goes on; its failure stops the run at the next step boundary the same way."""
     spec = tiny_spec(tmp_path, "run", steps=12, every=4)
     run_dir = tmp_path / "run"
     _full_from(8, where, raise_fn, monkeypatch)
-    code = cli.main(["run", str(spec)])
+    code = cli.main(["run", str(spec), *args])
     err = capsys.readouterr().err
     assert code == EXIT_DISK_FULL == 84, err[-3000:]
     assert "Traceback" not in err

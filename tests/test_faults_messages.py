@@ -166,6 +166,24 @@ def test_profile_uses_the_tokenizer_vocabulary_and_labels_total_and_peak(tmp_pat
     assert "total (sum of the above, if all were live at once)" in text
     assert "peak (what is live together at the worst phase)" in text
     assert "vocabulary 485; the peak is the figure to compare with a GPU" in text
+    assert "checkpoint snapshot" not in text
+
+
+def test_profile_counts_the_background_saves_host_snapshot(tmp_path):
+    from rich.console import Console
+
+    from pgs.runtime.tools.profile import checkpoint_bytes, plan_from_spec, predict_memory, profile
+    from pgs.runtime.spec.load import load_spec
+
+    spec = load_spec(_spec(tmp_path), overrides=["checkpoint.background=true"])
+    plan = plan_from_spec(spec)
+    pred = predict_memory(plan["config"], **plan["kwargs"])
+    want = pred["weights"] + pred["master_weights"] + pred["optimizer_state"]
+    assert checkpoint_bytes(pred) == want > 0
+    console = Console(record=True, width=200)
+    assert profile(spec, console=console) == 0
+    row = next(line for line in console.export_text().splitlines() if "host: checkpoint snapshot" in line)
+    assert float(row.split()[-2]) == pytest.approx(want / 2**20, abs=1e-3)  # the tiny model's figures are MiB
 
 
 # ------------------------------------------------------------------------- 7. pgs data inspect to a file

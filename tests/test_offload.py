@@ -644,6 +644,10 @@ def test_profile_prediction_exact(name):
     on_device = predict_memory(m.config, dtype=torch.float32, chain=CHAINS[name](), gradient_release=True,
                                micro_batch_tokens=24)
     assert on_device["optimizer_state"] > pred["optimizer_state"] and "host_state" not in on_device
+    # a checkpoint holds the whole state either way (the disk check and the background snapshot)
+    from pgs.runtime.tools.profile import checkpoint_bytes
+
+    assert checkpoint_bytes(pred) == pred["weights"] + rel.offload_stats()["host_state_bytes"]
 
 
 @pytest.mark.slow

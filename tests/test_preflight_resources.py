@@ -176,3 +176,21 @@ def test_validate_shows_the_predicted_peak_and_the_cap(tmp_path, capsys):
     peak = R.predict(spec, torch.device("cuda")).peak
     assert memory == (f"predicted peak {peak / 2**30:.2f} GiB per process (pgs profile; a lower bound), "
                       "allocator capped at 3 GiB (memory.device_limit_gib)")
+
+
+def test_a_background_save_needs_host_memory_for_one_checkpoint(tmp_path):
+    """``checkpoint.background``: the snapshot (one checkpoint) plus the run's other host memory
+    (on the CPU its peak) against the host's free memory; one line, exit 83."""
+    spec = load_spec(cpu_spec(tmp_path, model=LONG), ["data.max_seq_len=96", "checkpoint.background=true"])
+    prediction = R.predict(spec, torch.device("cpu"))
+    need = prediction.checkpoint + prediction.peak
+    R.check_snapshot(prediction, torch.device("cpu"), available=need, where="x has")
+    with pytest.raises(PreflightRefused) as err:
+        R.check_snapshot(prediction, torch.device("cpu"), available=need - 1, where="the host has")
+    text = str(err.value)
+    assert "\n" not in text and err.value.exit_code == 83
+    assert text.startswith("checkpoint.background: a save's host snapshot takes ")
+    assert "the host has" in text and "set checkpoint.background = false" in text
+    # on a GPU the run's peak is the device's, not the host's
+    R.check_snapshot(prediction, torch.device("cuda"), available=prediction.checkpoint, where="x has")
+    assert R.check_host(spec) is not None  # this host holds it

@@ -33,6 +33,7 @@ Tests inject faults (NaN losses, a SIGKILL mid-checkpoint or after a step, slow 
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import random
@@ -64,7 +65,7 @@ from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
 from pgs.runtime.spec.sections import prefetch_depth
-from pgs.runtime.store import checkpoint as ckpt, dcp
+from pgs.runtime.store import background, checkpoint as ckpt, dcp
 from pgs.runtime.tools.resources import disk_copies
 from pgs.runtime.store.export import export_hf
 
@@ -231,6 +232,8 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         check_world_size(spec.train, world, cp)
         if spec.averaging is not None:
             raise SpecError("averaging: weight averaging runs on one process for now (WORLD_SIZE = 1)")
+        if spec.checkpoint.background:
+            raise SpecError(background.ONE_PROCESS)
         if cp > 1:
             shard = CP.make_shard(ctx.rank, world, cp, spec.parallel.layout)
     seed_everything(spec.train.seed)
@@ -333,6 +336,36 @@ def save(run: Run, timings: dict[str, float] | None = None) -> str:
     )
     ckpt.purge(run.run_dir, run.spec.checkpoint.keep)
     return folder
+
+
+def save_in_background(run: Run, saver: background.BackgroundSaver) -> float:
+    """Start writing ``step_<N>`` on ``saver``'s thread (``[checkpoint] background``,
+    ``pgs.runtime.store.background``): the weights, optimizer state and EMA are snapshot into
+    host memory now, the RNG states and counters taken now; the thread writes the folder as
+    :func:`save` does, then purges.  Returns the snapshot's seconds (the training's wait).  The
+    save's result, which ``saver.poll``/``wait`` return, is its ``checkpoint`` event."""
+    step, run_dir, keep, faults = run.step, run.run_dir, run.spec.checkpoint.keep, run.faults
+    tensors, aliases = ckpt.model_tensors(run.model)
+    groups = {"model": tensors, "optimizer": run.bound.state_dict(copy=False)}
+    if run.averaging is not None and run.averaging.has_ema:
+        groups[AVERAGING_FILE] = run.averaging.state_dict()
+    rng = ckpt.capture_rng(generators=run.objective.generators())
+    trainer = json.loads(json.dumps(run.counters()))  # a copy: the run's own objects go on changing
+    spec_toml = run.spec.to_toml()
+
+    def write(snap: dict) -> dict:
+        timings: dict[str, float] = {}
+        path = ckpt.save_tensors(
+            run_dir, step, tensors=snap["model"], aliases=aliases, optimizer_state=snap["optimizer"], rng=rng,
+            trainer=trainer, spec_toml=spec_toml,
+            crash_hook=lambda stage: stage == "optimizer" and faults.crash("checkpoint_write", step),
+            extra={AVERAGING_FILE: snap[AVERAGING_FILE]} if AVERAGING_FILE in snap else None, timings=timings)
+        ckpt.purge(run_dir, keep)
+        return {"step": step, "event": "checkpoint", "path": path, "background": True,
+                "checkpoint_seconds": round(saver.snapshot_seconds, 3), "snapshot_bytes": saver.snapshot.nbytes,
+                **{k: round(v, 3) if isinstance(v, float) else v for k, v in timings.items()}}
+
+    return saver.start(write, groups)
 
 
 def _forward(run: Run, batch, poison: bool):
@@ -658,6 +691,12 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                      ("host_state_bytes", "staging_bytes", "pcie_bytes_per_step")}})
     evals = (bool(spec.data.eval) or any(s.eval for s in spec.data.sources)) and spec.train.eval_every > 0
     profiler = Profiler(run_dir, profile, r.device) if profile and main else None
+    saver = background.BackgroundSaver() if spec.checkpoint.background else None
+
+    def finished(record: dict | None) -> None:  # a background save's checkpoint event, logged when it ends
+        if record is not None:
+            r.log.write({**record, "logged_at_step": r.step})
+
     try:
         with control.StopSignals() as signals:
             if evals and r.step == 0:
@@ -692,6 +731,8 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                     freeze_gc()
                     frozen = True
                 r.faults.crash("step", r.step)
+                if saver is not None:
+                    finished(saver.poll())  # (raises what the save's thread raised: a full disk is exit 84)
                 if last is not None:
                     emit(last)
                 last = step_record
@@ -713,7 +754,11 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                 if evaluating:
                     eval_and_keep_best(r)
                     r.step_clock = None  # evaluation is not a training step's time
-                if saving:
+                if saving and saver is not None and not stop and r.step < r.total_steps:
+                    save_in_background(r, saver)  # the step clock runs on: the snapshot is the step's time
+                elif saving:
+                    if saver is not None:  # a stop and the last step save in the foreground, after the one in flight
+                        finished(saver.wait())
                     began, timings = time.perf_counter(), {}
                     path = save(r, timings)
                     r.log.write({"step": r.step, "event": "checkpoint", "path": path,
@@ -741,6 +786,14 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                         _export(r, os.path.join(run_dir, EMA_EXPORT), {"step": r.step, "ema": r.averaging.decay})
             r.log.write({"step": r.step, "event": "done", **_final_memory(r)})
     finally:
+        if saver is not None:  # a halt or an error: the save in flight completes (or fails) before the exit
+            failing = sys.exc_info()[1]
+            try:
+                finished(saver.close())
+            except Exception as err:
+                if failing is None:
+                    raise
+                r.log.say(f"pgs: the checkpoint written in the background failed as well: {err}")
         if profiler is not None:
             profiler.close()
         r.loader.close()

@@ -275,6 +275,9 @@ class CheckpointSpec:
     ``export`` writes a plain HF folder (config + safetensors + tokenizer) at the end;
     ``max_shard_size`` (``"5GB"``, ``"500MB"``, ``"2GiB"`` or bytes) is its largest weights
     file: larger models are sharded with an index, as ``save_pretrained`` does.
+    ``background`` writes each periodic checkpoint on a thread from a host snapshot while
+    training goes on (``pgs.runtime.store.background``; one process; host memory for one
+    checkpoint); stops, halts and the last step still save in the foreground.
     """
 
     section: ClassVar[str] = "checkpoint"
@@ -285,6 +288,7 @@ class CheckpointSpec:
     best_metric: str = attrs.field(default="eval_loss", validator=_str)
     export: bool = attrs.field(default=True, validator=_bool)
     max_shard_size: str | int = attrs.field(default="5GB", validator=lambda _s, _a, v: _shard_size(v))
+    background: bool = attrs.field(default=False, validator=_bool)
 
 
 def _shard_size(value) -> None:

@@ -258,7 +258,7 @@ def disk_full_guard(tmp: str, final: str, need_bytes: int, what: str = "checkpoi
 
 def tensor_bytes(tensors) -> int:
     """Bytes of a collection of tensors (a dict's values or an iterable; DTensors by global size)."""
-    values = tensors.values() if isinstance(tensors, dict) else tensors
+    values = tensors.values() if isinstance(tensors, Mapping) else tensors
     return sum(int(t.numel()) * t.element_size() for t in values if isinstance(t, torch.Tensor))
 
 
@@ -290,10 +290,31 @@ def save(
     disk (``ENOSPC``, an exhausted quota) removes the temporary folder and raises
     ``DiskFull`` (exit 84) naming the folder and the bytes a checkpoint needs.
     """
+    tensors, aliases = model_tensors(model)
+    return save_tensors(run_dir, step, tensors=tensors, aliases=aliases, optimizer_state=optimizer_state, rng=rng,
+                        trainer=trainer, spec_toml=spec_toml, crash_hook=crash_hook, extra=extra, timings=timings)
+
+
+def save_tensors(
+    run_dir: str,
+    step: int,
+    *,
+    tensors: Mapping[str, torch.Tensor],
+    aliases: dict[str, str],
+    optimizer_state: Mapping[str, torch.Tensor],
+    rng: Mapping[str, torch.Tensor],
+    trainer: dict[str, Any],
+    spec_toml: str,
+    crash_hook: Callable[[str], None] | None = None,
+    extra: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    timings: dict[str, float] | None = None,
+) -> str:
+    """:func:`save` of tensors already taken from the model (``model_tensors``: the weights and
+    their ``aliases``): what a background save writes from its snapshot
+    (``pgs.runtime.store.background``).  The same folder, files and durability."""
     final = os.path.join(run_dir, f"step_{step}")
     tmp = os.path.join(run_dir, f".step_{step}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tensors, aliases = model_tensors(model)
     extra = extra or {}
     need = tensor_bytes(tensors) + tensor_bytes(optimizer_state) + tensor_bytes(rng)
     need += sum(tensor_bytes(t) for t in extra.values())

@@ -706,6 +706,13 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
             "seq_len": spec.data.max_seq_len, "options": opts}
 
 
+def checkpoint_bytes(pred: dict) -> int:
+    """One checkpoint's tensor bytes from ``predict_memory``'s figures: the weights, the fp32
+    masters and the whole optimizer state (with ``offload_optimizer`` the host's copy, not the
+    device's staging)."""
+    return pred["weights"] + pred["master_weights"] + pred.get("host_state", pred["optimizer_state"])
+
+
 def profile(spec, measure: bool = False, spec_path: str | None = None, *, console=None, **overrides) -> int:
     """``pgs profile SPEC [--measure]``: print the predicted memory of the spec's objective's step
     (and, with ``measure``, the peaks measured while running that step: ``measure_memory``)."""
@@ -739,10 +746,15 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
         table.add_section()
         table.add_row("host: optimizer state (pinned; offload_optimizer)", f"{pred['host_state'] / scale:.3f}")
         table.add_row("PCIe per step (state in + out)", f"{pred['pcie_per_step'] / scale:.3f}")
+    host_rows = []
     if pred.get("host_inputs"):
-        if "host_state" not in pred:
-            table.add_section()
-        table.add_row("host: checkpointed inputs (pinned; offload_checkpoints)", f"{pred['host_inputs'] / scale:.3f}")
+        host_rows.append(("host: checkpointed inputs (pinned; offload_checkpoints)", pred["host_inputs"]))
+    if spec.checkpoint.background:  # one checkpoint's tensors, kept for the run (pgs.runtime.store.background)
+        host_rows.append(("host: checkpoint snapshot (checkpoint.background)", checkpoint_bytes(pred)))
+    if host_rows and "host_state" not in pred:
+        table.add_section()
+    for label, nbytes in host_rows:
+        table.add_row(label, f"{nbytes / scale:.3f}")
     console.print(table)
     console.print(f"vocabulary {_text_config(plan['config']).vocab_size:,}; the peak is the figure to compare with "
                   "a GPU (add allocator slack and the CUDA context)", soft_wrap=True, highlight=False)

@@ -11,6 +11,9 @@
   cannot fit, and one it passes may still be tight.  Without it an impossible
   ``data.max_seq_len`` on the CPU passed every check and the kernel's OOM killer ended the
   run (exit 137) with no message.
+- **host memory of a background save** (``checkpoint.background``): one checkpoint's
+  tensors (:func:`check_snapshot`), beside what else the run keeps in host memory
+  (``offload_optimizer``'s state, ``offload_checkpoints``' inputs; the peak itself on the CPU).
 - **disk**: the run folder (or the nearest folder above it that exists) is writable and has
   room for ``DISK_COPIES`` checkpoints' worth of weights and optimizer state
   (:func:`check_disk`; the loop checks again with the real byte count once the model is built).
@@ -53,6 +56,7 @@ class Prediction:
     checkpoint: int
     parts: dict
     tokens: str
+    host: int = 0  # what the run keeps in host memory besides a CPU run's peak (offloaded state and inputs)
 
 
 def attention_matrix_bytes(cfg, rows: int, seq_len: int, *, dtype_bytes: int, implementation: str,
@@ -91,7 +95,7 @@ def predict(spec, device: torch.device) -> Prediction:
     """What one process of ``spec`` needs at its peak on ``device``, and one checkpoint's bytes."""
     from pgs.func import kernels
     from pgs.runtime.model.attention import varlen_available
-    from pgs.runtime.tools.profile import _dtype, predict_memory, plan_from_spec
+    from pgs.runtime.tools.profile import _dtype, checkpoint_bytes, predict_memory, plan_from_spec
 
     plan = plan_from_spec(spec)
     kwargs = dict(plan["kwargs"])
@@ -109,9 +113,10 @@ def predict(spec, device: torch.device) -> Prediction:
         checkpointing=opts["activation_checkpointing"], every=int(opts["checkpoint_every"]))
     parts = {k: pred[k] for k in ("weights", "optimizer_state", "activations", "loss")}
     parts["attention masks"] = attention
-    checkpoint = pred["weights"] + pred["master_weights"] + pred["optimizer_state"]
+    checkpoint = checkpoint_bytes(pred)
     return Prediction(peak=pred["peak"] + attention, checkpoint=checkpoint, parts=parts,
-                      tokens=f"{plan['micro_batch']} rows × {plan['seq_len']} tokens per micro-batch")
+                      tokens=f"{plan['micro_batch']} rows × {plan['seq_len']} tokens per micro-batch",
+                      host=int(pred.get("host_state") or 0) + int(pred.get("host_inputs") or 0))
 
 
 def available_memory(device: torch.device) -> tuple[int | None, str]:
@@ -177,6 +182,21 @@ def check_memory(spec, prediction: Prediction, device: torch.device, available: 
         f"(train.batch_size / train.grad_accum), or set memory.activation_checkpointing")
 
 
+def check_snapshot(prediction: Prediction, device: torch.device, available: int | None = None,
+                   where: str = "") -> None:
+    """Refuse (exit 83) ``checkpoint.background`` when the host cannot hold one checkpoint's
+    snapshot beside the run's other host memory (on the CPU: beside the run's peak)."""
+    if available is None:
+        available, where = available_memory(torch.device("cpu"))
+    need = prediction.checkpoint + prediction.host + (prediction.peak if device.type == "cpu" else 0)
+    if available is None or need <= available:
+        return
+    raise PreflightRefused(
+        f"checkpoint.background: a save's host snapshot takes {prediction.checkpoint / GiB:.2f} GiB (one "
+        f"checkpoint's weights + optimizer state), {need / GiB:.2f} GiB with the rest the run keeps on the host, "
+        f"but {where} {available / GiB:.2f} GiB free; set checkpoint.background = false")
+
+
 def check_disk(run_dir: str, checkpoint_bytes: int, copies: float = DISK_COPIES) -> None:
     """Refuse (exit 83) when ``run_dir`` could not be written or has too little free disk for
     ``copies`` checkpoints of ``checkpoint_bytes``.  Creates nothing: a folder that does not
@@ -217,5 +237,7 @@ def check_host(spec, processes: int | None = None) -> Prediction | None:
             processes = 0  # validate on a multi-GPU host: the run's process count is not known here
     if processes == 1:
         check_memory(spec, prediction, device)
+        if spec.checkpoint.background:
+            check_snapshot(prediction, device)
     check_disk(spec.checkpoint.dir, prediction.checkpoint, disk_copies(spec.checkpoint))
     return prediction

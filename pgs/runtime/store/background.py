@@ -1,0 +1,176 @@
+"""Checkpoints written while training goes on: ``[checkpoint] background = true``.
+
+A foreground save (``checkpoint.save``) holds training until the step folder is written,
+hashed, fsynced and renamed into place; for the large recipes that is many seconds per save
+(docs/performance.md, "Checkpoint saves").  A background save holds it only for a snapshot:
+
+1. every tensor of the step — the weights, the optimizer state, the weight EMA — is copied into
+   host memory kept for the run (:class:`Snapshot`): page-locked memory for tensors on a GPU,
+   so their copies are asynchronous device-to-host transfers queued on the current stream,
+   behind this step's kernels and ahead of the next step's (they read this step's values);
+   ordinary memory for tensors already on the host.  The RNG states and the trainer's
+   counters are taken as they are (small, and fresh objects);
+2. a thread waits for the copies (a CUDA event), then writes the folder from the snapshot
+   through ``checkpoint.save_tensors`` — the same files, manifest, fsyncs and atomic rename
+   as a foreground save — and then purges old folders (``checkpoint.purge``).
+
+Training goes on meanwhile and cannot change what is written: the thread reads only the
+snapshot.  One save is in flight at a time (:class:`BackgroundSaver`): the next save waits for
+the one before it, and so do a stop (signal, wall budget), a halt, an error and the end of the
+run, so that a run never leaves with a save half done unless it is killed (then the folder is
+a temporary one, removed at the next start, and ``--resume auto`` takes the save before).  A
+failure on the thread — a full disk (``DiskFull``, exit 84) or any other — is raised on the
+training thread where it next asks (:meth:`BackgroundSaver.poll` after every step,
+:meth:`BackgroundSaver.wait`).
+
+Cost: host memory for one checkpoint's tensors, allocated at the first save and reused by
+every later one (``pgs profile`` row "host: checkpoint snapshot"); device time for the copies
+(bytes over the PCIe bandwidth).  One process only: a multi-process (DCP) save is a
+collective and stays in the foreground.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Mapping
+
+import torch
+
+from pgs.runtime import pinned
+
+#: the refusal of ``checkpoint.background`` with several processes
+ONE_PROCESS = ("checkpoint.background: runs on one process (a multi-process checkpoint is a collective "
+               "DCP save); set background = false or run one process")
+
+#: each snapshot tensor starts at a multiple of this many bytes of its buffer (any dtype's alignment)
+ALIGN = 64
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class Snapshot:
+    """Host copies of groups of named tensors, in two buffers kept between snapshots: one
+    page-locked (``pgs.runtime.pinned.host_buffer``) for the tensors on an accelerator, one
+    ordinary for the tensors on the host.  A buffer is made again only when a snapshot needs
+    more bytes than it has."""
+
+    def __init__(self):
+        self._buffers: dict[bool, torch.Tensor] = {}  # on an accelerator? -> buffer
+        self._registered: dict[bool, bool] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held (both buffers)."""
+        return sum(b.numel() for b in self._buffers.values())
+
+    def _buffer(self, device_side: bool, need: int) -> torch.Tensor:
+        have = self._buffers.get(device_side)
+        if have is not None and have.numel() >= need:
+            return have
+        self.release(device_side)
+        buf, registered = pinned.host_buffer(need, pin=device_side)
+        self._buffers[device_side], self._registered[device_side] = buf, registered
+        return buf
+
+    def take(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[dict[str, dict[str, torch.Tensor]],
+                                                                           torch.cuda.Event | None]:
+        """``groups`` (name -> named tensors) copied; returns the copies (same names, shapes,
+        dtypes; contiguous) and the CUDA event after the last device copy (None: no tensor was on
+        a GPU, every copy is done).  The device copies are queued on the current stream."""
+        entries = [(g, name, t.detach()) for g, tensors in groups.items() for name, t in tensors.items()]
+        sizes = {True: 0, False: 0}
+        for _, _, t in entries:
+            sizes[t.is_cuda] += _padded(_nbytes(t))
+        buffers = {side: self._buffer(side, n) for side, n in sizes.items() if n}
+        offsets = {True: 0, False: 0}
+        out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in groups}
+        device_copies = False
+        for g, name, t in entries:
+            side = t.is_cuda
+            n = _nbytes(t)
+            dst = buffers[side][offsets[side]:offsets[side] + n].view(t.dtype).view(t.shape) if n else \
+                torch.empty(t.shape, dtype=t.dtype)
+            offsets[side] += _padded(n)
+            dst.copy_(t, non_blocking=side)
+            device_copies |= side
+            out[g][name] = dst
+        event = None
+        if device_copies:
+            event = torch.cuda.Event()
+            event.record()
+        return out, event
+
+    def release(self, device_side: bool | None = None) -> None:
+        """Free the buffers (one side, or both)."""
+        for side in ([device_side] if device_side is not None else list(self._buffers)):
+            buf = self._buffers.pop(side, None)
+            if buf is not None and self._registered.pop(side, False):
+                pinned.unregister(buf)
+
+
+class BackgroundSaver:
+    """At most one checkpoint save on a thread; see the module docstring.
+
+    ``start(write, groups)`` snapshots ``groups`` (the calling thread waits only for that) and
+    runs ``write(snapshot)`` on the thread; ``poll()`` returns the finished save's result once
+    (and raises what it raised), ``wait()`` blocks for it, ``close()`` waits and frees the
+    snapshot's memory."""
+
+    def __init__(self):
+        self.snapshot = Snapshot()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgs-checkpoint")
+        self._pending: Future | None = None
+        self._lock = threading.Lock()
+        self.snapshot_seconds = 0.0  # the last snapshot's (set before its write starts)
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def start(self, write: Callable[[dict[str, dict[str, torch.Tensor]]], Any],
+              groups: Mapping[str, Mapping[str, torch.Tensor]]) -> float:
+        """Snapshot ``groups`` and write them on the thread; returns the snapshot's seconds.
+        Waits first for a save still in flight (raising its error)."""
+        self.wait()
+        began = time.perf_counter()
+        copies, event = self.snapshot.take(groups)
+        self.snapshot_seconds = time.perf_counter() - began
+
+        def job():
+            if event is not None:
+                event.synchronize()
+            return write(copies)
+
+        with self._lock:
+            self._pending = self._pool.submit(job)
+        return self.snapshot_seconds
+
+    def poll(self) -> Any:
+        """The finished save's result (None while it runs or when none was started); raises
+        the save's error.  A save's result is returned once."""
+        with self._lock:
+            done = self._pending is not None and self._pending.done()
+            future, self._pending = (self._pending, None) if done else (None, self._pending)
+        return future.result() if future is not None else None
+
+    def wait(self) -> Any:
+        """Block until the save in flight ends; its result (None: none), or its error."""
+        with self._lock:
+            future, self._pending = self._pending, None
+        return future.result() if future is not None else None
+
+    def close(self) -> Any:
+        """``wait()``, then free the snapshot's buffers and the thread."""
+        try:
+            return self.wait()
+        finally:
+            self.snapshot.release()
+            self._pool.shutdown(wait=True)

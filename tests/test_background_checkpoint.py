@@ -1,0 +1,224 @@
+"""``[checkpoint] background = true``: saves written on a thread from a host snapshot
+(pgs/runtime/store/background.py).
+
+What must hold: the files equal a foreground save's of the same step, whatever training does
+to the live tensors while the thread writes; a run with background saves gives the same
+checkpoints, bit for bit, as one without; a kill while the thread writes leaves the earlier
+checkpoint to resume from, bit-exactly; a halt waits for the save in flight; several processes
+are refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from pgs import cli
+from pgs.errors import EXIT_BAD_INPUT, SpecError
+from pgs.runtime.loop.faults import Faults
+from pgs.runtime.store import background, checkpoint as ckpt
+from helpers import assert_same_checkpoint, launch, records, step_records, tiny_spec
+
+BACKGROUND = ("--set", "checkpoint.background=true")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _manifest(folder) -> dict:
+    return json.loads((Path(folder) / ckpt.COMPLETE).read_text())["files"]
+
+
+def _state():
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    tensors, aliases = ckpt.model_tensors(model)
+    optimizer = {"mu": torch.randn(16, 8, generator=g), "count": torch.tensor(3, dtype=torch.int32),
+                 "codes": torch.randint(0, 255, (33,), dtype=torch.uint8, generator=g),
+                 "flag": torch.ones((), dtype=torch.bool), "half": torch.randn(5, 3, generator=g).bfloat16(),
+                 "empty": torch.empty(0, 4)}
+    return model, tensors, aliases, optimizer
+
+
+def test_snapshot_copies_every_dtype_and_shape_and_reuses_its_buffer():
+    _, tensors, _, optimizer = _state()
+    snap = background.Snapshot()
+    copies, event = snap.take({"model": tensors, "optimizer": optimizer})
+    assert event is None  # nothing on a GPU: every copy is done
+    for group, source in (("model", tensors), ("optimizer", optimizer)):
+        assert copies[group].keys() == source.keys()
+        for name, t in source.items():
+            c = copies[group][name]
+            assert c.dtype == t.dtype and c.shape == t.shape and c.is_contiguous()
+            assert torch.equal(c, t) and (c.numel() == 0 or c.data_ptr() != t.data_ptr())
+    held = snap.nbytes
+    assert held >= sum(t.numel() * t.element_size() for t in [*tensors.values(), *optimizer.values()])
+    again, _ = snap.take({"model": tensors, "optimizer": optimizer})
+    assert snap.nbytes == held  # the same buffer
+    assert again["model"]["0.weight"].data_ptr() == copies["model"]["0.weight"].data_ptr()
+    snap.release()
+    assert snap.nbytes == 0
+
+
+def test_the_written_files_are_the_snapshots_whatever_training_does_meanwhile(tmp_path, monkeypatch):
+    """The thread is held before it writes; the live tensors change; the folder still equals a
+    foreground save of the values at the snapshot."""
+    model, tensors, aliases, optimizer = _state()
+    rng = ckpt.capture_rng()
+    ckpt.save_tensors(str(tmp_path / "fg"), 1, tensors=tensors, aliases=aliases, optimizer_state=optimizer, rng=rng,
+                      trainer={"n": 1}, spec_toml="x = 1\n")
+    gate, entered = threading.Event(), threading.Event()
+    real = ckpt.write_safetensors
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert gate.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_safetensors", held)
+    saver = background.BackgroundSaver()
+    seconds = saver.start(lambda snap: ckpt.save_tensors(
+        str(tmp_path / "bg"), 1, tensors=snap["model"], aliases=aliases, optimizer_state=snap["optimizer"], rng=rng,
+        trainer={"n": 1}, spec_toml="x = 1\n"), {"model": tensors, "optimizer": optimizer})
+    assert seconds >= 0 and saver.pending
+    assert entered.wait(30)
+    with torch.no_grad():  # "the next step": every live tensor changes in place
+        for p in model.parameters():
+            p.add_(1.0)
+        for t in optimizer.values():
+            t.zero_()
+    assert saver.poll() is None  # still writing
+    gate.set()
+    path = saver.close()
+    assert path == str(tmp_path / "bg" / "step_1") and not saver.pending
+    assert ckpt.problem(path) is None
+    assert _manifest(path) == _manifest(tmp_path / "fg" / "step_1")
+
+
+def test_a_failed_background_save_is_raised_where_the_training_thread_asks(tmp_path):
+    saver = background.BackgroundSaver()
+
+    def fails(snap):
+        raise OSError(5, "Input/output error")
+
+    saver.start(fails, {"model": {"w": torch.ones(3)}})
+    with pytest.raises(OSError, match="Input/output"):
+        saver.wait()
+    assert saver.wait() is None  # reported once
+    saver.close()
+
+
+def _run(spec, *args) -> int:
+    return cli.main(["run", str(spec), *args])
+
+
+def test_a_run_with_background_saves_writes_the_foreground_runs_checkpoints(tmp_path, capsys):
+    fg = tiny_spec(tmp_path, "fg", steps=12, every=4)
+    bg = tiny_spec(tmp_path, "bg", steps=12, every=4)
+    assert _run(fg) == 0
+    assert _run(bg, *BACKGROUND) == 0, capsys.readouterr().err[-3000:]
+    for step in (4, 8, 12):
+        assert_same_checkpoint(tmp_path / "bg" / f"step_{step}", tmp_path / "fg" / f"step_{step}")
+    assert [r["loss"] for r in step_records(tmp_path / "bg")] == [r["loss"] for r in step_records(tmp_path / "fg")]
+    saves = {r["step"]: r for r in records(tmp_path / "bg") if r.get("event") == "checkpoint"}
+    assert sorted(saves) == [4, 8, 12]
+    for step in (4, 8):  # periodic saves: in the background, logged when they end
+        r = saves[step]
+        assert r["background"] is True and r["logged_at_step"] >= step and r["snapshot_bytes"] > 0
+        assert r["checkpoint_seconds"] >= 0 and r["write_seconds"] > 0 and r["sync_seconds"] > 0
+        assert r["bytes"] == sum(f.stat().st_size for f in Path(r["path"]).iterdir() if f.name != "COMPLETE")
+    assert "background" not in saves[12]  # the last step saves in the foreground
+
+
+def test_sigkill_while_the_thread_writes_then_resume_auto_is_bit_exact(tmp_path):
+    """Killed halfway through the background write of step_8 (the training thread is already
+    past step 8): step_8 never appears, step_4 is resumed from, the end equals an
+    uninterrupted run's."""
+    ref = tiny_spec(tmp_path, "ref", steps=12, every=4)
+    assert launch(ref).returncode == 0
+    spec = tiny_spec(tmp_path, "run", steps=12, every=4)
+    first = launch(spec, args=BACKGROUND, **Faults(crash_at=("checkpoint_write", 8)).env())
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    assert ckpt.problem(str(run_dir / "step_4")) is None and not (run_dir / "step_8").exists()
+    second = launch(spec, "auto", args=BACKGROUND)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr and "step_4" in second.stderr
+    for step in (8, 12):
+        assert_same_checkpoint(run_dir / f"step_{step}", tmp_path / "ref" / f"step_{step}")
+    assert [r["loss"] for r in step_records(run_dir)] == [r["loss"] for r in step_records(tmp_path / "ref")]
+
+
+def test_a_halt_waits_for_the_save_in_flight(tmp_path, monkeypatch, capsys):
+    """NaN losses from step 5 on halt the run (exit 81) while step_4 is still being written
+    (the writer is slowed down): the exit waits, and step_4 is complete."""
+    from pgs.errors import EXIT_SKIP_CAP
+    from pgs.runtime.loop import train
+
+    real = ckpt.write_safetensors
+    release = threading.Event()
+
+    def slow(*args, **kwargs):
+        release.wait(2.0)  # longer than steps 5-7 take on the CPU
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_safetensors", slow)
+    spec = tiny_spec(tmp_path, "run", steps=12, every=4, max_skips=3)
+    from pgs.runtime.spec.load import load_spec
+
+    loaded = load_spec(str(spec), overrides=["checkpoint.background=true"])
+    code = train.run(loaded, faults=Faults(nan_steps={5, 6, 7, 8}))
+    assert code == EXIT_SKIP_CAP == 81
+    run_dir = tmp_path / "run"
+    assert ckpt.problem(str(run_dir / "step_4")) is None
+    assert (run_dir / "HALT.json").exists()
+    assert any(r.get("event") == "checkpoint" and r["step"] == 4 for r in records(run_dir))
+
+
+def test_several_processes_are_refused_in_one_line(tmp_path):
+    from pgs.runtime.dist import launch as L
+    from pgs.runtime.spec.load import load_spec
+
+    spec = tiny_spec(tmp_path, "run", steps=4, every=2)
+    loaded = load_spec(str(spec), overrides=["checkpoint.background=true"])
+    with pytest.raises(SpecError, match="checkpoint.background: runs on one process") as err:
+        L.launch_run(loaded, str(spec), nproc=2)
+    assert "\n" not in str(err.value) and err.value.exit_code == EXIT_BAD_INPUT
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_tensors_are_copied_into_pinned_memory_ahead_of_the_next_steps_kernels(tmp_path):
+    """On the GPU the snapshot's copies are queued, not waited for; the next step's in-place
+    updates, queued right after on the same stream, must not reach the files."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weights = {f"w{i}": torch.randn(1024, 1024, device="cuda", generator=g) for i in range(8)}
+    state = {"m": torch.randn(4096, 1024, device="cuda", generator=g).bfloat16(), "host": torch.randn(1000)}
+    expected = {k: v.cpu() for k, v in {**weights, **state}.items()}
+    saver = background.BackgroundSaver()
+    written = {}
+
+    def write(snap):
+        assert snap["model"]["w0"].is_pinned() and not snap["optimizer"]["host"].is_cuda
+        written.update({k: v.clone() for group in snap.values() for k, v in group.items()})
+        return True
+
+    torch.cuda.synchronize()
+    saver.start(write, {"model": weights, "optimizer": state})
+    for t in [*weights.values(), state["m"]]:  # "the next step", queued behind the copies
+        t.mul_(-3.0).add_(7.0)
+    state["host"].zero_()
+    assert saver.close() is True
+    for k, v in expected.items():
+        assert torch.equal(written[k], v), k
