@@ -13,7 +13,11 @@ every setup, so partial results survive):
    checkpointing, ``torch.optim.AdamW(fused=True)``).
 4. ``pgs_4b`` and ``pgs_4b_offload``: ``specs/qwen3_4b_12gib.toml`` with the state on the
    device and with ``--set memory.offload_optimizer=true --set memory.device_limit_gib=9`` (the 9 GiB recipe).
-5. ``pgs_4b_resume`` and ``pgs_8b_offload_resume``: the recipe killed after step N/2 + 1 and
+5. ``pgs_4b_save4``, ``pgs_4b_bgsave4`` (and the 8B's): a checkpoint every 4 steps, in the
+   foreground and with ``checkpoint.background = true``; ``wall_tok_s`` (tokens over the steps'
+   wall-clock span, saves included) against the setup without periodic saves shows what the
+   saves cost training.
+6. ``pgs_4b_resume`` and ``pgs_8b_offload_resume``: the recipe killed after step N/2 + 1 and
    continued with ``--resume auto`` from its checkpoint at N/2 (``run_resume``): the resumed
    run's peaks (the state's load included), launch to first step, and beside the uninterrupted
    setup earlier in the same call the largest loss difference and whether the final weights
@@ -56,6 +60,13 @@ SETUPS = {  # name -> (kind, spec, extra --set, default timeout s)
     "pgs_4b": ("pgs", "specs/qwen3_4b_12gib.toml", [], 110),
     "pgs_4b_offload": ("pgs", "specs/qwen3_4b_12gib.toml",
                        ["memory.offload_optimizer=true", "memory.device_limit_gib=9"], 110),
+    # a save every 4 steps, in the foreground and in the background (checkpoint.background): the
+    # steps' wall-clock throughput (wall_tok_s) beside the setup without periodic saves
+    "pgs_4b_save4": ("pgs", "specs/qwen3_4b_12gib.toml", ["checkpoint.every=4"], 130),
+    "pgs_4b_bgsave4": ("pgs", "specs/qwen3_4b_12gib.toml", ["checkpoint.every=4", "checkpoint.background=true"], 130),
+    "pgs_8b_offload_save4": ("pgs", "specs/qwen3_8b_20gib.toml", ["checkpoint.every=4"], 230),
+    "pgs_8b_offload_bgsave4": ("pgs", "specs/qwen3_8b_20gib.toml", ["checkpoint.every=4", "checkpoint.background=true"],
+                               230),
     # killed after step N/2 + 1 and resumed from the checkpoint at N/2 (run_resume)
     "pgs_4b_resume": ("resume", "specs/qwen3_4b_12gib.toml", [], 220),
     "pgs_8b_offload_resume": ("resume", "specs/qwen3_8b_20gib.toml", [], 400),
@@ -118,13 +129,16 @@ class HostMemory(product.GpuMemory):
 def host_phases(samples: list[tuple], records: list[dict]) -> dict:
     """Host memory (the tree's PSS) by phase of a ``pgs run``: before its first step record
     (model build, compilation, the state's first placement), while it steps (saves excluded),
-    and while it saves (each ``checkpoint`` event's ``checkpoint_seconds`` before its time)."""
+    and while it saves (each ``checkpoint`` event's ``checkpoint_seconds`` before its time; a
+    background save's ``write_seconds`` + ``sync_seconds``)."""
     if not samples:
         return {}
     out = {"host_pss_max_gib": max(s[1] for s in samples) / GiB,
            "host_rss_main_max_gib": max(s[3] for s in samples) / GiB}
     steps = [r for r in records if "loss" in r and "tokens" in r]
-    saves = [(r["time"] - r.get("checkpoint_seconds", 0.0) - 0.5, r["time"] + 0.5)
+    # a save's span: what training waited, or for a background save its thread's write and sync
+    saves = [(r["time"] - (r.get("write_seconds", 0.0) + r.get("sync_seconds", 0.0) if r.get("background")
+                           else r.get("checkpoint_seconds", 0.0)) - 0.5, r["time"] + 0.5)
              for r in records if r.get("event") == "checkpoint"]
     if not steps:
         return out
@@ -231,22 +245,29 @@ def run_pgs(name: str, spec: str, sets: list[str], args, timeout: float, *, env:
 
 def run_resume(name: str, spec: str, sets: list[str], args, timeout: float) -> dict:
     """Resume on the product path: ``pgs run`` to ``N = --steps`` with a checkpoint at
-    ``k = N // 2``, killed (SIGKILL, ``PGS_FAULTS`` ``crash_at``) right after step k + 1, then
-    ``pgs run --resume auto`` to N.  The result is the resumed run's: its steps, its peaks (the
-    load of the state included), ``resume_s`` (launch to its first step); ``interrupted`` holds the
-    first run's.  Beside an uninterrupted setup of the same spec and sets earlier in the call,
-    ``loss_diff`` is the largest difference of a step's loss after the resume and ``same_weights``
-    whether the final model files' digests are equal."""
+    ``k = N // 2``, killed (SIGKILL, ``PGS_FAULTS`` ``crash_at``) right after step k + 3 (so that
+    step k + 1's record is logged), then ``pgs run --resume auto`` to N.  The result is the
+    resumed run's: its steps, its peaks (the load of the state included), ``resume_s`` (launch to
+    its first step); ``interrupted`` holds the first run's.  ``resume_step_diff``: step k + 1's
+    loss after the resume against the interrupted run's own step k + 1 (the same weights and
+    batch: 0 when the checkpoint restores the run exactly and the forward is deterministic).
+    Beside an uninterrupted setup of the same spec and sets earlier in the call (``compare_resumes``),
+    ``loss_diff`` is the largest difference of a step's loss after the resume, ``run_to_run_diff``
+    the largest before the interruption (two runs of the same steps: the device's own
+    nondeterminism), and ``same_weights`` whether the final model files' digests are equal."""
     k = args.steps // 2
-    faults = {"PGS_FAULTS": json.dumps({"crash_at": ["step", k + 1]})}
+    faults = {"PGS_FAULTS": json.dumps({"crash_at": ["step", k + 3]})}
     began = time.time()
     first = run_pgs(name, spec, sets + [f"checkpoint.every={k}"], args, timeout / 2, env=faults, keep=True)
     if first.get("returncode") != -signal.SIGKILL:  # (its summary's error, too few steps to time, is no failure)
         return {**first, "error": first.get("error") or f"the run to be interrupted ended with {first.get('returncode')}"}
     out = run_pgs(name, spec, sets, args, timeout - (time.time() - began), resume=True)
     out["interrupted"] = {key: first.get(key) for key in ("returncode", "seconds", "max_allocated_gib",
-                                                         "max_reserved_gib", "checkpoint_s")}
+                                                         "max_reserved_gib", "checkpoint_s", "losses")}
     out["resume_s"] = out.pop("launch_to_step1_s", None)
+    before, after = (first.get("losses") or {}).get(k + 1), (out.get("losses") or {}).get(k + 1)
+    if before is not None and after is not None:
+        out["resume_step_diff"] = abs(after - before)
     return out
 
 
@@ -261,6 +282,11 @@ def compare_resumes(results: list[dict]) -> None:
         common = [s for s in r["losses"] if s in base["losses"]]
         if common:
             r["loss_diff"] = max(abs(r["losses"][s] - base["losses"][s]) for s in common)
+        resumed = min(r["losses"], default=None)
+        first = (r.get("interrupted") or {}).get("losses") or {}
+        early = [s for s in first if s in base["losses"] and (resumed is None or s < resumed)]
+        if early:
+            r["run_to_run_diff"] = max(abs(first[s] - base["losses"][s]) for s in early)
         if r.get("final_model_digest") and base.get("final_model_digest"):
             r["same_weights"] = r["final_model_digest"] == base["final_model_digest"]
 
@@ -347,13 +373,16 @@ def pcie_floor(results: list[dict]) -> None:
 
 
 #: The table's columns: (header, result key, format).
-COLUMNS = [("mean tok/s", "mean_tok_s", ",.0f"), ("max alloc GiB", "max_allocated_gib", ".2f"),
+COLUMNS = [("mean tok/s", "mean_tok_s", ",.0f"), ("wall tok/s", "wall_tok_s", ",.0f"),
+           ("max alloc GiB", "max_allocated_gib", ".2f"),
            ("max reserved GiB", "max_reserved_gib", ".2f"), ("host PSS GiB: setup", "host_pss_setup_gib", ".1f"),
            ("steps", "host_pss_steps_gib", ".1f"), ("save", "host_pss_save_gib", ".1f"),
            ("max", "host_pss_max_gib", ".1f"),
            ("host state GiB", "host_state_gib", ".2f"), ("PCIe GiB/step", "pcie_gib_per_step", ".2f"),
            ("PCIe s/step", "pcie_s_per_step", ".3f"), ("step s (median)", "median_step_s", ".3f"),
-           ("resume s", "resume_s", ".1f"), ("loss diff", "loss_diff", ".2e"), ("same weights", "same_weights", "")]
+           ("resume s", "resume_s", ".1f"), ("step k+1 diff", "resume_step_diff", ".2e"),
+           ("loss diff", "loss_diff", ".2e"), ("run-to-run diff", "run_to_run_diff", ".2e"),
+           ("same weights", "same_weights", "")]
 
 
 def _setup_cell(r: dict) -> str:

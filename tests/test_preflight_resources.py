@@ -126,6 +126,25 @@ def test_disk_copies_follow_what_checkpoint_keeps():
     assert R.disk_copies(NS(keep=0, best_metric="", export=False)) == R.DISK_COPIES
 
 
+def test_a_resumed_runs_step_folders_count_towards_keep(tmp_path):
+    """Resuming a run that keeps one checkpoint: the one on disk is not free space to find (it
+    asked for 2 × 23 GiB free with step_6's 23 GiB already on a 64 GiB disk, and refused the
+    8B recipe's resume).  At most ``keep`` folders count; keep = 0 still asks for 3."""
+    from types import SimpleNamespace as NS
+
+    one = NS(keep=1, best_metric="", export=False)
+    two = NS(keep=2, best_metric="eval_loss", export=True)
+    assert R.disk_copies(one, str(tmp_path / "absent")) == 2
+    (tmp_path / "step_6").mkdir()
+    (tmp_path / "best").mkdir()  # replaced beside the old one: still needs its room
+    assert R.disk_copies(one, str(tmp_path)) == 1
+    assert R.disk_copies(two, str(tmp_path)) == 4
+    (tmp_path / "step_12").mkdir()
+    (tmp_path / "step_18").mkdir()
+    assert R.disk_copies(one, str(tmp_path)) == 1 and R.disk_copies(two, str(tmp_path)) == 3
+    assert R.disk_copies(NS(keep=0, best_metric="", export=False), str(tmp_path)) == R.DISK_COPIES
+
+
 def test_device_limit_is_the_room_a_cuda_spec_is_checked_against_even_without_the_device(tmp_path):
     """memory.device_limit_gib caps what the run may reserve, so the preflight checks the
     prediction against the cap, on a host that has no GPU as well (pgs validate on a laptop)."""

@@ -659,7 +659,7 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
     run_dir = spec.checkpoint.dir
     main = is_main(r)
     control.preflight(run_dir, parameter_bytes(r.model) + r.bound.state_bytes(),
-                      factor=disk_copies(spec.checkpoint))  # the same count as pgs validate's check
+                      factor=disk_copies(spec.checkpoint, run_dir))  # the same count as pgs validate's check
     if main:
         ckpt.remove_stale_temporaries(run_dir)
     D.barrier()

@@ -38,13 +38,22 @@ GiB = 1024**3
 DISK_COPIES = 3.0
 
 
-def disk_copies(checkpoint) -> float:
-    """How many checkpoints' worth of disk ``[checkpoint]`` fills at its fullest: the ``keep``
-    newest plus the one being written beside them, the best one when ``best_metric`` is set, and
-    the export (weights only, counted as a whole checkpoint) when ``export``."""
+def disk_copies(checkpoint, run_dir: str | None = None) -> float:
+    """How many checkpoints' worth of free disk ``[checkpoint]`` still needs at its fullest: the
+    ``keep`` newest plus the one being written beside them, the best one when ``best_metric`` is
+    set, and the export (weights only, counted as a whole checkpoint) when ``export``.
+
+    ``run_dir``: the run folder of a resumed run; the step folders already in it are on the
+    disk (not free space to find) and count towards ``keep``, up to ``keep`` of them.  (The best
+    and final folders are not: a new one is written beside the old before the old is removed.)"""
     if checkpoint.keep <= 0:
         return DISK_COPIES
-    return checkpoint.keep + 1 + bool(checkpoint.best_metric) + bool(checkpoint.export)
+    have = 0
+    if run_dir is not None and os.path.isdir(run_dir):
+        from pgs.runtime.store.checkpoint import step_folders
+
+        have = min(len(step_folders(run_dir)), checkpoint.keep)
+    return checkpoint.keep - have + 1 + bool(checkpoint.best_metric) + bool(checkpoint.export)
 
 
 @attrs.frozen
@@ -239,5 +248,5 @@ def check_host(spec, processes: int | None = None) -> Prediction | None:
         check_memory(spec, prediction, device)
         if spec.checkpoint.background:
             check_snapshot(prediction, device)
-    check_disk(spec.checkpoint.dir, prediction.checkpoint, disk_copies(spec.checkpoint))
+    check_disk(spec.checkpoint.dir, prediction.checkpoint, disk_copies(spec.checkpoint, spec.checkpoint.dir))
     return prediction
