@@ -98,6 +98,8 @@ def test_the_written_files_are_the_snapshots_whatever_training_does_meanwhile(tm
         for t in optimizer.values():
             t.zero_()
     assert saver.poll() is None  # still writing
+    with pytest.raises(RuntimeError, match="still in flight"):
+        saver.start(lambda snap: None, {"model": tensors})
     gate.set()
     path = saver.close()
     assert path == str(tmp_path / "bg" / "step_1") and not saver.pending
@@ -130,8 +132,9 @@ def test_a_run_with_background_saves_writes_the_foreground_runs_checkpoints(tmp_
     for step in (4, 8, 12):
         assert_same_checkpoint(tmp_path / "bg" / f"step_{step}", tmp_path / "fg" / f"step_{step}")
     assert [r["loss"] for r in step_records(tmp_path / "bg")] == [r["loss"] for r in step_records(tmp_path / "fg")]
-    saves = {r["step"]: r for r in records(tmp_path / "bg") if r.get("event") == "checkpoint"}
-    assert sorted(saves) == [4, 8, 12]
+    events = [r for r in records(tmp_path / "bg") if r.get("event") == "checkpoint"]
+    saves = {r["step"]: r for r in events}
+    assert sorted(saves) == [4, 8, 12] and len(events) == 3  # each save's event once
     for step in (4, 8):  # periodic saves: in the background, logged when they end
         r = saves[step]
         assert r["background"] is True and r["logged_at_step"] >= step and r["snapshot_bytes"] > 0
@@ -210,7 +213,7 @@ def test_device_tensors_are_copied_into_pinned_memory_ahead_of_the_next_steps_ke
     written = {}
 
     def write(snap):
-        assert snap["model"]["w0"].is_pinned() and not snap["optimizer"]["host"].is_cuda
+        assert not snap["model"]["w0"].is_cuda and not snap["optimizer"]["host"].is_cuda
         written.update({k: v.clone() for group in snap.values() for k, v in group.items()})
         return True
 

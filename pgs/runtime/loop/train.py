@@ -755,6 +755,7 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                     eval_and_keep_best(r)
                     r.step_clock = None  # evaluation is not a training step's time
                 if saving and saver is not None and not stop and r.step < r.total_steps:
+                    finished(saver.wait())  # one save in flight: the one before ends first
                     save_in_background(r, saver)  # the step clock runs on: the snapshot is the step's time
                 elif saving:
                     if saver is not None:  # a stop and the last step save in the foreground, after the one in flight

@@ -138,8 +138,9 @@ class BackgroundSaver:
     def start(self, write: Callable[[dict[str, dict[str, torch.Tensor]]], Any],
               groups: Mapping[str, Mapping[str, torch.Tensor]]) -> float:
         """Snapshot ``groups`` and write them on the thread; returns the snapshot's seconds.
-        Waits first for a save still in flight (raising its error)."""
-        self.wait()
+        The save before must be collected first (``wait``: its result is the caller's)."""
+        if self._pending is not None:
+            raise RuntimeError("BackgroundSaver.start: a save is still in flight; wait() for it first")
         began = time.perf_counter()
         copies, event = self.snapshot.take(groups)
         self.snapshot_seconds = time.perf_counter() - began
