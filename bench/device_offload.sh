@@ -3,8 +3,9 @@
 # bandwidth, `pgs run specs/qwen3_8b_20gib.toml` (state offloaded), HF compiled + AC + fused AdamW
 # at the same shape, and the 4B recipe with and without memory.offload_optimizer, each with its
 # own timeout inside one budget.  Environment: STEPS (default 16: the mean is over steps 5-16),
-# ONLY (setups, comma-separated, default all: bandwidth,pgs_8b_offload,hf_8b_compiled_ac,pgs_4b,
-# pgs_4b_offload), TESTS (1: first the CUDA tests of the offload, tests/test_offload.py, ~1 min;
+# ONLY (setups, comma-separated, default: bandwidth,pgs_8b_offload,hf_8b_compiled_ac,pgs_4b,
+# pgs_4b_offload; python bench/offload_bench.py --help lists the others), SAVE_EVERY (the
+# *_saves setups' checkpoint.every, default 40), TESTS (1: first the CUDA tests of the offload, tests/test_offload.py, ~1 min;
 # anything else: pytest arguments run first, e.g. TESTS="-m cuda tests/test_pinned.py"; TEST_S
 # seconds for them, default 150),
 # BUDGET (seconds for the setups, default 560 less the tests' time).  Results: $OUT/offload.json
@@ -24,7 +25,7 @@ elif [ -n "${TESTS:-}" ] && [ "$TESTS" != 0 ]; then
 fi
 log offload bench
 BUDGET=${BUDGET:-$(left 565)}
-python3 bench/offload_bench.py --steps "$STEPS" --budget "$BUDGET" --workdir /tmp/offload \
+python3 bench/offload_bench.py --steps "$STEPS" --budget "$BUDGET" --workdir /tmp/offload --save-every "${SAVE_EVERY:-40}" \
   ${ONLY:+--only $ONLY} --out "$OUT/offload.json" >> "$OUT/all.log" 2>&1
 log done
 [ -f "$OUT/pytest.log" ] && cat "$OUT/pytest.log"

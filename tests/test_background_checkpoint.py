@@ -208,7 +208,7 @@ def test_device_tensors_are_copied_into_pinned_memory_ahead_of_the_next_steps_ke
     g = torch.Generator(device="cuda").manual_seed(0)
     weights = {f"w{i}": torch.randn(1024, 1024, device="cuda", generator=g) for i in range(8)}
     state = {"m": torch.randn(4096, 1024, device="cuda", generator=g).bfloat16(), "host": torch.randn(1000)}
-    expected = {k: v.cpu() for k, v in {**weights, **state}.items()}
+    expected = {k: v.cpu().clone() for k, v in {**weights, **state}.items()}
     saver = background.BackgroundSaver()
     written = {}
 
