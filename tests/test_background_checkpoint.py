@@ -225,3 +225,14 @@ def test_device_tensors_are_copied_into_pinned_memory_ahead_of_the_next_steps_ke
     assert saver.close() is True
     for k, v in expected.items():
         assert torch.equal(written[k], v), k
+
+
+def test_reserve_makes_the_buffers_a_snapshot_then_reuses():
+    _, tensors, _, optimizer = _state()
+    snap = background.Snapshot()
+    snap.reserve({"model": tensors, "optimizer": optimizer})
+    held = snap.nbytes
+    assert held >= sum(t.numel() * t.element_size() for t in [*tensors.values(), *optimizer.values()])
+    copies, _ = snap.take({"model": tensors, "optimizer": optimizer})
+    assert snap.nbytes == held and torch.equal(copies["optimizer"]["mu"], optimizer["mu"])
+    snap.release()

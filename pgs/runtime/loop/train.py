@@ -338,6 +338,16 @@ def save(run: Run, timings: dict[str, float] | None = None) -> str:
     return folder
 
 
+def snapshot_groups(run: Run) -> tuple[dict, dict[str, str]]:
+    """What a background save snapshots (file -> live tensors: the weights, the optimizer
+    state, the EMA) and the weights' aliases."""
+    tensors, aliases = ckpt.model_tensors(run.model)
+    groups = {"model": tensors, "optimizer": run.bound.state_dict(copy=False)}
+    if run.averaging is not None and run.averaging.has_ema:
+        groups[AVERAGING_FILE] = run.averaging.state_dict()
+    return groups, aliases
+
+
 def save_in_background(run: Run, saver: background.BackgroundSaver) -> float:
     """Start writing ``step_<N>`` on ``saver``'s thread (``[checkpoint] background``,
     ``pgs.runtime.store.background``): the weights, optimizer state and EMA are snapshot into
@@ -345,10 +355,7 @@ def save_in_background(run: Run, saver: background.BackgroundSaver) -> float:
     :func:`save` does, then purges.  Returns the snapshot's seconds (the training's wait).  The
     save's result, which ``saver.poll``/``wait`` return, is its ``checkpoint`` event."""
     step, run_dir, keep, faults = run.step, run.run_dir, run.spec.checkpoint.keep, run.faults
-    tensors, aliases = ckpt.model_tensors(run.model)
-    groups = {"model": tensors, "optimizer": run.bound.state_dict(copy=False)}
-    if run.averaging is not None and run.averaging.has_ema:
-        groups[AVERAGING_FILE] = run.averaging.state_dict()
+    groups, aliases = snapshot_groups(run)
     rng = ckpt.capture_rng(generators=run.objective.generators())
     trainer = json.loads(json.dumps(run.counters()))  # a copy: the run's own objects go on changing
     spec_toml = run.spec.to_toml()
@@ -701,6 +708,9 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
         with control.StopSignals() as signals:
             if evals and r.step == 0:
                 eval_and_keep_best(r)
+            every = spec.checkpoint.every
+            if saver is not None and every and (r.step // every + 1) * every < r.total_steps:
+                saver.snapshot.reserve(snapshot_groups(r)[0])  # now, not in the first save's step
             r.log.start(r.step)
             frozen = False
             last: StepRecord | None = None  # the previous step's record, read once this step is launched
@@ -744,7 +754,6 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                 verdict = r.skips.verdict()
                 evaluating = evals and (r.step % spec.train.eval_every == 0 or r.step == r.total_steps)
                 stop = flags[control.SIGNAL] or flags[control.WALL]
-                every = spec.checkpoint.every
                 saving = stop or (every and r.step % every == 0) or r.step == r.total_steps
                 if last is not None and (verdict is not None or evaluating or saving):
                     emit(last)  # the record goes before whatever this step ends with
