@@ -188,6 +188,40 @@ def test_a_halt_waits_for_the_save_in_flight(tmp_path, monkeypatch, capsys):
     assert any(r.get("event") == "checkpoint" and r["step"] == 4 for r in records(run_dir))
 
 
+def test_sigterm_while_a_save_is_in_flight_waits_for_it_then_saves_and_exits_143(tmp_path, monkeypatch):
+    """SIGTERM arrives while the thread writes step_4 (the writer sends it, then takes its time):
+    the run stops at the next step boundary, step_4 completes, the stop's own checkpoint is
+    written in the foreground after it, and the exit is 128 + 15."""
+    import os
+    import time
+
+    from pgs.runtime.loop import train
+    from pgs.runtime.spec.load import load_spec
+
+    real = ckpt.write_safetensors
+    sent = []
+
+    def slow(path, *args, **kwargs):
+        if ".step_4.tmp-" in str(path) and not sent:
+            sent.append(path)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.0)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_safetensors", slow)
+    loaded = load_spec(str(tiny_spec(tmp_path, "run", steps=12, every=4)), overrides=["checkpoint.background=true"])
+    assert train.run(loaded) == 128 + signal.SIGTERM
+    run_dir = tmp_path / "run"
+    events = [r for r in records(run_dir) if r.get("event") in ("checkpoint", "stop")]
+    assert [e["event"] for e in events] == ["checkpoint", "checkpoint", "stop"]
+    assert events[0]["step"] == 4 and events[0]["background"] is True
+    stop_step = events[2]["step"]
+    assert 4 < stop_step < 12 and events[1]["step"] == stop_step and "background" not in events[1]
+    for step in (4, stop_step):
+        assert ckpt.problem(str(run_dir / f"step_{step}")) is None
+    assert not [p for p in run_dir.iterdir() if ".tmp-" in p.name]
+
+
 def test_several_processes_are_refused_in_one_line(tmp_path):
     from pgs.runtime.dist import launch as L
     from pgs.runtime.spec.load import load_spec
