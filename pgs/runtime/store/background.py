@@ -10,7 +10,7 @@ hashed, fsynced and renamed into place; for the large recipes that is many secon
    behind this step's kernels and ahead of the next step's (they read this step's values);
    ordinary memory for tensors already on the host.  The RNG states and the trainer's
    counters are taken as they are (small, and fresh objects);
-2. a thread waits for the copies (a CUDA event), then writes the folder from the snapshot
+2. a thread waits for the copies (a CUDA event per device), then writes the folder from the snapshot
    through ``checkpoint.save_tensors`` — the same files, manifest, fsyncs and atomic rename
    as a foreground save — and then purges old folders (``checkpoint.purge``).
 
@@ -25,9 +25,8 @@ training thread where it next asks (:meth:`BackgroundSaver.poll` after every ste
 
 Cost: host memory for one checkpoint's tensors, allocated before the first step
 (:meth:`Snapshot.reserve`) and reused by every save (``pgs profile`` row "host: checkpoint
-snapshot"); device time for the copies
-(bytes over the PCIe bandwidth).  One process only: a multi-process (DCP) save is a
-collective and stays in the foreground.
+snapshot"); device time for the copies (bytes over the PCIe bandwidth).  One process only: a
+multi-process (DCP) save is a collective and stays in the foreground.
 """
 
 from __future__ import annotations
@@ -90,15 +89,15 @@ class Snapshot:
         return buf
 
     def take(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[dict[str, dict[str, torch.Tensor]],
-                                                                           torch.cuda.Event | None]:
+                                                                           list[torch.cuda.Event]]:
         """``groups`` (name -> named tensors) copied; returns the copies (same names, shapes,
-        dtypes; contiguous) and the CUDA event after the last device copy (None: no tensor was on
-        a GPU, every copy is done).  The device copies are queued on the current stream."""
+        dtypes; contiguous) and one CUDA event per device after its last copy (none: no tensor
+        was on a GPU, every copy is done).  A device's copies are queued on its current stream."""
         entries = [(g, name, t.detach()) for g, tensors in groups.items() for name, t in tensors.items()]
         buffers = {side: self._buffer(side, n) for side, n in _sizes(t for _, _, t in entries).items() if n}
         offsets = {True: 0, False: 0}
         out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in groups}
-        device_copies = False
+        devices = set()
         for g, name, t in entries:
             side = t.is_cuda
             n = _nbytes(t)
@@ -106,13 +105,16 @@ class Snapshot:
                 torch.empty(t.shape, dtype=t.dtype)
             offsets[side] += _padded(n)
             dst.copy_(t, non_blocking=side)
-            device_copies |= side
+            if side:
+                devices.add(t.device)
             out[g][name] = dst
-        event = None
-        if device_copies:
-            event = torch.cuda.Event()
-            event.record()
-        return out, event
+        events = []
+        for device in devices:
+            with torch.cuda.device(device):
+                event = torch.cuda.Event()
+                event.record()
+            events.append(event)
+        return out, events
 
     def reserve(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Make the buffers a snapshot of ``groups`` needs now, so that the first save does not
@@ -156,11 +158,11 @@ class BackgroundSaver:
         if self._pending is not None:
             raise RuntimeError("BackgroundSaver.start: a save is still in flight; wait() for it first")
         began = time.perf_counter()
-        copies, event = self.snapshot.take(groups)
+        copies, events = self.snapshot.take(groups)
         self.snapshot_seconds = time.perf_counter() - began
 
         def job():
-            if event is not None:
+            for event in events:
                 event.synchronize()
             return write(copies)
 
