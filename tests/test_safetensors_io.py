@@ -131,6 +131,36 @@ def test_large_pieces_hashed_beside_the_write_give_the_file_s_digest(tmp_path, m
     assert_same_tensors(tmp_path / "f.safetensors", {k: v.contiguous() for k, v in tensors.items()})
 
 
+def test_early_writeback_covers_the_file_in_order_and_changes_no_byte(tmp_path, monkeypatch):
+    """Every ``WRITEBACK_BYTES`` the writer asks the kernel to write back what it wrote since
+    the last time, and again (to drop the pages by then clean) the range before it: the ranges
+    asked tile the file from its start, each at most two steps long; the bytes are safetensors'."""
+    import os
+
+    calls = []
+    real = os.posix_fadvise
+
+    def spy(fd, offset, length, advice):
+        assert advice == os.POSIX_FADV_DONTNEED
+        calls.append((offset, length, os.fstat(fd).st_size))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    monkeypatch.setattr(sio, "WRITEBACK_BYTES", 5_000)
+    g = torch.Generator().manual_seed(4)
+    tensors = {"a": torch.randn(100, 100, generator=g), "b": torch.randn(37, 29, generator=g).t()}
+    sio.write(tmp_path / "f.safetensors", tensors, chunk_bytes=4096)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "ref.safetensors"))
+    data = (tmp_path / "f.safetensors").read_bytes()
+    assert data == (tmp_path / "ref.safetensors").read_bytes()
+    assert len(calls) >= 4
+    before = advised = 0
+    for offset, length, size in calls:
+        assert offset == before and offset + length == size  # from the range before the last one to what is written
+        assert size - advised >= 5_000 and size <= len(data)
+        before, advised = advised, size
+
+
 def test_pieces_stay_bounded():
     t = torch.randn(100, 30).t()  # non-contiguous, rows of 400 bytes
     for limit in (64, 400, 1000, 4096):

@@ -149,6 +149,11 @@ class _Bounce:
 OVERLAP_BYTES = 1 << 20
 
 
+#: early writeback: once this many bytes beyond the last advice are in the page cache, the
+#: kernel is asked to start writing them to the disk (``_Sink.writeback``)
+WRITEBACK_BYTES = 256 << 20
+
+
 class _Sink:
     """The open file and the digest of every byte handed to it (``pgs.runtime.store.digest``:
     sha256 over 8 MiB chunks): the checkpoint manifest takes it from here instead of reading
@@ -157,26 +162,50 @@ class _Sink:
     A large piece's chunks are hashed on worker threads while this thread writes it (hashlib
     and the write system call both release the GIL), so the write runs at the page cache's
     speed rather than one sha256 core's; ``write`` returns once both are done, so the caller
-    may reuse the buffer."""
+    may reuse the buffer.
+
+    Early writeback (:meth:`writeback`): every ``WRITEBACK_BYTES`` the kernel is told to start
+    writing what this file has put in the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``,
+    which on Linux starts an asynchronous writeback of the range's dirty pages and drops its
+    clean ones).  Without it the disk idles while the file goes to the page cache and the
+    final fsync writes it all (at 8B: 12 s of writing, then 6 s of fsync), and a save leaves
+    a whole checkpoint of dirty, then cached, pages in host memory."""
 
     def __init__(self, handle):
         self.handle = handle
         self.digest = ChunkedDigest()
         self._pool: ThreadPoolExecutor | None = None
+        self._written = 0  # bytes handed to the file
+        self._advised = 0  # writeback was started for [0, _advised)
+        self._before = 0  # ... and asked of [_before, _advised) last time (its clean pages dropped next time)
 
     def write(self, data) -> None:
         if len(data) < OVERLAP_BYTES:
             self.digest.update(data)
             self.handle.write(data)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(workers(), thread_name_prefix="pgs-digest")
+            hashed = self.digest.update(data, self._pool)
+            try:
+                self.handle.write(data)
+            finally:
+                for future in hashed:
+                    future.result()
+        self._written += len(data)
+        if self._written - self._advised >= WRITEBACK_BYTES:
+            self.writeback()
+
+    def writeback(self) -> None:
+        """Start the writeback of everything written since the last call, and drop the pages of
+        the range before it that are written back by now (a no-op where ``posix_fadvise`` is
+        missing)."""
+        advise = getattr(os, "posix_fadvise", None)
+        if advise is None:
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(workers(), thread_name_prefix="pgs-digest")
-        hashed = self.digest.update(data, self._pool)
-        try:
-            self.handle.write(data)
-        finally:
-            for future in hashed:
-                future.result()
+        self.handle.flush()  # what the buffered writer still holds (the header) into the page cache
+        advise(self.handle.fileno(), self._before, self._written - self._before, os.POSIX_FADV_DONTNEED)
+        self._before, self._advised = self._advised, self._written
 
     def close(self) -> None:
         if self._pool is not None:
