@@ -4,8 +4,9 @@
 What must hold: the files equal a foreground save's of the same step, whatever training does
 to the live tensors while the thread writes; a run with background saves gives the same
 checkpoints, bit for bit, as one without; a kill while the thread writes leaves the earlier
-checkpoint to resume from, bit-exactly; a halt waits for the save in flight; several processes
-are refused in one line.
+checkpoint to resume from, bit-exactly; a halt and a stop wait for the save in flight; with
+two gloo ranks the DCP checkpoints written in the background equal the foreground run's and
+resume to its bits.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import pytest
 import torch
 
 from pgs import cli
-from pgs.errors import EXIT_BAD_INPUT, SpecError
 from pgs.runtime.loop.faults import Faults
 from pgs.runtime.store import background, checkpoint as ckpt
-from helpers import assert_same_checkpoint, launch, records, step_records, tiny_spec
+from helpers import (assert_same_checkpoint, assert_same_weights, final_weights, launch, records, step_records,
+                     tiny_spec, torchrun)
 
 BACKGROUND = ("--set", "checkpoint.background=true")
 
@@ -97,7 +98,7 @@ def test_the_written_files_are_the_snapshots_whatever_training_does_meanwhile(tm
             p.add_(1.0)
         for t in optimizer.values():
             t.zero_()
-    assert saver.poll() is None  # still writing
+    assert saver.flags() == (1, 0)  # still writing
     with pytest.raises(RuntimeError, match="still in flight"):
         saver.start(lambda snap: None, {"model": tensors})
     gate.set()
@@ -114,9 +115,18 @@ def test_a_failed_background_save_is_raised_where_the_training_thread_asks(tmp_p
         raise OSError(5, "Input/output error")
 
     saver.start(fails, {"model": {"w": torch.ones(3)}})
-    with pytest.raises(OSError, match="Input/output"):
+    while saver.flags()[0]:
+        pass
+    assert saver.flags() == (0, background.FAILED)
+    result, err = saver.collect()
+    assert result is None and isinstance(err, OSError) and "Input/output" in str(err)
+    assert saver.collect() == (None, None) and saver.flags() == (0, 0)  # reported once
+    from pgs.errors import DiskFull
+
+    saver.submit(lambda: (_ for _ in ()).throw(DiskFull("disk full while writing the checkpoint x")))
+    with pytest.raises(DiskFull):
         saver.wait()
-    assert saver.wait() is None  # reported once
+    assert background.failure_code(DiskFull("x")) == background.DISK_FULL and background.failure_code(None) == 0
     saver.close()
 
 
@@ -222,16 +232,6 @@ def test_sigterm_while_a_save_is_in_flight_waits_for_it_then_saves_and_exits_143
     assert not [p for p in run_dir.iterdir() if ".tmp-" in p.name]
 
 
-def test_several_processes_are_refused_in_one_line(tmp_path):
-    from pgs.runtime.dist import launch as L
-    from pgs.runtime.spec.load import load_spec
-
-    spec = tiny_spec(tmp_path, "run", steps=4, every=2)
-    loaded = load_spec(str(spec), overrides=["checkpoint.background=true"])
-    with pytest.raises(SpecError, match="checkpoint.background: runs on one process") as err:
-        L.launch_run(loaded, str(spec), nproc=2)
-    assert "\n" not in str(err.value) and err.value.exit_code == EXIT_BAD_INPUT
-    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.cuda
@@ -270,3 +270,71 @@ def test_reserve_makes_the_buffers_a_snapshot_then_reuses():
     copies, _ = snap.take({"model": tensors, "optimizer": optimizer})
     assert snap.nbytes == held and torch.equal(copies["optimizer"]["mu"], optimizer["mu"])
     snap.release()
+
+
+def _two_rank_spec(tmp_path, name: str, background_saves: bool):
+    path = tiny_spec(tmp_path, name, steps=8, every=2, keep=0, export="true")
+    text = path.read_text().replace("grad_accum = 2", "grad_accum = 1")  # the same micro-batches on 2 ranks
+    if background_saves:
+        text = text.replace("[checkpoint]\n", "[checkpoint]\nbackground = true\n")
+    path.write_text(text)
+    return path
+
+
+def test_two_ranks_write_dcp_checkpoints_in_the_background_and_resume_from_them(tmp_path):
+    """Two gloo ranks: DCP saves at steps 2, 4, 6 written on each rank's thread (rank 0
+    publishing), the last one in the foreground; the weights equal a foreground run's, and a
+    resume from the background-written step_4 ends on the same bits."""
+    from pgs.runtime.store import dcp
+
+    fg, bg = _two_rank_spec(tmp_path, "fg", False), _two_rank_spec(tmp_path, "bg", True)
+    assert "background = true" in bg.read_text()
+    for spec in (fg, bg):
+        done = torchrun(spec)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert_same_weights(final_weights(tmp_path / "fg"), final_weights(tmp_path / "bg"), "background vs foreground")
+    run_dir = tmp_path / "bg"
+    saves = {r["step"]: r for r in records(run_dir) if r.get("event") == "checkpoint"}
+    assert sorted(saves) == [2, 4, 6, 8]
+    assert all(saves[s].get("background") is True for s in (2, 4, 6)) and "background" not in saves[8]
+    for step in (2, 4, 6, 8):
+        assert dcp.problem(str(run_dir / f"step_{step}")) is None
+        assert json.loads((run_dir / f"step_{step}" / "dcp.json").read_text())["world_size"] == 2
+    assert not [p for p in run_dir.iterdir() if ".tmp-" in p.name]
+
+    import shutil
+
+    for name in ("step_6", "step_8", "final"):
+        shutil.rmtree(run_dir / name)
+    done = torchrun(bg, "auto")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert f"resumed from {run_dir / 'step_4'}" in done.stderr
+    assert_same_weights(final_weights(tmp_path / "fg"), final_weights(run_dir), "resumed from a background save")
+
+
+def test_another_process_s_failed_save_stops_this_one_with_the_same_exit(tmp_path, monkeypatch, capsys):
+    """The processes agree on a background save's failure (``control.SAVE_FAILED``): a process
+    whose own save succeeded raises too when another's filled its disk (exit 84, the folder
+    named), at the same step.  Simulated here by an agreement that reports a full disk."""
+    from pgs.errors import EXIT_DISK_FULL
+    from pgs.runtime.loop import control
+
+    real = control.agree
+
+    def other_rank_full(flags):
+        out = real(flags)
+        if len(out) > control.SAVE_FAILED and not out[control.SAVE_RUNNING] and step_folder_written():
+            out[control.SAVE_FAILED] = background.DISK_FULL
+        return out
+
+    def step_folder_written():
+        return (tmp_path / "run" / "step_4").exists()
+
+    monkeypatch.setattr(control, "agree", other_rank_full)
+    code = _run(tiny_spec(tmp_path, "run", steps=12, every=4), *BACKGROUND)
+    err = capsys.readouterr().err
+    assert code == EXIT_DISK_FULL == 84
+    line = next(x for x in err.splitlines() if x.startswith("pgs: error"))
+    assert line.startswith(f"pgs: error: disk full while writing the checkpoint {tmp_path / 'run' / 'step_4'}")
+    steps = [r["step"] for r in step_records(tmp_path / "run")]
+    assert max(steps) < 8  # stopped at the boundary where the save had ended, not at the next save

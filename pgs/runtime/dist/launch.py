@@ -230,10 +230,6 @@ def launch_run(spec, spec_path: str, *, nproc: int, overrides: Sequence[str] = (
         why = single_process_refusal(spec.memory)
         if why:
             raise SpecError(why)
-        if spec.checkpoint.background:
-            from pgs.runtime.store.background import ONE_PROCESS
-
-            raise SpecError(ONE_PROCESS)
     if resume is None and not rendezvous.node_rank:
         if overwrite:
             aside = checkpoint.move_aside(spec.checkpoint.dir)

@@ -26,8 +26,10 @@ import torch
 from pgs.errors import EXIT_SKIP_CAP, HaltError, PreflightRefused
 
 #: Slots of the flag vector that :func:`agree` reduces.  Each is an int >= 0; MAX is the rule.
-SIGNAL, WALL, NONFINITE, SPIKE = range(4)
-NUM_FLAGS = 4
+#: ``SAVE_RUNNING``/``SAVE_FAILED``: a background checkpoint still being written on some process,
+#: and how one that ended failed (``pgs.runtime.store.background.BackgroundSaver.flags``).
+SIGNAL, WALL, NONFINITE, SPIKE, SAVE_RUNNING, SAVE_FAILED = range(6)
+NUM_FLAGS = 6
 
 HALT_FILE = "HALT.json"
 

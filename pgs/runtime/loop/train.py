@@ -98,6 +98,7 @@ class Run:
     moe: Any = None  # model.moe.RouterTap of a mixture-of-experts model: router telemetry and losses
     context: Any = None  # dist.context.SequenceShard: this rank's part of each row ([parallel] context > 1)
     msft: Msft | None = None  # mSFT rounds (data.msft_round), else None
+    saver: background.BackgroundSaver | None = None  # [checkpoint] background: the save written on a thread
 
     def counters(self) -> dict:
         return {
@@ -232,8 +233,6 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         check_world_size(spec.train, world, cp)
         if spec.averaging is not None:
             raise SpecError("averaging: weight averaging runs on one process for now (WORLD_SIZE = 1)")
-        if spec.checkpoint.background:
-            raise SpecError(background.ONE_PROCESS)
         if cp > 1:
             shard = CP.make_shard(ctx.rank, world, cp, spec.parallel.layout)
     seed_everything(spec.train.seed)
@@ -352,13 +351,33 @@ def save_in_background(run: Run, saver: background.BackgroundSaver) -> float:
     """Start writing ``step_<N>`` on ``saver``'s thread (``[checkpoint] background``,
     ``pgs.runtime.store.background``): the weights, optimizer state and EMA are snapshot into
     host memory now, the RNG states and counters taken now; the thread writes the folder as
-    :func:`save` does, then purges.  Returns the snapshot's seconds (the training's wait).  The
-    save's result, which ``saver.poll``/``wait`` return, is its ``checkpoint`` event."""
+    :func:`save` does, then purges.  With several processes (collective) each rank's shards are
+    staged and written by DCP (``dcp.save_async``) and rank 0 publishes the folder on its thread.
+    Returns the snapshot's seconds (the training's wait).  The save's result, which
+    ``saver.collect`` returns, is its ``checkpoint`` event."""
     step, run_dir, keep, faults = run.step, run.run_dir, run.spec.checkpoint.keep, run.faults
-    groups, aliases = snapshot_groups(run)
-    rng = ckpt.capture_rng(generators=run.objective.generators())
     trainer = json.loads(json.dumps(run.counters()))  # a copy: the run's own objects go on changing
     spec_toml = run.spec.to_toml()
+    if run.ctx is not None:  # several processes: DCP stages each rank's shards and writes them
+        began = time.perf_counter()
+        job, final, need, saver.writer = dcp.save_async(
+            run_dir, step, model=run.model, optimizer=run.bound, trainer=trainer, spec_toml=spec_toml,
+            generators=run.objective.generators(), group=saver.group, writer=saver.writer)
+        saver.snapshot_seconds, saver.label, main = time.perf_counter() - began, (final, need), run.ctx.is_main
+
+        def write_dcp() -> dict:
+            path = job()
+            if main:
+                ckpt.purge(run_dir, keep)
+            return {"step": step, "event": "checkpoint", "path": path, "background": True,
+                    "checkpoint_seconds": round(saver.snapshot_seconds, 3)}
+
+        saver.submit(write_dcp)
+        return saver.snapshot_seconds
+    groups, aliases = snapshot_groups(run)
+    rng = ckpt.capture_rng(generators=run.objective.generators())
+    saver.label = (os.path.join(run_dir, f"step_{step}"), ckpt.tensor_bytes(groups["model"])
+                   + ckpt.tensor_bytes(groups["optimizer"]))
 
     def write(snap: dict) -> dict:
         timings: dict[str, float] = {}
@@ -458,7 +477,8 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
         stat_parts.append(e)
     loss_sum = float(sum(loss_parts))  # the control plane's read: every micro-batch's loss
     nonfinite = not math.isfinite(loss_sum) or n_valid == 0 or n_mean == 0
-    flags = control.agree([signals.received, wall.spent(), nonfinite, 0])
+    saving = run.saver.flags() if run.saver is not None else (0, 0)  # a background save: still running, failed
+    flags = control.agree([signals.received, wall.spent(), nonfinite, 0, *saving])
     opt = StepMetrics()
     extra_values: dict = {}
     grad_norm = None
@@ -698,18 +718,34 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                      ("host_state_bytes", "staging_bytes", "pcie_bytes_per_step")}})
     evals = (bool(spec.data.eval) or any(s.eval for s in spec.data.sources)) and spec.train.eval_every > 0
     profiler = Profiler(run_dir, profile, r.device) if profile and main else None
-    saver = background.BackgroundSaver() if spec.checkpoint.background else None
+    saver = r.saver = background.BackgroundSaver() if spec.checkpoint.background else None
+    if saver is not None and r.ctx is not None:  # the saves' own collectives, beside the training's
+        saver.group = torch.distributed.new_group(backend="gloo")
 
-    def finished(record: dict | None) -> None:  # a background save's checkpoint event, logged when it ends
-        if record is not None:
-            r.log.write({**record, "logged_at_step": r.step})
+    def collect(agreed: int | None = None) -> None:
+        """The background save in flight, collected by every process at the same step: its
+        ``checkpoint`` event logged, or its failure raised on every process (``agreed``: the
+        failure code the step's flags agreed on; None: agreed here, a collective)."""
+        if saver is None or not saver.pending:
+            return
+        record, err = saver.collect()
+        code = agreed if agreed is not None else control.agree(
+            [0] * control.SAVE_FAILED + [background.failure_code(err)])[control.SAVE_FAILED]
+        if err is not None:
+            raise err
+        if code:  # another process's save failed
+            final, need = saver.label
+            if code == background.DISK_FULL:
+                raise ckpt.disk_full_error(final, need)
+            raise ckpt.CheckpointError(f"writing the checkpoint {final} failed on another process (its log says why)")
+        r.log.write({**record, "logged_at_step": r.step})
 
     try:
         with control.StopSignals() as signals:
             if evals and r.step == 0:
                 eval_and_keep_best(r)
             every = spec.checkpoint.every
-            if saver is not None and every and (r.step // every + 1) * every < r.total_steps:
+            if saver is not None and r.ctx is None and every and (r.step // every + 1) * every < r.total_steps:
                 saver.snapshot.reserve(snapshot_groups(r)[0])  # now, not in the first save's step
             r.log.start(r.step)
             frozen = False
@@ -741,8 +777,8 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                     freeze_gc()
                     frozen = True
                 r.faults.crash("step", r.step)
-                if saver is not None:
-                    finished(saver.poll())  # (raises what the save's thread raised: a full disk is exit 84)
+                if saver is not None and saver.pending and not flags[control.SAVE_RUNNING]:
+                    collect(flags[control.SAVE_FAILED])  # ended on every process (a full disk: exit 84 on each)
                 if last is not None:
                     emit(last)
                 last = step_record
@@ -764,11 +800,10 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                     eval_and_keep_best(r)
                     r.step_clock = None  # evaluation is not a training step's time
                 if saving and saver is not None and not stop and r.step < r.total_steps:
-                    finished(saver.wait())  # one save in flight: the one before ends first
+                    collect()  # one save in flight: the one before ends first
                     save_in_background(r, saver)  # the step clock runs on: the snapshot is the step's time
                 elif saving:
-                    if saver is not None:  # a stop and the last step save in the foreground, after the one in flight
-                        finished(saver.wait())
+                    collect()  # a stop and the last step save in the foreground, after the one in flight
                     began, timings = time.perf_counter(), {}
                     path = save(r, timings)
                     r.log.write({"step": r.step, "event": "checkpoint", "path": path,
@@ -799,7 +834,9 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
         if saver is not None:  # a halt or an error: the save in flight completes (or fails) before the exit
             failing = sys.exc_info()[1]
             try:
-                finished(saver.close())
+                record = saver.close()
+                if record is not None:
+                    r.log.write({**record, "logged_at_step": r.step})
             except Exception as err:
                 if failing is None:
                     raise

@@ -276,8 +276,9 @@ class CheckpointSpec:
     ``max_shard_size`` (``"5GB"``, ``"500MB"``, ``"2GiB"`` or bytes) is its largest weights
     file: larger models are sharded with an index, as ``save_pretrained`` does.
     ``background`` writes each periodic checkpoint on a thread from a host snapshot while
-    training goes on (``pgs.runtime.store.background``; one process; host memory for one
-    checkpoint); stops, halts and the last step still save in the foreground.
+    training goes on (``pgs.runtime.store.background``; host memory for one checkpoint, or
+    each rank's shards with several processes); stops, halts and the last step still save in
+    the foreground.
     """
 
     section: ClassVar[str] = "checkpoint"

@@ -20,13 +20,19 @@ the one before it, and so do a stop (signal, wall budget), a halt, an error and 
 run, so that a run never leaves with a save half done unless it is killed (then the folder is
 a temporary one, removed at the next start, and ``--resume auto`` takes the save before).  A
 failure on the thread — a full disk (``DiskFull``, exit 84) or any other — is raised on the
-training thread where it next asks (:meth:`BackgroundSaver.poll` after every step,
-:meth:`BackgroundSaver.wait`).
+training thread at the first step boundary where the save has ended on every process.
+
+With several processes (FSDP2) the save is DCP's: ``pgs.runtime.store.dcp.save_async`` stages
+each rank's shards in host memory (``torch.distributed.checkpoint.async_save``, its buffers kept
+between saves) and writes them on a thread whose collectives run on a gloo group of their own;
+rank 0's thread then writes the manifest and renames the folder.  The processes agree at every
+step boundary whether the save has ended everywhere and whether it failed anywhere (two slots of
+the control plane's flag vector, ``control.agree``), so that all of them collect it, or raise
+its failure, at the same step.
 
 Cost: host memory for one checkpoint's tensors, allocated before the first step
 (:meth:`Snapshot.reserve`) and reused by every save (``pgs profile`` row "host: checkpoint
-snapshot"); device time for the copies (bytes over the PCIe bandwidth).  One process only: a
-multi-process (DCP) save is a collective and stays in the foreground.
+snapshot"); device time for the copies (bytes over the PCIe bandwidth).
 """
 
 from __future__ import annotations
@@ -39,10 +45,6 @@ from typing import Any, Callable, Mapping
 import torch
 
 from pgs.runtime import pinned
-
-#: the refusal of ``checkpoint.background`` with several processes
-ONE_PROCESS = ("checkpoint.background: runs on one process (a multi-process checkpoint is a collective "
-               "DCP save); set background = false or run one process")
 
 #: each snapshot tensor starts at a multiple of this many bytes of its buffer (any dtype's alignment)
 ALIGN = 64
@@ -132,13 +134,28 @@ class Snapshot:
                 pinned.unregister(buf)
 
 
+#: ``BackgroundSaver.flags``' failure codes (``SAVE_FAILED``): none, a failure, a full disk
+FAILED, DISK_FULL = 1, 2
+
+
+def failure_code(err: BaseException | None) -> int:
+    """0 for no error, ``DISK_FULL`` for a full disk, else ``FAILED``."""
+    from pgs.errors import DiskFull
+
+    return 0 if err is None else DISK_FULL if isinstance(err, DiskFull) else FAILED
+
+
 class BackgroundSaver:
     """At most one checkpoint save on a thread; see the module docstring.
 
     ``start(write, groups)`` snapshots ``groups`` (the calling thread waits only for that) and
-    runs ``write(snapshot)`` on the thread; ``poll()`` returns the finished save's result once
-    (and raises what it raised), ``wait()`` blocks for it, ``close()`` waits and frees the
-    snapshot's memory."""
+    runs ``write(snapshot)`` on the thread; ``submit(job)`` runs a job that staged its own
+    tensors (a multi-process DCP save).  ``flags()`` says whether the save is still running and
+    how it failed, for the processes to agree on (``control.agree``) before each collects it
+    with ``collect()``; ``wait()`` blocks for the save's result (and raises what it raised),
+    ``close()`` waits and frees the snapshot's memory.
+
+    ``label``: ``(folder, bytes)`` of the save in flight, for a message about it."""
 
     def __init__(self):
         self.snapshot = Snapshot()
@@ -146,6 +163,9 @@ class BackgroundSaver:
         self._pending: Future | None = None
         self._lock = threading.Lock()
         self.snapshot_seconds = 0.0  # the last snapshot's (set before its write starts)
+        self.label: tuple[str, int] | None = None
+        self.group = None  # the gloo process group of multi-process saves (set by the run)
+        self.writer = None  # DCP's storage writer, kept so that its staging buffers are reused
 
     @property
     def pending(self) -> bool:
@@ -166,17 +186,33 @@ class BackgroundSaver:
                 event.synchronize()
             return write(copies)
 
-        with self._lock:
-            self._pending = self._pool.submit(job)
+        self.submit(job)
         return self.snapshot_seconds
 
-    def poll(self) -> Any:
-        """The finished save's result (None while it runs or when none was started); raises
-        the save's error.  A save's result is returned once."""
+    def submit(self, job: Callable[[], Any]) -> None:
+        """Run ``job`` on the thread as the save in flight."""
         with self._lock:
-            done = self._pending is not None and self._pending.done()
-            future, self._pending = (self._pending, None) if done else (None, self._pending)
-        return future.result() if future is not None else None
+            if self._pending is not None:
+                raise RuntimeError("BackgroundSaver.submit: a save is still in flight; wait() for it first")
+            self._pending = self._pool.submit(job)
+
+    def flags(self) -> tuple[int, int]:
+        """``(running, failure)``: 1 while the save in flight runs; once it ended, its
+        ``failure_code`` (0 when none is in flight or it succeeded)."""
+        with self._lock:
+            future = self._pending
+        if future is None:
+            return 0, 0
+        if not future.done():
+            return 1, 0
+        return 0, failure_code(future.exception())
+
+    def collect(self) -> tuple[Any, BaseException | None]:
+        """Wait for the save in flight; ``(its result, None)`` or ``(None, its error)``."""
+        try:
+            return self.wait(), None
+        except Exception as err:
+            return None, err
 
     def wait(self) -> Any:
         """Block until the save in flight ends; its result (None: none), or its error."""

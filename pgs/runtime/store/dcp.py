@@ -89,20 +89,7 @@ def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    final = os.path.join(run_dir, f"step_{step}")
-    tmp = os.path.join(run_dir, f".step_{step}.tmp-{_broadcast(os.getpid())}")
-    if _rank() == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    opt_state = optimizer.dcp_state()
-    state = {
-        "model": _model_state(model),
-        "optim": opt_state,
-        "rng": {_rng_key(_rank()): ckpt.capture_rng(generators=generators)},
-    }
-    need = ckpt.tensor_bytes(state["model"]) + ckpt.tensor_bytes(opt_state)  # global sizes (DTensors)
+    final, tmp, state, need = _prepare(run_dir, step, model, optimizer, generators)
     try:
         dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
     except BaseException as err:  # DCP's CheckpointException (a BaseException) carries every rank's failure
@@ -112,7 +99,7 @@ def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], 
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise ckpt.disk_full_error(final, need) from None
-    per_rank = sorted(k for k in opt_state if k.startswith("__rank"))
+    per_rank = sorted(k for k in state["optim"] if k.startswith("__rank"))
     per_rank_any = _broadcast_any(bool(per_rank))
     failure, full = None, False
     if _rank() == 0:
@@ -129,6 +116,69 @@ def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], 
     if failure is not None:
         raise CheckpointError(f"writing {final} failed on rank 0: {failure}")
     return final
+
+
+def _prepare(run_dir: str, step: int, model, optimizer, generators) -> tuple[str, str, dict, int]:
+    """Collective: the folder (rank 0 makes its temporary, every rank waits for it) and this
+    rank's state; ``(final, tmp, state, need)``, ``need`` the global bytes of weights + state."""
+    final = os.path.join(run_dir, f"step_{step}")
+    tmp = os.path.join(run_dir, f".step_{step}.tmp-{_broadcast(os.getpid())}")
+    if _rank() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    opt_state = optimizer.dcp_state()
+    state = {
+        "model": _model_state(model),
+        "optim": opt_state,
+        "rng": {_rng_key(_rank()): ckpt.capture_rng(generators=generators)},
+    }
+    need = ckpt.tensor_bytes(state["model"]) + ckpt.tensor_bytes(opt_state)  # global sizes (DTensors)
+    return final, tmp, state, need
+
+
+def save_async(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], spec_toml: str | None,
+               generators: Mapping[str, torch.Generator] | None, group, writer=None):
+    """:func:`save` with the writing left to a thread (``[checkpoint] background``).
+
+    Collective, on the training thread: the folder is made, this rank's state copied to host
+    memory (DCP's staging, ``torch.distributed.checkpoint.async_save``) and the write started,
+    its collectives on ``group`` (a gloo group: the training's own group stays the training's).
+    Returns ``(job, final, need, writer)``: ``job()``, run on a thread, waits for DCP's write
+    and on rank 0 then writes the small files and the manifest and renames the folder (as
+    :func:`save`); it returns the folder or raises (``DiskFull`` for a full disk, removing the
+    temporary folder on rank 0).  ``writer``: the storage writer of the save before (its
+    staging buffers are reused; the returned one is to be passed to the next save)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    final, tmp, state, need = _prepare(run_dir, step, model, optimizer, generators)
+    per_rank = sorted(k for k in state["optim"] if k.startswith("__rank"))
+    per_rank_any = _broadcast_any(bool(per_rank))
+    # staging buffers kept between saves are page-locked (DCP's cache), so only with CUDA
+    writer = writer or FileSystemWriter(tmp, sync_files=True, cache_staged_state_dict=torch.cuda.is_available())
+    response = dcp.async_save(state, checkpoint_id=tmp, storage_writer=writer, process_group=group)
+    upload = getattr(response, "upload_completion", response)  # a Future, or a response holding one
+    rank = _rank()
+
+    def job() -> str:
+        try:
+            upload.result()
+            if rank == 0:
+                _publish(tmp, final, step, trainer, spec_toml, per_rank_any, per_rank)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            if not ckpt.is_disk_full(err):
+                raise CheckpointError(f"writing {final} failed on rank {rank}: {type(err).__name__}: "
+                                      f"{_first_line(err)}") from err
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise ckpt.disk_full_error(final, need) from None
+        return final
+
+    return job, final, need, writer
 
 
 def _publish(tmp: str, final: str, step: int, trainer: dict, spec_toml: str | None, per_rank_any: bool,
