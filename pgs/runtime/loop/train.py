@@ -477,8 +477,8 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
         stat_parts.append(e)
     loss_sum = float(sum(loss_parts))  # the control plane's read: every micro-batch's loss
     nonfinite = not math.isfinite(loss_sum) or n_valid == 0 or n_mean == 0
-    saving = run.saver.flags() if run.saver is not None else (0, 0)  # a background save: still running, failed
-    flags = control.agree([signals.received, wall.spent(), nonfinite, 0, *saving])
+    save_flags = run.saver.flags() if run.saver is not None else (0, 0)  # a background save: running, failed
+    flags = control.agree([signals.received, wall.spent(), nonfinite, 0, *save_flags])
     opt = StepMetrics()
     extra_values: dict = {}
     grad_norm = None
