@@ -22,3 +22,12 @@ def kernels_on(monkeypatch):
         monkeypatch.setattr(kernels, "CONFIG", kernels.CONFIG.evolve(triton_on_cpu=True))
     monkeypatch.setattr(kernels, "CONFIG", kernels.CONFIG.evolve(ce_kernels=True))
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (in-process runs compared bit for bit, on a shared CPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -28,12 +28,7 @@ from helpers import (assert_same_checkpoint, assert_same_weights, final_weights,
 BACKGROUND = ("--set", "checkpoint.background=true")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _manifest(folder) -> dict:

@@ -22,12 +22,7 @@ from pgs.runtime.store import dcp
 from helpers import records, step_records, tiny_spec
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _error_lines(err: str) -> list[str]:
