@@ -32,6 +32,7 @@ Tests inject faults (NaN losses, a SIGKILL mid-checkpoint or after a step, slow 
 
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import math
@@ -720,7 +721,8 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
     profiler = Profiler(run_dir, profile, r.device) if profile and main else None
     saver = r.saver = background.BackgroundSaver() if spec.checkpoint.background else None
     if saver is not None and r.ctx is not None:  # the saves' own collectives, beside the training's
-        saver.group = torch.distributed.new_group(backend="gloo")
+        saver.group = torch.distributed.new_group(backend="gloo",
+                                                  timeout=datetime.timedelta(seconds=D.timeout_seconds()))
 
     def collect(agreed: int | None = None) -> None:
         """The background save in flight, collected by every process at the same step: its
