@@ -146,6 +146,10 @@ def test_a_run_with_background_saves_writes_the_foreground_runs_checkpoints(tmp_
         assert r["checkpoint_seconds"] >= 0 and r["write_seconds"] > 0 and r["sync_seconds"] > 0
         assert r["bytes"] == sum(f.stat().st_size for f in Path(r["path"]).iterdir() if f.name != "COMPLETE")
     assert "background" not in saves[12]  # the last step saves in the foreground
+    from pgs.runtime.tools.report import read_metrics
+
+    report = read_metrics(str(tmp_path / "bg" / "metrics.jsonl"))  # events logged late start no new run
+    assert report.earlier_runs == 0 and [x for x, _ in report.series["loss"]] == list(range(1, 13))
 
 
 def test_sigkill_while_the_thread_writes_then_resume_auto_is_bit_exact(tmp_path):

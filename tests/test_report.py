@@ -152,3 +152,15 @@ def test_memory_peaks_and_the_release_host_time_in_the_summary(tmp_path: Path):
     assert got["mean host ms in release group steps"] == "4.0"
     assert got["mean host ms in optimizer offload staging"] == "1.0"
     assert got["offload groups fetched on demand"] == "3 (all steps)"
+
+
+def test_a_background_checkpoint_logged_late_does_not_start_a_run(tmp_path: Path):
+    """``[checkpoint] background``: step 4's checkpoint event is logged when the save ends, after
+    step 6's record; in a file with start records only a start record begins a run."""
+    rows = ([{"step": 0, "event": "start"}] + [{"step": s, "loss": 5.0 - s} for s in range(1, 7)]
+            + [{"step": 4, "event": "checkpoint", "background": True, "checkpoint_seconds": 0.07,
+                "logged_at_step": 6}] + [{"step": s, "loss": 1.0} for s in (7, 8)])
+    (tmp_path / "metrics.jsonl").write_text(_lines(rows), encoding="utf-8")
+    m = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [x for x, _ in m.series["loss"]] == [1, 2, 3, 4, 5, 6, 7, 8] and m.earlier_runs == 0
+    assert m.series["checkpoint_seconds"] == [(4, 0.07)]

@@ -166,3 +166,24 @@ def test_a_cpu_run_ends_without_nanobind_noise(tmp_path):
     assert "nanobind" not in done.stderr + done.stdout
     assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
             if '"loss"' in line] == [1, 2, 3, 4]
+
+
+def test_a_record_logged_late_goes_on_the_trackers_axis_where_it_was_logged(tmp_path, monkeypatch):
+    """A background checkpoint's event names the step it saved but is logged steps later
+    (``logged_at_step``); wandb drops a step lower than the last one it was given."""
+    seen = []
+
+    class Run:
+        def log(self, numbers, step=None):
+            seen.append((step, sorted(numbers)))
+
+        def finish(self):
+            pass
+
+    _fake_module(monkeypatch, "wandb", init=lambda project, name, config: Run())
+    log = MetricsLog(str(tmp_path), total_steps=10, print_every=100, trackers=["wandb"], project="p",
+                     run_name="r", config={}, stream=io.StringIO())
+    log.write({"step": 6, "loss": 1.0})
+    log.write({"step": 4, "event": "checkpoint", "checkpoint_seconds": 0.07, "logged_at_step": 6})
+    log.close()
+    assert seen == [(6, ["loss"]), (6, ["checkpoint_seconds", "logged_at_step"])]

@@ -97,7 +97,9 @@ class MetricsLog:
         for tracker in self._trackers:
             numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
             try:
-                tracker.log(numbers, step=record.get("step"))
+                # on the trackers' axis a record goes where it was logged (a background checkpoint's
+                # event names the earlier step it saved; wandb drops a step lower than the last)
+                tracker.log(numbers, step=record.get("logged_at_step", record.get("step")))
             except Exception as err:  # a tracker must never stop training
                 self.say(f"pgs: {type(tracker).__name__} logging failed: {err}")
 

@@ -7,10 +7,11 @@ JSON (a run killed mid-write leaves a torn last line) is counted, not fatal.  A 
 drawn only for series that have points.
 
 Only the latest run of the file is read: records after the last fresh start.  A fresh start
-is a ``{"event": "start"}`` record, or (files written before that record existed) a step
-lower than the one before it without a ``resume`` event in between; a ``resume`` event
-continues the run it resumes (``pgs run --resume`` has already cut the records after its
-checkpoint).
+is a ``{"event": "start"}`` record, or (files written before that record existed: no start
+record before it) a step record lower than the one before it without a ``resume`` event in
+between; a ``resume`` event continues the run it resumes (``pgs run --resume`` has already cut
+the records after its checkpoint).  Events may name an earlier step than the records around
+them (a background checkpoint is logged when it ends, under the step it saved).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def read_metrics(path: str) -> Metrics:
         raise ReportError(f"{path}: no such file (is this a run folder? it has no metrics.jsonl)") from None
     with handle:
         last_step: float | None = None
+        seen_start = False  # a file with start records marks every fresh start with one
         for line in handle:
             if not line.strip():
                 continue
@@ -105,10 +107,11 @@ def read_metrics(path: str) -> Metrics:
                 continue
             step = _number(record.get("step"))
             event = record.get("event")
+            seen_start = seen_start or event == "start"
             if event == "resume":
                 last_step = step
-            elif metrics.records and (event == "start" or (step is not None and last_step is not None
-                                                             and step < last_step)):
+            elif metrics.records and (event == "start" or (not seen_start and event is None and step is not None
+                                                             and last_step is not None and step < last_step)):
                 metrics.earlier_records += metrics.records  # a fresh start: what came before is another run
                 metrics.earlier_runs += 1
                 metrics.series.clear()
