@@ -137,6 +137,7 @@ class ShardedBoundOptimizer:
         self.plan = plan_for(chain, SHARDED)  # a fused step on shards, if the registry has one
         self.model = model
         self.params = params
+        self._index = {n: i for i, n in enumerate(params)}  # a parameter's place: its rounding noise stream
         self.stochastic_rounding = stochastic_rounding
         self.world = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
@@ -259,14 +260,13 @@ class ShardedBoundOptimizer:
         rank r holds rows from r·⌈rows/world⌉), so the ranks draw what one process would."""
         if not self.stochastic_rounding:
             return pf.apply_updates(params, updates)
-        index = {n: i for i, n in enumerate(self.params)}
         new = {}
         for n, p in params.items():
             start = 0
             if self.group is not None:
                 rows, chunk = self._rows(n)
                 start = min(self.rank * chunk, rows) * (self.params[n].numel() // max(rows, 1))
-            new[n] = pf.apply_updates(p, updates[n], stochastic_rounding=True, state=state, first=index[n],
+            new[n] = pf.apply_updates(p, updates[n], stochastic_rounding=True, state=state, first=self._index[n],
                                       start=start)
         return new
 
