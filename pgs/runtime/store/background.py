@@ -120,8 +120,8 @@ class Snapshot:
 
     def reserve(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Make the buffers a snapshot of ``groups`` needs now, so that the first save does not
-        wait for them (registering page-locked memory faults in and pins every page: about 4 s
-        for the 11 GiB of the 4B recipe on the H200 host)."""
+        wait for them (registering page-locked memory faults in and pins every page: seconds
+        for a checkpoint of several GiB; docs/performance.md)."""
         for side, n in _sizes(t for tensors in groups.values() for t in tensors.values()).items():
             if n:
                 self._buffer(side, n)

@@ -167,9 +167,9 @@ class _Sink:
     Early writeback (:meth:`writeback`): every ``WRITEBACK_BYTES`` the kernel is told to start
     writing what this file has put in the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``,
     which on Linux starts an asynchronous writeback of the range's dirty pages and drops its
-    clean ones).  Without it the disk idles while the file goes to the page cache and the
-    final fsync writes it all (at 8B: 12 s of writing, then 6 s of fsync), and a save leaves
-    a whole checkpoint of dirty, then cached, pages in host memory."""
+    clean ones).  Without it the disk idles while the file goes to the page cache, the final
+    fsync then writes it all (docs/performance.md, "Checkpoint saves"), and a save leaves a
+    whole checkpoint of dirty, then cached, pages in host memory."""
 
     def __init__(self, handle):
         self.handle = handle
