@@ -78,7 +78,8 @@ SUITES = {s.name: s for s in (
           "beside HF's own forward + backward + AdamW with the same implementations, same batches"),
     Suite("offload", "offload_bench.py", "product",
           "optimizer state on the host: `pgs run` on the 8B 20 GiB spec beside HF compiled + AC + fused AdamW, "
-          "the 4B recipe with and without offload, PCIe bandwidth"),
+          "the 4B recipe with and without offload, PCIe bandwidth; saves in the foreground and background, "
+          "resume after a SIGKILL (--only)"),
 )}
 
 
