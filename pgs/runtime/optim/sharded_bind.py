@@ -30,6 +30,7 @@ example block-wise 8-bit codes of a shard) under a per-rank key.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -137,7 +138,6 @@ class ShardedBoundOptimizer:
         self.plan = plan_for(chain, SHARDED)  # a fused step on shards, if the registry has one
         self.model = model
         self.params = params
-        self._index = {n: i for i, n in enumerate(params)}  # a parameter's place: its rounding noise stream
         self.stochastic_rounding = stochastic_rounding
         self.world = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
@@ -252,6 +252,11 @@ class ShardedBoundOptimizer:
         new = self._apply(params, updates, self.state)
         for n, p in self.params.items():
             local(p).copy_(new[n])
+
+    @functools.cached_property
+    def _index(self) -> dict[str, int]:
+        """Each parameter's place in the model's order: its stream of rounding noise."""
+        return {n: i for i, n in enumerate(self.params)}
 
     def _apply(self, params: dict, updates: dict, state) -> dict:
         """θ ← θ + u on the local shards (``pf.apply_updates``).  With stochastic rounding a shard
