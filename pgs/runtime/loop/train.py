@@ -359,6 +359,11 @@ def save_in_background(run: Run, saver: background.BackgroundSaver) -> float:
     step, run_dir, keep, faults = run.step, run.run_dir, run.spec.checkpoint.keep, run.faults
     trainer = json.loads(json.dumps(run.counters()))  # a copy: the run's own objects go on changing
     spec_toml = run.spec.to_toml()
+
+    def event(path: str, **more) -> dict:
+        return {"step": step, "event": "checkpoint", "path": path, "background": True,
+                "checkpoint_seconds": round(saver.snapshot_seconds, 3), **more}
+
     if run.ctx is not None:  # several processes: DCP stages each rank's shards and writes them
         began = time.perf_counter()
         job, final, need, saver.writer = dcp.save_async(
@@ -370,15 +375,14 @@ def save_in_background(run: Run, saver: background.BackgroundSaver) -> float:
             path = job()
             if main:
                 ckpt.purge(run_dir, keep)
-            return {"step": step, "event": "checkpoint", "path": path, "background": True,
-                    "checkpoint_seconds": round(saver.snapshot_seconds, 3)}
+            return event(path)
 
         saver.submit(write_dcp)
         return saver.snapshot_seconds
     groups, aliases = snapshot_groups(run)
     rng = ckpt.capture_rng(generators=run.objective.generators())
-    saver.label = (os.path.join(run_dir, f"step_{step}"), ckpt.tensor_bytes(groups["model"])
-                   + ckpt.tensor_bytes(groups["optimizer"]))
+    saver.label = (os.path.join(run_dir, f"step_{step}"), ckpt.need_bytes(
+        groups["model"], groups["optimizer"], rng, {k: v for k, v in groups.items() if k == AVERAGING_FILE}))
 
     def write(snap: dict) -> dict:
         timings: dict[str, float] = {}
@@ -388,9 +392,8 @@ def save_in_background(run: Run, saver: background.BackgroundSaver) -> float:
             crash_hook=lambda stage: stage == "optimizer" and faults.crash("checkpoint_write", step),
             extra={AVERAGING_FILE: snap[AVERAGING_FILE]} if AVERAGING_FILE in snap else None, timings=timings)
         ckpt.purge(run_dir, keep)
-        return {"step": step, "event": "checkpoint", "path": path, "background": True,
-                "checkpoint_seconds": round(saver.snapshot_seconds, 3), "snapshot_bytes": saver.snapshot.nbytes,
-                **{k: round(v, 3) if isinstance(v, float) else v for k, v in timings.items()}}
+        return event(path, snapshot_bytes=saver.snapshot.nbytes,
+                     **{k: round(v, 3) if isinstance(v, float) else v for k, v in timings.items()})
 
     return saver.start(write, groups)
 
@@ -724,6 +727,10 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
         saver.group = torch.distributed.new_group(backend="gloo",
                                                   timeout=datetime.timedelta(seconds=D.timeout_seconds()))
 
+    def log_save(record: dict | None) -> None:  # a background save's event, when it has ended
+        if record is not None:
+            r.log.write({**record, "logged_at_step": r.step})
+
     def collect(agreed: int | None = None) -> None:
         """The background save in flight, collected by every process at the same step: its
         ``checkpoint`` event logged, or its failure raised on every process (``agreed``: the
@@ -740,7 +747,7 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
             if code == background.DISK_FULL:
                 raise ckpt.disk_full_error(final, need)
             raise ckpt.CheckpointError(f"writing the checkpoint {final} failed on another process (its log says why)")
-        r.log.write({**record, "logged_at_step": r.step})
+        log_save(record)
 
     try:
         with control.StopSignals() as signals:
@@ -836,9 +843,7 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
         if saver is not None:  # a halt or an error: the save in flight completes (or fails) before the exit
             failing = sys.exc_info()[1]
             try:
-                record = saver.close()
-                if record is not None:
-                    r.log.write({**record, "logged_at_step": r.step})
+                log_save(saver.close())
             except Exception as err:
                 if failing is None:
                     raise

@@ -262,6 +262,12 @@ def tensor_bytes(tensors) -> int:
     return sum(int(t.numel()) * t.element_size() for t in values if isinstance(t, torch.Tensor))
 
 
+def need_bytes(tensors, optimizer_state, rng, extra: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> int:
+    """The tensor bytes of a step folder's files: what a full disk's message says it needs."""
+    return (tensor_bytes(tensors) + tensor_bytes(optimizer_state) + tensor_bytes(rng)
+            + sum(tensor_bytes(t) for t in (extra or {}).values()))
+
+
 def save(
     run_dir: str,
     step: int,
@@ -316,8 +322,7 @@ def save_tensors(
     tmp = os.path.join(run_dir, f".step_{step}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     extra = extra or {}
-    need = tensor_bytes(tensors) + tensor_bytes(optimizer_state) + tensor_bytes(rng)
-    need += sum(tensor_bytes(t) for t in extra.values())
+    need = need_bytes(tensors, optimizer_state, rng, extra)
     with disk_full_guard(tmp, final, need):
         os.makedirs(tmp)
         _write_step(tmp, final, step, tensors, aliases, optimizer_state, rng, trainer, spec_toml,

@@ -89,7 +89,7 @@ def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    final, tmp, state, need = _prepare(run_dir, step, model, optimizer, generators)
+    final, tmp, state, need, per_rank, per_rank_any = _prepare(run_dir, step, model, optimizer, generators)
     try:
         dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
     except BaseException as err:  # DCP's CheckpointException (a BaseException) carries every rank's failure
@@ -99,8 +99,6 @@ def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], 
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise ckpt.disk_full_error(final, need) from None
-    per_rank = sorted(k for k in state["optim"] if k.startswith("__rank"))
-    per_rank_any = _broadcast_any(bool(per_rank))
     failure, full = None, False
     if _rank() == 0:
         try:
@@ -118,9 +116,11 @@ def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], 
     return final
 
 
-def _prepare(run_dir: str, step: int, model, optimizer, generators) -> tuple[str, str, dict, int]:
+def _prepare(run_dir: str, step: int, model, optimizer, generators) -> tuple[str, str, dict, int, list[str], bool]:
     """Collective: the folder (rank 0 makes its temporary, every rank waits for it) and this
-    rank's state; ``(final, tmp, state, need)``, ``need`` the global bytes of weights + state."""
+    rank's state; ``(final, tmp, state, need, per_rank, per_rank_any)``: ``need`` the global bytes
+    of weights + state, ``per_rank`` this rank's per-rank state keys, ``per_rank_any`` whether
+    any rank has some (``dcp.json``)."""
     final = os.path.join(run_dir, f"step_{step}")
     tmp = os.path.join(run_dir, f".step_{step}.tmp-{_broadcast(os.getpid())}")
     if _rank() == 0:
@@ -135,7 +135,8 @@ def _prepare(run_dir: str, step: int, model, optimizer, generators) -> tuple[str
         "rng": {_rng_key(_rank()): ckpt.capture_rng(generators=generators)},
     }
     need = ckpt.tensor_bytes(state["model"]) + ckpt.tensor_bytes(opt_state)  # global sizes (DTensors)
-    return final, tmp, state, need
+    per_rank = sorted(k for k in opt_state if k.startswith("__rank"))
+    return final, tmp, state, need, per_rank, _broadcast_any(bool(per_rank))
 
 
 def save_async(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], spec_toml: str | None,
@@ -153,9 +154,7 @@ def save_async(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    final, tmp, state, need = _prepare(run_dir, step, model, optimizer, generators)
-    per_rank = sorted(k for k in state["optim"] if k.startswith("__rank"))
-    per_rank_any = _broadcast_any(bool(per_rank))
+    final, tmp, state, need, per_rank, per_rank_any = _prepare(run_dir, step, model, optimizer, generators)
     # staging buffers kept between saves are page-locked (DCP's cache), so only with CUDA
     writer = writer or FileSystemWriter(tmp, sync_files=True, cache_staged_state_dict=torch.cuda.is_available())
     response = dcp.async_save(state, checkpoint_id=tmp, storage_writer=writer, process_group=group)
