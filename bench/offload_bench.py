@@ -18,10 +18,11 @@ every setup, so partial results survive):
    over the steps' wall-clock span, saves included) against the setup without periodic saves
    shows what the saves cost training.  (A background save hides only when the steps between
    saves take longer than a save: at most one is in flight.)
-6. ``pgs_4b_resume`` and ``pgs_8b_offload_resume``: the recipe killed after step N/2 + 1 and
+6. ``pgs_4b_resume`` and ``pgs_8b_offload_resume``: the recipe killed after step N/2 + 3 and
    continued with ``--resume auto`` from its checkpoint at N/2 (``run_resume``): the resumed
-   run's peaks (the state's load included), launch to first step, and beside the uninterrupted
-   setup earlier in the same call the largest loss difference and whether the final weights
+   run's peaks (the state's load included), launch to first step, its first step's loss against
+   the interrupted run's, and beside the uninterrupted setup earlier in the same call the largest
+   loss differences (after the resume, and run to run before it) and whether the final weights
    are equal.
 
 For the ``pgs run`` setups: tokens/s is ``bench/product.py``'s "mean" over steps
@@ -69,7 +70,7 @@ SETUPS = {  # name -> (kind, spec, extra --set, default timeout s)
     "pgs_8b_offload_saves": ("pgs", "specs/qwen3_8b_20gib.toml", ["checkpoint.every={every}"], 230),
     "pgs_8b_offload_bgsaves": ("pgs", "specs/qwen3_8b_20gib.toml",
                                ["checkpoint.every={every}", "checkpoint.background=true"], 230),
-    # killed after step N/2 + 1 and resumed from the checkpoint at N/2 (run_resume)
+    # killed after step N/2 + 3 and resumed from the checkpoint at N/2 (run_resume)
     "pgs_4b_resume": ("resume", "specs/qwen3_4b_12gib.toml", [], 220),
     "pgs_8b_offload_resume": ("resume", "specs/qwen3_8b_20gib.toml", [], 400),
 }
@@ -274,8 +275,8 @@ def run_resume(name: str, spec: str, sets: list[str], args, timeout: float) -> d
 
 
 def compare_resumes(results: list[dict]) -> None:
-    """``loss_diff`` and ``same_weights`` of each resumed setup against the uninterrupted one
-    (same spec and sets; the setup's name without ``_resume``)."""
+    """``loss_diff``, ``run_to_run_diff`` and ``same_weights`` of each resumed setup against the
+    uninterrupted one (same spec and sets; the setup's name without ``_resume``)."""
     by_name = {r["setup"]: r for r in results}
     for r in results:
         base = by_name.get(r["setup"].removesuffix("_resume")) if r["setup"].endswith("_resume") else None
