@@ -153,9 +153,18 @@ def test_static_compiled_decode_on_cuda_equals_dynamic(model):
     m = build_model(config=CONFIG, dtype="float32", attn_implementation="sdpa", init_seed=3, device="cuda")
     ps = prompts(5)
     s = GenerationSettings(max_new_tokens=10, temperature=0)
-    fast = generate(m, ps, s, stop_ids=[7], pad_id=PAD)  # auto: static cache, compiled step
+    fast = generate(m, ps, s, stop_ids=[7], pad_id=PAD)  # auto: static cache, compiled step, CUDA graph
     slow = generate(m, ps, s, stop_ids=[7], pad_id=PAD, cache="dynamic", compile=False)
     assert torch.equal(fast.completion_ids, slow.completion_ids)
+    # rows that stop at different tokens, all before the cap: the loop asks only every few tokens
+    # whether all stopped, and the completions still end at the longest one
+    long = GenerationSettings(max_new_tokens=60, temperature=0)
+    stops = sorted(set(slow.completion_ids[:, :3].flatten().tolist()) - {PAD})
+    fast = generate(m, ps, long, stop_ids=stops, pad_id=PAD)
+    slow = generate(m, ps, long, stop_ids=stops, pad_id=PAD, cache="dynamic", compile=False)
+    assert torch.equal(fast.lengths, slow.lengths) and int(slow.lengths.max()) < 60
+    assert torch.equal(fast.completion_ids, slow.completion_ids)
+    assert fast.completion_ids.shape[1] == int(slow.lengths.max())
 
 
 def test_layers_compiled_for_training_are_not_recompiled_by_generation():

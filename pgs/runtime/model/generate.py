@@ -43,6 +43,9 @@ from pgs.errors import InvalidArgument
 #: With a compiled decode step, prompts are left-padded to a multiple of this many tokens.
 STATIC_WIDTH_MULTIPLE = 64
 
+#: On CUDA, tokens decoded between two checks (each a wait for the device) that all rows stopped.
+DONE_CHECK_EVERY = 8
+
 
 @dataclass(frozen=True)
 class GenerationSettings:
@@ -175,10 +178,19 @@ def _eager():
 
 
 def _compiled_step(model):
-    """``_step`` compiled once per model (its shapes are fixed under a static cache)."""
+    """``_step`` compiled once per model (its shapes are fixed under a static cache) and, on CUDA,
+    captured as a CUDA graph per shape.  The cache's tensors are static addresses (transformers
+    marks them), the token, mask and positions are copied into the graph's inputs, and the
+    logits it returns live in the graph's memory until the next replay, which comes after
+    ``next_token`` has read them."""
     fn = getattr(model, "_pgs_decode_step", None)
     if fn is None:
-        fn = torch.compile(_step, dynamic=False)
+        compiled = torch.compile(_step, dynamic=False, mode="reduce-overhead")
+
+        def fn(*args):
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+            return compiled(*args)
+
         model._pgs_decode_step = fn
     return fn
 
@@ -204,7 +216,7 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
         logits = _step(model, ids, mask if static else mask[:, :P], pos, cache, keyword)
     last = pos[:, -1:]
     step = _compiled_step(model) if compile_step else _step
-    used = 0
+    check_every = DONE_CHECK_EVERY if device.type == "cuda" else 1
     for t in range(T):
         tok = next_token(logits, settings, generator)
         tok = torch.where(done, torch.full_like(tok, int(pad_id)), tok)
@@ -212,13 +224,13 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
         lengths += (~done).long()
         if stops.numel():
             done |= torch.isin(tok, stops)
-        used = t + 1
-        if t == T - 1 or bool(done.all()):
+        if t == T - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
             break
         mask[:, P + t] = 1
         last = last + 1
         with contextlib.nullcontext() if compile_step else _eager():
             logits = step(model, tok[:, None], mask if static else mask[:, : P + t + 1], last, cache, keyword)
+    used = int(lengths.max())  # the tokens decoded after the last row stopped are padding
     out = out[:, :used]
     cmask = torch.arange(used, device=device)[None, :] < lengths[:, None]
     return ids, pmask, out, cmask, lengths
