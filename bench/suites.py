@@ -73,6 +73,9 @@ SUITES = {s.name: s for s in (
     Suite("distill", "distill.py", "product",
           "on-policy distillation (GKD, lambda 1): `pgs run` with [distill] (0.6B student, 4B teacher) beside "
           "TRL's GKDTrainer, same chats; generated + trained tokens/s, peak memory, partial JSON after each"),
+    Suite("generate", "generate.py", "product",
+          "sampling completions (the distill loop's decode): pgs generate (static cache, CUDA-graph decode) "
+          "beside transformers' generate, static and dynamic cache, Qwen3-0.6B shape; decode ms vs the byte floor"),
     Suite("moe", "moe.py", "product",
           "mixture-of-experts experts: `pgs run` on OLMoE-1B-7B per expert implementation (eager, grouped_mm) "
           "beside HF's own forward + backward + AdamW with the same implementations, same batches"),
