@@ -72,10 +72,12 @@ def test_pgs_run_hands_the_rendezvous_to_torchrun(tmp_path, started, monkeypatch
         "--rdzv-id=job42", "--rdzv-backend=c10d", "--nproc-per-node=2", "--shutdown-timeout=77",
         "-m", "pgs", "run", str(spec), "--set", "train.steps=3"]
     env, run_dir = started[0].env, tmp_path / "run"
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == env["TORCH_FR_BUFFER_SIZE"] == str(fsdp.TRACE_BUFFER_SIZE)
+    assert env["TORCH_FR_BUFFER_SIZE"] == str(fsdp.TRACE_BUFFER_SIZE)
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == env["TORCH_NCCL_ENABLE_MONITORING"] == "1"
     prefix = str(run_dir / "nccl_trace" / "rank_")
-    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == env["TORCH_FR_DUMP_TEMP_FILE"] == prefix
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == prefix
+    # only the current names: torch warns on every rank about the deprecated ones
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env
     assert (run_dir / "nccl_trace").is_dir()  # the recorder writes files, not their folder
 
 
@@ -146,3 +148,37 @@ def test_single_process_memory_options_are_refused_before_launch(tmp_path, start
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and field in err[0] and "one process" in err[0] and not started
+
+
+@pytest.mark.parametrize("recorded, torchrun_code, verdict", [
+    ((143, 143), 1, 143),  # stopped by a signal another host got: torchrun says 1, the workers 143
+    ((84, 1), 1, 84),      # one worker's full disk, the other's collective failing after it
+    ((1, 1), 1, 1),
+    ((), 1, 1),            # killed before recording anything: torchrun's code
+    ((0, 0), 0, 0),
+])
+def test_a_host_returns_the_code_its_workers_recorded(tmp_path, monkeypatch, recorded, torchrun_code, verdict):
+    folders = []
+
+    def popen(cmd, stderr=None, env=None):
+        child = _Child(cmd, stderr, env)
+        folders.append(env[launch.EXIT_DIR_ENV])
+        monkeypatch.setenv(launch.EXIT_DIR_ENV, folders[-1])
+        for rank, code in enumerate(recorded):  # what `python -m pgs` does in each worker as it exits
+            monkeypatch.setenv("LOCAL_RANK", str(rank))
+            launch.record_exit(code)
+        child.wait = lambda: torchrun_code
+        return child
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    spec = tiny_spec(tmp_path)
+    assert main(["run", str(spec), "--nproc", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h"]) == verdict
+    assert len(folders) == 1 and not os.path.exists(folders[0])  # the launcher removes its folder
+
+
+def test_record_exit_outside_a_launch_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv(launch.EXIT_DIR_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    launch.record_exit(143)
+    assert not any(tmp_path.iterdir())
+    assert launch.workers_code(str(tmp_path / "absent")) is None

@@ -77,16 +77,17 @@ def flight_recorder_env(run_dir: str | None, environ=None, *, create: bool = Fal
     into ``<run_dir>/nccl_trace/rank_<r>`` when a collective times out (the watchdog's
     dump-on-timeout; ``PGS_PG_TIMEOUT_S`` is that timeout).  Only names absent from ``environ``
     are returned: a user's own setting wins.  ``create``: make the dump folder (the recorder
-    writes its files but not their folder).  Buffer size: ``TORCH_FR_BUFFER_SIZE`` (torch ≥ 2.7)
-    and its older name ``TORCH_NCCL_TRACE_BUFFER_SIZE``; the dump file prefix:
-    ``TORCH_FR_DUMP_TEMP_FILE`` and ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``; the watchdog's monitor
-    (``TORCH_NCCL_ENABLE_MONITORING``) must be on for the dump to be written."""
+    writes its files but not their folder).  Buffer size: ``TORCH_FR_BUFFER_SIZE``; the dump file
+    prefix: ``TORCH_FR_DUMP_TEMP_FILE``; the watchdog's monitor (``TORCH_NCCL_ENABLE_MONITORING``)
+    must be on for the dump to be written.  Only these names are set (torch warns on every rank
+    about the deprecated ``TORCH_NCCL_TRACE_BUFFER_SIZE`` / ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``),
+    but a user's setting under an old name still wins."""
     environ = os.environ if environ is None else environ
     out: dict[str, str] = {}
 
     def default(names: tuple[str, ...], value: str) -> None:
         if not any(name in environ for name in names):
-            out.update({name: value for name in names})
+            out[names[0]] = value
 
     default(("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), str(TRACE_BUFFER_SIZE))
     default(("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1")

@@ -12,8 +12,11 @@ before SIGKILL (its default, 30 s, is shorter than a large checkpoint): this lau
 for ``grace_s`` (default 900 s, ``$PGS_SHUTDOWN_GRACE_S``).
 
 Exit code: torchrun reports 1 for any failed worker.  The launcher returns, in order: the
-``exit_code`` of a ``HALT.json`` written in ``run_dir`` during this launch (81, 80, ...);
-128+signum when it passed a signal on; torchrun's own code otherwise.  torchrun's stderr is
+``exit_code`` of a ``HALT.json`` written in ``run_dir`` during this launch (81, 80, ...); the
+code its own workers exited with (each records it in a folder the launcher names,
+``$PGS_EXIT_DIR``: on several hosts, a host whose launcher got no signal still returns the 143
+its workers stopped with when another host was signalled); 128+signum when it passed a signal
+on; torchrun's own code otherwise.  torchrun's stderr is
 relayed line by line, without the ``SignalException`` traceback its agent prints after a
 signal that this launcher passed on (:func:`relay_stderr`).
 
@@ -32,9 +35,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Sequence
@@ -48,6 +53,7 @@ from pgs.runtime.spec.preflight import preflight_spec
 from pgs.runtime.store import checkpoint
 
 GRACE_ENV = "PGS_SHUTDOWN_GRACE_S"
+EXIT_DIR_ENV = "PGS_EXIT_DIR"
 DEFAULT_GRACE_S = 900
 HALT_FILE = "HALT.json"
 
@@ -137,6 +143,44 @@ def halt_code(run_dir: str | None, since: float) -> int | None:
     return code if isinstance(code, int) and not isinstance(code, bool) else None
 
 
+def record_exit(code: int) -> None:
+    """In a worker started by :func:`relaunch`: write this process's exit code where the launcher
+    reads it (``$PGS_EXIT_DIR/<LOCAL_RANK>``); nothing outside such a launch."""
+    folder, local_rank = os.environ.get(EXIT_DIR_ENV), os.environ.get("LOCAL_RANK")
+    if not folder or local_rank is None or not os.path.isdir(folder):
+        return
+    path = os.path.join(folder, str(int(local_rank)))
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as handle:
+            handle.write(str(int(code)))
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # the launcher falls back to torchrun's code
+
+
+def workers_code(folder: str) -> int | None:
+    """The code this host's workers exited with, from :func:`record_exit`'s files: the first
+    (by local rank) that is neither 0 nor 1 (a stop, a halt, a refusal: what the run decided),
+    else 1 if one exited 1, else 0 if all that wrote exited 0; None if none wrote."""
+    codes = []
+    try:
+        names = sorted(os.listdir(folder), key=lambda n: int(n) if n.isdigit() else -1)
+    except OSError:
+        return None
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as handle:
+                codes.append(int(handle.read().strip()))
+        except (OSError, ValueError):
+            continue
+    if not codes:
+        return None
+    decided = [c for c in codes if c not in (0, 1)]
+    return decided[0] if decided else max(codes)
+
+
 def relay_stderr(source, sink, signalled) -> None:
     """Copy torchrun's stderr (its own and its workers') line by line to ``sink``, except the
     traceback torchrun's agent prints when it is stopped by a signal this launcher passed on
@@ -171,9 +215,14 @@ def relaunch(nproc: int, args: Sequence[str], *, run_dir: str | None = None, gra
     where the workers' flight-recorder dumps go (:func:`flight_recorder_env`).
     """
     started = time.time()
-    env = {**os.environ, **flight_recorder_env(run_dir, create=True)}
-    child = subprocess.Popen(torchrun_command(nproc, args, grace_s=grace_s, rendezvous=rendezvous),
-                             stderr=subprocess.PIPE, env=env)
+    exits = tempfile.mkdtemp(prefix="pgs-exit-")
+    env = {**os.environ, **flight_recorder_env(run_dir, create=True), EXIT_DIR_ENV: exits}
+    try:
+        child = subprocess.Popen(torchrun_command(nproc, args, grace_s=grace_s, rendezvous=rendezvous),
+                                 stderr=subprocess.PIPE, env=env)
+    except BaseException:
+        shutil.rmtree(exits, ignore_errors=True)
+        raise
     forwarded: list[int] = []
     relay = threading.Thread(target=relay_stderr, args=(child.stderr, sys.stderr, lambda: bool(forwarded)),
                              daemon=True)
@@ -194,9 +243,13 @@ def relaunch(nproc: int, args: Sequence[str], *, run_dir: str | None = None, gra
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         relay.join(timeout=5)
+        workers = workers_code(exits)
+        shutil.rmtree(exits, ignore_errors=True)
     halted = halt_code(run_dir, started)
     if halted is not None:
         return halted
+    if code != 0 and workers not in (None, 0, 1):
+        return workers
     if forwarded and code != 0:
         return 128 + forwarded[0]
     return code

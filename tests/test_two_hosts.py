@@ -1,0 +1,106 @@
+"""Two "hosts" on one machine (issue 28, item 3): two ``pgs run --nproc 1 --nnodes 2 --node-rank R``
+launchers, one per host, meet through torchrun's rendezvous and train one run together (FSDP2,
+gloo on the CPU), as two machines would with ``srun`` (docs/distributed.md, "Several hosts").
+
+- torchrun's c10d rendezvous (``--rdzv-backend c10d --rdzv-endpoint``): the run trains to the end,
+  each step logged once (rank 0's log), both launchers exit 0.
+- The static rendezvous (``--master-addr/--master-port``): SIGTERM to host 1's launcher only.  It
+  passes the signal on to its worker; the control plane stops both ranks at the same step with one
+  complete checkpoint; both launchers return 143: host 0's launcher got no signal and its torchrun
+  reports 1, and it returns the 143 its worker recorded (``launch.record_exit``).
+- ``--resume auto`` on both hosts continues to the uninterrupted two-host run's weights, bit for bit.
+
+Every launch is bounded by a timeout and the process-group timeout is short (a hang fails).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from pgs.runtime.loop.faults import Faults
+from helpers import ROOT, assert_same_weights, child_env, command, final_weights, records, step_records, tiny_spec
+
+TIMEOUT_S = 240
+STEPS = 10
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_host_spec(tmp_path: Path, name: str) -> Path:
+    path = tiny_spec(tmp_path, name, steps=STEPS, every=0, export="true")
+    path.write_text(path.read_text().replace("grad_accum = 2", "grad_accum = 1"))
+    return path
+
+
+def start_hosts(spec: Path, rendezvous: str, resume: str | None = None, **env) -> list[subprocess.Popen]:
+    """One ``pgs run`` launcher per "host", each with one worker, meeting at a free local port."""
+    port = _free_port()
+    procs = []
+    for node in range(2):
+        args = ["--nproc", "1", "--nnodes", "2", "--node-rank", str(node)]
+        if rendezvous == "c10d":
+            args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", spec.stem]
+        else:
+            args += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+        procs.append(subprocess.Popen(command(spec, resume, tuple(args)), cwd=ROOT, env=child_env(PGS_PG_TIMEOUT_S=60, **env),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen]) -> list[tuple[str, str]]:
+    try:
+        return [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_two_hosts_train_stop_together_on_one_hosts_signal_and_resume_exactly(tmp_path):
+    # 1. c10d rendezvous: the run trains to the end, each step logged once.
+    whole = two_host_spec(tmp_path, "whole")
+    procs = start_hosts(whole, "c10d")
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
+    assert [r["step"] for r in step_records(tmp_path / "whole")] == list(range(1, STEPS + 1))
+    assert json.loads((tmp_path / "whole" / f"step_{STEPS}" / "dcp.json").read_text())["world_size"] == 2
+
+    # 2. Static rendezvous; SIGTERM to host 1's launcher only: both hosts stop at one step, exit 143.
+    stopped = two_host_spec(tmp_path, "stopped")
+    run_dir = tmp_path / "stopped"
+    procs = start_hosts(stopped, "static", **Faults(slow_step_s=0.4).env())
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            if (run_dir / "metrics.jsonl").exists() and len(step_records(run_dir)) >= 2:
+                break
+            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)
+    finally:
+        outs = finish(procs)
+    assert [p.returncode for p in procs] == [143, 143], [o[1][-3000:] for o in outs]
+    stop = [r for r in records(run_dir) if r.get("event") == "stop"]
+    assert len(stop) == 1 and stop[0]["exit_code"] == 143
+    at = stop[0]["step"]
+    assert 2 <= at < STEPS
+    folder = run_dir / f"step_{at}"
+    assert (folder / "COMPLETE").exists() and json.loads((folder / "dcp.json").read_text())["world_size"] == 2
+    assert not (run_dir / "HALT.json").exists()
+
+    # 3. --resume auto on both hosts: the uninterrupted run's weights, bit for bit.
+    procs = start_hosts(stopped, "static", resume="auto")
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
+    assert f"resumed from {folder}" in outs[0][1]
+    assert_same_weights(final_weights(tmp_path / "whole"), final_weights(run_dir), "resumed vs uninterrupted")
+    assert [r["step"] for r in step_records(run_dir)] == list(range(1, STEPS + 1))
