@@ -172,7 +172,7 @@ def test_a_host_returns_the_code_its_workers_recorded(tmp_path, monkeypatch, rec
 
     monkeypatch.setattr(launch.subprocess, "Popen", popen)
     spec = tiny_spec(tmp_path)
-    assert main(["run", str(spec), "--nproc", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h"]) == verdict
+    assert main(["run", str(spec), "--nnodes", "2", "--node-rank", "1", "--master-addr", "h"]) == verdict
     assert len(folders) == 1 and not os.path.exists(folders[0])  # the launcher removes its folder
 
 
