@@ -60,12 +60,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.ranks import STOP_GRACE_S, add_scaling, run_bounded, torchrun_json  # noqa: E402 - the multi-process launch and figures
 
+#: The smoke shape (``--small``).  Its rows are 512 tokens, so it reads the quickstart's short chats:
+#: the recipes' bench chats are mostly longer than that, and a pack window would read and tokenize
+#: the whole file (5,662 chats, ~25 s on the CPU) to find 512 that fit.
 SMALL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
          "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.head_dim=16",
          "model.config.vocab_size=512", "data.max_seq_len=512", "model.dtype=float32", "memory.compile_layers=false",
          "memory.stochastic_rounding=false", "memory.tied_slabs=0", "memory.offload_checkpoints=false",
          "memory.device_limit_gib=0",
-         "schedule.warmup=2", "train.device=auto"]
+         "schedule.warmup=2", "train.device=auto", 'data.sources=["pgs:quickstart/train.jsonl"]']
 
 
 #: ``[memory]`` overrides for ``--nproc N`` with N > 1: the one-GPU 4B recipe's options that a

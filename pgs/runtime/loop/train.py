@@ -198,8 +198,9 @@ def configure_allocator(device: torch.device, limit_gib: float = 0.0) -> None:
         raise SpecError(f"memory.device_limit_gib: {limit_gib:g} GiB is more than the device's "
                         f"{total / 2**30:.1f} GiB ({torch.cuda.get_device_name(index)})")
     if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
-        torch.cuda.memory._set_allocator_settings(
-            "expandable_segments:True" + (",garbage_collection_threshold:0.9" if limit_gib else ""))
+        # the accelerator-wide setter where torch has it (the CUDA one warns that it is deprecated)
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+        setter("expandable_segments:True" + (",garbage_collection_threshold:0.9" if limit_gib else ""))
     if limit_gib:
         torch.cuda.set_per_process_memory_fraction(limit_gib * 2**30 / total, index)
 

@@ -75,7 +75,12 @@ SPEC_NAME = "varlen"
 HF_NAME = "pgs_varlen"
 
 
-@lru_cache(maxsize=1)
+#: ``_varlen_call``'s answer, found once (a list, not ``lru_cache``: the compiled layers call it,
+#: and dynamo warns at every ``lru_cache``-wrapped call it traces).  It is first asked eagerly,
+#: when the model is built (``varlen_available``), before any compiled layer reads it.
+_VARLEN_CALL: list = []
+
+
 def _varlen_call():
     """``(fn, causal_kwargs)`` for ``torch.nn.attention.varlen.varlen_attn``, or None.
 
@@ -83,6 +88,12 @@ def _varlen_call():
     ``window_size=(-1, 0)`` in later ones; releases with ``enable_gqa`` get it on (equal heads are
     a group of one).
     """
+    if not _VARLEN_CALL:
+        _VARLEN_CALL.append(_find_varlen_call())
+    return _VARLEN_CALL[0]
+
+
+def _find_varlen_call():
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
