@@ -26,6 +26,11 @@ the measured copy bandwidth (``--bandwidth``, default 4.1 TB/s: docs/performance
     python -m bench generate
     python -m bench generate --prompts 64 --only pgs,hf_static
     python -m bench generate --small          # a tiny shape on the CPU (a smoke run of this script)
+    python -m bench generate --only pgs --profile 25   # + the 25 kernels that took the most device time
+
+``--profile K``: after the timed calls, one more call of each setup under ``torch.profiler``; the
+row gets ``kernels`` (the K kernels with the most device time: name, calls, total ms, share) and
+``kernels_per_token`` (kernel launches over sampled tokens per row).
 """
 
 from __future__ import annotations
@@ -126,7 +131,31 @@ def measure(name, model, prompts, args) -> dict:
                decode_ms=(seconds - first) / max(1, args.new_tokens - 1) * 1e3, cudagraph=cudagraph_counters())
     if torch.cuda.is_available():
         row["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if args.profile:
+        row.update(kernel_table(lambda: run(args.new_tokens), args.profile, args.new_tokens))
     return row
+
+
+def kernel_table(fn, top: int, new_tokens: int) -> dict:
+    """One call of ``fn`` under torch.profiler: its ``top`` kernels by device time and the launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    totals = []
+    for avg in prof.key_averages():  # kernels (and copies) are the entries with device time of their own
+        own = getattr(avg, "self_device_time_total", None)
+        own = avg.self_cuda_time_total if own is None else own
+        if own > 0:
+            totals.append((avg.key, avg.count, own))
+    whole = sum(t for _, _, t in totals) or 1.0
+    launches = sum(c for _, c, _ in totals)
+    ranked = sorted(totals, key=lambda x: -x[2])[:top]
+    return {"kernels": [dict(name=n[:160], calls=c, total_ms=t / 1e3, share=t / whole) for n, c, t in ranked],
+            "kernel_ms_total": whole / 1e3, "kernels_per_token": launches / max(1, new_tokens)}
 
 
 def main(argv=None) -> int:
@@ -140,6 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth", type=float, default=4.1e12, help="bytes/s for the floor")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="a tiny shape on the CPU")
+    p.add_argument("--profile", type=int, default=0, metavar="K", help="profile one more call: its K top kernels")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     only = [s for s in args.only.split(",") if s]
