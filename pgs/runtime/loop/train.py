@@ -65,7 +65,7 @@ from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
-from pgs.runtime.spec.sections import prefetch_depth
+from pgs.runtime.spec.sections import checkpoint_offload
 from pgs.runtime.store import background, checkpoint as ckpt, dcp
 from pgs.runtime.tools.resources import disk_copies
 from pgs.runtime.store.export import export_hf
@@ -160,10 +160,9 @@ def apply_memory(model, memory, fast_recompute: bool = True) -> None:
         apply_mlp_tiles(model, memory.mlp_tiles)
     if memory.activation_checkpointing != "none":
         layers.apply_activation_checkpointing(model, memory.activation_checkpointing, memory.checkpoint_every,
-                                                     offload=(prefetch_depth(getattr(memory, "offload_prefetch", "auto"),
-                                                                             getattr(memory, "offload_optimizer", False))
-                                                              if getattr(memory, "offload_checkpoints", False)
-                                                              else False),
+                                                     offload=checkpoint_offload(getattr(memory, "offload_checkpoints", False),
+                                                                                getattr(memory, "offload_prefetch", "auto"),
+                                                                                getattr(memory, "offload_optimizer", False)),
                                                      fast_recompute=fast_recompute)
     if memory.compile_layers:
         layers.compile_layers(model)

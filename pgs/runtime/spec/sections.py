@@ -402,6 +402,12 @@ def prefetch_depth(setting: int | str, offload_optimizer: bool) -> int:
     return int(setting)
 
 
+def checkpoint_offload(offload_checkpoints: bool, offload_prefetch: int | str, offload_optimizer: bool) -> int | bool:
+    """``apply_activation_checkpointing``'s ``offload`` for these ``[memory]`` settings (``pgs run``
+    and ``pgs profile`` alike): False without ``offload_checkpoints``, else :func:`prefetch_depth`."""
+    return prefetch_depth(offload_prefetch, offload_optimizer) if offload_checkpoints else False
+
+
 def _kind_known(instance, attribute, value):
     if value not in PREFERENCE_KINDS:
         hint = suggest(value, PREFERENCE_KINDS) if isinstance(value, str) else ""

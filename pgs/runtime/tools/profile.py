@@ -76,7 +76,7 @@ from pgs.runtime.model.layers import apply_activation_checkpointing
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim.bound import bind
 from pgs.runtime.optim.release import GradientRelease, group_parameters, refusal
-from pgs.runtime.spec.sections import head_grad_wanted, prefetch_depth
+from pgs.runtime.spec.sections import checkpoint_offload, head_grad_wanted
 
 CATEGORIES = ("weights", "frozen_models", "master_weights", "optimizer_state", "gradients", "activations", "loss",
               "temporaries")
@@ -694,8 +694,8 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   master_weights=opts["master_weights"],
                   activation_checkpointing=opts["activation_checkpointing"],
                   checkpoint_every=int(opts["checkpoint_every"]), micro_batch_tokens=tokens,
-                  checkpoint_offload=(prefetch_depth(opts["offload_prefetch"], opts["offload_optimizer"])
-                                      if opts["offload_checkpoints"] else False),
+                  checkpoint_offload=checkpoint_offload(opts["offload_checkpoints"], opts["offload_prefetch"],
+                                                        opts["offload_optimizer"]),
                   tied_slabs=int(opts["tied_slabs"]) or None, mlp_tiles=int(opts["mlp_tiles"]),
                   release_groups=opts["release_groups"], compiled_layers=opts["compile_layers"],
                   offload_optimizer=bool(opts["offload_optimizer"] and opts["gradient_release"]),
@@ -951,8 +951,9 @@ def measure_memory(spec, plan, *, steps: int = 3, device: torch.device | str | N
         if int(opts.get("mlp_tiles", 0)) > 1:
             apply_mlp_tiles(model, int(opts["mlp_tiles"]))
         apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]),
-                                       offload=(prefetch_depth(opts.get("offload_prefetch", "auto"), opts.get("offload_optimizer", False))
-                                                if opts.get("offload_checkpoints", False) else False))
+                                       offload=checkpoint_offload(opts.get("offload_checkpoints", False),
+                                                                  opts.get("offload_prefetch", "auto"),
+                                                                  opts.get("offload_optimizer", False)))
         chain = plan["kwargs"]["chain"]
         if opts["gradient_release"]:
             binder = GradientRelease
