@@ -247,20 +247,14 @@ def run_pgs(spec: str, args, workdir: str, nproc: int | None = None) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     started = time.time()
     timeout = getattr(args, "timeout", None)
-    timed_out = False
     with GpuMemory() if args.nvidia_smi else _Null() as smi:
-        if nproc is not None:  # torchrun's workers stop with it (bench/ranks.py), within a short grace
-            proc, timed_out = run_bounded(cmd, timeout, env=dict(env, PGS_SHUTDOWN_GRACE_S=str(STOP_GRACE_S // 2)))
-            if timed_out:
-                proc.returncode = None
-        else:
-            try:
-                proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-            except subprocess.TimeoutExpired as err:  # killed: what it logged so far still counts
-                text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                        for x in (err.stdout, err.stderr)]
-                proc = subprocess.CompletedProcess(cmd, None, *text)
-                timed_out = True
+        # torchrun's workers stop with it (bench/ranks.py) within a short grace; one process is
+        # killed at the timeout.  Either way what it logged so far still counts.
+        if nproc is not None:
+            env = dict(env, PGS_SHUTDOWN_GRACE_S=str(STOP_GRACE_S // 2))
+        proc, timed_out = run_bounded(cmd, timeout, env=env, grace=STOP_GRACE_S if nproc is not None else 0)
+        if timed_out:
+            proc.returncode = None
     out = {"setup": "pgs run" if nproc is None else f"pgs run --nproc {nproc}", "spec": spec,
            "command": " ".join(cmd[1:]), "returncode": proc.returncode}
     if nproc is not None:

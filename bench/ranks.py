@@ -20,12 +20,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOP_GRACE_S = 60
 
 
-def run_bounded(cmd: list[str], timeout: float | None, *, env: dict | None = None) -> tuple[subprocess.CompletedProcess, bool]:
-    """``cmd`` (a torchrun or ``pgs run --nproc`` launcher) with its output captured, and whether
-    it ran past ``timeout``.  torchrun starts each worker in a session of its own, so killing
-    the launcher would leave them running (holding their GPUs): at the timeout the launcher
-    gets SIGTERM, which it forwards (the workers stop; a ``pgs run`` worker checkpoints first),
-    and SIGKILL only after :data:`STOP_GRACE_S` more."""
+def run_bounded(cmd: list[str], timeout: float | None, *, env: dict | None = None,
+                grace: float = STOP_GRACE_S) -> tuple[subprocess.CompletedProcess, bool]:
+    """``cmd`` with its output captured, and whether it ran past ``timeout``.  At the timeout it
+    gets SIGTERM, then SIGKILL after ``grace`` more seconds (0: at once).  A torchrun or
+    ``pgs run --nproc`` launcher needs the grace: torchrun starts each worker in a session of its
+    own, so killing the launcher would leave them running (holding their GPUs), while SIGTERM is
+    forwarded (the workers stop; a ``pgs run`` worker checkpoints first).  One process needs
+    none: the kill ends it."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -33,8 +35,10 @@ def run_bounded(cmd: list[str], timeout: float | None, *, env: dict | None = Non
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)
         try:
-            out, err = proc.communicate(timeout=STOP_GRACE_S)
+            out, err = proc.communicate(timeout=grace) if grace > 0 else (None, None)
         except subprocess.TimeoutExpired:
+            out, err = None, None
+        if out is None:
             proc.kill()
             out, err = proc.communicate()
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err), True
