@@ -16,6 +16,10 @@ Setups (in this order, one process; ``--only``):
    forward for a static cache by itself (its ``CompileConfig``: ``reduce-overhead``).
 4. ``hf``: ``model.generate`` with its defaults (dynamic cache, eager): what TRL's trainers call.
 
+The model is built as pgs builds a recipe's (``attn_implementation = "auto"``: pgs's attention
+function on CUDA, whose decode step reads grouped key/value heads in place); the transformers
+setups switch it to transformers' own SDPA for their calls.
+
 Per setup: the median over ``--repeats`` timed calls after ``--warmup`` untimed ones (compilation
 and graph capture) of the whole call's seconds; ``tok_s`` (sampled tokens over that time); the
 prefill's seconds (a call with one new token) and ``decode_ms`` per token after it; and, for the
@@ -81,6 +85,18 @@ def _pgs(model, prompts, new_tokens, compile_step, seed):
 
 
 def _hf(model, prompts, new_tokens, static, seed):
+    """transformers' generate with its own attention (SDPA), whatever the model was built with."""
+    from pgs.runtime.model.generate import left_pad
+
+    own = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        return _hf_generate(model, prompts, new_tokens, static, seed)
+    finally:
+        model.set_attn_implementation(own)
+
+
+def _hf_generate(model, prompts, new_tokens, static, seed):
     from pgs.runtime.model.generate import left_pad
 
     ids, mask = left_pad(prompts, 0, model.device)

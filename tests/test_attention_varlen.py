@@ -100,6 +100,49 @@ def test_without_positions_each_row_is_one_causal_sequence():
                                    model_s(input_ids=ids, use_cache=False).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("hq, hkv", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("masked", [True, False])
+def test_decode_step_equals_transformers_sdpa_with_copied_heads(hq, hkv, masked):
+    """One new token per row against a cache: the grouped heads read in place give what
+    transformers' SDPA function gives after copying every key/value head (``repeat_kv``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(5)
+    B, W, D = 3, 11, 16
+    q = torch.randn(B, hq, 1, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, hkv, W, D, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = None
+    if masked:  # left padding of 0, 4 and 7 positions, and the cache's unfilled tail
+        keep = torch.ones(B, W, dtype=torch.bool)
+        keep[1, :4], keep[2, :7], keep[:, 9:] = False, False, False
+        mask = keep[:, None, None, :]
+    module = types.SimpleNamespace(num_key_value_groups=hq // hkv, is_causal=True, training=False)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    got, none = A.varlen_attention(module, q, k, v, mask, scaling=0.3)
+    assert none is None and got.shape == want.shape == (B, 1, hq, D)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_cached_generation_with_varlen_equals_sdpa():
+    """Greedy completions through the decode path (static and dynamic caches, left-padded
+    prompts, grouped heads) are transformers' SDPA model's."""
+    from pgs.runtime.model.generate import GenerationSettings, generate
+
+    config = dict(model_type="qwen3", head_dim=8, **{**TINY, "num_attention_heads": 8, "num_key_value_heads": 2})
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (3, 9, 6)]
+    settings = GenerationSettings(max_new_tokens=12, temperature=0)
+    outs = {}
+    for attn in ("sdpa", "varlen"):
+        model = build_model(config=config, attn_implementation=attn, init_seed=2)
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(8.0)  # no near-ties in the greedy choices
+        for cache in ("static", "dynamic"):
+            outs[attn, cache] = generate(model, prompts, settings, stop_ids=[], pad_id=0, cache=cache).completion_ids
+    for cache in ("static", "dynamic"):
+        assert torch.equal(outs["varlen", cache], outs["sdpa", cache]), cache
+
+
 def test_build_model_registers_the_implementation():
     model = build_model(config=dict(model_type="qwen3", head_dim=8, **TINY), attn_implementation="varlen")
     assert model.config._attn_implementation == A.HF_NAME

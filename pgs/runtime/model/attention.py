@@ -404,6 +404,8 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
                         "not supported; use \"sdpa\"")
     batch, hq, width, d = query.shape
     hkv = key.shape[1]
+    if width == 1 and _decode_suits(key, attention_mask, kwargs):  # one new token per row against a cache
+        return decode_attention(query, key, value, attention_mask, scaling), None
     if attention_mask is not None or key.shape[2] != width:  # padding or a cache: not a packed forward
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -440,6 +442,34 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
 
 
 _PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _decode_suits(key: Tensor, mask: Tensor | None, kwargs: dict) -> bool:
+    """A decode step :func:`decode_attention` computes as transformers' SDPA path would: a
+    key-padding mask of one query row (``[B, 1, 1, W]``) or none, and no attention sinks."""
+    if "s_aux" in kwargs or "sinks" in kwargs:
+        return False
+    return mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1
+                            and mask.shape[3] == key.shape[2])
+
+
+def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                     scaling: float | None) -> Tensor:
+    """One query token per row against the KV cache, grouped-query heads read in place:
+    ``query`` ``[B, Hq, 1, D]``, ``key``/``value`` ``[B, Hkv, W, D]``, ``mask`` ``[B, 1, 1, W]``
+    (True or 0 where a row may attend) or None → ``[B, 1, Hq, D]``.
+
+    The ``G = Hq / Hkv`` query heads that share a key/value head (heads ``j·G … j·G+G−1`` read
+    head ``j``, transformers' ``repeat_kv`` order) become ``G`` query rows of that head, so one
+    SDPA call reads each cached key and value once (Ainslie et al., arXiv 2305.13245, for the
+    grouping).  transformers' SDPA path instead copies the whole cache ``G`` times per layer and
+    step (``repeat_kv``): with a mask, SDPA's kernels do not take grouped heads.  The rows of
+    a group are the same position, so the row's key mask applies to each unchanged."""
+    batch, hq, _, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(batch, hkv, hq // hkv, d)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, 1, hq, d)
 
 
 def _mask(*args, **kwargs):
