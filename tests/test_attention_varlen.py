@@ -123,9 +123,12 @@ def test_decode_step_equals_transformers_sdpa_with_copied_heads(hq, hkv, masked)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
 
-def test_cached_generation_with_varlen_equals_sdpa():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_cached_generation_with_varlen_equals_sdpa(device):
     """Greedy completions through the decode path (static and dynamic caches, left-padded
-    prompts, grouped heads) are transformers' SDPA model's."""
+    prompts, grouped heads; on CUDA the static cache's decode step is compiled and replayed as
+    a CUDA graph) are transformers' SDPA model's."""
     from pgs.runtime.model.generate import GenerationSettings, generate
 
     config = dict(model_type="qwen3", head_dim=8, **{**TINY, "num_attention_heads": 8, "num_key_value_heads": 2})
@@ -134,7 +137,7 @@ def test_cached_generation_with_varlen_equals_sdpa():
     settings = GenerationSettings(max_new_tokens=12, temperature=0)
     outs = {}
     for attn in ("sdpa", "varlen"):
-        model = build_model(config=config, attn_implementation=attn, init_seed=2)
+        model = build_model(config=config, attn_implementation=attn, init_seed=2, device=device)
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(8.0)  # no near-ties in the greedy choices
         for cache in ("static", "dynamic"):
