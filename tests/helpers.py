@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -155,6 +157,13 @@ def cpu_spec(tmp_path: Path, *, model: str = CPU_CONFIG, tokenizer: Path = QUICK
                       run_dir=run_dir.as_posix())
 
 
+def free_port() -> int:
+    """A local TCP port free at the time of asking (for a rendezvous or ``MASTER_PORT``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def command(spec: Path, resume: str | None = None, args: tuple[str, ...] = ()) -> list[str]:
     """``python -m pgs run SPEC [--resume RESUME] [ARGS...]``."""
     return [sys.executable, "-m", "pgs", "run", str(spec)] + (["--resume", resume] if resume else []) + list(args)
@@ -181,6 +190,16 @@ def torchrun(spec: Path, resume: str | None = None, timeout: float = 240) -> sub
            "-m", "pgs", "run", str(spec)] + (["--resume", resume] if resume else [])
     return subprocess.run(cmd, cwd=ROOT, env=child_env(PGS_PG_TIMEOUT_S=60), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def wait_for_steps(run_dir: Path, procs: list[subprocess.Popen], n: int, timeout: float = 240) -> None:
+    """Until the run's log holds ``n`` steps; fails at once, with their stderr, if any of ``procs``
+    ended before that, and after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not ((run_dir / "metrics.jsonl").exists() and len(step_records(run_dir)) >= n):
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs]
+        assert time.monotonic() < deadline, f"no {n} steps in {run_dir} after {timeout} s"
+        time.sleep(0.05)
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,21 +17,17 @@ import torch
 
 from pgs.runtime.dist.context import (SequenceShard, document_ids, pad_width, ring_attention, shard_rows,
                                       unshard_rows)
+from helpers import free_port
 
 HERE = Path(__file__).resolve().parent
 HARNESS = HERE / "context_parallel_harness.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp")
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

@@ -21,7 +21,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import pytest
 import torch
 
 import pgs.func as pf
+from helpers import free_port
 
 HERE = Path(__file__).resolve().parent
 HARNESS = HERE / "test_fsdp_harness.py"
@@ -47,16 +47,11 @@ def _harness():
 H = _harness()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def start(scenario: str, out: Path, world: int = 2) -> list[subprocess.Popen]:
     """One process per rank, with the environment torchrun would give."""
     out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),

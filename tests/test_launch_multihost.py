@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import sys
 
 import pytest
 
 from pgs.cli import main
 from pgs.runtime.dist import fsdp, launch
-from helpers import tiny_spec
+from helpers import free_port, tiny_spec
 
 RECORDER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
             "TORCH_NCCL_ENABLE_MONITORING", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
@@ -122,10 +121,7 @@ def test_init_sets_the_recorder_under_a_plain_torchrun(tmp_path, monkeypatch):
     recorder's settings the environment lacks before the group opens."""
     for name in RECORDER:
         monkeypatch.delenv(name, raising=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(k, v)
     try:
         ctx = fsdp.init(device="cpu", single=True, trace_dir=str(tmp_path / "run"))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from pgs.runtime.loop.faults import Faults
-from helpers import ROOT, assert_same_checkpoint, child_env, command, launch, records, step_records, tiny_spec
+from helpers import (ROOT, assert_same_checkpoint, child_env, command, launch, records, step_records, tiny_spec,
+                     wait_for_steps)
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +84,7 @@ def test_sigterm_checkpoints_exits_143_and_resume_continues_exactly(tmp_path, re
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(command(spec), cwd=ROOT, env=child_env(**Faults(slow_step_s=0.3).env()),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and len(step_records(run_dir)) >= 5:
-            break
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
+    wait_for_steps(run_dir, [proc], 5, 180)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]

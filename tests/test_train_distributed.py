@@ -28,25 +28,18 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from pgs.runtime.loop.faults import Faults
-from helpers import (ROOT, assert_same_weights, child_env, command, final_weights, launch, records, step_records,
-                     tiny_spec, torchrun)
+from helpers import (ROOT, assert_same_weights, child_env, command, final_weights, free_port, launch, records,
+                     step_records, tiny_spec, torchrun, wait_for_steps)
 
 TIMEOUT_S = 240
 STEPS = 10
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spec_for(tmp_path: Path, name: str, *, ranks: int) -> Path:
@@ -63,7 +56,7 @@ def dist_env(**extra) -> dict:
 
 def start_ranks(spec: Path, **env) -> list[subprocess.Popen]:
     """Two ``python -m pgs run`` processes with the environment torchrun would give them."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         e = dist_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
@@ -103,12 +96,7 @@ def test_two_ranks_equal_one_process_and_sigterm_resume_is_exact(tmp_path):
     run_dir = tmp_path / "stopped"
     procs = start_ranks(stopped, **Faults(slow_step_s=0.4).env())
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline:
-            if (run_dir / "metrics.jsonl").exists() and len(step_records(run_dir)) >= 2:
-                break
-            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
-            time.sleep(0.05)
+        wait_for_steps(run_dir, procs, 2, TIMEOUT_S)
         procs[1].send_signal(signal.SIGTERM)
         outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
     finally:

@@ -17,22 +17,16 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 from pgs.runtime.loop.faults import Faults
-from helpers import ROOT, assert_same_weights, child_env, command, final_weights, records, step_records, tiny_spec
+from helpers import (ROOT, assert_same_weights, child_env, command, final_weights, free_port, records, step_records,
+                     tiny_spec, wait_for_steps)
 
 TIMEOUT_S = 240
 STEPS = 10
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def two_host_spec(tmp_path: Path, name: str) -> Path:
@@ -43,7 +37,7 @@ def two_host_spec(tmp_path: Path, name: str) -> Path:
 
 def start_hosts(spec: Path, rendezvous: str, resume: str | None = None, **env) -> list[subprocess.Popen]:
     """One ``pgs run`` launcher per "host", each with one worker, meeting at a free local port."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for node in range(2):
         args = ["--nproc", "1", "--nnodes", "2", "--node-rank", str(node)]
@@ -79,12 +73,7 @@ def test_two_hosts_train_stop_together_on_one_hosts_signal_and_resume_exactly(tm
     run_dir = tmp_path / "stopped"
     procs = start_hosts(stopped, "static", **Faults(slow_step_s=0.4).env())
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline:
-            if (run_dir / "metrics.jsonl").exists() and len(step_records(run_dir)) >= 2:
-                break
-            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
-            time.sleep(0.05)
+        wait_for_steps(run_dir, procs, 2, TIMEOUT_S)
         procs[1].send_signal(signal.SIGTERM)
     finally:
         outs = finish(procs)
