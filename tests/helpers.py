@@ -202,6 +202,17 @@ def wait_for_steps(run_dir: Path, procs: list[subprocess.Popen], n: int, timeout
         time.sleep(0.05)
 
 
+def stopped_checkpoint(run_dir: Path, lo: int, hi: int, world_size: int) -> Path:
+    """The step folder of a run stopped once by SIGTERM (one ``stop`` record, exit 143, at a step
+    in ``[lo, hi)``), checked complete and written by ``world_size`` ranks (DCP)."""
+    stop = [r for r in records(run_dir) if r.get("event") == "stop"]
+    assert len(stop) == 1 and stop[0]["exit_code"] == 143, stop
+    assert lo <= stop[0]["step"] < hi, stop
+    folder = run_dir / f"step_{stop[0]['step']}"
+    assert (folder / "COMPLETE").exists() and json.loads((folder / "dcp.json").read_text())["world_size"] == world_size
+    return folder
+
+
 def records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -35,7 +35,7 @@ import pytest
 
 from pgs.runtime.loop.faults import Faults
 from helpers import (ROOT, assert_same_weights, child_env, command, final_weights, free_port, launch, records,
-                     step_records, tiny_spec, torchrun, wait_for_steps)
+                     step_records, stopped_checkpoint, tiny_spec, torchrun, wait_for_steps)
 
 TIMEOUT_S = 240
 STEPS = 10
@@ -104,12 +104,7 @@ def test_two_ranks_equal_one_process_and_sigterm_resume_is_exact(tmp_path):
             if p.poll() is None:
                 p.kill()
     assert [p.returncode for p in procs] == [143, 143], [o[1][-2000:] for o in outs]
-    stop = [r for r in records(run_dir) if r.get("event") == "stop"]
-    assert len(stop) == 1 and stop[0]["exit_code"] == 143
-    at = stop[0]["step"]
-    assert 2 <= at < STEPS
-    folder = run_dir / f"step_{at}"
-    assert (folder / "COMPLETE").exists() and json.loads((folder / "dcp.json").read_text())["world_size"] == 2
+    folder = stopped_checkpoint(run_dir, 2, STEPS, world_size=2)
 
     # 4. Resume under torchrun: continues to the uninterrupted run's bits.
     done = torchrun(stopped, "auto")

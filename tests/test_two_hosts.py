@@ -21,8 +21,8 @@ import subprocess
 from pathlib import Path
 
 from pgs.runtime.loop.faults import Faults
-from helpers import (ROOT, assert_same_weights, child_env, command, final_weights, free_port, records, step_records,
-                     tiny_spec, wait_for_steps)
+from helpers import (ROOT, assert_same_weights, child_env, command, final_weights, free_port, step_records,
+                     stopped_checkpoint, tiny_spec, wait_for_steps)
 
 TIMEOUT_S = 240
 STEPS = 10
@@ -78,12 +78,7 @@ def test_two_hosts_train_stop_together_on_one_hosts_signal_and_resume_exactly(tm
     finally:
         outs = finish(procs)
     assert [p.returncode for p in procs] == [143, 143], [o[1][-3000:] for o in outs]
-    stop = [r for r in records(run_dir) if r.get("event") == "stop"]
-    assert len(stop) == 1 and stop[0]["exit_code"] == 143
-    at = stop[0]["step"]
-    assert 2 <= at < STEPS
-    folder = run_dir / f"step_{at}"
-    assert (folder / "COMPLETE").exists() and json.loads((folder / "dcp.json").read_text())["world_size"] == 2
+    folder = stopped_checkpoint(run_dir, 2, STEPS, world_size=2)
     assert not (run_dir / "HALT.json").exists()
 
     # 3. --resume auto on both hosts: the uninterrupted run's weights, bit for bit.
