@@ -23,7 +23,6 @@ HERE = Path(__file__).resolve().parent
 HARNESS = HERE / "context_parallel_harness.py"
 
 
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp")

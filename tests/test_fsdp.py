@@ -47,7 +47,6 @@ def _harness():
 H = _harness()
 
 
-
 def start(scenario: str, out: Path, world: int = 2) -> list[subprocess.Popen]:
     """One process per rank, with the environment torchrun would give."""
     out.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,6 @@ TIMEOUT_S = 240
 STEPS = 10
 
 
-
 def spec_for(tmp_path: Path, name: str, *, ranks: int) -> Path:
     """The tiny spec; grad_accum = 2 on one process, 1 on two ranks (same micro-batches)."""
     path = tiny_spec(tmp_path, name, steps=STEPS, every=0, export="true", eval_every=STEPS)

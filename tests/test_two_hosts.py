@@ -28,7 +28,6 @@ TIMEOUT_S = 240
 STEPS = 10
 
 
-
 def two_host_spec(tmp_path: Path, name: str) -> Path:
     path = tiny_spec(tmp_path, name, steps=STEPS, every=0, export="true")
     path.write_text(path.read_text().replace("grad_accum = 2", "grad_accum = 1"))
