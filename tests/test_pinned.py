@@ -47,6 +47,39 @@ def test_pool_views_reuses_by_size_and_counts_what_it_made():
     assert e.shape == (0, 5)
 
 
+def test_pool_lends_a_free_buffer_of_up_to_twice_the_bytes_and_takes_it_back_whole():
+    pool = HostPool(pin=False)
+    big = pool.take((100,), torch.float32)  # 400 bytes
+    ptr = big.data_ptr()
+    pool.give(big)
+    small = pool.take((30, 2), torch.float32)  # 240 bytes: the 400-byte buffer, its first 240
+    assert pool.made == 1 and small.data_ptr() == ptr and small.shape == (30, 2)
+    tiny = pool.take((10,), torch.float32)  # 40 bytes: no free buffer within twice that, a new one
+    assert pool.made == 2 and tiny.data_ptr() != ptr
+    pool.give(small)  # the whole 400 bytes come back, not the 240 viewed
+    again = pool.take((100,), torch.float32)
+    assert pool.made == 2 and again.data_ptr() == ptr
+    pool.give(tiny)
+    exact = pool.take((5, 2), torch.float32)  # an exact fit wins over a larger free buffer
+    assert exact.data_ptr() == tiny.data_ptr()
+
+
+def test_pool_of_varying_sizes_grows_with_the_widest_not_with_every_width():
+    """Rows as wide as each step's longest completion (distillation): the pool makes buffers when
+    a wider row than any before comes, not once per width."""
+    pool = HostPool(pin=False)
+    g = torch.Generator().manual_seed(0)
+    widths = (512 + torch.randint(0, 257, (200,), generator=g)).tolist()
+    records = 0
+    for i, w in enumerate(widths):
+        held = [pool.take((w, 8), torch.bfloat16) for _ in range(4)]  # four layers' inputs per step
+        records += w > max(widths[:i], default=0)
+        for t in held:
+            pool.give(t)
+    assert len(set(widths)) > 120  # most steps a width not seen before
+    assert pool.made == 4 * records and records < 12
+
+
 def test_pool_give_and_take_from_two_threads_lose_nothing():
     pool = HostPool(pin=False)
     held = [pool.take((256,), torch.float32) for _ in range(64)]

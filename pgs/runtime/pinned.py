@@ -52,19 +52,26 @@ def unregister(buf: torch.Tensor) -> None:
 
 
 class HostPool:
-    """Host tensors reused by byte size: ``take(shape, dtype)`` hands out a free buffer of that
-    many bytes (or makes one with ``host_buffer``) viewed as ``shape``/``dtype``, ``give(t)``
-    returns it.
+    """Host tensors reused by byte size: ``take(shape, dtype)`` hands out a free buffer (or makes
+    one with ``host_buffer``) viewed as ``shape``/``dtype``, ``give(t)`` returns it.
+
+    A free buffer of exactly the bytes asked for is taken first (a training run asks for the same
+    sizes every step: no byte is locked twice); else the smallest free one of at most twice the
+    bytes, its first bytes viewed; else a new one of exactly the bytes.  The second rule bounds
+    the pool when the sizes vary from step to step (distillation's rows are as wide as the step's
+    longest completion): a new buffer is made only when no free one fits, which, with widths drawn
+    at random, happens less and less often (each new widest row), instead of once per width.
 
     Ordering is the caller's: a buffer may come back while device copies from it are still
     queued, so a caller that copies on several streams must order a new copy into a reused
     buffer after the old one (``OffloadedInput`` issues both directions on one side stream).
     Buffers stay in the pool (and registered) for the process's life, as the caching
-    allocator's blocks would: a training run asks for the same sizes every step."""
+    allocator's blocks would: freeing one would first have to wait for the copies queued on it."""
 
     def __init__(self, pin: bool = True):
         self.pin = pin
         self._free: dict[int, list[torch.Tensor]] = {}
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a view handed out -> its whole buffer
         self._lock = threading.Lock()  # give() runs on autograd's thread, take() in forward
         self.made = 0  # buffers made so far
         self.bytes = 0  # their bytes
@@ -72,21 +79,30 @@ class HostPool:
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
         shape = tuple(int(s) for s in shape)
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
         with self._lock:
-            free = self._free.get(nbytes)
-            buf = free.pop() if free else None
+            size = nbytes if self._free.get(nbytes) else min(
+                (s for s, bufs in self._free.items() if bufs and nbytes < s <= 2 * nbytes), default=None)
+            buf = self._free[size].pop() if size is not None else None
             if buf is None:
                 self.made += 1
                 self.bytes += nbytes
         if buf is None:
             buf, _ = host_buffer(nbytes, self.pin)
-        return buf.view(dtype).view(shape)
+        with self._lock:
+            self._lent[buf.data_ptr()] = buf
+        return buf[:nbytes].view(dtype).view(shape)
 
     def give(self, t: torch.Tensor) -> None:
         """Return a tensor ``take`` handed out (no other use of it may follow)."""
-        flat = t.reshape(-1).view(torch.uint8)
+        if t.numel() == 0:
+            return
         with self._lock:
-            self._free.setdefault(flat.numel(), []).append(flat)
+            buf = self._lent.pop(t.data_ptr(), None)
+            if buf is None:  # not one of ours after all: pooled at its own bytes
+                buf = t.reshape(-1).view(torch.uint8)
+            self._free.setdefault(buf.numel(), []).append(buf)
 
     def free_count(self) -> int:
         with self._lock:
