@@ -146,15 +146,15 @@ def halt_code(run_dir: str | None, since: float) -> int | None:
 def record_exit(code: int) -> None:
     """In a worker started by :func:`relaunch`: write this process's exit code where the launcher
     reads it (``$PGS_EXIT_DIR/<LOCAL_RANK>``); nothing outside such a launch."""
-    folder, local_rank = os.environ.get(EXIT_DIR_ENV), os.environ.get("LOCAL_RANK")
-    if not folder or local_rank is None or not os.path.isdir(folder):
+    folder, local_rank = os.environ.get(EXIT_DIR_ENV), os.environ.get("LOCAL_RANK", "")
+    if not folder or not local_rank.isdigit() or not os.path.isdir(folder):
         return
     path = os.path.join(folder, str(int(local_rank)))
     try:
         with open(path + ".tmp", "w", encoding="utf-8") as handle:
             handle.write(str(int(code)))
         os.replace(path + ".tmp", path)
-    except OSError:
+    except (OSError, ValueError, TypeError):
         pass  # the launcher falls back to torchrun's code
 
 
