@@ -18,8 +18,9 @@ distillation (docs/techniques/distillation.md), and completions for ``pgs prepar
   ``torch.Generator`` as the only source of randomness.  A token is drawn as
   argmax_v p_v / E_v with E_v ~ Exp(1) drawn from the generator (the exponential race, an
   exact sample of p, one uniform per vocabulary entry per step whatever the outcome), so the
-  generator's state after a call depends on the call's shape only: saving
-  ``generator.get_state()`` in a checkpoint and restoring it reproduces every later sample.
+  generator's state after a call depends on the call's shape and its number of decode steps
+  only (not on which tokens won): saving ``generator.get_state()`` in a checkpoint and
+  restoring it reproduces every later sample.
 - A sequence stops at the first of its ``stop_ids`` (the end-of-turn ids, the stop token is
   part of the completion) or after ``max_new_tokens``; the loop ends when all have stopped.
 
