@@ -31,7 +31,8 @@ import torch
 import pgs.func as pf
 from pgs.errors import InvalidArgument
 
-from test_fsdp import H, _free_port, _logs, finish, results
+from helpers import free_port
+from test_fsdp import H, _logs, finish, results
 
 HERE = Path(__file__).resolve().parent
 HARNESS = HERE / "test_fsdp_release_harness.py"
@@ -54,7 +55,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def start(scenario: str, out: Path, world: int = 2) -> list[subprocess.Popen]:
     """One process per rank of the release harness, with the environment torchrun would give."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),

@@ -47,8 +47,7 @@ class Quantized8bit(NamedTuple):
     absmax: torch.Tensor  # float32
 
 
-@functools.lru_cache(maxsize=None)
-def _dynamic_map_cpu(signed: bool) -> torch.Tensor:
+def _build_dynamic_map(signed: bool) -> torch.Tensor:
     # Exponent level i = 0..6 covers (10^(i−7), 10^(i−6)); inside it the codes are the centres
     # of equal bins over [0.1, 1].  A signed map spends one sign bit, so it has half as many
     # fraction bins per level as an unsigned one; both end up with 256 sorted entries.
@@ -66,6 +65,11 @@ def _dynamic_map_cpu(signed: bool) -> torch.Tensor:
     return torch.tensor(sorted(values), dtype=torch.float32)
 
 
+#: Both maps, built once at import (a plain table, not ``lru_cache``: compiled chains call
+#: ``dynamic_map``, and dynamo warns at every ``lru_cache``-wrapped call it traces).
+_DYNAMIC_MAPS = {signed: _build_dynamic_map(signed) for signed in (True, False)}
+
+
 def dynamic_map(signed: bool = True, device: torch.device | str | None = None) -> torch.Tensor:
     """The 256-entry dynamic quantization map, sorted ascending (fp32).
 
@@ -73,7 +77,7 @@ def dynamic_map(signed: bool = True, device: torch.device | str | None = None) -
     Unsigned: 0, 255 positive codes up to 1.0.  Equal to bitsandbytes'
     ``create_dynamic_map(signed)``.
     """
-    m = _dynamic_map_cpu(bool(signed))
+    m = _DYNAMIC_MAPS[bool(signed)]
     return m if device is None else m.to(device)
 
 
