@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pgs.runtime.model.build import build_model  # noqa: E402
-from pgs.runtime.model.generate import GenerationSettings, generate  # noqa: E402
+from pgs.runtime.model.generate import GenerationSettings, generate, left_pad  # noqa: E402
 
 STUDENT = dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
@@ -86,8 +86,6 @@ def _pgs(model, prompts, new_tokens, compile_step, seed):
 
 def _hf(model, prompts, new_tokens, static, seed):
     """transformers' generate with its own attention (SDPA), whatever the model was built with."""
-    from pgs.runtime.model.generate import left_pad
-
     own = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     try:
@@ -97,8 +95,6 @@ def _hf(model, prompts, new_tokens, static, seed):
 
 
 def _hf_generate(model, prompts, new_tokens, static, seed):
-    from pgs.runtime.model.generate import left_pad
-
     ids, mask = left_pad(prompts, 0, model.device)
     torch.manual_seed(seed)
     kw = dict(cache_implementation="static") if static else {}
@@ -213,15 +209,12 @@ def main(argv=None) -> int:
             row["floor_fraction"] = floor / row["decode_ms"]
         result["results"].append(row)
         print(json.dumps(row), flush=True)
-        if args.out:
+        base = {r["setup"]: r for r in result["results"] if "tok_s" in r}
+        if "pgs" in base:
+            result["pgs_over"] = {k: base["pgs"]["tok_s"] / r["tok_s"] for k, r in base.items() if k != "pgs"}
+        if args.out:  # after every setup: a call cut short keeps what it measured
             with open(args.out, "w") as handle:
                 json.dump(result, handle, indent=1)
-    base = {r["setup"]: r for r in result["results"] if "tok_s" in r}
-    if "pgs" in base:
-        result["pgs_over"] = {k: base["pgs"]["tok_s"] / r["tok_s"] for k, r in base.items() if k != "pgs"}
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(result, handle, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "results"}, indent=1))
     return 0
 

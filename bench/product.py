@@ -373,7 +373,6 @@ COLUMNS = [("mean tok/s", "mean_tok_s", ",.0f"), ("wall tok/s", "wall_tok_s", ",
            ("nvidia-smi GiB", "nvidia_smi_max_gib", ".2f"), ("launch→step 1 s", "launch_to_step1_s", ".1f")]
 
 
-
 def _per_rank(key: str):
     def cell(r: dict):
         values = r.get(key)

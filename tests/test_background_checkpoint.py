@@ -231,8 +231,6 @@ def test_sigterm_while_a_save_is_in_flight_waits_for_it_then_saves_and_exits_143
     assert not [p for p in run_dir.iterdir() if ".tmp-" in p.name]
 
 
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_tensors_are_copied_into_pinned_memory_ahead_of_the_next_steps_kernels(tmp_path):

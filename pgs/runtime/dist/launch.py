@@ -16,9 +16,9 @@ Exit code: torchrun reports 1 for any failed worker.  The launcher returns, in o
 code its own workers exited with (each records it in a folder the launcher names,
 ``$PGS_EXIT_DIR``: on several hosts, a host whose launcher got no signal still returns the 143
 its workers stopped with when another host was signalled); 128+signum when it passed a signal
-on; torchrun's own code otherwise.  torchrun's stderr is
-relayed line by line, without the ``SignalException`` traceback its agent prints after a
-signal that this launcher passed on (:func:`relay_stderr`).
+on; torchrun's own code otherwise.  torchrun's stderr is relayed line by line, without the
+``SignalException`` traceback its agent prints after a signal that this launcher passed on
+(:func:`relay_stderr`).
 
 Several hosts: ``pgs run --nproc N --nnodes M --node-rank R --rdzv-endpoint HOST:PORT ...``
 runs one launcher per host; the rendezvous options (:class:`Rendezvous`) are handed to torchrun
@@ -164,12 +164,10 @@ def workers_code(folder: str) -> int | None:
     else 1 if one exited 1, else 0 if all that wrote exited 0; None if none wrote."""
     codes = []
     try:
-        names = sorted(os.listdir(folder), key=lambda n: int(n) if n.isdigit() else -1)
+        names = sorted((n for n in os.listdir(folder) if n.isdigit()), key=int)
     except OSError:
         return None
     for name in names:
-        if not name.isdigit():
-            continue
         try:
             with open(os.path.join(folder, name), encoding="utf-8") as handle:
                 codes.append(int(handle.read().strip()))

@@ -159,11 +159,10 @@ def apply_memory(model, memory, fast_recompute: bool = True) -> None:
     if getattr(memory, "mlp_tiles", 0) > 1:
         apply_mlp_tiles(model, memory.mlp_tiles)
     if memory.activation_checkpointing != "none":
+        offload = checkpoint_offload(getattr(memory, "offload_checkpoints", False),
+                                     getattr(memory, "offload_prefetch", "auto"), getattr(memory, "offload_optimizer", False))
         layers.apply_activation_checkpointing(model, memory.activation_checkpointing, memory.checkpoint_every,
-                                                     offload=checkpoint_offload(getattr(memory, "offload_checkpoints", False),
-                                                                                getattr(memory, "offload_prefetch", "auto"),
-                                                                                getattr(memory, "offload_optimizer", False)),
-                                                     fast_recompute=fast_recompute)
+                                              offload=offload, fast_recompute=fast_recompute)
     if memory.compile_layers:
         layers.compile_layers(model)
 

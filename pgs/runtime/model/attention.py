@@ -25,10 +25,11 @@ row width, a constant, so compiled layers do not recompile when the longest docu
 ``position_ids`` itself, or treats the input as one causal sequence per row when there are none.
 
 A decode step (one query token per row against a KV cache) goes to :func:`decode_attention`,
-which reads grouped key/value heads in place.  Other calls that are not a packed training forward
-(a padding mask, or keys longer than the queries: a prefill with a cache) go to transformers' own
-SDPA function, with the mask transformers builds for them (``register`` also registers a mask function, which builds SDPA's mask for
-those calls and none for a forward without a padding mask and without a cache).
+which reads grouped key/value heads in place.  Other calls that are not a packed training
+forward (a padding mask, or keys longer than the queries: a prefill with a cache) go to
+transformers' own SDPA function, with the mask transformers builds for them (``register`` also
+registers a mask function, which builds SDPA's mask for those calls and none for a forward
+without a padding mask and without a cache).
 
 Not supported (refused with a message): attention dropout, sliding windows, logit softcapping.
 

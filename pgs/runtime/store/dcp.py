@@ -41,7 +41,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from pgs.runtime.dist.fsdp import broadcast_object as _broadcast
+from pgs.runtime.dist.fsdp import broadcast_object as _broadcast, collective_device
 from pgs.runtime.store import checkpoint as ckpt
 from pgs.runtime.store.checkpoint import CheckpointError
 from pgs.runtime.store.export import export_hf as write_hf
@@ -200,15 +200,9 @@ def _publish(tmp: str, final: str, step: int, trainer: dict, spec_toml: str | No
 def _broadcast_any(flag: bool) -> bool:
     if not _dist():
         return flag
-    t = torch.tensor([int(flag)], dtype=torch.int64, device=_collective_device())
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
-
-
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _write_json(path: str, payload: dict) -> None:
