@@ -24,6 +24,7 @@ import attrs
 import torch
 
 from pgs.errors import EXIT_SKIP_CAP, HaltError, PreflightRefused
+from pgs.runtime.dist import fsdp as D
 
 #: Slots of the flag vector that :func:`agree` reduces.  Each is an int >= 0; MAX is the rule.
 #: ``SAVE_RUNNING``/``SAVE_FAILED``: a background checkpoint still being written on some process,
@@ -41,9 +42,7 @@ def agree(flags: list[int]) -> list[int]:
     all-reduce (MAX) of an int64 tensor; every rank must call it at the same program point.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        backend = torch.distributed.get_backend()
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device)
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=D.collective_device())
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return [int(x) for x in t.tolist()]
     return [int(f) for f in flags]
