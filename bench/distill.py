@@ -55,6 +55,10 @@ the previous step's backward (a bias against pgs's ``gen_tok_s``, for its ``trai
     python -m bench distill --steps 8 --only pgs,trl,trl_gc --prompts 32
     BUDGET=560 bash bench/device.sh "distill --steps 8 --budget 520"   # on the device (.whl with TRL's wheels)
 
+``--profile A:B`` passes ``pgs run --profile A:B`` to the pgs setup and copies its ``ops.txt``
+(and, on CUDA, ``streams.txt``) beside the JSON (``<stem>-ops.txt``); the traced steps run under
+the profiler, so that call's figures are not the speed.
+
 ``--small`` runs the same path at a tiny shape on the CPU (a smoke run of this script; TRL too
 when it imports).
 """
@@ -75,7 +79,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.product import SMALL, markdown_table, read_metrics, run_pgs  # noqa: E402 - the product path, measured one way everywhere
+from bench.product import SMALL, check_profile, copy_profile, markdown_table, read_metrics, run_pgs  # noqa: E402 - the product path, measured one way everywhere
 
 SPEC = "specs/distill_qwen3_0.6b_from_4b.toml"
 #: The teacher at the smoke shape (SMALL shrinks the student; the vocabulary must stay shared).
@@ -181,7 +185,7 @@ def pgs_steps(records: list[dict]) -> list[dict]:
 
 def run_pgs_setup(args, chats: str, workdir: str, timeout: float) -> dict:
     pgs_args = argparse.Namespace(steps=args.steps, skip=args.skip, small=False, set=distill_sets(args, chats),
-                                  profile=None, nvidia_smi=not args.small, timeout=timeout)
+                                  profile=args.profile, nvidia_smi=not args.small, timeout=timeout)
     r = run_pgs(args.spec, pgs_args, os.path.join(workdir, "pgs"))
     out = {"setup": "pgs run + [distill]", "command": r.get("command"), "returncode": r.get("returncode"),
            "launch_to_step1_s": r.get("launch_to_step1_s"), "timed_out": r.get("timed_out")}
@@ -200,6 +204,11 @@ def run_pgs_setup(args, chats: str, workdir: str, timeout: float) -> dict:
     for key in ("nvidia_smi_max_gib", "last_loss", "stderr_tail"):
         if r.get(key) is not None:
             out[key] = r[key]
+    if args.profile:  # the trace's summaries beside the JSON (or in the workdir)
+        stem = os.path.splitext(args.out)[0] if args.out else os.path.join(workdir, "distill")
+        out["profile"] = copy_profile(os.path.join(run_dir, "profile"), stem)
+        if not out["profile"] and "error" not in out:
+            out["error"] = f"--profile {args.profile}: the run wrote no profile summary"
     return out
 
 
@@ -354,6 +363,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300, help="seconds for one setup at most")
     p.add_argument("--small", action="store_true", help="a tiny shape on the CPU (a smoke run of this script)")
     p.add_argument("--set", action="append", default=[], help="more spec overrides (both systems read the spec)")
+    p.add_argument("--profile", default="", metavar="A:B",
+                   help="pgs run --profile A:B; its ops.txt and streams.txt go beside the JSON (the traced steps are "
+                        "not the speed)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
     # the TRL child's own arguments
@@ -366,6 +378,7 @@ def main(argv=None) -> int:
         args.steps, args.skip = min(args.steps, 3), min(args.skip, 1)
         args.prompts, args.prompt_tokens, args.max_new_tokens = min(args.prompts, 4), min(args.prompt_tokens, 96), \
             min(args.max_new_tokens, 12)
+    check_profile(p, args.profile, args.steps)
     if not args.max_seq_len:
         args.max_seq_len = -(-(args.prompt_tokens + args.max_new_tokens + 8) // 256) * 256
     if args.trl_child:

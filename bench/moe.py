@@ -224,16 +224,7 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="", help="where the run folders go (default: a temporary folder)")
     p.add_argument("--out", default="", help="JSON results")
     args = p.parse_args(argv)
-    if args.profile:
-        from pgs.errors import SpecError
-        from pgs.runtime.loop.trace import parse_steps
-
-        try:
-            last = parse_steps(args.profile)[1]
-        except SpecError as err:
-            p.error(str(err))
-        if last > args.steps:
-            p.error(f"--profile {args.profile}: step {last} is past --steps {args.steps}")
+    product.check_profile(p, args.profile, args.steps)
     args.impls = [i for i in args.impls.split(",") if i]
     if not args.impls:
         p.error("--impls: no expert implementation to run (this transformers has none to choose)")

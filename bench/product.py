@@ -481,5 +481,20 @@ def copy_profile(folder: str, stem: str) -> list[str]:
     return written
 
 
+def check_profile(parser, profile: str, steps: int) -> None:
+    """``parser.error`` (exit 2, one line) unless ``profile`` is empty or ``A:B`` within ``steps``."""
+    if not profile:
+        return
+    from pgs.errors import SpecError
+    from pgs.runtime.loop.trace import parse_steps
+
+    try:
+        last = parse_steps(profile)[1]
+    except SpecError as err:
+        parser.error(str(err))
+    if last > steps:
+        parser.error(f"--profile {profile}: step {last} is past --steps {steps}")
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -4,6 +4,7 @@ the docstring's ratios; pgs's metrics records map onto them; the Markdown table 
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -70,3 +71,28 @@ def test_table_shows_an_error_row_by_its_last_line():
     assert lines[0] == "| setup | e2e | gen |" and lines[1] == "|---|---|---|"
     assert lines[2] == "| pgs | 1,234 |  |"
     assert lines[3].startswith("| trl | error: ValueError: boom") and lines[3].count("|") == lines[0].count("|")
+
+
+def test_profile_steps_refused_past_the_run(capsys):
+    for bad, why in (("5:9", "past --steps 8"), ("3", "is not A:B")):
+        with pytest.raises(SystemExit) as exit_:
+            distill.main(["--profile", bad, "--steps", "8", "--only", "pgs"])
+        assert exit_.value.code == 2 and why in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_small_pgs_run_with_a_profile(tmp_path):
+    """The pgs setup end to end at the smoke shape (the product path: ``pgs run`` with [distill]),
+    its figures from its own metrics, and ``--profile``'s operator table beside the JSON."""
+    out = tmp_path / "d.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run([sys.executable, "-m", "bench", "distill", "--small", "--only", "pgs", "--profile", "2:3",
+                           "--workdir", str(tmp_path), "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    [r] = json.loads(out.read_text())["results"]
+    assert not r.get("error") and r["timed_steps"] == 2 and r["e2e_tok_s"] > 0
+    assert r["generated_per_step"] > 0 and r["trained_per_step"] > r["generated_per_step"]
+    assert "--profile 2:3" in r["command"]
+    ops = tmp_path / "d-ops.txt"
+    assert r["profile"] == [str(ops)] and "aten::" in ops.read_text()
