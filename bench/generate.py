@@ -32,6 +32,13 @@ the measured copy bandwidth (``--bandwidth``, default 4.1 TB/s: docs/performance
     python -m bench generate --small          # a tiny shape on the CPU (a smoke run of this script)
     python -m bench generate --only pgs --profile 25   # + the 25 kernels that took the most device time
 
+``--widths L1,L2,...``: after the timed calls, one call per prompt length, each row's
+``widths`` listing every call's seconds, tokens/s and dynamo's compiled graphs so far: prompts of
+many lengths, as a real dataset's, against the compiled steps' shapes (a step compiled per width
+runs uncompiled past dynamo's recompile limit of 8).
+
+    python -m bench generate --only pgs,hf_static --widths 300,400,500,600,700,800,900,1000,1100,1200,400,1200
+
 ``--profile K``: after the timed calls, one more call of each setup under ``torch.profiler``; the
 row gets ``kernels`` (the K kernels with the most device time: name, calls, total ms, share) and
 ``kernels_per_token`` (kernel launches over sampled tokens per row).
@@ -143,9 +150,32 @@ def measure(name, model, prompts, args) -> dict:
                decode_ms=(seconds - first) / max(1, args.new_tokens - 1) * 1e3, cudagraph=cudagraph_counters())
     if torch.cuda.is_available():
         row["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if args.widths:
+        row["widths"] = width_calls(name, model, args)
     if args.profile:
         row.update(kernel_table(lambda: run(args.new_tokens), args.profile, args.new_tokens))
     return row
+
+
+def width_calls(name, model, args) -> list[dict]:
+    """One call per ``--widths`` prompt length (``--prompts`` prompts each, the same spread as the
+    main prompts): its seconds and sampled tokens/s, and the compiled graphs dynamo has made by
+    then.  A decode step compiled per width reaches dynamo's recompile limit (8) within these calls
+    and runs every later new width uncompiled; those calls' tokens/s show it."""
+    from torch._dynamo.utils import counters
+
+    vocab = model.config.vocab_size
+    fn = {"pgs": lambda ps: _pgs(model, ps, args.new_tokens, None, args.seed),
+          "pgs_eager": lambda ps: _pgs(model, ps, args.new_tokens, False, args.seed),
+          "hf_static": lambda ps: _hf(model, ps, args.new_tokens, True, args.seed),
+          "hf": lambda ps: _hf(model, ps, args.new_tokens, False, args.seed)}[name]
+    rows = []
+    for i, length in enumerate(args.widths):
+        ps = make_prompts(args.prompts, length, vocab, args.seed + 1 + i)
+        seconds, tokens = timed(lambda: fn(ps))
+        rows.append(dict(prompt_tokens=length, seconds=round(seconds, 4), tok_s=round(tokens / seconds, 1),
+                         graphs=int(counters["stats"].get("unique_graphs", 0))))
+    return rows
 
 
 def kernel_table(fn, top: int, new_tokens: int) -> dict:
@@ -182,8 +212,16 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="a tiny shape on the CPU")
     p.add_argument("--profile", type=int, default=0, metavar="K", help="profile one more call: its K top kernels")
+    p.add_argument("--widths", default="", metavar="L1,L2,...",
+                   help="after the timed calls, one call per prompt length (each row's 'widths')")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    try:
+        args.widths = [int(w) for w in args.widths.split(",") if w]
+    except ValueError:
+        p.error(f"--widths: {args.widths!r} is not a comma list of prompt lengths")
+    if any(w < 1 for w in args.widths):
+        p.error("--widths: prompt lengths are at least 1")
     only = [s for s in args.only.split(",") if s]
     unknown = sorted(set(only) - set(SETUPS))
     if unknown:

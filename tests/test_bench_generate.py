@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -14,7 +16,7 @@ from bench import generate as bench  # noqa: E402
 
 def test_small_run_of_every_setup(tmp_path):
     out = tmp_path / "generate.json"
-    assert bench.main(["--small", "--profile", "3", "--out", str(out)]) == 0
+    assert bench.main(["--small", "--profile", "3", "--widths", "5,9,5", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = {r["setup"]: r for r in result["results"]}
     assert list(rows) == list(bench.SETUPS)
@@ -24,7 +26,15 @@ def test_small_run_of_every_setup(tmp_path):
         assert r["tok_s"] == r["sampled_tokens"] / r["seconds"]
         assert r["floor_fraction"] == result["decode_floor_ms"] / r["decode_ms"]
         assert "kernels" in r and "kernels_per_token" in r  # --profile (no device kernels on the CPU)
+        assert [w["prompt_tokens"] for w in r["widths"]] == [5, 9, 5] and all(w["tok_s"] > 0 for w in r["widths"])
     assert result["pgs_over"] == {k: rows["pgs"]["tok_s"] / r["tok_s"] for k, r in rows.items() if k != "pgs"}
+
+
+def test_widths_refused_unless_prompt_lengths(capsys):
+    for bad in ("3,x", "0,4"):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["--small", "--widths", bad])
+        assert exit_.value.code == 2 and "--widths" in capsys.readouterr().err
 
 
 def test_transformers_setups_run_on_sdpa_and_restore_the_model(monkeypatch):

@@ -167,6 +167,41 @@ def test_static_compiled_decode_on_cuda_equals_dynamic(model):
     assert fast.completion_ids.shape[1] == int(slow.lengths.max())
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_decode_over_many_calls_and_widths_equals_eager(model):
+    """Each batch captures its own CUDA graph of the compiled step: calls at a dozen prompt widths
+    (more than dynamo's recompile limit) and repeated widths all give the eager completions, and
+    the capture held (no fallback)."""
+    m = build_model(config=CONFIG, dtype="float32", attn_implementation="sdpa", init_seed=3, device="cuda")
+    s = GenerationSettings(max_new_tokens=12, temperature=0)
+    for i, hi in enumerate([4, 12, 70, 12, 130, 200, 260, 330, 390, 450, 520, 580, 70, 4]):
+        ps = prompts(20 + i, n=3, lo=max(2, hi // 2), hi=hi + 1)
+        fast = generate(m, ps, s, stop_ids=[], pad_id=PAD)
+        slow = generate(m, ps, s, stop_ids=[], pad_id=PAD, cache="dynamic", compile=False)
+        assert torch.equal(fast.completion_ids, slow.completion_ids), hi
+    assert not getattr(m, "_pgs_graph_failed", False)
+
+
+def test_compiled_decode_takes_every_width_with_two_compilations(model):
+    """The compiled step's second width makes the width symbolic: prompts of ten widths (past
+    dynamo's recompile limit of 8, where a step compiled per width would fall back to running
+    uncompiled) compile twice in all, and decode as the eager step does."""
+    from torch._dynamo.utils import counters
+
+    m = build_model(config=CONFIG, dtype="float32", attn_implementation="sdpa", init_seed=3)
+    with torch.no_grad():
+        m.get_output_embeddings().weight.mul_(8.0)
+    s = GenerationSettings(max_new_tokens=4, temperature=0)
+    counters.clear()
+    for i, hi in enumerate([3, 70, 130, 200, 260, 330, 390, 450, 520, 580, 3]):
+        ps = prompts(40 + i, n=2, lo=max(2, hi - 5), hi=hi + 1)
+        fast = generate(m, ps, s, stop_ids=[], pad_id=PAD, cache="static", compile=True)
+        slow = generate(m, ps, s, stop_ids=[], pad_id=PAD, cache="static", compile=False)
+        assert torch.equal(fast.completion_ids, slow.completion_ids), hi
+    assert counters["stats"]["unique_graphs"] == 2
+
+
 def test_layers_compiled_for_training_are_not_recompiled_by_generation():
     """``memory.compile_layers`` compiles each decoder layer for the training forward; the prefill
     and the uncompiled decode steps run them as written (a cache makes each layer's index a

@@ -8,9 +8,10 @@ distillation (docs/techniques/distillation.md), and completions for ``pgs prepar
   padding and position ids count real tokens only, so a prompt's continuation does not depend
   on what it is batched with (up to the kernels' floating-point summation order).
 - The prompt is run once (prefill), then one token per step against the KV cache.  On CUDA
-  the cache is transformers' ``StaticCache`` (preallocated to prompt + ``max_new_tokens``) and
-  the decode step is ``torch.compile``d once per shape (fixed shapes: the attention mask is the
-  cache's full width, filled as tokens arrive); elsewhere a ``DynamicCache`` and eager steps.
+  the cache is transformers' ``StaticCache`` (preallocated to prompt + ``max_new_tokens``; the
+  attention mask is the cache's full width, filled as tokens arrive), the decode step is
+  ``torch.compile``d once per model for every width, and each batch captures it as a CUDA graph
+  of its own (:class:`_GraphedStep`); elsewhere a ``DynamicCache`` and eager steps.
   The prefill and eager steps run any ``torch.compile``d parts of the model as written
   (``force_eager``: layers compiled for training are not recompiled for generation's shapes).
 - Sampling: temperature τ (τ = 0: greedy, the argmax), nucleus top-p (Holtzman et al., arXiv
@@ -32,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -179,27 +181,85 @@ def _eager():
 
 
 def _compiled_step(model):
-    """``_step`` compiled once per model (its shapes are fixed under a static cache) and, on CUDA,
-    captured as a CUDA graph per shape.  The cache's tensors are static addresses (transformers
-    marks them), the token, mask and positions are copied into the graph's inputs, and the
-    logits it returns live in the graph's memory until the next replay, which comes after
-    ``next_token`` has read them."""
+    """``_step`` compiled once per model (inductor; the CUDA graph is :class:`_GraphedStep`'s).
+
+    ``dynamic=None``: the first call at a second cache width recompiles with the width symbolic
+    (dynamo's automatic dynamic shapes), and every later width reuses that graph.  With the shapes
+    fixed, each prompt width (padded to ``STATIC_WIDTH_MULTIPLE``) compiled anew until dynamo's
+    recompile limit (8), past which every new width ran uncompiled: real prompts of varying length
+    reach it within a few distillation steps."""
     fn = getattr(model, "_pgs_decode_step", None)
     if fn is None:
-        compiled = torch.compile(_step, dynamic=False, mode="reduce-overhead")
-
-        def fn(*args):
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-            return compiled(*args)
-
+        fn = torch.compile(_step, dynamic=None)
         model._pgs_decode_step = fn
     return fn
+
+
+class _GraphedStep:
+    """The compiled decode step of one batch as a CUDA graph, captured for that batch only.
+
+    The first call runs the compiled function on the capture stream (compiling it if this width
+    or batch is new to it, and warming up its kernels) with this object's token and position
+    buffers; the second captures the same call into a ``torch.cuda.CUDAGraph`` and replays it;
+    later calls copy the new token and positions into the buffers and replay.  Its inputs keep
+    their addresses for the batch's life (the buffers, the batch's attention mask, filled in place
+    as tokens arrive, and its KV cache), and the logits it returns are the graph's output,
+    overwritten by the next replay (after ``next_token`` has read them).  The graph and its
+    memory pool go with the object at the end of the batch, so nothing outlives the call.
+
+    Why not ``torch.compile(mode="reduce-overhead")``: its CUDA graphs live in a process-wide
+    tree keyed by input addresses, and a new KV cache per call made it record a new graph on
+    every call and keep the old ones, each checked at every later step.
+
+    If the capture fails (an operation in the step that a graph cannot hold), the batch goes on
+    with the compiled function uncaptured, and so do later batches of the model (``failed``)."""
+
+    def __init__(self, fn, model, mask: Tensor, cache, keyword: str):
+        self.fn, self.model, self.mask, self.cache, self.keyword = fn, model, mask, cache, keyword
+        self.stream = torch.cuda.Stream(mask.device)
+        self.tok = self.last = self.out = self.graph = None
+
+    def _call(self) -> Tensor:
+        return self.fn(self.model, self.tok, self.mask, self.last, self.cache, self.keyword)
+
+    def __call__(self, tok: Tensor, last: Tensor) -> Tensor:
+        if self.graph is not None:
+            self.tok.copy_(tok)
+            self.last.copy_(last)
+            self.graph.replay()
+            return self.out
+        current = torch.cuda.current_stream(self.mask.device)
+        if self.tok is None or getattr(self.model, "_pgs_graph_failed", False):
+            self.tok, self.last = tok.clone(), last.clone()
+            self.stream.wait_stream(current)
+            with torch.cuda.stream(self.stream):  # warm-up off the default stream, as capture wants
+                out = self._call()
+            current.wait_stream(self.stream)
+            return out
+        self.tok.copy_(tok)
+        self.last.copy_(last)
+        self.stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: CUDA calls of other threads (background checkpoint copies, the loader's
+            # pinned batches) do not invalidate this capture
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                out = self._call()
+        except RuntimeError as err:
+            self.model._pgs_graph_failed = True
+            warnings.warn(f"generate: the decode step could not be captured as a CUDA graph "
+                          f"({str(err).splitlines()[0]}); it runs compiled, without a graph", stacklevel=3)
+            current.synchronize()
+            return self(tok, last)
+        self.graph, self.out = graph, out
+        graph.replay()
+        return out
 
 
 @torch.no_grad()
 def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, static, compile_step):
     device = next(model.parameters()).device
-    # a compiled step is specialised to the cache's width: few widths, few compilations
+    # the compiled step takes every width, but each width is a new capture and cache: fewer widths
     ids, pmask = left_pad(prompts, pad_id, device, STATIC_WIDTH_MULTIPLE if compile_step else 1)
     B, P = ids.shape
     T = settings.max_new_tokens
@@ -216,7 +276,8 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
     with _eager():
         logits = _step(model, ids, mask if static else mask[:, :P], pos, cache, keyword)
     last = pos[:, -1:]
-    step = _compiled_step(model) if compile_step else _step
+    graphed = _GraphedStep(_compiled_step(model), model, mask, cache, keyword) if (
+        compile_step and static and device.type == "cuda") else None
     check_every = DONE_CHECK_EVERY if device.type == "cuda" else 1
     for t in range(T):
         tok = next_token(logits, settings, generator)
@@ -229,8 +290,14 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
             break
         mask[:, P + t] = 1
         last = last + 1
-        with contextlib.nullcontext() if compile_step else _eager():
-            logits = step(model, tok[:, None], mask if static else mask[:, : P + t + 1], last, cache, keyword)
+        seen = mask if static else mask[:, : P + t + 1]
+        if graphed is not None:
+            logits = graphed(tok[:, None], last)
+        elif compile_step:
+            logits = _compiled_step(model)(model, tok[:, None], seen, last, cache, keyword)
+        else:
+            with _eager():
+                logits = _step(model, tok[:, None], seen, last, cache, keyword)
     used = int(lengths.max())  # the tokens decoded after the last row stopped are padding
     out = out[:, :used]
     cmask = torch.arange(used, device=device)[None, :] < lengths[:, None]
