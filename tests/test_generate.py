@@ -180,7 +180,9 @@ def test_graphed_decode_over_many_calls_and_widths_equals_eager(model):
         fast = generate(m, ps, s, stop_ids=[], pad_id=PAD)
         slow = generate(m, ps, s, stop_ids=[], pad_id=PAD, cache="dynamic", compile=False)
         assert torch.equal(fast.completion_ids, slow.completion_ids), hi
-    assert not getattr(m, "_pgs_graph_failed", False)
+    from pgs.runtime.model.generate import _LAST_GRAPH, _NO_GRAPH
+
+    assert m in _LAST_GRAPH and m not in _NO_GRAPH  # every batch was captured
 
 
 def test_compiled_decode_takes_every_width_with_two_compilations(model):

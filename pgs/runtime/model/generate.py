@@ -34,6 +34,7 @@ import contextlib
 import inspect
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -195,6 +196,12 @@ def _compiled_step(model):
     return fn
 
 
+#: per model: its last decode graph (whose memory pool the next capture reuses), and the models
+#: whose decode step could not be captured (weak: they go with their models)
+_LAST_GRAPH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_NO_GRAPH: "weakref.WeakSet" = weakref.WeakSet()
+
+
 class _GraphedStep:
     """The compiled decode step of one batch as a CUDA graph, captured for that batch only.
 
@@ -205,14 +212,17 @@ class _GraphedStep:
     their addresses for the batch's life (the buffers, the batch's attention mask, filled in place
     as tokens arrive, and its KV cache), and the logits it returns are the graph's output,
     overwritten by the next replay (after ``next_token`` has read them).  The graph and its
-    memory pool go with the object at the end of the batch, so nothing outlives the call.
+    memory pool go with the object at the end of the batch, but for the pool: every capture of a
+    model goes into the one pool of its previous capture (the last graph, kept on the model, holds
+    it; it is never replayed again), so the blocks one batch's graph freed serve the next one's.  A
+    new pool per capture would leave each old one reserved until the allocator runs short.
 
     Why not ``torch.compile(mode="reduce-overhead")``: its CUDA graphs live in a process-wide
     tree keyed by input addresses, and a new KV cache per call made it record a new graph on
     every call and keep the old ones, each checked at every later step.
 
     If the capture fails (an operation in the step that a graph cannot hold), the batch goes on
-    with the compiled function uncaptured, and so do later batches of the model (``failed``)."""
+    with the compiled function uncaptured, and so do the model's later batches, with a warning."""
 
     def __init__(self, fn, model, mask: Tensor, cache, keyword: str):
         self.fn, self.model, self.mask, self.cache, self.keyword = fn, model, mask, cache, keyword
@@ -229,7 +239,7 @@ class _GraphedStep:
             self.graph.replay()
             return self.out
         current = torch.cuda.current_stream(self.mask.device)
-        if self.tok is None or getattr(self.model, "_pgs_graph_failed", False):
+        if self.tok is None or self.model in _NO_GRAPH:
             self.tok, self.last = tok.clone(), last.clone()
             self.stream.wait_stream(current)
             with torch.cuda.stream(self.stream):  # warm-up off the default stream, as capture wants
@@ -240,18 +250,21 @@ class _GraphedStep:
         self.last.copy_(last)
         self.stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
+        previous = _LAST_GRAPH.get(self.model)
         try:
             # thread_local: CUDA calls of other threads (background checkpoint copies, the loader's
             # pinned batches) do not invalidate this capture
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=None if previous is None else previous.pool(), stream=self.stream,
+                                  capture_error_mode="thread_local"):
                 out = self._call()
         except RuntimeError as err:
-            self.model._pgs_graph_failed = True
+            _NO_GRAPH.add(self.model)
             warnings.warn(f"generate: the decode step could not be captured as a CUDA graph "
                           f"({str(err).splitlines()[0]}); it runs compiled, without a graph", stacklevel=3)
             current.synchronize()
             return self(tok, last)
         self.graph, self.out = graph, out
+        _LAST_GRAPH[self.model] = graph  # keeps the pool (not the cache) for the next batch's capture
         graph.replay()
         return out
 
