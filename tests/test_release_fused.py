@@ -98,15 +98,89 @@ def test_adamw_lion_kernels_equal_bind(name, monkeypatch):
         assert max_fused <= 4 * max_ref + 2e-7, (n, max_fused, max_ref)
 
 
-def _constant_grad_run(fused: bool, steps: int, sr: bool):
+@pytest.mark.parametrize("name", ["adamw", "lion"])
+def test_adamw_lion_fused_step_rounds_with_the_documented_noise(name, monkeypatch):
+    """The fused AdamW/Lion step on bf16 tensors with stochastic rounding (a release group's
+    per-tensor tree, ``sr_offset`` 5): tensor i is exactly its fp32 result (the same step on fp32
+    copies) rounded by ``stochastic_round_fp32`` with the seed ``sr_seed(new count, 5 + i)``,
+    i.e. the noise ``pf.apply_updates`` draws on the plain path."""
+    from pgs.func.apply import stochastic_round_fp32
+    from pgs.func.kernels.fused_transform import sr_seeds
+    from pgs.func.plan import RELEASE, plan_for
+    from pgs.func.step import StepContext
+
+    monkeypatch.setattr(K, "CONFIG", K.KernelConfig(triton_on_cpu=True))
+    f32 = torch.float32
+    chain = {"adamw": pf.adamw(1e-2, weight_decay=0.1, mu_dtype=f32, nu_dtype=f32),
+             "lion": pf.lion(1e-3, weight_decay=0.1, mu_dtype=f32)}[name]
+    plan = plan_for(chain, RELEASE)
+    assert plan is not None and plan.name == "adamw_lion"
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"a": (64, 48), "b": (700,), "c": (3, 5, 7)}
+    bf = {k: (torch.randn(s, generator=gen) * 0.05).to(torch.bfloat16).to(DEV) for k, s in shapes.items()}
+    grads = {k: (torch.randn(s, generator=gen) * 1e-3).to(torch.bfloat16).to(DEV) for k, s in shapes.items()}
+    fp = {k: v.float() for k, v in bf.items()}
+    state = chain.init(fp)  # fp32 moments
+    for _ in range(2):  # the second step has non-zero moments and bias corrections below 1
+        fp_in = {k: v.float() for k, v in bf.items()}
+        new_fp, _ = plan.step(grads, state, fp_in, ctx=StepContext(sr_offset=5), donate=False,
+                              stochastic_rounding=True)  # fp32 tensors: nothing to round; state untouched
+        new_bf, state = plan.step(grads, state, bf, ctx=StepContext(sr_offset=5), donate=True,
+                                  stochastic_rounding=True)
+        seeds = sr_seeds(pf.apply.step_count(state), 5, len(bf))
+        moved = 0
+        for i, k in enumerate(bf):
+            want = stochastic_round_fp32(new_fp[k], seed=seeds[i:i + 1]).to(torch.bfloat16)
+            assert torch.equal(new_bf[k], want), k
+            moved += int((new_bf[k] != fp_in[k].to(torch.bfloat16)).sum())
+        assert moved > sum(v.numel() for v in bf.values()) // 2
+        bf = new_bf
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion"])
+def test_release_rounds_adamw_lion_stochastically_in_the_kernel(name, monkeypatch):
+    """Gradient release with bf16 weights and stochastic rounding takes the fused AdamW/Lion step
+    (it fell back to the plain chain before).  Against the plain path from the same weights: the
+    same noise, and fp32 values that differ by the plain chain's rounding of the update η·u to
+    the gradients' bf16 (the kernel keeps it in fp32): at most a bf16 ulp of the weight and one of
+    the update apart (near 0, where θ and η·u cancel, the kernel keeps digits the plain path
+    loses)."""
+    monkeypatch.setattr(K, "CONFIG", K.KernelConfig(triton_on_cpu=True))
+    f32 = torch.float32
+    lr = {"adamw": 1e-2, "lion": 1e-3}[name]
+    make = {"adamw": lambda: pf.adamw(lr, mu_dtype=f32, nu_dtype=f32), "lion": lambda: pf.lion(lr, mu_dtype=f32)}[name]
+    data = [x.to(DEV) for x in batches(1)]
+    a = tiny_model(torch.bfloat16, layers=1).to(DEV)
+    b = copy.deepcopy(a)
+    plain = run_release(a, make(), data, stochastic_rounding=True, fused=False)
+    fast = run_release(b, make(), data, stochastic_rounding=True)
+    assert plain.fused_group_steps == 0 and fast.plain_group_steps == 0 and fast.fused_group_steps > 0
+    eps = torch.finfo(torch.bfloat16).eps
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        bound = eps * (torch.maximum(p.float().abs(), q.float().abs()) + lr)
+        assert ((p.float() - q.float()).abs() <= 1.01 * bound).all(), n
+
+
+def _constant_grad_run(fused: bool, steps: int, sr: bool, chain=None):
     """Two bf16 tensors at 1.0 with gradient +1: Lion steps each by −lr, below half a bf16 ulp."""
     torch.manual_seed(0)
     params = {f"w{i}": torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16, device=DEV)) for i in range(2)}
-    rel = GradientRelease(pf.lion8bit(1e-4, backend="triton"), params, groups="parameter",
+    rel = GradientRelease(chain or pf.lion8bit(1e-4, backend="triton"), params, groups="parameter",
                           stochastic_rounding=sr, fused=fused)
     for _ in range(steps):
         sum(p.float().sum() for p in params.values()).backward()
     return rel, params
+
+
+def test_lion_kernel_stochastic_rounding_is_unbiased(monkeypatch):
+    """The fp32-state Lion kernel's rounding: the mean weight follows the exact trajectory."""
+    monkeypatch.setattr(K, "CONFIG", K.KernelConfig(triton_on_cpu=True))
+    steps = 12
+    rel, params = _constant_grad_run(True, steps, sr=True, chain=pf.lion(1e-4))
+    assert rel.fused_group_steps > 0 and rel.plain_group_steps == 0
+    for p in params.values():
+        assert abs(p.float().mean().item() - (1.0 - steps * 1e-4)) < 3e-4
+    assert not torch.equal(params["w0"], params["w1"])
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])

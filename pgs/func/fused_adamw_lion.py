@@ -98,27 +98,32 @@ def available_on(devs: set[str]) -> bool:
 
 def plan_step(plan: FusedPlan):
     """The registry's step function for ``plan``: None (the generic path) where the kernels
-    do not run, i.e. devices without them, or stochastic rounding (the kernels round to
-    nearest) of a flat layout or of bf16 parameters."""
+    do not run, i.e. devices without them, or stochastic rounding of a flat layout.  Per-tensor
+    trees (gradient release) round bf16 parameters stochastically in the kernel, with the
+    noise the plain path draws (``pf.apply_updates``: tensor i of the call seeded by
+    ``sr_seed(count, ctx.sr_offset + i)`` of the new state's count)."""
 
     def fused_step(grads, state, params, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
         layout = ctx.layout
         if layout is not None:
             if stochastic_rounding or not available(layout):
                 return None
-        else:
-            if not available_on({t.device.type for t in params.values()}):
-                return None
-            if stochastic_rounding and any(p.dtype == torch.bfloat16 for p in params.values()):
-                return None
-        return step(plan, layout, grads, state, params, donate=donate)
+        elif not available_on({t.device.type for t in params.values()}):
+            return None
+        return step(plan, layout, grads, state, params, donate=donate,
+                    sr_offset=ctx.sr_offset if stochastic_rounding else None)
 
     return fused_step
 
 
-def step(plan: FusedPlan, layout: Layout, grads: dict, state: dict, params: dict, *, donate: bool):
-    """One fused update-and-apply; returns ``(new_params, new_state)`` in the chain's state form."""
+def step(plan: FusedPlan, layout: Layout, grads: dict, state: dict, params: dict, *, donate: bool,
+         sr_offset: int | None = None):
+    """One fused update-and-apply; returns ``(new_params, new_state)`` in the chain's state form.
+    ``sr_offset`` (per-tensor trees only): round bf16 parameters stochastically, tensor i with the
+    seed ``sr_seed(new count, sr_offset + i)``."""
+    from pgs.func.apply import step_count
     from pgs.func.kernels import elementwise as K
+    from pgs.func.kernels.fused_transform import sr_seeds
 
     sd = state[plan.direction_key]
     sl = state[plan.lr_key]
@@ -142,18 +147,22 @@ def step(plan: FusedPlan, layout: Layout, grads: dict, state: dict, params: dict
     if not donate:
         params = {k: v.clone() for k, v in params.items()}
         moments = [{k: v.clone() for k, v in m.items()} for m in moments]
-    for k, p in params.items():
-        wd = wd_by_group.get(k, 0.0)
-        if plan.kind == "adam":
-            K.adamw_step_(p, grads[k], moments[0][k], moments[1][k], scalars,
-                          plan.direction["b1"], plan.direction["b2"], plan.direction["eps"], wd)
-        else:
-            K.lion_step_(p, grads[k], moments[0][k], scalars, plan.direction["b1"], plan.direction["b2"], wd)
-        new_p[k] = p
-    new_state = dict(state)
+    new_state = dict(state)  # the moments are updated in place below
     if plan.kind == "adam":
         new_state[plan.direction_key] = type(sd)(count, moments[0], moments[1])
     else:
         new_state[plan.direction_key] = type(sd)(count, moments[0])
     new_state[plan.lr_key] = ScaleByLearningRateState(increment(sl.count), lr)
+    seeds = [None] * len(params)
+    if sr_offset is not None and any(p.dtype == torch.bfloat16 for p in params.values()):
+        seeds = sr_seeds(step_count(new_state), sr_offset, len(params)).unbind(0)
+    for (k, p), seed in zip(params.items(), seeds):
+        wd = wd_by_group.get(k, 0.0)
+        if plan.kind == "adam":
+            K.adamw_step_(p, grads[k], moments[0][k], moments[1][k], scalars,
+                          plan.direction["b1"], plan.direction["b2"], plan.direction["eps"], wd, seed=seed)
+        else:
+            K.lion_step_(p, grads[k], moments[0][k], scalars, plan.direction["b1"], plan.direction["b2"], wd,
+                         seed=seed)
+        new_p[k] = p
     return new_p, new_state

@@ -27,6 +27,8 @@ try:  # triton is optional on CPU installs
     import triton
     import triton.language as tl
 
+    from pgs.func.kernels.blockwise8 import _bf16_bits, _sr_noise
+
     HAVE_TRITON = True
 except Exception:  # pragma: no cover
     HAVE_TRITON = False
@@ -36,7 +38,8 @@ BLOCK = 2048
 if HAVE_TRITON:
 
     @triton.jit
-    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, scal_ptr, hp_ptr, n, HAS_WD: tl.constexpr, BLOCK: tl.constexpr):
+    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, scal_ptr, hp_ptr, seed_ptr, n, HAS_WD: tl.constexpr,
+                      SR: tl.constexpr, BLOCK: tl.constexpr):
         # scal = [η, 1−β1^t, 1−β2^t] (per step); hp = [1−β1, β2, 1−β2, ε, λ] (constant)
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -59,12 +62,15 @@ if HAVE_TRITON:
         if HAS_WD:
             u = u + wd * p
         p = p - lr * u
+        if SR:  # to a value bf16 holds, with the hash stream's noise (the cast below is then exact)
+            p = _bf16_bits(p, _sr_noise(seed_ptr, offs))
         tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
         tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
         tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _lion_kernel(p_ptr, g_ptr, m_ptr, scal_ptr, hp_ptr, n, HAS_WD: tl.constexpr, BLOCK: tl.constexpr):
+    def _lion_kernel(p_ptr, g_ptr, m_ptr, scal_ptr, hp_ptr, seed_ptr, n, HAS_WD: tl.constexpr, SR: tl.constexpr,
+                     BLOCK: tl.constexpr):
         # scal = [η] (per step); hp = [1−β1, 1−β2, λ] (constant)
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -81,6 +87,8 @@ if HAVE_TRITON:
         if HAS_WD:
             u = u + wd * p
         p = p - lr * u
+        if SR:
+            p = _bf16_bits(p, _sr_noise(seed_ptr, offs))
         m = m + w2 * (g - m)
         tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
         tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
@@ -92,19 +100,32 @@ def _consts(device: torch.device, values: tuple) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64).to(torch.float32).to(device)
 
 
+def _sr(p: torch.Tensor, seed: torch.Tensor | None) -> bool:
+    return seed is not None and p.dtype == torch.bfloat16
+
+
 def adamw_step_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: torch.Tensor,
-                b1: float, b2: float, eps: float, wd: float) -> None:
-    """In place: one AdamW step over flat buffers. ``scalars`` = fp32 [lr, 1−β1^t, 1−β2^t] on the device."""
+                b1: float, b2: float, eps: float, wd: float, seed: torch.Tensor | None = None) -> None:
+    """In place: one AdamW step over flat buffers. ``scalars`` = fp32 [lr, 1−β1^t, 1−β2^t] on the device.
+
+    ``seed`` (an int64 device scalar, ``sr_seed``) rounds a bf16 ``p`` stochastically: element e
+    with the 16 bits at offset e of the seed's hash stream, the noise ``pf.apply_updates`` draws
+    for that seed (arXiv 1502.02551 for the rounding); without it, to nearest."""
     n = p.numel()
     grid = (triton.cdiv(n, BLOCK),)
     hp = _consts(p.device, (1.0 - float(b1), float(b2), 1.0 - float(b2), float(eps), float(wd)))
-    _adamw_kernel[grid](p, g, m, v, scalars, hp, n, HAS_WD=wd != 0.0, BLOCK=BLOCK, num_warps=8)
+    sr = _sr(p, seed)
+    _adamw_kernel[grid](p, g, m, v, scalars, hp, seed if sr else scalars, n, HAS_WD=wd != 0.0, SR=sr, BLOCK=BLOCK,
+                        num_warps=8)
 
 
 def lion_step_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, scalars: torch.Tensor,
-               b1: float, b2: float, wd: float) -> None:
-    """In place: one Lion step over flat buffers. ``scalars`` = fp32 [lr] on the device."""
+               b1: float, b2: float, wd: float, seed: torch.Tensor | None = None) -> None:
+    """In place: one Lion step over flat buffers. ``scalars`` = fp32 [lr] on the device; ``seed``
+    as in :func:`adamw_step_`."""
     n = p.numel()
     grid = (triton.cdiv(n, BLOCK),)
     hp = _consts(p.device, (1.0 - float(b1), 1.0 - float(b2), float(wd)))
-    _lion_kernel[grid](p, g, m, scalars, hp, n, HAS_WD=wd != 0.0, BLOCK=BLOCK, num_warps=8)
+    sr = _sr(p, seed)
+    _lion_kernel[grid](p, g, m, scalars, hp, seed if sr else scalars, n, HAS_WD=wd != 0.0, SR=sr, BLOCK=BLOCK,
+                       num_warps=8)
