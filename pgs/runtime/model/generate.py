@@ -213,7 +213,7 @@ class _GraphedStep:
     as tokens arrive, and its KV cache), and the logits it returns are the graph's output,
     overwritten by the next replay (after ``next_token`` has read them).  The graph and its
     memory pool go with the object at the end of the batch, but for the pool: every capture of a
-    model goes into the one pool of its previous capture (the last graph, kept on the model, holds
+    model goes into the one pool of its previous capture (the last graph, kept per model, holds
     it; it is never replayed again), so the blocks one batch's graph freed serve the next one's.  A
     new pool per capture would leave each old one reserved until the allocator runs short.
 
