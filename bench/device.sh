@@ -1,6 +1,7 @@
 #!/bin/bash
 # Bench suites on the device machine (one call; from the repo root, with ".whl" carried for the
-# GPU extras: liger-kernel, cut-cross-entropy, bitsandbytes, nvidia-cudnn-frontend):
+# GPU extras: liger-kernel, cut-cross-entropy, bitsandbytes, nvidia-cudnn-frontend; the carry is
+# at most 64 MiB with the tree, so bitsandbytes' 43 MB wheel goes in only for optim-8bit):
 #
 #   bash bench/device.sh SUITE ["SUITE ARGS ..."] ...
 #   bash bench/device.sh optim-step "optim-8bit --iters 10" "sft-step --shapes qwen3-4b --steps 16"
