@@ -10,7 +10,7 @@ left-padded as in a real batch), ``--new-tokens`` sampled tokens per prompt at t
 Setups (in this order, one process; ``--only``):
 
 1. ``pgs``: ``pgs.runtime.model.generate.generate`` as the distillation loop calls it: static KV
-   cache, compiled decode step replayed as a CUDA graph, the stop check every few tokens.
+   cache, compiled decode step captured as a CUDA graph per batch, the stop check every few tokens.
 2. ``pgs_eager``: the same function with ``compile=False`` (static cache, eager decode steps).
 3. ``hf_static``: ``model.generate(cache_implementation="static")``; transformers compiles its
    forward for a static cache by itself (its ``CompileConfig``: ``reduce-overhead``).
@@ -20,10 +20,11 @@ The model is built as pgs builds a recipe's (``attn_implementation = "auto"``: p
 function on CUDA, whose decode step reads grouped key/value heads in place); the transformers
 setups switch it to transformers' own SDPA for their calls.
 
-Per setup: the median over ``--repeats`` timed calls after ``--warmup`` untimed ones (compilation
-and graph capture) of the whole call's seconds; ``tok_s`` (sampled tokens over that time); the
+Per setup: the median over ``--repeats`` timed calls after ``--warmup`` untimed ones (compilation;
+pgs captures its graph anew in every call, inside the call's time) of the whole call's seconds; ``tok_s`` (sampled tokens over that time); the
 prefill's seconds (a call with one new token) and ``decode_ms`` per token after it; and, for the
-compiled setups, torch's counters of CUDA-graph skips (a reason there means no graph).  The floor
+compiled setups, torch.compile's CUDA-graph counters (transformers' static setup; a skip reason there
+means no graph; pgs captures its own graph, which these do not count).  The floor
 is the bytes one decode step must read (every weight once, the KV cache of the step's width) over
 the measured copy bandwidth (``--bandwidth``, default 4.1 TB/s: docs/performance.md).
 
