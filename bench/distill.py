@@ -19,7 +19,8 @@ rewritten after each, so a call cut short keeps what it measured:
 
 What is held equal: the chats (a user prompt of ``--prompt-tokens`` tokens with the chat
 template, written here, and the same file for both), ``--prompts`` prompts per step (one
-optimizer step each, no accumulation), ``--max-new-tokens``, sampling (temperature 1, top-p 1,
+optimizer step each, no accumulation; ``--trl-prompts N`` gives TRL's setups N instead, where
+TRL does not fit the same batch: each row says its prompts per step), ``--max-new-tokens``, sampling (temperature 1, top-p 1,
 no top-k), the stop rule (the tokenizer's eos, ``<|im_end|>``, which is also pgs's end-of-turn
 id; the stop token is part of the completion in both), the divergence (pgs ``kind="jsd"``,
 ``beta`` = TRL's ``beta``; ``forward_kl`` = TRL β = 0, ``reverse_kl`` = β = 1), the divergence's
@@ -52,6 +53,7 @@ so the timed steps' total is the device's time, and pgs's generation time may ho
 the previous step's backward (a bias against pgs's ``gen_tok_s``, for its ``train_tok_s``).
 
     python -m bench distill --steps 8 --budget 520
+    python -m bench distill --steps 8 --budget 520 --trl-prompts 4   # TRL at the batch it fits on an H200
     python -m bench distill --steps 8 --only pgs,trl,trl_gc --prompts 32
     BUDGET=560 bash bench/device.sh "distill --steps 8 --budget 520"   # on the device (.whl with TRL's wheels)
 
@@ -187,7 +189,8 @@ def run_pgs_setup(args, chats: str, workdir: str, timeout: float) -> dict:
     pgs_args = argparse.Namespace(steps=args.steps, skip=args.skip, small=False, set=distill_sets(args, chats),
                                   profile=args.profile, nvidia_smi=not args.small, timeout=timeout)
     r = run_pgs(args.spec, pgs_args, os.path.join(workdir, "pgs"))
-    out = {"setup": "pgs run + [distill]", "command": r.get("command"), "returncode": r.get("returncode"),
+    out = {"setup": "pgs run + [distill]", "prompts": args.prompts, "command": r.get("command"),
+           "returncode": r.get("returncode"),
            "launch_to_step1_s": r.get("launch_to_step1_s"), "timed_out": r.get("timed_out")}
     run_dir = os.path.join(workdir, "pgs", "run")
     if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
@@ -299,12 +302,18 @@ def trl_child(args) -> dict:
 
 
 def run_trl(args, variant: str, chats: str, timeout: float) -> dict:
+    prompts = args.trl_prompts or args.prompts
+    out = _run_trl(args, variant, chats, timeout, prompts)
+    return {"setup": out.pop("setup"), "prompts": prompts, **out}
+
+
+def _run_trl(args, variant: str, chats: str, timeout: float, prompts: int) -> dict:
     setup = f"TRL GKDTrainer ({variant})"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trl.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--trl-child", variant, "--trl-out", path, "--chats", chats,
                "--spec", args.spec, "--steps", str(args.steps), "--skip", str(args.skip),
-               "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
+               "--prompts", str(prompts), "--max-new-tokens", str(args.max_new_tokens),
                "--max-seq-len", str(args.max_seq_len), "--kind", args.kind, "--beta", str(args.beta)]
         cmd += (["--small"] if args.small else []) + [x for s in args.set for x in ("--set", s)]
         try:
@@ -332,7 +341,7 @@ def ratios(results: list[dict]) -> dict:
     return out
 
 
-COLUMNS = [("e2e tok/s", "e2e_tok_s", ",.0f"), ("gen tok/s", "gen_tok_s", ",.0f"), ("train tok/s", "train_tok_s", ",.0f"),
+COLUMNS = [("prompts/step", "prompts", "d"), ("e2e tok/s", "e2e_tok_s", ",.0f"), ("gen tok/s", "gen_tok_s", ",.0f"), ("train tok/s", "train_tok_s", ",.0f"),
            ("prompts/s", "prompts_per_s", ".2f"), ("gen share", "gen_share", ".2f"), ("s/step", "mean_step_s", ".2f"),
            ("generated/step", "generated_per_step", ",.0f"), ("trained/step", "trained_per_step", ",.0f"),
            ("max alloc GiB", "max_allocated_gib", ".2f"), ("max reserved GiB", "max_reserved_gib", ".2f")]
@@ -359,6 +368,9 @@ def main(argv=None) -> int:
     p.add_argument("--kind", default="jsd", choices=("jsd", "forward_kl", "reverse_kl"))
     p.add_argument("--beta", type=float, default=0.5, help="JSD's β (kind jsd)")
     p.add_argument("--only", default="pgs,trl", help="comma list of pgs, trl, trl_gc (run in this order)")
+    p.add_argument("--trl-prompts", type=int, default=0, metavar="N",
+                   help="prompts per step for the TRL setups (default: --prompts; TRL 1.16 at 16 prompts of "
+                        "~500 tokens does not fit an H200: 4 does)")
     p.add_argument("--budget", type=float, default=520, help="seconds for all setups together")
     p.add_argument("--timeout", type=float, default=300, help="seconds for one setup at most")
     p.add_argument("--small", action="store_true", help="a tiny shape on the CPU (a smoke run of this script)")
@@ -378,6 +390,9 @@ def main(argv=None) -> int:
         args.steps, args.skip = min(args.steps, 3), min(args.skip, 1)
         args.prompts, args.prompt_tokens, args.max_new_tokens = min(args.prompts, 4), min(args.prompt_tokens, 96), \
             min(args.max_new_tokens, 12)
+        args.trl_prompts = min(args.trl_prompts, args.prompts)
+    if args.trl_prompts < 0:
+        p.error(f"--trl-prompts: {args.trl_prompts} is not a number of prompts (0: as --prompts)")
     check_profile(p, args.profile, args.steps)
     if not args.max_seq_len:
         args.max_seq_len = -(-(args.prompt_tokens + args.max_new_tokens + 8) // 256) * 256

@@ -96,3 +96,21 @@ def test_small_pgs_run_with_a_profile(tmp_path):
     assert "--profile 2:3" in r["command"]
     ops = tmp_path / "d-ops.txt"
     assert r["profile"] == [str(ops)] and "aten::" in ops.read_text()
+
+
+def test_trl_setups_take_their_own_prompt_count(monkeypatch, capsys):
+    """``--trl-prompts N``: the TRL child is asked for N prompts per step and its row says so
+    (TRL at the pgs batch does not fit an H200); negative counts are refused."""
+    import argparse
+
+    seen = []
+    monkeypatch.setattr(distill, "_run_trl", lambda args, variant, chats, timeout, prompts: (
+        seen.append(prompts) or {"setup": f"TRL GKDTrainer ({variant})", "e2e_tok_s": 1.0}))
+    args = argparse.Namespace(prompts=16, trl_prompts=4)
+    assert distill.run_trl(args, "trl", "chats.jsonl", 10.0) == {"setup": "TRL GKDTrainer (trl)", "prompts": 4,
+                                                                 "e2e_tok_s": 1.0}
+    args.trl_prompts = 0
+    assert distill.run_trl(args, "trl", "chats.jsonl", 10.0)["prompts"] == 16 and seen == [4, 16]
+    with pytest.raises(SystemExit) as exit_:
+        distill.main(["--trl-prompts", "-1", "--only", "pgs"])
+    assert exit_.value.code == 2 and "--trl-prompts" in capsys.readouterr().err
