@@ -272,7 +272,7 @@ class _GraphedStep:
 @torch.no_grad()
 def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, static, compile_step):
     device = next(model.parameters()).device
-    # the compiled step takes every width, but each width is a new capture and cache: fewer widths
+    # widths in multiples of 64 for the compiled step (aligned shapes; after its second width it takes any)
     ids, pmask = left_pad(prompts, pad_id, device, STATIC_WIDTH_MULTIPLE if compile_step else 1)
     B, P = ids.shape
     T = settings.max_new_tokens
