@@ -81,7 +81,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.product import SMALL, check_profile, copy_profile, markdown_table, read_metrics, run_pgs  # noqa: E402 - the product path, measured one way everywhere
+from bench.product import SMALL, check_profile, keep_profile, markdown_table, read_metrics, run_pgs  # noqa: E402 - the product path, measured one way everywhere
 
 SPEC = "specs/distill_qwen3_0.6b_from_4b.toml"
 #: The teacher at the smoke shape (SMALL shrinks the student; the vocabulary must stay shared).
@@ -209,9 +209,7 @@ def run_pgs_setup(args, chats: str, workdir: str, timeout: float) -> dict:
             out[key] = r[key]
     if args.profile:  # the trace's summaries beside the JSON (or in the workdir)
         stem = os.path.splitext(args.out)[0] if args.out else os.path.join(workdir, "distill")
-        out["profile"] = copy_profile(os.path.join(run_dir, "profile"), stem)
-        if not out["profile"] and "error" not in out:
-            out["error"] = f"--profile {args.profile}: the run wrote no profile summary"
+        keep_profile(out, run_dir, stem, args.profile)
     return out
 
 

@@ -66,7 +66,6 @@ STUDENT = dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num
                tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0)
 SMALL = dict(STUDENT, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=512)
-SETUPS = ("pgs", "pgs_eager", "hf_static", "hf")
 
 
 def make_prompts(n: int, tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -112,6 +111,16 @@ def _hf_generate(model, prompts, new_tokens, static, seed):
     return (out.shape[1] - ids.shape[1]) * len(prompts)
 
 
+#: each setup's call: (model, prompts, new tokens, seed) -> sampled tokens
+CALLS = {
+    "pgs": lambda model, prompts, n, seed: _pgs(model, prompts, n, None, seed),
+    "pgs_eager": lambda model, prompts, n, seed: _pgs(model, prompts, n, False, seed),
+    "hf_static": lambda model, prompts, n, seed: _hf(model, prompts, n, True, seed),
+    "hf": lambda model, prompts, n, seed: _hf(model, prompts, n, False, seed),
+}
+SETUPS = tuple(CALLS)  # the order they run in
+
+
 def timed(fn) -> tuple[float, int]:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -132,12 +141,9 @@ def measure(name, model, prompts, args) -> dict:
     from torch._dynamo.utils import counters
 
     counters.clear()
-    run = {
-        "pgs": lambda n: _pgs(model, prompts, n, None, args.seed),
-        "pgs_eager": lambda n: _pgs(model, prompts, n, False, args.seed),
-        "hf_static": lambda n: _hf(model, prompts, n, True, args.seed),
-        "hf": lambda n: _hf(model, prompts, n, False, args.seed),
-    }[name]
+    def run(n):
+        return CALLS[name](model, prompts, n, args.seed)
+
     for _ in range(args.warmup):
         run(args.new_tokens)
         run(1)
@@ -166,14 +172,10 @@ def width_calls(name, model, args) -> list[dict]:
     from torch._dynamo.utils import counters
 
     vocab = model.config.vocab_size
-    fn = {"pgs": lambda ps: _pgs(model, ps, args.new_tokens, None, args.seed),
-          "pgs_eager": lambda ps: _pgs(model, ps, args.new_tokens, False, args.seed),
-          "hf_static": lambda ps: _hf(model, ps, args.new_tokens, True, args.seed),
-          "hf": lambda ps: _hf(model, ps, args.new_tokens, False, args.seed)}[name]
     rows = []
     for i, length in enumerate(args.widths):
         ps = make_prompts(args.prompts, length, vocab, args.seed + 1 + i)
-        seconds, tokens = timed(lambda: fn(ps))
+        seconds, tokens = timed(lambda: CALLS[name](model, ps, args.new_tokens, args.seed))
         rows.append(dict(prompt_tokens=length, seconds=round(seconds, 4), tok_s=round(tokens / seconds, 1),
                          graphs=int(counters["stats"].get("unique_graphs", 0))))
     return rows

@@ -149,9 +149,7 @@ def run_pgs(impl: str, args, workdir: str) -> dict:
         out["nvidia_smi_max_gib"] = max(g for _, g in smi.samples)
     if args.profile:  # the trace's summaries beside the JSON (or in the workdir), before the folder goes
         stem = f"{os.path.splitext(args.out)[0] if args.out else os.path.join(workdir, 'moe')}-{impl}"
-        out["profile"] = product.copy_profile(os.path.join(run_dir, "profile"), stem)
-        if not out["profile"] and "error" not in out:
-            out["error"] = f"--profile {args.profile}: the run wrote no profile summary"
+        product.keep_profile(out, run_dir, stem, args.profile)
     shutil.rmtree(run_dir, ignore_errors=True)  # its final checkpoint: no part of the figures
     return out
 

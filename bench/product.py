@@ -481,6 +481,14 @@ def copy_profile(folder: str, stem: str) -> list[str]:
     return written
 
 
+def keep_profile(out: dict, run_dir: str, stem: str, profile: str) -> None:
+    """A ``pgs run --profile`` row's summaries kept as ``<stem>-*.txt`` (``out["profile"]``: the
+    paths), or ``out["error"]`` when the run wrote none (and had no error of its own)."""
+    out["profile"] = copy_profile(os.path.join(run_dir, "profile"), stem)
+    if not out["profile"] and "error" not in out:
+        out["error"] = f"--profile {profile}: the run wrote no profile summary"
+
+
 def check_profile(parser, profile: str, steps: int) -> None:
     """``parser.error`` (exit 2, one line) unless ``profile`` is empty or ``A:B`` within ``steps``."""
     if not profile:

@@ -289,8 +289,9 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
     with _eager():
         logits = _step(model, ids, mask if static else mask[:, :P], pos, cache, keyword)
     last = pos[:, -1:]
-    graphed = _GraphedStep(_compiled_step(model), model, mask, cache, keyword) if (
-        compile_step and static and device.type == "cuda") else None
+    compiled = _compiled_step(model) if compile_step else None
+    graphed = _GraphedStep(compiled, model, mask, cache, keyword) if (
+        compiled is not None and static and device.type == "cuda") else None
     check_every = DONE_CHECK_EVERY if device.type == "cuda" else 1
     for t in range(T):
         tok = next_token(logits, settings, generator)
@@ -306,8 +307,8 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
         seen = mask if static else mask[:, : P + t + 1]
         if graphed is not None:
             logits = graphed(tok[:, None], last)
-        elif compile_step:
-            logits = _compiled_step(model)(model, tok[:, None], seen, last, cache, keyword)
+        elif compiled is not None:
+            logits = compiled(model, tok[:, None], seen, last, cache, keyword)
         else:
             with _eager():
                 logits = _step(model, tok[:, None], seen, last, cache, keyword)
