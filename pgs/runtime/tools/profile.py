@@ -48,7 +48,7 @@ no-grad forward), (backward of a recomputed layer: kept + recompute + held buffe
 gradients) and (the last update: gradients + temporaries); and, for the objectives that have
 them, the on-policy sampling phase (static + KV cache + prefill) and the reference cache's
 scoring pass before the first step (weights + its forward).  Neither counts allocator slack
-(0.15-0.5 GiB on an H200, ANCHORS.md) or the CUDA/NCCL context.
+(a few tenths of a GiB: docs/performance.md, "Peers and ceilings") or the CUDA/NCCL context.
 
 ``measure_memory`` (``pgs profile --measure``) runs a few steps of the objective the spec
 trains, through that objective's own ``prepare``/``forward`` (``Objective.for_profile`` builds
