@@ -64,8 +64,8 @@ from pgs.func.step import StepContext
 #: Blocks per program of the passes (4 warps: one warp per 256-element block).  Pass B holds
 #: more live values than the Lion kernel (g, prev, acc, θ), so it uses 4 (Lion uses 8).
 ROWS = 4
-#: Blocks per program of pass A (Σg² per block: a pure stream, bigger programs; measured on
-#: the H200 together with ``LANES``, docs/performance.md).
+#: Blocks per program of pass A (Σg² per block: a pure stream, bigger programs; chosen together
+#: with ``LANES`` by measurement: docs/performance.md, "Kernel defaults").
 ROWS_A = 16
 #: Slots per tensor of the per-block → per-tensor sums (consecutive blocks add into different
 #: slots, then the slots are summed): fewer atomics on one address than the layout's
