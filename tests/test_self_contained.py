@@ -69,6 +69,8 @@ def test_no_reference_to_files_outside_the_repository():
         if text is None:
             continue
         for pattern, what in OUTSIDE:
+            if not pattern.search(text):
+                continue
             for n in _lines_matching(text, pattern):
                 found.append(f"{path.relative_to(ROOT)}:{n}: cites {what} ({pattern.pattern})")
     assert not found, "references to files outside the repository:\n" + "\n".join(found)
@@ -111,6 +113,23 @@ def test_links_between_docs_resolve():
                     if not (ROOT / m.group(0)).is_file():
                         missing.append(f"{rel}:{n}: {m.group(0)} does not exist")
     assert not missing, "\n".join(missing)
+
+
+#: A particular machine named in source: its figures belong in docs/performance.md.
+MACHINE = re.compile(r"\b(H100|H200|A100|RTX ?\d{4})\b")
+
+
+def test_source_names_no_particular_machine():
+    found = []
+    for path in _tracked():
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] != "pgs" or path.suffix != ".py":
+            continue
+        text = _text(path)
+        if text is None:
+            continue
+        found += [f"{rel}:{n}" for n in _lines_matching(text, MACHINE)]
+    assert not found, "machine figures belong in docs/performance.md, not in source:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize(
