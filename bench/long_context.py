@@ -18,7 +18,7 @@ length (``--lengths``, default 16k, 32k, 64k, 128k tokens), in one call:
    PyTorch picks, as for pgs's one-document rows), the same model configuration as the spec's
    (``max_position_embeddings`` raised alike), in a child process.  Default ``hf_liger_ac``: HF
    with Liger's kernels and fused linear cross-entropy (no ``[L, V]`` logits either; the HF peer
-   shared/docs/ANCHORS.md names for Qwen3-0.6B), activation checkpointing of every layer, torch
+   docs/performance.md's peer setup for Qwen3-0.6B), activation checkpointing of every layer, torch
    AdamW; ``hf_eager_ac`` is HF's own loss, whose fp32 ``[L, V]`` logits (74 GiB at 128k) are
    what stops it first.
 

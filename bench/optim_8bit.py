@@ -5,7 +5,7 @@
     python bench/optim_8bit.py OUT.json     # the script alone (its JSON path comes first)
 
 Reports per optimizer: median ms, bytes that must move per step, the byte floor
-(bytes / 4284 GB/s, ANCHORS.md copy bandwidth) and the fraction of copy bandwidth reached
+(bytes / 4284 GB/s, the H200 copy bandwidth of docs/performance.md, "Peers and ceilings") and the fraction of copy bandwidth reached
 (floor / median).  All rows come from the same run, so compare them as ratios.
 
 ``pgs_lion8bit_sr`` adds stochastic rounding of the bf16 parameters.  ``pgs_chain`` is the design

@@ -13,7 +13,7 @@ Inputs (``--inputs latest``, the default):
   label).  ``--sft-4b s3_call6_sft_4b.json`` draws session 3's call (more pgs variants),
   ``--only-4b`` picks variants of the file.
 - ``s7_call3/sft_06b.json``: Qwen3-0.6B 8×4096 packed, HF + Liger (the rows as single causal
-  sequences, ANCHORS.md's setup; pgs's varlen attention) against pgs release with cuDNN's and
+  sequences, the usual peer setup; pgs's varlen attention) against pgs release with cuDNN's and
   with FlashAttention-2's packed kernel, all from one call (``--sft-06b s6_call4/sft_06b.json``:
   session 6's call, with HF + Liger on SDPA's block mask).
 - ``LATEST_CONVERGE``: per-step losses of ``bench/sft_converge.py`` runs, one image each:
@@ -64,7 +64,7 @@ VARIANT_LABELS = {
     "hf_liger_ac": "HF Liger + AC",
     "hf_eager_ac": "HF eager + AC",
     "hf_liger_varlen": "HF Liger + varlen attention, no AC",
-    "hf_liger_causal": "HF Liger, rows as single causal sequences\n(documents not isolated; ANCHORS.md's setup), no AC",
+    "hf_liger_causal": "HF Liger, rows as single causal sequences\n(documents not isolated; the usual peer setup), no AC",
     "pgs_release_slabs_sub_varlen": ("pgs release + sublayer ckpt + offload + slabs\n"
                                      "(varlen: unpacked rows as dense SDPA)"),
     "hf_compiled_varlen": "HF compiled layers + varlen attention, no AC",
@@ -269,7 +269,7 @@ def panel_4b(fig, gs_left, gs_right, rows: list[dict], name: str) -> None:
 
 def panel_06b(fig, gs, rows: list[dict], name: str) -> None:
     """Qwen3-0.6B 8×4096 packed: the goal is 1.25× the best HF SDPA row (the issue's baselines;
-    with a ``_causal`` row that is ANCHORS.md's setup, the documents not isolated)."""
+    with a ``_causal`` row that is the usual peer setup, the documents not isolated)."""
     ax = fig.add_subplot(gs)
     if not rows:
         ax.text(0.5, 0.5, f"no 0.6B rows ({name})", ha="center", transform=ax.transAxes)

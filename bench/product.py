@@ -10,7 +10,7 @@ For each spec this runs, in one call and one after the other:
 2. The HF peer (``--peer``, a ``bench/sft_step.py`` HF variant: ``hf_liger_causal`` for the packed
    0.6B, ``hf_compiled_ac`` for the 4B) on the same spec's model config and the same batches
    from pgs's data pipeline (``TrainStream``), the trained-token masks as HF labels; rows are fed
-   as single causal sequences for ``_causal`` variants (ANCHORS.md's setup), else with positions
+   as single causal sequences for ``_causal`` variants (the usual peer setup), else with positions
    restarting per document.
 3. Optionally (``--harness VARIANT``) ``bench/sft_step.py``'s own figure for the same shape
    (random tokens already on the device), the number the product is held to.

@@ -39,7 +39,7 @@ checkpointing of every decoder layer):
 - any variant with ``_varlen`` appended: the same with ``attn_implementation="varlen"``
   (packed documents without cross-document attention work; docs/data.md).
 - an HF variant with ``_causal`` appended: a packed shape's rows as single causal sequences
-  (no document isolation: what ANCHORS.md's 0.6B rows measured).
+  (no document isolation: what the peer rows of docs/performance.md, "Peers and ceilings", measured).
 
 Default variants per shape (``SHAPE_VARIANTS``); ``--only`` picks any.  The chunked loss's
 chunk is per shape unless ``--loss-chunk`` is given (``default_loss_chunk``): 256 rows at 4B
@@ -103,7 +103,7 @@ BASE_VARIANTS = ("hf_eager_ac", "hf_compiled_ac", "hf_liger_ac", "hf_compiled", 
 VARIANTS = BASE_VARIANTS + tuple(v + "_varlen" for v in BASE_VARIANTS)
 #: suffix ``_causal`` (HF variants): the packed shapes' rows fed as single causal sequences
 #: (positions 0..S-1, no document boundaries, so documents attend to each other): the setup of
-#: shared/docs/ANCHORS.md's 0.6B rows (HF + Liger eager, 83.5k tok/s), the issue's reference
+#: the 0.6B peer rows of docs/performance.md (HF + Liger eager, 83.5k tok/s), the issue's reference
 VARIANTS += tuple(v + "_causal" for v in BASE_VARIANTS if v.startswith("hf_"))
 
 

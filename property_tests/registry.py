@@ -68,7 +68,7 @@ class Entry:
             so only a representative subset does).
         jit_tol: relative tolerance of that check; None means ``max(tol, 1e-5)``.  Inductor
             fuses and reorders, so low-precision internals (bf16 Newton-Schulz) round
-            differently from eager: give those the EQUATIONS.md float-policy ~1e-2.
+            differently from eager: give those ~1e-2 (docs/techniques/README.md, "Float policy").
         min_ndim: generated leaves have at least this many dims (2 for matrix transforms).
         max_dim: largest size of one dim in generated leaves.
         covers: the public ``pf`` factories this entry exercises (defaults to ``name``);

@@ -1,4 +1,4 @@
-"""Hypothesis tests of the loss invariants of EQUATIONS.md section C (C1-C7).
+"""Hypothesis tests of the loss invariants of the token losses (C1-C7: the labels of docs/techniques/README.md).
 
 Most tests set W = I (D = V, no bias), so the hidden state *is* the logit vector z and a
 gradient with respect to h is ∇_z; references are written here from the equations, with

@@ -1,4 +1,4 @@
-"""EQUATIONS.md A5 invariants of block-wise 8-bit quantization, as hypothesis properties,
+"""The A5 invariants (docs/techniques/8bit.md) of block-wise 8-bit quantization, as hypothesis properties,
 and equality with bitsandbytes' own maps and reference quantizer (CPU)."""
 
 from __future__ import annotations

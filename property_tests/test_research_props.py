@@ -1,4 +1,4 @@
-"""Invariants of the research transforms (EQUATIONS.md A1-A3, A6-A11), as hypothesis properties.
+"""Invariants of the research transforms (A1-A3, A6-A11: the labels of docs/techniques/README.md), as hypothesis properties.
 
 Each test names the invariant it checks.  Matrices are small (≤ 24 per side) so that the
 folder stays fast on 2 CPU cores.
@@ -126,7 +126,7 @@ def test_ns_transpose_equivariance(seed, m, n, dtype):
     """A3.2: NS5(Gᵀ) == NS5(G)ᵀ."""
     G = randn(seed, m, n)
     # non-square: the implementation takes the same wide orientation, so bf16 is bitwise;
-    # square: X Xᵀ vs Xᵀ X round differently in bf16 (the ~1e-2 of EQUATIONS.md)
+    # square: X Xᵀ vs Xᵀ X round differently in bf16 (the ~1e-2 of docs/techniques/README.md)
     atol = 1e-5 if dtype == F32 else (0.0 if m != n else 3e-2)
     torch.testing.assert_close(newton_schulz(G.T.contiguous(), dtype=dtype), newton_schulz(G, dtype=dtype).T,
                                rtol=0, atol=atol)

@@ -1,4 +1,4 @@
-"""Invariants of the power-decay (EQUATIONS.md B1) and WSD (B2) schedules, as properties.
+"""Invariants of the power-decay (B1) and WSD (B2) schedules of docs/techniques/schedules.md, as properties.
 
 Schedules are evaluated on float64 step tensors, which lets the continuity checks probe
 fractional steps on either side of a phase boundary.

@@ -217,7 +217,7 @@ def test_power_decay_matches_optax(jx, gamma, warmup, init):
 
 
 def _wsd_direct(s, *, peak, warmup, stable, decay, shape, final, init, power):
-    """EQUATIONS.md B2 written out with Python floats, one step at a time."""
+    """WSD (docs/techniques/schedules.md) written out with Python floats, one step at a time."""
     if s < warmup:
         return init + (peak - init) * s / warmup
     if s <= warmup + stable:
@@ -244,7 +244,7 @@ def test_wsd_matches_direct_transcription(shape, warmup, stable, decay):
 
 
 # ----------------------------------------------------------------------------------------
-# closed forms: the invariants of EQUATIONS.md A4 (Lion) and A13 (AdamW)
+# closed forms: the invariants of docs/techniques/lion.md and adamw.md
 
 
 def _updates(opt, params, grads):

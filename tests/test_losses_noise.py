@@ -1,4 +1,4 @@
-"""NEFTune and symmetric embedding noise (EQUATIONS.md C7)."""
+"""NEFTune and symmetric embedding noise (docs/techniques/noise.md)."""
 
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def tiny(tmp_path):
     return load_spec(path)
 
 
-# --------------------------------------------------------------------------- HES (EQUATIONS D1)
+# --------------------------------------------------------------------------- HES (docs/techniques/hes.md)
 
 entropy_lists = st.lists(st.floats(min_value=0, max_value=10, allow_nan=False), min_size=1, max_size=600)
 
@@ -264,7 +264,7 @@ def test_written_selection_is_the_source_lines_verbatim(tiny, tmp_path):
     assert path.read_text().splitlines() == [lines[7], lines[2]]
 
 
-# --------------------------------------------------------------------------- TFP (EQUATIONS D2)
+# --------------------------------------------------------------------------- TFP (docs/techniques/tfp.md)
 
 
 def _greedy_path(x: torch.Tensor) -> list[int]:

@@ -1,4 +1,5 @@
-"""Each research transform against a direct fp64 transcription of its equations (EQUATIONS.md),
+"""Each research transform against a direct fp64 transcription of its equations (docs/techniques/; the
+section labels A1-A11 are those of docs/techniques/README.md),
 and ``pf.muon`` against ``torch.optim.Muon``."""
 
 from __future__ import annotations

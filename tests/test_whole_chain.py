@@ -1,4 +1,4 @@
-"""The design documents' full stack, adagc → mona → lion8bit → hyperball, on the flat layout.
+"""pgs's research stack, adagc → mona → lion8bit → hyperball, on the flat layout.
 
 ``pf.compile`` runs the whole chain as one graph over flat buffers: the elementwise stages
 fuse, the per-tensor norms of adagc and hyperball are segmented reductions over the layout's

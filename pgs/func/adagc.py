@@ -1,4 +1,4 @@
-"""AdaGC: adaptive per-tensor gradient clipping (EQUATIONS.md A8).
+"""AdaGC: adaptive per-tensor gradient clipping (docs/techniques/adagc.md).
 
 Wang et al., "AdaGC: Enhancing LLM Pretraining Stability via Adaptive Gradient Clipping",
 ICML 2026, arXiv 2502.11034.

@@ -1,4 +1,4 @@
-"""Adam's direction (Kingma & Ba, arXiv 1412.6980; AdamW order per EQUATIONS.md A13)."""
+"""Adam's direction (Kingma & Ba, arXiv 1412.6980; AdamW order: docs/techniques/adamw.md)."""
 
 from __future__ import annotations
 

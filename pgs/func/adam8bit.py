@@ -1,4 +1,4 @@
-"""Adam with block-wise 8-bit moments (EQUATIONS.md A13 + A5).
+"""Adam with block-wise 8-bit moments (docs/techniques/adamw.md, docs/techniques/8bit.md).
 
 Kingma & Ba, arXiv 1412.6980; Loshchilov & Hutter, arXiv 1711.05101;
 Dettmers et al., "8-bit Optimizers via Block-wise Quantization", arXiv 2110.02861.
@@ -92,7 +92,7 @@ def scale_by_adam8bit(
 
     m_t = β1 m_{t−1} + (1−β1) g_t ;  v_t = β2 v_{t−1} + (1−β2) g_t²
     u_t = (m_t / (1−β1^t)) / (sqrt(v_t / (1−β2^t) + ε_root) + ε)
-    m uses the signed dynamic map, v the unsigned one, one fp32 absmax per block (A5).
+    m uses the signed dynamic map, v the unsigned one, one fp32 absmax per block (docs/techniques/8bit.md).
     Leaves with fewer than ``min_8bit_size`` elements keep fp32 moments.
 
     Args:

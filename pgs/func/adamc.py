@@ -1,4 +1,4 @@
-"""AdamC: weight decay corrected for the learning-rate schedule (EQUATIONS.md A6).
+"""AdamC: weight decay corrected for the learning-rate schedule (docs/techniques/adamc.md).
 
 Defazio, "Why Gradients Rapidly Increase Near the End of Training", arXiv 2506.02285.
 """

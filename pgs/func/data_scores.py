@@ -3,9 +3,9 @@
 ``pgs prepare`` (``pgs.runtime.prepare``) computes the per-token statistics with the model
 (``pgs.func.losses.token_nll_entropy``) and calls these; nothing here reads a file or a model.
 
-* :func:`hes` — the High-Entropy Sum of a response (EQUATIONS.md D1, arXiv 2605.22389).
+* :func:`hes` — the High-Entropy Sum of a response (arXiv 2605.22389; docs/techniques/hes.md).
 * :func:`tfp_order` — the greedy threshold-filtered nearest-neighbour path of Threshold
-  Filtering Packing (EQUATIONS.md D2, arXiv 2408.09327).
+  Filtering Packing (arXiv 2408.09327; docs/techniques/tfp.md).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def tfp_order(embeddings: Tensor, threshold: float = 0.0, window: int = 1, start
     ``window = 1`` is the plain greedy nearest-neighbour path.  Every sample appears once.
 
     Dong et al., "Threshold Filtering Packing for Supervised Fine-Tuning", arXiv 2408.09327
-    (their defaults for the threshold and the window were not recovered; EQUATIONS.md D2).
+    (their defaults for the threshold and the window were not recovered; docs/techniques/tfp.md).
     O(N²·D) time: meant for thousands of samples, not millions.
     """
     if embeddings.dim() != 2:

@@ -1,4 +1,4 @@
-"""EMA of weights: fp32 shadow parameters as a pure transform (EQUATIONS.md A10)."""
+"""EMA of weights: fp32 shadow parameters as a pure transform (docs/techniques/ema.md)."""
 
 from __future__ import annotations
 

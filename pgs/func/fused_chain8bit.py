@@ -5,21 +5,21 @@ recognises this exact four-stage pattern (``match``) and its ``step`` then runs 
 hand-written passes per flat group instead of the generic graph (``pgs.func.kernels.chain8bit``):
 
 Pass A (2 B/param: read g).  Per-block Σg², segment-summed per tensor (as ``layout._segment_sum``).
-AdaGC (Wang et al., arXiv 2502.11034; EQUATIONS.md A8), on the host over ``[num_tensors]``:
+AdaGC (Wang et al., arXiv 2502.11034; docs/techniques/adagc.md), on the host over ``[num_tensors]``:
 
     warmup (t < T_w, and t = 1):  h = min(λ_abs/(‖g‖_global + ε), 1)
                                    γ_i = ‖ĝ_i‖ at t = 1, then min(γ_i, ‖ĝ_i‖)
     after:                         h_i = min(λ_rel γ_i/(‖g_i‖ + ε), 1);  γ_i ← β γ_i + (1−β)‖ĝ_i‖
 
 Pass B (bf16 g, θ, MONA buffers, 8-bit m: 14.25 B/param on constrained tensors, 16 on the
-others).  One kernel: ĝ = h_i g; MONA (A2; Δ = ĝ − prev, A ← β A + (1−β) Δ, G̃ = ĝ + α A);
+others).  One kernel: ĝ = h_i g; MONA (docs/techniques/mona.md; Δ = ĝ − prev, A ← β A + (1−β) Δ, G̃ = ĝ + α A);
 Lion with a block-wise 8-bit momentum (Chen et al. arXiv 2302.06675, Dettmers et al.
-arXiv 2110.02861; A4, A5): c = β1 m + (1−β1) G̃, u = sign(c), m ← β2 m + (1−β2) G̃, m
+arXiv 2110.02861; docs/techniques/lion.md, 8bit.md): c = β1 m + (1−β1) G̃, u = sign(c), m ← β2 m + (1−β2) G̃, m
 dequantized and requantized in registers with the codes of ``blockwise8.lion8bit_kernel``.
 On tensors hyperball constrains it stores u in 2 bits (int8 for odd block sizes) and per-block Σu²,
 Σθu, Σθ²; on the others it applies θ ← θ + rnd(−η u) directly (hyperball's base rule).
 
-Hyperball (Wen et al. arXiv 2606.16899, Algorithm 1; A1) on the host over ``[num_tensors]``:
+Hyperball (Wen et al. arXiv 2606.16899, Algorithm 1; docs/techniques/hyperball.md) on the host over ``[num_tensors]``:
 coef = η R/max(‖u‖, ε), ‖θ̃‖² = ‖θ‖² − 2 coef ⟨θ, u⟩ + coef² ‖u‖² (θ̃ = θ − coef u, expanded
 so that θ̃ is never stored), shrink = R/max(‖θ̃‖, ε).
 
@@ -64,8 +64,8 @@ from pgs.func.step import StepContext
 #: Blocks per program of the passes (4 warps: one warp per 256-element block).  Pass B holds
 #: more live values than the Lion kernel (g, prev, acc, θ), so it uses 4 (Lion uses 8).
 ROWS = 4
-#: Blocks per program of pass A (Σg² per block: a pure stream, bigger programs; measured on
-#: the H200 together with ``LANES``, docs/performance.md).
+#: Blocks per program of pass A (Σg² per block: a pure stream, bigger programs; chosen together
+#: with ``LANES`` by measurement: docs/performance.md, "Kernel defaults").
 ROWS_A = 16
 #: Slots per tensor of the per-block → per-tensor sums (consecutive blocks add into different
 #: slots, then the slots are summed): fewer atomics on one address than the layout's

@@ -1,4 +1,4 @@
-"""Hyperball: keep each weight matrix on its initial Frobenius sphere (EQUATIONS.md A1).
+"""Hyperball: keep each weight matrix on its initial Frobenius sphere (docs/techniques/hyperball.md).
 
 Wen, Dang, Lyu, Ma, Liang, "Fantastic Pretraining Optimizers and Where to Find Them II:
 Hyperball Optimization", arXiv 2606.16899.

@@ -1,7 +1,7 @@
 """The flat layout: one contiguous buffer per group of same-dtype, same-device tensors.
 
 Why: a pure transform written as a ``tree_map`` over 300 tensors launches 300 kernels per
-stage and is host-bound (ANCHORS.md: 0.24-0.48 of copy bandwidth).  Run on the flat layout,
+stage and is host-bound (docs/performance.md, "Peers and ceilings").  Run on the flat layout,
 the same ``tree_map`` sees one leaf per group and every elementwise stage becomes one kernel
 over one buffer (1.01 of copy bandwidth when compiled).
 

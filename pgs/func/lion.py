@@ -17,7 +17,7 @@ class ScaleByLionState(NamedTuple):
 
 
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | None = None) -> Transform:
-    """Lion's sign direction, without the learning rate (EQUATIONS.md A4).
+    """Lion's sign direction, without the learning rate (docs/techniques/lion.md).
 
     c_t = β1 m_{t−1} + (1−β1) g_t ;  u_t = sign(c_t) ;  m_t = β2 m_{t−1} + (1−β2) g_t
 

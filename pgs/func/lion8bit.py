@@ -1,4 +1,4 @@
-"""Lion with a block-wise 8-bit momentum (EQUATIONS.md A4 + A5).
+"""Lion with a block-wise 8-bit momentum (docs/techniques/lion.md, docs/techniques/8bit.md).
 
 Chen et al., "Symbolic Discovery of Optimization Algorithms", arXiv 2302.06675;
 Dettmers et al., "8-bit Optimizers via Block-wise Quantization", arXiv 2110.02861.
@@ -341,7 +341,7 @@ def scale_by_lion8bit(
 
     c_t = β1 m_{t−1} + (1−β1) g_t ;  u_t = sign(c_t) ;  m_t = β2 m_{t−1} + (1−β2) g_t
     with m dequantized to fp32 before and requantized after each step (signed dynamic map,
-    one fp32 absmax per ``block_size`` elements; A5).  Leaves with fewer than
+    one fp32 absmax per ``block_size`` elements; docs/techniques/8bit.md).  Leaves with fewer than
     ``min_8bit_size`` elements keep an fp32 momentum (bitsandbytes does the same).
 
     Args:

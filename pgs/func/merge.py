@@ -1,4 +1,4 @@
-"""Merge-back toward a base model: SFA (linear) and a per-tensor SLERP (EQUATIONS.md A11).
+"""Merge-back toward a base model: SFA (linear) and a per-tensor SLERP (docs/techniques/merge.md).
 
 Kleiman, Dziugaite, Frankle, Kakade, Paul, "Soup to go: mitigating forgetting during
 continual learning with model averaging", arXiv 2501.05559.

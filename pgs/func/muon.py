@@ -1,4 +1,4 @@
-"""Muon: momentum orthogonalized by Newton–Schulz (EQUATIONS.md A3).
+"""Muon: momentum orthogonalized by Newton–Schulz (docs/techniques/muon.md).
 
 Jordan et al., "Muon: An optimizer for hidden layers in neural networks" (blog, 2024);
 Liu et al., "Muon is Scalable for LLM Training", arXiv 2502.16982 (RMS matching);
@@ -80,7 +80,7 @@ def newton_schulz(x: torch.Tensor, steps: int = 5, coefficients=NS_COEFFICIENTS,
     X_0 = X/max(‖X‖_F, ε) (per matrix) ; A = X Xᵀ ; B = bA + cA² ; X ← aX + BX, k times,
     on the wide orientation (transposed when m > n).  Returns ``dtype`` (bf16 like the
     references; pass torch.float32 for an fp32 iteration).  Singular values of the result
-    lie in (0, 1.2025] for any input (EQUATIONS.md A3).
+    lie in (0, 1.2025] for any input (docs/techniques/muon.md).
     """
     a, b, c = coefficients
     tall = x.shape[-2] > x.shape[-1]
@@ -347,7 +347,7 @@ def scale_by_muon(
     ns_dtype: torch.dtype = torch.bfloat16,
     mu_dtype: torch.dtype | None = None,
 ) -> Transform:
-    """Muon's direction, without the learning rate (EQUATIONS.md A3, torch.optim.Muon).
+    """Muon's direction, without the learning rate (docs/techniques/muon.md; torch.optim.Muon).
 
     B_t = μ B_{t−1} + (1−μ) g_t            (lerp form, as torch computes it)
     U_t = (1−μ) g_t + μ B_t  if nesterov else B_t

@@ -1,4 +1,4 @@
-"""Block-wise 8-bit quantization of optimizer state (EQUATIONS.md A5), in plain torch.
+"""Block-wise 8-bit quantization of optimizer state (docs/techniques/8bit.md), in plain torch.
 
 Dettmers et al., "8-bit Optimizers via Block-wise Quantization", arXiv 2110.02861.
 

@@ -1,4 +1,4 @@
-"""SAGE: Lion's sign direction damped by an O(d) per-column statistic (EQUATIONS.md A7).
+"""SAGE: Lion's sign direction damped by an O(d) per-column statistic (docs/techniques/sage.md).
 
 Lee & Kim, "SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization",
 arXiv 2604.07663 (ACL 2026 Findings).

@@ -96,7 +96,7 @@ def wsd_schedule(
     init: float = 0.0,
     power: float = 2.0,
 ) -> Schedule:
-    """Warmup-stable-decay (MiniCPM, arXiv 2404.06395; EQUATIONS.md B2).
+    """Warmup-stable-decay (MiniCPM, arXiv 2404.06395; docs/techniques/schedules.md).
 
     η = init + (peak − init)·t/W for t < W;  η = peak on [W, W + S];
     η = final + (peak − final)·f(z) after, z = (t − W − S)/D ∈ [0, 1], with f(0) = 1, f(1) = 0:
@@ -137,7 +137,7 @@ def wsd_schedule(
 
 
 def power_decay_schedule(peak: float, total: int, gamma: float = 4.0, warmup: int = 0, init: float = 0.0) -> Schedule:
-    """Power decay (Li et al., arXiv 2602.06797; EQUATIONS.md B1).
+    """Power decay (Li et al., arXiv 2602.06797; docs/techniques/schedules.md).
 
     η(z) = η_peak·(1 − z/N)^γ with z = t − W clamped to [0, N], N = total − W; optional linear
     warmup first.  γ = 0 is constant, γ = 1 linear decay; larger γ is pointwise smaller.

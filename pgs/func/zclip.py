@@ -1,4 +1,4 @@
-"""ZClip: z-score spike clipping on the global gradient norm (EQUATIONS.md A9).
+"""ZClip: z-score spike clipping on the global gradient norm (docs/techniques/zclip.md).
 
 Kumar, Owen, Roy Chowdhury, Güra, "ZClip: Adaptive Spike Mitigation for LLM Pre-Training",
 arXiv 2504.02507.

@@ -61,7 +61,7 @@ def triton_on_cpu() -> bool:
 ROWS = 4
 NUM_WARPS = 4
 #: Lion8bit's own blocks per program (its body holds fewer live values than AdamW8bit's;
-#: measured on the H200, docs/performance.md).
+#: docs/performance.md, "Kernel defaults").
 LION_ROWS = 8
 #: Largest element count one launch covers: offsets are int32 in the kernels, so a larger
 #: buffer runs as several launches over views (each with its own noise stream).

@@ -20,9 +20,9 @@ per-tensor quantity is a per-block partial here and a segment sum on the host.
 ``updates`` make; every cast of the generic path is reproduced so that the fused step
 equals it up to floating-point contraction and the order of the norms' sums.
 
-Papers: AdaGC arXiv 2502.11034 (A8); MONA's difference EMA (A2; Adan arXiv 2208.06677 for
-the defaults); Lion arXiv 2302.06675 (A4); block-wise 8-bit state arXiv 2110.02861 (A5);
-Hyperball arXiv 2606.16899 (A1).  Equations in ``pgs.func.fused_chain8bit``.
+Papers (docs/techniques/): AdaGC arXiv 2502.11034; MONA's difference EMA (Adan arXiv 2208.06677 for
+the defaults); Lion arXiv 2302.06675; block-wise 8-bit state arXiv 2110.02861;
+Hyperball arXiv 2606.16899.  Equations in ``pgs.func.fused_chain8bit``.
 
 Importing this module needs Triton (``pgs.func.fused_chain8bit`` imports it lazily).
 """

@@ -1,4 +1,4 @@
-"""Triton kernels for batched Muon (EQUATIONS.md A3): symmetric products and fused elementwise.
+"""Triton kernels for batched Muon (arXiv 2502.16982; docs/techniques/muon.md): symmetric products and fused elementwise.
 
 Newton–Schulz (NS5) spends its FLOPs on three products per iteration on the wide
 orientation X ∈ R^{m×n} (m ≤ n):
@@ -52,17 +52,17 @@ CONFIGS = {
 }
 DEFAULT_CONFIG = "m128n128k64s4w8"
 
-#: ``ns_kernel="auto"`` on sm_90 (H100/H200): the fastest config per (rows, cols) of the
-#: batch as it is iterated (a tall batch stays tall), measured for bf16 Qwen3-1.7B shapes
-#: (docs/performance.md, "Newton-Schulz kernel configs"); any other shape gets
-#: DEFAULT_CONFIG, which was within 4% of the best in every measured group.
+#: ``ns_kernel="auto"`` on compute capability 9.0: the fastest config per (rows, cols) of the
+#: batch as it is iterated (a tall batch stays tall), for bf16 Qwen3-1.7B shapes
+#: (docs/performance.md, "Muon"); any other shape gets DEFAULT_CONFIG, close to the best
+#: in every group measured there.
 TUNED = {
     (2048, 2048): "m128n256k64s3w8",
     (1024, 2048): "m128n128k64s4w8",
     (6144, 2048): "m128n128k64s4w4",
     (2048, 6144): "m128n128k64s4w8",
 }
-#: compute capabilities where "auto" picks the symmetric kernel (where it was measured; the
+#: compute capabilities where "auto" picks the symmetric kernel (those it was tuned on; the
 #: 128-wide tiles' pipelines need more than 100 KB of shared memory: not every GPU has it)
 TUNED_CAPABILITIES = ((9, 0),)
 ELEMENTWISE_BLOCK = 4096

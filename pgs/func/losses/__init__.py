@@ -3,8 +3,8 @@
 Backends (same signature, chosen by ``token_loss(..., backend=...)``):
 ``chunked`` (default, O(chunk·V) memory), ``dense`` (reference), ``liger`` and ``cce``
 (CUDA fused kernels, cross-entropy only).  Objectives: ``ce``, ``deft``, ``deft_cayley``,
-``dft``, ``infosft``, ``cadft``, ``deformed_log`` (EQUATIONS.md C1-C4).  Embedding noise: ``neftune``,
-``symnoise`` (C7).  Preference losses: ``preference_loss`` (DPO, IPO, SLiC hinge, DPOP,
+``dft``, ``infosft``, ``cadft``, ``deformed_log`` (docs/techniques/README.md).  Embedding noise: ``neftune``,
+``symnoise`` (docs/techniques/noise.md).  Preference losses: ``preference_loss`` (DPO, IPO, SLiC hinge, DPOP,
 SimPO, ORPO) on per-sequence log-probs from ``sequence_logps``.  Distillation:
 ``distill_loss`` (forward KL, reverse KL, GKD's JSD(β)) between a student's and a teacher's
 head, chunked.  Mixture-of-experts router statistics and losses: ``router_stats``,

@@ -1,4 +1,4 @@
-"""Chunked backend: token losses without ever holding the [N, V] logits (C6).
+"""Chunked backend: token losses without ever holding the [N, V] logits (docs/techniques/chunked_ce.md).
 
 Forward walks the *valid* rows in chunks of ``chunk_size``.  For each chunk it builds the
 fp32 logits z_k = softcap(H_k Wᵀ + b), the softmax, the token losses and statistics, and
@@ -408,7 +408,7 @@ def token_nll_entropy(
     nll_i = LSE(z_i) − z_{i,y_i};  H_i = − Σ_v p_i(v) log p_i(v) = LSE(z_i) − Σ_v p_i(v) z_{i,v}
     (nats), with z = softcap(h Wᵀ + b) and p = softmax(z).  Both are 0 at ignored positions.
     fp32 (fp64 for fp64 h).  The scores ``pgs prepare`` records per sample (familiarity = mean
-    NLL, mean entropy, HES of EQUATIONS.md D1) come from here, so that scoring never holds the
+    NLL, mean entropy, HES, docs/techniques/hes.md) come from here, so that scoring never holds the
     ``[N, V]`` logits of a whole batch.
     """
     nll = torch.zeros(labels.shape, dtype=compute_dtype(h), device=h.device)
@@ -440,7 +440,7 @@ def chunked_token_loss(
     defer_head_grad: bool = False,
     _scale_in_place: bool = True,
 ) -> TokenLossResult:
-    """Σ_{i∈M} ℓ_i for any objective in O(chunk_size · V) extra memory (C6).
+    """Σ_{i∈M} ℓ_i for any objective in O(chunk_size · V) extra memory (docs/techniques/chunked_ce.md).
 
     Arguments as ``token_loss``; ``accum_dtype`` is the dtype of the grad_W buffer (default
     W's dtype, as Liger does; ``torch.float32`` trades V·D·2 more bytes for exact accumulation
@@ -497,7 +497,7 @@ def chunked_cross_entropy(
     chunk_size: int = 1024,
     accum_dtype: torch.dtype | None = None,
 ) -> TokenLossResult:
-    """Cross-entropy summed over valid tokens without materializing [N, V] logits (C6).
+    """Cross-entropy summed over valid tokens without materializing [N, V] logits (docs/techniques/chunked_ce.md).
 
     L_sum = Σ_k Σ_{i∈chunk k} (LSE(z_i) − z_{i,y}),  z_k = (H_k Wᵀ + b) in fp32, softcapped;
     the runtime divides by the global |M|, never by a chunk's count.  Gradients are computed in

@@ -29,7 +29,7 @@ student's logit gradient of one token's loss is
     reverse_kl:  S ⊙ (log S − log T − KL(S‖T)) / τ
     jsd:         (1−β) · S ⊙ (log S − log M − KL(S‖M)) / τ      (∂JSD/∂S_v = (1−β) log(S_v/M_v))
 
-times the softcap derivative 1 − (z_S/s)².  Like the chunked cross-entropy (C6), the forward
+times the softcap derivative 1 − (z_S/s)².  Like the chunked cross-entropy (docs/techniques/chunked_ce.md), the forward
 walks the masked rows in chunks, builds both heads' fp32 logits for the chunk only (never
 [N, V] of either model beyond one chunk), and forms the chunk's gradients at once (grad_h for
 its rows, its share of grad_W); backward only scales them.  Pure: no I/O, no process groups.

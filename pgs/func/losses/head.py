@@ -70,7 +70,7 @@ def head_logits(h: Tensor, W: Tensor, bias: Tensor | None, softcap: float | None
 def add_chunk_head_grads(g: Tensor, hc: Tensor, W: Tensor, rows: Tensor | None, grad_h: Tensor | None,
                          grad_w: Tensor | None) -> None:
     """One chunk's share of the head's input and weight gradients, from its logit gradient
-    G = ∂L/∂z [n, V] (EQUATIONS.md C6): ``grad_h[rows] = G W`` (written, not added: a row lies
+    G = ∂L/∂z [n, V] (docs/techniques/chunked_ce.md): ``grad_h[rows] = G W`` (written, not added: a row lies
     in one chunk; in grad_h's dtype) and ``grad_W += Gᵀ H_c`` with ``hc`` = H_c = h[rows].
 
     The products run in W's dtype, G rounded to it once.  A grad_W that accumulates in another

@@ -1,4 +1,4 @@
-"""Embedding noise for instruction tuning: NEFTune and a symmetric (Rademacher) variant (C7).
+"""Embedding noise for instruction tuning: NEFTune and a symmetric (Rademacher) variant (docs/techniques/noise.md).
 
 Pure functions of the embeddings and an explicit ``torch.Generator`` (on the embeddings'
 device).  The runtime applies them to the input-embedding output in training mode only;

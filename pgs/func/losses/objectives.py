@@ -10,7 +10,7 @@ that carry no gradient.  Each one gives
 The chunked backend uses only ``gate`` (it never builds a graph over the logits); the
 property tests check that ``gate`` equals autograd's derivative of ``loss``.
 
-Notation follows EQUATIONS.md section C: z the logits, p = softmax(z), y the target, M the
+Notation (docs/techniques/deft.md): z the logits, p = softmax(z), y the target, M the
 valid tokens, sg the stop-gradient.
 """
 
@@ -209,7 +209,7 @@ class InfoSFT:
     C = logit(p̄).  ``q_source="live"`` uses q_i = sg(p_{i,y}) from the model being trained
     (the default, a one-line change to SFT); ``"reference"`` takes log q_i per token from a
     frozen model through the loss's ``ref_logprobs`` argument.  w = 0 whenever q ≥ p̄.
-    p̄ = 0.93 comes from the design brief and was not confirmed in the paper.
+    p̄ = 0.93 is pgs's default; the paper's own value was not confirmed (docs/techniques/infosft.md).
     """
 
     p_bar: float = 0.93
@@ -281,12 +281,12 @@ def cadft_compatibility(
 
 @attrs.frozen
 class CADFT:
-    """CADFT, arXiv 2606.11206 (C4), as defined by pgs's design documents.
+    """CADFT, arXiv 2606.11206 (docs/techniques/cadft.md), as pgs defines it.
 
     ℓ_i = −c_{s(i)} · sg(p_{i,y}) · log p_{i,y}, with c_s = sg(max(floor, exp(ℓ̄_s/τ))) and
     ℓ̄_s the model's own length-normalized log-likelihood of sample s (see
-    ``cadft_compatibility``).  The paper's equations were not recovered: this is the design
-    documents' definition (a stop-gradient, monotone function of ℓ̄_s times DFT's token
+    ``cadft_compatibility``).  The paper's equations were not recovered: this is pgs's own
+    definition (a stop-gradient, monotone function of ℓ̄_s times DFT's token
     weight), not a reproduction.  c ≡ 1 (``temperature=inf``, or ``compat`` of ones) is DFT
     exactly.  Needs ``doc_ids`` (a sample id per token) or an explicit ``compat`` [N].
     """

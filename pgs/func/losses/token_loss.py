@@ -38,7 +38,7 @@ def token_loss(
     """Summed token loss of the output head ``z = softcap(h Wᵀ + b)`` against ``labels``.
 
     loss_sum = Σ_{i∈M} ℓ_i + z_loss · Σ_{i∈M} LSE(z_i)², with ℓ_i given by ``objective``
-    (EQUATIONS.md C1-C4): ``"ce"``, ``"deft"``, ``"deft_cayley"``, ``"dft"``, ``"infosft"``,
+    (docs/techniques/README.md): ``"ce"``, ``"deft"``, ``"deft_cayley"``, ``"dft"``, ``"infosft"``,
     ``"cadft"``, ``"deformed_log"`` (fixed α), or an instance (``InfoSFT(p_bar=0.9,
     q_source="reference")``, ``DeformedLog(0.5)``, any ``TokenObjective``).  The
     caller divides by the global valid-token count.

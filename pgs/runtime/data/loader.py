@@ -8,10 +8,10 @@ time: ``next_step()`` is the ``grad_accum`` micro-batches of the next step, alre
   (reading, templating, tokenizing, packing and collating), captures ``stream.state_dict()``
   right after each step's batches, and queues ``(batches, state)``.  By default
   (``worker="process"``) it is a daemon process, started from a fork server with a pickled
-  copy of the stream: measured (bench/data_pipeline.py ``--overlap``), a worker *thread*
-  never let a step wait for data, but while it built a pack window it held the GIL so much
-  that a training thread launching 3000 small ops took up to ~1.2 s instead of ~0.03 s for them,
-  about the time of the build itself; a process leaves the training thread its interpreter.
+  copy of the stream: a worker *thread* keeps up with the data, but while it builds a pack
+  window it holds the GIL and stalls the training thread's launches for about the time of the
+  build (docs/data.md, bench/data_pipeline.py ``--overlap``); a process leaves the training
+  thread its interpreter.
   ``worker="thread"`` keeps the daemon thread (no start-up cost, the live stream object).
   The process has a session of its own (signals to the trainer's process group are the
   trainer's to handle) and ends the moment its parent is gone.  It imports the main module,

@@ -1,7 +1,7 @@
-"""Weight averaging in the loop (``[averaging]``, design/001): an EMA of the weights held on
+"""Weight averaging in the loop (``[averaging]``, docs/techniques/ema.md and merge.md): an EMA of the weights held on
 the CPU, and merge-back toward the base weights (SFA, linear or SLERP).
 
-**EMA** (Polyak averaging; ``pgs.func.ema``, EQUATIONS.md A10): every ``ema_every`` steps the
+**EMA** (Polyak averaging; ``pgs.func.ema``, docs/techniques/ema.md): every ``ema_every`` steps the
 trainable weights are copied to the CPU and θ^ema ← δ θ^ema + (1 − δ) θ in fp32, δ = ``ema``
 per update (the first update copies θ).  The copy is queued on the device without waiting
 (pinned host buffers, ``non_blocking``) and the average is taken on the host at the next step
@@ -10,8 +10,8 @@ queue is not drained.  The shadow weights are evaluated beside the model (``ema_
 ...), exported as their own HF folder (``<run dir>/final-ema``) and written into every
 checkpoint (``averaging.safetensors``), so a resumed run continues the same average.
 
-**Merge-back** (SFA, Kleiman et al., arXiv 2501.05559; ``pgs.func.merge_back``, EQUATIONS.md
-A11): every ⌈p·T⌉ steps (p = ``merge_period``, T = the run's steps) and at the last step, the
+**Merge-back** (SFA, Kleiman et al., arXiv 2501.05559; ``pgs.func.merge_back``,
+docs/techniques/merge.md): every ⌈p·T⌉ steps (p = ``merge_period``, T = the run's steps) and at the last step, the
 weights are pulled toward the base weights θ_o (those the run started from): θ ← (1 − β) θ + β θ_o
 (``merge = "linear"``, the paper's) or ``slerp(1 − β, θ_o, θ)`` per tensor (``"slerp"``).  The
 base is copied to the CPU when the run is set up, before any checkpoint is restored: the model

@@ -1,4 +1,4 @@
-"""The run's health monitor (design/000's tiered ``HealthMonitor``): what a long run needs to
+"""The run's health monitor (a tiered ``HealthMonitor``, docs/techniques/health.md): what a long run needs to
 be read at a glance, and the one tripwire that stops it.
 
 Two tiers, so that the steady step gains no host read:
@@ -7,12 +7,12 @@ Two tiers, so that the steady step gains no host read:
   host, a step late, ``train.StepRecord``): loss, ‖g‖ and entropy feed running statistics
   (an exponential moving mean and variance, β = ``BETA``, updated with non-spike values only)
   and a spike is a value ``SPIKE_Z`` standard deviations above the running mean, after
-  ``WARMUP`` values (the z-score rule of the spike detectors in design/001; ZClip, arXiv
+  ``WARMUP`` values (the z-score rule of pgs's spike detectors; ZClip, arXiv
   2504.02507, uses the same statistics to clip).  A spike is an ``event`` line.
 - **every ``train.health_every`` steps** (0: ``train.log_every``) and at the last step: the
   interval's summary joins that step's line of ``metrics.jsonl`` (keys in ``docs/runtime.md``):
   ‖g‖ mean / max / std and spikes, loss spikes, the entropy's mean and least-squares slope
-  per step (the trend that precedes a collapse, design/002), and the update-to-weight norm
+  per step (the trend that precedes a collapse, arXiv 2606.18487), and the update-to-weight norm
   ratio ‖Δw‖/‖w‖ of that step per parameter group (``GROUPS``).  The ratio needs the weights
   before the step: on those steps only, a fixed strided sample of each trainable weight's
   elements (``UpdateRatio``: up to ``RATIO_SAMPLE`` per parameter, a few MiB on the device, no

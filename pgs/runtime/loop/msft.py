@@ -4,8 +4,8 @@ A source with its own eval file (``data.sources = [{ path = "a.jsonl", eval = "a
 gets ``eval_loss_<name>`` at every evaluation (:func:`source_eval_losses`; ``<name>`` is the
 file's stem, or ``source<i>`` when stems repeat).
 
-``data.msft_round = C`` (steps, 0: off) runs mSFT (Koh et al., arXiv 2603.21606; EQUATIONS.md
-D3) over the sources, all of which then need an eval file:
+``data.msft_round = C`` (steps, 0: off) runs mSFT (Koh et al., arXiv 2603.21606;
+docs/techniques/msft.md) over the sources, all of which then need an eval file:
 
     active = all sources
     repeat: train on the mix of the active sources for C steps, evaluating each active source

@@ -1,4 +1,4 @@
-"""The preference objective of a run with ``[preference]`` (docs/preference.md).
+"""The preference objective of a run with ``[preference]`` (docs/techniques/preference.md).
 
 :class:`PreferenceObjective` is the run's objective (``pgs.runtime.loop.objective``): the
 policy's summed log-probs of each pair's chosen and rejected completion

@@ -173,7 +173,7 @@ def configure_allocator(device: torch.device, limit_gib: float = 0.0) -> None:
     Expandable segments, unless ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise: variable-length
     packed batches, recomputed layers and the chunked loss allocate blocks of ever-changing
     sizes; with fixed segments the allocator keeps reserving new ones that the freed blocks
-    cannot be split to fit (the 0.6B packed run reserved 56 GiB for 46 allocated), and with
+    cannot be split to fit (docs/performance.md has a packed run's figures), and with
     expandable segments one mapping per stream grows and shrinks instead, so reserved stays
     next to allocated (docs/memory.md, "Allocator").
 

@@ -35,13 +35,13 @@ Not supported (refused with a message): attention dropout, sliding windows, logi
 
 Rows that hold one document each (``cu_seqlens`` are the row boundaries: unpacked rows, or a
 forward without boundaries) run as dense causal SDPA instead, whose kernel PyTorch picks: on
-an H200 that is cuDNN's fused attention, about half the time of the varlen kernel per layer
+compute capability 9.0 that is cuDNN's fused attention, faster than the varlen kernel per layer
 with the same error against an fp32 reference (docs/performance.md, "Attention for unpacked
 rows").  PyTorch's cuDNN variable-length entry point (``aten._cudnn_attention_forward`` with
 ``cum_seq``) is not used: on torch 2.11 it rebuilt its graph on every call and its backward
 returned non-finite gradients.
 
-On an H100/H200 (compute capability 9.0) the packed rows go to cuDNN's THD attention through
+On compute capability 9.0 the packed rows go to cuDNN's THD attention through
 nvidia-cudnn-frontend's torch op (``cudnn.sdpa_torch``; the ``gpu`` extra installs it) when it is
 installed: faster than FlashAttention-2 per packed layer, with the same output error against
 fp32 and gradients within bf16 error (docs/performance.md measures both kernels and the whole
@@ -120,7 +120,7 @@ VARLEN_KERNELS = ("auto", "cudnn", "flash")
 #: need a single padding document, whose size dynamo specialised, recompiling every layer
 #: (``pad_documents``'s ``minimum`` avoids that).
 CUDNN_DOC_BUCKET = 64
-#: The compute capabilities where ``"auto"`` picks cuDNN (measured: H200).
+#: The compute capabilities where ``"auto"`` picks cuDNN (those it was measured on: docs/performance.md).
 CUDNN_AUTO_CAPABILITIES = ((9, 0),)
 _kernel = "auto"
 #: (choice, CUDA device index) -> "cudnn" or "flash": filled outside the compiled layers
@@ -219,7 +219,7 @@ def _cudnn_probe(index: int) -> str | None:
 
     Run at resolution time, outside any compiled layer: a first-use failure (an op the backward
     cannot find, a graph cuDNN will not build) then costs a fallback instead of the run.  Its
-    graphs are not ones a run reuses: 0.65 s once per process on an H200.
+    graphs are not ones a run reuses: a one-off cost per process (docs/performance.md).
     """
     if index not in _probed:
         try:

@@ -479,7 +479,7 @@ def compile_layers(model, **compile_kwargs) -> int:
     Compiling layer by layer (not the whole model) keeps the graphs small and identical
     across layers, so one compiled graph serves every layer (one dynamo frame, checked in
     tests), and the host can run ahead of the GPU while the optimizer works inside backward
-    (ANCHORS.md, "4B feasibility").  The checkpoint stays *outside* the compiled function in
+    (docs/performance.md, "Peers and ceilings").  The checkpoint stays *outside* the compiled function in
     either order of the two calls: ``checkpoint(compiled_forward)``.  (Compiling around the
     checkpoint lets the partitioner keep far more activations than eager: docs/memory.md.)
     ``compile_kwargs`` go to ``torch.compile`` (e.g. ``backend="eager"`` in tests).

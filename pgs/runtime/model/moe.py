@@ -33,7 +33,7 @@ exact with one micro-batch per step, and for the last one otherwise.  ``P`` is e
 micro-batch adds its probability sums divided by the step's global token count, and FSDP sums
 the ranks' gradients.  The reported ``moe/lb_loss`` is the exact global value of the window.
 
-Defaults are 0 for both coefficients (design/004: a pretrained router already balances its
+Defaults are 0 for both coefficients (a pretrained router already balances its
 pretraining distribution, and narrow post-training data legitimately skews expert use); the
 telemetry is on whenever the model has routers.
 """

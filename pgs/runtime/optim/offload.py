@@ -286,7 +286,7 @@ class StateStager:
         waiting for its step, is reserved and filled as soon as that group is written back
         (``release``).  So the big group's shares arrive while the groups before it step, one
         behind the other, and only the share of the last slot to be written back is left when
-        its step comes (an embedding's state: ~0.4 GB at Qwen3-4B, 7-8 ms of copy at PCIe 5,
+        its step comes (an embedding's state, ~0.4 GB at Qwen3-4B, whose copy
         would otherwise start only when every group before it had stepped).  With ``evict`` the
         waiting groups are dropped instead (fetched again on demand)."""
         lay = self.layouts.get(group)

@@ -1,7 +1,7 @@
 """Gradient release: the bound chain runs inside backward, and each gradient is freed at once.
 
 ``GradientRelease(chain, model)`` is the memory-lean sibling of ``bind(chain, model)``
-(EQUATIONS.md A12).  It registers ``register_post_accumulate_grad_hook`` on every trainable
+(docs/techniques/gradient_release.md).  It registers ``register_post_accumulate_grad_hook`` on every trainable
 parameter.  Parameters are split into *groups* (by default one per decoder layer, one per
 parameter outside the layers); the hook counts arrivals per group and, when the last
 parameter of a group has its gradient, runs ``chain.update`` on that group's sub-tree,

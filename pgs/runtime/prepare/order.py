@@ -1,8 +1,8 @@
 """``pgs prepare --order tfp``: the samples in Threshold Filtering Packing order (a standalone utility).
 
-TFP (arXiv 2408.09327, EQUATIONS.md D2) orders samples along a greedy nearest-neighbour path
+TFP (arXiv 2408.09327, docs/techniques/tfp.md) orders samples along a greedy nearest-neighbour path
 of their instruction embeddings, skipping near-duplicates of the last few, so that related
-samples land in the same pack and each sees the ones before it.  **Caveat (design/001):** that
+samples land in the same pack and each sees the ones before it.  **Caveat:** that
 benefit needs packed documents to attend to each other, which pgs prevents (every document
 of a pack is isolated, docs/data.md) and pgs's stream reshuffles the records anyway.  So the
 order has no effect on ``pgs run``: this writes the ordered JSONL for a trainer that packs in

@@ -6,7 +6,7 @@ and scored with teacher forcing on its trained targets:
 
 * ``nll`` ("familiarity"): mean −log p(target) over the trained targets (low: familiar);
 * ``entropy``: mean full-vocabulary next-token entropy over the same positions (nats);
-* ``hes``: the sum of the top 0.5% of those entropies (EQUATIONS.md D1, arXiv 2605.22389),
+* ``hes``: the sum of the top 0.5% of those entropies (arXiv 2605.22389, docs/techniques/hes.md),
   response tokens only: the trained targets;
 * ``tokens`` (the document's length) and ``trained`` (trained targets).
 

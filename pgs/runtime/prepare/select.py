@@ -9,7 +9,7 @@ given its seed:
   lies more than ``z`` standard deviations from the mean.
 * :func:`jshape` — a J-shaped difficulty mix: the samples split into quartiles of familiarity
   (mean NLL; low is easy), then 20% of the selection drawn from the easiest quartile, 50% from
-  the second, 25% from the third, 5% from the hardest.  A heuristic (design/001, loosely after
+  the second, 25% from the third, 5% from the hardest.  A heuristic (pgs's own, loosely after
   arXiv 2605.12906 and 2502.02797; neither paper tests a difficulty mixture).
 * :func:`top_hes` — the highest HES share (arXiv 2605.22389: the top 20% matched the full set
   on math/STEM SFT, and was worse on code).

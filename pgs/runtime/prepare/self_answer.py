@@ -12,7 +12,7 @@ the baseline: the same prompts with the dataset's answers.
 ``--replay FILE`` mixes in the model's own answers to general prompts (records of any shape,
 their last assistant turn replaced; nothing to verify against, so an answer is kept when it
 finished and is not empty), as a share of the written records, each marked ``"replay": true``.
-design/002: on the same prompts, the model's own verified answers kept its math and
+pgs's premise (docs/prepare.md): on the same prompts, the model's own verified answers kept its math and
 instruction following better than the dataset's, and replaying its own answers to general
 prompts forgot less than replaying a chat dataset.
 """

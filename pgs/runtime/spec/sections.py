@@ -421,7 +421,7 @@ def _optional_path(instance, attribute, value):
 
 @attrs.frozen
 class PreferenceSpec:
-    """``[preference]``: train on preference pairs with an offline objective (docs/preference.md).
+    """``[preference]``: train on preference pairs with an offline objective (docs/techniques/preference.md).
 
     ``kind`` is one of ``pgs.func.losses.PREFERENCE_KINDS`` (``dpo``, ``ipo``, ``hinge``,
     ``dpop``, ``simpo``, ``orpo``); ``beta`` (ORPO: the odds-ratio term's weight),

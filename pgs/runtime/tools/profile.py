@@ -48,7 +48,7 @@ no-grad forward), (backward of a recomputed layer: kept + recompute + held buffe
 gradients) and (the last update: gradients + temporaries); and, for the objectives that have
 them, the on-policy sampling phase (static + KV cache + prefill) and the reference cache's
 scoring pass before the first step (weights + its forward).  Neither counts allocator slack
-(0.15-0.5 GiB on an H200, ANCHORS.md) or the CUDA/NCCL context.
+(a few tenths of a GiB: docs/performance.md, "Peers and ceilings") or the CUDA/NCCL context.
 
 ``measure_memory`` (``pgs profile --measure``) runs a few steps of the objective the spec
 trains, through that objective's own ``prepare``/``forward`` (``Objective.for_profile`` builds
@@ -187,8 +187,8 @@ def activation_parts(
     ``compiled`` (``compile_layers``): inductor's partitioner saves neither the norms' fp32
     copies of their inputs (4h each, and 4(q + k) in the q/k norms) nor one of the MLP's four
     [tokens, I] tensors (it recomputes them from what it keeps): A_none − 8h − 4(q + k) − b·I.
-    Measured against inductor's saved tensors on the CPU within 5% (tests/test_profile.py); on
-    the H200 it puts Qwen3-0.6B 8×4096 without checkpointing at 41 GiB, measured 41.3.
+    Checked against inductor's saved tensors on the CPU within 5% (tests/test_profile.py); the
+    comparison with a GPU run is in docs/performance.md.
 
     Mixture-of-experts layers (Qwen3-MoE, OLMoE, Mixtral: E experts, k per token, expert
     intermediate I_e) replace the MLP's 4·b·I with k·(4·b·I_e + 2·b·h) + (b + 4)·E + 4k: each of
