@@ -215,7 +215,10 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     sharded = ctx is not None and ctx.distributed
     world = ctx.world_size if sharded else 1
     # pgs validate's checks of the model, lengths, run folder, and the memory and disk the run needs
-    tokenizer = preflight_spec(spec, processes=world).tokenizer
+    found = preflight_spec(spec, processes=world)
+    tokenizer = found.tokenizer
+    if found.tokenizer_note is not None and (not sharded or ctx.is_main):  # allowed by the spec, said once
+        print(f"pgs: warning: {found.tokenizer_note}", file=sys.stderr, flush=True)
     mem = spec.memory
     cp = spec.parallel.context
     shard = None

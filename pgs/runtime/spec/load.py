@@ -276,6 +276,10 @@ def _must_exist(path: str, where: str, kind: str = "file", folder_ok: bool = Fal
         raise SpecError(f"{where}: {path} is a file, expected a folder")
 
 
+#: ``model.tokenizer = "model"``: the model folder's own tokenizer (as leaving it out).
+MODEL_TOKENIZER = "model"
+
+
 def _model(table: dict, base: Path) -> ModelSpec:
     _check_keys(table, ModelSpec, "model")
     t = dict(table)
@@ -299,10 +303,11 @@ def _model(table: dict, base: Path) -> ModelSpec:
         if not _is_int(vocab) or vocab < 0:
             raise SpecError(f"model.config.vocab_size: expected an integer >= 0 (0 = the tokenizer's size), "
                             f"got {_describe(vocab)}")
-        if spec.tokenizer is None:
+        if spec.tokenizer is None or spec.tokenizer == MODEL_TOKENIZER:
             raise SpecError("model.tokenizer: needed when the model comes from model.config "
                             "(e.g. tokenizer = \"pgs:quickstart/tokenizer\")")
-    tokenizer = resolve_path(spec.tokenizer, base) if spec.tokenizer is not None else path
+    own = spec.tokenizer is None or spec.tokenizer == MODEL_TOKENIZER  # the model folder's own
+    tokenizer = path if own else resolve_path(spec.tokenizer, base)
     _must_exist(tokenizer, "model.tokenizer", "folder")
     return attrs.evolve(spec, path=path, tokenizer=tokenizer)
 

@@ -108,7 +108,10 @@ def _to_float(v):
 
 @attrs.frozen
 class ModelSpec:
-    """``[model]``: where the weights (or the architecture) and the tokenizer come from."""
+    """``[model]``: where the weights (or the architecture) and the tokenizer come from.
+
+    ``tokenizer`` left out (or ``"model"``) is the model folder's own; a tokenizer that does not
+    fit the folder's model is refused unless ``allow_tokenizer_mismatch`` (docs/spec.md)."""
 
     section: ClassVar[str] = "model"
 
@@ -122,6 +125,7 @@ class ModelSpec:
     freeze: str | tuple[str, ...] = attrs.field(default="none")
     trust_remote_code: bool = attrs.field(default=False, validator=_bool)
     init_seed: int = attrs.field(default=0, validator=_int_at_least(0))
+    allow_tokenizer_mismatch: bool = attrs.field(default=False, validator=_bool)
 
     @freeze.validator
     def _check_freeze(self, attribute, value):
