@@ -57,6 +57,7 @@ from pgs.runtime.loop.health import HealthMonitor
 from pgs.runtime.loop.metrics import MetricsLog, console_keys
 from pgs.runtime.loop.msft import Msft, source_eval_losses
 from pgs.runtime.loop.objective import Objective, build_objective, objective_class
+from pgs.runtime.loop.resume import check_resume
 from pgs.runtime.loop.trace import Profiler
 from pgs.runtime.model import layers
 from pgs.runtime.model.build import build_model, freeze, parameter_bytes
@@ -697,8 +698,10 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
         ckpt.remove_stale_temporaries(run_dir)
     D.barrier()
     folder = _resolve(r, resume)
+    changed = None  # what the resume changes that the schedule depends on (loop/resume.py)
     if folder is not None:
         restore(r, folder)
+        changed = check_resume(spec, folder, r.step, r.total_steps, r.objective.steps_per_epoch)
         if main:
             MetricsLog.truncate_after(run_dir, r.step)
     if main:
@@ -709,9 +712,13 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                            config=spec.to_dict(), console=console_keys(r.objective.console_keys))
     else:
         r.log = _NullLog()
+    for field, source in spec.hub.items():  # where a hub name's files come from (spec.resolved.toml pins it)
+        r.log.say(f"pgs: {field}: {source.repo} at revision {source.revision} ({source.path})")
     if folder is not None:
         r.log.say(f"pgs: resumed from {folder} at step {r.step}")
         r.log.write({"step": r.step, "event": "resume", "from": folder})
+        if changed is not None:
+            r.log.say(changed)
     else:  # pgs report reads the records after the last fresh start
         r.log.write({"step": r.step, "event": "start"})
     offload = getattr(r.bound, "offload_stats", None)

@@ -420,7 +420,7 @@ def _kind_known(instance, attribute, value):
 
 def _optional_path(instance, attribute, value):
     if value is not None and (not isinstance(value, str) or not value):
-        raise SpecError(f"preference.{attribute.name}: expected a local model folder, got {_describe(value)}")
+        raise SpecError(f"preference.{attribute.name}: expected a local model folder or a hub name, got {_describe(value)}")
 
 
 @attrs.frozen
@@ -478,7 +478,7 @@ def _open_unit(instance, attribute, value):
 
 def _teacher_path(instance, attribute, value):
     if value is not None and (not isinstance(value, str) or not value):
-        raise SpecError(f"distill.teacher_path: expected a local model folder, got {_describe(value)}")
+        raise SpecError(f"distill.teacher_path: expected a local model folder or a hub name, got {_describe(value)}")
 
 
 def _distill_kind(instance, attribute, value):
@@ -504,7 +504,7 @@ def _check_generation(table: dict) -> None:
 class DistillSpec:
     """``[distill]``: on-policy distillation from a frozen teacher (docs/techniques/distillation.md).
 
-    The teacher is a local Hugging Face folder (``teacher_path``) or, for tests, an architecture
+    The teacher is a local Hugging Face folder or a hub name (``teacher_path``) or, for tests, an architecture
     table with a random init (``teacher_config``, ``teacher_init_seed``), loaded in
     ``teacher_dtype`` without gradients; its tokenizer must be the student's (``pgs validate``).
     ``on_policy`` (GKD's λ) is the probability that a batch's completions are sampled by the
