@@ -420,7 +420,8 @@ def _kind_known(instance, attribute, value):
 
 def _optional_path(instance, attribute, value):
     if value is not None and (not isinstance(value, str) or not value):
-        raise SpecError(f"preference.{attribute.name}: expected a local model folder or a hub name, got {_describe(value)}")
+        raise SpecError(f"preference.{attribute.name}: expected a local model folder or a hub name, "
+                        f"got {_describe(value)}")
 
 
 @attrs.frozen
@@ -504,8 +505,8 @@ def _check_generation(table: dict) -> None:
 class DistillSpec:
     """``[distill]``: on-policy distillation from a frozen teacher (docs/techniques/distillation.md).
 
-    The teacher is a local Hugging Face folder or a hub name (``teacher_path``) or, for tests, an architecture
-    table with a random init (``teacher_config``, ``teacher_init_seed``), loaded in
+    The teacher is a local Hugging Face folder or hub name (``teacher_path``) or, for tests, an
+    architecture table with a random init (``teacher_config``, ``teacher_init_seed``), loaded in
     ``teacher_dtype`` without gradients; its tokenizer must be the student's (``pgs validate``).
     ``on_policy`` (GKD's λ) is the probability that a batch's completions are sampled by the
     student from the prompts instead of read from the data.  ``kind`` (``forward_kl``,
