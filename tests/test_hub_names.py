@@ -10,9 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
 from helpers import QUICKSTART, cli_error, cpu_spec, records
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 COMMIT = "a" * 40
 NEWER = "b" * 40
@@ -55,7 +54,7 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_a_hub_name_resolves_to_the_cached_snapshot(tmp_path, cache):
-    from pgs.runtime.spec.load import load_spec, spec_from_dict, read_toml
+    from pgs.runtime.spec.load import load_spec, read_toml, spec_from_dict
 
     folder = _snapshot(cache, "org/tiny")
     spec = load_spec(_spec(tmp_path, "org/tiny"))

@@ -12,9 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
 from helpers import QUICKSTART, ROOT, cli_error, cpu_spec
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 QUICKSTART_TOKENIZER = QUICKSTART / "tokenizer"
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from helpers import cli_error, cpu_spec, step_records
 
 
@@ -35,7 +34,7 @@ def test_extending_a_cosine_run_is_refused(tmp_path, capsys):
     assert code == 2
     assert line.startswith("pgs: error: --resume: train.steps 6 -> 9 changes the learning rate of steps already "
                            "trained (from step 4: "), line
-    assert f"after step 6 the run would go on at " in line and f"where it was at {lrs[-1]:.3g}" in line
+    assert "after step 6 the run would go on at " in line and f"where it was at {lrs[-1]:.3g}" in line
     assert line.endswith("resume with the checkpoint's values, or start a new run (docs/checkpoints.md)")
     assert len(step_records(tmp_path / "run")) == 6  # nothing trained, nothing cut
     # a change of the schedule itself, from the middle of the run

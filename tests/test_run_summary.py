@@ -79,6 +79,6 @@ def test_headings_and_tables_into_a_pipe_are_whole(tmp_path, capsys, monkeypatch
     spec.write_text(spec.read_text().replace("pgs:quickstart/train.jsonl", (deep / "train.jsonl").as_posix()))
     assert main(["data", "inspect", str(spec), "-n", "1"]) == 0
     out = capsys.readouterr().out
-    heading = [line for line in out.splitlines() if line.startswith("── ")][0]
+    heading = next(line for line in out.splitlines() if line.startswith("── "))
     assert heading.startswith(f"── {deep / 'train.jsonl'}:1  (") and heading.endswith(" trained) ──"), heading
     assert len(heading) > 80 and "…" not in out

@@ -8,11 +8,10 @@ from __future__ import annotations
 import itertools
 
 from rich.console import Console
-
-from pgs.runtime import output
 from rich.table import Table
 from rich.text import Text
 
+from pgs.runtime import output
 from pgs.runtime.data.config import DataConfig
 from pgs.runtime.data.packing import Document
 from pgs.runtime.data.preference import pack_rows, read_pairs

@@ -19,7 +19,7 @@ before anything is restored (docs/checkpoints.md, "What a resume may change").
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 import torch

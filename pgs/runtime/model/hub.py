@@ -118,8 +118,13 @@ def resolve(value: str, field: str, kind: str = "model", trust_remote_code: bool
         raise SpecError(f"{field}: {value!r} is neither a local folder nor a hub name (org/name)")
     repo, revision = parsed
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     from pgs.runtime.model.loading import quiet_transformers
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from rich.table import Table
 
 from pgs.runtime import output
-
 from pgs.runtime.data.inspect import inspect_dataset, inspect_pairs
 from pgs.runtime.data.templates import apply_chat_template
 from pgs.runtime.spec.preflight import check_resources, load_tokenizer
