@@ -243,18 +243,36 @@ def cmd_run(args) -> int:
     if args.overwrite and args.resume is not None:
         raise SpecError("--overwrite starts over, --resume continues: give one of them")
     rendezvous = _rendezvous(args)
-    if (args.nproc > 1 or not rendezvous.standalone) and "LOCAL_RANK" not in os.environ:
+    child = "LOCAL_RANK" in os.environ  # a process torchrun started: its launcher says the summary
+    if (args.nproc > 1 or not rendezvous.standalone) and not child:
         from pgs.runtime.dist.launch import launch_run
 
-        return launch_run(spec, args.spec, nproc=args.nproc, overrides=args.overrides, resume=args.resume,
+        code = launch_run(spec, args.spec, nproc=args.nproc, overrides=args.overrides, resume=args.resume,
                           overwrite=args.overwrite, profile=args.profile, rendezvous=rendezvous)
-    from pgs.runtime.loop.faults import Faults
-    from pgs.runtime.loop.trace import parse_steps
-    from pgs.runtime.loop.train import run
+    else:
+        from pgs.runtime.loop.faults import Faults
+        from pgs.runtime.loop.trace import parse_steps
+        from pgs.runtime.loop.train import run
 
-    return int(run(spec, resume=args.resume, spec_path=os.path.abspath(args.spec),
-                   profile=parse_steps(args.profile) if args.profile else None, overwrite=args.overwrite,
-                   faults=Faults.from_env()) or 0)
+        code = int(run(spec, resume=args.resume, spec_path=os.path.abspath(args.spec),
+                       profile=parse_steps(args.profile) if args.profile else None, overwrite=args.overwrite,
+                       faults=Faults.from_env()) or 0)
+    if not child:
+        _print_summary(spec, code, args)
+    return code
+
+
+def _print_summary(spec, code: int, args) -> None:
+    """The run's closing lines on stdout (``tools.summary``), after its progress on stderr."""
+    from pgs.runtime.tools.summary import run_summary
+
+    again = [args.spec, *(a for s in args.overrides for a in ("--set", s))]
+    if args.nproc > 1:
+        again += ["--nproc", str(args.nproc)]
+    lines = run_summary(spec, code, again)
+    if lines:
+        sys.stderr.flush()
+        print("\n".join(lines), flush=True)
 
 
 #: ``pgs run``'s options handed to torchrun as they are (their names are torchrun's).

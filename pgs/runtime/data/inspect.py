@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from pgs.runtime import output
 from pgs.runtime.data.config import DataConfig
 from pgs.runtime.data.packing import Document
 from pgs.runtime.data.preference import pack_rows, read_pairs
@@ -74,12 +75,12 @@ def inspect_dataset(config: DataConfig, tokenizer, n: int = 5, console: Console 
                     max_records: int | None = None) -> DataStats:
     """Print the first ``n`` samples (trained tokens highlighted; between ``[[ ]]`` when the
     console is not a terminal) and the dataset statistics."""
-    console = console or Console()
+    console = console or output.console()
     shown: list[Document] = []
     stats = dataset_stats(config, tokenizer, max_records, shown, n)
     for document in shown:
         trained = document.num_trained
-        console.rule(f"{document.origin}  ({len(document)} tokens, {trained} trained)")
+        output.heading(console, f"{document.origin}  ({len(document)} tokens, {trained} trained)")
         plain = not console.is_terminal  # a pipe or file: one line per sample, never cut
         console.print(render_document(document, tokenizer, plain=plain), soft_wrap=plain)
     table = Table(title="data statistics", show_header=False)
@@ -98,13 +99,13 @@ def inspect_pairs(config: DataConfig, tokenizer, n: int = 5, console: Console | 
     """A preference run's data: the first ``n`` pairs, each arm with its scored tokens marked as
     :func:`inspect_dataset` marks trained tokens, then the pair statistics (bad pairs raise, or
     are counted under ``data.on_bad_record = "skip"``)."""
-    console = console or Console()
+    console = console or output.console()
     stats = DataStats()
     skipped: list[str] = []
     pairs = read_pairs([s.path for s in config.sources], tokenizer, config, stats, skipped, max_records=max_records)
     for pair in pairs[:n]:
         for arm, document in (("chosen", pair.chosen), ("rejected", pair.rejected)):
-            console.rule(f"{document.origin} {arm}  ({len(document)} tokens, {document.num_trained} scored)")
+            output.heading(console, f"{document.origin} {arm}  ({len(document)} tokens, {document.num_trained} scored)")
             plain = not console.is_terminal
             console.print(render_document(document, tokenizer, plain=plain), soft_wrap=plain)
     rows = pack_rows(pairs, config.max_seq_len)

@@ -57,6 +57,7 @@ from pgs.runtime.loop.health import HealthMonitor
 from pgs.runtime.loop.metrics import MetricsLog, console_keys
 from pgs.runtime.loop.msft import Msft, source_eval_losses
 from pgs.runtime.loop.objective import Objective, build_objective, objective_class
+from pgs.runtime.loop.resume import check_resume
 from pgs.runtime.loop.trace import Profiler
 from pgs.runtime.model import layers
 from pgs.runtime.model.build import build_model, freeze, parameter_bytes
@@ -215,7 +216,10 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     sharded = ctx is not None and ctx.distributed
     world = ctx.world_size if sharded else 1
     # pgs validate's checks of the model, lengths, run folder, and the memory and disk the run needs
-    tokenizer = preflight_spec(spec, processes=world).tokenizer
+    found = preflight_spec(spec, processes=world)
+    tokenizer = found.tokenizer
+    if found.tokenizer_note is not None and (not sharded or ctx.is_main):  # allowed by the spec, said once
+        print(f"pgs: warning: {found.tokenizer_note}", file=sys.stderr, flush=True)
     mem = spec.memory
     cp = spec.parallel.context
     shard = None
@@ -694,8 +698,10 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
         ckpt.remove_stale_temporaries(run_dir)
     D.barrier()
     folder = _resolve(r, resume)
+    changed = None  # what the resume changes that the schedule depends on (loop/resume.py)
     if folder is not None:
         restore(r, folder)
+        changed = check_resume(spec, folder, r.step, r.total_steps, r.objective.steps_per_epoch)
         if main:
             MetricsLog.truncate_after(run_dir, r.step)
     if main:
@@ -706,9 +712,13 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                            config=spec.to_dict(), console=console_keys(r.objective.console_keys))
     else:
         r.log = _NullLog()
+    for field, source in spec.hub.items():  # where a hub name's files come from (spec.resolved.toml pins it)
+        r.log.say(f"pgs: {field}: {source.repo} at revision {source.revision} ({source.path})")
     if folder is not None:
         r.log.say(f"pgs: resumed from {folder} at step {r.step}")
         r.log.write({"step": r.step, "event": "resume", "from": folder})
+        if changed is not None:
+            r.log.say(changed)
     else:  # pgs report reads the records after the last fresh start
         r.log.write({"step": r.step, "event": "start"})
     offload = getattr(r.bound, "offload_stats", None)

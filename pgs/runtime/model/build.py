@@ -3,7 +3,9 @@
 A model comes from a local folder (``model.path``, weights and config) or from an
 architecture config (``model.config``, a table with ``model_type`` and sizes) with a
 random init seeded by ``model.init_seed``, run on the training device itself (a 4B's init
-took ~3 minutes on the CPU).  No hub downloads: both are local.
+took ~3 minutes on the CPU).  A hub name in the spec is resolved to its snapshot folder in
+huggingface_hub's cache when the spec loads (``pgs.runtime.model.hub``); transformers itself is
+only ever given local folders (``local_files_only``).
 
 The loss never sees logits.  :func:`final_hidden` runs the base model (``model.model``) on
 a packed batch with restarted ``position_ids``, ``use_cache=False`` and no attention mask
@@ -108,7 +110,8 @@ def build_model(
         raise SpecError("model: give exactly one of model.path (a local folder) or model.config (an architecture)")
     if path is not None:
         if not os.path.isdir(path):
-            raise SpecError(f"model.path: {path!r} is not a folder (pgs loads local models only)")
+            raise SpecError(f"model.path: {path!r} is not a folder (hub names are resolved to folders when the spec "
+                            "loads: pgs.runtime.model.hub)")
         from transformers import AutoConfig
 
         folder_config = (AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)

@@ -62,10 +62,11 @@ def draw_histograms(scores: list[dict], out_dir: str) -> list[str]:
 
 def write_score_report(scores: list[dict], out_dir: str, title: str, console=None) -> list[tuple[str, str]]:
     """Write ``out_dir/report/`` (histograms, ``summary.md``) and print the table; returns its rows."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from pgs.runtime import output
+
+    console = console or output.console()
     report = os.path.join(out_dir, "report")
     os.makedirs(report, exist_ok=True)
     try:

@@ -24,6 +24,7 @@ import pgs.func as pf
 from pgs.errors import SpecError
 from pgs.runtime.data.config import DataConfig, DataSource
 from pgs.runtime.data.templates import resolve_chat_template
+from pgs.runtime.model.hub import parse as hub_name, resolve as resolve_hub
 from pgs.runtime.spec.chain import build_chain, build_objective, build_schedule, check_spec
 from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     ASSET_PREFIX,
@@ -79,6 +80,8 @@ class Spec:
     distill: DistillSpec | None = None  # a distillation run (``[distill]``)
     averaging: AveragingSpec | None = None  # weight EMA / merge-back (``[averaging]``), else none
     source: str | None = attrs.field(default=None, eq=False)
+    #: hub names resolved to local snapshots, by field (``"model.path"``: ``model.hub.HubSource``)
+    hub: dict = attrs.field(factory=dict, eq=False)
 
     @property
     def run_dir(self) -> str:
@@ -123,6 +126,12 @@ class Spec:
             del out["optimizer"]["args"], out["optimizer"]["clip"]
         used = ("name",) + ScheduleSpec.USES[self.schedule.name]
         out["schedule"] = {k: v for k, v in out["schedule"].items() if k in used}
+        # a hub snapshot as its name and commit, so that the resolved spec pins the revision
+        refs = {source.path: source.ref for source in self.hub.values()}
+        for section in ("model", "preference", "distill"):
+            for key, value in (out.get(section) or {}).items():
+                if isinstance(value, str) and value in refs:
+                    out[section][key] = refs[value]
         return out
 
     def to_toml(self, path: str | os.PathLike | None = None) -> str:
@@ -276,7 +285,25 @@ def _must_exist(path: str, where: str, kind: str = "file", folder_ok: bool = Fal
         raise SpecError(f"{where}: {path} is a file, expected a folder")
 
 
-def _model(table: dict, base: Path) -> ModelSpec:
+#: ``model.tokenizer = "model"``: the model folder's own tokenizer (as leaving it out).
+MODEL_TOKENIZER = "model"
+
+
+def _folder(value: str, base: Path, field: str, hub: dict, kind: str = "model", trust_remote_code: bool = False) -> str:
+    """A model (or tokenizer) folder of the spec: ``value`` resolved as a path, or, when no such
+    path exists and ``value`` has the form of a hub name (``org/name[@revision]``), the local
+    snapshot of that name in the Hugging Face cache (``pgs.runtime.model.hub``; recorded in
+    ``hub[field]``)."""
+    path = resolve_path(value, base)
+    if value.startswith(ASSET_PREFIX) or os.path.exists(path) or hub_name(value) is None:
+        return path
+    source = resolve_hub(value, field, kind, trust_remote_code)
+    hub[field] = source
+    return source.path
+
+
+def _model(table: dict, base: Path, hub: dict | None = None) -> ModelSpec:
+    hub = {} if hub is None else hub
     _check_keys(table, ModelSpec, "model")
     t = dict(table)
     if isinstance(t.get("freeze"), list):
@@ -288,7 +315,7 @@ def _model(table: dict, base: Path) -> ModelSpec:
                         f"model.config (random init); {both}")
     path = tokenizer = None
     if spec.path is not None:
-        path = resolve_path(spec.path, base)
+        path = _folder(spec.path, base, "model.path", hub, trust_remote_code=spec.trust_remote_code)
         _must_exist(path, "model.path", "folder")
         _must_exist(os.path.join(path, "config.json"), "model.path")
     else:
@@ -299,10 +326,12 @@ def _model(table: dict, base: Path) -> ModelSpec:
         if not _is_int(vocab) or vocab < 0:
             raise SpecError(f"model.config.vocab_size: expected an integer >= 0 (0 = the tokenizer's size), "
                             f"got {_describe(vocab)}")
-        if spec.tokenizer is None:
+        if spec.tokenizer is None or spec.tokenizer == MODEL_TOKENIZER:
             raise SpecError("model.tokenizer: needed when the model comes from model.config "
                             "(e.g. tokenizer = \"pgs:quickstart/tokenizer\")")
-    tokenizer = resolve_path(spec.tokenizer, base) if spec.tokenizer is not None else path
+    own = spec.tokenizer is None or spec.tokenizer == MODEL_TOKENIZER  # the model folder's own
+    tokenizer = path if own else _folder(spec.tokenizer, base, "model.tokenizer", hub, "tokenizer",
+                                         spec.trust_remote_code)
     _must_exist(tokenizer, "model.tokenizer", "folder")
     return attrs.evolve(spec, path=path, tokenizer=tokenizer)
 
@@ -398,8 +427,9 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
     for required in ("model", "data"):
         if required not in raw:
             raise SpecError(f"{required}: the [{required}] section is needed")
+    hub: dict = {}
     sections = {
-        "model": _model(raw["model"], base),
+        "model": _model(raw["model"], base, hub),
         "data": _data(raw["data"], base),
         "optimizer": _optimizer(raw.get("optimizer", {})),
     }
@@ -409,7 +439,8 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         preference = _section("preference", raw["preference"])
         if preference.reference_path is not None:
             where = "preference.reference_path"
-            path = resolve_path(preference.reference_path, base)
+            path = _folder(preference.reference_path, base, where, hub,
+                           trust_remote_code=sections["model"].trust_remote_code)
             _must_exist(path, where, "folder")
             preference = attrs.evolve(preference, reference_path=path)
         sections["preference"] = preference
@@ -419,7 +450,8 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
                             "([distill]), not both")
         distill = _section("distill", raw["distill"])
         if distill.teacher_path is not None:
-            path = resolve_path(distill.teacher_path, base)
+            path = _folder(distill.teacher_path, base, "distill.teacher_path", hub,
+                           trust_remote_code=sections["model"].trust_remote_code)
             _must_exist(path, "distill.teacher_path", "folder")
             _must_exist(os.path.join(path, "config.json"), "distill.teacher_path")
             distill = attrs.evolve(distill, teacher_path=path)
@@ -448,7 +480,7 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         sections["checkpoint"] = attrs.evolve(sections["checkpoint"], best_metric=best)
     _check_schedule_fields(sections["schedule"], raw.get("schedule", {}))
     _check_msft(sections["data"], train, "preference" in sections)
-    spec = Spec(**sections, source=source)
+    spec = Spec(**sections, source=source, hub=hub)
 
     check_spec(spec)
     return spec

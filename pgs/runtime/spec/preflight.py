@@ -56,6 +56,7 @@ class Preflight:
     warnings: list[str] = attrs.field(factory=list)
     distill: str | None = None  # the teacher, described (a distillation run)
     prediction: Any = None  # tools.resources.Prediction: one process's predicted peak (None: not sized)
+    tokenizer_note: str | None = None  # a tokenizer that does not fit the model, allowed by the spec
 
 
 def model_config(model, vocab_size: int | None = None):
@@ -227,6 +228,66 @@ def check_chain(spec) -> str:
     return text + (" (compiled)" if o.compile else "")
 
 
+# --------------------------------------------------------------------------- the tokenizer
+
+
+def _show_path(path: str) -> str:
+    """A path as the spec names it: a bundled asset as ``pgs:...``."""
+    from pgs.runtime.spec.sections import ASSET_PREFIX, ASSETS_DIR
+
+    try:
+        rel = os.path.relpath(path, ASSETS_DIR)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else ASSET_PREFIX + rel
+
+
+def _same_folder(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_tokenizer_fit(spec, tokenizer) -> str | None:
+    """The tokenizer a spec names against the model folder it trains (``model.path``).
+
+    A tokenizer that is the folder's own (``model.tokenizer`` left out, ``"model"``, or the same
+    folder) fits.  Another one must equal the folder's own tokenizer, when the folder ships one
+    (vocabulary, special tokens and chat rendering: ``compat.tokenizer_mismatch``), or give the
+    special-token ids the folder's ``config.json`` and ``generation_config.json`` name
+    (``compat.config_special_mismatch``).  A misfit is one ``SpecError`` line naming
+    ``model.tokenizer``, unless ``model.allow_tokenizer_mismatch`` is true: then it is returned
+    as a warning.  A model built from ``model.config`` takes the tokenizer's vocabulary: nothing
+    to compare."""
+    from pgs.runtime.model.compat import config_special_mismatch, tokenizer_mismatch
+
+    m = spec.model
+    if m.path is None or m.tokenizer is None or _same_folder(m.tokenizer, m.path):
+        return None
+    named, folder = _show_path(m.tokenizer), m.path
+    if any(os.path.exists(os.path.join(folder, name)) for name in TOKENIZER_FILES):
+        own = load_tokenizer(folder, m.trust_remote_code, field="model.path")
+        why = tokenizer_mismatch(own, tokenizer, _sample_records(spec), names=("model's", "spec's"))
+        if why is None:
+            return None
+        text = f"model.tokenizer: {named} is not the tokenizer of model.path {folder} ({why})"
+        fix = ("remove model.tokenizer (or set it to \"model\") to train with the model's own tokenizer, "
+               "or set model.allow_tokenizer_mismatch = true to keep this one")
+    else:
+        generation_eos = None
+        try:
+            with open(os.path.join(folder, "generation_config.json"), encoding="utf-8") as handle:
+                generation_eos = json.load(handle).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            pass
+        why = config_special_mismatch(tokenizer, config_from_folder(folder, m.trust_remote_code), generation_eos)
+        if why is None:
+            return None
+        text = f"model.tokenizer: {named} does not fit model.path {folder} ({why})"
+        fix = "name the model's own tokenizer, or set model.allow_tokenizer_mismatch = true to keep this one"
+    if not m.allow_tokenizer_mismatch:
+        raise SpecError(f"{text}; {fix}")
+    return f"{text}; trained with it as model.allow_tokenizer_mismatch = true says"
+
+
 # --------------------------------------------------------------------------- the two doors
 
 
@@ -238,12 +299,14 @@ def preflight_spec(spec, *, count_parameters: bool = False, processes: int | Non
     ``processes``: how many processes will train (``tools.resources.check_host``; None: not
     known, as in ``pgs validate``)."""
     m = spec.model
-    tokenizer = apply_chat_template(load_tokenizer(m.tokenizer or m.path, m.trust_remote_code), spec.data.chat_template)
+    tokenizer = load_tokenizer(m.tokenizer or m.path, m.trust_remote_code)
     config = model_config(m, len(tokenizer))
     vocab = getattr(_text_config(config), "vocab_size", None)
     if isinstance(vocab, int) and vocab < len(tokenizer):
         field = "model.config.vocab_size" if m.config is not None else "model.path"
         raise SpecError(f"{field}: the model has {vocab} embeddings but the tokenizer has {len(tokenizer)} tokens")
+    tokenizer_note = check_tokenizer_fit(spec, tokenizer)  # before data.chat_template replaces the template
+    tokenizer = apply_chat_template(tokenizer, spec.data.chat_template)
     check_architecture(m, config)
     experts_implementation(m.experts_implementation, config)  # a known implementation, a model with experts
     check_seq_len(spec, config)
@@ -251,7 +314,9 @@ def preflight_spec(spec, *, count_parameters: bool = False, processes: int | Non
     if spec.memory.device_limit_gib and spec.train.device == "cpu":  # it would do nothing: refused, not ignored
         raise SpecError(f"memory.device_limit_gib: {spec.memory.device_limit_gib:g} caps CUDA's caching allocator, "
                         "and train.device is \"cpu\" (set it to 0)")
-    found = Preflight(tokenizer=tokenizer, config=config)
+    found = Preflight(tokenizer=tokenizer, config=config, tokenizer_note=tokenizer_note)
+    if tokenizer_note is not None:
+        found.warnings.append(tokenizer_note)
     if count_parameters or isinstance(m.freeze, tuple):
         found.shapes = parameter_shapes(config, m.trust_remote_code)
         if found.shapes is None:

@@ -108,7 +108,10 @@ def _to_float(v):
 
 @attrs.frozen
 class ModelSpec:
-    """``[model]``: where the weights (or the architecture) and the tokenizer come from."""
+    """``[model]``: where the weights (or the architecture) and the tokenizer come from.
+
+    ``tokenizer`` left out (or ``"model"``) is the model folder's own; a tokenizer that does not
+    fit the folder's model is refused unless ``allow_tokenizer_mismatch`` (docs/spec.md)."""
 
     section: ClassVar[str] = "model"
 
@@ -122,6 +125,7 @@ class ModelSpec:
     freeze: str | tuple[str, ...] = attrs.field(default="none")
     trust_remote_code: bool = attrs.field(default=False, validator=_bool)
     init_seed: int = attrs.field(default=0, validator=_int_at_least(0))
+    allow_tokenizer_mismatch: bool = attrs.field(default=False, validator=_bool)
 
     @freeze.validator
     def _check_freeze(self, attribute, value):
@@ -416,7 +420,8 @@ def _kind_known(instance, attribute, value):
 
 def _optional_path(instance, attribute, value):
     if value is not None and (not isinstance(value, str) or not value):
-        raise SpecError(f"preference.{attribute.name}: expected a local model folder, got {_describe(value)}")
+        raise SpecError(f"preference.{attribute.name}: expected a local model folder or a hub name, "
+                        f"got {_describe(value)}")
 
 
 @attrs.frozen
@@ -474,7 +479,7 @@ def _open_unit(instance, attribute, value):
 
 def _teacher_path(instance, attribute, value):
     if value is not None and (not isinstance(value, str) or not value):
-        raise SpecError(f"distill.teacher_path: expected a local model folder, got {_describe(value)}")
+        raise SpecError(f"distill.teacher_path: expected a local model folder or a hub name, got {_describe(value)}")
 
 
 def _distill_kind(instance, attribute, value):
@@ -500,8 +505,8 @@ def _check_generation(table: dict) -> None:
 class DistillSpec:
     """``[distill]``: on-policy distillation from a frozen teacher (docs/techniques/distillation.md).
 
-    The teacher is a local Hugging Face folder (``teacher_path``) or, for tests, an architecture
-    table with a random init (``teacher_config``, ``teacher_init_seed``), loaded in
+    The teacher is a local Hugging Face folder or hub name (``teacher_path``) or, for tests, an
+    architecture table with a random init (``teacher_config``, ``teacher_init_seed``), loaded in
     ``teacher_dtype`` without gradients; its tokenizer must be the student's (``pgs validate``).
     ``on_policy`` (GKD's λ) is the probability that a batch's completions are sampled by the
     student from the prompts instead of read from the data.  ``kind`` (``forward_kl``,

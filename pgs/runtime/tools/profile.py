@@ -716,10 +716,11 @@ def checkpoint_bytes(pred: dict) -> int:
 def profile(spec, measure: bool = False, spec_path: str | None = None, *, console=None, **overrides) -> int:
     """``pgs profile SPEC [--measure]``: print the predicted memory of the spec's objective's step
     (and, with ``measure``, the peaks measured while running that step: ``measure_memory``)."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from pgs.runtime import output
+
+    console = console or output.console()
     plan = plan_from_spec(spec, **overrides)
     pred = predict_memory(plan["config"], **plan["kwargs"])
     opts = plan["options"]

@@ -297,10 +297,11 @@ def draw_plots(metrics: Metrics, out_dir: str, entropy_warn: float | None = None
 
 def write_report(run_dir: str, console=None) -> list[tuple[str, str]]:
     """Read ``RUN_DIR/metrics.jsonl``; write ``RUN_DIR/report/`` (PNGs, ``summary.md``); print the table."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from pgs.runtime import output
+
+    console = console or output.console()
     if not os.path.isdir(run_dir):
         raise ReportError(f"{run_dir}: no such run folder")
     metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))

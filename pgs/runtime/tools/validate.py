@@ -4,9 +4,9 @@ samples as the run will see them).  docs/cli.md."""
 
 from __future__ import annotations
 
-from rich.console import Console
 from rich.table import Table
 
+from pgs.runtime import output
 from pgs.runtime.data.inspect import inspect_dataset, inspect_pairs
 from pgs.runtime.data.templates import apply_chat_template
 from pgs.runtime.spec.preflight import check_resources, load_tokenizer
@@ -31,19 +31,28 @@ def inspect_spec(spec, n: int = 5, records: int = 0) -> int:
     return 0
 
 
+def _named(spec, field: str, path: str) -> str:
+    """A folder as the summary shows it: a hub name with its commit and the cache's folder."""
+    source = spec.hub.get(field)
+    return path if source is None else f"{source.repo} at revision {source.revision[:12]} ({source.path})"
+
+
 def print_summary(spec, facts: dict) -> None:
     """The summary table of a runnable spec, then its warnings."""
-    console = Console()
+    console = output.console()
     table = Table(title=f"pgs validate: {spec.source}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
     m, t, s = spec.model, spec.train, spec.schedule
-    table.add_row("model", (m.path or "random init") + f"  [{facts.get('model', '')}]")
+    table.add_row("model", _named(spec, "model.path", m.path or "random init") + f"  [{facts.get('model', '')}]")
     table.add_row("parameters", facts.get("parameters", "?") + (f", frozen {facts['frozen']}" if "frozen" in facts else ""))
     table.add_row("dtype / attention", f"{m.dtype} / {m.attn_implementation}"
                   + (f" ({m.varlen_kernel} kernel)" if m.varlen_kernel != "auto" else "")
                   + (f" / experts {m.experts_implementation}" if m.experts_implementation != "auto" else ""))
-    table.add_row("tokenizer", f"{m.tokenizer}  [{facts.get('tokenizer', '')}]")
+    own = m.path is not None and m.tokenizer == m.path
+    tokenizer = (_named(spec, "model.path", m.path) + ", the model's own" if own
+                 else _named(spec, "model.tokenizer", m.tokenizer))
+    table.add_row("tokenizer", f"{tokenizer}  [{facts.get('tokenizer', '')}]")
     stats = facts.get("data")
     for src in spec.data.sources:
         table.add_row("data source", f"{src.path}  (weight {src.weight:g}, format {src.format})")
