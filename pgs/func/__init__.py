@@ -58,7 +58,7 @@ from pgs.func.step import NO_CONTEXT, StepContext
 from pgs.func.plan import FLAT, RELEASE, SHARDED, Placement, Plan, PlanEntry, plan_for
 from pgs.func.kernels.kernel_config import KernelConfig
 
-# -- research transforms: AdaGC, AdamC, EMA/merging, Hyperball, MONA, Muon, SAGE, ZClip ---
+# -- research transforms: AdaGC, AdamC, EMA/merging, Hyperball, MONA, Muon, SAGE, schedule-free, ZClip
 from pgs.func.adagc_clip import AdaGCState, adagc
 from pgs.func.adamc_decay import AddCorrectedDecayState, adamc, add_corrected_decayed_weights, schedule_peak
 from pgs.func.ema_weights import EmaState, ema, ema_params
@@ -67,6 +67,12 @@ from pgs.func.merge import lerp, merge_back, slerp
 from pgs.func.mona_acceleration import MonaState, mona
 from pgs.func.muon_direction import ScaleByMuonState, muon, muon_route, newton_schulz, scale_by_muon
 from pgs.func.sage_direction import ScaleBySageState, sage, scale_by_sage
+from pgs.func.schedule_free_iterates import (
+    ScheduleFreeState,
+    schedule_free,
+    schedule_free_adamw,
+    schedule_free_eval_params,
+)
 from pgs.func.zclip_spike import ZClipState, zclip
 
 # -- 8-bit optimizer state (block-wise quantization) and fused execution ------------------
@@ -112,6 +118,7 @@ __all__ = [
     "mona", "MonaState",
     "muon", "scale_by_muon", "ScaleByMuonState", "muon_route", "newton_schulz",
     "sage", "scale_by_sage", "ScaleBySageState",
+    "schedule_free", "schedule_free_adamw", "schedule_free_eval_params", "ScheduleFreeState",
     "zclip", "ZClipState",
     # 8-bit optimizer state
     "adamw8bit", "scale_by_adam8bit", "ScaleByAdam8bitState",
