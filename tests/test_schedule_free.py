@@ -323,3 +323,60 @@ def test_schedule_free_learns_a_quadratic_at_x():
         return float(0.5 * (th - star) @ a @ (th - star))
 
     assert gap(xs[-1]) < 0.05 * gap(theta0)
+
+
+# ---------------------------------------------------------------------------------------
+# from a spec: the alias, evaluation and export at x, the refusals
+
+
+def _spec_text(tmp_path, **changes):
+    from helpers import tiny_spec
+
+    path = tiny_spec(tmp_path, "run", **changes)
+    text = path.read_text().replace('alias = "adamw"', 'alias = "schedule_free_adamw"')
+    text = text.replace('name = "cosine"\npeak = 3e-3\nwarmup = 3', 'name = "linear_warmup"\npeak = 3e-3\nwarmup = 2')
+    assert "schedule_free_adamw" in text and "linear_warmup" in text
+    path.write_text(text)
+    return path
+
+
+def test_spec_alias_builds_and_gradient_release_is_refused_in_one_line(tmp_path):
+    from pgs.errors import SpecError
+    from pgs.func.schedule_free_iterates import wraps_schedule_free
+    from pgs.runtime.spec.chain import alias_names, check_spec
+    from pgs.runtime.spec.load import load_spec
+
+    assert "schedule_free_adamw" in alias_names()
+    spec = load_spec(_spec_text(tmp_path))
+    check_spec(spec)
+    assert wraps_schedule_free(spec.build_chain()) and not wraps_schedule_free(pf.adamw(1e-3))
+    with pytest.raises(SpecError, match=r"^memory.gradient_release: a schedule-free optimizer .*"
+                                        r"set memory.gradient_release = false$"):
+        load_spec(_spec_text(tmp_path), ["memory.gradient_release=true", "train.grad_accum=1", "optimizer.clip=0"])
+
+
+def test_a_run_evaluates_and_exports_the_averaged_point(tmp_path):
+    from safetensors.torch import load_file
+
+    from helpers import records
+    from pgs.runtime.loop.train import run
+    from pgs.runtime.spec.load import load_spec
+
+    assert run(load_spec(_spec_text(tmp_path, steps=3, every=3, export="true", eval_every=3))) == 0
+    run_dir = tmp_path / "run"
+    y = load_file(run_dir / "step_3" / "model.safetensors")  # the stepped weights (y) and the state (z)
+    state = load_file(run_dir / "step_3" / "optimizer.safetensors")
+    exported = load_file(run_dir / "final" / "model.safetensors")
+    (b1_key,) = [k for k in state if k.endswith("schedule_free.b1") or k.endswith(".b1")]
+    beta = float(state[b1_key])
+    assert beta == pytest.approx(0.9)
+    prefix = b1_key[: -len("b1")]
+    moved = 0
+    for name, w in exported.items():
+        z = state[f"{prefix}z.{name}"]
+        x = (y[name].float() + (y[name].float() - z.float()) * ((1 - beta) / beta)).to(w.dtype)
+        torch.testing.assert_close(w, x, rtol=1e-6, atol=1e-7, msg=name)
+        moved += int(not torch.equal(w, y[name]))
+    assert moved > 0  # x is not y after three steps
+    evals = [r for r in records(run_dir) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 3]

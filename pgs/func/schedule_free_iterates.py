@@ -202,6 +202,11 @@ def _find(state, found: list) -> None:
             _find(v, found)
 
 
+def wraps_schedule_free(t: Transform) -> bool:
+    """Whether ``t`` is, or contains, a ``schedule_free`` wrapper."""
+    return t.name == "schedule_free" or any(wraps_schedule_free(c) for c in t.children)
+
+
 def has_schedule_free(state) -> bool:
     """Whether a chain's state (any nesting) holds a schedule-free wrapper's state."""
     found: list = []

@@ -20,8 +20,9 @@ per-parameter tree (the reference path) and the result is written back into the 
 
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -29,6 +30,7 @@ import pgs.func as pf
 from pgs.errors import CheckpointError, InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import no_step_stage
+from pgs.func.schedule_free_iterates import has_schedule_free
 from pgs.runtime.optim.interface import StepMetrics, step_metrics
 
 _LAYOUT_KEY = "__pgs_layout__"
@@ -169,6 +171,35 @@ class BoundOptimizer:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
+
+    # -- where the model is evaluated ---------------------------------------------------
+    @property
+    def evaluates_elsewhere(self) -> bool:
+        """Whether the chain's evaluation point is not the parameters it steps (schedule-free:
+        gradients are taken at y, the model is evaluated and exported at x)."""
+        return has_schedule_free(self.state)
+
+    @contextlib.contextmanager
+    def eval_weights(self) -> Iterator[None]:
+        """Inside: the parameters hold the chain's evaluation point (``pf.schedule_free_eval_params``:
+        x); after: the parameters it steps, bit for bit (kept on the CPU meanwhile).  Nothing
+        moves for a chain that evaluates where it steps."""
+        if not self.evaluates_elsewhere:
+            yield
+            return
+        live = self.param_bufs if self.compiled else self._detached()
+        with torch.no_grad():
+            x = pf.schedule_free_eval_params(live, self.state)
+            kept = {k: v.to("cpu", copy=True) for k, v in live.items()}
+            for k, v in live.items():
+                v.copy_(x[k])
+            del x
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, v in live.items():
+                    v.copy_(kept[k])
 
     # -- state --------------------------------------------------------------------------
     def _layout_fingerprint(self) -> torch.Tensor:

@@ -25,6 +25,7 @@ import pgs.func as pf
 from pgs.errors import PgsError, SpecError
 from pgs.func.base import no_step_stage
 from pgs.func.losses import BACKENDS, OBJECTIVES
+from pgs.func.schedule_free_iterates import wraps_schedule_free
 from pgs.runtime.optim.release import refusal, slab_refusal
 from pgs.runtime.spec.sections import suggest
 
@@ -312,6 +313,10 @@ def check_memory(spec: Spec, chain) -> None:
                         "optimizer.clip = 0, or write an optimizer.chain with a per-tensor clip "
                         "({ name = \"clip_by_norm_per_tensor\", ... })")
 
+    if wraps_schedule_free(chain):
+        raise SpecError("memory.gradient_release: a schedule-free optimizer is evaluated and exported at its averaged "
+                        "point x, which the release's per-group state does not provide yet; set "
+                        "memory.gradient_release = false")
     why = refusal(chain, 1)
     if why:
         where = "optimizer.chain" if opt.chain is not None else "optimizer.alias"
