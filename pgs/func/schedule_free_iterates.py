@@ -214,6 +214,25 @@ def has_schedule_free(state) -> bool:
     return bool(found)
 
 
+def schedule_free_state(state) -> ScheduleFreeState:
+    """The one schedule-free state inside a chain's state (any nesting); refused otherwise."""
+    found: list = []
+    _find(state, found)
+    if len(found) != 1:
+        raise InvalidArgument(f"schedule_free_eval_params: the state holds {len(found)} schedule-free states; "
+                              "expected exactly one (a schedule_free wrapper over every parameter)")
+    return found[0]
+
+
+def eval_point(y: torch.Tensor, z: torch.Tensor, b1: torch.Tensor) -> torch.Tensor:
+    """x = y + ((1−β)/β)(y − z) for one tensor (or a slice of one), in y's dtype: the small
+    difference y − z first, so that x = y exactly where y = z.  Computed in fp32 (fp64 for fp64)."""
+    cd = compute_dtype(y)
+    y32 = y.to(cd)
+    ratio = ((1.0 - b1) / b1).to(device=y.device, dtype=cd)
+    return (y32 + (y32 - z.to(cd)) * ratio).to(y.dtype)
+
+
 def schedule_free_eval_params(params, state):
     """The evaluation and export point x_t = (y_t − (1−β) z_t) / β, in the parameters' dtypes.
 
@@ -221,19 +240,6 @@ def schedule_free_eval_params(params, state):
     schedule-free wrapper anywhere in it, wrapping every parameter).  Before the first update
     x = y.  Computed in fp32 (fp64 for fp64 parameters); ``params`` and ``state`` are untouched.
     """
-    found: list = []
-    _find(state, found)
-    if len(found) != 1:
-        raise InvalidArgument(f"schedule_free_eval_params: the state holds {len(found)} schedule-free states; "
-                              "expected exactly one (a schedule_free wrapper over every parameter)")
-    sf = found[0]
+    sf = schedule_free_state(state)
     T.check_same_structure(params, sf.z, "params", "schedule-free z")
-
-    ratio = (1.0 - sf.b1) / sf.b1  # fp64
-
-    def one(y, z):  # x = y + ((1−β)/β)(y − z): the small difference y − z first, x = y where y = z
-        cd = compute_dtype(y)
-        y32 = y.to(cd)
-        return (y32 + (y32 - z.to(cd)) * ratio.to(device=y.device, dtype=cd)).to(y.dtype)
-
-    return T.tree_map(one, params, sf.z)
+    return T.tree_map(lambda y, z: eval_point(y, z, sf.b1), params, sf.z)
