@@ -380,3 +380,34 @@ def test_a_run_evaluates_and_exports_the_averaged_point(tmp_path):
     assert moved > 0  # x is not y after three steps
     evals = [r for r in records(run_dir) if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 3]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bound_optimizer_holds_x_inside_eval_weights_and_y_after(compiled, monkeypatch):
+    import pgs.runtime.optim.bound as bound
+
+    monkeypatch.setattr(bound, "_EVAL_SLICE", 5)  # several slices per tensor
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    plain = bound.bind(pf.adamw(1e-2), torch.nn.Linear(2, 2))
+    with plain.eval_weights():  # a chain that evaluates where it steps: nothing moves
+        pass
+    assert not plain.evaluates_elsewhere
+    opt = bound.bind(pf.schedule_free_adamw(1e-2, weight_decay=0.1), model, compile=compiled)
+    assert opt.evaluates_elsewhere
+    for _ in range(3):
+        model(torch.randn(5, 4)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    y = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if not compiled:
+        want = pf.schedule_free_eval_params(y, opt.state)
+    else:  # the flat state: x from z read back per parameter
+        z = opt.flat.unflatten(opt.state.z)
+        want = {n: y[n] + (y[n] - z[n]) * ((1 - 0.9) / 0.9) for n in y}
+    with opt.eval_weights():
+        inside = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for n in y:
+        torch.testing.assert_close(inside[n], want[n], rtol=1e-6, atol=1e-7)
+        assert not torch.equal(inside[n], y[n])
+        assert torch.equal(dict(model.named_parameters())[n].detach(), y[n])  # back to y, bit for bit
