@@ -31,7 +31,11 @@ def _public(pkg) -> list[str]:
 def _import_every_submodule() -> None:
     for package in PACKAGES:
         for name in _submodules(package):
-            importlib.import_module(f"{package}.{name}")
+            try:
+                importlib.import_module(f"{package}.{name}")
+            except ModuleNotFoundError as err:  # an optional dependency (Triton) not installed
+                if (err.name or "").startswith("pgs"):
+                    raise
 
 
 @pytest.mark.parametrize("package", PACKAGES)
