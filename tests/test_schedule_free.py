@@ -4,7 +4,6 @@ against the reference algorithm's y-only form, and against optax's implementatio
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
