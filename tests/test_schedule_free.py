@@ -338,7 +338,7 @@ def _spec_text(tmp_path, **changes):
     return path
 
 
-def test_spec_alias_builds_and_gradient_release_is_refused_in_one_line(tmp_path):
+def test_spec_alias_builds_and_offloaded_state_is_refused_in_one_line(tmp_path):
     from pgs.errors import SpecError
     from pgs.func.schedule_free_iterates import wraps_schedule_free
     from pgs.runtime.spec.chain import alias_names, check_spec
@@ -348,30 +348,37 @@ def test_spec_alias_builds_and_gradient_release_is_refused_in_one_line(tmp_path)
     spec = load_spec(_spec_text(tmp_path))
     check_spec(spec)
     assert wraps_schedule_free(spec.build_chain()) and not wraps_schedule_free(pf.adamw(1e-3))
-    with pytest.raises(SpecError, match=r"^memory.gradient_release: a schedule-free optimizer .*"
-                                        r"set memory.gradient_release = false$"):
-        load_spec(_spec_text(tmp_path), ["memory.gradient_release=true", "train.grad_accum=1", "optimizer.clip=0"])
+    released = ["memory.gradient_release=true", "train.grad_accum=1", "optimizer.clip=0"]
+    check_spec(load_spec(_spec_text(tmp_path), released))
+    with pytest.raises(SpecError, match=r"^memory.offload_optimizer: a schedule-free optimizer .*"
+                                        r"set memory.offload_optimizer = false$"):
+        load_spec(_spec_text(tmp_path), [*released, "memory.offload_optimizer=true"])
 
 
-def test_a_run_evaluates_and_exports_the_averaged_point(tmp_path):
+@pytest.mark.parametrize("release", [False, True])
+def test_a_run_evaluates_and_exports_the_averaged_point(tmp_path, release):
     from safetensors.torch import load_file
 
     from helpers import records
     from pgs.runtime.loop.train import run
     from pgs.runtime.spec.load import load_spec
 
-    assert run(load_spec(_spec_text(tmp_path, steps=3, every=3, export="true", eval_every=3))) == 0
+    overrides = ["memory.gradient_release=true", "train.grad_accum=1", "optimizer.clip=0"] if release else []
+    assert run(load_spec(_spec_text(tmp_path, steps=3, every=3, export="true", eval_every=3), overrides)) == 0
     run_dir = tmp_path / "run"
     y = load_file(run_dir / "step_3" / "model.safetensors")  # the stepped weights (y) and the state (z)
     state = load_file(run_dir / "step_3" / "optimizer.safetensors")
     exported = load_file(run_dir / "final" / "model.safetensors")
-    (b1_key,) = [k for k in state if k.endswith("schedule_free.b1") or k.endswith(".b1")]
-    beta = float(state[b1_key])
-    assert beta == pytest.approx(0.9)
-    prefix = b1_key[: -len("b1")]
+    z_of, beta_of = {}, {}  # one schedule-free state, or one per release group
+    for b1_key in [k for k in state if k == "b1" or k.endswith(".b1")]:  # the wrapper's β
+        prefix = b1_key[: -len("b1")] + "z."
+        for k in state:
+            if k.startswith(prefix):
+                z_of[k[len(prefix):]], beta_of[k[len(prefix):]] = state[k], float(state[b1_key])
+    assert set(z_of) >= set(exported) and all(b == pytest.approx(0.9) for b in beta_of.values())
     moved = 0
     for name, w in exported.items():
-        z = state[f"{prefix}z.{name}"]
+        z, beta = z_of[name], beta_of[name]
         x = (y[name].float() + (y[name].float() - z.float()) * ((1 - beta) / beta)).to(w.dtype)
         torch.testing.assert_close(w, x, rtol=1e-6, atol=1e-7, msg=name)
         moved += int(not torch.equal(w, y[name]))
@@ -409,3 +416,38 @@ def test_bound_optimizer_holds_x_inside_eval_weights_and_y_after(compiled, monke
         torch.testing.assert_close(inside[n], want[n], rtol=1e-6, atol=1e-7)
         assert not torch.equal(inside[n], y[n])
         assert torch.equal(dict(model.named_parameters())[n].detach(), y[n])  # back to y, bit for bit
+
+
+@pytest.mark.parametrize("masters", [None, "fp32"])
+def test_gradient_release_steps_as_bind_and_holds_x_inside_eval_weights(masters):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from pgs.runtime.optim.bound import bind
+    from pgs.runtime.optim.release import GradientRelease
+
+    def model():
+        cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, vocab_size=96, tie_word_embeddings=True,
+                          use_cache=False, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(cfg).train()
+
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 96, (2, 12), generator=g) for _ in range(3)]
+    a, b = model(), model()
+    ref = bind(pf.schedule_free_adamw(1e-2, weight_decay=0.1), a)
+    rel = GradientRelease(pf.schedule_free_adamw(1e-2, weight_decay=0.1), b, master_weights=masters)
+    for ids in data:
+        a(input_ids=ids, labels=ids).loss.backward()
+        ref.step()
+        ref.zero_grad()
+        b(input_ids=ids, labels=ids).loss.backward()
+    assert rel.evaluates_elsewhere
+    y = {n: p.detach().clone() for n, p in b.named_parameters()}
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=n)  # y: the release steps as bind does
+    with ref.eval_weights(), rel.eval_weights():
+        for (n, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)  # x: the same point
+            assert not torch.equal(q, y[n])
+    assert all(torch.equal(p, y[n]) for n, p in b.named_parameters())  # y again, bit for bit

@@ -65,6 +65,7 @@ from pgs.runtime.model.moe import router_tap
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
 from pgs.runtime.optim.bound import BoundOptimizer
+from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
 from pgs.runtime.spec.sections import checkpoint_offload
@@ -596,8 +597,11 @@ def _export(run: Run, out_dir: str, info: dict) -> None:
 
 def _eval_point(run: Run):
     """Inside: the weights to evaluate and export, those the optimizer steps or a schedule-free
-    chain's averaged point x (``BoundOptimizer.eval_weights``); after: the stepped ones."""
-    return run.bound.eval_weights() if isinstance(run.bound, BoundOptimizer) else contextlib.nullcontext()
+    chain's averaged point x (``BoundOptimizer.eval_weights``, ``GradientRelease.eval_weights``);
+    after: the stepped ones."""
+    if isinstance(run.bound, (BoundOptimizer, GradientRelease)):
+        return run.bound.eval_weights()
+    return contextlib.nullcontext()
 
 
 def _improves(metric: str, value: float, best: float | None) -> bool:

@@ -313,10 +313,11 @@ def check_memory(spec: Spec, chain) -> None:
                         "optimizer.clip = 0, or write an optimizer.chain with a per-tensor clip "
                         "({ name = \"clip_by_norm_per_tensor\", ... })")
 
-    if wraps_schedule_free(chain):
-        raise SpecError("memory.gradient_release: a schedule-free optimizer is evaluated and exported at its averaged "
-                        "point x, which the release's per-group state does not provide yet; set "
-                        "memory.gradient_release = false")
+    if wraps_schedule_free(chain) and (mem.offload_optimizer or mem.tied_slabs):
+        field, where, off = (("offload_optimizer", "kept in host memory", "false") if mem.offload_optimizer
+                             else ("tied_slabs", "stepped in row slabs", "0"))
+        raise SpecError(f"memory.{field}: a schedule-free optimizer is evaluated and exported at its averaged point "
+                        f"x, which pgs does not compute from a state {where} yet; set memory.{field} = {off}")
     why = refusal(chain, 1)
     if why:
         where = "optimizer.chain" if opt.chain is not None else "optimizer.alias"
