@@ -418,26 +418,29 @@ def test_bound_optimizer_holds_x_inside_eval_weights_and_y_after(compiled, monke
         assert torch.equal(dict(model.named_parameters())[n].detach(), y[n])  # back to y, bit for bit
 
 
-@pytest.mark.parametrize("masters", [None, "fp32"])
-def test_gradient_release_steps_as_bind_and_holds_x_inside_eval_weights(masters):
+def _release_model(dtype=torch.float32):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, vocab_size=96, tie_word_embeddings=True,
+                      use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).to(dtype).train()
+
+
+def _release_data():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 96, (2, 12), generator=g) for _ in range(3)]
+
+
+def test_gradient_release_steps_as_bind_and_holds_x_inside_eval_weights():
     from pgs.runtime.optim.bound import bind
     from pgs.runtime.optim.release import GradientRelease
 
-    def model():
-        cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=8, vocab_size=96, tie_word_embeddings=True,
-                          use_cache=False, attn_implementation="sdpa")
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(cfg).train()
-
-    g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, 96, (2, 12), generator=g) for _ in range(3)]
-    a, b = model(), model()
+    a, b = _release_model(), _release_model()
     ref = bind(pf.schedule_free_adamw(1e-2, weight_decay=0.1), a)
-    rel = GradientRelease(pf.schedule_free_adamw(1e-2, weight_decay=0.1), b, master_weights=masters)
-    for ids in data:
+    rel = GradientRelease(pf.schedule_free_adamw(1e-2, weight_decay=0.1), b)
+    for ids in _release_data():
         a(input_ids=ids, labels=ids).loss.backward()
         ref.step()
         ref.zero_grad()
@@ -451,3 +454,25 @@ def test_gradient_release_steps_as_bind_and_holds_x_inside_eval_weights(masters)
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)  # x: the same point
             assert not torch.equal(q, y[n])
     assert all(torch.equal(p, y[n]) for n, p in b.named_parameters())  # y again, bit for bit
+
+
+def test_gradient_release_with_fp32_masters_evaluates_x_of_the_masters():
+    from pgs.runtime.optim.release import GradientRelease
+
+    b = _release_model(torch.bfloat16)
+    rel = GradientRelease(pf.schedule_free_adamw(1e-2), b, master_weights="fp32")
+    for ids in _release_data():
+        b(input_ids=ids, labels=ids).loss.backward()
+    assert rel.masters
+    y = {n: p.detach().clone() for n, p in b.named_parameters()}
+    want = {}
+    for group, names in rel.groups.items():
+        sf = rel.states[group]
+        for n in names:
+            m, z = rel.masters[n], sf.z[n]
+            assert m.dtype == torch.float32
+            want[n] = (m + (m - z.float()) * float((1 - sf.b1) / sf.b1)).to(torch.bfloat16)
+    with rel.eval_weights():
+        for n, p in b.named_parameters():
+            torch.testing.assert_close(p.detach(), want[n], rtol=0, atol=0, msg=n)
+    assert all(torch.equal(p, y[n]) for n, p in b.named_parameters())
