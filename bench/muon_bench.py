@@ -75,7 +75,7 @@ def ns_fp64(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """NS_k of an already normalised batch in fp64 (no renormalisation): the accuracy yardstick."""
     import importlib
 
-    a, b, c = (float(v) for v in importlib.import_module("pgs.func.muon").NS_COEFFICIENTS)
+    a, b, c = (float(v) for v in importlib.import_module("pgs.func.muon_direction").NS_COEFFICIENTS)
     X = x.double()
     tall = X.shape[-2] > X.shape[-1]
     X = X.mT if tall else X
@@ -108,9 +108,7 @@ def main() -> None:
     ap.add_argument("--configs", default="all", help="symmetric-kernel configs, comma-separated, 'all' or 'none'")
     args = ap.parse_args()
 
-    import importlib
-
-    M = importlib.import_module("pgs.func.muon")  # the module (pgs.func.muon is also a function name)
+    import pgs.func.muon_direction as M
     from pgs.func.kernels import ns as NS
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")

@@ -1,5 +1,5 @@
 """Conformance entries for the research transforms (issue 3): Muon, MONA, Hyperball, AdaGC,
-ZClip, AdamC, SAGE, EMA.  Picked up by ``registry.py``."""
+ZClip, AdamC, SAGE, EMA, schedule-free.  Picked up by ``registry.py``."""
 
 from __future__ import annotations
 
@@ -150,5 +150,26 @@ ENTRIES = [
         "ema_debias_warmup",
         lambda: pf.ema(0.99, debias=True, warmup=True),
         covers=("ema",),
+    ),
+    Entry(
+        "schedule_free_adamw",
+        lambda: pf.schedule_free_adamw(_sched, b1=0.9, b2=0.99, weight_decay=0.1, mask=_is_matrix),
+        needs_params=True,
+        tol=1e-6,
+        inject=Inject(pf.schedule_free_adamw, dict(learning_rate=_sched, b1=0.9, b2=0.99, weight_decay=0.1,
+                                                   mask=_is_matrix)),
+        jit_check=True,
+        covers=("schedule_free_adamw", "schedule_free"),
+        notes="a schedule: the averaging weights follow it; the update is c(z − y) + (1 − β(1 − c))u",
+    ),
+    Entry(
+        "schedule_free_sgd_fp32_z",
+        lambda: pf.schedule_free(pf.sgd(1e-2), 1e-2, b1=0.5, weight_lr_power=0.0, z_dtype=F32),
+        needs_params=True,
+        tol=1e-6,
+        inject=Inject(pf.schedule_free, dict(opt=pf.sgd(1e-2), learning_rate=1e-2, b1=0.5, weight_lr_power=0.0,
+                                             z_dtype=F32)),
+        covers=("schedule_free",),
+        notes="z stored in fp32 whatever the parameters' dtype; uniform averaging (p = 0)",
     ),
 ]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import pgs.func as pf
 from pgs.errors import InvalidArgument
-from pgs.func.muon import newton_schulz
+from pgs.func.muon_direction import newton_schulz
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 

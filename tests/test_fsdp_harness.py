@@ -27,7 +27,7 @@ import pgs.func as pf
 from pgs.errors import EXIT_SKIP_CAP, HaltError
 from pgs.func.base import MATRIX, EmptyState, Transform
 from pgs.func.losses import token_loss
-from pgs.func.muon import newton_schulz
+from pgs.func.muon_direction import newton_schulz
 from pgs.runtime.loop import control
 from pgs.runtime.store import dcp
 from pgs.runtime.dist import fsdp as D

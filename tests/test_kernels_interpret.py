@@ -26,7 +26,7 @@ triton = pytest.importorskip("triton")
 import pgs.func as pf  # noqa: E402
 from pgs.func import kernels as K  # noqa: E402
 from pgs.func.adam8bit import _adam_hp, adam_leaf  # noqa: E402
-from pgs.func.lion8bit import lion_leaf  # noqa: E402
+from pgs.func.lion8bit_direction import lion_leaf  # noqa: E402
 from pgs.func.quant8 import (  # noqa: E402
     MIN_SCALE,
     Quantized8bit,

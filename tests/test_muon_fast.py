@@ -7,16 +7,14 @@ at fp32 rounding (the same operations in another order); bf16 results at bf16 ro
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
 import torch
 
 import pgs.func as pf
+import pgs.func.muon_direction as M
 from pgs.func.kernels import ns
-
-M = importlib.import_module("pgs.func.muon")  # the module; pgs.func.muon is the function
 
 needs_triton = pytest.mark.skipif(not ns.HAVE_TRITON, reason="triton not installed")
 on_cpu_needs_interpreter = pytest.mark.skipif(

@@ -227,13 +227,11 @@ def test_release_plain_path_is_pure_and_slabs_round_as_one():
 def test_muon_torch_route_rounds_as_the_triton_route(monkeypatch):
     """``muon.round_to_bf16`` where no Triton runs (torch ops) gives the words the Triton route
     (``stochastic_round_``) gives, for the same seed and leaf."""
-    import importlib
-
+    import pgs.func.muon_direction as M
     from pgs.func.kernels import small as S
     from pgs.func.kernels.fused_transform import sr_seed
 
     x = torch.randn(40, 24, generator=torch.Generator().manual_seed(3)).to(DEV) * 2
-    M = importlib.import_module("pgs.func.muon")  # the module; pgs.func.muon is the function
     seed = sr_seed(torch.tensor(7, dtype=torch.int32, device=DEV), 1)
     via_triton = M.round_to_bf16(x.clone(), seed, 2)
     monkeypatch.setattr(S, "usable_for", lambda t: False)

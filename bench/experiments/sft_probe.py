@@ -183,15 +183,11 @@ _ORIGINAL = {"add_to": add_to_torch, "hp": hp_tensor_sync}
 def set_patches(nosync: bool, kadd: bool) -> None:
     """Install the after (True) or the before (False) version of each change (module and class
     attributes, read at call time)."""
-    import importlib
-
+    import pgs.func.adam8bit as A
+    import pgs.func.lion8bit_direction as L
     from pgs.func.kernels import fused_transform as F
     from pgs.func.losses import chunked as C
 
-    # the modules themselves: ``import pgs.func.lion8bit as L`` gives the *function* lion8bit
-    # that pgs.func exports under the same name
-    L = importlib.import_module("pgs.func.lion8bit")
-    A = importlib.import_module("pgs.func.adam8bit")
     hp = hp_tensor_nosync if nosync else hp_tensor_sync
     for mod in (F, L, A):
         mod.hp_tensor = hp
@@ -673,10 +669,10 @@ def check_patches(device) -> dict:
 
     set_patches(True, True)
     out = {"installed": all(importlib.import_module(m).hp_tensor is hp_tensor_nosync
-                            for m in ("pgs.func.lion8bit", "pgs.func.adam8bit", "pgs.func.kernels.fused_transform"))
+                            for m in ("pgs.func.lion8bit_direction", "pgs.func.adam8bit", "pgs.func.kernels.fused_transform"))
            and C.DeferredHeadGrad.add_to is add_to_kernels}
     set_patches(False, False)
-    out["removed"] = (importlib.import_module("pgs.func.lion8bit").hp_tensor is hp_tensor_sync
+    out["removed"] = (importlib.import_module("pgs.func.lion8bit_direction").hp_tensor is hp_tensor_sync
                       and C.DeferredHeadGrad.add_to is add_to_torch)
     lr = torch.full((), 3e-5, dtype=torch.float64, device=device)
     hp = _ORIGINAL["hp"]

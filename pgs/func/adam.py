@@ -8,7 +8,7 @@ import torch
 
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, realize_scalar, zero_count, zeros_state
-from pgs.func.base import ELEMENTWISE, Transform, check_range, hp_cache
+from pgs.func.base import DIRECTION, ELEMENTWISE, Transform, check_range, hp_cache
 
 
 class ScaleByAdamState(NamedTuple):
@@ -76,6 +76,6 @@ def scale_by_adam(
         u, mu, nu = T.tree_map_n(one, 3, updates, state.mu, state.nu)
         return u, ScaleByAdamState(count, mu, nu)
 
-    return Transform(init, update, name="scale_by_adam", locality=ELEMENTWISE,
+    return Transform(init, update, name="scale_by_adam", locality=ELEMENTWISE, stage=DIRECTION,
                      fused=("adam", dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root)))
 

@@ -14,11 +14,11 @@ import torch
 from pgs.func import kernels as K
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count
-from pgs.func.base import ELEMENTWISE, Transform, chain, check_range, hp_in, identity
+from pgs.func.base import DIRECTION, ELEMENTWISE, Transform, chain, check_range, hp_in, identity
 from pgs.func.kernels.fused_transform import FusedTransform, _hp_cached, hp_tensor, one_minus
 from pgs.func.layout import group_label
 from pgs.func.learning_rate import scale_by_learning_rate
-from pgs.func.lion8bit import Fused8bit, _nonzero, check_8bit_args, check_layout, fused_8bit_step, step_hp
+from pgs.func.lion8bit_direction import Fused8bit, _nonzero, check_8bit_args, check_layout, fused_8bit_step, step_hp
 from pgs.func.quant8 import Quantized8bit, init_moment, is_8bit_eligible, load_moment, moment_leaves, store_moment
 from pgs.func.weight_decay import add_decayed_weights, mask_fn
 from pgs.func.step import NO_CONTEXT, StepContext
@@ -147,7 +147,7 @@ def scale_by_adam8bit(
 
     # ``fused`` names this block for the execution layer's chain matcher (pgs.func.fused_adamw_lion);
     # the 8-bit fused kernels are reached through ``adamw8bit``'s FusedTransform.
-    return Transform(init, update, name="scale_by_adam8bit", locality=ELEMENTWISE,
+    return Transform(init, update, name="scale_by_adam8bit", locality=ELEMENTWISE, stage=DIRECTION,
                      group_by=(eligible,), align=block_size,
                      fused=("adam8bit", dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, block_size=block_size, min_8bit_size=min_8bit_size)) if quantize else None)
 
@@ -232,5 +232,5 @@ def adamw8bit(
     fused_step = fused_8bit_step(kind, quantize=quantize, backend=backend, block_size=block_size,
                                  learning_rate=learning_rate, weight_decay=weight_decay, mask=fn)
 
-    return FusedTransform(base.init, base.update, name=base.name, locality=base.locality,
+    return FusedTransform(base.init, base.update, name=base.name, locality=base.locality, stage=base.stage,
                           children=base.children, fused_step=fused_step)

@@ -7,8 +7,8 @@ import torch
 from pgs.func.adam import scale_by_adam
 from pgs.func.base import Transform, chain, check_range, identity
 from pgs.func.learning_rate import scale_by_learning_rate
-from pgs.func.lion import scale_by_lion
-from pgs.func.sgd import scale_by_sgd_momentum
+from pgs.func.lion_direction import scale_by_lion
+from pgs.func.sgd_momentum import scale_by_sgd_momentum
 from pgs.func.weight_decay import add_decayed_weights
 
 

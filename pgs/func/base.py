@@ -9,8 +9,9 @@ needs the context declares it, ``update(updates, state, params=None, *, ctx=NO_C
 **extra)``; combinators forward ``extra`` whole.
 
 What a transform needs from the tree is declared by its ``locality`` (elementwise,
-per-tensor, matrix, global) and ``shard_aware``; how a chain may run fused is decided by the
-plan registry (``pgs.func.plan``), never by the executors themselves.
+per-tensor, matrix, global) and ``shard_aware``; what it does to the update by its ``stage``
+(it shapes a direction, or it turns a direction into a step); how a chain may run fused is
+decided by the plan registry (``pgs.func.plan``), never by the executors themselves.
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ PER_TENSOR = "per_tensor"  # needs reductions over whole tensors (norms)
 MATRIX = "matrix"  # needs whole matrices in their shape (Newton-Schulz, SAGE columns)
 GLOBAL = "global"  # needs a reduction over the whole tree (global-norm clip)
 _LOCALITY_ORDER = {ELEMENTWISE: 0, PER_TENSOR: 1, MATRIX: 2, GLOBAL: 3}
+
+
+#: What a stage does to the update (``Transform.stage``).  The runtime *adds* a chain's updates
+#: to the parameters, so a chain must contain a step stage; ``no_step_stage`` reads these.
+DIRECTION = "direction"  # shapes a direction: the update keeps the gradient's sign (Adam, clipping, decay)
+STEP = "step"  # turns a direction into a step: −η_t·u, or a step on a sphere
+BRANCHES = "branches"  # a combinator sending each parameter through one child: every child must step
+SOME_PARAMS = "some_params"  # a combinator whose children see some parameters; the others pass unchanged
+STAGES = (DIRECTION, STEP, BRANCHES, SOME_PARAMS)
 
 
 def widest_locality(*localities: str) -> str:
@@ -71,6 +81,13 @@ class Transform:
             step (ZClip in mode "skip"): True in the state its last update returned means
             that step must not happen.  The chain holding it honours the veto
             (:func:`named_chain`); None for the rest.
+        stage: what it does to the update: ``"direction"`` (shapes a direction, the update
+            keeps the gradient's sign), ``"step"`` (turns a direction into a step, −η_t·u);
+            for combinators, how their children decide: ``"branches"`` (each parameter goes
+            through one child, so every child must step), ``"some_params"`` (parameters the
+            children do not see pass through unchanged).  None: a wrapper whose children
+            decide (any child that steps makes it step), or a transform that does not say
+            (a user's own: trusted).  Read by :func:`no_step_stage`.
     """
 
     init: Callable[..., Any]
@@ -84,6 +101,11 @@ class Transform:
     fused: Any = None
     shard_aware: bool = False
     skip_of: Callable[[Any], torch.Tensor] | None = None
+    stage: str | None = None
+
+    def __post_init__(self):
+        if self.stage is not None and self.stage not in STAGES:
+            raise InvalidArgument(f"Transform {self.name!r}: stage={self.stage!r} is not one of {', '.join(STAGES)}")
 
     def all_group_by(self) -> tuple:
         out = list(self.group_by)
@@ -114,7 +136,7 @@ def identity() -> Transform:
     def update(updates, state, params=None, **extra):
         return updates, state
 
-    return Transform(init, update, name="identity", fused=("identity", {}))
+    return Transform(init, update, name="identity", fused=("identity", {}), stage=DIRECTION)
 
 
 def _check_transforms(transforms, who: str):
@@ -294,30 +316,21 @@ def as_tensor_like(x, ref: torch.Tensor) -> Any:
 # ----------------------------------------------------------------------------------------
 # a chain must end in a step: its updates are *added* to the parameters
 
-#: Stages that turn a direction into a step (−η_t·u, or a step on a sphere).
-STEP_STAGES = frozenset({"scale_by_learning_rate", "hyperball"})
-#: pgs building blocks that only shape a direction: the update keeps the gradient's sign.
-DIRECTION_STAGES = frozenset({
-    "identity", "scale_by_adam", "scale_by_adam8bit", "scale_by_lion", "scale_by_lion8bit", "scale_by_muon",
-    "scale_by_sage", "scale_by_sgd_momentum", "clip_by_global_norm", "clip_by_norm_per_tensor", "zclip", "adagc",
-    "mona", "add_decayed_weights", "add_corrected_decayed_weights",
-})
-
-
 def _has_step(t: Transform) -> bool | None:
     """True: every parameter's update goes through a step stage; False: some parameter's
-    does not (the update is a raw direction); None: a transform pgs does not know decides."""
-    if t.name in STEP_STAGES:
+    does not (the update is a raw direction); None: a transform that declares no stage decides.
+    Each transform declares its own ``stage``; nothing here knows names."""
+    if t.stage == STEP:
         return True
-    if t.name == "partition":  # every branch must step
+    if t.stage == BRANCHES:  # every branch must step
         found = [_has_step(c) for c in t.children]
         return False if False in found else (None if None in found else True)
-    if t.name == "masked":  # the unmasked parameters pass through unchanged
+    if t.stage == SOME_PARAMS:  # the parameters outside the children pass through unchanged
         return None if _has_step(t.children[0]) is None else False
     if t.children:  # chain, accumulate, inject_hyperparams, fused wrappers: any stage steps
         found = [_has_step(c) for c in t.children]
         return True if True in found else (None if None in found else False)
-    return False if t.name in DIRECTION_STAGES else None
+    return False if t.stage == DIRECTION else None
 
 
 def _describe(t: Transform) -> str:
@@ -331,8 +344,8 @@ def no_step_stage(chain: Transform) -> str | None:
 
     The runtime adds a chain's updates to the parameters, so a chain of directions alone
     (``scale_by_adam()`` with no ``scale_by_learning_rate``) moves *up* the gradient with a
-    step of 1.  Said only when every stage is a pgs transform; a transform of the user's own
-    is trusted.  ``scale_by_learning_rate(lr, flip_sign=False)`` ascends on purpose and passes.
+    step of 1.  Said only when every stage declares its ``stage``; a transform of the user's
+    own that declares none is trusted.  ``scale_by_learning_rate(lr, flip_sign=False)`` ascends on purpose and passes.
     """
     if _has_step(chain) is not False:
         return None

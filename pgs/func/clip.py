@@ -8,7 +8,7 @@ import torch
 
 from pgs.func import tree as T
 from pgs.func._common import device_of
-from pgs.func.base import GLOBAL, PER_TENSOR, Transform, check_range
+from pgs.func.base import DIRECTION, GLOBAL, PER_TENSOR, Transform, check_range
 from pgs.func.layout import per_tensor_apply, per_tensor_sumsq, reduced
 from pgs.func.step import NO_CONTEXT, StepContext
 
@@ -77,7 +77,7 @@ def clip_by_global_norm(max_norm: float) -> Transform:
         out = T.tree_map(one, updates)
         return out, ClipByGlobalNormState(norm)
 
-    return Transform(init, update, name="clip_by_global_norm", locality=GLOBAL, shard_aware=True)
+    return Transform(init, update, name="clip_by_global_norm", locality=GLOBAL, shard_aware=True, stage=DIRECTION)
 
 
 class ClipByNormPerTensorState(NamedTuple):
@@ -107,5 +107,5 @@ def clip_by_norm_per_tensor(max_norm: float) -> Transform:
 
         return per_tensor_apply(one, updates, scales, layout=layout), ClipByNormPerTensorState(norms)
 
-    return Transform(init, update, name="clip_by_norm_per_tensor", locality=PER_TENSOR,
+    return Transform(init, update, name="clip_by_norm_per_tensor", locality=PER_TENSOR, stage=DIRECTION,
                      shard_aware=True)

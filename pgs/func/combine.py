@@ -8,7 +8,7 @@ import torch
 
 from pgs.errors import InvalidArgument
 from pgs.func import tree as T
-from pgs.func.base import Transform, identity, widest_locality
+from pgs.func.base import BRANCHES, SOME_PARAMS, Transform, identity, widest_locality
 from pgs.func.layout import call_init, call_update, group_label
 from pgs.func.step import NO_CONTEXT, StepContext
 
@@ -103,6 +103,7 @@ def partition(transforms: dict, labels) -> Transform:
         init,
         update,
         name="partition",
+        stage=BRANCHES,
         locality=widest_locality(*(t.locality for t in transforms.values())),
         group_by=(fn,),
         children=tuple(transforms.values()),
@@ -125,4 +126,5 @@ def masked(inner: Transform, mask) -> Transform:
         u, s = p.update(updates, {"True": state.inner, "False": ()}, params, **extra)
         return u, MaskedState(s["True"])
 
-    return Transform(init, update, name="masked", locality=inner.locality, group_by=p.group_by, children=(inner,))
+    return Transform(init, update, name="masked", locality=inner.locality, group_by=p.group_by, children=(inner,),
+                     stage=SOME_PARAMS)

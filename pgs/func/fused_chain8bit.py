@@ -51,13 +51,13 @@ import torch
 from pgs.func import kernels as K
 from pgs.func import tree as T
 from pgs.func._common import increment
-from pgs.func.adagc import AdaGCState
-from pgs.func.hyperball import HyperballState
+from pgs.func.adagc_clip import AdaGCState
+from pgs.func.hyperball_sphere import HyperballState
 from pgs.func.kernels.fused_transform import hp_tensor, one_minus, sr_seed
 from pgs.func.layout import group_label, segment_slots
 from pgs.func.learning_rate import lr_value
-from pgs.func.lion8bit import ScaleByLion8bitState
-from pgs.func.mona import MonaState
+from pgs.func.lion8bit_direction import ScaleByLion8bitState
+from pgs.func.mona_acceleration import MonaState
 from pgs.func.quant8 import Quantized8bit
 from pgs.func.step import StepContext
 
@@ -165,7 +165,7 @@ def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
         dev = next(iter(fg.values())).device
         code, btab = K._maps(True, dev)
 
-        # -- pass A + AdaGC's per-tensor clip factor (adagc.py's arithmetic, op for op) --
+        # -- pass A + AdaGC's per-tensor clip factor (adagc_clip.py's arithmetic, op for op) --
         count = increment(s_ada.count)
         first = count == 1
         warm = (count < warmup_steps) | first

@@ -74,6 +74,7 @@ def inject_hyperparams(factory: Callable[..., Transform], static_args: tuple[str
             init,
             update,
             name=proto.name,
+            stage=proto.stage,
             locality=proto.locality,
             flat_ok=True,
             group_by=proto.all_group_by(),

@@ -8,7 +8,7 @@ import torch
 
 from pgs.func import tree as T
 from pgs.func._common import increment, realize_scalar, zero_count
-from pgs.func.base import ELEMENTWISE, Transform, check_range
+from pgs.func.base import ELEMENTWISE, STEP, Transform, check_range
 
 
 class ScaleByLearningRateState(NamedTuple):
@@ -54,5 +54,5 @@ def scale_by_learning_rate(learning_rate, flip_sign: bool = True) -> Transform:
 
         return T.tree_map(one, updates), ScaleByLearningRateState(increment(state.count), lr)
 
-    return Transform(init, update, name="scale_by_learning_rate", locality=ELEMENTWISE,
+    return Transform(init, update, name="scale_by_learning_rate", locality=ELEMENTWISE, stage=STEP,
                      fused=("lr", dict(learning_rate=learning_rate, flip_sign=flip_sign)))

@@ -1,6 +1,6 @@
 """Fused Triton kernels for the 8-bit optimizers, and when to use them.
 
-The composition layer (``pgs.func.lion8bit``, ``pgs.func.adam8bit``) never needs this
+The composition layer (``pgs.func.lion8bit_direction``, ``pgs.func.adam8bit``) never needs this
 package: every kernel here replaces a torch reference function with the same results, and
 the transforms pick it by ``backend``:
 

@@ -11,7 +11,7 @@ gathers the map entry.  Table gathers are inline-PTX loads (``_gather``) so that
 keeps the streaming layout (a ``tl.load`` of a gather gets a one-element-per-thread layout
 and conversions through shared memory).
 
-The maths mirrors the torch reference (``pgs.func.quant8``, ``pgs.func.lion8bit``,
+The maths mirrors the torch reference (``pgs.func.quant8``, ``pgs.func.lion8bit_direction``,
 ``pgs.func.adam8bit``) operation for operation; on a GPU the compiler may contract a
 multiply-add into an FMA, so results agree to the last bit only up to that (the tests
 bound the difference; ``KernelConfig.fp_fusion=False`` turns contraction off).

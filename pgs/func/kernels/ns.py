@@ -17,7 +17,7 @@ X ← aX + BX becomes one plain product B'X (no copy of X into the output buffer
 ``out``'s dtype (as ``torch.baddbmm`` does).
 
 ``muon_pre`` / ``muon_post`` are the one-pass elementwise stages around the iteration (see
-``pgs.func.muon.muon_fused_step``).
+``pgs.func.muon_direction.muon_fused_step``).
 
 Tile configurations are named in ``CONFIGS`` so that one benchmark run can try each
 (``bench/muon_bench.py``).

@@ -53,7 +53,7 @@ from pgs.func.losses.objectives import (
 from pgs.func.losses.preference import PREFERENCE_KINDS, REFERENCE_FREE, PreferenceLoss, preference_loss
 from pgs.func.losses.result import TokenLossResult
 from pgs.func.losses.sequence import sequence_logps
-from pgs.func.losses.token_loss import BACKENDS, token_loss
+from pgs.func.losses.dispatch import BACKENDS, token_loss
 
 __all__ = [
     "BACKENDS",

@@ -32,6 +32,7 @@ Tests inject faults (NaN losses, a SIGKILL mid-checkpoint or after a step, slow 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -64,6 +65,8 @@ from pgs.runtime.model.build import build_model, freeze, parameter_bytes
 from pgs.runtime.model.moe import router_tap
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
+from pgs.runtime.optim.bound import BoundOptimizer
+from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
 from pgs.runtime.spec.sections import checkpoint_offload
@@ -596,6 +599,15 @@ def _export(run: Run, out_dir: str, info: dict) -> None:
         export_hf(run.model, run.tokenizer, out_dir, info=info, max_shard_size=shards)
 
 
+def _eval_point(run: Run):
+    """Inside: the weights to evaluate and export, those the optimizer steps or a schedule-free
+    chain's averaged point x (``BoundOptimizer.eval_weights``, ``GradientRelease.eval_weights``);
+    after: the stepped ones."""
+    if isinstance(run.bound, (BoundOptimizer, GradientRelease)):
+        return run.bound.eval_weights()
+    return contextlib.nullcontext()
+
+
 def _improves(metric: str, value: float, best: float | None) -> bool:
     if best is None:
         return True
@@ -603,7 +615,8 @@ def _improves(metric: str, value: float, best: float | None) -> bool:
 
 
 def eval_and_keep_best(run: Run) -> None:
-    result = evaluate(run)
+    with _eval_point(run):
+        result = evaluate(run)
     if run.averaging is not None and run.averaging.ready:  # the EMA weights, evaluated the same way
         with run.averaging.ema_weights(run.model):
             result.update({f"ema_{k}": v for k, v in evaluate(run).items() if k != "step"})
@@ -619,7 +632,8 @@ def eval_and_keep_best(run: Run) -> None:
     metric = run.spec.checkpoint.best_metric
     if metric and metric in result and _improves(metric, result[metric], run.best):
         run.best, run.best_step = float(result[metric]), run.step
-        _export(run, os.path.join(run.run_dir, "best"), {"step": run.step, metric: run.best})
+        with _eval_point(run):
+            _export(run, os.path.join(run.run_dir, "best"), {"step": run.step, metric: run.best})
 
 
 def run(spec, *, resume: str | None = None, spec_path: str | None = None,
@@ -843,7 +857,8 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
             if last is not None:
                 emit(last)
             if spec.checkpoint.export:
-                _export(r, os.path.join(run_dir, "final"), {"step": r.step})
+                with _eval_point(r):
+                    _export(r, os.path.join(run_dir, "final"), {"step": r.step})
                 if r.averaging is not None and r.averaging.has_ema:
                     with r.averaging.ema_weights(r.model):
                         _export(r, os.path.join(run_dir, EMA_EXPORT), {"step": r.step, "ema": r.averaging.decay})

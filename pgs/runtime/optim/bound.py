@@ -20,8 +20,9 @@ per-parameter tree (the reference path) and the result is written back into the 
 
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -29,9 +30,12 @@ import pgs.func as pf
 from pgs.errors import CheckpointError, InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import no_step_stage
+from pgs.func.schedule_free_iterates import eval_point, has_schedule_free, schedule_free_state
 from pgs.runtime.optim.interface import StepMetrics, step_metrics
 
 _LAYOUT_KEY = "__pgs_layout__"
+#: Elements per slice when ``eval_weights`` writes a schedule-free chain's x into the weights.
+_EVAL_SLICE = 1 << 24
 
 
 def trainable_parameters(module_or_params, who: str) -> dict[str, torch.Tensor]:
@@ -169,6 +173,43 @@ class BoundOptimizer:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
+
+    # -- where the model is evaluated ---------------------------------------------------
+    @property
+    def evaluates_elsewhere(self) -> bool:
+        """Whether the chain's evaluation point is not the parameters it steps (schedule-free:
+        gradients are taken at y, the model is evaluated and exported at x)."""
+        return has_schedule_free(self.state)
+
+    @contextlib.contextmanager
+    def eval_weights(self) -> Iterator[None]:
+        """Inside: the parameters hold the chain's evaluation point (``pf.schedule_free_eval_params``:
+        x); after: the parameters it steps, bit for bit (kept on the CPU meanwhile).  x is
+        written in place slice by slice, so the device holds no second copy of the weights.
+        Nothing moves for a chain that evaluates where it steps."""
+        if not self.evaluates_elsewhere:
+            yield
+            return
+        live = self.param_bufs if self.compiled else self._detached()
+        sf = schedule_free_state(self.state)
+        T.check_same_structure(live, sf.z, "parameters", "schedule-free z")
+        kept = {}
+        with torch.no_grad():
+            for k, y in live.items():
+                z = sf.z[k]
+                kept[k] = y.to("cpu", copy=True)
+                if not (y.is_contiguous() and z.is_contiguous()):
+                    y.copy_(eval_point(y, z, sf.b1))
+                    continue
+                fy, fz = y.view(-1), z.view(-1)
+                for s in range(0, fy.numel(), _EVAL_SLICE):
+                    fy[s:s + _EVAL_SLICE].copy_(eval_point(fy[s:s + _EVAL_SLICE], fz[s:s + _EVAL_SLICE], sf.b1))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, y in live.items():
+                    y.copy_(kept[k])
 
     # -- state --------------------------------------------------------------------------
     def _layout_fingerprint(self) -> torch.Tensor:

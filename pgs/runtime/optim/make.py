@@ -6,6 +6,7 @@ import torch
 
 import pgs.func as pf
 from pgs.errors import SpecError
+from pgs.func.schedule_free_iterates import wraps_schedule_free
 from pgs.runtime.optim.bound import BoundOptimizer
 from pgs.runtime.optim.interface import Optimizer
 from pgs.runtime.optim.offload import OffloadedRelease
@@ -51,6 +52,9 @@ def make_optimizer(chain: pf.Transform, model: torch.nn.Module, memory, *, shard
         why = single_process_refusal(memory)
         if why:
             raise SpecError(why)
+        if wraps_schedule_free(chain):
+            raise SpecError("optimizer: a schedule-free optimizer is evaluated and exported at its averaged point x, "
+                            "which pgs computes on one process only for now; run it with WORLD_SIZE = 1")
         if memory.gradient_release:
             # each FSDP unit's chain runs right after its reduce-scatter, inside backward; a bf16
             # model already has fp32 sharded masters (mixed precision), so master_weights adds nothing

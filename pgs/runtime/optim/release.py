@@ -70,10 +70,11 @@ the fact; check the loss before calling ``backward``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -82,6 +83,7 @@ from pgs.errors import CheckpointError, InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import GLOBAL, no_step_stage
 from pgs.func.plan import RELEASE, plan_for
+from pgs.func.schedule_free_iterates import eval_point, has_schedule_free, schedule_free_state
 from pgs.func.step import StepContext
 from pgs.runtime.optim.bound import trainable_parameters
 from pgs.runtime.optim.interface import StepMetrics
@@ -607,6 +609,35 @@ class GradientRelease:
         self._handles = []
         if self._slabs is not None:
             self._slabs.remove()
+
+    # -- where the model is evaluated ---------------------------------------------------------
+    @property
+    def evaluates_elsewhere(self) -> bool:
+        """Whether the chain's evaluation point is not the weights it steps (schedule-free)."""
+        return any(has_schedule_free(s) for s in self.states.values())
+
+    @contextlib.contextmanager
+    def eval_weights(self) -> Iterator[None]:
+        """As ``BoundOptimizer.eval_weights``: inside, each parameter holds x, from the weights
+        the release steps (its fp32 master where it keeps one) and its group's z, one parameter
+        at a time; after, the parameters as they were, bit for bit (kept on the CPU meanwhile)."""
+        if not self.evaluates_elsewhere:
+            yield
+            return
+        kept: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for group, names in self.groups.items():
+                sf = schedule_free_state(self.states[group])
+                for n in names:
+                    p = self.params[n].detach()
+                    kept[n] = p.to("cpu", copy=True)
+                    p.copy_(eval_point(self.masters.get(n, p), sf.z[n], sf.b1))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, saved in kept.items():
+                    self.params[n].detach().copy_(saved)
 
     # -- state ------------------------------------------------------------------------------
     def _fingerprint(self) -> torch.Tensor:

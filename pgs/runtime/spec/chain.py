@@ -25,6 +25,7 @@ import pgs.func as pf
 from pgs.errors import PgsError, SpecError
 from pgs.func.base import no_step_stage
 from pgs.func.losses import BACKENDS, OBJECTIVES
+from pgs.func.schedule_free_iterates import wraps_schedule_free
 from pgs.runtime.optim.release import refusal, slab_refusal
 from pgs.runtime.spec.sections import suggest
 
@@ -312,6 +313,11 @@ def check_memory(spec: Spec, chain) -> None:
                         "optimizer.clip = 0, or write an optimizer.chain with a per-tensor clip "
                         "({ name = \"clip_by_norm_per_tensor\", ... })")
 
+    if wraps_schedule_free(chain) and (mem.offload_optimizer or mem.tied_slabs):
+        field, where, off = (("offload_optimizer", "kept in host memory", "false") if mem.offload_optimizer
+                             else ("tied_slabs", "stepped in row slabs", "0"))
+        raise SpecError(f"memory.{field}: a schedule-free optimizer is evaluated and exported at its averaged point "
+                        f"x, which pgs does not compute from a state {where} yet; set memory.{field} = {off}")
     why = refusal(chain, 1)
     if why:
         where = "optimizer.chain" if opt.chain is not None else "optimizer.alias"

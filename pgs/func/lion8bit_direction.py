@@ -14,7 +14,7 @@ from pgs.errors import InvalidArgument
 from pgs.func import kernels as K
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count
-from pgs.func.base import ELEMENTWISE, EmptyState, Transform, chain, check_range, identity
+from pgs.func.base import DIRECTION, ELEMENTWISE, EmptyState, Transform, chain, check_range, identity
 from pgs.func.kernels.fused_transform import FusedTransform, constant_lr, hp_tensor, increment_pair, one_minus, sr_seeds
 from pgs.func.layout import group_label
 from pgs.func.learning_rate import ScaleByLearningRateState, lr_value, scale_by_learning_rate
@@ -398,7 +398,7 @@ def scale_by_lion8bit(
 
     # ``fused`` names this block for the execution layer's chain matcher (pgs.func.fused_adamw_lion);
     # the 8-bit fused kernels are reached through ``lion8bit``'s FusedTransform.
-    return Transform(init, update, name="scale_by_lion8bit", locality=ELEMENTWISE,
+    return Transform(init, update, name="scale_by_lion8bit", locality=ELEMENTWISE, stage=DIRECTION,
                      group_by=(eligible,), align=block_size,
                      fused=("lion8bit", dict(b1=b1, b2=b2, block_size=block_size, min_8bit_size=min_8bit_size,
                                              backend=backend)) if quantize else None)
@@ -484,7 +484,7 @@ def lion8bit(
     fused_step = fused_8bit_step(kind, quantize=quantize, backend=backend, block_size=block_size,
                                  learning_rate=learning_rate, weight_decay=weight_decay, mask=fn)
 
-    return FusedTransform(base.init, base.update, name=base.name, locality=base.locality,
+    return FusedTransform(base.init, base.update, name=base.name, locality=base.locality, stage=base.stage,
                           children=base.children, fused_step=fused_step)
 
 

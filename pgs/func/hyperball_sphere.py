@@ -14,11 +14,11 @@ from pgs.errors import InvalidArgument
 from pgs.func import tree as T
 from pgs.func._common import increment, zero_count
 from pgs.func.adam import scale_by_adam
-from pgs.func.base import PER_TENSOR, Transform, chain, check_range
+from pgs.func.base import PER_TENSOR, STEP, Transform, chain, check_range
 from pgs.func.combine import partition
 from pgs.func.layout import group_label, per_tensor_apply, per_tensor_sumsq
 from pgs.func.learning_rate import lr_value as _lr_value
-from pgs.func.muon import NS_COEFFICIENTS, muon_route, scale_by_muon
+from pgs.func.muon_direction import NS_COEFFICIENTS, muon_route, scale_by_muon
 from pgs.func.weight_decay import mask_fn
 from pgs.func.step import NO_CONTEXT, StepContext
 
@@ -100,7 +100,7 @@ def hyperball(learning_rate, mask=None, eps: float = 1e-12) -> Transform:
             out = {k: (None if u is None else (on_sphere[k] if labels[k] else plain(u))) for k, u in updates.items()}
         return out, HyperballState(increment(state.count), lr, state.radius)
 
-    return Transform(init, update, name="hyperball", locality=PER_TENSOR, shard_aware=True, group_by=(constrained,),
+    return Transform(init, update, name="hyperball", locality=PER_TENSOR, shard_aware=True, stage=STEP, group_by=(constrained,),
                      fused=("hyperball", dict(learning_rate=learning_rate, eps=eps)))  # pgs.func.fused_chain8bit
 
 

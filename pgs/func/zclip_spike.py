@@ -13,7 +13,7 @@ import torch
 from pgs.errors import InvalidArgument
 from pgs.func import tree as T
 from pgs.func._common import device_of, increment, zero_count
-from pgs.func.base import GLOBAL, Transform, check_range
+from pgs.func.base import DIRECTION, GLOBAL, Transform, check_range
 from pgs.func.clip import global_norm
 from pgs.func.step import NO_CONTEXT, StepContext
 
@@ -127,7 +127,8 @@ def zclip(alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 25, mo
         skip_of = lambda state: state.spike  # noqa: E731
     else:
         skip_of = lambda state: ~torch.isfinite(state.norm)  # noqa: E731
-    return Transform(init, update, name="zclip", locality=GLOBAL, shard_aware=True, skip_of=skip_of)
+    return Transform(init, update, name="zclip", locality=GLOBAL, shard_aware=True, skip_of=skip_of,
+                     stage=DIRECTION)
 
 
 def _f32(x, ref: torch.Tensor):

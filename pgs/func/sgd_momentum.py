@@ -9,7 +9,7 @@ import torch
 from pgs.errors import InvalidArgument
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count, zeros_state
-from pgs.func.base import ELEMENTWISE, Transform, check_range, hp_cache
+from pgs.func.base import DIRECTION, ELEMENTWISE, Transform, check_range, hp_cache
 
 
 class ScaleBySgdMomentumState(NamedTuple):
@@ -48,4 +48,4 @@ def scale_by_sgd_momentum(momentum: float = 0.9, nesterov: bool = False, mu_dtyp
         u, mom = T.tree_map_n(one, 2, updates, state.momentum)
         return u, ScaleBySgdMomentumState(increment(state.count), mom)
 
-    return Transform(init, update, name="scale_by_sgd_momentum", locality=ELEMENTWISE)
+    return Transform(init, update, name="scale_by_sgd_momentum", locality=ELEMENTWISE, stage=DIRECTION)

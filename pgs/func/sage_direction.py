@@ -13,9 +13,9 @@ import torch
 from pgs.errors import InvalidArgument
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count
-from pgs.func.base import MATRIX, Transform, chain, check_range, hp_in, identity
+from pgs.func.base import DIRECTION, MATRIX, Transform, chain, check_range, hp_in, identity
 from pgs.func.learning_rate import scale_by_learning_rate
-from pgs.func.muon import is_embedding_or_head
+from pgs.func.muon_direction import is_embedding_or_head
 from pgs.func.weight_decay import add_decayed_weights, mask_fn
 
 ORDERS = ("canon", "official")
@@ -104,7 +104,8 @@ def scale_by_sage(b1: float = 0.9, b2: float = 0.99, eps: float = 1e-8, embeddin
         out_u, out_m, out_s = _map_with_path(one, updates, state.mu, state.s)
         return out_u, ScaleBySageState(count, out_m, out_s)
 
-    return Transform(init, update, name="scale_by_sage", locality=MATRIX, flat_ok=False, group_by=())
+    return Transform(init, update, name="scale_by_sage", locality=MATRIX, flat_ok=False, group_by=(),
+                     stage=DIRECTION)
 
 
 def _map_with_path(fn, tree, *rest):

@@ -8,7 +8,7 @@ import torch
 
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count, zeros_state
-from pgs.func.base import ELEMENTWISE, Transform, check_range, hp_in
+from pgs.func.base import DIRECTION, ELEMENTWISE, Transform, check_range, hp_in
 
 
 class MonaState(NamedTuple):
@@ -77,5 +77,5 @@ def mona(alpha: float = 0.92, beta: float = 0.92, buffer_dtype: torch.dtype | No
         u, prev, acc = T.tree_map_n(one, 3, updates, state.prev, state.acc)
         return u, MonaState(increment(state.count), prev, acc)
 
-    return Transform(init, update, name="mona", locality=ELEMENTWISE,
+    return Transform(init, update, name="mona", locality=ELEMENTWISE, stage=DIRECTION,
                      fused=("mona", dict(alpha=alpha, beta=beta, buffer_dtype=buffer_dtype)))  # pgs.func.fused_chain8bit

@@ -22,7 +22,7 @@ from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count, zeros_state
 from pgs.func.alias import adamw, lion
 from pgs.func.apply import stochastic_round_to_bf16
-from pgs.func.base import EmptyState, MATRIX, Transform, chain, check_range, hp_in
+from pgs.func.base import DIRECTION, EmptyState, MATRIX, Transform, chain, check_range, hp_in
 from pgs.func.combine import partition
 from pgs.func.layout import call_update, group_label
 from pgs.func.learning_rate import ScaleByLearningRateState, lr_value, scale_by_learning_rate
@@ -430,7 +430,8 @@ def scale_by_muon(
         mu_tree = T.unflatten(new_m, spec)
         return T.unflatten(out, spec), ScaleByMuonState(increment(state.count), mu_tree)
 
-    return Transform(init, update, name="scale_by_muon", locality=MATRIX, flat_ok=False, shard_aware=True)
+    return Transform(init, update, name="scale_by_muon", locality=MATRIX, flat_ok=False, shard_aware=True,
+                     stage=DIRECTION)
 
 
 def muon(

@@ -8,7 +8,7 @@ import torch
 
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count, zeros_state
-from pgs.func.base import ELEMENTWISE, Transform, check_range, hp_cache
+from pgs.func.base import DIRECTION, ELEMENTWISE, Transform, check_range, hp_cache
 
 
 class ScaleByLionState(NamedTuple):
@@ -50,4 +50,4 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | Non
         u, mu = T.tree_map_n(one, 2, updates, state.mu)
         return u, ScaleByLionState(increment(state.count), mu)
 
-    return Transform(init, update, name="scale_by_lion", locality=ELEMENTWISE, fused=("lion", dict(b1=b1, b2=b2)))
+    return Transform(init, update, name="scale_by_lion", locality=ELEMENTWISE, stage=DIRECTION, fused=("lion", dict(b1=b1, b2=b2)))

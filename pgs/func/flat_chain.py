@@ -195,7 +195,7 @@ class FlatChain:
 
 def compile(opt: Transform, *, jit: bool = True, donate: bool = False, align: int = 256,
             stochastic_rounding: bool = False, compile_options: dict | None = None, fused: bool = True) -> FlatChain:
-    """Run ``opt`` on the flat layout (see ``pgs.func.compile`` module docs).
+    """Run ``opt`` on the flat layout (see ``pgs.func.flat_chain`` module docs).
 
     Args:
         opt: any transform or chain.

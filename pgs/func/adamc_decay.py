@@ -13,10 +13,10 @@ from pgs.errors import InvalidArgument
 from pgs.func import tree as T
 from pgs.func._common import increment, zero_count
 from pgs.func.adam import scale_by_adam
-from pgs.func.base import ELEMENTWISE, Transform, chain, check_range
+from pgs.func.base import DIRECTION, ELEMENTWISE, Transform, chain, check_range
 from pgs.func.layout import group_label
 from pgs.func.learning_rate import lr_value as _lr_value, scale_by_learning_rate
-from pgs.func.muon import is_hidden_matrix
+from pgs.func.muon_direction import is_hidden_matrix
 from pgs.func.weight_decay import mask_fn
 from pgs.func.step import NO_CONTEXT, StepContext
 
@@ -80,7 +80,8 @@ def add_corrected_decayed_weights(weight_decay: float, learning_rate, peak_lr, n
             out = {k: (None if g is None else one(k, g, params[k])) for k, g in updates.items()}
         return out, AddCorrectedDecayState(increment(state.count))
 
-    return Transform(init, update, name="add_corrected_decayed_weights", locality=ELEMENTWISE, group_by=(fn,))
+    return Transform(init, update, name="add_corrected_decayed_weights", locality=ELEMENTWISE, group_by=(fn,),
+                     stage=DIRECTION)
 
 
 def adamc(learning_rate=1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2,

@@ -12,9 +12,9 @@ import torch
 
 from pgs.func import tree as T
 from pgs.func._common import increment, zero_count
-from pgs.func.base import GLOBAL, Transform, check_range
+from pgs.func.base import DIRECTION, GLOBAL, Transform, check_range
 from pgs.func.layout import per_tensor_apply, per_tensor_sumsq
-from pgs.func.zclip import _f32
+from pgs.func.zclip_spike import _f32
 from pgs.func.step import NO_CONTEXT, StepContext
 
 
@@ -101,6 +101,6 @@ def adagc(lambda_rel: float = 1.05, beta: float = 0.98, lambda_abs: float = 1.0,
         return per_tensor_apply(scale, updates, h, layout=layout), AdaGCState(count, gamma)
 
     # the warmup reads the global norm, hence GLOBAL (after warmup it is per-tensor)
-    return Transform(init, update, name="adagc", locality=GLOBAL, shard_aware=True,
+    return Transform(init, update, name="adagc", locality=GLOBAL, shard_aware=True, stage=DIRECTION,
                      fused=("adagc", dict(lambda_rel=lambda_rel, beta=beta, lambda_abs=lambda_abs,
                                           warmup_steps=warmup_steps, eps=eps)))  # pgs.func.fused_chain8bit
