@@ -178,6 +178,10 @@ def freeze(model, policy: str | Sequence[str] | None) -> list[str]:
         config = getattr(model.config, "text_config", None) or model.config
         layer_types = list(getattr(config, "layer_types", None) or [])
         frozen_layers = {i for i, t in enumerate(layer_types) if t not in ATTENTION_LAYER_TYPES}
+        if not frozen_layers:
+            raise SpecError(f"model.freeze: \"non_attention\" would freeze nothing: the layer_types of "
+                            f"{getattr(config, 'model_type', '')!r} are all attention (no linear-attention or "
+                            "recurrent layers); use \"none\" or a list of patterns")
         for name, p in model.named_parameters():
             if _layer_index(name) in frozen_layers:
                 p.requires_grad_(False)
@@ -224,7 +228,7 @@ def final_hidden(model, input_ids: Tensor, position_ids: Tensor, *, embed_noise=
     kwargs = dict(position_ids=position_ids, use_cache=False)
     if uses_varlen(model):  # the document boundaries, once for every layer
         kwargs.update(packed_kwargs(position_ids))
-    elif linear_attention.has_linear_layers(model):  # for the linear-attention layers
+    elif linear_attention.wants_boundaries(model):  # for the linear-attention layers
         kwargs.update(boundary_kwargs(position_ids))
     if embed_noise is None:
         out = base(input_ids=input_ids, **kwargs)

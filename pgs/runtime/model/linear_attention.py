@@ -58,6 +58,8 @@ LINEAR_LAYER_TYPE = "linear_attention"
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 #: Attribute that marks a layer whose forward :func:`isolate` replaced.
 _MARK = "_pgs_packed_forward"
+#: Attribute that marks a model whose linear-attention layers all have it.
+_WANTS = "_pgs_linear_boundaries"
 
 
 def linear_layers(model: nn.Module) -> list[nn.Module]:
@@ -72,7 +74,9 @@ def unknown_linear_layers(model: nn.Module) -> list[str]:
 
 def isolate(model: nn.Module) -> int:
     """Give each known Gated DeltaNet layer of ``model`` the boundary-aware forward; returns how
-    many layers have it.  Idempotent; the parameters and their names are untouched."""
+    many layers have it.  Idempotent; the parameters and their names are untouched.  When every
+    linear-attention layer of the model has it, the model is marked to receive the boundaries
+    (:func:`wants_boundaries`): a layer of another class would fail on them, or ignore them."""
     count = 0
     for layer in linear_layers(model):
         if type(layer).__name__ not in GATED_DELTANET_CLASSES:
@@ -81,6 +85,8 @@ def isolate(model: nn.Module) -> int:
             layer.forward = types.MethodType(packed_forward, layer)
             setattr(layer, _MARK, True)
         count += 1
+    if count and isolated(model):
+        setattr(model, _WANTS, True)
     return count
 
 
@@ -89,13 +95,9 @@ def isolated(model: nn.Module) -> bool:
     return all(getattr(layer, _MARK, False) for layer in linear_layers(model))
 
 
-def has_linear_layers(model: nn.Module) -> bool:
-    """Has ``model`` layers that need the boundaries (read from its config's ``layer_types``)."""
-    config = getattr(model, "config", None)
-    for c in (config, getattr(config, "text_config", None)):
-        if c is not None and LINEAR_LAYER_TYPE in (getattr(c, "layer_types", None) or ()):
-            return True
-    return False
+def wants_boundaries(model: nn.Module) -> bool:
+    """Should a packed forward of ``model`` carry the document boundaries (set by :func:`isolate`)?"""
+    return bool(getattr(model, _WANTS, False))
 
 
 @functools.lru_cache(maxsize=1)
@@ -111,6 +113,11 @@ def fused_available() -> bool:
         return False
 
 
+def path(device: torch.device) -> str:
+    """The path packed rows on ``device`` take: ``"fused"`` or ``"per_document"``."""
+    return "fused" if device.type == "cuda" and fused_available() else "per_document"
+
+
 def packed_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None, **kwargs):
     """A Gated DeltaNet layer's forward that restarts at each document of ``kwargs["cu_seq_lens_q"]``.
 
@@ -121,7 +128,7 @@ def packed_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tens
     if cu is None or cache is not None or kwargs.get("cache_params") is not None or attention_mask is not None:
         return original(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     rest = {k: v for k, v in kwargs.items() if k not in BOUNDARY_KEYS}
-    if hidden_states.is_cuda and fused_available():
+    if path(hidden_states.device) == "fused":
         return _fused(self, original, hidden_states, cu, rest)
     return _per_document(self, original, hidden_states, cu, rest)
 
