@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 #: transformers' Gated DeltaNet layer classes whose forward this module wraps (all take
-#: ``(hidden_states [B, S, D], cache=None, attention_mask=None, **kwargs)`` and return ``[B, S, D]``).
+#: ``(hidden_states [B, S, D], cache, attention_mask, **kwargs)`` and return ``[B, S, D]``).
 GATED_DELTANET_CLASSES = frozenset({
     "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "OlmoHybridGatedDeltaNet",
 })
@@ -118,19 +118,24 @@ def path(device: torch.device) -> str:
     return "fused" if device.type == "cuda" and fused_available() else "per_document"
 
 
-def packed_forward(self, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None, **kwargs):
+def packed_forward(self, hidden_states: Tensor, **kwargs):
     """A Gated DeltaNet layer's forward that restarts at each document of ``kwargs["cu_seq_lens_q"]``.
 
-    Without boundaries, with a cache or with a padding mask: the transformers forward unchanged.
+    Without boundaries, with a cache (``cache``, or ``cache_params`` in older transformers) or
+    with a padding mask: the transformers forward, called as it was.
     """
     cu = kwargs.get("cu_seq_lens_q")
     original = type(self).forward
-    if cu is None or cache is not None or kwargs.get("cache_params") is not None or attention_mask is not None:
-        return original(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    rest = {k: v for k, v in kwargs.items() if k not in BOUNDARY_KEYS}
+    if cu is None or any(kwargs.get(k) is not None for k in ("cache", "cache_params", "attention_mask")):
+        return original(self, hidden_states, **kwargs)
+    rest = {k: v for k, v in kwargs.items() if k not in BOUNDARY_KEYS and k not in _EMPTY}
     if path(hidden_states.device) == "fused":
         return _fused(self, original, hidden_states, cu, rest)
     return _per_document(self, original, hidden_states, cu, rest)
+
+
+#: Keyword arguments a packed call hands on only when they are given (all None there).
+_EMPTY = ("cache", "cache_params", "attention_mask")
 
 
 def _fused(layer, original, hidden_states: Tensor, cu: Tensor, rest: dict) -> Tensor:
@@ -141,8 +146,7 @@ def _fused(layer, original, hidden_states: Tensor, cu: Tensor, rest: dict) -> Te
     lengths = (cu[1:] - cu[:-1]).long()
     seq_idx = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device, dtype=torch.int32), lengths,
                                       output_size=total).view(1, total)
-    out = original(layer, hidden_states.reshape(1, total, dim), cache=None, attention_mask=None,
-                   cu_seq_lens_q=cu.long(), seq_idx=seq_idx, **rest)
+    out = original(layer, hidden_states.reshape(1, total, dim), cu_seq_lens_q=cu.long(), seq_idx=seq_idx, **rest)
     return out.view(batch, width, -1)
 
 
@@ -152,6 +156,6 @@ def _per_document(layer, original, hidden_states: Tensor, cu: Tensor, rest: dict
     batch, width, dim = hidden_states.shape
     flat = hidden_states.reshape(batch * width, dim)
     bounds = cu.tolist()
-    parts = [original(layer, flat[start:stop].unsqueeze(0), cache=None, attention_mask=None, **rest)[0]
+    parts = [original(layer, flat[start:stop].unsqueeze(0), **rest)[0]
              for start, stop in zip(bounds, bounds[1:]) if stop > start]
     return torch.cat(parts).view(batch, width, -1)
