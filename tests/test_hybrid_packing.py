@@ -188,3 +188,15 @@ def test_a_packed_hybrid_trains_with_varlen_and_frozen_linear_layers(tmp_path, c
     assert main(["run", str(spec)]) == 0, capsys.readouterr().err
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("loss" in r and r["loss"] == r["loss"] for r in records)
+
+
+def test_a_deep_copy_keeps_its_own_boundary_forward():
+    """A preference run's reference is a deep copy of the policy: its layers must run themselves."""
+    import copy
+
+    model = tiny("qwen3_5_text")
+    clone = copy.deepcopy(model)
+    assert LA.wants_boundaries(clone) and LA.isolated(clone)
+    assert all(layer.forward.__self__ is layer for layer in LA.linear_layers(clone))
+    forward, _, _ = packed_vs_alone(clone, documents())
+    assert forward < 1e-5
