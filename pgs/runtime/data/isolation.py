@@ -60,11 +60,9 @@ def packing_isolation(model_or_config) -> IsolationVerdict:
     its layers: every Gated DeltaNet layer must be one pgs hands the boundaries to
     (``pgs.runtime.model.linear_attention.isolate``, which ``build_model`` calls).
     """
-    isolated_family = False
     for config in _configs(model_or_config):
         model_type = str(getattr(config, "model_type", "") or "")
         known = model_type in LA.ISOLATED_MODEL_TYPES
-        isolated_family |= known
         if not known and any(model_type.startswith(t) for t in LEAKING_MODEL_TYPES):
             return IsolationVerdict(
                 False, f"model_type {model_type!r} has linear-attention/recurrent layers whose state "

@@ -36,7 +36,6 @@ are taken: their forward signature and kernel dispatch are the ones this module 
 
 from __future__ import annotations
 
-import functools
 import importlib
 import types
 
@@ -87,6 +86,7 @@ def isolate(model: nn.Module) -> int:
         count += 1
     if count and isolated(model):
         setattr(model, _WANTS, True)
+        fused_available()  # the kernels looked for now, not inside a compiled layer
     return count
 
 
@@ -100,17 +100,25 @@ def wants_boundaries(model: nn.Module) -> bool:
     return bool(getattr(model, _WANTS, False))
 
 
-@functools.lru_cache(maxsize=1)
+#: :func:`fused_available`'s answer, found once (a list, not ``lru_cache``: compiled layers reach
+#: :func:`path`, and dynamo warns at every ``lru_cache``-wrapped call it traces).  :func:`isolate`
+#: asks first, eagerly, outside any compiled layer.
+_FUSED: list = []
+
+
 def fused_available() -> bool:
     """Are fla's ``chunk_gated_delta_rule`` and causal-conv1d's ``causal_conv1d_fn`` importable
     (what transformers dispatches Gated DeltaNet layers to on CUDA)?"""
-    try:
-        fla = importlib.import_module("fla.ops.gated_delta_rule")
-        conv = importlib.import_module("causal_conv1d")
-        return callable(getattr(fla, "chunk_gated_delta_rule", None)) and callable(
-            getattr(conv, "causal_conv1d_fn", None))
-    except Exception:  # noqa: BLE001 - missing or broken: the per-document path runs
-        return False
+    if not _FUSED:
+        try:
+            fla = importlib.import_module("fla.ops.gated_delta_rule")
+            conv = importlib.import_module("causal_conv1d")
+            found = callable(getattr(fla, "chunk_gated_delta_rule", None)) and callable(
+                getattr(conv, "causal_conv1d_fn", None))
+        except Exception:  # noqa: BLE001 - missing or broken: the per-document path runs
+            found = False
+        _FUSED.append(found)
+    return _FUSED[0]
 
 
 def path(device: torch.device) -> str:
