@@ -200,3 +200,16 @@ def test_a_deep_copy_keeps_its_own_boundary_forward():
     assert all(layer.forward.__self__ is layer for layer in LA.linear_layers(clone))
     forward, _, _ = packed_vs_alone(clone, documents())
     assert forward < 1e-5
+
+
+@pytest.mark.slow
+def test_checkpointed_and_compiled_layers_keep_the_documents_apart():
+    """Full activation checkpointing and compiled decoder layers around the boundary forward
+    (``backend="eager"``: dynamo's graph capture without a code generator)."""
+    from pgs.runtime.model.layers import apply_activation_checkpointing, compile_layers
+
+    model = tiny("qwen3_5_text")
+    apply_activation_checkpointing(model, "full")
+    compile_layers(model, backend="eager")
+    forward, backward, scale = packed_vs_alone(model, documents())
+    assert forward < 1e-5 and backward < 1e-5 * max(scale, 1.0)
