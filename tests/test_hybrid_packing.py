@@ -213,3 +213,54 @@ def test_checkpointed_and_compiled_layers_keep_the_documents_apart():
     compile_layers(model, backend="eager")
     forward, backward, scale = packed_vs_alone(model, documents())
     assert forward < 1e-5 and backward < 1e-5 * max(scale, 1.0)
+
+
+def _segments(cu):
+    bounds = cu.tolist()
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_fused_route_hands_the_boundaries_to_both_kernels(family, monkeypatch):
+    """The fused CUDA route on the CPU, with stand-ins for fla's ``chunk_gated_delta_rule`` and
+    causal-conv1d's ``causal_conv1d_fn`` that honour ``cu_seqlens`` / ``seq_idx`` by running
+    transformers' reference on each segment: what the route relies on is that transformers'
+    forward of each family hands both on, one batch-1 sequence, int64 boundaries."""
+    import sys
+
+    model = tiny(family)
+    module = sys.modules[type(LA.linear_layers(model)[0]).__module__]
+    rule_ref = module.torch_chunk_gated_delta_rule  # without boundaries: transformers' reference
+    conv_ref = module.causal_conv1d_fn
+    seen = {"rule": [], "conv": []}
+
+    def rule(q, k, v, g, beta, cu_seqlens=None, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, **_):
+        if cu_seqlens is None:
+            return rule_ref(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        assert q.shape[0] == 1 and cu_seqlens.dtype == torch.int64
+        seen["rule"].append(cu_seqlens)
+        parts = [rule_ref(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0] for a, b in _segments(cu_seqlens)]
+        return torch.cat(parts, 1), None
+
+    def conv(x, weight, bias=None, activation=None, seq_idx=None, **_):
+        if seq_idx is None:
+            return conv_ref(x, weight, bias, activation=activation)
+        assert x.shape[0] == 1 and seq_idx.shape == (1, x.shape[-1]) and seq_idx.dtype == torch.int32
+        seen["conv"].append(seq_idx)
+        starts = torch.cat([torch.tensor([0]), (seq_idx[0, 1:] != seq_idx[0, :-1]).nonzero().flatten() + 1,
+                            torch.tensor([x.shape[-1]])])
+        return torch.cat([conv_ref(x[..., a:b], weight, bias, activation=activation)
+                          for a, b in _segments(starts)], -1)
+
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", rule)
+    monkeypatch.setattr(module, "causal_conv1d_fn", conv)
+    monkeypatch.setattr(LA, "path", lambda device: "fused")
+    rows = documents()
+    forward, backward, scale = packed_vs_alone(model, rows)
+    assert forward < 1e-5 and backward < 1e-5 * max(scale, 1.0)
+    want = torch.tensor([0, 7, 77, 86, 96, 166, 175, 192])  # 2 rows of 96: documents, then padding
+    assert len(seen["rule"]) == 2 and all(torch.equal(cu, want) for cu in seen["rule"])
+    assert all(torch.equal(torch.unique_consecutive(s[0], return_counts=True)[1], want.diff().int())
+               for s in seen["conv"]) and len(seen["conv"]) == 2
