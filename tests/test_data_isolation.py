@@ -45,9 +45,10 @@ def test_packed_document_logits_equal_alone(kind, attn):
 
 
 def test_linear_attention_models_are_refused_unless_allowed():
+    # qwen3_5 and qwen3_next are isolated through their document boundaries (tests/test_hybrid_packing.py)
     for config in (
-        PretrainedConfig(model_type="qwen3_next"),
-        PretrainedConfig(model_type="qwen3_5"),
+        PretrainedConfig(model_type="mamba"),
+        PretrainedConfig(model_type="falcon_h1"),
         PretrainedConfig(layer_types=["linear_attention", "full_attention"]),
     ):
         verdict = packing_isolation(config)

@@ -364,10 +364,18 @@ def cu_seqlens_from_positions(position_ids: Tensor) -> Tensor:
 
 def packed_kwargs(position_ids: Tensor) -> dict:
     """The keyword arguments that carry the document boundaries to :func:`varlen_attention`."""
-    cu = cu_seqlens_from_positions(position_ids)
-    width = int(position_ids.shape[-1])
     if position_ids.is_cuda:  # the kernel choice for this device, before any compiled layer reads it
         _resolve(position_ids.device.index)
+    return boundary_kwargs(position_ids)
+
+
+def boundary_kwargs(position_ids: Tensor) -> dict:
+    """The document boundaries of packed rows as transformers' varlen keyword arguments
+    (``cu_seq_lens_q``/``_k`` over the flattened rows, ``max_length_q``/``_k`` the row width),
+    which reach every layer: the packed-attention kernel and linear-attention layers
+    (``pgs.runtime.model.linear_attention``) read them."""
+    cu = cu_seqlens_from_positions(position_ids)
+    width = int(position_ids.shape[-1])
     try:  # one compiled graph whatever the number of documents
         torch._dynamo.maybe_mark_dynamic(cu, 0)
     except Exception:  # noqa: BLE001 - only an optimisation

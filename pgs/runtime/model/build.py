@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from pgs.errors import SpecError
-from pgs.runtime.model.attention import hf_implementation, packed_kwargs, set_varlen_kernel, uses_varlen
+from pgs.runtime.model import linear_attention
+from pgs.runtime.model.attention import boundary_kwargs, hf_implementation, packed_kwargs, set_varlen_kernel, uses_varlen
 from pgs.runtime.model.loading import config_from_table, load_tokenizer as load
 from pgs.runtime.model.moe import check_experts_implementation, experts_implementation as experts_choice
 
@@ -147,6 +148,7 @@ def build_model(
                 trust_remote_code=trust_remote_code, **extra,
             )
     check_experts_implementation(model, experts)
+    linear_attention.isolate(model)  # Gated DeltaNet layers restart at packed document boundaries
     model.train()
     return model
 
@@ -179,6 +181,10 @@ def freeze(model, policy: str | Sequence[str] | None) -> list[str]:
         config = getattr(model.config, "text_config", None) or model.config
         layer_types = list(getattr(config, "layer_types", None) or [])
         frozen_layers = {i for i, t in enumerate(layer_types) if t not in ATTENTION_LAYER_TYPES}
+        if not frozen_layers:
+            raise SpecError(f"model.freeze: \"non_attention\" would freeze nothing: the layer_types of "
+                            f"{getattr(config, 'model_type', '')!r} are all attention (no linear-attention or "
+                            "recurrent layers); use \"none\" or a list of patterns")
         for name, p in model.named_parameters():
             if _layer_index(name) in frozen_layers:
                 p.requires_grad_(False)
@@ -216,7 +222,8 @@ def final_hidden(model, input_ids: Tensor, position_ids: Tensor, *, embed_noise=
 
     ``position_ids`` restart at each document; no attention mask and no cache, so that
     transformers isolates the documents (with ``attn_implementation = "varlen"`` the boundaries
-    go to the packed-attention kernel instead, see ``pgs.runtime.model.attention``).  ``embed_noise(embeds) -> embeds`` (NEFTune) is
+    go to the packed-attention kernel instead, see ``pgs.runtime.model.attention``; a model with
+    linear-attention layers gets them too, see ``pgs.runtime.model.linear_attention``).  ``embed_noise(embeds) -> embeds`` (NEFTune) is
     applied to the input embeddings when given.
     """
 
@@ -224,6 +231,8 @@ def final_hidden(model, input_ids: Tensor, position_ids: Tensor, *, embed_noise=
     kwargs = dict(position_ids=position_ids, use_cache=False)
     if uses_varlen(model):  # the document boundaries, once for every layer
         kwargs.update(packed_kwargs(position_ids))
+    elif linear_attention.wants_boundaries(model):  # for the linear-attention layers
+        kwargs.update(boundary_kwargs(position_ids))
     if embed_noise is None:
         out = base(input_ids=input_ids, **kwargs)
     else:

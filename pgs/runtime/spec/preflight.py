@@ -30,7 +30,7 @@ import pgs.func as pf
 from pgs.errors import DataError, PgsError, SpecError
 from pgs.runtime.data import DataStats, encode_document, read_conversations
 from pgs.runtime.data.inspect import dataset_stats
-from pgs.runtime.data.isolation import require_packing_isolation
+from pgs.runtime.data.isolation import ATTENTION_LAYER_TYPES, LEAKING_MODEL_TYPES, require_packing_isolation
 from pgs.runtime.data.preference import pack_rows, read_pairs
 from pgs.runtime.data.readers import has_records
 from pgs.runtime.data.templates import apply_chat_template
@@ -107,6 +107,27 @@ def check_architecture(model, config) -> None:
     if derived and isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads:
         raise SpecError(f"{_config_field(model, 'hidden_size')}: {hidden} does not split into "
                         f"num_attention_heads = {heads} heads; use a multiple of {heads} or give head_dim")
+
+
+def check_layers(spec, config) -> None:
+    """What the model's layer types allow.  ``model.freeze = "non_attention"`` freezes the layers
+    that are not attention, so a model without any would train unchanged: refused.
+    ``parallel.context > 1`` splits each row over ranks and passes only attention's keys and
+    values between them; a linear-attention or recurrent layer would need its state passed from
+    rank to rank along the row, which pgs does not do: refused rather than silently different."""
+    c = _text_config(config)
+    model_type = str(getattr(c, "model_type", "") or getattr(config, "model_type", "") or "")
+    other = sorted({str(t) for t in (getattr(c, "layer_types", None) or [])} - ATTENTION_LAYER_TYPES)
+    if spec.model.freeze == "non_attention" and not other:
+        raise SpecError(f"model.freeze: \"non_attention\" would freeze nothing: the layer_types of {model_type!r} "
+                        "are all attention (no linear-attention or recurrent layers); use \"none\" or a list of "
+                        "patterns")
+    cp = spec.parallel.context
+    recurrent = other or ([model_type] if any(model_type.startswith(t) for t in LEAKING_MODEL_TYPES) else [])
+    if cp > 1 and recurrent:
+        raise SpecError(f"parallel.context = {cp}: {model_type!r} has {', '.join(recurrent)} layers, whose recurrent "
+                        "state would have to pass from rank to rank along each row, and pgs does not pass it "
+                        "(set parallel.context = 1)")
 
 
 def position_limit(config) -> tuple[int | None, str]:
@@ -308,6 +329,7 @@ def preflight_spec(spec, *, count_parameters: bool = False, processes: int | Non
     tokenizer_note = check_tokenizer_fit(spec, tokenizer)  # before data.chat_template replaces the template
     tokenizer = apply_chat_template(tokenizer, spec.data.chat_template)
     check_architecture(m, config)
+    check_layers(spec, config)
     experts_implementation(m.experts_implementation, config)  # a known implementation, a model with experts
     check_seq_len(spec, config)
     check_run_dir(spec.checkpoint.dir)

@@ -1,0 +1,169 @@
+"""Packed documents through linear-attention layers: each document starts from a zero state.
+
+Hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid) interleave attention layers with
+Gated DeltaNet layers (Yang, Kautz and Hatamizadeh, "Gated Delta Networks", arXiv 2412.06464).
+Such a layer mixes tokens twice: a depthwise causal convolution over the last ``K`` inputs
+(``K = linear_conv_kernel_dim``), then the gated delta rule, a recurrence over a matrix state
+
+    S_t = S_{t-1} · α_t (I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ,        o_t = S_t q_t
+
+(``α_t = exp(g_t)`` the decay, ``β_t`` the write strength).  In a packed row both read across
+a document boundary: the convolution window of a document's first ``K − 1`` tokens reaches into
+the previous document, and ``S`` carries the previous document's keys and values.  The
+restarted ``position_ids`` that isolate attention layers (``pgs.runtime.data.isolation``) do
+not reach these layers, and transformers' own PyTorch path takes no boundaries at all.
+
+:func:`isolate` gives every Gated DeltaNet layer of a model a forward that takes the documents'
+boundaries (``cu_seq_lens_q``: ``[0, l1, l1+l2, …, B·S]`` over the flattened ``[B, S]`` rows, the
+same boundaries the packed-attention kernels take, see ``pgs.runtime.model.attention``) and
+restarts both the convolution window and the recurrent state at each:
+
+* **fused** (CUDA, with flash-linear-attention *and* causal-conv1d installed): the rows become
+  one ``[1, B·S]`` sequence and the layer's own transformers forward runs once, with
+  ``cu_seq_lens_q`` (which transformers hands to fla's ``chunk_gated_delta_rule`` as
+  ``cu_seqlens``) and ``seq_idx`` (a document index per token, which transformers hands to
+  causal-conv1d's ``causal_conv1d_fn``): the two kernels transformers already dispatches these
+  layers to, each told where documents start.  Neither kernel runs on the CPU.
+* **per document** (everywhere else): the layer's transformers forward runs on each document's
+  slice alone, and the outputs are concatenated.  Each document then goes through exactly the
+  computation it gets as a sequence of its own, so the result is the unpacked result; the cost
+  is one call per document and layer (on CUDA with fla installed, each call uses fla's kernel).
+
+A forward without boundaries (unpacked rows, generation with a cache, a padding mask) runs the
+layer's transformers forward unchanged.  Only the layer classes in :data:`GATED_DELTANET_CLASSES`
+are taken: their forward signature and kernel dispatch are the ones this module relies on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import torch
+from torch import Tensor, nn
+
+#: transformers' Gated DeltaNet layer classes whose forward this module wraps (all take
+#: ``(hidden_states [B, S, D], cache, attention_mask, **kwargs)`` and return ``[B, S, D]``).
+GATED_DELTANET_CLASSES = frozenset({
+    "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "OlmoHybridGatedDeltaNet",
+})
+#: The model types (outer or text config) whose linear-attention layers are of those classes.
+ISOLATED_MODEL_TYPES = frozenset({
+    "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid",
+})
+#: The ``layer_types`` entry of those layers.
+LINEAR_LAYER_TYPE = "linear_attention"
+#: The keyword arguments that carry the boundaries (transformers' flash-attention names).
+BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+#: Attribute that marks a layer whose forward :func:`isolate` replaced.
+_MARK = "_pgs_packed_forward"
+#: Attribute that marks a model whose linear-attention layers all have it.
+_WANTS = "_pgs_linear_boundaries"
+
+
+def linear_layers(model: nn.Module) -> list[nn.Module]:
+    """The Gated DeltaNet layers of ``model`` (any class whose name ends in ``GatedDeltaNet``)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+
+
+def unknown_linear_layers(model: nn.Module) -> list[str]:
+    """Names of the Gated DeltaNet classes in ``model`` this module does not know (sorted)."""
+    return sorted({type(m).__name__ for m in linear_layers(model)} - GATED_DELTANET_CLASSES)
+
+
+def isolate(model: nn.Module) -> int:
+    """Give each known Gated DeltaNet layer of ``model`` the boundary-aware forward; returns how
+    many layers have it.  Idempotent; the parameters and their names are untouched.  When every
+    linear-attention layer of the model has it, the model is marked to receive the boundaries
+    (:func:`wants_boundaries`): a layer of another class would fail on them, or ignore them."""
+    count = 0
+    for layer in linear_layers(model):
+        if type(layer).__name__ not in GATED_DELTANET_CLASSES:
+            continue
+        if not getattr(layer, _MARK, False):
+            layer.forward = types.MethodType(packed_forward, layer)
+            setattr(layer, _MARK, True)
+        count += 1
+    if count and isolated(model):
+        setattr(model, _WANTS, True)
+        fused_available()  # the kernels looked for now, not inside a compiled layer
+    return count
+
+
+def isolated(model: nn.Module) -> bool:
+    """Does every Gated DeltaNet layer of ``model`` restart at document boundaries?"""
+    return all(getattr(layer, _MARK, False) for layer in linear_layers(model))
+
+
+def wants_boundaries(model: nn.Module) -> bool:
+    """Should a packed forward of ``model`` carry the document boundaries (set by :func:`isolate`)?"""
+    return bool(getattr(model, _WANTS, False))
+
+
+#: :func:`fused_available`'s answer, found once (a list, not ``lru_cache``: compiled layers reach
+#: :func:`path`, and dynamo warns at every ``lru_cache``-wrapped call it traces).  :func:`isolate`
+#: asks first, eagerly, outside any compiled layer.
+_FUSED: list = []
+
+
+def fused_available() -> bool:
+    """Are fla's ``chunk_gated_delta_rule`` and causal-conv1d's ``causal_conv1d_fn`` importable
+    (what transformers dispatches Gated DeltaNet layers to on CUDA)?"""
+    if not _FUSED:
+        try:
+            fla = importlib.import_module("fla.ops.gated_delta_rule")
+            conv = importlib.import_module("causal_conv1d")
+            found = callable(getattr(fla, "chunk_gated_delta_rule", None)) and callable(
+                getattr(conv, "causal_conv1d_fn", None))
+        except Exception:  # noqa: BLE001 - missing or broken: the per-document path runs
+            found = False
+        _FUSED.append(found)
+    return _FUSED[0]
+
+
+def path(device: torch.device) -> str:
+    """The path packed rows on ``device`` take: ``"fused"`` or ``"per_document"``."""
+    return "fused" if device.type == "cuda" and fused_available() else "per_document"
+
+
+def packed_forward(self, hidden_states: Tensor, **kwargs):
+    """A Gated DeltaNet layer's forward that restarts at each document of ``kwargs["cu_seq_lens_q"]``.
+
+    Without boundaries, with a cache (``cache``, or ``cache_params`` in older transformers) or
+    with a padding mask: the transformers forward, called as it was.
+    """
+    cu = kwargs.get("cu_seq_lens_q")
+    original = type(self).forward
+    if cu is None or any(kwargs.get(k) is not None for k in ("cache", "cache_params", "attention_mask")):
+        return original(self, hidden_states, **kwargs)
+    rest = {k: v for k, v in kwargs.items() if k not in BOUNDARY_KEYS and k not in _EMPTY}
+    if path(hidden_states.device) == "fused":
+        return _fused(self, original, hidden_states, cu, rest)
+    return _per_document(self, original, hidden_states, cu, rest)
+
+
+#: Keyword arguments a packed call hands on only when they are given (all None there).
+_EMPTY = ("cache", "cache_params", "attention_mask")
+
+
+def _fused(layer, original, hidden_states: Tensor, cu: Tensor, rest: dict) -> Tensor:
+    """The rows as one sequence, the boundaries handed to fla's and causal-conv1d's kernels."""
+    batch, width, dim = hidden_states.shape
+    total = batch * width
+    cu = cu.to(hidden_states.device)
+    lengths = (cu[1:] - cu[:-1]).long()
+    seq_idx = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device, dtype=torch.int32), lengths,
+                                      output_size=total).view(1, total)
+    out = original(layer, hidden_states.reshape(1, total, dim), cu_seq_lens_q=cu.long(), seq_idx=seq_idx, **rest)
+    return out.view(batch, width, -1)
+
+
+@torch.compiler.disable  # a Python loop over a data-dependent number of documents
+def _per_document(layer, original, hidden_states: Tensor, cu: Tensor, rest: dict) -> Tensor:
+    """The layer's own forward on each document alone, the outputs laid back in place."""
+    batch, width, dim = hidden_states.shape
+    flat = hidden_states.reshape(batch * width, dim)
+    bounds = cu.tolist()
+    parts = [original(layer, flat[start:stop].unsqueeze(0), **rest)[0]
+             for start, stop in zip(bounds, bounds[1:]) if stop > start]
+    return torch.cat(parts).view(batch, width, -1)

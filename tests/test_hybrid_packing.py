@@ -1,0 +1,266 @@
+"""Hybrid linear-attention models packed: every document gets the logits and gradients it gets
+alone (tiny random-init configs of each family transformers ships with Gated DeltaNet layers),
+and what pgs refuses about them (context parallelism, a freeze that would freeze nothing)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from pgs.errors import SpecError
+from pgs.runtime.data import Document, collate, packing_isolation, require_packing_isolation
+from pgs.runtime.model import linear_attention as LA
+from pgs.runtime.model.build import build_config, build_model, final_hidden, freeze
+from helpers import cli_error, cpu_spec
+
+LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+#: What every family's tiny config shares: 2 linear-attention and 2 attention layers, 2 key heads
+#: serving 4 value heads in the linear layers, a 4-wide convolution.
+COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+              linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, layer_types=LAYERS,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+FAMILIES = {
+    "qwen3_5_text": dict(model_type="qwen3_5_text", head_dim=8, intermediate_size=64),
+    "qwen3_5_moe_text": dict(model_type="qwen3_5_moe_text", head_dim=8, **MOE),
+    "qwen3_next": dict(model_type="qwen3_next", head_dim=8, intermediate_size=64, **MOE),
+    "olmo_hybrid": dict(model_type="olmo_hybrid", intermediate_size=64),
+}
+#: Documents of 7, 70 (more than one 64-token chunk of the delta rule) and 9 tokens in two
+#: padded rows: [7, 70, 9] and [70, 9].
+LENGTHS = (7, 70, 9)
+WIDTH = 96
+
+
+def table(family: str) -> dict:
+    return {**COMMON, **FAMILIES[family]}
+
+
+def tiny(family: str, dtype=torch.float32, attn: str = "sdpa", device: str = "cpu"):
+    return build_model(config=table(family), dtype=dtype, attn_implementation=attn, device=device).eval()
+
+
+def documents():
+    g = torch.Generator().manual_seed(1)
+    docs = [Document(tuple(torch.randint(3, 96, (n,), generator=g).tolist()), (True,) * n) for n in LENGTHS]
+    return [docs, docs[1:]]
+
+
+def packed_vs_alone(model, rows, device="cpu"):
+    """Largest |Δ| between each document's logits packed (``final_hidden``, the training
+    forward) and alone, and between the parameter gradients of ``Σ_d <w_d, logits_d>`` both ways."""
+    batch = collate(rows, pad_id=0, seq_len=WIDTH)
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(2)
+    weights = [torch.randn(len(d), 96, generator=g).to(device) for row in rows for d in row]
+    h = final_hidden(model, batch.input_ids.to(device), batch.position_ids.to(device))
+    packed = model.lm_head(h)
+    spans = [(r, s, e) for r, row in enumerate(rows)
+             for s, e in zip(batch.cu_seqlens[r].tolist(), batch.cu_seqlens[r].tolist()[1:])]
+    alone = [model(input_ids=torch.tensor([d.input_ids], device=device), use_cache=False).logits[0]
+             for row in rows for d in row]
+    forward = max(float((packed[r, s:e].float() - a.float()).detach().abs().max()) for (r, s, e), a in zip(spans, alone))
+
+    def grads(loss):
+        got = torch.autograd.grad(loss, params, allow_unused=True)
+        return [torch.zeros_like(p) if x is None else x for p, x in zip(params, got)]
+
+    g_packed = grads(sum((packed[r, s:e].float() * w).sum() for (r, s, e), w in zip(spans, weights)))
+    g_alone = grads(sum((a.float() * w).sum() for a, w in zip(alone, weights)))
+    backward = max(float((a.float() - b.float()).abs().max()) for a, b in zip(g_packed, g_alone))
+    scale = max(float(b.float().abs().max()) for b in g_alone)
+    return forward, backward, scale
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_documents_equal_alone_forward_and_gradients(family, dtype, tol):
+    model = tiny(family, dtype)
+    assert LA.isolate(model) == 2 and packing_isolation(model).isolates
+    forward, backward, scale = packed_vs_alone(model, documents())
+    assert forward < tol, f"logits differ by {forward:.3g}"
+    assert backward < tol * max(scale, 1.0), f"gradients differ by {backward:.3g} (largest {scale:.3g})"
+
+
+def test_without_the_boundaries_the_linear_layers_leak():
+    """The same comparison on the plain transformers model: what the boundaries fix is real."""
+    torch.manual_seed(0)
+    config = build_config(table("qwen3_5_text"))
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    verdict = packing_isolation(model)
+    assert not verdict.isolates and "not given document boundaries" in verdict.reason
+    assert not LA.wants_boundaries(model)  # final_hidden passes it none: transformers' path as it is
+    forward, backward, _ = packed_vs_alone(model, documents())
+    assert forward > 1e-3 and backward > 1e-3
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "olmo_hybrid"])
+def test_varlen_attention_on_a_hybrid_isolates(family):
+    """``attn_implementation = "varlen"``: attention layers through the packed-attention
+    function, linear-attention layers through their boundaries (CPU: both reference paths)."""
+    model = tiny(family, attn="varlen")
+    forward, backward, scale = packed_vs_alone(model, documents())
+    assert forward < 1e-5 and backward < 1e-5 * max(scale, 1.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_documents_equal_alone_on_cuda(family):
+    """bf16 on CUDA, through the fused kernels (fla + causal-conv1d) where both are installed,
+    else through the per-document path."""
+    model = tiny(family, torch.bfloat16, device="cuda")
+    assert LA.path(torch.device("cuda")) == ("fused" if LA.fused_available() else "per_document")
+    forward, backward, scale = packed_vs_alone(model, documents(), device="cuda")
+    assert forward < 5e-2 and backward < 5e-2 * max(scale, 1.0)
+
+
+def test_the_cpu_takes_the_per_document_path():
+    assert LA.path(torch.device("cpu")) == "per_document"
+
+
+def test_isolation_verdicts_by_config():
+    for family in FAMILIES:
+        assert packing_isolation(build_config(table(family))).isolates, family
+    outer = PretrainedConfig(model_type="qwen3_5")
+    outer.text_config = build_config(table("qwen3_5_text"))
+    assert packing_isolation(outer).isolates
+    refused = {
+        "mamba": PretrainedConfig(model_type="mamba"),
+        "linear_attention": PretrainedConfig(model_type="somehybrid", layer_types=["linear_attention"]),
+        "mamba2": PretrainedConfig(model_type="qwen3_5_text", layer_types=["full_attention", "mamba2"]),
+    }
+    for name, config in refused.items():
+        verdict = packing_isolation(config)
+        assert not verdict.isolates and name in verdict.reason, verdict
+        with pytest.raises(SpecError, match="allow_packing_leakage"):
+            require_packing_isolation(config)
+
+
+def test_an_unknown_linear_attention_layer_class_is_refused():
+    model = tiny("qwen3_5_text")
+    layer = LA.linear_layers(model)[0]
+    layer.__class__ = type("SomeOtherGatedDeltaNet", (type(layer),), {})
+    verdict = packing_isolation(model)
+    assert not verdict.isolates and "SomeOtherGatedDeltaNet" in verdict.reason
+
+
+def test_freeze_non_attention_refuses_a_model_without_linear_layers():
+    from helpers import TINY_CONFIG
+
+    with pytest.raises(SpecError, match="would freeze nothing"):
+        freeze(build_model(config=dict(TINY_CONFIG, vocab_size=96)), "non_attention")
+    frozen = freeze(tiny("qwen3_5_text"), "non_attention")
+    assert frozen and all(".linear_attn." in n or n.split(".")[2] in ("0", "2") for n in frozen)
+
+
+def _toml(family: str, **extra) -> str:
+    values = {k: v for k, v in table(family).items() if k != "vocab_size"}
+    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
+    head = "".join(f"{k} = {json.dumps(v)}\n" for k, v in extra.items())
+    return head + "\n[model.config]\n" + lines
+
+
+def test_validate_refuses_context_parallel_on_a_hybrid(tmp_path, capsys):
+    spec = cpu_spec(tmp_path, model=_toml("qwen3_5_text"))
+    code, line = cli_error(["validate", str(spec), "--set", "parallel.context=2"], capsys)
+    assert code == 2
+    assert line.startswith("pgs: error: parallel.context = 2: 'qwen3_5_text' has linear_attention layers")
+
+
+def test_validate_refuses_non_attention_freeze_without_linear_layers(tmp_path, capsys):
+    from helpers import CPU_CONFIG
+
+    spec = cpu_spec(tmp_path, model='freeze = "non_attention"\n' + CPU_CONFIG)
+    code, line = cli_error(["validate", str(spec)], capsys)
+    assert code == 2 and line.startswith("pgs: error: model.freeze: \"non_attention\" would freeze nothing")
+
+
+def test_a_packed_hybrid_trains_with_varlen_and_frozen_linear_layers(tmp_path, capsys):
+    """``pgs run`` of a packed qwen3_5_text, varlen attention, linear-attention layers frozen."""
+    from pgs.cli import main
+
+    spec = cpu_spec(tmp_path, model=_toml("qwen3_5_text", attn_implementation="varlen", freeze="non_attention"))
+    assert main(["run", str(spec)]) == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("loss" in r and r["loss"] == r["loss"] for r in records)
+
+
+def test_a_deep_copy_keeps_its_own_boundary_forward():
+    """A preference run's reference is a deep copy of the policy: its layers must run themselves."""
+    import copy
+
+    model = tiny("qwen3_5_text")
+    clone = copy.deepcopy(model)
+    assert LA.wants_boundaries(clone) and LA.isolated(clone)
+    assert all(layer.forward.__self__ is layer for layer in LA.linear_layers(clone))
+    forward, _, _ = packed_vs_alone(clone, documents())
+    assert forward < 1e-5
+
+
+@pytest.mark.slow
+def test_checkpointed_and_compiled_layers_keep_the_documents_apart():
+    """Full activation checkpointing and compiled decoder layers around the boundary forward
+    (``backend="eager"``: dynamo's graph capture without a code generator)."""
+    from pgs.runtime.model.layers import apply_activation_checkpointing, compile_layers
+
+    model = tiny("qwen3_5_text")
+    apply_activation_checkpointing(model, "full")
+    compile_layers(model, backend="eager")
+    forward, backward, scale = packed_vs_alone(model, documents())
+    assert forward < 1e-5 and backward < 1e-5 * max(scale, 1.0)
+
+
+def _segments(cu):
+    bounds = cu.tolist()
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_fused_route_hands_the_boundaries_to_both_kernels(family, monkeypatch):
+    """The fused CUDA route on the CPU, with stand-ins for fla's ``chunk_gated_delta_rule`` and
+    causal-conv1d's ``causal_conv1d_fn`` that honour ``cu_seqlens`` / ``seq_idx`` by running
+    transformers' reference on each segment: what the route relies on is that transformers'
+    forward of each family hands both on, one batch-1 sequence, int64 boundaries."""
+    import sys
+
+    model = tiny(family)
+    module = sys.modules[type(LA.linear_layers(model)[0]).__module__]
+    rule_ref = module.torch_chunk_gated_delta_rule  # without boundaries: transformers' reference
+    conv_ref = module.causal_conv1d_fn
+    seen = {"rule": [], "conv": []}
+
+    def rule(q, k, v, g, beta, cu_seqlens=None, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, **_):
+        if cu_seqlens is None:
+            return rule_ref(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        assert q.shape[0] == 1 and cu_seqlens.dtype == torch.int64
+        seen["rule"].append(cu_seqlens)
+        parts = [rule_ref(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0] for a, b in _segments(cu_seqlens)]
+        return torch.cat(parts, 1), None
+
+    def conv(x, weight, bias=None, activation=None, seq_idx=None, **_):
+        if seq_idx is None:
+            return conv_ref(x, weight, bias, activation=activation)
+        assert x.shape[0] == 1 and seq_idx.shape == (1, x.shape[-1]) and seq_idx.dtype == torch.int32
+        seen["conv"].append(seq_idx)
+        starts = torch.cat([torch.tensor([0]), (seq_idx[0, 1:] != seq_idx[0, :-1]).nonzero().flatten() + 1,
+                            torch.tensor([x.shape[-1]])])
+        return torch.cat([conv_ref(x[..., a:b], weight, bias, activation=activation)
+                          for a, b in _segments(starts)], -1)
+
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", rule)
+    monkeypatch.setattr(module, "causal_conv1d_fn", conv)
+    monkeypatch.setattr(LA, "path", lambda device: "fused")
+    rows = documents()
+    forward, backward, scale = packed_vs_alone(model, rows)
+    assert forward < 1e-5 and backward < 1e-5 * max(scale, 1.0)
+    want = torch.tensor([0, 7, 77, 86, 96, 166, 175, 192])  # 2 rows of 96: documents, then padding
+    assert len(seen["rule"]) == 2 and all(torch.equal(cu, want) for cu in seen["rule"])
+    assert all(torch.equal(torch.unique_consecutive(s[0], return_counts=True)[1], want.diff().int())
+               for s in seen["conv"]) and len(seen["conv"]) == 2
