@@ -65,7 +65,7 @@ from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
-from pgs.runtime.spec.sections import checkpoint_offload
+from pgs.runtime.optim.config import checkpoint_offload
 from pgs.runtime.store import background, checkpoint as ckpt, dcp
 from pgs.runtime.tools.resources import disk_copies
 from pgs.runtime.store.export import export_hf

@@ -76,7 +76,7 @@ from pgs.runtime.model.layers import apply_activation_checkpointing
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim.bound import bind
 from pgs.runtime.optim.release import GradientRelease, group_parameters, refusal
-from pgs.runtime.spec.sections import checkpoint_offload, head_grad_wanted
+from pgs.runtime.optim.config import checkpoint_offload, head_grad_wanted
 
 CATEGORIES = ("weights", "frozen_models", "master_weights", "optimizer_state", "gradients", "activations", "loss",
               "temporaries")
