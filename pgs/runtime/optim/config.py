@@ -7,7 +7,6 @@ from typing import ClassVar
 
 import attrs
 
-from pgs.errors import SpecError
 from pgs.runtime.spec.fields import boolean, expect, int_at_least, is_int, number_in, one_of, string, table, to_float
 
 
