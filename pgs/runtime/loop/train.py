@@ -365,6 +365,45 @@ class StepRecord:
         return self.read()[key]
 
 
+def _micro_batches(run: Run, batches, n_mean: int, poison: bool) -> tuple[list, list, Any]:
+    """Forward (and, unless the chain runs inside backward, backward) of every micro-batch:
+    their detached loss sums, the objective's sums, and the graph of the last one whose backward
+    waits for the agreement on finiteness (gradient release; else None)."""
+    loss_parts, stat_parts = [], []
+    pending = None
+    for batch in batches:
+        if run.bound.in_backward:  # the update runs inside backward: agree on the loss before it
+            pending, e = _forward(run, batch, poison)
+            l = pending.detach()
+        else:
+            l, e = _loss(run, batch, n_mean, poison)
+        loss_parts.append(l)
+        stat_parts.append(e)
+    return loss_parts, stat_parts, pending
+
+
+def _update(run: Run, flags: list[int], pending, n_mean: int) -> tuple[StepMetrics, dict, Any]:
+    """The optimizer's step on the agreed flags (none on a non-finite step): its metrics, the
+    binder's extra host figures, and the measured gradient norm where the chain keeps none."""
+    opt, extra_values, grad_norm = StepMetrics(), {}, None
+    if flags[control.NONFINITE]:
+        del pending  # no backward (release): the chain state and the weights stay as they were
+        run.bound.zero_grad()
+    elif run.bound.in_backward:
+        (pending / max(n_mean, 1)).backward()  # every group steps inside this call
+        run.bound.step()  # completes what backward started (groups that got no gradient)
+        opt = run.bound.metrics(tensors=True)
+        extra_values = dict(getattr(run.bound, "step_extras", None) or {})  # release/, offload/ host figures
+    else:
+        # The chain's clip keeps the pre-clip norm in its state; measure it only when it does not.
+        grad_norm = None if run.chain_has_norm else run.bound.grad_norm()
+        run.bound.step()
+        run.bound.zero_grad()
+        opt = run.bound.metrics()
+        flags[control.SPIKE] = control.agree([0, 0, 0, int(opt.spike)])[control.SPIKE]
+    return opt, extra_values, grad_norm
+
+
 def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) -> tuple[StepRecord, list[int]]:
     """One optimizer step (or a skipped one); returns its metrics (read them with ``.read()``)
     and the agreed flags.
@@ -383,38 +422,13 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     poison = run.faults.poisons(run.step + 1, D.rank())
     if run.moe is not None and objective.router_tap:  # the objective's forward feeds the tap
         run.moe.begin_step(batches, run.device, n_valid)
-    loss_parts, stat_parts = [], []
-    pending = None
-    for batch in batches:
-        if run.bound.in_backward:  # the update runs inside backward: agree on the loss before it
-            pending, e = _forward(run, batch, poison)
-            l = pending.detach()
-        else:
-            l, e = _loss(run, batch, n_mean, poison)
-        loss_parts.append(l)
-        stat_parts.append(e)
+    loss_parts, stat_parts, pending = _micro_batches(run, batches, n_mean, poison)
     loss_sum = float(sum(loss_parts))  # the control plane's read: every micro-batch's loss
     nonfinite = not math.isfinite(loss_sum) or n_valid == 0 or n_mean == 0
     save_flags = run.saver.flags() if run.saver is not None else (0, 0)  # a background save: running, failed
     flags = control.agree([signals.received, wall.spent(), nonfinite, 0, *save_flags])
-    opt = StepMetrics()
-    extra_values: dict = {}
-    grad_norm = None
-    if flags[control.NONFINITE]:
-        del pending  # no backward (release): the chain state and the weights stay as they were
-        run.bound.zero_grad()
-    elif run.bound.in_backward:
-        (pending / max(n_mean, 1)).backward()  # every group steps inside this call
-        run.bound.step()  # completes what backward started (groups that got no gradient)
-        opt = run.bound.metrics(tensors=True)
-        extra_values = dict(getattr(run.bound, "step_extras", None) or {})  # release/, offload/ host figures
-    else:
-        # The chain's clip keeps the pre-clip norm in its state; measure it only when it does not.
-        grad_norm = None if run.chain_has_norm else run.bound.grad_norm()
-        run.bound.step()
-        run.bound.zero_grad()
-        opt = run.bound.metrics()
-        flags[control.SPIKE] = control.agree([0, 0, 0, int(opt.spike)])[control.SPIKE]
+    opt, extra_values, grad_norm = _update(run, flags, pending, n_mean)
+    del pending
     if run.context is not None:
         CP.end_rows()
     skipped = bool(flags[control.NONFINITE] or flags[control.SPIKE])
@@ -438,31 +452,39 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     # the end of this one's; with the queue kept full this is the device's time per step
     elapsed = ended - (run.step_clock if run.step_clock is not None else started)
     run.step_clock = ended
+    counts = dict(step=run.step, trained=run.trained_tokens, skipped_total=run.skips.skipped,
+                  spike=int(bool(flags[control.SPIKE])), skipped=int(skipped), n_mean=n_mean, n_valid=n_valid,
+                  tokens=tokens, loss_sum=loss_sum, elapsed=elapsed, n_stats=len(stats))
+    return StepRecord(values, _finisher(objective, extra, counts, _memory_gib(run.device))), flags
+
+
+def _finisher(objective, extra, c: dict, memory: dict):
+    """The function that turns a step's values, once on the host, into its metrics.jsonl record."""
     stamp = round(time.time(), 3)
-    step, trained, skipped_total, spike = run.step, run.trained_tokens, run.skips.skipped, int(bool(flags[control.SPIKE]))
-    memory = _memory_gib(run.device)
 
     def finish(v: dict) -> dict:
-        measured = objective.step_metrics([v[f"stat{i}"] for i in range(len(stats))], n_mean, n_valid, extra)
+        measured = objective.step_metrics([v[f"stat{i}"] for i in range(c["n_stats"])], c["n_mean"], c["n_valid"],
+                                          extra)
+        elapsed, tokens = c["elapsed"], c["tokens"]
         return {
             "time": stamp,
-            "step": step,
-            "loss": loss_sum / max(n_mean, 1),
+            "step": c["step"],
+            "loss": c["loss_sum"] / max(c["n_mean"], 1),
             **{k: v[k] for k in ("lr", "grad_norm") if k in v},
             **measured,
-            "valid_tokens": n_valid,
-            "trained_tokens": trained,
+            "valid_tokens": c["n_valid"],
+            "trained_tokens": c["trained"],
             "tokens": tokens,
             "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
             "step_seconds": elapsed,
             **memory,
-            "skipped": int(skipped),
-            "skipped_total": skipped_total,
-            "spike": spike,
+            "skipped": c["skipped"],
+            "skipped_total": c["skipped_total"],
+            "spike": c["spike"],
             **{k: x for k, x in v.items() if k.startswith(("moe/", "release/", "offload/"))},
         }
 
-    return StepRecord(values, finish), flags
+    return finish
 
 
 def _memory_gib(device: torch.device) -> dict:

@@ -6,8 +6,10 @@ exist, transform names and their arguments) and returns a frozen :class:`Spec` w
 absolute.  Nothing here touches a model or reads training data; ``pgs validate`` and ``pgs
 run`` do that on top, through the same checks (``pgs.runtime.spec.preflight``).  Every problem is a ``SpecError`` naming the dotted field.
 
-The sections and their field checks live in ``spec_sections.py`` (re-exported here); building
-the optimizer chain and the schedule from a spec lives in ``spec_chain.py``;
+Each section's typed config lives next to its component's code (``pgs.runtime.spec.sections``
+says which is where, and re-exports them, as does this module); the rules that read several
+sections are each section's ``check(spec)``, run here once the ``Spec`` is composed.  Building
+the optimizer chain and the schedule from a spec lives in ``chain.py``;
 ``Spec.build_chain()`` and ``Spec.build_schedule()`` are thin doors into it.
 """
 
