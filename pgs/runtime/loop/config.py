@@ -11,12 +11,10 @@ import attrs
 from pgs.errors import SpecError
 from pgs.func.losses import DISTILL_KINDS, PREFERENCE_KINDS, REFERENCE_FREE
 from pgs.runtime.model.config import DTYPES
-from pgs.runtime.spec.fields import describe, expect, int_at_least, is_int, is_number, number_in, one_of, string, suggest, table, to_float
-
+from pgs.runtime.spec.fields import (describe, expect, int_at_least, is_int, is_number, number_in, one_of,
+                                     string, suggest, table, to_float)
 
 DEVICES = ("auto", "cpu", "cuda")
-
-
 REFERENCE_MODES = ("cached", "live")
 
 

@@ -10,7 +10,6 @@ import attrs
 from pgs.errors import SpecError
 from pgs.runtime.spec.fields import boolean, describe, int_at_least, number_in, one_of, string, table
 
-
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "varlen", "eager", "flash_attention_2", "flex_attention")
 VARLEN_KERNELS = ("auto", "cudnn", "flash")  # pgs.runtime.model.attention.VARLEN_KERNELS

@@ -7,13 +7,11 @@ from typing import ClassVar
 
 import attrs
 
-from pgs.runtime.spec.fields import boolean, expect, int_at_least, is_int, number_in, one_of, string, table, to_float
-
+from pgs.runtime.spec.fields import (boolean, expect, int_at_least, is_int, number_in, one_of, string, table,
+                                     to_float)
 
 SCHEDULES = ("constant", "linear_warmup", "cosine", "wsd", "power_decay")
 WSD_SHAPES = ("linear", "cosine", "1-sqrt", "power", "exponential")
-
-
 CHECKPOINT_POLICIES = ("none", "full", "selective", "sublayer")
 MASTER_WEIGHTS = ("none", "fp32")
 RELEASE_GROUPS = ("layer", "sublayer", "parameter")
