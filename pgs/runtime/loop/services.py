@@ -33,10 +33,15 @@ adding one line to :func:`build_services`.
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 from pgs.errors import EXIT_TRIPWIRE
 from pgs.runtime.loop import control
+from pgs.runtime.loop.averaging import EXPORT_DIR
+from pgs.runtime.loop.checkpointer import export
+from pgs.runtime.loop.evaluator import evaluate
 
 
 class Service:
@@ -81,8 +86,6 @@ class FaultService(Service):
 
     def before_step(self, run, step: int) -> None:
         if self._stepped and self.faults.slow_step_s:
-            import time
-
             time.sleep(self.faults.slow_step_s)
         self._stepped = True
 
@@ -118,18 +121,11 @@ class AveragingService(Service):
 
     def eval_record(self, run, result: dict) -> None:
         if self.averager.ready:  # the EMA weights, evaluated the same way
-            from pgs.runtime.loop.evaluator import evaluate
-
             with self.averager.ema_weights(run.model):
                 result.update({f"ema_{k}": v for k, v in evaluate(run).items() if k != "step"})
 
     def finish(self, run) -> None:
         if run.spec.checkpoint.export and self.averager.has_ema:
-            import os
-
-            from pgs.runtime.loop.averaging import EXPORT_DIR
-            from pgs.runtime.loop.checkpointer import export
-
             with self.averager.ema_weights(run.model):
                 export(run, os.path.join(run.run_dir, EXPORT_DIR), {"step": run.step, "ema": self.averager.decay})
 
