@@ -124,3 +124,16 @@ def test_pgs_profile_shows_the_peak_the_preflight_checks(tmp_path):
     prediction = R.predict(spec, R._device(spec))
     assert shown == pytest.approx(prediction.peak / (2**30 if unit == "GiB" else 2**20), abs=1e-3)
     assert "attention masks" in text
+
+
+def test_a_services_memory_estimate_joins_the_predicted_peak_and_host_memory(tmp_path, monkeypatch):
+    from pgs.runtime.loop.services import HealthService
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.tools import resources as R
+
+    spec = load_spec(cpu_spec(tmp_path))
+    before = R.predict(spec, torch.device("cpu"))
+    monkeypatch.setattr(HealthService, "memory_estimate", staticmethod(lambda spec, plan: {"device": 1000, "host": 7}))
+    after = R.predict(spec, torch.device("cpu"))
+    assert after.peak == before.peak + 1000 and after.host == before.host + 7
+    assert after.parts["services"] == 1000 and "services" not in before.parts

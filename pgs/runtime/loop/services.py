@@ -20,15 +20,17 @@ hook                                when
 ``after_eval(run, result)``         after it was logged
 ``finish(run)``                     the last step is done (before the ``done`` event)
 ``close(run)``                      the run ends, however it ends
-``memory_estimate(spec, plan)``     the bytes the service holds (``pgs profile`` and the
-                                    preflight's figure): ``{"device": .., "host": ..}``
+``memory_estimate(spec, plan)``     the bytes the service holds beside what the model,
+                                    binder, activations and loss hold (``pgs profile``'s
+                                    and the preflight's figure, :func:`service_memory`):
+                                    ``{"device": .., "host": ..}``
 ==================================  ======================================================
 
 Checkpointing (``pgs.runtime.loop.checkpointer``) and evaluation
 (``pgs.runtime.loop.evaluator``) decide *whether* the step ends with a save or an eval and
 are asked by name (``checkpointer.should_save``, ``evaluator.should_evaluate``); the
 services here only react.  A new service joins by implementing the hooks it needs and
-adding one line to :func:`build_services`.
+adding one line to :func:`build_services` (and its class to :data:`SERVICES`).
 """
 
 from __future__ import annotations
@@ -178,6 +180,21 @@ def build_services(run, profiler=None, extra: tuple[Service, ...] = ()) -> list[
     if run.msft is not None:
         services.append(MsftService(run.msft))
     return services
+
+
+#: The service classes :func:`build_services` may build: the memory estimate asks each of them.
+SERVICES: tuple[type[Service], ...] = (FaultService, ProfilerService, AveragingService, HealthService, MsftService)
+
+
+def service_memory(spec, plan: dict) -> dict[str, int]:
+    """The bytes the services hold for ``spec`` (``plan``: ``pgs.runtime.tools.profile.plan_from_spec``'s),
+    summed over :data:`SERVICES`' ``memory_estimate``: ``device`` joins the predicted peak,
+    ``host`` the host memory ``pgs validate`` and ``pgs run`` check (``tools/resources.predict``)."""
+    total = {"device": 0, "host": 0}
+    for cls in SERVICES:
+        for where, nbytes in cls.memory_estimate(spec, plan).items():
+            total[where] += int(nbytes)
+    return total
 
 
 def before_step(services: list[Service], run, step: int) -> None:

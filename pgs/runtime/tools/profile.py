@@ -780,12 +780,15 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
     table = Table(title=title)
     table.add_column("category")
     table.add_column(f"predicted {unit}", justify="right")
-    attention = prediction.parts["attention masks"]
+    attention, services = prediction.parts["attention masks"], prediction.parts.get("services", 0)
     for k in CATEGORIES:
         table.add_row(k, f"{pred[k] / scale:.3f}")
     table.add_row("attention masks", f"{attention / scale:.3f}")
+    if services:
+        table.add_row("services (averaging, health, ...)", f"{services / scale:.3f}")
     table.add_section()
-    table.add_row("total (sum of the above, if all were live at once)", f"{(pred['total'] + attention) / scale:.3f}")
+    table.add_row("total (sum of the above, if all were live at once)",
+                  f"{(pred['total'] + attention + services) / scale:.3f}")
     table.add_row("peak (what is live together at the worst phase)", f"{prediction.peak / scale:.3f}")
     if "host_state" in pred:
         table.add_section()

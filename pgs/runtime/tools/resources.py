@@ -108,10 +108,12 @@ def predict(spec, device: torch.device, **overrides) -> Prediction:
     (``overrides``: ``pgs profile``'s, as ``plan_from_spec`` takes them).  Each part is its
     component's: the model's weights, the binder's masters, state and gradients
     (``profile.binder_memory``), the activations (``profile.activation_parts``), the head and
-    loss (``profile.head_memory``), the objective's frozen models (``profile.objective_memory``)
-    and attention's masks (:func:`attention_matrix_bytes`)."""
+    loss (``profile.head_memory``), the objective's frozen models (``profile.objective_memory``),
+    attention's masks (:func:`attention_matrix_bytes`) and each step-time service's own
+    (``Service.memory_estimate``)."""
     from pgs.func import kernels
     from pgs.runtime.model.attention import varlen_available
+    from pgs.runtime.loop.services import service_memory
     from pgs.runtime.tools.profile import _dtype, checkpoint_bytes, predict_memory, plan_from_spec
 
     plan = plan_from_spec(spec, **overrides)
@@ -130,10 +132,13 @@ def predict(spec, device: torch.device, **overrides) -> Prediction:
         checkpointing=opts["activation_checkpointing"], every=int(opts["checkpoint_every"]))
     parts = {k: pred[k] for k in ("weights", "optimizer_state", "activations", "loss")}
     parts["attention masks"] = attention
+    services = service_memory(spec, plan)  # what the step-time services hold (loop/services.py)
+    if services["device"]:
+        parts["services"] = services["device"]
     checkpoint = checkpoint_bytes(pred)
-    return Prediction(peak=pred["peak"] + attention, checkpoint=checkpoint, parts=parts,
+    return Prediction(peak=pred["peak"] + attention + services["device"], checkpoint=checkpoint, parts=parts,
                       tokens=f"{plan['micro_batch']} rows × {plan['seq_len']} tokens per micro-batch",
-                      host=int(pred.get("host_state") or 0) + int(pred.get("host_inputs") or 0),
+                      host=int(pred.get("host_state") or 0) + int(pred.get("host_inputs") or 0) + services["host"],
                       memory=pred, plan=plan)
 
 
