@@ -119,6 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="records read from each source for the statistics (default 0: all)")
     q.set_defaults(func=cmd_data_inspect)
 
+    _add_prepare(sub)
+
+    p = sub.add_parser("profile", help="estimate (or --measure) memory and speed of a spec",
+                       description="Estimate the memory of the step the spec trains (SFT, [preference] or [distill]); "
+                                   "--measure runs a few steps of it.")
+    p.add_argument("spec", metavar="SPEC", help="the spec file (.toml)")
+    _add_set(p)
+    p.add_argument("--measure", action="store_true", help="run a few real steps instead of estimating")
+    p.set_defaults(func=cmd_profile)
+    return parser
+
+
+def _add_prepare(sub) -> None:
+    """``pgs prepare``'s arguments."""
     p = sub.add_parser("prepare", help="score, select, order or self-answer the training data with the spec's model",
                        description="Score every sample with the spec's model on the tokens training uses (mean NLL, "
                                    "entropy, HES, length) into DIR/scores.jsonl and DIR/report/; select a subset "
@@ -156,15 +170,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay-share", type=float, default=0.25, metavar="S",
                    help="share of the written records that are replayed answers (default 0.25)")
     p.set_defaults(func=cmd_prepare)
-
-    p = sub.add_parser("profile", help="estimate (or --measure) memory and speed of a spec",
-                       description="Estimate the memory of the step the spec trains (SFT, [preference] or [distill]); "
-                                   "--measure runs a few steps of it.")
-    p.add_argument("spec", metavar="SPEC", help="the spec file (.toml)")
-    _add_set(p)
-    p.add_argument("--measure", action="store_true", help="run a few real steps instead of estimating")
-    p.set_defaults(func=cmd_profile)
-    return parser
 
 
 def _int_at_least(lo: int):

@@ -132,146 +132,172 @@ def _segment_sums(blocks: torch.Tensor, grp) -> torch.Tensor:
     return part.view(grp.num_tensors, lanes, c).sum(1).t()
 
 
+def _accepts(fg, state, fp, ctx: StepContext, keys, bs: int, backend) -> bool:
+    """Whether the fused step runs these gradients, parameters and state (else the chain's own
+    path runs: None from ``fused_step``)."""
+    layout = ctx.layout
+    if layout is None or ctx.reduce_sum is not None or layout.align != bs:
+        return False
+    if list(state) != list(keys) or set(fg) != set(fp) or not fg:
+        return False
+    s_ada, s_mona, s_lion, s_hb = (state[k] for k in keys)
+    for k, g in fg.items():
+        p = fp[k]
+        if g is None or p is None or g.dtype not in (torch.bfloat16, torch.float32):
+            return False
+        if p.dtype not in (torch.bfloat16, torch.float32) or not (g.is_contiguous() and p.is_contiguous()):
+            return False
+        if g.numel() != layout.groups[k].size or not K.use_triton(backend, g, bs):
+            return False
+        if s_mona.acc[k].dtype not in _DT or s_mona.prev[k].dtype != s_mona.acc[k].dtype:
+            return False
+        m = s_lion.mu[k]
+        if not isinstance(m, Quantized8bit) and m.dtype != torch.float32:
+            return False
+    return True
+
+
+def _pass_a(fg, layout, s_ada, ada, bs: int, dev, KC):
+    """Pass A and AdaGC's per-tensor clip factor (adagc_clip.py's arithmetic, op for op): the step's
+    count, each tensor's clip factor and its new γ."""
+    warmup_steps = ada["warmup_steps"]
+    count = increment(s_ada.count)
+    first = count == 1
+    warm = (count < warmup_steps) | first
+    sq = {}
+    for k, g in fg.items():
+        grp = layout.groups[k]
+        part = torch.empty(grp.num_blocks, dtype=torch.float32, device=dev)
+        fgk = g.view(-1)
+        for s, n in _chunks(grp.size, bs):
+            b, nb = s // bs, -(-n // bs)
+            KC.sumsq_kernel[(-(-nb // ROWS_A),)](fgk[s:s + n], part[b:b + nb], n, BLOCK=bs, ROWS=ROWS_A,
+                                                 num_warps=NUM_WARPS)
+        sq[k] = _segment_sums(part.view(1, -1), grp)[0]
+    norms = {k: torch.sqrt(x) for k, x in sq.items()}
+    total = None
+    for x in T.leaves(sq):
+        total = x.sum() if total is None else total + x.sum()
+    gnorm = total.sqrt()
+    hp_ada = hp_tensor(dev, ada["lambda_abs"], ada["lambda_rel"], ada["beta"], 1.0 - ada["beta"], ada["eps"])
+    l_abs, l_rel, b, omb, eps_ = hp_ada[0], hp_ada[1], hp_ada[2], hp_ada[3], hp_ada[4]
+    clip, gamma = {}, {}
+    for k in fg:
+        n_, g_ = norms[k], s_ada.gamma[k]
+        h_warm = torch.clamp(l_abs / (gnorm + eps_), max=1.0)
+        h_rel = torch.clamp(l_rel * g_ / (n_ + eps_), max=1.0)
+        h = torch.where(warm, h_warm, h_rel)
+        clipped = h * n_
+        g_warm = torch.where(first, clipped, torch.minimum(g_, clipped))
+        clip[k] = h.contiguous()
+        gamma[k] = torch.where(warm, g_warm, b * g_ + omb * clipped)
+    return count, clip, gamma
+
+
+def _pass_b(fg, fp, layout, s_mona, s_lion, s_hb, mona, hb, clip, w1, w2, bs: int, dev, code, btab, constrained,
+            donate, stochastic_rounding, KC):
+    """Pass B: Mona's accumulators, Lion8bit's moment and the direction; the tensors hyperball
+    projects keep their packed direction and block sums for pass C (``proj``)."""
+    learning_rate = hb["learning_rate"]
+    lr = lr_value(learning_rate, s_hb.count)
+    hp_b = hp_tensor(dev, (s_mona.count == 0).to(torch.float64), mona["alpha"], mona["beta"],
+                     1.0 - mona["beta"], w1, w2, -lr)
+    labels = group_label(layout, fg, constrained)
+    new_p, new_prev, new_acc, new_mu = {}, {}, {}, {}
+    proj = {}
+    for gi, (k, g) in enumerate(fg.items()):
+        grp = layout.groups[k]
+        p, prev, acc, m = fp[k], s_mona.prev[k], s_mona.acc[k], s_lion.mu[k]
+        q8 = isinstance(m, Quantized8bit)
+        sr = bool(stochastic_rounding) and p.dtype == torch.bfloat16
+        on = bool(labels[k])
+        out = p if donate else torch.empty_like(p)
+        prev_o = prev if donate else torch.empty_like(prev)
+        acc_o = acc if donate else torch.empty_like(acc)
+        if q8:
+            m_o = m if donate else Quantized8bit(torch.empty_like(m.codes), torch.empty_like(m.absmax))
+        else:
+            m_o = m if donate else torch.empty_like(m)
+        nbk = grp.num_blocks
+        pack = bs % 4 == 0
+        if on:
+            u8 = torch.empty(grp.size // 4 if pack else grp.size, dtype=torch.uint8 if pack else torch.int8,
+                             device=dev)
+            parts = torch.empty(3, nbk, dtype=torch.float32, device=dev)
+        seed = sr_seed(s_hb.count, gi, salt=0x5EED) if sr else torch.zeros(1, dtype=torch.int64, device=dev)
+        chunks = _chunks(grp.size, bs)
+        for ci, (s, n) in enumerate(chunks):
+            b0, nb = s // bs, -(-n // bs)
+            e = slice(s, s + n)
+            r = slice(b0, b0 + nb)
+            fl = lambda t: t.view(-1)[e]  # noqa: E731
+            codes_i = fl(m.codes) if q8 else fl(g)
+            absmax_i = m.absmax[r] if q8 else fl(g)
+            codes_o = fl(m_o.codes) if q8 else fl(g)
+            absmax_o = m_o.absmax[r] if q8 else fl(g)
+            m_i = fl(g) if q8 else fl(m)
+            m_oi = fl(g) if q8 else fl(m_o)
+            u_i = _dir_slice(u8, s, n, pack) if on else fl(g)
+            uu, pu, pp = (parts[0, r], parts[1, r], parts[2, r]) if on else (fl(g),) * 3
+            KC.chain_b_kernel[(-(-nb // ROWS),)](
+                fl(g), fl(p), fl(out), grp.block_seg[r], clip[k],
+                fl(prev), fl(acc), fl(prev_o), fl(acc_o),
+                codes_i, absmax_i, codes_o, absmax_o, m_i, m_oi,
+                u_i, uu, pu, pp,
+                code, btab, hp_b, K._chunk_seed(seed, ci), n,
+                BLOCK=bs, ROWS=ROWS, GDT=_DT[g.dtype], PDT=_DT[p.dtype], ADT=_DT[acc.dtype], Q8=q8, PROJ=on,
+                SR=sr and not on,
+                PACK=pack, num_warps=NUM_WARPS, **K._split(), **K._fusion(),
+            )
+        new_p[k], new_prev[k], new_acc[k], new_mu[k] = out, prev_o, acc_o, m_o
+        if on:
+            proj[k] = (u8, parts, seed, sr, pack)
+    return lr, new_p, new_prev, new_acc, new_mu, proj
+
+
+def _pass_c(fg, fp, layout, s_hb, lr, new_p, proj, hb_eps, bs: int, KC) -> None:
+    """Hyperball's per-tensor scalars, then pass C: the projected step written into ``new_p``."""
+    lr32 = lr.to(torch.float32)
+    for k, (u8, parts, seed, sr, pack) in proj.items():
+        grp = layout.groups[k]
+        r_ = s_hb.radius[k]
+        uu, pu, pp = _segment_sums(parts, grp).unbind(0)
+        coef = lr32 * r_ / torch.sqrt(uu).clamp(min=hb_eps)
+        tsq = pp - 2.0 * coef * pu + coef * coef * uu
+        shrink = r_ / torch.sqrt(tsq.clamp(min=0.0)).clamp(min=hb_eps)
+        p, out = fp[k], new_p[k]
+        for ci, (s, n) in enumerate(_chunks(grp.size, bs)):
+            b0, nb = s // bs, -(-n // bs)
+            e = slice(s, s + n)
+            KC.chain_c_kernel[(-(-nb // ROWS_C),)](
+                p.view(-1)[e], _dir_slice(u8, s, n, pack), out.view(-1)[e], grp.block_seg[b0:b0 + nb],
+                coef.contiguous(), shrink.contiguous(), K._chunk_seed(seed, ci), n,
+                BLOCK=bs, ROWS=ROWS_C, GDT=_DT[fg[k].dtype], PDT=_DT[p.dtype], SR=sr,
+                PACK=pack, num_warps=NUM_WARPS, **K._split(), **K._fusion(),
+            )
+
+
 def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
     k_ada, k_mona, k_lion, k_hb = keys
     bs = int(lion["block_size"])
     backend = lion["backend"]
     w1, w2 = one_minus(lion["b1"]), one_minus(lion["b2"])
-    warmup_steps = ada["warmup_steps"]
-    learning_rate, hb_eps = hb["learning_rate"], hb["eps"]
+    hb_eps = hb["eps"]
 
     def fused_step(fg, state, fp, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
+        if not _accepts(fg, state, fp, ctx, keys, bs, backend):
+            return None
         layout = ctx.layout
-        if layout is None or ctx.reduce_sum is not None or layout.align != bs:
-            return None
-        if list(state) != list(keys) or set(fg) != set(fp) or not fg:
-            return None
         s_ada, s_mona, s_lion, s_hb = (state[k] for k in keys)
-        for k, g in fg.items():
-            p = fp[k]
-            if g is None or p is None or g.dtype not in (torch.bfloat16, torch.float32):
-                return None
-            if p.dtype not in (torch.bfloat16, torch.float32) or not (g.is_contiguous() and p.is_contiguous()):
-                return None
-            if g.numel() != layout.groups[k].size or not K.use_triton(backend, g, bs):
-                return None
-            if s_mona.acc[k].dtype not in _DT or s_mona.prev[k].dtype != s_mona.acc[k].dtype:
-                return None
-            m = s_lion.mu[k]
-            if not isinstance(m, Quantized8bit) and m.dtype != torch.float32:
-                return None
         from pgs.func.kernels import chain8bit as KC
 
         dev = next(iter(fg.values())).device
         code, btab = K._maps(True, dev)
-
-        # -- pass A + AdaGC's per-tensor clip factor (adagc_clip.py's arithmetic, op for op) --
-        count = increment(s_ada.count)
-        first = count == 1
-        warm = (count < warmup_steps) | first
-        sq = {}
-        for k, g in fg.items():
-            grp = layout.groups[k]
-            part = torch.empty(grp.num_blocks, dtype=torch.float32, device=dev)
-            fgk = g.view(-1)
-            for s, n in _chunks(grp.size, bs):
-                b, nb = s // bs, -(-n // bs)
-                KC.sumsq_kernel[(-(-nb // ROWS_A),)](fgk[s:s + n], part[b:b + nb], n, BLOCK=bs, ROWS=ROWS_A,
-                                                     num_warps=NUM_WARPS)
-            sq[k] = _segment_sums(part.view(1, -1), grp)[0]
-        norms = {k: torch.sqrt(x) for k, x in sq.items()}
-        total = None
-        for x in T.leaves(sq):
-            total = x.sum() if total is None else total + x.sum()
-        gnorm = total.sqrt()
-        hp_ada = hp_tensor(dev, ada["lambda_abs"], ada["lambda_rel"], ada["beta"], 1.0 - ada["beta"], ada["eps"])
-        l_abs, l_rel, b, omb, eps_ = hp_ada[0], hp_ada[1], hp_ada[2], hp_ada[3], hp_ada[4]
-        clip, gamma = {}, {}
-        for k in fg:
-            n_, g_ = norms[k], s_ada.gamma[k]
-            h_warm = torch.clamp(l_abs / (gnorm + eps_), max=1.0)
-            h_rel = torch.clamp(l_rel * g_ / (n_ + eps_), max=1.0)
-            h = torch.where(warm, h_warm, h_rel)
-            clipped = h * n_
-            g_warm = torch.where(first, clipped, torch.minimum(g_, clipped))
-            clip[k] = h.contiguous()
-            gamma[k] = torch.where(warm, g_warm, b * g_ + omb * clipped)
-
-        # -- pass B --
-        lr = lr_value(learning_rate, s_hb.count)
-        hp_b = hp_tensor(dev, (s_mona.count == 0).to(torch.float64), mona["alpha"], mona["beta"],
-                         1.0 - mona["beta"], w1, w2, -lr)
-        labels = group_label(layout, fg, constrained)
-        new_p, new_prev, new_acc, new_mu = {}, {}, {}, {}
-        proj = {}
-        for gi, (k, g) in enumerate(fg.items()):
-            grp = layout.groups[k]
-            p, prev, acc, m = fp[k], s_mona.prev[k], s_mona.acc[k], s_lion.mu[k]
-            q8 = isinstance(m, Quantized8bit)
-            sr = bool(stochastic_rounding) and p.dtype == torch.bfloat16
-            on = bool(labels[k])
-            out = p if donate else torch.empty_like(p)
-            prev_o = prev if donate else torch.empty_like(prev)
-            acc_o = acc if donate else torch.empty_like(acc)
-            if q8:
-                m_o = m if donate else Quantized8bit(torch.empty_like(m.codes), torch.empty_like(m.absmax))
-            else:
-                m_o = m if donate else torch.empty_like(m)
-            nbk = grp.num_blocks
-            pack = bs % 4 == 0
-            if on:
-                u8 = torch.empty(grp.size // 4 if pack else grp.size, dtype=torch.uint8 if pack else torch.int8,
-                                 device=dev)
-                parts = torch.empty(3, nbk, dtype=torch.float32, device=dev)
-            seed = sr_seed(s_hb.count, gi, salt=0x5EED) if sr else torch.zeros(1, dtype=torch.int64, device=dev)
-            chunks = _chunks(grp.size, bs)
-            for ci, (s, n) in enumerate(chunks):
-                b0, nb = s // bs, -(-n // bs)
-                e = slice(s, s + n)
-                r = slice(b0, b0 + nb)
-                fl = lambda t: t.view(-1)[e]  # noqa: E731
-                codes_i = fl(m.codes) if q8 else fl(g)
-                absmax_i = m.absmax[r] if q8 else fl(g)
-                codes_o = fl(m_o.codes) if q8 else fl(g)
-                absmax_o = m_o.absmax[r] if q8 else fl(g)
-                m_i = fl(g) if q8 else fl(m)
-                m_oi = fl(g) if q8 else fl(m_o)
-                u_i = _dir_slice(u8, s, n, pack) if on else fl(g)
-                uu, pu, pp = (parts[0, r], parts[1, r], parts[2, r]) if on else (fl(g),) * 3
-                KC.chain_b_kernel[(-(-nb // ROWS),)](
-                    fl(g), fl(p), fl(out), grp.block_seg[r], clip[k],
-                    fl(prev), fl(acc), fl(prev_o), fl(acc_o),
-                    codes_i, absmax_i, codes_o, absmax_o, m_i, m_oi,
-                    u_i, uu, pu, pp,
-                    code, btab, hp_b, K._chunk_seed(seed, ci), n,
-                    BLOCK=bs, ROWS=ROWS, GDT=_DT[g.dtype], PDT=_DT[p.dtype], ADT=_DT[acc.dtype], Q8=q8, PROJ=on,
-                    SR=sr and not on,
-                    PACK=pack, num_warps=NUM_WARPS, **K._split(), **K._fusion(),
-                )
-            new_p[k], new_prev[k], new_acc[k], new_mu[k] = out, prev_o, acc_o, m_o
-            if on:
-                proj[k] = (u8, parts, seed, sr, pack)
-
-        # -- hyperball's per-tensor scalars, then pass C --
-        lr32 = lr.to(torch.float32)
-        for k, (u8, parts, seed, sr, pack) in proj.items():
-            grp = layout.groups[k]
-            r_ = s_hb.radius[k]
-            uu, pu, pp = _segment_sums(parts, grp).unbind(0)
-            coef = lr32 * r_ / torch.sqrt(uu).clamp(min=hb_eps)
-            tsq = pp - 2.0 * coef * pu + coef * coef * uu
-            shrink = r_ / torch.sqrt(tsq.clamp(min=0.0)).clamp(min=hb_eps)
-            p, out = fp[k], new_p[k]
-            for ci, (s, n) in enumerate(_chunks(grp.size, bs)):
-                b0, nb = s // bs, -(-n // bs)
-                e = slice(s, s + n)
-                KC.chain_c_kernel[(-(-nb // ROWS_C),)](
-                    p.view(-1)[e], _dir_slice(u8, s, n, pack), out.view(-1)[e], grp.block_seg[b0:b0 + nb],
-                    coef.contiguous(), shrink.contiguous(), K._chunk_seed(seed, ci), n,
-                    BLOCK=bs, ROWS=ROWS_C, GDT=_DT[fg[k].dtype], PDT=_DT[p.dtype], SR=sr,
-                    PACK=pack, num_warps=NUM_WARPS, **K._split(), **K._fusion(),
-                )
-
+        count, clip, gamma = _pass_a(fg, layout, s_ada, ada, bs, dev, KC)
+        lr, new_p, new_prev, new_acc, new_mu, proj = _pass_b(
+            fg, fp, layout, s_mona, s_lion, s_hb, mona, hb, clip, w1, w2, bs, dev, code, btab, constrained,
+            donate, stochastic_rounding, KC)
+        _pass_c(fg, fp, layout, s_hb, lr, new_p, proj, hb_eps, bs, KC)
         new_state = dict(state)
         new_state[k_ada] = AdaGCState(count, gamma)
         new_state[k_mona] = MonaState(increment(s_mona.count), new_prev, new_acc)

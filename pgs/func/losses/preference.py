@@ -106,50 +106,10 @@ def _lengths(name: str, t: Tensor, dtype: torch.dtype) -> Tensor:
         raise InvalidArgument(f"{name} must be > 0 for every pair (an arm with no completion tokens)")
     return t
 
-
-def preference_loss(
-    chosen_logps: Tensor,
-    rejected_logps: Tensor,
-    ref_chosen_logps: Tensor | None = None,
-    ref_rejected_logps: Tensor | None = None,
-    *,
-    kind: str = "dpo",
-    beta: float = 0.1,
-    label_smoothing: float = 0.0,
-    gamma: float = 0.0,
-    lam: float = 0.0,
-    nll_weight: float = 0.0,
-    chosen_lengths: Tensor | None = None,
-    rejected_lengths: Tensor | None = None,
-    chosen_nll: Tensor | None = None,
-) -> PreferenceLoss:
-    """Per-pair preference loss and both arms' rewards (equations: the module docstring).
-
-    Args:
-        chosen_logps, rejected_logps: [P] summed log π over each arm's completion tokens.
-        ref_chosen_logps, ref_rejected_logps: [P] the same under the frozen reference
-            (required by dpo, ipo, hinge, dpop; refused by simpo, orpo); detached here.
-        kind: one of ``PREFERENCE_KINDS``.
-        beta: β > 0 (ORPO: the weight λ of the odds-ratio term).
-        label_smoothing: ε ∈ [0, 0.5), the assumed label-flip rate of cDPO (dpo only).
-        gamma: SimPO's target margin γ (simpo only).
-        lam: DPOP's λ ≥ 0 (dpop only).
-        nll_weight: w ≥ 0: adds w·NLL(y_c) for any kind.
-        chosen_lengths, rejected_lengths: [P] completion-token counts |y| (> 0); required by
-            simpo and orpo, and by ``nll_weight`` without ``chosen_nll``.
-        chosen_nll: [P] the chosen arm's NLL, if the caller normalises it otherwise than
-            −log π(y_c)/|y_c| (orpo and ``nll_weight``); differentiable.
-
-    Returns:
-        ``PreferenceLoss(loss [P], chosen_rewards [P], rejected_rewards [P])`` in
-        chosen_logps' dtype promoted to at least fp32.
-
-    Example:
-        >>> c, r = torch.tensor([-10.0, -4.0]), torch.tensor([-12.0, -3.0])
-        >>> out = preference_loss(c, r, torch.tensor([-11.0, -4.0]), torch.tensor([-11.0, -4.0]))
-        >>> out.loss.shape, bool(out.accuracy[0]), bool(out.accuracy[1])
-        (torch.Size([2]), True, False)
-    """
+def _check_inputs(kind, beta, label_smoothing, gamma, lam, nll_weight, chosen_logps, rejected_logps,
+                  ref_chosen_logps, ref_rejected_logps, chosen_lengths, rejected_lengths, chosen_nll) -> None:
+    """:func:`preference_loss`'s arguments: the numbers' ranges, the tensors' shapes, and what
+    ``kind`` needs (a reference or lengths) or ignores."""
     _check_kind(kind)
     _check_number("beta", beta, beta > 0, "> 0")
     _check_number("label_smoothing", label_smoothing, 0.0 <= label_smoothing < 0.5, "in [0, 0.5)")
@@ -197,6 +157,55 @@ def preference_loss(
             f"chosen_lengths (or chosen_nll) is required for the chosen arm's NLL "
             f"({'kind=orpo' if kind == 'orpo' else f'nll_weight={nll_weight!r}'})"
         )
+
+
+
+def preference_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor | None = None,
+    ref_rejected_logps: Tensor | None = None,
+    *,
+    kind: str = "dpo",
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    gamma: float = 0.0,
+    lam: float = 0.0,
+    nll_weight: float = 0.0,
+    chosen_lengths: Tensor | None = None,
+    rejected_lengths: Tensor | None = None,
+    chosen_nll: Tensor | None = None,
+) -> PreferenceLoss:
+    """Per-pair preference loss and both arms' rewards (equations: the module docstring).
+
+    Args:
+        chosen_logps, rejected_logps: [P] summed log π over each arm's completion tokens.
+        ref_chosen_logps, ref_rejected_logps: [P] the same under the frozen reference
+            (required by dpo, ipo, hinge, dpop; refused by simpo, orpo); detached here.
+        kind: one of ``PREFERENCE_KINDS``.
+        beta: β > 0 (ORPO: the weight λ of the odds-ratio term).
+        label_smoothing: ε ∈ [0, 0.5), the assumed label-flip rate of cDPO (dpo only).
+        gamma: SimPO's target margin γ (simpo only).
+        lam: DPOP's λ ≥ 0 (dpop only).
+        nll_weight: w ≥ 0: adds w·NLL(y_c) for any kind.
+        chosen_lengths, rejected_lengths: [P] completion-token counts |y| (> 0); required by
+            simpo and orpo, and by ``nll_weight`` without ``chosen_nll``.
+        chosen_nll: [P] the chosen arm's NLL, if the caller normalises it otherwise than
+            −log π(y_c)/|y_c| (orpo and ``nll_weight``); differentiable.
+
+    Returns:
+        ``PreferenceLoss(loss [P], chosen_rewards [P], rejected_rewards [P])`` in
+        chosen_logps' dtype promoted to at least fp32.
+
+    Example:
+        >>> c, r = torch.tensor([-10.0, -4.0]), torch.tensor([-12.0, -3.0])
+        >>> out = preference_loss(c, r, torch.tensor([-11.0, -4.0]), torch.tensor([-11.0, -4.0]))
+        >>> out.loss.shape, bool(out.accuracy[0]), bool(out.accuracy[1])
+        (torch.Size([2]), True, False)
+    """
+    _check_inputs(kind, beta, label_smoothing, gamma, lam, nll_weight, chosen_logps, rejected_logps,
+                  ref_chosen_logps, ref_rejected_logps, chosen_lengths, rejected_lengths, chosen_nll)
+    reference_free = kind in REFERENCE_FREE
 
     dtype = torch.promote_types(chosen_logps.dtype, torch.float32)
     pc, pr = chosen_logps.to(dtype), rejected_logps.to(dtype)

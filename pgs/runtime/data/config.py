@@ -145,3 +145,18 @@ class DataConfig:
     #: a Jinja file, or the name of a training template pgs ships, that replaces the tokenizer's
     #: chat template (``pgs.runtime.data.templates``); the spec loader resolves it to a file
     chat_template: str | None = attrs.field(default=None, validator=_optional_path)
+
+    def check(self, spec) -> None:
+        """mSFT rounds (``msft_round``) need an eval file per source and evaluations inside each round."""
+        c = self.msft_round
+        if not c:
+            return
+        missing = [i for i, s in enumerate(self.sources) if s.eval is None]
+        if missing:
+            raise SpecError(f"data.msft_round: every source needs its own eval file "
+                            f"(data.sources[{missing[0]}].eval is not set)")
+        if not 0 < spec.train.eval_every <= c:
+            raise SpecError(f"data.msft_round = {c}: train.eval_every must be in 1..{c} "
+                            f"(each round needs evaluations to find each source's best step)")
+        if spec.preference is not None:
+            raise SpecError("data.msft_round: mSFT rounds are for SFT; a [preference] run has none")

@@ -26,17 +26,52 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from typing import ClassVar, Iterator
 
+import attrs
 import torch
 
 import pgs.func as pf
-from pgs.errors import CheckpointError
+from pgs.errors import CheckpointError, SpecError
+from pgs.runtime.spec.fields import expect, int_at_least, is_number, number_in, one_of, to_float
 
 #: The checkpoint file that holds the EMA (``checkpoint.save(extra=...)``).
 CHECKPOINT_FILE = "averaging.safetensors"
 #: The HF folder of the EMA weights, beside ``final/``.
 EXPORT_DIR = "final-ema"
+MERGE_METHODS = ("none", "linear", "slerp")  # pgs.func.merge.METHODS, and "none"
+
+
+@attrs.frozen
+class AveragingSpec:
+    """``[averaging]``: weight averaging in the loop (``pgs.runtime.loop.averaging``,
+    docs/techniques/ema.md and merge.md).
+
+    ``ema`` (δ in [0, 1), 0: off): an EMA of the weights held on the CPU, updated every
+    ``ema_every`` steps (δ per update), evaluated beside the model, exported as
+    ``<run dir>/final-ema`` and kept in checkpoints.  ``merge`` (``"none"``, ``"linear"``: SFA,
+    arXiv 2501.05559; ``"slerp"``): every ⌈``merge_period``·T⌉ steps and at the last one, pull the
+    weights toward the run's starting weights with weight ``merge_weight`` (β).
+    """
+
+    section: ClassVar[str] = "averaging"
+
+    ema: float = attrs.field(default=0.0, converter=to_float,
+                             validator=expect("a number in [0, 1)", lambda v: is_number(v) and 0 <= v < 1))
+    ema_every: int = attrs.field(default=1, validator=int_at_least(1))
+    merge: str = attrs.field(default="none", validator=one_of(MERGE_METHODS))
+    merge_weight: float = attrs.field(default=0.25, converter=to_float, validator=number_in(0.0, 1.0))
+    merge_period: float = attrs.field(default=1.0, converter=to_float,
+                                      validator=expect("a number in (0, 1]", lambda v: is_number(v) and 0 < v <= 1))
+
+    def check(self, spec) -> None:
+        """``[averaging]`` against the rest: a merge-back writes the model's weights, which fp32
+        master weights (kept by gradient release) would overwrite at the next step; the EMA is
+        one process's (``WORLD_SIZE = 1``), checked by ``pgs run`` when it knows the processes."""
+        if self.merge != "none" and spec.memory.master_weights != "none":
+            raise SpecError(f"averaging.merge: {self.merge!r} writes the model's weights, but memory.master_weights = "
+                            f"{spec.memory.master_weights!r} keeps the weights the optimizer steps elsewhere (the merge "
+                            "would be undone at the next step); set averaging.merge = \"none\" or master_weights = \"none\"")
 
 
 class WeightAverager:

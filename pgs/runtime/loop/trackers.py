@@ -23,9 +23,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
+
+import attrs
 
 from pgs.errors import MissingExtra
+from pgs.runtime.spec.fields import boolean, string
 
 #: tracker -> (module that must be importable, the pgs extra that installs it)
 TRACKERS = {
@@ -34,6 +37,26 @@ TRACKERS = {
     "tensorboard": ("tensorboard", "tensorboard"),
     "mlflow": ("mlflow", "mlflow"),
 }
+
+
+@attrs.frozen
+class LogSpec:
+    """``[log]``: where metrics go besides the console (``metrics.jsonl`` in the run folder).
+
+    ``wandb``, ``trackio``, ``tensorboard``, ``mlflow`` turn on a tracker (an optional extra,
+    ``pgs.runtime.loop.trackers``); ``project`` and ``run_name`` name the run there (``""``:
+    the spec file's name, the run folder's name)."""
+
+    section: ClassVar[str] = "log"
+
+    jsonl: bool = attrs.field(default=True, validator=boolean)
+    wandb: bool = attrs.field(default=False, validator=boolean)
+    trackio: bool = attrs.field(default=False, validator=boolean)
+    tensorboard: bool = attrs.field(default=False, validator=boolean)
+    mlflow: bool = attrs.field(default=False, validator=boolean)
+    project: str = attrs.field(default="", validator=string)
+    run_name: str = attrs.field(default="", validator=string)
+
 
 
 def enabled(log_spec) -> list[str]:

@@ -32,10 +32,7 @@ Tests inject faults (NaN losses, a SIGKILL mid-checkpoint or after a step, slow 
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import gc
-import json
 import math
 import os
 import random
@@ -47,32 +44,32 @@ import attrs
 import numpy as np
 import torch
 
-from pgs.errors import DiskFull, EXIT_OK, EXIT_TRIPWIRE, EXIT_WALL_BUDGET, HaltError, PreflightRefused, SpecError
+from pgs.errors import DiskFull, EXIT_OK, EXIT_WALL_BUDGET, HaltError, PreflightRefused, SpecError
 from pgs.runtime.data import require_packing_isolation
 from pgs.runtime.data.loader import StepLoader
 from pgs.runtime.dist import context as CP, fsdp as D
 from pgs.runtime.loop import control, trackers
-from pgs.runtime.loop.averaging import CHECKPOINT_FILE as AVERAGING_FILE, EXPORT_DIR as EMA_EXPORT, WeightAverager
+from pgs.runtime.loop.averaging import CHECKPOINT_FILE as AVERAGING_FILE, WeightAverager
+from pgs.runtime.loop.checkpointer import Checkpointer, export as _export, save, save_in_background, snapshot_groups  # noqa: F401
+from pgs.runtime.loop.evaluator import Evaluator, evaluate  # noqa: F401
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
 from pgs.runtime.loop.health import HealthMonitor
 from pgs.runtime.loop.metrics import MetricsLog, console_keys
-from pgs.runtime.loop.msft import Msft, source_eval_losses
-from pgs.runtime.loop.objective import Objective, build_objective, objective_class
+from pgs.runtime.loop.msft import Msft
 from pgs.runtime.loop.resume import check_resume
+from pgs.runtime.loop.objective import Objective, build_objective, objective_class
+from pgs.runtime.loop.services import Service, after_step, before_step, build_services
 from pgs.runtime.loop.trace import Profiler
 from pgs.runtime.model import layers
 from pgs.runtime.model.build import build_model, freeze, parameter_bytes
 from pgs.runtime.model.moe import router_tap
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
-from pgs.runtime.optim.bound import BoundOptimizer
-from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
-from pgs.runtime.spec.sections import checkpoint_offload
+from pgs.runtime.optim.config import checkpoint_offload
 from pgs.runtime.store import background, checkpoint as ckpt, dcp
 from pgs.runtime.tools.resources import disk_copies
-from pgs.runtime.store.export import export_hf
 
 @attrs.define
 class Run:
@@ -319,91 +316,6 @@ def restore(run: Run, folder: str) -> None:
         run.health.load_state_dict(t["health"])
 
 
-def save(run: Run, timings: dict[str, float] | None = None) -> str:
-    """Write ``step_<N>`` (durably), then purge old ones beyond ``checkpoint.keep``.
-    ``timings``: filled as ``pgs.runtime.store.checkpoint.save`` fills it (one process only)."""
-    step = run.step
-    if run.ctx is not None:
-        folder = dcp.save(run.run_dir, step, model=run.model, optimizer=run.bound, trainer=run.counters(),
-                          spec_toml=run.spec.to_toml(),
-                          generators=run.objective.generators())
-        if run.ctx.is_main:
-            ckpt.purge(run.run_dir, run.spec.checkpoint.keep)
-        D.barrier()
-        return folder
-    folder = ckpt.save(
-        run.run_dir, step, model=run.model, optimizer_state=run.bound.state_dict(copy=False),
-        rng=ckpt.capture_rng(generators=run.objective.generators()), trainer=run.counters(),
-        spec_toml=run.spec.to_toml(),
-        crash_hook=lambda stage: stage == "optimizer" and run.faults.crash("checkpoint_write", step),
-        extra={AVERAGING_FILE: run.averaging.state_dict()} if run.averaging is not None and run.averaging.has_ema
-        else None,
-        timings=timings,
-    )
-    ckpt.purge(run.run_dir, run.spec.checkpoint.keep)
-    return folder
-
-
-def snapshot_groups(run: Run) -> tuple[dict, dict[str, str]]:
-    """What a background save snapshots (file -> live tensors: the weights, the optimizer
-    state, the EMA) and the weights' aliases."""
-    tensors, aliases = ckpt.model_tensors(run.model)
-    groups = {"model": tensors, "optimizer": run.bound.state_dict(copy=False)}
-    if run.averaging is not None and run.averaging.has_ema:
-        groups[AVERAGING_FILE] = run.averaging.state_dict()
-    return groups, aliases
-
-
-def save_in_background(run: Run, saver: background.BackgroundSaver) -> float:
-    """Start writing ``step_<N>`` on ``saver``'s thread (``[checkpoint] background``,
-    ``pgs.runtime.store.background``): the weights, optimizer state and EMA are snapshot into
-    host memory now, the RNG states and counters taken now; the thread writes the folder as
-    :func:`save` does, then purges.  With several processes (collective) each rank's shards are
-    staged and written by DCP (``dcp.save_async``) and rank 0 publishes the folder on its thread.
-    Returns the snapshot's seconds (the training's wait).  The save's result, which
-    ``saver.collect`` returns, is its ``checkpoint`` event."""
-    step, run_dir, keep, faults = run.step, run.run_dir, run.spec.checkpoint.keep, run.faults
-    trainer = json.loads(json.dumps(run.counters()))  # a copy: the run's own objects go on changing
-    spec_toml = run.spec.to_toml()
-
-    def event(path: str, **more) -> dict:
-        return {"step": step, "event": "checkpoint", "path": path, "background": True,
-                "checkpoint_seconds": round(saver.snapshot_seconds, 3), **more}
-
-    if run.ctx is not None:  # several processes: DCP stages each rank's shards and writes them
-        began = time.perf_counter()
-        job, final, need, saver.writer = dcp.save_async(
-            run_dir, step, model=run.model, optimizer=run.bound, trainer=trainer, spec_toml=spec_toml,
-            generators=run.objective.generators(), group=saver.group, writer=saver.writer)
-        saver.snapshot_seconds, saver.label, main = time.perf_counter() - began, (final, need), run.ctx.is_main
-
-        def write_dcp() -> dict:
-            path = job()
-            if main:
-                ckpt.purge(run_dir, keep)
-            return event(path)
-
-        saver.submit(write_dcp)
-        return saver.snapshot_seconds
-    groups, aliases = snapshot_groups(run)
-    rng = ckpt.capture_rng(generators=run.objective.generators())
-    saver.label = (os.path.join(run_dir, f"step_{step}"), ckpt.need_bytes(
-        groups["model"], groups["optimizer"], rng, {k: v for k, v in groups.items() if k == AVERAGING_FILE}))
-
-    def write(snap: dict) -> dict:
-        timings: dict[str, float] = {}
-        path = ckpt.save_tensors(
-            run_dir, step, tensors=snap["model"], aliases=aliases, optimizer_state=snap["optimizer"], rng=rng,
-            trainer=trainer, spec_toml=spec_toml,
-            crash_hook=lambda stage: stage == "optimizer" and faults.crash("checkpoint_write", step),
-            extra={AVERAGING_FILE: snap[AVERAGING_FILE]} if AVERAGING_FILE in snap else None, timings=timings)
-        ckpt.purge(run_dir, keep)
-        return event(path, snapshot_bytes=saver.snapshot.nbytes,
-                     **{k: round(v, 3) if isinstance(v, float) else v for k, v in timings.items()})
-
-    return saver.start(write, groups)
-
-
 def _forward(run: Run, batch, poison: bool):
     """Forward of one micro-batch: the objective's (loss_sum tensor with its graph, detached sums)."""
     return run.objective.forward(run, batch, poison)
@@ -457,6 +369,45 @@ class StepRecord:
         return self.read()[key]
 
 
+def _micro_batches(run: Run, batches, n_mean: int, poison: bool) -> tuple[list, list, Any]:
+    """Forward (and, unless the chain runs inside backward, backward) of every micro-batch:
+    their detached loss sums, the objective's sums, and the graph of the last one whose backward
+    waits for the agreement on finiteness (gradient release; else None)."""
+    loss_parts, stat_parts = [], []
+    pending = None
+    for batch in batches:
+        if run.bound.in_backward:  # the update runs inside backward: agree on the loss before it
+            pending, e = _forward(run, batch, poison)
+            l = pending.detach()
+        else:
+            l, e = _loss(run, batch, n_mean, poison)
+        loss_parts.append(l)
+        stat_parts.append(e)
+    return loss_parts, stat_parts, pending
+
+
+def _update(run: Run, flags: list[int], pending, n_mean: int) -> tuple[StepMetrics, dict, Any]:
+    """The optimizer's step on the agreed flags (none on a non-finite step): its metrics, the
+    binder's extra host figures, and the measured gradient norm where the chain keeps none."""
+    opt, extra_values, grad_norm = StepMetrics(), {}, None
+    if flags[control.NONFINITE]:
+        del pending  # no backward (release): the chain state and the weights stay as they were
+        run.bound.zero_grad()
+    elif run.bound.in_backward:
+        (pending / max(n_mean, 1)).backward()  # every group steps inside this call
+        run.bound.step()  # completes what backward started (groups that got no gradient)
+        opt = run.bound.metrics(tensors=True)
+        extra_values = dict(getattr(run.bound, "step_extras", None) or {})  # release/, offload/ host figures
+    else:
+        # The chain's clip keeps the pre-clip norm in its state; measure it only when it does not.
+        grad_norm = None if run.chain_has_norm else run.bound.grad_norm()
+        run.bound.step()
+        run.bound.zero_grad()
+        opt = run.bound.metrics()
+        flags[control.SPIKE] = control.agree([0, 0, 0, int(opt.spike)])[control.SPIKE]
+    return opt, extra_values, grad_norm
+
+
 def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) -> tuple[StepRecord, list[int]]:
     """One optimizer step (or a skipped one); returns its metrics (read them with ``.read()``)
     and the agreed flags.
@@ -475,38 +426,13 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     poison = run.faults.poisons(run.step + 1, D.rank())
     if run.moe is not None and objective.router_tap:  # the objective's forward feeds the tap
         run.moe.begin_step(batches, run.device, n_valid)
-    loss_parts, stat_parts = [], []
-    pending = None
-    for batch in batches:
-        if run.bound.in_backward:  # the update runs inside backward: agree on the loss before it
-            pending, e = _forward(run, batch, poison)
-            l = pending.detach()
-        else:
-            l, e = _loss(run, batch, n_mean, poison)
-        loss_parts.append(l)
-        stat_parts.append(e)
+    loss_parts, stat_parts, pending = _micro_batches(run, batches, n_mean, poison)
     loss_sum = float(sum(loss_parts))  # the control plane's read: every micro-batch's loss
     nonfinite = not math.isfinite(loss_sum) or n_valid == 0 or n_mean == 0
     save_flags = run.saver.flags() if run.saver is not None else (0, 0)  # a background save: running, failed
     flags = control.agree([signals.received, wall.spent(), nonfinite, 0, *save_flags])
-    opt = StepMetrics()
-    extra_values: dict = {}
-    grad_norm = None
-    if flags[control.NONFINITE]:
-        del pending  # no backward (release): the chain state and the weights stay as they were
-        run.bound.zero_grad()
-    elif run.bound.in_backward:
-        (pending / max(n_mean, 1)).backward()  # every group steps inside this call
-        run.bound.step()  # completes what backward started (groups that got no gradient)
-        opt = run.bound.metrics(tensors=True)
-        extra_values = dict(getattr(run.bound, "step_extras", None) or {})  # release/, offload/ host figures
-    else:
-        # The chain's clip keeps the pre-clip norm in its state; measure it only when it does not.
-        grad_norm = None if run.chain_has_norm else run.bound.grad_norm()
-        run.bound.step()
-        run.bound.zero_grad()
-        opt = run.bound.metrics()
-        flags[control.SPIKE] = control.agree([0, 0, 0, int(opt.spike)])[control.SPIKE]
+    opt, extra_values, grad_norm = _update(run, flags, pending, n_mean)
+    del pending
     if run.context is not None:
         CP.end_rows()
     skipped = bool(flags[control.NONFINITE] or flags[control.SPIKE])
@@ -530,31 +456,39 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     # the end of this one's; with the queue kept full this is the device's time per step
     elapsed = ended - (run.step_clock if run.step_clock is not None else started)
     run.step_clock = ended
+    counts = dict(step=run.step, trained=run.trained_tokens, skipped_total=run.skips.skipped,
+                  spike=int(bool(flags[control.SPIKE])), skipped=int(skipped), n_mean=n_mean, n_valid=n_valid,
+                  tokens=tokens, loss_sum=loss_sum, elapsed=elapsed, n_stats=len(stats))
+    return StepRecord(values, _finisher(objective, extra, counts, _memory_gib(run.device))), flags
+
+
+def _finisher(objective, extra, c: dict, memory: dict):
+    """The function that turns a step's values, once on the host, into its metrics.jsonl record."""
     stamp = round(time.time(), 3)
-    step, trained, skipped_total, spike = run.step, run.trained_tokens, run.skips.skipped, int(bool(flags[control.SPIKE]))
-    memory = _memory_gib(run.device)
 
     def finish(v: dict) -> dict:
-        measured = objective.step_metrics([v[f"stat{i}"] for i in range(len(stats))], n_mean, n_valid, extra)
+        measured = objective.step_metrics([v[f"stat{i}"] for i in range(c["n_stats"])], c["n_mean"], c["n_valid"],
+                                          extra)
+        elapsed, tokens = c["elapsed"], c["tokens"]
         return {
             "time": stamp,
-            "step": step,
-            "loss": loss_sum / max(n_mean, 1),
+            "step": c["step"],
+            "loss": c["loss_sum"] / max(c["n_mean"], 1),
             **{k: v[k] for k in ("lr", "grad_norm") if k in v},
             **measured,
-            "valid_tokens": n_valid,
-            "trained_tokens": trained,
+            "valid_tokens": c["n_valid"],
+            "trained_tokens": c["trained"],
             "tokens": tokens,
             "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
             "step_seconds": elapsed,
             **memory,
-            "skipped": int(skipped),
-            "skipped_total": skipped_total,
-            "spike": spike,
+            "skipped": c["skipped"],
+            "skipped_total": c["skipped_total"],
+            "spike": c["spike"],
             **{k: x for k, x in v.items() if k.startswith(("moe/", "release/", "offload/"))},
         }
 
-    return StepRecord(values, finish), flags
+    return finish
 
 
 def _memory_gib(device: torch.device) -> dict:
@@ -578,62 +512,6 @@ def _final_memory(run: Run) -> dict:
         return mine
     return {**mine, "mem_gib_per_rank": [m["mem_gib"] for m in every],
             "reserved_gib_per_rank": [m["reserved_gib"] for m in every]}
-
-
-def evaluate(run: Run) -> dict:
-    """The objective's eval record at the current step (with several processes, every rank), and
-    each source's own eval loss where sources name eval files (one process)."""
-    out = {"step": run.step}
-    if run.spec.data.eval:
-        out.update(run.objective.evaluate(run))
-    if run.ctx is None:
-        out.update(source_eval_losses(run))
-    return out
-
-
-def _export(run: Run, out_dir: str, info: dict) -> None:
-    shards = run.spec.checkpoint.max_shard_size
-    if run.ctx is not None:
-        dcp.export_hf(run.model, run.tokenizer, out_dir, info=info, max_shard_size=shards)
-    else:
-        export_hf(run.model, run.tokenizer, out_dir, info=info, max_shard_size=shards)
-
-
-def _eval_point(run: Run):
-    """Inside: the weights to evaluate and export, those the optimizer steps or a schedule-free
-    chain's averaged point x (``BoundOptimizer.eval_weights``, ``GradientRelease.eval_weights``);
-    after: the stepped ones."""
-    if isinstance(run.bound, (BoundOptimizer, GradientRelease)):
-        return run.bound.eval_weights()
-    return contextlib.nullcontext()
-
-
-def _improves(metric: str, value: float, best: float | None) -> bool:
-    if best is None:
-        return True
-    return value > best if "accuracy" in metric else value < best
-
-
-def eval_and_keep_best(run: Run) -> None:
-    with _eval_point(run):
-        result = evaluate(run)
-    if run.averaging is not None and run.averaging.ready:  # the EMA weights, evaluated the same way
-        with run.averaging.ema_weights(run.model):
-            result.update({f"ema_{k}": v for k, v in evaluate(run).items() if k != "step"})
-    run.log.write(result)
-    run.log.say("eval  " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                     for k, v in result.items()))
-    if run.msft is not None:
-        event = run.msft.after_eval(run, result)
-        if event is not None:
-            run.log.write(event)
-            run.log.say(f"mSFT: {event['source']} overfit first (best at step {event['best_step']}); "
-                        f"excluded, weights reverted to that step; active: {', '.join(event['active']) or 'none'}")
-    metric = run.spec.checkpoint.best_metric
-    if metric and metric in result and _improves(metric, result[metric], run.best):
-        run.best, run.best_step = float(result[metric]), run.step
-        with _eval_point(run):
-            _export(run, os.path.join(run.run_dir, "best"), {"step": run.step, metric: run.best})
 
 
 def run(spec, *, resume: str | None = None, spec_path: str | None = None,
@@ -703,11 +581,13 @@ def _train(spec, resume: str | None, wall: control.WallClock, ctx: D.DistContext
         r.loader.close()  # also when a check refuses the run before its first step: no data worker left behind
 
 
-def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profile: tuple[int, int] | None) -> int:
-    run_dir = spec.checkpoint.dir
-    main = is_main(r)
+def _prepare(r: Run, resume: str | None) -> tuple[str | None, str | None]:
+    """Before the first step: the disk the checkpoints need, stale temporaries gone, and the
+    checkpoint to continue from (restored; the metrics after it dropped).  Returns its folder
+    and what the resume changed that the schedule depends on (``loop/resume.py``), or Nones."""
+    run_dir, main = r.run_dir, is_main(r)
     control.preflight(run_dir, parameter_bytes(r.model) + r.bound.state_bytes(),
-                      factor=disk_copies(spec.checkpoint, run_dir))  # the same count as pgs validate's check
+                      factor=disk_copies(r.spec.checkpoint, run_dir))  # the same count as pgs validate's check
     if main:
         ckpt.remove_stale_temporaries(run_dir)
     D.barrier()
@@ -715,13 +595,19 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
     changed = None  # what the resume changes that the schedule depends on (loop/resume.py)
     if folder is not None:
         restore(r, folder)
-        changed = check_resume(spec, folder, r.step, r.total_steps, r.objective.steps_per_epoch)
+        changed = check_resume(r.spec, folder, r.step, r.total_steps, r.objective.steps_per_epoch)
         if main:
             MetricsLog.truncate_after(run_dir, r.step)
-    if main:
-        spec.to_toml(os.path.join(run_dir, "spec.resolved.toml"))
+    return folder, changed
+
+
+def _open_log(r: Run, folder: str | None, changed: str | None = None) -> None:
+    """The metrics log (rank 0; the others log nothing) and the run's first records."""
+    spec = r.spec
+    if is_main(r):
+        spec.to_toml(os.path.join(r.run_dir, "spec.resolved.toml"))
         project, run_name = trackers.names(spec)
-        r.log = MetricsLog(run_dir, total_steps=r.total_steps, print_every=spec.train.log_every,
+        r.log = MetricsLog(r.run_dir, total_steps=r.total_steps, print_every=spec.train.log_every,
                            trackers=trackers.enabled(spec.log), project=project, run_name=run_name,
                            config=spec.to_dict(), console=console_keys(r.objective.console_keys))
     else:
@@ -743,137 +629,116 @@ def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profi
                   f"{o['pcie_bytes_per_step'] / 2**30:.2f} GiB over PCIe per step")
         r.log.write({"step": r.step, "event": "offload", **{k: o[k] for k in
                      ("host_state_bytes", "staging_bytes", "pcie_bytes_per_step")}})
-    evals = (bool(spec.data.eval) or any(s.eval for s in spec.data.sources)) and spec.train.eval_every > 0
-    profiler = Profiler(run_dir, profile, r.device) if profile and main else None
-    saver = r.saver = background.BackgroundSaver() if spec.checkpoint.background else None
-    if saver is not None and r.ctx is not None:  # the saves' own collectives, beside the training's
-        saver.group = torch.distributed.new_group(backend="gloo",
-                                                  timeout=datetime.timedelta(seconds=D.timeout_seconds()))
 
-    def log_save(record: dict | None) -> None:  # a background save's event, when it has ended
-        if record is not None:
-            r.log.write({**record, "logged_at_step": r.step})
 
-    def collect(agreed: int | None = None) -> None:
-        """The background save in flight, collected by every process at the same step: its
-        ``checkpoint`` event logged, or its failure raised on every process (``agreed``: the
-        failure code the step's flags agreed on; None: agreed here, a collective)."""
-        if saver is None or not saver.pending:
+class _FreezeGc(Service):
+    """:func:`freeze_gc` once, after the process's first step."""
+
+    def __init__(self):
+        self.frozen = False
+
+    def after_step(self, run, step: int) -> None:
+        if not self.frozen:
+            freeze_gc()
+            self.frozen = True
+
+
+class _Records:
+    """Step records are read one step late (:class:`StepRecord`); this holds the one not yet
+    logged and logs it (with what the services observe in it) when the next one arrives or
+    before whatever a step ends with (a skip, a halt, an eval, a checkpoint)."""
+
+    def __init__(self, run: Run, services: list[Service]):
+        self.run, self.services, self.last = run, services, None
+
+    def push(self, step_record: StepRecord) -> None:
+        self.flush()
+        self.last = step_record
+
+    def flush(self) -> None:
+        if self.last is None:
             return
-        record, err = saver.collect()
-        code = agreed if agreed is not None else control.agree(
-            [0] * control.SAVE_FAILED + [background.failure_code(err)])[control.SAVE_FAILED]
-        if err is not None:
-            raise err
-        if code:  # another process's save failed
-            final, need = saver.label
-            if code == background.DISK_FULL:
-                raise ckpt.disk_full_error(final, need)
-            raise ckpt.CheckpointError(f"writing the checkpoint {final} failed on another process (its log says why)")
-        log_save(record)
+        r, record = self.run, self.last.read()
+        self.last = None
+        events = [event for s in self.services for event in s.observe(r, record)]
+        r.log.step(record)
+        r.objective.after_step(r, record)
+        for event in events:
+            r.log.write(event)
+        for s in reversed(self.services):
+            s.after_record(r, record)
 
+
+def _stopped(r: Run, flags: list[int], path: str) -> int:
+    """A signal or the wall budget: the checkpoint is written; the ``stop`` event and exit code."""
+    if flags[control.SIGNAL]:
+        code = control.exit_code_for_signal(flags[control.SIGNAL])
+        why = f"signal {code - 128}"
+    else:
+        code, why = EXIT_WALL_BUDGET, f"train.max_wall_seconds = {r.spec.train.max_wall_seconds:g} spent"
+        control.halt(r.run_dir, why, step=r.step, exit_code=code, details={"checkpoint": path})
+    r.log.write({"step": r.step, "event": "stop", "reason": why, "exit_code": code})
+    r.log.say(f"pgs: stopped at step {r.step} ({why}); checkpoint {path}")
+    return code
+
+
+def _steps(r: Run, services: list[Service], evaluator: Evaluator, checkpointer: Checkpointer,
+           signals: control.StopSignals, wall: control.WallClock) -> int | None:
+    """Steps until ``train.steps``; returns a stop's exit code, or None at the end."""
+    records = _Records(r, services)
+    while r.step < r.total_steps:
+        before_step(services, r, r.step + 1)
+        step_record, flags = train_step(r, signals, wall)
+        after_step(services, r, r.step)
+        checkpointer.collect_ended(r, flags)
+        records.push(step_record)
+        if flags[control.NONFINITE] or flags[control.SPIKE]:
+            records.flush()
+            r.log.write({"step": r.step, "event": "skip", "nonfinite": flags[control.NONFINITE],
+                         "spike": flags[control.SPIKE]})
+        verdict, last_step = r.skips.verdict(), r.step == r.total_steps
+        stop = bool(flags[control.SIGNAL] or flags[control.WALL])
+        evaluating = evaluator.should_evaluate(r.step, last_step=last_step)
+        saving = checkpointer.should_save(r.step, last_step=last_step, stop=stop)
+        if verdict is not None or evaluating or saving:
+            records.flush()  # the record goes before whatever this step ends with
+        if verdict is not None:
+            raise control.halt(r.run_dir, verdict, step=r.step, details=r.skips.state_dict())
+        if evaluating:
+            evaluator.run(r, services, checkpointer)
+            r.step_clock = None  # evaluation is not a training step's time
+        if saving:
+            path = checkpointer.save(r, last_step=last_step, stop=stop)
+            if stop:
+                return _stopped(r, flags, path)
+    records.flush()
+    return None
+
+
+def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profile: tuple[int, int] | None) -> int:
+    """Prepare, then step until the end or a stop; every service closes however the run ends."""
+    folder, changed = _prepare(r, resume)
+    _open_log(r, folder, changed)
+    evaluator, checkpointer = Evaluator(spec), Checkpointer(r)
+    profiler = Profiler(r.run_dir, profile, r.device) if profile and is_main(r) else None
+    services = build_services(r, profiler, extra=(_FreezeGc(),))
     try:
         with control.StopSignals() as signals:
-            if evals and r.step == 0:
-                eval_and_keep_best(r)
-            every = spec.checkpoint.every
-            if saver is not None and r.ctx is None and every and (r.step // every + 1) * every < r.total_steps:
-                saver.snapshot.reserve(snapshot_groups(r)[0])  # now, not in the first save's step
+            if r.step == 0 and evaluator.should_evaluate(r.step):
+                evaluator.run(r, services, checkpointer)
+            checkpointer.reserve(r)
             r.log.start(r.step)
-            frozen = False
-            last: StepRecord | None = None  # the previous step's record, read once this step is launched
-
-            def emit(step_record: StepRecord) -> dict:
-                record = step_record.read()
-                events = r.health.observe(record)  # the interval's health keys join the record
-                r.log.step(record)
-                r.objective.after_step(r, record)
-                for event in events:
-                    r.log.write(event)
-                if r.health.verdict is not None:
-                    raise control.halt(run_dir, r.health.verdict, step=record["step"], exit_code=EXIT_TRIPWIRE,
-                                       details={"tripwire": "train.entropy_halt"})
-                return record
-
-            while r.step < r.total_steps:
-                if profiler is not None:
-                    profiler.before(r.step + 1)
-                r.health.before_step(r.step + 1)
-                step_record, flags = train_step(r, signals, wall)
-                r.health.after_step(r.step)
-                if r.averaging is not None:  # merge-back and the EMA's copy, when due
-                    r.averaging.after_step(r.step)
-                if profiler is not None:
-                    profiler.after(r.step)
-                if not frozen:  # see freeze_gc
-                    freeze_gc()
-                    frozen = True
-                r.faults.crash("step", r.step)
-                if saver is not None and saver.pending and not flags[control.SAVE_RUNNING]:
-                    collect(flags[control.SAVE_FAILED])  # ended on every process (a full disk: exit 84 on each)
-                if last is not None:
-                    emit(last)
-                last = step_record
-                if flags[control.NONFINITE] or flags[control.SPIKE]:
-                    emit(last)
-                    last = None
-                    r.log.write({"step": r.step, "event": "skip", "nonfinite": flags[control.NONFINITE],
-                                 "spike": flags[control.SPIKE]})
-                verdict = r.skips.verdict()
-                evaluating = evals and (r.step % spec.train.eval_every == 0 or r.step == r.total_steps)
-                stop = flags[control.SIGNAL] or flags[control.WALL]
-                saving = stop or (every and r.step % every == 0) or r.step == r.total_steps
-                if last is not None and (verdict is not None or evaluating or saving):
-                    emit(last)  # the record goes before whatever this step ends with
-                    last = None
-                if verdict is not None:
-                    raise control.halt(run_dir, verdict, step=r.step, details=r.skips.state_dict())
-                if evaluating:
-                    eval_and_keep_best(r)
-                    r.step_clock = None  # evaluation is not a training step's time
-                if saving and saver is not None and not stop and r.step < r.total_steps:
-                    collect()  # one save in flight: the one before ends first
-                    save_in_background(r, saver)  # the step clock runs on: the snapshot is the step's time
-                elif saving:
-                    collect()  # a stop and the last step save in the foreground, after the one in flight
-                    began, timings = time.perf_counter(), {}
-                    path = save(r, timings)
-                    r.log.write({"step": r.step, "event": "checkpoint", "path": path,
-                                 "checkpoint_seconds": round(time.perf_counter() - began, 3),
-                                 **{k: round(v, 3) if isinstance(v, float) else v for k, v in timings.items()}})
-                    r.step_clock = None
-                    if stop:
-                        if flags[control.SIGNAL]:
-                            code = control.exit_code_for_signal(flags[control.SIGNAL])
-                            why = f"signal {code - 128}"
-                        else:
-                            code, why = EXIT_WALL_BUDGET, f"train.max_wall_seconds = {spec.train.max_wall_seconds:g} spent"
-                            control.halt(run_dir, why, step=r.step, exit_code=code, details={"checkpoint": path})
-                        r.log.write({"step": r.step, "event": "stop", "reason": why, "exit_code": code})
-                        r.log.say(f"pgs: stopped at step {r.step} ({why}); checkpoint {path}")
-                        return code
-                if r.faults.slow_step_s:
-                    time.sleep(r.faults.slow_step_s)
-            if last is not None:
-                emit(last)
-            if spec.checkpoint.export:
-                with _eval_point(r):
-                    _export(r, os.path.join(run_dir, "final"), {"step": r.step})
-                if r.averaging is not None and r.averaging.has_ema:
-                    with r.averaging.ema_weights(r.model):
-                        _export(r, os.path.join(run_dir, EMA_EXPORT), {"step": r.step, "ema": r.averaging.decay})
+            code = _steps(r, services, evaluator, checkpointer, signals, wall)
+            if code is not None:
+                return code
+            checkpointer.finish(r)
+            for service in services:
+                service.finish(r)
             r.log.write({"step": r.step, "event": "done", **_final_memory(r)})
     finally:
-        if saver is not None:  # a halt or an error: the save in flight completes (or fails) before the exit
-            failing = sys.exc_info()[1]
-            try:
-                log_save(saver.close())
-            except Exception as err:
-                if failing is None:
-                    raise
-                r.log.say(f"pgs: the checkpoint written in the background failed as well: {err}")
-        if profiler is not None:
-            profiler.close()
+        checkpointer.close(r)
+        for service in reversed(services):
+            service.close(r)
         r.loader.close()
         r.log.close()
     return EXIT_OK

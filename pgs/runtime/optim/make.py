@@ -45,9 +45,9 @@ def make_optimizer(chain: pf.Transform, model: torch.nn.Module, memory, *, shard
     """
     tied_slabs = int(getattr(memory, "tied_slabs", 0) or 0)
     offload = bool(getattr(memory, "offload_optimizer", False))
-    if offload and not memory.gradient_release:
-        raise SpecError("memory.offload_optimizer: streams the state through the device as gradient release "
-                        "steps inside backward; set memory.gradient_release = true or offload_optimizer = false")
+    why = memory.refusal()  # the [memory] rules, written once (MemorySpec.refusal)
+    if why:
+        raise SpecError(why)
     if sharded:
         why = single_process_refusal(memory)
         if why:

@@ -282,25 +282,10 @@ def check_loss(loss) -> None:
 def check_memory(spec: Spec, chain) -> None:
     """``[memory]`` against the rest of the spec: what gradient release cannot run."""
     mem = spec.memory
-    if mem.offload_checkpoints and mem.activation_checkpointing not in ("full", "sublayer"):
-        raise SpecError(f"memory.offload_checkpoints: offloads the inputs of \"full\" or \"sublayer\" checkpointed "
-                        f"layers; activation_checkpointing is {mem.activation_checkpointing!r} (set it to \"full\" "
-                        "or \"sublayer\", or offload_checkpoints = false)")
-    if mem.offload_prefetch not in (1, "auto") and not mem.offload_checkpoints:
-        raise SpecError(f"memory.offload_prefetch = {mem.offload_prefetch}: how far ahead backward fetches the "
-                        "offloaded checkpoint inputs; set memory.offload_checkpoints = true, or leave "
-                        "offload_prefetch at \"auto\"")
-    if mem.tied_slabs and not mem.gradient_release:
-        raise SpecError(f"memory.tied_slabs = {mem.tied_slabs}: the embedding's weight is stepped in row slabs by "
-                        "gradient release at the end of backward; set memory.gradient_release = true or tied_slabs = 0")
-    if mem.offload_optimizer and not mem.gradient_release:
-        raise SpecError("memory.offload_optimizer: the state is streamed to the device group by group as "
-                        "gradient release steps inside backward; set memory.gradient_release = true or "
-                        "offload_optimizer = false")
+    why = mem.refusal()
+    if why:
+        raise SpecError(why)
     if not mem.gradient_release:
-        if mem.master_weights != "none":
-            raise SpecError(f"memory.master_weights: {mem.master_weights!r} is kept by gradient release only; "
-                            "set memory.gradient_release = true or master_weights = \"none\"")
         return
     if spec.train.grad_accum > 1:
         raise SpecError(f"memory.gradient_release: train.grad_accum = {spec.train.grad_accum} needs whole gradients "
@@ -343,19 +328,12 @@ def _stand_in_total(spec: Spec) -> int:
     return total
 
 
-def check_averaging(spec: Spec) -> None:
-    """``[averaging]`` against the rest: a merge-back writes the model's weights, which fp32
-    master weights (kept by gradient release) would overwrite at the next step."""
-    a = spec.averaging
-    if a is not None and a.merge != "none" and spec.memory.master_weights != "none":
-        raise SpecError(f"averaging.merge: {a.merge!r} writes the model's weights, but memory.master_weights = "
-                        f"{spec.memory.master_weights!r} keeps the weights the optimizer steps elsewhere (the merge "
-                        "would be undone at the next step); set averaging.merge = \"none\" or master_weights = \"none\"")
-
-
 def check_spec(spec: Spec) -> None:
-    """Everything that can be checked without a model or data: loss, schedule, chain, memory."""
+    """Everything that can be checked without a model or data: data (mSFT), loss, averaging, schedule,
+    chain, memory."""
+    spec.data.check(spec)  # the cross-section rules, each in its section's own check
     check_loss(spec.loss)
-    check_averaging(spec)
+    if spec.averaging is not None:
+        spec.averaging.check(spec)
     chain = build_chain(spec, total_steps=_stand_in_total(spec))
     check_memory(spec, chain)

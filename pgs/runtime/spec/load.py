@@ -6,8 +6,10 @@ exist, transform names and their arguments) and returns a frozen :class:`Spec` w
 absolute.  Nothing here touches a model or reads training data; ``pgs validate`` and ``pgs
 run`` do that on top, through the same checks (``pgs.runtime.spec.preflight``).  Every problem is a ``SpecError`` naming the dotted field.
 
-The sections and their field checks live in ``spec_sections.py`` (re-exported here); building
-the optimizer chain and the schedule from a spec lives in ``spec_chain.py``;
+Each section's typed config lives next to its component's code (``pgs.runtime.spec.sections``
+says which is where, and re-exports them, as does this module); the rules that read several
+sections are each section's ``check(spec)``, run here once the ``Spec`` is composed.  Building
+the optimizer chain and the schedule from a spec lives in ``chain.py``;
 ``Spec.build_chain()`` and ``Spec.build_schedule()`` are thin doors into it.
 """
 
@@ -458,16 +460,6 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         sections["distill"] = distill
     if "averaging" in raw:
         sections["averaging"] = _section("averaging", raw["averaging"])
-    train = sections["train"]
-    if train.steps is not None and train.epochs is not None:
-        raise SpecError("train: set either steps or epochs, not both")
-    if train.steps is None and train.epochs is None:
-        raise SpecError("train.steps: needed (or train.epochs = N)")
-    if train.batch_size % train.grad_accum:
-        raise SpecError(f"train.grad_accum: {train.grad_accum} does not divide train.batch_size = {train.batch_size}")
-    world = launch_world_size()
-    if world > 1:
-        check_world_size(train, world, sections["parallel"].context)
     ckpt = sections["checkpoint"]
     sections["checkpoint"] = attrs.evolve(ckpt, dir=resolve_path(ckpt.dir, base))
     if "preference" in sections and "best_metric" not in raw.get("checkpoint", {}):
@@ -478,10 +470,12 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         # a distillation run's eval reports the teacher-student KL on held-out prompts
         best = "eval_distill_kl" if sections["data"].eval else ""
         sections["checkpoint"] = attrs.evolve(sections["checkpoint"], best_metric=best)
-    _check_schedule_fields(sections["schedule"], raw.get("schedule", {}))
-    _check_msft(sections["data"], train, "preference" in sections)
     spec = Spec(**sections, source=source, hub=hub)
-
+    spec.train.check(spec)
+    world = launch_world_size()
+    if world > 1:
+        check_world_size(spec.train, world, spec.parallel.context)
+    _check_schedule_fields(spec.schedule, raw.get("schedule", {}))
     check_spec(spec)
     return spec
 
@@ -505,22 +499,6 @@ def check_world_size(train: TrainSpec, world: int, context: int = 1) -> None:
             f"train.batch_size: {train.batch_size} sequences per step do not split evenly over "
             f"{world} processes x train.grad_accum = {train.grad_accum} micro-batches; use a multiple of "
             f"{train.grad_accum * world} (batch_size is global: each rank gets batch_size / (grad_accum x processes) rows)")
-
-
-def _check_msft(data: DataConfig, train, preference: bool) -> None:
-    """mSFT rounds (``data.msft_round``) need an eval file per source and evaluations inside each round."""
-    c = data.msft_round
-    if not c:
-        return
-    missing = [i for i, s in enumerate(data.sources) if s.eval is None]
-    if missing:
-        raise SpecError(f"data.msft_round: every source needs its own eval file "
-                        f"(data.sources[{missing[0]}].eval is not set)")
-    if not 0 < train.eval_every <= c:
-        raise SpecError(f"data.msft_round = {c}: train.eval_every must be in 1..{c} "
-                        f"(each round needs evaluations to find each source's best step)")
-    if preference:
-        raise SpecError("data.msft_round: mSFT rounds are for SFT; a [preference] run has none")
 
 
 def _check_schedule_fields(schedule: ScheduleSpec, table: dict) -> None:

@@ -76,7 +76,7 @@ from pgs.runtime.model.layers import apply_activation_checkpointing
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim.bound import bind
 from pgs.runtime.optim.release import GradientRelease, group_parameters, refusal
-from pgs.runtime.spec.sections import checkpoint_offload, head_grad_wanted
+from pgs.runtime.optim.config import checkpoint_offload, head_grad_wanted
 
 CATEGORIES = ("weights", "frozen_models", "master_weights", "optimizer_state", "gradients", "activations", "loss",
               "temporaries")
@@ -395,45 +395,54 @@ def predict_memory(
     if vocab is not None:
         cfg.vocab_size = int(vocab)
     dt = _dtype(dtype)
-    if model is None:
-        model = meta_model(cfg, dt)
-    params = _trainable(model, trainable)
-    n_train = sum(p.numel() for p in params.values())
-    out = dict.fromkeys(CATEGORIES, 0)
-    out["weights"] = model_bytes(model)
+    model = meta_model(cfg, dt) if model is None else model
+    params, c = _trainable(model, trainable), _text_config(cfg)
+    out = {**dict.fromkeys(CATEGORIES, 0), "weights": model_bytes(model), "frozen_models": int(frozen_weights)}
+    binder = binder_memory(model, params, chain=chain, state_bytes_per_param=state_bytes_per_param,
+                           gradient_release=gradient_release, release_groups=release_groups,
+                           master_weights=master_weights, offload_optimizer=offload_optimizer, offload_slots=offload_slots,
+                           tied_slabs=tied_slabs, fused_update=fused_update, head_shape=(c.vocab_size, c.hidden_size))
+    out.update({k: binder[k] for k in ("master_weights", "optimizer_state", "gradients", "temporaries")})
+    kept, recompute = activation_parts(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
+                                       every=checkpoint_every, gqa_native=gqa_native, offload=checkpoint_offload,
+                                       mlp_tiles=int(mlp_tiles or 0), compiled=bool(compiled_layers),
+                                       experts_eager=experts_eager)
+    out["activations"] = kept + recompute
+    head = head_memory(cfg, model, dt, micro_batch_tokens, loss=loss, loss_chunk=loss_chunk,
+                       loss_kernels=loss_kernels, defer_head_grad=defer_head_grad,
+                       gradient_release=gradient_release, activation_checkpointing=activation_checkpointing,
+                       tied_slabs=tied_slabs, slab_names=binder["slab_names"])
+    out["loss"], out["total"] = head["loss"], sum(out[k] for k in CATEGORIES if k != "loss") + head["loss"]
+    out["peak"] = _peak(out, binder, head, kept=kept, recompute=recompute, tokens=int(micro_batch_tokens),
+                        hidden=c.hidden_size, b=torch.empty((), dtype=dt).element_size(),
+                        gradient_release=gradient_release, frozen=(int(frozen_held), int(frozen_forward)),
+                        sampling=int(sampling), scoring_pass=int(scoring_pass))
+    if binder["host_state"] is not None:
+        out.update(host_state=binder["host_state"], pcie_per_step=2 * binder["host_state"])
+    if checkpoint_offload:
+        out["host_inputs"] = offloaded_input_bytes(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
+                                                   every=checkpoint_every)
+    return out
+
+
+def binder_memory(model, params: dict, *, chain, state_bytes_per_param, gradient_release: bool, release_groups: str,
+                  master_weights, offload_optimizer: bool, offload_slots, tied_slabs, fused_update,
+                  head_shape: tuple[int, int]) -> dict[str, Any]:
+    """The optimizer binder's bytes (``pgs.runtime.optim``): fp32 masters, the chain's state (on the
+    device, or in host memory with device staging slots under ``offload_optimizer``), the gradients
+    it holds at once (all of them, or one release group's), its update's temporaries; and the
+    release groups and tied-slab names the peak's phases need."""
+    master = 0
     if master_weights == "fp32":
-        out["master_weights"] = sum(4 * p.numel() for p in params.values() if p.dtype in (torch.bfloat16, torch.float16))
+        master = sum(4 * p.numel() for p in params.values() if p.dtype in (torch.bfloat16, torch.float16))
     elif master_weights is not None:
         raise InvalidArgument(f"predict_memory: master_weights={master_weights!r} is not None or \"fp32\"")
-
     groups = (group_parameters(list(params), release_groups, sizes={n: p.numel() for n, p in params.items()})
               if gradient_release else {"all": list(params)})
-
-    def as_state_param(p):  # the chain sees fp32 masters when they exist
-        return p.float() if (master_weights == "fp32" and p.dtype in (torch.bfloat16, torch.float16)) else p
-
     if offload_optimizer and not gradient_release:
         raise InvalidArgument("predict_memory: offload_optimizer needs gradient_release")
-    host_state = None
-    if chain is not None:
-        inits = [chain.init({n: as_state_param(params[n]) for n in names}) for names in groups.values()]
-        out["optimizer_state"] = sum(pf.state_bytes(s) for s in inits)
-        if offload_optimizer:
-            from pgs.runtime.optim.offload import StateLayout
-
-            sizes = [StateLayout(s).nbytes for s in inits]
-            host_state = sum(sizes)
-            out["optimizer_state"] = _staging_bytes(sizes, offload_slots)
-    elif state_bytes_per_param is not None:
-        out["optimizer_state"] = int(round(state_bytes_per_param * n_train))
-        if offload_optimizer:
-            host_state = out["optimizer_state"]
-            sizes = [int(round(state_bytes_per_param * sum(params[n].numel() for n in names)))
-                     for names in groups.values()]
-            out["optimizer_state"] = _staging_bytes(sizes, offload_slots)
-    else:
-        raise InvalidArgument("predict_memory: give chain= (sized exactly) or state_bytes_per_param=")
-
+    state, host_state = _state_bytes(params, groups, chain, state_bytes_per_param, master_weights,
+                                     offload_optimizer, offload_slots)
     group_bytes = {g: sum(params[n].numel() * params[n].element_size() for n in names) for g, names in groups.items()}
     embed = model.get_input_embeddings()
     embed_names = {n for n, p in model.named_parameters() if embed is not None and p is embed.weight}
@@ -444,92 +453,124 @@ def predict_memory(
             if slab_names & set(names):  # the weight steps alone; its group holds one slab's gradient
                 group_bytes[g] = sum(min(int(tied_slabs), params[n].shape[0]) * params[n][0].numel()
                                      * params[n].element_size() for n in names)
-    out["gradients"] = max(group_bytes.values(), default=0)
+    biggest = max((p.numel() for n_, p in params.items() if n_ not in slab_names), default=0)
+    if slab_names:
+        v, h = head_shape
+        biggest = max(biggest, min(int(tied_slabs), v) * h)
+    if fused_update is None:
+        fused_update = bool(gradient_release and chain is not None and plan_for(chain, RELEASE) is not None)
+    temporaries = 2 * 4 * biggest
+    if gradient_release and fused_update:
+        temporaries = 4 * biggest if master_weights == "fp32" else 0
+    return {"master_weights": master, "optimizer_state": state, "host_state": host_state,
+            "gradients": max(group_bytes.values(), default=0), "temporaries": temporaries, "groups": groups,
+            "group_bytes": group_bytes, "embed_names": embed_names, "slab_names": slab_names}
 
-    kept, recompute = activation_parts(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
-                                       every=checkpoint_every, gqa_native=gqa_native, offload=checkpoint_offload,
-                                       mlp_tiles=int(mlp_tiles or 0), compiled=bool(compiled_layers),
-                                       experts_eager=experts_eager)
-    out["activations"] = kept + recompute
+
+def _state_bytes(params: dict, groups: dict, chain, state_bytes_per_param, master_weights, offload_optimizer: bool,
+                 offload_slots) -> tuple[int, int | None]:
+    """The chain's state on the device (its staging slots when offloaded) and in host memory (None:
+    not offloaded), sized on the parameters (meta tensors) as each release group's ``chain.init``."""
+
+    def as_state_param(p):  # the chain sees fp32 masters when they exist
+        return p.float() if (master_weights == "fp32" and p.dtype in (torch.bfloat16, torch.float16)) else p
+
+    if chain is not None:
+        inits = [chain.init({n: as_state_param(params[n]) for n in names}) for names in groups.values()]
+        if not offload_optimizer:
+            return sum(pf.state_bytes(s) for s in inits), None
+        from pgs.runtime.optim.offload import StateLayout
+
+        sizes = [StateLayout(s).nbytes for s in inits]
+        return _staging_bytes(sizes, offload_slots), sum(sizes)
+    if state_bytes_per_param is None:
+        raise InvalidArgument("predict_memory: give chain= (sized exactly) or state_bytes_per_param=")
+    state = int(round(state_bytes_per_param * sum(p.numel() for p in params.values())))
+    if not offload_optimizer:
+        return state, None
+    sizes = [int(round(state_bytes_per_param * sum(params[n].numel() for n in names))) for names in groups.values()]
+    return _staging_bytes(sizes, offload_slots), state
+
+
+def head_memory(cfg, model, dt, tokens: int, *, loss: str, loss_chunk: int, loss_kernels, defer_head_grad,
+                gradient_release: bool, activation_checkpointing: str, tied_slabs, slab_names: set) -> dict[str, Any]:
+    """The output head and loss's bytes (the objective's head, ``pgs.func.losses``): one chunk's
+    working set (``work``), the head part rebuilt at the end of backward when its gradient is
+    deferred (``rebuild``), what the loss's forward holds into backward (``held``); ``loss`` is
+    the category's figure."""
     c = _text_config(cfg)
     v, h = c.vocab_size, c.hidden_size
     b = torch.empty((), dtype=dt).element_size()
-    n = int(micro_batch_tokens)
+    n = int(tokens)
     if defer_head_grad is not False:  # where pgs run can defer, as the setting asks
-
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
         tied = head is not None and embed is not None and head.weight is embed.weight
         wanted = head_grad_wanted("auto" if defer_head_grad is None else defer_head_grad, activation_checkpointing,
                                   tied_slabs)
         defer_head_grad = bool(gradient_release and loss == "chunked" and tied and head.weight.requires_grad
                                and wanted)
-    if fused_update is None:
-        fused_update = bool(gradient_release and chain is not None and plan_for(chain, RELEASE) is not None)
     deferred = loss == "chunked" and defer_head_grad
-    out["frozen_models"] = int(frozen_weights)
     if loss_kernels is None:
         from pgs.func import kernels
 
         loss_kernels = kernels.CONFIG.ce_kernels
     if loss == "chunked":
-        loss_work, rebuild_work = chunk_work_bytes(min(loss_chunk, n), v, b, loss_kernels)
+        work, rebuild = chunk_work_bytes(min(loss_chunk, n), v, b, loss_kernels)
         if deferred:  # grad_h, the saved h, and rows/gates/LSEs (8 B index + 2 × 4 B per token)
-            loss_held = 2 * n * h * b + 16 * n
+            held = 2 * n * h * b + 16 * n
         else:
-            loss_held = v * h * b + n * h * b  # grad_W and grad_h, from the loss's forward into backward
+            held = v * h * b + n * h * b  # grad_W and grad_h, from the loss's forward into backward
     elif loss == "distill":  # both heads' fp32 chunk logits and their softmax terms; grad_W and grad_h
-        loss_work, rebuild_work, loss_held = DISTILL_CHUNK_BYTES * min(loss_chunk, n) * v, 0, v * h * b + n * h * b
+        work, rebuild, held = DISTILL_CHUNK_BYTES * min(loss_chunk, n) * v, 0, v * h * b + n * h * b
     elif loss == "dense":
-        loss_work, rebuild_work, loss_held = n * v * (b + 4 + 4), 0, 0
+        work, rebuild, held = n * v * (b + 4 + 4), 0, 0
     else:
         raise InvalidArgument(f"predict_memory: loss={loss!r} is not \"chunked\", \"distill\" or \"dense\"")
     if slab_names:  # the head part is rebuilt per slab: a chunk × slab-columns block, not chunk × V
         slab_cols = min(int(tied_slabs), v)
-        rebuild_work = chunk_work_bytes(min(loss_chunk, n), slab_cols, b, loss_kernels)[1] if deferred else 0
-    out["loss"] = max(loss_work, rebuild_work if deferred else 0) + loss_held
-    biggest = max((p.numel() for n_, p in params.items() if n_ not in slab_names), default=0)
-    if slab_names:
-        biggest = max(biggest, min(int(tied_slabs), v) * h)
-    out["temporaries"] = 2 * 4 * biggest
-    if gradient_release and fused_update:
-        out["temporaries"] = 4 * biggest if master_weights == "fp32" else 0
-    out["total"] = sum(out[k] for k in CATEGORIES)
+        rebuild = chunk_work_bytes(min(loss_chunk, n), slab_cols, b, loss_kernels)[1] if deferred else 0
+    return {"work": work, "rebuild": rebuild, "held": held, "deferred": deferred,
+            "loss": max(work, rebuild if deferred else 0) + held}
+
+
+def _peak(out: dict, binder: dict, head: dict, *, kept: int, recompute: int, tokens: int, hidden: int, b: int,
+          gradient_release: bool, frozen: tuple[int, int], sampling: int, scoring_pass: int) -> int:
+    """What is live together at the worst phase of a step (forward's end, a layer's backward, the
+    last group's update), on top of what lives all the time (weights, masters, state)."""
+    n, h = tokens, hidden
+    loss_held, loss_work, rebuild, deferred = head["held"], head["work"], head["rebuild"], head["deferred"]
+    frozen_held, frozen_forward = frozen
     static = out["weights"] + out["frozen_models"] + out["master_weights"] + out["optimizer_state"]
     grads = out["gradients"]
     # end of the policy's forward: its kept activations and the loss's held buffers, then the larger
     # of the loss's chunk and a frozen model's no-grad forward (what that forward leaves for the loss too)
-    forward_end = kept + loss_held + int(frozen_held) + max(loss_work, int(frozen_forward))
+    forward_end = kept + loss_held + frozen_held + max(loss_work, frozen_forward)
     if gradient_release:
+        groups, group_bytes = binder["groups"], binder["group_bytes"]
         # inside the layers' backward only a layer's gradients exist; the embedding's (often the
         # largest group) comes last, when the kept activations are gone
-        late = {g for g, names in groups.items() if embed_names & set(names)}
+        late = {g for g, names in groups.items() if binder["embed_names"] & set(names)}
         grads_mid = max((v for g, v in group_bytes.items() if g not in late), default=0)
-        last = grads + out["temporaries"] + (loss_held + rebuild_work if deferred else loss_held)
-        if slab_names:
+        last = grads + out["temporaries"] + (loss_held + rebuild if deferred else loss_held)
+        if binder["slab_names"]:
             # first the looked-up rows' gradients (N·D·b, kept by the embedding's backward) are summed
             # per id: an fp32 copy of the rows and fp32 sums, then the sums in W's dtype; then the
             # slabs, one at a time: the sums + a slab's gradient + its update's temporaries + the
             # head's rebuilt chunk for the slab's columns
             slab_grads = max(group_bytes[g] for g in late)
             last = max(loss_held + 2 * n * h * b + 8 * n * h,
-                       loss_held + n * h * b + slab_grads + out["temporaries"] + rebuild_work)
+                       loss_held + n * h * b + slab_grads + out["temporaries"] + rebuild)
         phases = (forward_end,  # end of forward: the loss's chunk
                   kept + recompute + loss_held + grads_mid,  # backward of a recomputed layer
                   last)  # last group's update (the embedding; with deferral the head's rebuilt chunk)
     else:
         phases = (forward_end, kept + recompute + loss_held + grads, grads + out["temporaries"])
-    out["peak"] = static + max(phases)
+    peak = static + max(phases)
     if sampling:  # on-policy sampling: no graph, no gradients; the KV cache and the prefill
-        out["peak"] = max(out["peak"], static + int(sampling))
+        peak = max(peak, static + sampling)
     if scoring_pass:  # before the first step, before the optimizer's state exists
-        out["peak"] = max(out["peak"], out["weights"] + out["frozen_models"] + int(scoring_pass))
-    if host_state is not None:
-        out["host_state"] = host_state
-        out["pcie_per_step"] = 2 * host_state
-    if checkpoint_offload:
-        out["host_inputs"] = offloaded_input_bytes(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
-                                                   every=checkpoint_every)
-    return out
+        peak = max(peak, out["weights"] + out["frozen_models"] + scoring_pass)
+    return peak
 
 
 # ----------------------------------------------------------------------------- the CLI
@@ -719,10 +760,11 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
     from rich.table import Table
 
     from pgs.runtime import output
+    from pgs.runtime.tools.resources import _device, predict
 
     console = console or output.console()
-    plan = plan_from_spec(spec, **overrides)
-    pred = predict_memory(plan["config"], **plan["kwargs"])
+    prediction = predict(spec, _device(spec), **overrides)  # the preflight's figure, part by part
+    plan, pred = prediction.plan, prediction.memory
     opts = plan["options"]
     title = (f"predicted memory of the {objective_label(spec)} step: {plan['micro_batch']}×{plan['seq_len']} tokens, "
              f"release={'on' if opts['gradient_release'] else 'off'}, "
@@ -734,15 +776,20 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
             plan["notes"].append("--measure: not run (gradient release would be refused, as pgs run would refuse it)")
         else:
             measured = measure_memory(spec, plan)
-    unit, scale = ("GiB", GiB) if pred["peak"] >= GiB else ("MiB", 1024**2)  # a tiny model's figures stay readable
+    unit, scale = ("GiB", GiB) if prediction.peak >= GiB else ("MiB", 1024**2)  # a tiny model's figures stay readable
     table = Table(title=title)
     table.add_column("category")
     table.add_column(f"predicted {unit}", justify="right")
+    attention, services = prediction.parts["attention masks"], prediction.parts.get("services", 0)
     for k in CATEGORIES:
         table.add_row(k, f"{pred[k] / scale:.3f}")
+    table.add_row("attention masks", f"{attention / scale:.3f}")
+    if services:
+        table.add_row("services (averaging, health, ...)", f"{services / scale:.3f}")
     table.add_section()
-    table.add_row("total (sum of the above, if all were live at once)", f"{pred['total'] / scale:.3f}")
-    table.add_row("peak (what is live together at the worst phase)", f"{pred['peak'] / scale:.3f}")
+    table.add_row("total (sum of the above, if all were live at once)",
+                  f"{(pred['total'] + attention + services) / scale:.3f}")
+    table.add_row("peak (what is live together at the worst phase)", f"{prediction.peak / scale:.3f}")
     if "host_state" in pred:
         table.add_section()
         table.add_row("host: optimizer state (pinned; offload_optimizer)", f"{pred['host_state'] / scale:.3f}")
@@ -751,7 +798,7 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
     if pred.get("host_inputs"):
         host_rows.append(("host: checkpointed inputs (pinned; offload_checkpoints)", pred["host_inputs"]))
     if spec.checkpoint.background:  # one checkpoint's tensors, kept for the run (pgs.runtime.store.background)
-        host_rows.append(("host: checkpoint snapshot (checkpoint.background)", checkpoint_bytes(pred)))
+        host_rows.append(("host: checkpoint snapshot (checkpoint.background)", prediction.checkpoint))
     if host_rows and "host_state" not in pred:
         table.add_section()
     for label, nbytes in host_rows:
@@ -768,7 +815,7 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
         mt.add_column(f"peak allocated {unit}", justify="right")
         for k, val in measured.phases.items():
             mt.add_row(k, f"{val / scale:.3f}")
-        mt.add_row("predicted peak", f"{pred['peak'] / scale:.3f}")
+        mt.add_row("predicted peak", f"{prediction.peak / scale:.3f}")
         console.print(mt)
     for note in plan["notes"]:
         console.print(f"note: {note}")

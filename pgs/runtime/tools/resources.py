@@ -66,6 +66,8 @@ class Prediction:
     parts: dict
     tokens: str
     host: int = 0  # what the run keeps in host memory besides a CPU run's peak (offloaded state and inputs)
+    memory: dict = attrs.field(factory=dict)  # predict_memory's figures (its categories, total, peak, host_*)
+    plan: dict = attrs.field(factory=dict)  # profile.plan_from_spec's plan it was made from
 
 
 def attention_matrix_bytes(cfg, rows: int, seq_len: int, *, dtype_bytes: int, implementation: str,
@@ -100,13 +102,21 @@ def _device(spec) -> torch.device:
     return torch.device(name)
 
 
-def predict(spec, device: torch.device) -> Prediction:
-    """What one process of ``spec`` needs at its peak on ``device``, and one checkpoint's bytes."""
+def predict(spec, device: torch.device, **overrides) -> Prediction:
+    """What one process of ``spec`` needs at its peak on ``device``, and one checkpoint's bytes:
+    the one estimate ``pgs validate``, ``pgs run``'s preflight and ``pgs profile`` show and check
+    (``overrides``: ``pgs profile``'s, as ``plan_from_spec`` takes them).  Each part is its
+    component's: the model's weights, the binder's masters, state and gradients
+    (``profile.binder_memory``), the activations (``profile.activation_parts``), the head and
+    loss (``profile.head_memory``), the objective's frozen models (``profile.objective_memory``),
+    attention's masks (:func:`attention_matrix_bytes`) and each step-time service's own
+    (``Service.memory_estimate``)."""
     from pgs.func import kernels
     from pgs.runtime.model.attention import varlen_available
+    from pgs.runtime.loop.services import service_memory
     from pgs.runtime.tools.profile import _dtype, checkpoint_bytes, predict_memory, plan_from_spec
 
-    plan = plan_from_spec(spec)
+    plan = plan_from_spec(spec, **overrides)
     kwargs = dict(plan["kwargs"])
     kwargs["loss_kernels"] = device.type == "cuda" and kernels.CONFIG.ce_kernels
     pred = predict_memory(plan["config"], **kwargs)
@@ -122,10 +132,14 @@ def predict(spec, device: torch.device) -> Prediction:
         checkpointing=opts["activation_checkpointing"], every=int(opts["checkpoint_every"]))
     parts = {k: pred[k] for k in ("weights", "optimizer_state", "activations", "loss")}
     parts["attention masks"] = attention
+    services = service_memory(spec, plan)  # what the step-time services hold (loop/services.py)
+    if services["device"]:
+        parts["services"] = services["device"]
     checkpoint = checkpoint_bytes(pred)
-    return Prediction(peak=pred["peak"] + attention, checkpoint=checkpoint, parts=parts,
+    return Prediction(peak=pred["peak"] + attention + services["device"], checkpoint=checkpoint, parts=parts,
                       tokens=f"{plan['micro_batch']} rows × {plan['seq_len']} tokens per micro-batch",
-                      host=int(pred.get("host_state") or 0) + int(pred.get("host_inputs") or 0))
+                      host=int(pred.get("host_state") or 0) + int(pred.get("host_inputs") or 0) + services["host"],
+                      memory=pred, plan=plan)
 
 
 def available_memory(device: torch.device) -> tuple[int | None, str]:
