@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import pgs.func as pf
 from pgs.errors import InvalidArgument
@@ -91,6 +92,23 @@ def test_sgd_base_follows_the_paper(beta, power, warm):
     for t in range(steps):
         torch.testing.assert_close(got_y[t], want_y[t], rtol=1e-11, atol=1e-12, msg=f"y at step {t}")
         torch.testing.assert_close(got_x[t], want_x[t], rtol=1e-11, atol=1e-12, msg=f"x at step {t}")
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(beta=st.floats(0.05, 1.0), power=st.floats(0.0, 3.0),
+       lrs=st.lists(st.one_of(st.just(0.0), st.floats(1e-4, 0.5)), min_size=1, max_size=12),
+       seed=st.integers(0, 50))
+def test_any_learning_rates_follow_the_paper(beta, power, lrs, seed):
+    """Arbitrary β, p and per-step learning rates (zeros, rises and falls included)."""
+    grad, theta0 = _problem(seed, n=3)
+    want_y, want_x = _paper(grad, theta0, lrs, beta, power, _sgd_direction)
+    table = torch.tensor(lrs, dtype=F64)
+    sched = lambda count: table[int(count)]  # noqa: E731
+    opt = pf.schedule_free(pf.scale_by_learning_rate(sched), sched, b1=beta, weight_lr_power=power)
+    got_y, got_x, _ = _run_pgs(opt, grad, theta0, len(lrs))
+    for t in range(len(lrs)):
+        torch.testing.assert_close(got_y[t], want_y[t], rtol=1e-10, atol=1e-12, msg=f"y at step {t}")
+        torch.testing.assert_close(got_x[t], want_x[t], rtol=1e-9, atol=1e-10, msg=f"x at step {t}")
 
 
 @pytest.mark.parametrize("wd", [0.0, 0.05])
