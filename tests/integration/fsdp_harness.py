@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,21 +33,17 @@ from pgs.runtime.loop import control
 from pgs.runtime.store import dcp
 from pgs.runtime.dist import fsdp as D
 
+# tests/tiny.py, also when this file runs as a rank's script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny import from_config, tiny_config  # noqa: E402
+
 VOCAB, SEQ, ROWS, WORLD = 64, 16, 2, 2  # ROWS rows per rank, WORLD ranks in the tests
 STEPS = 20
 
 
 def tiny_model(tied: bool = True):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model("qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                               tie_word_embeddings=tied)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
-    model.train()
-    return model
+    cfg = tiny_config(vocab_size=VOCAB, intermediate_size=48, max_position_embeddings=64, tie_word_embeddings=tied)
+    return from_config(cfg, seed=0, init_dtype=torch.float32, fork_rng=True, attn_implementation="sdpa")
 
 
 def global_batch(step: int):

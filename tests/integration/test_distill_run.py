@@ -13,12 +13,13 @@ from pgs.runtime.loop.faults import Faults
 from pgs.runtime.loop.train import run
 from pgs.runtime.spec.load import load_spec
 from helpers import (LOOP, assert_same_checkpoint, inline_table, launch, loop_fields, quickstart_head, records,
-                     run_plain_and_released, step_records, tiny_config, write_toml)
+                     run_plain_and_released, step_records, write_toml)
+from tiny import tiny_table
 
 pytestmark = pytest.mark.slow
 
-STUDENT = inline_table(tiny_config(max_position_embeddings=256))
-TEACHER = inline_table(tiny_config(max_position_embeddings=256, hidden_size=48, num_hidden_layers=1))
+STUDENT = inline_table(tiny_table(max_position_embeddings=256))
+TEACHER = inline_table(tiny_table(max_position_embeddings=256, hidden_size=48, num_hidden_layers=1))
 
 SPEC = """
 [model]

@@ -17,6 +17,7 @@ import pytest
 from pgs.cli import main
 from pgs.runtime.spec.load import ChainEntry, load_spec
 from helpers import ROOT, cli_error, cpu_spec
+from tiny import tiny_config
 
 
 def assert_both_refuse(spec: Path, expected: str, capsys, sets: tuple[str, ...] = ()) -> str:
@@ -33,11 +34,8 @@ def assert_both_refuse(spec: Path, expected: str, capsys, sets: tuple[str, ...] 
 
 def _model_folder(tmp_path: Path, **fields) -> Path:
     """A local model folder holding only a config.json (the refusal comes before any weight is read)."""
-    from transformers import AutoConfig
-
     folder = tmp_path / "model"
-    config = AutoConfig.for_model("qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=512)
+    config = tiny_config("qwen3", num_hidden_layers=1, vocab_size=512)
     config.save_pretrained(folder)
     raw = json.loads((folder / "config.json").read_text())
     raw.update(fields)

@@ -12,12 +12,12 @@ import types
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from pgs.errors import SpecError
 from pgs.runtime.model import attention as A
 from pgs.runtime.data import Document, collate, packing_isolation
 from pgs.runtime.model.build import build_model, final_hidden
+from tiny import tiny_config, tiny_model
 
 TINY = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -27,12 +27,9 @@ TINY = dict(
 
 def tiny(kind: str, attn: str, dtype=torch.float32):
     attn = A.hf_implementation(attn)
-    torch.manual_seed(0)
-    if kind == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **TINY, attn_implementation=attn))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**TINY, attn_implementation=attn))
-    return model.to(dtype)
+    kind, head_dim = ("qwen3", 8) if kind == "qwen3" else ("llama", None)
+    return tiny_model(kind, seed=0, dtype=dtype, mode=None, head_dim=head_dim, max_position_embeddings=64,
+                      attn_implementation=attn)
 
 
 def batch_of(lengths_per_row, seq_len, seed=1):
@@ -230,10 +227,10 @@ def test_training_forward_builds_no_mask():
 
 
 def test_auto_picks_varlen_only_where_it_runs_and_suits(monkeypatch):
-    plain = Qwen3Config(head_dim=8, **TINY)
-    sliding = Qwen3Config(head_dim=8, **TINY, layer_types=["sliding_attention", "full_attention"],
+    plain = tiny_config(max_position_embeddings=64)
+    sliding = tiny_config(max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"],
                           use_sliding_window=True, sliding_window=8)
-    dropout = Qwen3Config(head_dim=8, **TINY, attention_dropout=0.1)
+    dropout = tiny_config(max_position_embeddings=64, attention_dropout=0.1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert A.hf_implementation("auto", plain) == "sdpa"  # no CUDA: transformers' SDPA
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -20,18 +20,15 @@ from pgs.runtime.model.layers import (
     remove_activation_checkpointing,
 )
 from pgs.runtime.optim.release import GradientRelease
+from tiny import tiny_model as build_tiny
 
 VOCAB = 96
 
 
 def tiny_model(layers=3, seed=0):
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, tie_word_embeddings=True,
-                      attn_implementation="sdpa")  # use_cache stays True: the wrapper must drop the cache
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg).train()
+    # use_cache stays True: the wrapper must drop the cache
+    return build_tiny(seed=seed, num_hidden_layers=layers, vocab_size=VOCAB, tie_word_embeddings=True,
+                      attn_implementation="sdpa")
 
 
 IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import PretrainedConfig
 
 from pgs.errors import SpecError
 from pgs.runtime.data import Document, collate, packing_isolation, require_packing_isolation
-
-TINY = dict(
-    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-)
-
+from tiny import tiny_model
 
 def tiny(kind: str, attn: str):
-    torch.manual_seed(0)
-    if kind == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **TINY, attn_implementation=attn))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**TINY, attn_implementation=attn))
-    return model.eval()
+    kind, head_dim = ("qwen3", 8) if kind == "qwen3" else ("llama", None)
+    return tiny_model(kind, seed=0, mode="eval", head_dim=head_dim, max_position_embeddings=64,
+                      attn_implementation=attn)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -7,16 +7,17 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from pgs.cli import main
 from pgs.errors import SpecError
 from pgs.runtime.spec.load import DistillSpec, load_spec, spec_from_dict
 from pgs.runtime.spec.preflight import check_resources
-from helpers import model_toml, tiny_config, write_toml
+from helpers import model_toml, write_toml
+from tiny import tiny_config, tiny_table
 
 SMALL = dict(num_hidden_layers=1, max_position_embeddings=256, tie_word_embeddings=None)
-ARCH = tiny_config(**SMALL)
+ARCH = tiny_table(**SMALL)
 TOKENIZER = Path(__file__).resolve().parents[2] / "pgs" / "assets" / "quickstart" / "tokenizer"
 
 SPEC = model_toml(init_seed=None, **SMALL) + """[data]
@@ -46,8 +47,8 @@ def teacher_folder(tmp_path: Path, tokenizer=None, vocab_size: int | None = None
     tok = tokenizer or AutoTokenizer.from_pretrained(TOKENIZER)
     table = dict(ARCH)
     table.pop("model_type")
-    AutoConfig.for_model("qwen3", vocab_size=vocab_size or len(AutoTokenizer.from_pretrained(TOKENIZER)),
-                         **table).save_pretrained(folder)
+    tiny_config("qwen3", vocab_size=vocab_size or len(AutoTokenizer.from_pretrained(TOKENIZER)),
+                **table).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 

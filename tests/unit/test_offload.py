@@ -24,6 +24,7 @@ from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.spec.sections import MemorySpec
 from test_release import VOCAB, batches, loss_of, tiny_model
 from test_release_slabs import step as slab_step
+from tiny import tiny_model as build_tiny
 
 CHAINS = {  # 8-bit state on the tiny model's matrices (blocks of 64), fp32 state for AdamW
     "lion8bit": lambda: pf.lion8bit(1e-3, weight_decay=0.1, block_size=64, min_8bit_size=256),
@@ -196,13 +197,8 @@ def test_tied_slabs_offloaded():
 
 def big_vocab_model():
     """A tiny Qwen3 whose tied embedding's state is larger than a layer's (a group larger than a slot)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, vocab_size=1024, tie_word_embeddings=True,
-                      use_cache=False, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).train()
+    return build_tiny(seed=0, num_hidden_layers=4, vocab_size=1024, tie_word_embeddings=True, use_cache=False,
+                      attn_implementation="sdpa")
 
 
 def test_slabs_wait_only_for_the_shares_holding_their_rows():

@@ -14,23 +14,18 @@ from pgs.errors import InvalidArgument
 from pgs.runtime.optim.bound import bind
 from pgs.runtime.tools.profile import activation_bytes, activation_parts, model_bytes, predict_memory
 from pgs.runtime.optim.release import GradientRelease
+from tiny import from_config, tiny_config
 
 VOCAB = 96
 
 
 def config(tied=True, layers=2, hidden=32, inter=64):
-    from transformers import Qwen3Config
-
-    return Qwen3Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, tie_word_embeddings=tied,
-                       use_cache=False, attn_implementation="sdpa")
+    return tiny_config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, vocab_size=VOCAB,
+                       tie_word_embeddings=tied, use_cache=False, attn_implementation="sdpa")
 
 
 def real_model(cfg, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).train()  # as pgs.runtime.model.build builds it
+    return from_config(cfg, seed=0, init_dtype=dtype)  # drawn in dtype, as pgs.runtime.model.build builds it
 
 
 CHAINS = {
@@ -318,17 +313,13 @@ def test_activation_formula_of_routed_experts_equals_saved_tensors(model_type, s
     """A mixture-of-experts layer keeps k expert MLPs per token, not one dense MLP (the dense
     formula was 15-42% under what these save, and ~7 GiB under for OLMoE-1B-7B at 4096 tokens): within 2% of what
     transformers' grouped_mm experts save; its eager loop keeps one more k·b·h per token."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                               max_position_embeddings=128, **sizes)
+    cfg = tiny_config(model_type, vocab_size=VOCAB, hidden_size=64, head_dim=16, max_position_embeddings=128,
+                      **sizes)
     B, S = 2, 64
     predicted = activation_bytes(cfg, B * S, dtype=torch.bfloat16, policy="none")
     saved = {}
     for impl in ("grouped_mm", "eager"):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, experts_implementation=impl, attn_implementation="sdpa")
+        model = from_config(cfg, seed=0, mode=None, experts_implementation=impl, attn_implementation="sdpa")
         saved[impl] = saved_activation_bytes(model.to(torch.bfloat16), B, S)
     assert abs(predicted - saved["grouped_mm"]) <= 0.02 * saved["grouped_mm"]
     extra = 2 * 2 * 64 * B * S * 2  # k · b · h per token and layer

@@ -10,18 +10,14 @@ import pgs.func as pf
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.runtime.optim.bound import bind
 from pgs.runtime.optim.release import GradientRelease, group_of, group_parameters, sublayer_group_of
+from tiny import tiny_model as build_tiny
 
 VOCAB = 96
 
 
 def tiny_model(dtype=torch.float32, tied=True, layers=2, seed=0):
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, tie_word_embeddings=tied,
+    return build_tiny(seed=seed, dtype=dtype, num_hidden_layers=layers, vocab_size=VOCAB, tie_word_embeddings=tied,
                       use_cache=False, attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg).to(dtype).train()
 
 
 def batches(n, seed=1):

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import pgs.func as pf
 from pgs.func.step import StepContext
 from pgs.runtime.optim.release import GradientRelease
+from tiny import tiny_model
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 counting = pytest.mark.skipif(not INTERPRET, reason="counts the CPU path with the 8-bit kernels in Triton's interpreter")
@@ -76,14 +77,10 @@ def triton_runs(monkeypatch):
 
 
 def _model():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     # the 4B's leaf structure in one layer: q/k/v/o and gate/up/down ≥ 4096 elements (8-bit
     # state, a Triton kernel each), input/post-attention norms and q/k norms below (fp32 state)
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=192, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    return tiny_model(seed=0, dtype=torch.bfloat16, mode=None, hidden_size=64, intermediate_size=192,
+                      num_hidden_layers=1, head_dim=32, vocab_size=256, tie_word_embeddings=True)
 
 
 def group_step_ops(model, chain, triton_runs, *, track_grad_norm=True, stochastic_rounding=True):

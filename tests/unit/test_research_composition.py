@@ -8,16 +8,13 @@ import pytest
 import torch
 
 import pgs.func as pf
+from tiny import tiny_model
 
 
 def _tiny_model():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return transformers.Qwen3ForCausalLM(cfg).float()
+    pytest.importorskip("transformers")
+    return tiny_model(seed=0, dtype=torch.float32, mode=None, vocab_size=64, max_position_embeddings=64,
+                      tie_word_embeddings=False)
 
 
 def test_adagc_mona_lion_hyperball_trains_a_tiny_qwen3():

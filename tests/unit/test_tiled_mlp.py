@@ -6,21 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import pgs.func as pf
 from pgs.errors import InvalidArgument
 from pgs.runtime.model import tiled_mlp as T
 from pgs.runtime.model.layers import apply_activation_checkpointing, compile_layers
 from pgs.runtime.optim.release import GradientRelease
+from tiny import tiny_model
 
 CFG = dict(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
 
 
 def tiny(dtype=torch.float32):
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(Qwen3Config(**CFG, attn_implementation="sdpa")).to(dtype).train()
+    return tiny_model(seed=0, dtype=dtype, **CFG, attn_implementation="sdpa")
 
 
 IDS = torch.randint(0, 96, (2, 23), generator=torch.Generator().manual_seed(1))
