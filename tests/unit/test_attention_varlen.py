@@ -406,7 +406,7 @@ def test_cuda_the_chosen_kernel_runs(monkeypatch, kernel_choice):
 def test_padding_inside_a_compiled_layer_does_not_recompile_per_count():
     """With ``minimum=2`` the padded count takes one compiled graph whatever a step's count
     (dynamo specialises sizes 0 and 1: with ``minimum=0`` a count one short of a bucket, or on
-    it, recompiles; s7_call4 measured that as a 3.8× slower 0.6B run)."""
+    it, recompiles; measured as a 3.8× slower 0.6B run, docs/performance.md)."""
     from torch._dynamo.utils import counters
 
     def layer(x, cu):

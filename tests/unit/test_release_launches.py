@@ -6,8 +6,8 @@ the aten ops of one layer group's step on the CPU (the 8-bit kernels run in Trit
 interpreter; their own internals are not counted, the kernels are counted apart), split into
 ops that launch a kernel on a GPU and host-only ops (views, splits, allocations).  The bounds
 are what the group step costs now, with a little room; the code before these cuts (09aeee2)
-launched 88 (lion8bit) and 113 (adamw8bit) per group with the grad norm on
-(``bench/experiments/release_ops.py`` prints both).  A ``torch._foreach_*`` op counts once.
+launched 88 (lion8bit) and 113 (adamw8bit) per group with the grad norm on (counted with this
+module's ``group_step_ops`` on that commit's pgs).  A ``torch._foreach_*`` op counts once.
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ class _Count(TorchDispatchMode):
 
 def counting_run(run):
     """``(InterpretedFunction.run wrapped, Counter of Triton kernel runs by name, pause flag
-    set while one runs)``: the dispatch counter skips the ops inside a kernel.  Also used by
-    bench/experiments/release_ops.py."""
+    set while one runs)``: the dispatch counter skips the ops inside a kernel."""
     kernels, paused = collections.Counter(), [0]
 
     def counted(self, *a, **k):
@@ -85,8 +84,7 @@ def _model():
 
 def group_step_ops(model, chain, triton_runs, *, track_grad_norm=True, stochastic_rounding=True):
     """``(release, {group: (aten op Counter, Triton kernel Counter)})`` of the second backward's
-    group steps (the first fills the caches: hyperparameter vectors, seed offsets).  Also used
-    by bench/experiments/release_ops.py."""
+    group steps (the first fills the caches: hyperparameter vectors, seed offsets)."""
     kernels, paused = triton_runs
     rel = GradientRelease(chain, model, stochastic_rounding=stochastic_rounding, track_grad_norm=track_grad_norm)
     x = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))

@@ -1,7 +1,8 @@
-"""Summarise a py-spy ``--format raw`` (collapsed stacks) recording of a host-bound step.
+"""Summarise a py-spy ``--format raw`` (collapsed stacks) recording of a host-bound step (the
+``sft-step`` suite's ``--spy PREFIX`` writes one per variant).
 
-    py-spy record -r 500 --nonblocking --threads -f raw -o spy.txt -- python bench/sft_step.py ...
-    python bench/experiments/spy_summary.py spy.txt [--top 40] [--json out.json]
+    python -m bench sft-step --spy /tmp/spy --only pgs_release ...
+    python bench/spy_summary.py /tmp/spy.pgs_release.txt [--top 40] [--json out.json]
 
 Stacks under compilation (dynamo, inductor's compile, AOT autograd's lazy backward compile) and
 outside a training step (model build, warm-up setup) are dropped; every thread's samples count
