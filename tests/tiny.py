@@ -6,6 +6,8 @@
 - ``tiny_model(model_type, seed=..., dtype=..., **fields)``: that config's causal LM, its weights
   drawn under ``torch.manual_seed(seed)``.
 - ``from_config(config, ...)``: the same for a config built elsewhere.
+- ``shape_table(model_type, **fields)``: ``SHAPE`` as a ``[model.config]`` table, for the tests
+  that build through pgs's own ``build_model``.
 - ``tiny_table(**changes)``: the ``[model.config]`` table of the tiny Qwen3 that ``pgs run``
   trains in the tests (the quickstart tokenizer's vocabulary; tests/helpers.py writes it into specs).
 """
@@ -34,6 +36,11 @@ def _without_none(table: dict) -> dict:
 def tiny_table(**changes) -> dict:
     """``TINY_TABLE`` with ``changes``; a change to None leaves that key out."""
     return _without_none({**TINY_TABLE, **changes})
+
+
+def shape_table(model_type: str = "qwen3", **fields) -> dict:
+    """``SHAPE`` with ``fields`` (None: left out) and its ``model_type``: a ``[model.config]`` table."""
+    return _without_none({"model_type": model_type, **SHAPE, **fields})
 
 
 def tiny_config(model_type: str = "qwen3", **fields):

@@ -16,10 +16,10 @@ from pgs.runtime.model.build import build_model
 from pgs.runtime.model.loading import load_tokenizer
 from pgs.runtime.spec.load import ASSETS_DIR, load_spec
 from pgs.runtime.store.export import INDEX, WEIGHTS, end_of_turn_ids, export_hf, parse_size, shard
+from tiny import shape_table, tiny_model
 
 TOKENIZER = ASSETS_DIR / "quickstart" / "tokenizer"
-CONFIG = dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=True)
+CONFIG = shape_table(vocab_size=None, max_position_embeddings=128, tie_word_embeddings=True)  # the tokenizer's vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +129,8 @@ def _remote_folder(tmp_path: Path, vocab: int) -> Path:
     folder.mkdir()
     (folder / "configuration_tiny.py").write_text(REMOTE_CONFIG)
     (folder / "modeling_tiny.py").write_text(REMOTE_MODEL)
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(**{k: v for k, v in CONFIG.items() if k != "model_type"}, vocab_size=vocab)
-    Qwen3ForCausalLM(config).save_pretrained(folder)
+    fields = {k: v for k, v in CONFIG.items() if k != "model_type"}
+    tiny_model(seed=None, mode=None, **fields, vocab_size=vocab).save_pretrained(folder)
     raw = json.loads((folder / "config.json").read_text())
     raw.update(model_type="tiny_remote", architectures=["TinyRemoteForCausalLM"],
                auto_map={"AutoConfig": "configuration_tiny.TinyRemoteConfig",

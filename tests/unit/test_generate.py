@@ -13,10 +13,10 @@ import torch
 from pgs.errors import InvalidArgument
 from pgs.runtime.model.build import build_model
 from pgs.runtime.model.generate import GenerationSettings, generate, next_token
+from tiny import shape_table
 
 V = 97
-CONFIG = dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=128, vocab_size=V, tie_word_embeddings=True)
+CONFIG = shape_table(max_position_embeddings=128, vocab_size=V, tie_word_embeddings=True)
 PAD = 0
 
 

@@ -20,6 +20,7 @@ from pgs.errors import PreflightRefused
 from pgs.runtime.spec.load import load_spec
 from pgs.runtime.tools import resources as R
 from helpers import cli_error, config_toml, cpu_spec
+from tiny import shape_table
 
 LONG = config_toml(num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1048576)
 
@@ -60,9 +61,7 @@ def _saved_square_bytes(implementation: str, rows: int, seq: int) -> tuple[int, 
     from pgs.runtime.dist.fsdp import final_hidden
     from pgs.runtime.model.build import build_model
 
-    cfg = dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=8, max_position_embeddings=4096, tie_word_embeddings=True,
-               vocab_size=64)
+    cfg = shape_table(max_position_embeddings=4096, tie_word_embeddings=True, vocab_size=64)
     model = build_model(config=cfg, dtype="float32", attn_implementation=implementation, device="cpu")
     ids = torch.randint(0, 64, (rows, seq))
     pos = torch.cat([torch.arange(seq // 3), torch.arange(seq - seq // 3)])[None].expand(rows, seq).contiguous()
