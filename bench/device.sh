@@ -5,7 +5,7 @@
 #
 #   bash bench/device.sh SUITE ["SUITE ARGS ..."] ...
 #   bash bench/device.sh optim-step "optim-8bit --iters 10" "sft-step --shapes qwen3-4b --steps 16"
-#   TESTS="-m cuda tests/test_losses.py" bash bench/device.sh loss-memory
+#   TESTS="-m cuda tests/unit/test_losses.py" bash bench/device.sh loss-memory
 #   BUDGET=560 bash bench/device.sh "distill --steps 8 --budget 520"
 #       (suites that run TRL, distill and preference, need its wheels in .whl too: cp /work/trlwhl/*.whl .whl/;
 #       without them their TRL setups fail with one line and the pgs setups still run; keep the suite's

@@ -5,8 +5,8 @@
 # own timeout inside one budget.  Environment: STEPS (default 16: the mean is over steps 5-16),
 # ONLY (setups, comma-separated, default: bandwidth,pgs_8b_offload,hf_8b_compiled_ac,pgs_4b,
 # pgs_4b_offload; python bench/offload_bench.py --help lists the others), SAVE_EVERY (the
-# *_saves setups' checkpoint.every, default 40), TESTS (1: first the CUDA tests of the offload, tests/test_offload.py, ~1 min;
-# anything else: pytest arguments run first, e.g. TESTS="-m cuda tests/test_pinned.py"; TEST_S
+# *_saves setups' checkpoint.every, default 40), TESTS (1: first the CUDA tests of the offload, tests/unit/test_offload.py, ~1 min;
+# anything else: pytest arguments run first, e.g. TESTS="-m cuda tests/unit/test_pinned.py"; TEST_S
 # seconds for them, default 150),
 # BUDGET (seconds for the setups, default 560 less the tests' time).  Results: $OUT/offload.json
 # (rewritten after every setup, so a cut-off call keeps what finished), $OUT/all.log,
@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/all.l
 free -g >> "$OUT/all.log"
 if [ "${TESTS:-0}" = 1 ]; then
   log cuda tests
-  cuda_tests 100 -m cuda --tb=short tests/test_offload.py
+  cuda_tests 100 -m cuda --tb=short tests/unit/test_offload.py
 elif [ -n "${TESTS:-}" ] && [ "$TESTS" != 0 ]; then
   log pytest $TESTS
   # shellcheck disable=SC2086  # TESTS is a list of pytest arguments

@@ -4,7 +4,7 @@
 # the same call.  Environment: STEPS (default 40), WHICH ("06b,4b"), PROFILE ("A:B": a trace of
 # those steps of the 0.6B pgs run; its operator table lands in $OUT), EXTRA (more product.py
 # arguments for every spec), TESTS (1, the default: first the CUDA tests of the product path,
-# tests/test_train_steady.py and tests/test_data_loader.py).  Results: $OUT/product_<shape>.json,
+# tests/integration/test_train_steady.py and tests/integration/test_data_loader.py).  Results: $OUT/product_<shape>.json,
 # $OUT/pytest.log and $OUT/all.log.
 source "$(dirname "$0")/device_env.sh"
 STEPS=${STEPS:-40}
@@ -12,7 +12,7 @@ WHICH=${WHICH:-06b,4b}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/all.log"
 if [ "${TESTS:-1}" = 1 ]; then  # the product path's CUDA tests first (failure lines in $OUT/pytest.log)
   log cuda tests
-  cuda_tests 150 -m cuda --tb=line tests/test_train_steady.py tests/test_data_loader.py
+  cuda_tests 150 -m cuda --tb=line tests/integration/test_train_steady.py tests/integration/test_data_loader.py
 fi
 if [[ $WHICH == *06b* ]]; then
   log product 06b

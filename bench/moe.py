@@ -29,7 +29,7 @@ Each row says which implementation the model was built with (the build refuses a
 the HF row of the same implementation.  The same init seed and batches give each side the same
 step-1 loss under every implementation (up to the kernels' rounding); both sides seed their init
 with 0 (the spec's ``init_seed``, ``sft_step.build``): on the CPU they start from the same weights
-too (tests/test_bench_moe.py; not checked on a GPU).  The JSON (``--out``) is
+too (tests/integration/test_bench_moe.py; not checked on a GPU).  The JSON (``--out``) is
 rewritten after every entry, a Markdown table goes to stdout::
 
     python -m bench moe                                  # eager and grouped_mm, 12 steps each
@@ -45,7 +45,7 @@ not the speed: run it apart::
     python -m bench moe --impls grouped_mm --steps 8 --skip 3 --profile 5:7 --out bench/results/moe-profile.json
 
 On the CPU, ``--small`` runs the same path at a tiny shape (8 experts of 2, two layers): the
-smoke run of this script (tests/test_bench_moe.py).
+smoke run of this script (tests/integration/test_bench_moe.py).
 """
 
 from __future__ import annotations

@@ -6,26 +6,29 @@
 
 Inputs (``--inputs latest``, the default):
 
-- ``s8_call5/sft_4b.json``: Qwen3-4B 1×4096 (``bench/sft_step.py``: ``results``, one row per
-  variant run with ``tok_s``, ``peak_gib``, ``mfu``): HF compiled layers + AC against pgs release
-  with sublayer checkpoints, offloaded inputs and tied slabs, each run twice, alternated, in one
-  call (session 8, as session 6's s6_call6; a variant's repeats are drawn as one point at their mean, the range in its
-  label).  ``--sft-4b s3_call6_sft_4b.json`` draws session 3's call (more pgs variants),
-  ``--only-4b`` picks variants of the file.
-- ``s7_call3/sft_06b.json``: Qwen3-0.6B 8×4096 packed, HF + Liger (the rows as single causal
+- ``2026-11-30-sft-step-4b-alternated-2.json``: Qwen3-4B 1×4096 (``bench/sft_step.py``:
+  ``results``, one row per variant run with ``tok_s``, ``peak_gib``, ``mfu``): HF compiled layers
+  + AC against pgs release with sublayer checkpoints, offloaded inputs and tied slabs, each run
+  twice, alternated, in one call (as ``2026-11-30-sft-step-4b-alternated.json``; a variant's
+  repeats are drawn as one point at their mean, the range in its label).  ``--sft-4b
+  2026-11-29-sft-step-4b-5.json`` draws an earlier call (more pgs variants), ``--only-4b`` picks
+  variants of the file.
+- ``2026-11-30-sft-step-06b-6.json``: Qwen3-0.6B 8×4096 packed, HF + Liger (the rows as single causal
   sequences, the usual peer setup; pgs's varlen attention) against pgs release with cuDNN's and
-  with FlashAttention-2's packed kernel, all from one call (``--sft-06b s6_call4/sft_06b.json``:
-  session 6's call, with HF + Liger on SDPA's block mask).
+  with FlashAttention-2's packed kernel, all from one call (``--sft-06b
+  2026-11-30-sft-step-06b-3.json``: an earlier call, with HF + Liger on SDPA's block mask).
 - ``LATEST_CONVERGE``: per-step losses of ``bench/sft_converge.py`` runs, one image each:
-  ``s8_call4/finetune_bpe.json`` (fine-tuning on BPE text from shared AdamW-trained weights:
-  HF AdamW, pgs lion8bit, bitsandbytes Lion8bit, pgs adamw8bit) as ``sft_converge.png``,
-  ``s8_call2/converge_bpe.json`` (the same text from scratch) as ``sft_converge_scratch.png``,
-  ``s7_call4/converge_500.json`` (500 steps of a 256-state Markov chain from scratch) as
+  ``2026-11-30-sft-converge-finetune-bpe.json`` (fine-tuning on BPE text from shared AdamW-trained
+  weights: HF AdamW, pgs lion8bit, bitsandbytes Lion8bit, pgs adamw8bit) as ``sft_converge.png``,
+  ``2026-11-30-sft-converge-bpe.json`` (the same text from scratch) as
+  ``sft_converge_scratch.png``,
+  ``2026-11-30-sft-converge-500.json`` (500 steps of a 256-state Markov chain from scratch) as
   ``sft_converge_markov.png``.  ``--converge FILE`` draws one file as ``sft_converge.png``.
 
 ``--sft-4b``, ``--sft-06b`` and ``--converge`` name other files (relative to ``--results``).
-``--inputs s2`` draws the session-2 plots instead, from ``s2_final_probe.json`` (pgs rows),
-``s2_final_hf_4b.json``, ``s2_final_hf_06b.json`` (HF rows) and ``s2_converge.json``.
+``--inputs s2`` draws the first plots (2026-11-29) instead, from
+``2026-11-29-probe-sft-step-variants.json`` (pgs rows), ``2026-11-29-sft-step-4b-hf-final.json``,
+``2026-11-29-sft-step-06b-hf-final.json`` (HF rows) and ``2026-11-29-sft-converge.json``.
 
 Outputs: ``sft_4b_memory_speed.png`` (peak allocated GiB vs tok/s, 4B and 0.6B panels) and
 ``sft_converge*.png`` (loss vs step). A missing file or row is skipped with a note on stderr.
@@ -49,12 +52,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOAL_GIB_4B = 12.0  # issue 8: <= 12 GiB peak allocated at the 4B shape, at >= HF's tok/s
 GOAL_SPEEDUP_06B = 1.25  # issue 8: >= 1.25x the best HF setup's tok/s at the 0.6B shape
 
-LATEST_FILES = dict(sft_4b="s8_call5/sft_4b.json", sft_06b="s7_call3/sft_06b.json")
+LATEST_FILES = dict(sft_4b="2026-11-30-sft-step-4b-alternated-2.json", sft_06b="2026-11-30-sft-step-06b-6.json")
 # (bench/sft_converge.py JSON, image name): fine-tuning on BPE text (the issue's check), the same
 # text from scratch, and session 7's Markov chain from scratch
-LATEST_CONVERGE = (("s8_call4/finetune_bpe.json", "sft_converge.png"),
-                   ("s8_call2/converge_bpe.json", "sft_converge_scratch.png"),
-                   ("s7_call4/converge_500.json", "sft_converge_markov.png"))
+LATEST_CONVERGE = (("2026-11-30-sft-converge-finetune-bpe.json", "sft_converge.png"),
+                   ("2026-11-30-sft-converge-bpe.json", "sft_converge_scratch.png"),
+                   ("2026-11-30-sft-converge-500.json", "sft_converge_markov.png"))
 
 # Readable names for bench/sft_step.py's variant ids; an unknown id is shown as it is.
 VARIANT_LABELS = {
@@ -426,7 +429,7 @@ def plot_converge(path_in: str, out: str, name: str = "sft_converge.png") -> str
         ax.axhline(meta["entropy_floor"], color="tab:green", ls=":", lw=1)
         ax.text(n - 1, meta["entropy_floor"] + 0.1, f"chain's entropy (floor): {meta['entropy_floor']:.2f}",
                 ha="right", va="bottom", fontsize=8.5, color="tab:green")
-    # a loss spike (HF AdamW's step 118 in s6_call7 reached 25) would flatten the rest: clip the
+    # a loss spike (HF AdamW's step 118 in 2026-11-30-sft-converge.json reached 25) would flatten the rest: clip the
     # axis a little above the starting loss and say so
     peak = max(max(s) for s in series.values())
     low = min(min(s) for s in series.values())
@@ -582,9 +585,9 @@ def place_s2(ax, r, text):
 
 
 def plot_memory_speed_s2(results: str, out: str) -> str | None:
-    probe = load(os.path.join(results, "s2_final_probe.json"))
-    hf4 = hf_row_s2(load(os.path.join(results, "s2_final_hf_4b.json")), "qwen3-4b")
-    hf06 = hf_row_s2(load(os.path.join(results, "s2_final_hf_06b.json")), "qwen3-0.6b")
+    probe = load(os.path.join(results, "2026-11-29-probe-sft-step-variants.json"))
+    hf4 = hf_row_s2(load(os.path.join(results, "2026-11-29-sft-step-4b-hf-final.json")), "qwen3-4b")
+    hf06 = hf_row_s2(load(os.path.join(results, "2026-11-29-sft-step-06b-hf-final.json")), "qwen3-0.6b")
     rows4, rows06 = timed_rows_s2(probe, "qwen3-4b"), timed_rows_s2(probe, "qwen3-0.6b")
     if not (rows4 or rows06 or hf4 or hf06):
         note("nothing to plot for memory/speed")
@@ -690,12 +693,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only-4b", default="", help="comma-separated variants of the 4B file to draw (default: all)")
     ap.add_argument("--converge", default=None,
                     help="one bench/sft_converge.py JSON drawn as sft_converge.png (default: the three of "
-                         "LATEST_CONVERGE, or s2_converge.json with --inputs s2)")
+                         "LATEST_CONVERGE, or 2026-11-29-sft-converge.json with --inputs s2)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.inputs == "s2":
         mem = plot_memory_speed_s2(args.results, args.out)
-        convs = [(args.converge or "s2_converge.json", "sft_converge.png")]
+        convs = [(args.converge or "2026-11-29-sft-converge.json", "sft_converge.png")]
     else:
         mem = plot_memory_speed(args.results, args.out, args.sft_4b, args.sft_06b,
                                 [v for v in args.only_4b.split(",") if v] or None)

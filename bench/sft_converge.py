@@ -317,7 +317,7 @@ def main(argv=None) -> int:
                         "weights")
     p.add_argument("--untie", action="store_true",
                    help="the shape with an untied output head (tie_word_embeddings false): Lion's frequency "
-                        "plateau on tied, large-vocabulary models (bench/experiments/lion_plateau.py)")
+                        "plateau on tied, large-vocabulary models (docs/performance.md)")
     p.add_argument("--master", action="store_true",
                    help="pgs variants: an fp32 master copy of the weights instead of bf16 + stochastic rounding "
                         "(HF's precision: separates the precision's effect from the path's)")

@@ -505,7 +505,7 @@ def host_timed_steps(step, data, cuda: bool = True, opt=None) -> dict:
 
 def spy_steps(step, data, path: str, cuda: bool = True) -> dict:
     """Steady-state steps sampled by py-spy attached to this process (all threads, raw
-    collapsed stacks to ``path``; bench/experiments/spy_summary.py reads them): compilation and
+    collapsed stacks to ``path``; bench/spy_summary.py reads them): compilation and
     warm-up stay out of the samples."""
     import signal
     import subprocess
@@ -534,14 +534,14 @@ def spy_steps(step, data, path: str, cuda: bool = True) -> dict:
 
 
 def profile_steps(step, data, title: str, opt=None) -> dict:
-    """A torch.profiler trace of ``len(data)`` steps, summarised by bench/experiments/sft_probe.py
+    """A torch.profiler trace of ``len(data)`` steps, summarised by bench/trace_summary.py
     (wall vs CUDA busy per step, GPU time and idle time by annotation, launches, syncs)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))
-    from sft_probe import print_summary, summarize_trace
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from trace_summary import print_summary, summarize_trace
 
     def annotated(fn, label):  # GPU idle time is then attributed to the phase that launched late
         name = "probe." + label

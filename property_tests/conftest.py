@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from hypothesis import HealthCheck, settings
 
-# ``import registry`` from the test modules, whatever pytest's import mode.
+# ``import registry`` from the test modules, whatever pytest's import mode; ``from tiny import ...``:
+# the tiny random-init models of tests/tiny.py.
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).parent))
 
 # pytest -n 2 on 2 cores: one intra-op thread per worker avoids oversubscription, and the

@@ -83,7 +83,7 @@ def _preference_entry(kind: str, **hyper) -> LossEntry:
 
 def _deferred_sequence_logps(h, W, labels, seq, num, **kwargs):
     """``sequence_logps(..., defer_head_grad=True)``'s tensors (its ``DeferredHeadGrad`` left out:
-    W's gradient goes there, not to autograd; tests/test_preference_losses.py checks it)."""
+    W's gradient goes there, not to autograd; tests/unit/test_preference_losses.py checks it)."""
     logp, lengths, _ = sequence_logps(h, W, labels, seq, num, defer_head_grad=True, **kwargs)
     return logp, lengths
 

@@ -6,7 +6,7 @@ For any set of tensor shapes (sizes that are and are not multiples of the 256-el
 1. hyperball's invariant (docs/techniques/hyperball.md): every constrained matrix keeps its initial
    Frobenius norm R = ‖W_0‖ after each fused step, up to the bf16 rounding of its elements;
 2. the fused step equals the generic flat path (``fused=False``): parameters up to a few bf16
-   ulps on ≤ 0.2% of the elements (tests/test_chain8bit.py says why), 8-bit codes up to ±1.
+   ulps on ≤ 0.2% of the elements (tests/unit/test_chain8bit.py says why), 8-bit codes up to ±1.
 
 On CPU the kernels run in Triton's interpreter, so the examples are small and few.
 """

@@ -14,16 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pgs.runtime.model.layers import apply_activation_checkpointing
+from tiny import tiny_model
 
 
 def _model(layers: int, heads: int, kv: int, head_dim: int, inter: int, vocab: int, seed: int):
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    cfg = Qwen3Config(hidden_size=heads * head_dim, intermediate_size=inter, num_hidden_layers=layers,
+    return tiny_model(seed=seed, hidden_size=heads * head_dim, intermediate_size=inter, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab,
                       tie_word_embeddings=True, attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg).train()
 
 
 def _two_steps(model, ids):

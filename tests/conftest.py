@@ -1,4 +1,9 @@
-"""Fixtures shared by the test modules of this folder (their shared functions: helpers.py)."""
+"""Fixtures shared by the test modules under this folder (their shared functions: helpers.py; the
+tiny random models they build: tiny.py).
+
+Layout: ``unit/`` holds fast in-process tests of one component; ``integration/`` the tests that
+train through the loop or ``pgs run``, start processes or several ranks, inject faults, or run a
+bench suite's smoke shape (and the rank-side harnesses those start by path)."""
 
 import sys
 from pathlib import Path
@@ -6,8 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-# ``from helpers import ...`` in the test modules, whatever pytest's import mode.
-sys.path.insert(0, str(Path(__file__).parent))
+# ``from helpers import ...`` and ``from test_<module> import ...`` (a test module reusing another's
+# setup, across unit/ and integration/) in the test modules, whatever pytest's import mode.
+HERE = Path(__file__).parent
+for _folder in (HERE / "integration", HERE / "unit", HERE):
+    sys.path.insert(0, str(_folder))
 
 
 @pytest.fixture

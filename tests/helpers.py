@@ -1,5 +1,5 @@
 """What the test modules share (``from helpers import ...``; tests/conftest.py puts this folder on
-``sys.path``): a tiny random-init model's spec tables, a spec written into a temporary folder,
+``sys.path``): a tiny random-init model's spec tables (its ``[model.config]``: tests/tiny.py), a spec written into a temporary folder,
 ``pgs run`` as a child process (one process or two ranks under torchrun), a run's metrics
 records, checkpoint equality, and the one ``pgs: error:`` line of a refused command."""
 
@@ -17,13 +17,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tiny import tiny_table
+
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "pgs" / "assets" / "quickstart"
 
-#: A tiny Qwen3 (random init, the quickstart tokenizer's vocabulary) that trains on the CPU in seconds.
-TINY_CONFIG = dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
-                   tie_word_embeddings=True)
 
 
 def _toml_value(value) -> str:
@@ -32,14 +30,9 @@ def _toml_value(value) -> str:
     return json.dumps(value) if isinstance(value, str) else str(value)
 
 
-def tiny_config(**changes) -> dict:
-    """``TINY_CONFIG`` with ``changes``; a change to None leaves that key out."""
-    return {k: v for k, v in {**TINY_CONFIG, **changes}.items() if v is not None}
-
-
 def config_toml(**changes) -> str:
-    """The ``[model.config]`` table of ``tiny_config(**changes)``."""
-    return "[model.config]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in tiny_config(**changes).items())
+    """The ``[model.config]`` table of ``tiny_table(**changes)`` (tests/tiny.py)."""
+    return "[model.config]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in tiny_table(**changes).items())
 
 
 def inline_table(table: dict) -> str:

@@ -138,7 +138,7 @@ def newton_schulz_batched(x: torch.Tensor, steps: int, coefficients=NS_COEFFICIE
     The symmetric kernel rounds B + aI to bf16 once, from fp32, in its epilogue; cuBLAS
     rounds B and then B_ii + a again.  Default (None): fold with the symmetric kernel only.
     Against an fp64 iteration of the same input the single-rounding fold is as accurate as
-    the reference (tests/test_muon_fast.py, docs/techniques/muon.md); ``fold=False`` keeps the
+    the reference (tests/unit/test_muon_fast.py, docs/techniques/muon.md); ``fold=False`` keeps the
     reference's products exactly.  ``x`` may be overwritten; returns the result (``x`` or a
     buffer of the same shape).
     """

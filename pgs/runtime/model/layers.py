@@ -435,7 +435,7 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, 
         apply_activation_checkpointing(model, "full", every=2) # half of them
 
     Calling it again replaces the previous policy.  Use ``use_reentrant=False`` semantics
-    throughout; loss and gradients equal the unchecked model's (tests/test_checkpointing.py).
+    throughout; loss and gradients equal the unchecked model's (tests/unit/test_checkpointing.py).
     """
     if policy not in POLICIES:
         raise InvalidArgument(f"apply_activation_checkpointing: policy={policy!r} is not one of {POLICIES}")

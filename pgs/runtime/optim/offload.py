@@ -36,7 +36,7 @@ Only tensor leaves with at least one dimension travel (codes, absmax, moments); 
 (step counts, the learning rate a schedule stored, per-tensor scalars) stay on the device, so
 metrics and schedules read them as before.  The arithmetic is the same chain on the same
 values, so the parameters and state equal the on-device release bit for bit
-(tests/test_offload.py); ``state_dict`` waits for the write-backs and reads the host copy,
+(tests/unit/test_offload.py); ``state_dict`` waits for the write-backs and reads the host copy,
 so checkpoints are the same files, and a resume loads them into the host buffers.
 
 Prediction of the order: the groups complete in the reverse order of the layers; the first

@@ -19,7 +19,7 @@ produced its gradient has run, and that node has also produced the gradient of i
 so the updated value is never read again by the same backward (a tied weight's hook fires
 once, after both of its uses).  The chain's maths per tensor is the same as ``bind``'s, so
 for any chain without a ``global`` transform the parameters after N steps equal the normal
-path's bit for bit in fp32 (tests/test_release.py).
+path's bit for bit in fp32 (tests/unit/test_release.py).
 
 State.  Each group has its own chain state (``chain.init(group_params)``), so each has its
 own step ``count``; every group steps exactly once per backward, so the counts (and the

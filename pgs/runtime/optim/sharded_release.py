@@ -44,7 +44,7 @@ the step once (``metrics().grad_norm``): every rank must run the same backwards.
 
 Exactness: for elementwise chains (AdamW, Lion) each element's update is the same
 arithmetic as in ``ShardedBoundOptimizer.step`` on the same reduced gradient, so the weights
-equal the non-release sharded run bit for bit (tests/test_fsdp_release.py).
+equal the non-release sharded run bit for bit (tests/integration/test_fsdp_release.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ gradient is the rows' sums that fall in it plus each ``before_step`` contributio
 ``add_rows_to`` (the deferred head gradient rebuilt for those vocabulary rows only), then the
 chain's update on the slab alone (the fused kernel on the slab's views of parameter and state,
 or the plain update on a one-leaf sub-tree).  Needs an elementwise chain (``slab_refusal``);
-equal to the dense path up to summation order (tests/test_release_slabs.py, docs/memory.md).
+equal to the dense path up to summation order (tests/unit/test_release_slabs.py, docs/memory.md).
 """
 
 from __future__ import annotations

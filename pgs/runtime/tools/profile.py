@@ -175,7 +175,7 @@ def activation_parts(
     and its output (the hidden state the loss reads), ``norm(x) + b·h``, and the rotary
     tables cos and sin, shared by all layers (2·b·d per token).  Without checkpointing the
     formula equals the bytes autograd saves for a HF Qwen3 in fp32 and bf16 exactly
-    (tests/test_profile.py); the working set of backward itself (activation gradients,
+    (tests/unit/test_profile.py); the working set of backward itself (activation gradients,
     ≈ one layer's A_none) is not included.  ``offload`` (``"full"`` only): the checkpointed
     layers' inputs live in host memory, so they keep 0 on the device; the recompute then also
     holds the input copied back (b·h), and with ``offload = d`` (``memory.offload_prefetch``) the
@@ -187,7 +187,7 @@ def activation_parts(
     ``compiled`` (``compile_layers``): inductor's partitioner saves neither the norms' fp32
     copies of their inputs (4h each, and 4(q + k) in the q/k norms) nor one of the MLP's four
     [tokens, I] tensors (it recomputes them from what it keeps): A_none − 8h − 4(q + k) − b·I.
-    Checked against inductor's saved tensors on the CPU within 5% (tests/test_profile.py); the
+    Checked against inductor's saved tensors on the CPU within 5% (tests/unit/test_profile.py); the
     comparison with a GPU run is in docs/performance.md.
 
     Mixture-of-experts layers (Qwen3-MoE, OLMoE, Mixtral: E experts, k per token, expert
@@ -195,7 +195,7 @@ def activation_parts(
     a token's k expert MLPs keeps its four [I_e] tensors, its gathered input and its output
     before the routing weight, and the router its logits, their fp32 softmax and the k
     weights.  That is what transformers' ``grouped_mm`` experts save (within 2% on the CPU,
-    tests/test_profile.py); its ``eager`` loop keeps one more k·b·h per token.
+    tests/unit/test_profile.py); its ``eager`` loop keeps one more k·b·h per token.
     """
     if policy not in ("none", "full", "selective", "sublayer"):
         raise InvalidArgument(f"activation_bytes: policy={policy!r} is not none, full or selective")

@@ -81,7 +81,7 @@ def attention_matrix_bytes(cfg, rows: int, seq_len: int, *, dtype_bytes: int, im
     ``rows·H·S²·b``, and holds one additive mask, ``rows·S²·b``.  Plus the boolean mask,
     ``rows·S²``, once.  Checkpointed layers hold theirs only while one is recomputed.  Equal
     to the tensors autograd saves for a packed Qwen3 forward on the CPU
-    (tests/test_preflight_resources.py)."""
+    (tests/unit/test_preflight_resources.py)."""
     eager = implementation == "eager"
     if not eager and (not packed or varlen_kernel):
         return 0
