@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import LOOP, inline_table, loop_fields, model_toml, quickstart_head, step_records, tiny_config, write_toml
+from helpers import LOOP, inline_table, loop_fields, model_toml, quickstart_head, step_records, write_toml
+from tiny import tiny_table
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "golden.json"
 RECORD = os.environ.get("PGS_GOLDEN_RECORD") == "1"
@@ -130,8 +131,8 @@ def produced(tmp_path_factory) -> dict:
     dpo = write_toml(tmp / "dpo.toml", DPO, **loop_fields(steps=6, train=pairs, run_dir=tmp / "dpo"))
     distill = write_toml(tmp / "distill.toml", DISTILL, **loop_fields(
         steps=6, train=chats, run_dir=tmp / "distill",
-        student=inline_table(tiny_config(max_position_embeddings=256)),
-        teacher=inline_table(tiny_config(max_position_embeddings=256, hidden_size=48, num_hidden_layers=1))))
+        student=inline_table(tiny_table(max_position_embeddings=256)),
+        teacher=inline_table(tiny_table(max_position_embeddings=256, hidden_size=48, num_hidden_layers=1))))
     out = {"sft": _train(sft), "dpo": _train(dpo), "distill": _train(distill)}
     prompts = ["<|im_start|>user\nWhat is 47 + 58?<|im_end|>\n<|im_start|>assistant\n",
                "<|im_start|>user\nWhat is the weather in Oslo?<|im_end|>\n<|im_start|>assistant\n"]
