@@ -36,6 +36,7 @@ are taken: their forward signature and kernel dispatch are the ones this module 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import types
 
@@ -139,7 +140,15 @@ def packed_forward(self, hidden_states: Tensor, **kwargs):
     rest = {k: v for k, v in kwargs.items() if k not in BOUNDARY_KEYS and k not in _EMPTY}
     if path(hidden_states.device) == "fused":
         return _fused(self, original, hidden_states, cu, rest)
-    return _per_document(self, original, hidden_states, cu, rest)
+    return _uncompiled(_per_document)(self, original, hidden_states, cu, rest)
+
+
+@functools.cache
+def _uncompiled(fn):
+    """``fn`` left out of ``torch.compile``'s graphs (a Python loop over a data-dependent number
+    of documents), wrapped on first use: ``torch.compiler.disable`` imports dynamo (and Triton),
+    which a run of a model without these layers never needs."""
+    return torch.compiler.disable(fn)
 
 
 #: Keyword arguments a packed call hands on only when they are given (all None there).
@@ -158,7 +167,6 @@ def _fused(layer, original, hidden_states: Tensor, cu: Tensor, rest: dict) -> Te
     return out.view(batch, width, -1)
 
 
-@torch.compiler.disable  # a Python loop over a data-dependent number of documents
 def _per_document(layer, original, hidden_states: Tensor, cu: Tensor, rest: dict) -> Tensor:
     """The layer's own forward on each document alone, the outputs laid back in place."""
     batch, width, dim = hidden_states.shape
