@@ -150,10 +150,10 @@ def test_an_unknown_linear_attention_layer_class_is_refused():
 
 
 def test_freeze_non_attention_refuses_a_model_without_linear_layers():
-    from helpers import TINY_CONFIG
+    from tiny import tiny_table
 
     with pytest.raises(SpecError, match="would freeze nothing"):
-        freeze(build_model(config=dict(TINY_CONFIG, vocab_size=96)), "non_attention")
+        freeze(build_model(config=dict(tiny_table(), vocab_size=96)), "non_attention")
     frozen = freeze(tiny("qwen3_5_text"), "non_attention")
     assert frozen and all(".linear_attn." in n or n.split(".")[2] in ("0", "2") for n in frozen)
 
