@@ -40,8 +40,9 @@ class Faults:
     """``nan_steps``: those steps' losses (1-based) become NaN, on every process or only on
     process ``nan_rank``.  ``crash_at``: ``(where, step)``, SIGKILL at that point
     (``CRASH_POINTS``).  ``pause_at``: ``(step, folder)``, after that step's update the process
-    writes ``folder/paused`` (its pid) and waits until ``folder/go`` exists: a test holds a live
-    run at a known point (an event, not a duration) while it does something beside it.
+    writes ``folder/paused`` (its pid) and waits until ``folder/go`` exists, or until it has
+    received a stop signal (then it writes ``folder/signalled``): a test holds a live run at a
+    known point (an event, not a duration) while it does something beside it.
     ``slow_step_s``: sleep that long after each step.  ``on_attempt``: the
     faults strike only in that attempt of ``pgs supervise`` (``attempt``, which ``from_env``
     reads from ``PGS_ATTEMPT``; 1 outside a supervisor); None: always."""
@@ -73,6 +74,10 @@ class Faults:
                 handle.write(str(os.getpid()))
             os.replace(os.path.join(folder, "paused.tmp"), os.path.join(folder, "paused"))
             while not os.path.exists(os.path.join(folder, "go")):
+                if _stop_received():  # a stop signal ends the pause too, and says so
+                    with open(os.path.join(folder, "signalled"), "w") as handle:
+                        handle.write(str(os.getpid()))
+                    break
                 time.sleep(0.01)
 
     def env(self) -> dict[str, str]:
@@ -92,6 +97,16 @@ class Faults:
             return cls(**fields, attempt=int(environ.get("PGS_ATTEMPT", "1") or 1))
         except (ValueError, TypeError) as err:
             raise InvalidArgument(f"${ENV}: not a fault description written by Faults.env(): {err}") from None
+
+
+def _stop_received() -> bool:
+    """Whether the loop's stop handler (``control.StopSignals``, installed for SIGTERM and SIGINT)
+    has recorded a signal."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        owner = getattr(signal.getsignal(sig), "__self__", None)
+        if getattr(owner, "received", 0):
+            return True
+    return False
 
 
 NO_FAULTS = Faults()
