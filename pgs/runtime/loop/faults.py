@@ -70,9 +70,10 @@ class Faults:
             os._exit(137)  # not reached where SIGKILL exists
         if where == "step" and self.pause_at is not None and self.pause_at[0] == step and self._active():
             folder = self.pause_at[1]
-            with open(os.path.join(folder, "paused.tmp"), "w") as handle:
+            temporary = os.path.join(folder, f"paused.tmp-{os.getpid()}")  # one per process: ranks pause together
+            with open(temporary, "w") as handle:
                 handle.write(str(os.getpid()))
-            os.replace(os.path.join(folder, "paused.tmp"), os.path.join(folder, "paused"))
+            os.replace(temporary, os.path.join(folder, "paused"))
             while not os.path.exists(os.path.join(folder, "go")):
                 if _stop_received():  # a stop signal ends the pause too, and says so
                     with open(os.path.join(folder, "signalled"), "w") as handle:
