@@ -13,6 +13,7 @@ the optimizer chain and the schedule from a spec lives in ``spec_chain.py``;
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -22,6 +23,7 @@ import attrs
 
 import pgs.func as pf
 from pgs.errors import SpecError
+from pgs.runtime import userpath
 from pgs.runtime.data.config import DataConfig, DataSource
 from pgs.runtime.data.templates import resolve_chat_template
 from pgs.runtime.spec.chain import build_chain, build_objective, build_schedule, check_spec
@@ -268,12 +270,17 @@ def _require_table(value, where: str) -> dict:
 
 
 def _must_exist(path: str, where: str, kind: str = "file", folder_ok: bool = False) -> None:
-    if not os.path.exists(path):
+    """A path field must name a readable regular file (or folder): one line otherwise
+    (``pgs.runtime.userpath``: special files, link loops, unreadable files included)."""
+    why = userpath.problem(path, kind, folder_ok)
+    if why == userpath.MISSING:
         raise SpecError(f"{where}: no such {kind}: {path}")
-    if kind == "file" and os.path.isdir(path) and not folder_ok:
+    if why == userpath.FOLDER:
         raise SpecError(f"{where}: {path} is a folder, expected a file")
-    if kind == "folder" and not os.path.isdir(path):
+    if why == userpath.FILE:
         raise SpecError(f"{where}: {path} is a file, expected a folder")
+    if why is not None:
+        raise SpecError(f"{where}: {path} is {why}")
 
 
 def _model(table: dict, base: Path) -> ModelSpec:
@@ -391,6 +398,7 @@ def _section(name: str, table: dict):
 def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None) -> Spec:
     """A checked :class:`Spec` from parsed TOML tables; relative paths are relative to ``base``."""
     base = Path(base).resolve()
+    check_numbers(raw)
     for key, value in raw.items():
         if key not in SECTIONS:
             raise SpecError(f"{key}: unknown section{suggest(key, SECTIONS)}")
@@ -437,6 +445,9 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
     if world > 1:
         check_world_size(train, world, sections["parallel"].context)
     ckpt = sections["checkpoint"]
+    if not isinstance(ckpt.dir, str) or not ckpt.dir.strip():  # "" would make the spec's own folder the run folder
+        raise SpecError(f"checkpoint.dir: expected the run folder's path, got "
+                        f"{'an empty string' if isinstance(ckpt.dir, str) else _describe(ckpt.dir)}")
     sections["checkpoint"] = attrs.evolve(ckpt, dir=resolve_path(ckpt.dir, base))
     if "preference" in sections and "best_metric" not in raw.get("checkpoint", {}):
         # a preference run's eval reports preference metrics, not eval_loss
@@ -452,6 +463,28 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
 
     check_spec(spec)
     return spec
+
+
+#: every integer in a spec fits in 64 bits (torch, numpy and the checkpoint's JSON take it as
+#: such; a larger one used to hang the schedule's construction or raise deep in torch)
+INT_RANGE = (-(2**63), 2**63 - 1)
+
+
+def check_numbers(raw, where: str = "") -> None:
+    """One check for every number of a spec, whatever its field: an integer within
+    ``INT_RANGE``, a float finite (``inf`` or ``nan`` in a loss weight or a rate trains nothing,
+    or nonsense).  ``where``: the dotted name of ``raw`` (the fields' own checks come later)."""
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            check_numbers(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(raw, list):
+        for i, value in enumerate(raw):
+            check_numbers(value, f"{where}[{i}]")
+    elif isinstance(raw, int) and not isinstance(raw, bool) and not INT_RANGE[0] <= raw <= INT_RANGE[1]:
+        raise SpecError(f"{where}: {raw} is out of range (a spec's integers fit in 64 bits, "
+                        f"{INT_RANGE[0]}..{INT_RANGE[1]})")
+    elif isinstance(raw, float) and not math.isfinite(raw):
+        raise SpecError(f"{where}: {raw} is not a finite number")
 
 
 def launch_world_size() -> int:
