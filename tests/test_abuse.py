@@ -154,3 +154,44 @@ def test_pgs_data_without_a_subcommand_prints_its_own_usage(capsys):
     err = capsys.readouterr().err
     assert err.startswith("usage: pgs data ") and "inspect" in err and "Traceback" not in err, err
     assert "--measure" not in err  # not pgs profile's usage
+
+
+def test_a_string_where_a_boolean_goes_is_one_line(capsys, earlier):
+    spec, before = earlier
+    for field in ("data.packing", "data.last_turn_only", "checkpoint.export"):
+        line = refused(["run", str(spec), "--resume", "auto", "--set", f'{field}="yes"'], capsys)
+        assert line == f"pgs: error: {field}: expected true or false, got a string ('yes')", line
+    assert _files(spec.parent / "run") == before
+
+
+BAD_RECORDS = {
+    "deep": ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "malformed JSON (nested too deep for a record)"),
+    "surrogate": ('{"messages": [{"role": "user", "content": "hi \\ud800"}, {"role": "assistant", "content": "ok"}]}',
+                  "malformed JSON (a lone UTF-16 surrogate in a string"),
+    "speaker": ('{"conversations": [{"from": ["human"], "value": "hi"}, {"from": "gpt", "value": "ok"}]}',
+                "turn 0: unknown speaker ['human']"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_RECORDS))
+def test_a_malformed_record_is_one_line_naming_file_and_line(name, tmp_path, capsys, earlier):
+    spec, before = earlier
+    text, expected = BAD_RECORDS[name]
+    data = tmp_path / "train.jsonl"
+    data.write_text(text + "\n")
+    for command in (["run", str(spec), "--resume", "auto"], ["validate", str(spec)]):
+        line = refused([*command, "--set", f'data.sources=[{{ path = "{data}" }}]'], capsys)
+        assert line.startswith(f"pgs: error: {data}:1: {expected}"), line
+    assert _files(spec.parent / "run") == before
+
+
+def test_pgs_report_with_something_in_the_way_is_one_line(tmp_path, capsys):
+    (tmp_path / "a" / "metrics.jsonl").mkdir(parents=True)
+    line = refused(["report", str(tmp_path / "a")], capsys)
+    assert line == f"pgs: error: {tmp_path / 'a' / 'metrics.jsonl'}: a folder, expected the run's metrics file"
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    (tmp_path / "b" / "report").write_text("mine")
+    line = refused(["report", str(tmp_path / "b")], capsys)
+    assert line.startswith(f"pgs: error: {tmp_path / 'b' / 'report'}: a file is in the way of the report folder")
+    assert (tmp_path / "b" / "report").read_text() == "mine"

@@ -263,6 +263,23 @@ def _check_keys(table: dict, cls: type, where: str, extra: tuple[str, ...] = ())
             raise SpecError(f"{where}.{key}: unknown key{suggest(key, names)}")
 
 
+def _construct(cls: type, table: dict, where: str):
+    """``cls(**table)``; the ``TypeError`` of an attrs type check (``instance_of``: a string where
+    a boolean goes) becomes one ``SpecError`` line naming the field."""
+    try:
+        return cls(**table)
+    except TypeError as err:
+        if len(err.args) == 4 and isinstance(err.args[1], attrs.Attribute):
+            _, field, expected, value = err.args
+            names = " or ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))
+            raise SpecError(f"{where}.{field.name}: expected {_TYPE_WORDS.get(names, names)}, "
+                            f"got {_describe(value)}") from None
+        raise
+
+
+_TYPE_WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}
+
+
 def _require_table(value, where: str) -> dict:
     if not isinstance(value, dict):
         raise SpecError(f"{where}: expected a table, got {_describe(value)}")
@@ -288,7 +305,7 @@ def _model(table: dict, base: Path) -> ModelSpec:
     t = dict(table)
     if isinstance(t.get("freeze"), list):
         t["freeze"] = tuple(t["freeze"])
-    spec = ModelSpec(**t)
+    spec = _construct(ModelSpec, t, "model")
     if (spec.path is None) == (spec.config is None):
         both = "both are set" if spec.path is not None else "neither is set"
         raise SpecError(f"model: set exactly one of model.path (a local Hugging Face folder) or "
@@ -337,7 +354,7 @@ def _data(table: dict, base: Path) -> DataConfig:
         if not isinstance(src.get("path"), str) or not src["path"]:
             raise SpecError(f"{where}.path: expected a file path, got {_describe(src.get('path'))}")
         try:
-            source = DataSource(**{**src, "path": resolve_path(src["path"], base)})
+            source = _construct(DataSource, {**src, "path": resolve_path(src["path"], base)}, where)
         except SpecError as err:
             msg = str(err)
             prefix = "data.sources" if msg.startswith("data.sources") else "data"
@@ -355,7 +372,7 @@ def _data(table: dict, base: Path) -> DataConfig:
         t["eval"] = None
     if t.get("chat_template") is not None:
         t["chat_template"] = resolve_chat_template(t["chat_template"], base)
-    return DataConfig(**t)
+    return _construct(DataConfig, t, "data")
 
 
 def _optimizer(table: dict) -> OptimizerSpec:
@@ -375,7 +392,7 @@ def _optimizer(table: dict) -> OptimizerSpec:
             args = {k: v for k, v in item.items() if k != "name"}
             entries.append(ChainEntry(item["name"], args))
         t["chain"] = tuple(entries)
-    spec = OptimizerSpec(**t)
+    spec = _construct(OptimizerSpec, t, "optimizer")
     if spec.alias is not None and spec.chain is not None:
         raise SpecError("optimizer: set either alias or chain, not both")
     if spec.alias is None and spec.chain is None:
@@ -392,7 +409,7 @@ def _optimizer(table: dict) -> OptimizerSpec:
 def _section(name: str, table: dict):
     cls = SECTIONS[name]
     _check_keys(table, cls, name)
-    return cls(**table)
+    return _construct(cls, table, name)
 
 
 def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None) -> Spec:
