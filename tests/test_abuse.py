@@ -195,3 +195,49 @@ def test_pgs_report_with_something_in_the_way_is_one_line(tmp_path, capsys):
     line = refused(["report", str(tmp_path / "b")], capsys)
     assert line.startswith(f"pgs: error: {tmp_path / 'b' / 'report'}: a file is in the way of the report folder")
     assert (tmp_path / "b" / "report").read_text() == "mine"
+
+
+def test_a_checkpoint_whose_manifest_lists_no_files_is_refused_in_one_line(tmp_path, capsys, earlier):
+    spec, before = earlier
+    folder = tmp_path / "step_4"
+    folder.mkdir()
+    (folder / "COMPLETE").write_text('{"format": 2, "step": 4, "chunk_bytes": 8388608, "files": {}}')
+    line = refused(["run", str(spec), "--resume", str(folder)], capsys)
+    assert "the COMPLETE manifest lists no files" in line, line
+    assert _files(spec.parent / "run") == before
+
+
+def test_a_disk_that_fills_while_metrics_are_written_is_exit_84_in_one_line(tmp_path, capsys, monkeypatch, one_thread):
+    import errno
+
+    from pgs.runtime.loop import metrics
+
+    class FillsUp:
+        """metrics.jsonl on a disk that takes three lines, then is full."""
+
+        def __init__(self, inner):
+            self.inner, self.lines = inner, 0
+
+        def write(self, text):
+            self.lines += 1
+            if self.lines > 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.inner.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    real = metrics.MetricsLog.__init__
+
+    def opened(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self._file = FillsUp(self._file)
+
+    monkeypatch.setattr(metrics.MetricsLog, "__init__", opened)
+    spec = tiny_spec(tmp_path, "run", steps=8, every=2)
+    code = cli.main(["run", str(spec)])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    errors = [x for x in err.splitlines() if x.startswith("pgs: error:")]
+    assert code == 84 and len(errors) == 1, err
+    assert errors[0].startswith(f"pgs: error: disk full while writing the metrics {tmp_path / 'run' / 'metrics.jsonl'}")
