@@ -241,3 +241,16 @@ def test_a_disk_that_fills_while_metrics_are_written_is_exit_84_in_one_line(tmp_
     errors = [x for x in err.splitlines() if x.startswith("pgs: error:")]
     assert code == 84 and len(errors) == 1, err
     assert errors[0].startswith(f"pgs: error: disk full while writing the metrics {tmp_path / 'run' / 'metrics.jsonl'}")
+
+
+@pytest.mark.parametrize("on_bad_record", ["error", "skip"])
+def test_a_chat_template_with_a_syntax_error_is_blamed_on_the_template(on_bad_record, tmp_path, capsys, earlier):
+    """Not on record 1 of the data, and not skipped record by record with ``on_bad_record = "skip"``."""
+    spec, before = earlier
+    template = tmp_path / "bad.jinja"
+    template.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}\n")
+    sets = ["--set", f'data.chat_template="{template}"', "--set", f'data.on_bad_record="{on_bad_record}"']
+    for command in (["run", str(spec), "--resume", "auto"], ["validate", str(spec)]):
+        line = refused([*command, *sets], capsys)
+        assert line == f"pgs: error: data.chat_template: {template}:2: Jinja syntax error: unexpected '}}'", line
+    assert _files(spec.parent / "run") == before
