@@ -44,8 +44,16 @@ def _add_set(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line like every other refusal (``pgs: error: ...``,
+    exit 2) instead of a usage block and a line of its own shape."""
+
+    def error(self, message):
+        self.exit(EXIT_BAD_INPUT, f"pgs: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pgs", description=DESCRIPTION, epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -96,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Exit 0 when the spec is runnable, 2 when it is not.")
     p.add_argument("spec", metavar="SPEC", help="the spec file (.toml)")
     _add_set(p)
-    p.add_argument("--records", type=int, default=200, metavar="N",
+    p.add_argument("--records", type=_non_negative_int, default=200, metavar="N",
                    help="records read from each data file (default 200; 0 reads every record)")
     p.set_defaults(func=cmd_validate)
 
@@ -108,14 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data", help="look at the training data (pgs data inspect SPEC)",
                        description="Look at the training data as the run will see it.")
     data_sub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND", title="subcommands")
-    p.set_defaults(func=lambda args: _missing_subcommand(p))
+    p.set_defaults(func=lambda args, data=p: _missing_subcommand(data))  # this parser, not the last one named p
     q = data_sub.add_parser("inspect", help="samples with their trained tokens highlighted, and statistics",
                             description="Print the first samples with trained tokens highlighted, then "
                                         "statistics of the data (lengths, drops, packing).")
     q.add_argument("spec", metavar="SPEC", help="the spec file (.toml)")
     _add_set(q)
-    q.add_argument("-n", type=int, default=5, metavar="N", help="samples to show (default 5)")
-    q.add_argument("--records", type=int, default=0, metavar="N",
+    q.add_argument("-n", type=_non_negative_int, default=5, metavar="N", help="samples to show (default 5)")
+    q.add_argument("--records", type=_non_negative_int, default=0, metavar="N",
                    help="records read from each source for the statistics (default 0: all)")
     q.set_defaults(func=cmd_data_inspect)
 

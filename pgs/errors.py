@@ -72,3 +72,8 @@ class DiskFull(PgsError):
 
 class RunExists(PgsError):
     """``pgs run`` without ``--resume`` into a run folder that already holds a run (exit 2)."""
+
+
+class RunInUse(PgsError):
+    """``pgs run`` into a run folder that a live run holds (its lock, pgs/runtime/store/lock.py):
+    a run folder has one writer (exit 2)."""

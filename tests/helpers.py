@@ -195,6 +195,17 @@ def wait_for_steps(run_dir: Path, procs: list[subprocess.Popen], n: int, timeout
         time.sleep(0.05)
 
 
+def wait_for_file(path: Path, procs: list[subprocess.Popen], timeout: float = 240) -> None:
+    """Until ``path`` exists (an event a child writes, e.g. ``Faults.pause_at``'s); fails at once,
+    with their stderr, if any of ``procs`` ended before that, and after ``timeout`` seconds (a
+    guard against a hang, not a measure of speed)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs]
+        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.02)
+
+
 def stopped_checkpoint(run_dir: Path, lo: int, hi: int, world_size: int) -> Path:
     """The step folder of a run stopped once by SIGTERM (one ``stop`` record, exit 143, at a step
     in ``[lo, hi)``), checked complete and written by ``world_size`` ranks (DCP)."""

@@ -11,6 +11,7 @@ resume to its bits.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import signal
 import threading
@@ -202,22 +203,29 @@ def test_sigterm_while_a_save_is_in_flight_waits_for_it_then_saves_and_exits_143
     the run stops at the next step boundary, step_4 completes, the stop's own checkpoint is
     written in the foreground after it, and the exit is 128 + 15."""
     import os
-    import time
 
     from pgs.runtime.loop import train
     from pgs.runtime.spec.load import load_spec
 
     real = ckpt.write_safetensors
     sent = []
+    waiting = threading.Event()  # the training thread waits for the save in flight
+    wait = background.BackgroundSaver.wait
 
-    def slow(path, *args, **kwargs):
+    def waited(self):
+        waiting.set()
+        return wait(self)
+
+    def held(path, *args, **kwargs):
         if ".step_4.tmp-" in str(path) and not sent:
             sent.append(path)
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(1.0)
+            # the save stays in flight until the stop waits for it: an event, not a duration
+            assert waiting.wait(timeout=600), "the stop never waited for the save in flight"
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt, "write_safetensors", slow)
+    monkeypatch.setattr(background.BackgroundSaver, "wait", waited)
+    monkeypatch.setattr(ckpt, "write_safetensors", held)
     loaded = load_spec(str(tiny_spec(tmp_path, "run", steps=12, every=4)), overrides=["checkpoint.background=true"])
     assert train.run(loaded) == 128 + signal.SIGTERM
     run_dir = tmp_path / "run"
@@ -312,11 +320,22 @@ def test_two_ranks_write_dcp_checkpoints_in_the_background_and_resume_from_them(
 def test_another_process_s_failed_save_stops_this_one_with_the_same_exit(tmp_path, monkeypatch, capsys):
     """The processes agree on a background save's failure (``control.SAVE_FAILED``): a process
     whose own save succeeded raises too when another's filled its disk (exit 84, the folder
-    named), at the same step.  Simulated here by an agreement that reports a full disk."""
+    named), at the same step.  Simulated here by an agreement that reports a full disk.
+
+    The save's end is an event the test fixes, not a race with training: each background save
+    is waited for right after it is handed to the thread, so the step-4 save has ended before
+    step 5's agreement, which is where the run must stop (before step 5's record)."""
     from pgs.errors import EXIT_DISK_FULL
     from pgs.runtime.loop import control
 
     real = control.agree
+    submit = background.BackgroundSaver.submit
+
+    def submit_and_let_it_end(self, job):
+        submit(self, job)
+        concurrent.futures.wait([self._pending])  # ended (or failed); still pending until collected
+
+    monkeypatch.setattr(background.BackgroundSaver, "submit", submit_and_let_it_end)
 
     def other_rank_full(flags):
         out = real(flags)
@@ -334,4 +353,4 @@ def test_another_process_s_failed_save_stops_this_one_with_the_same_exit(tmp_pat
     line = next(x for x in err.splitlines() if x.startswith("pgs: error"))
     assert line.startswith(f"pgs: error: disk full while writing the checkpoint {tmp_path / 'run' / 'step_4'}")
     steps = [r["step"] for r in step_records(tmp_path / "run")]
-    assert max(steps) < 8  # stopped at the boundary where the save had ended, not at the next save
+    assert steps == [1, 2, 3, 4]  # stopped at the first boundary after the save ended, not at the next save

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from pgs.runtime.loop.faults import Faults
 from helpers import (ROOT, assert_same_checkpoint, child_env, command, launch, records, step_records, tiny_spec,
-                     wait_for_steps)
+                     wait_for_file)
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +82,13 @@ def test_sigkill_anywhere_then_resume_auto_is_bit_exact(tmp_path, reference):
 def test_sigterm_checkpoints_exits_143_and_resume_continues_exactly(tmp_path, reference):
     spec = tiny_spec(tmp_path, "run")
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(command(spec), cwd=ROOT, env=child_env(**Faults(slow_step_s=0.3).env()),
+    gate = tmp_path / "gate"  # the run holds after step 5 until the signal has reached it: no race with its speed
+    gate.mkdir()
+    proc = subprocess.Popen(command(spec), cwd=ROOT, env=child_env(**Faults(pause_at=(5, str(gate))).env()),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_steps(run_dir, [proc], 5, 180)
+    wait_for_file(gate / "paused", [proc], 180)
     proc.send_signal(signal.SIGTERM)
+    wait_for_file(gate / "signalled", [proc], 180)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
     stop = [r for r in records(run_dir) if r.get("event") == "stop"]

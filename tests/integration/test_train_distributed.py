@@ -35,7 +35,7 @@ import pytest
 
 from pgs.runtime.loop.faults import Faults
 from helpers import (ROOT, assert_same_weights, child_env, command, final_weights, free_port, launch, records,
-                     step_records, stopped_checkpoint, tiny_spec, torchrun, wait_for_steps)
+                     step_records, stopped_checkpoint, tiny_spec, torchrun, wait_for_file)
 
 TIMEOUT_S = 240
 STEPS = 10
@@ -93,10 +93,14 @@ def test_two_ranks_equal_one_process_and_sigterm_resume_is_exact(tmp_path):
     # 3. SIGTERM to rank 1 only: both ranks stop at the same step, checkpoint, exit 143.
     stopped = spec_for(tmp_path, "stopped", ranks=2)
     run_dir = tmp_path / "stopped"
-    procs = start_ranks(stopped, **Faults(slow_step_s=0.4).env())
+    gate = tmp_path / "gate"  # the ranks hold after step 2 until the signal has reached rank 1
+    gate.mkdir()
+    procs = start_ranks(stopped, **Faults(pause_at=(2, str(gate))).env())
     try:
-        wait_for_steps(run_dir, procs, 2, TIMEOUT_S)
+        wait_for_file(gate / "paused", procs, TIMEOUT_S)
         procs[1].send_signal(signal.SIGTERM)
+        wait_for_file(gate / "signalled", procs, TIMEOUT_S)
+        (gate / "go").write_text("")
         outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
     finally:
         for p in procs:

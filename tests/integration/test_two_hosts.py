@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pgs.runtime.loop.faults import Faults
 from helpers import (ROOT, assert_same_weights, child_env, command, final_weights, free_port, step_records,
-                     stopped_checkpoint, tiny_spec, wait_for_steps)
+                     stopped_checkpoint, tiny_spec, wait_for_file)
 
 TIMEOUT_S = 240
 STEPS = 10
@@ -70,10 +70,14 @@ def test_two_hosts_train_stop_together_on_one_hosts_signal_and_resume_exactly(tm
     # 2. Static rendezvous; SIGTERM to host 1's launcher only: both hosts stop at one step, exit 143.
     stopped = two_host_spec(tmp_path, "stopped")
     run_dir = tmp_path / "stopped"
-    procs = start_hosts(stopped, "static", **Faults(slow_step_s=0.4).env())
+    gate = tmp_path / "gate"  # the workers hold after step 2 until the signal has reached host 1's
+    gate.mkdir()
+    procs = start_hosts(stopped, "static", **Faults(pause_at=(2, str(gate))).env())
     try:
-        wait_for_steps(run_dir, procs, 2, TIMEOUT_S)
+        wait_for_file(gate / "paused", procs, TIMEOUT_S)
         procs[1].send_signal(signal.SIGTERM)
+        wait_for_file(gate / "signalled", procs, TIMEOUT_S)
+        (gate / "go").write_text("")
     finally:
         outs = finish(procs)
     assert [p.returncode for p in procs] == [143, 143], [o[1][-3000:] for o in outs]

@@ -26,6 +26,7 @@ message is one line: ``origin: problem``, where the origin is ``file:line`` (JSO
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Iterator
 
 import attrs
@@ -227,7 +228,7 @@ def _sharegpt_record(record: dict) -> tuple[list[Any], Any]:
         if turn.get("from") is None:
             raise RecordProblem(f"turn {i}: missing 'from'")
         speaker = turn["from"]
-        if speaker not in SHAREGPT_ROLES:
+        if not isinstance(speaker, str) or speaker not in SHAREGPT_ROLES:
             raise RecordProblem(
                 f"turn {i}: unknown speaker {speaker!r} (expected one of {', '.join(SHAREGPT_ROLES)})"
             )
@@ -337,9 +338,35 @@ def decode_object(raw: str | bytes, origin: str) -> dict:
 def decode_json(raw: str | bytes, origin: str) -> Any:
     """One JSON value; ``DataError('origin: malformed JSON (...)')`` when it is not one."""
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DataError(f"{origin}: malformed JSON ({json_reason(err)})") from None
+    except RecursionError:  # the decoder recurses once per level: a bound, said in one line
+        raise DataError(f"{origin}: malformed JSON (nested too deep for a record)") from None
+    if _SURROGATE.search(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")):
+        _check_surrogates(value, origin)  # only a record that spells a surrogate is walked
+    return value
+
+
+#: a JSON escape of a UTF-16 surrogate (\ud800-\udfff), the only way a lone one gets into a string
+_SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _check_surrogates(value: Any, origin: str) -> None:
+    """``DataError`` for a string holding a lone UTF-16 surrogate (JSON lets ``"\\ud800"`` decode
+    to one; no tokenizer can take it)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise DataError(f"{origin}: malformed JSON (a lone UTF-16 surrogate in a string: "
+                            "an \\ud800-\\udfff escape without its pair)") from None
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_surrogates(item, origin)
+    elif isinstance(value, list):
+        for item in value:
+            _check_surrogates(item, origin)
 
 
 def parse_line(line: str | bytes, origin: str, format: str = "auto", fields: dict[str, str] | None = None

@@ -15,6 +15,8 @@ The counters (draws, and per source its epoch and cursor) are the whole state: p
 from __future__ import annotations
 
 import bisect
+import hashlib
+import os
 from array import array
 
 import numpy as np
@@ -24,6 +26,7 @@ from pgs.runtime.data.config import DataSource
 from pgs.runtime.data.readers import open_reader
 from pgs.runtime.data.records import Conversation, conversation
 from pgs.runtime.data.stats import DataStats
+from pgs.runtime.store.digest import file_digest
 
 _MASK64 = (1 << 64) - 1
 
@@ -68,6 +71,8 @@ class SourceIndex:
             stats.bad_records += len(self.skipped)
         if not self.offsets:
             raise DataError(f"{self.path}: no valid records")
+        self.digest = content_digest(self.path)
+
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -79,6 +84,26 @@ class SourceIndex:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def content_digest(path: str) -> str:
+    """What a resume compares to know the source is the one the checkpoint read: the sha256
+    over 8 MiB chunks of its bytes (``pgs.runtime.store.digest.file_digest``, the chunks hashed
+    on several threads); for a folder (a ``datasets`` folder), the sha256 of each file's
+    relative name and digest, in name order.  A record edited in place, same size and count,
+    changes it; a copy or a touch (a new mtime) does not."""
+    try:
+        if not os.path.isdir(path):
+            return file_digest(path)
+        whole = hashlib.sha256()
+        for folder, subfolders, files in os.walk(path):
+            subfolders.sort()
+            for name in sorted(files):
+                full = os.path.join(folder, name)
+                whole.update(f"{os.path.relpath(full, path)}\0{file_digest(full)}\0".encode())
+        return whole.hexdigest()
+    except OSError as err:
+        raise DataError(f"{path}: cannot read ({err.strerror or err})") from None
 
 
 class MixedOrder:

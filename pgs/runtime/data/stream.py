@@ -231,6 +231,7 @@ class TrainStream:
         return {
             "sources": [f"{s.path}|{s.format}|{s.weight!r}|{len(i)}" + "".join(f"|{k}={v}" for k, v in s.fields().items())
                         for s, i in zip(c.sources, self._sources)],
+            "content": [i.digest for i in self._sources],  # each source's bytes (sources.content_digest)
             "seed": c.seed,
             "max_seq_len": c.max_seq_len,
             "packing": c.packing,
@@ -262,7 +263,16 @@ class TrainStream:
         if state.get("version") != STATE_VERSION:
             raise DataError(f"data state: version {state.get('version')!r}, expected {STATE_VERSION}")
         saved, current = state["fingerprint"], self._fingerprint()
-        changed = sorted(k for k in current if saved.get(k) != current[k])
+        # "content": checkpoints written before the content digest resume on the rest
+        changed = sorted(k for k in current if saved.get(k) != current[k] and (k != "content" or k in saved))
+        if changed == ["content"]:  # the same files, counts and settings; different bytes
+            edited = [s.path for s, old, new in zip(self.config.sources, saved["content"], current["content"])
+                      if old != new]
+            raise DataError(
+                f"data state: {', '.join(edited)}: the content changed since the checkpoint (the same "
+                "records count, other bytes); a resume would not continue the same data: restore the "
+                "file, or start a new run (--overwrite, or another checkpoint.dir)"
+            )
         if changed:
             raise DataError(
                 "data state: the data changed since the checkpoint (" + ", ".join(changed) + "); "

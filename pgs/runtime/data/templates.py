@@ -53,8 +53,25 @@ def apply_chat_template(tokenizer, chat_template: str | None):
     """Give ``tokenizer`` the template of ``data.chat_template`` (a resolved path; ``None``: keep
     the tokenizer's own).  Returns the tokenizer."""
     if chat_template is None:
+        check_template(getattr(tokenizer, "chat_template", None), "the tokenizer's chat template (model.tokenizer)")
         return tokenizer
     tokenizer.chat_template = read_chat_template(chat_template)
+    check_template(tokenizer.chat_template, f"data.chat_template: {chat_template}")
     shipped = {str(p): name for name, p in shipped_templates().items()}
     tokenizer.pgs_chat_template_name = shipped.get(str(chat_template), str(chat_template))
     return tokenizer
+
+
+def check_template(text, where: str) -> None:
+    """``SpecError`` naming the template and its line when ``text`` does not compile as the
+    Jinja transformers renders (before, the error surfaced at the first record and was blamed on
+    it, or with ``on_bad_record = "skip"`` skipped every record)."""
+    if not isinstance(text, str):
+        return  # none, or several named templates (checked when one is rendered)
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as err:
+        raise SpecError(f"{where}:{err.lineno}: Jinja syntax error: {err.message}") from None

@@ -50,7 +50,7 @@ from pgs.errors import InvalidArgument, SpecError
 from pgs.runtime.dist.fsdp import flight_recorder_env
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
-from pgs.runtime.store import checkpoint
+from pgs.runtime.store import checkpoint, lock as run_lock
 
 GRACE_ENV = "PGS_SHUTDOWN_GRACE_S"
 EXIT_DIR_ENV = "PGS_EXIT_DIR"
@@ -281,13 +281,21 @@ def launch_run(spec, spec_path: str, *, nproc: int, overrides: Sequence[str] = (
         why = single_process_refusal(spec.memory)
         if why:
             raise SpecError(why)
-    if resume is None and not rendezvous.node_rank:
-        if overwrite:
-            aside = checkpoint.move_aside(spec.checkpoint.dir)
-            if aside is not None:
-                print(f"pgs: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)
-        else:
-            checkpoint.refuse_existing_run(spec.checkpoint.dir)
+    # a folder a live run holds is refused here, before any worker starts (the worker of rank 0
+    # then locks it for the run); a host that may not hold rank 0 does not probe
+    probe = run_lock.RunLock(spec.checkpoint.dir)
+    if rendezvous.standalone or rendezvous.node_rank == 0:
+        probe.acquire()
+    try:
+        if resume is None and not rendezvous.node_rank:
+            if overwrite:
+                aside = checkpoint.move_aside(spec.checkpoint.dir)
+                if aside is not None:
+                    print(f"pgs: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)
+            else:
+                checkpoint.refuse_existing_run(spec.checkpoint.dir)
+    finally:
+        probe.release()
     forwarded = ["run", os.path.abspath(spec_path)]
     for assignment in overrides:
         forwarded += ["--set", assignment]

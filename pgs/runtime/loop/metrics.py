@@ -19,6 +19,9 @@ import sys
 import time
 from typing import Any, Sequence
 
+from pgs.errors import DiskFull
+from pgs.runtime.store.checkpoint import is_disk_full
+
 METRICS_FILE = "metrics.jsonl"
 
 #: Keys of every step record shown on the console, before and after the objective's own.
@@ -64,6 +67,7 @@ class MetricsLog:
         self.stream = stream or sys.stderr
         self.console = tuple(console)
         self._file = open(self.path, "a", encoding="utf-8")
+        self._full = False  # a write found the disk full (DiskFull raised once)
         self._progress = None
         self._task = None
         self._trackers = self._open_trackers(trackers, project, run_name, config)
@@ -92,8 +96,18 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         """One line of metrics.jsonl (and the trackers), flushed."""
         record = {"time": round(time.time(), 3), **{k: _clean(v) for k, v in record.items()}}
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._file.flush()
+        if self._full:
+            return  # the disk filled: the run is ending with DiskFull, what comes after is dropped
+        try:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._file.flush()
+        except OSError as err:
+            if not is_disk_full(err):
+                raise
+            self._full = True
+            raise DiskFull(f"disk full while writing the metrics {self.path}: the records from step "
+                           f"{record.get('step')} on are lost; checkpoints written before are intact; free space, "
+                           "then continue with pgs run SPEC --resume auto") from None
         for tracker in self._trackers:
             numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
             try:
@@ -147,7 +161,11 @@ class MetricsLog:
             except Exception:
                 pass
         self._trackers = []
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:
+            if not self._full:  # the buffered tail of a full disk is already reported
+                raise
 
     # -- optional trackers ---------------------------------------------------------------
     def _open_trackers(self, names, project, run_name, config) -> list:

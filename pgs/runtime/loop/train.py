@@ -68,7 +68,7 @@ from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
 from pgs.runtime.optim.config import checkpoint_offload
-from pgs.runtime.store import background, checkpoint as ckpt, dcp
+from pgs.runtime.store import background, checkpoint as ckpt, dcp, lock as run_lock
 from pgs.runtime.tools.resources import disk_copies
 
 @attrs.define
@@ -518,6 +518,19 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
         profile: tuple[int, int] | None = None, overwrite: bool = False, faults: Faults = NO_FAULTS) -> int:
     """Train ``spec`` to the end, or until a stop; returns the process exit code.
 
+    The run folder has one writer: the process of rank 0 locks it for its life before anything
+    there is read or written (``pgs.runtime.store.lock``); a folder a live run holds is refused
+    (``RunInUse``, exit 2).
+    """
+    with run_lock.hold(spec.checkpoint.dir, main=int(os.environ.get("RANK", "0")) == 0) as folder_lock:
+        return _run(spec, folder_lock, resume=resume, spec_path=spec_path, profile=profile,
+                    overwrite=overwrite, faults=faults)
+
+
+def _run(spec, folder_lock: run_lock.RunLock, *, resume: str | None = None, spec_path: str | None = None,
+         profile: tuple[int, int] | None = None, overwrite: bool = False, faults: Faults = NO_FAULTS) -> int:
+    """:func:`run` with the run folder locked (``folder_lock``).
+
     ``resume``: None (fresh), ``"auto"`` (newest complete checkpoint in ``checkpoint.dir``,
     fresh if none) or a checkpoint folder.  A fresh start (``resume`` None) refuses a run
     folder that already holds a run (``RunExists``, exit 2) unless ``overwrite``, which moves
@@ -531,6 +544,7 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
         elif int(os.environ.get("RANK", "0")) == 0:
             aside = ckpt.move_aside(spec.checkpoint.dir)
             if aside is not None:
+                folder_lock.relock()  # the lock moved with the old run: lock the fresh folder
                 print(f"pgs: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)
     wall = control.WallClock(spec.train.max_wall_seconds or None)
     ctx = D.init(device=spec.train.device, trace_dir=spec.checkpoint.dir) if D.launched() else None

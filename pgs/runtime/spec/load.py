@@ -15,6 +15,7 @@ the optimizer chain and the schedule from a spec lives in ``chain.py``;
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -24,6 +25,7 @@ import attrs
 
 import pgs.func as pf
 from pgs.errors import SpecError
+from pgs.runtime import userpath
 from pgs.runtime.data.config import DataConfig, DataSource
 from pgs.runtime.data.templates import resolve_chat_template
 from pgs.runtime.model.hub import parse as hub_name, resolve as resolve_hub
@@ -272,6 +274,23 @@ def _check_keys(table: dict, cls: type, where: str, extra: tuple[str, ...] = ())
             raise SpecError(f"{where}.{key}: unknown key{suggest(key, names)}")
 
 
+def _construct(cls: type, table: dict, where: str):
+    """``cls(**table)``; the ``TypeError`` of an attrs type check (``instance_of``: a string where
+    a boolean goes) becomes one ``SpecError`` line naming the field."""
+    try:
+        return cls(**table)
+    except TypeError as err:
+        if len(err.args) == 4 and isinstance(err.args[1], attrs.Attribute):
+            _, field, expected, value = err.args
+            names = " or ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))
+            raise SpecError(f"{where}.{field.name}: expected {_TYPE_WORDS.get(names, names)}, "
+                            f"got {_describe(value)}") from None
+        raise
+
+
+_TYPE_WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}
+
+
 def _require_table(value, where: str) -> dict:
     if not isinstance(value, dict):
         raise SpecError(f"{where}: expected a table, got {_describe(value)}")
@@ -279,12 +298,17 @@ def _require_table(value, where: str) -> dict:
 
 
 def _must_exist(path: str, where: str, kind: str = "file", folder_ok: bool = False) -> None:
-    if not os.path.exists(path):
+    """A path field must name a readable regular file (or folder): one line otherwise
+    (``pgs.runtime.userpath``: special files, link loops, unreadable files included)."""
+    why = userpath.problem(path, kind, folder_ok)
+    if why == userpath.MISSING:
         raise SpecError(f"{where}: no such {kind}: {path}")
-    if kind == "file" and os.path.isdir(path) and not folder_ok:
+    if why == userpath.FOLDER:
         raise SpecError(f"{where}: {path} is a folder, expected a file")
-    if kind == "folder" and not os.path.isdir(path):
+    if why == userpath.FILE:
         raise SpecError(f"{where}: {path} is a file, expected a folder")
+    if why is not None:
+        raise SpecError(f"{where}: {path} is {why}")
 
 
 #: ``model.tokenizer = "model"``: the model folder's own tokenizer (as leaving it out).
@@ -310,7 +334,7 @@ def _model(table: dict, base: Path, hub: dict | None = None) -> ModelSpec:
     t = dict(table)
     if isinstance(t.get("freeze"), list):
         t["freeze"] = tuple(t["freeze"])
-    spec = ModelSpec(**t)
+    spec = _construct(ModelSpec, t, "model")
     if (spec.path is None) == (spec.config is None):
         both = "both are set" if spec.path is not None else "neither is set"
         raise SpecError(f"model: set exactly one of model.path (a local Hugging Face folder) or "
@@ -361,7 +385,7 @@ def _data(table: dict, base: Path) -> DataConfig:
         if not isinstance(src.get("path"), str) or not src["path"]:
             raise SpecError(f"{where}.path: expected a file path, got {_describe(src.get('path'))}")
         try:
-            source = DataSource(**{**src, "path": resolve_path(src["path"], base)})
+            source = _construct(DataSource, {**src, "path": resolve_path(src["path"], base)}, where)
         except SpecError as err:
             msg = str(err)
             prefix = "data.sources" if msg.startswith("data.sources") else "data"
@@ -379,7 +403,7 @@ def _data(table: dict, base: Path) -> DataConfig:
         t["eval"] = None
     if t.get("chat_template") is not None:
         t["chat_template"] = resolve_chat_template(t["chat_template"], base)
-    return DataConfig(**t)
+    return _construct(DataConfig, t, "data")
 
 
 def _optimizer(table: dict) -> OptimizerSpec:
@@ -399,7 +423,7 @@ def _optimizer(table: dict) -> OptimizerSpec:
             args = {k: v for k, v in item.items() if k != "name"}
             entries.append(ChainEntry(item["name"], args))
         t["chain"] = tuple(entries)
-    spec = OptimizerSpec(**t)
+    spec = _construct(OptimizerSpec, t, "optimizer")
     if spec.alias is not None and spec.chain is not None:
         raise SpecError("optimizer: set either alias or chain, not both")
     if spec.alias is None and spec.chain is None:
@@ -416,12 +440,13 @@ def _optimizer(table: dict) -> OptimizerSpec:
 def _section(name: str, table: dict):
     cls = SECTIONS[name]
     _check_keys(table, cls, name)
-    return cls(**table)
+    return _construct(cls, table, name)
 
 
 def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None) -> Spec:
     """A checked :class:`Spec` from parsed TOML tables; relative paths are relative to ``base``."""
     base = Path(base).resolve()
+    check_numbers(raw)
     for key, value in raw.items():
         if key not in SECTIONS:
             raise SpecError(f"{key}: unknown section{suggest(key, SECTIONS)}")
@@ -461,6 +486,9 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
     if "averaging" in raw:
         sections["averaging"] = _section("averaging", raw["averaging"])
     ckpt = sections["checkpoint"]
+    if not isinstance(ckpt.dir, str) or not ckpt.dir.strip():  # "" would make the spec's own folder the run folder
+        raise SpecError(f"checkpoint.dir: expected the run folder's path, got "
+                        f"{'an empty string' if isinstance(ckpt.dir, str) else _describe(ckpt.dir)}")
     sections["checkpoint"] = attrs.evolve(ckpt, dir=resolve_path(ckpt.dir, base))
     if "preference" in sections and "best_metric" not in raw.get("checkpoint", {}):
         # a preference run's eval reports preference metrics, not eval_loss
@@ -478,6 +506,28 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
     _check_schedule_fields(spec.schedule, raw.get("schedule", {}))
     check_spec(spec)
     return spec
+
+
+#: every integer in a spec fits in 64 bits (torch, numpy and the checkpoint's JSON take it as
+#: such; a larger one used to hang the schedule's construction or raise deep in torch)
+INT_RANGE = (-(2**63), 2**63 - 1)
+
+
+def check_numbers(raw, where: str = "") -> None:
+    """One check for every number of a spec, whatever its field: an integer within
+    ``INT_RANGE``, a float finite (``inf`` or ``nan`` in a loss weight or a rate trains nothing,
+    or nonsense).  ``where``: the dotted name of ``raw`` (the fields' own checks come later)."""
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            check_numbers(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(raw, list):
+        for i, value in enumerate(raw):
+            check_numbers(value, f"{where}[{i}]")
+    elif isinstance(raw, int) and not isinstance(raw, bool) and not INT_RANGE[0] <= raw <= INT_RANGE[1]:
+        raise SpecError(f"{where}: {raw} is out of range (a spec's integers fit in 64 bits, "
+                        f"{INT_RANGE[0]}..{INT_RANGE[1]})")
+    elif isinstance(raw, float) and not math.isfinite(raw):
+        raise SpecError(f"{where}: {raw} is not a finite number")
 
 
 def launch_world_size() -> int:

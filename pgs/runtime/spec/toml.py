@@ -12,10 +12,15 @@ import re
 import tomllib
 
 from pgs.errors import SpecError
+from pgs.runtime import userpath
 
 
 def read_toml(path: str | os.PathLike) -> dict:
-    """Parse a TOML file; a syntax error becomes ``SpecError('file:line: ...')``."""
+    """Parse a TOML file; a syntax error becomes ``SpecError('file:line: ...')``, and a path
+    that is not a readable regular file (``pgs.runtime.userpath``) one line naming it."""
+    why = userpath.problem(path)
+    if why not in (None, userpath.MISSING, userpath.FOLDER):  # those two have their lines below
+        raise SpecError(f"{path}: {why}; expected a spec file (.toml)")
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -38,11 +43,15 @@ def read_toml(path: str | os.PathLike) -> dict:
 def parse_value(text: str):
     """A ``--set`` value as TOML (``20``, ``"lion"``, ``[1, 2]``, ``{a = 1}``); a bare word is a string."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        parsed = tomllib.loads(f"v = {text}")
     except tomllib.TOMLDecodeError:
         if text and not any(c in text for c in "[]{}\"'=\n"):
             return text
         raise SpecError(f"--set: cannot read {text!r} as a TOML value (quote strings: 'key=\"text\"')") from None
+    if list(parsed) != ["v"]:  # "1500\nseed = 3": one value, then more TOML that would be dropped
+        raise SpecError(f"--set: {text!r} is more than one TOML value (a line break?); give each field its "
+                        "own --set KEY=VALUE")
+    return parsed["v"]
 
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")

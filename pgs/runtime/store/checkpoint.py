@@ -366,6 +366,10 @@ def problem(folder: str, *, hashes: bool = True) -> str | None:
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"unreadable COMPLETE manifest ({err})"
+    if not isinstance(files, dict) or not files:
+        return "the COMPLETE manifest lists no files"
+    if not all(isinstance(e, dict) and type(e.get("bytes")) is int for e in files.values()):
+        return "unreadable COMPLETE manifest (a file entry without its bytes)"
     key = MANIFEST_FORMATS.get(manifest.get("format"))
     if key is None:
         return (f"checkpoint manifest format {manifest.get('format')!r}, expected one of "

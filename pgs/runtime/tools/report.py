@@ -24,6 +24,7 @@ from typing import Iterable
 import attrs
 
 from pgs.errors import PgsError
+from pgs.runtime import userpath
 
 #: One PNG per entry: file name -> (title, y label, metric keys drawn on it, log scale).
 PLOTS: dict[str, tuple[str, str, tuple[str, ...], bool]] = {
@@ -304,11 +305,20 @@ def write_report(run_dir: str, console=None) -> list[tuple[str, str]]:
     console = console or output.console()
     if not os.path.isdir(run_dir):
         raise ReportError(f"{run_dir}: no such run folder")
-    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    path = os.path.join(run_dir, "metrics.jsonl")
+    why = userpath.problem(path)
+    if why not in (None, userpath.MISSING):  # a folder, a FIFO, unreadable, ...
+        raise ReportError(f"{path}: {'a folder' if why == userpath.FOLDER else why}, expected the run's metrics file")
+    metrics = read_metrics(path)
     if metrics.records == 0:
-        raise ReportError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no metrics records yet")
+        raise ReportError(f"{path}: no metrics records yet")
     out_dir = os.path.join(run_dir, "report")
-    os.makedirs(out_dir, exist_ok=True)
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise ReportError(f"{out_dir}: a file is in the way of the report folder; move it, then run pgs report again")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as err:
+        raise ReportError(f"{out_dir}: cannot be made ({err.strerror or err})") from None
     try:
         spec = _resolved_spec(run_dir)
         plots = draw_plots(metrics, out_dir, _entropy_floor(run_dir, spec), clip=_clip_threshold(spec),
