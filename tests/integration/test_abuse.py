@@ -6,7 +6,7 @@ Every case runs ``pgs run SPEC --resume auto`` (and ``pgs validate`` where it re
 input) against the folder of a finished tiny run, in this process; a case that would hang (a
 FIFO read, ``/dev/zero``) is cut off by an alarm and fails instead of hanging the suite.
 The run-folder lock and the data's content fingerprint have their own modules
-(tests/test_run_lock.py, tests/test_data_fingerprint.py)."""
+(tests/integration/test_run_lock.py, tests/integration/test_data_fingerprint.py)."""
 
 from __future__ import annotations
 
