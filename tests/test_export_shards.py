@@ -15,7 +15,8 @@ from pgs.errors import SpecError
 from pgs.runtime.model.build import build_model
 from pgs.runtime.model.loading import load_tokenizer
 from pgs.runtime.spec.load import ASSETS_DIR, load_spec
-from pgs.runtime.store.export import INDEX, WEIGHTS, end_of_turn_ids, export_hf, parse_size, shard
+from pgs.runtime.common import parse_size
+from pgs.runtime.store.export import INDEX, WEIGHTS, end_of_turn_ids, export_hf, shard
 
 TOKENIZER = ASSETS_DIR / "quickstart" / "tokenizer"
 CONFIG = dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

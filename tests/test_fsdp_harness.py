@@ -31,6 +31,7 @@ from pgs.func.muon import newton_schulz
 from pgs.runtime.loop import control
 from pgs.runtime.store import dcp
 from pgs.runtime.dist import fsdp as D
+from pgs.runtime.model.build import final_hidden
 
 VOCAB, SEQ, ROWS, WORLD = 64, 16, 2, 2  # ROWS rows per rank, WORLD ranks in the tests
 STEPS = 20
@@ -100,7 +101,7 @@ TRUST = ("whole_matrix_ns",)
 
 
 def micro_loss(model, ids, pos, labels, n_global: int):
-    h = D.final_hidden(model, ids, pos)
+    h = final_hidden(model, ids, pos)
     weight = model.get_output_embeddings().weight
     result = token_loss(h, weight, labels)
     return result.loss_sum / max(n_global, 1)

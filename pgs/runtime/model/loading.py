@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from pgs.errors import SpecError
-from pgs.runtime.spec.sections import suggest
+from pgs.runtime.common import suggest
 
 #: Files of a tokenizer folder (at least one must be there).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",

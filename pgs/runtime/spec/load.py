@@ -37,9 +37,6 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     CHECKPOINT_POLICIES,
     MASTER_WEIGHTS,
     RELEASE_GROUPS,
-    suggest,
-    _describe,
-    _is_int,
     ModelSpec,
     ChainEntry,
     OptimizerSpec,
@@ -56,6 +53,7 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     AveragingSpec,
     SECTIONS,
 )
+from pgs.runtime.common import describe as _describe, is_int as _is_int, suggest
 from pgs.runtime.spec.toml import dumps, parse_value, read_toml  # noqa: F401  (re-exported)
 
 

@@ -6,16 +6,16 @@ classes whose validators check every field's type and range and name it in a ``S
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from pathlib import Path
-from typing import ClassVar, Iterable
+from typing import ClassVar
 
 import attrs
 
 from pgs.errors import SpecError
 from pgs.func.losses import DISTILL_KINDS, PREFERENCE_KINDS, REFERENCE_FREE
+from pgs.runtime.common import describe as _describe, is_int as _is_int, parse_size, suggest
 from pgs.runtime.data.config import DataConfig
 
 #: ``"pgs:quickstart/train.jsonl"`` names a file bundled with the package.
@@ -42,20 +42,8 @@ MERGE_METHODS = ("none", "linear", "slerp")  # pgs.func.merge.METHODS, and "none
 # --------------------------------------------------------------------------- field checks
 
 
-def suggest(name: str, choices: Iterable[str]) -> str:
-    """`` (did you mean X?)`` for the closest of ``choices``, or ``""``."""
-    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]}?)" if close else ""
-
-
 def _where(instance, attribute) -> str:
     return f"{type(instance).section}.{attribute.name}"
-
-
-def _describe(value) -> str:
-    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "an array", dict: "a table"}.get(type(value), type(value).__name__)
-    return f"{kind} ({value!r})" if not isinstance(value, (list, dict)) else kind
 
 
 def _expect(kind: str, ok):
@@ -64,10 +52,6 @@ def _expect(kind: str, ok):
             raise SpecError(f"{_where(instance, attribute)}: expected {kind}, got {_describe(value)}")
 
     return check
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_number(v) -> bool:
@@ -293,7 +277,6 @@ class CheckpointSpec:
 
 
 def _shard_size(value) -> None:
-    from pgs.runtime.store.export import parse_size
 
     parse_size(value)
 

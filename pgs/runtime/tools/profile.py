@@ -69,9 +69,11 @@ from torch.utils._pytree import tree_leaves
 
 import pgs.func as pf
 from pgs.errors import InvalidArgument
+from pgs.runtime.common import run_device
 from pgs.func.losses import chunked
 from pgs.func.plan import RELEASE, plan_for
-from pgs.runtime.model.build import DTYPES, build_config, build_model, freeze, load_tokenizer
+from pgs.runtime.model.build import DTYPES, build_config, build_model, freeze
+from pgs.runtime.model.loading import load_tokenizer
 from pgs.runtime.model.layers import apply_activation_checkpointing
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim.bound import bind
@@ -929,10 +931,10 @@ def measure_memory(spec, plan, *, steps: int = 3, device: torch.device | str | N
     (which includes the update under gradient release) and ``step``.
     """
     from pgs.runtime.loop.objective import objective_class
-    from pgs.runtime.loop.train import Run, _device
+    from pgs.runtime.loop.run import Run
 
     opts = plan["options"]
-    dev = _device(spec.train.device) if device is None else torch.device(device)  # as pgs run picks it
+    dev = run_device(spec.train.device) if device is None else torch.device(device)  # as pgs run picks it
     m = spec.model
     tokenizer = load_tokenizer(m.tokenizer or m.path)
     meter = CudaMeter(dev) if dev.type == "cuda" else TensorMeter(dev)

@@ -31,6 +31,7 @@ import attrs
 import torch
 
 from pgs.errors import PreflightRefused
+from pgs.runtime.common import auto_device
 
 GiB = 1024**3
 #: checkpoints' worth of disk a run that keeps every checkpoint (``checkpoint.keep = 0``) is
@@ -91,13 +92,6 @@ def attention_matrix_bytes(cfg, rows: int, seq_len: int, *, dtype_bytes: int, im
     once = (square + (square * dtype_bytes if eager else 0)) if packed else 0
     kept = layers if checkpointing == "none" else layers - len(range(0, layers, every)) + 1
     return kept * per_layer + once
-
-
-def _device(spec) -> torch.device:
-    name = spec.train.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
 
 
 def predict(spec, device: torch.device) -> Prediction:
@@ -235,7 +229,7 @@ def check_host(spec, processes: int | None = None) -> Prediction | None:
     spec may be meant for ``--nproc``).  Memory is checked for one process only: the prediction
     is of an unsharded run.  Returns the prediction (None where the architecture cannot be sized
     on the meta device)."""
-    device = _device(spec)
+    device = auto_device(spec.train.device)
     try:
         prediction = predict(spec, device)
     except Exception:  # an architecture the meta device cannot build: the run will say more
