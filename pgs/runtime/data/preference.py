@@ -37,11 +37,11 @@ import numpy as np
 import torch
 
 from pgs.errors import DataError
-from pgs.runtime.data.chat import _tokenize, assistant_spans, is_empty_turn, train_mask
+from pgs.runtime.data.chat import tokenize_texts, assistant_spans, is_empty_turn, train_mask
 from pgs.runtime.data.config import DataConfig
 from pgs.runtime.data.packing import Document, collate, pad_id
 from pgs.runtime.data.readers import open_reader
-from pgs.runtime.data.records import RecordProblem, _message, json_reason
+from pgs.runtime.data.records import RecordProblem, parse_message, json_reason
 from pgs.runtime.data.stats import DataStats
 
 STATE_VERSION = 1
@@ -76,7 +76,7 @@ def _messages(value: Any, key: str) -> list[dict]:
     if not isinstance(value, list):
         raise RecordProblem(f"'{key}' must be a string or a list of messages, got {type(value).__name__}")
     try:
-        return [_message(m, i) for i, m in enumerate(value)]
+        return [parse_message(m, i) for i, m in enumerate(value)]
     except RecordProblem as err:
         raise RecordProblem(f"'{key}' {err}") from None
 
@@ -149,7 +149,7 @@ def encode_arm(tokenizer, prompt: list[dict], arm: list[dict], tools, config: Da
     text, spans = assistant_spans(tokenizer, messages, tools, supervise_empty_think=config.supervise_empty_think)
     # assistant_spans gives one span per non-empty assistant turn, in order: the prompt's come first
     skip = sum(m["role"] == "assistant" and not is_empty_turn(m) for m in prompt)
-    ((ids, offsets),) = _tokenize(tokenizer, [text])
+    ((ids, offsets),) = tokenize_texts(tokenizer, [text])
     return list(ids), train_mask(offsets, spans[skip:]).tolist()
 
 

@@ -72,7 +72,7 @@ from pgs.errors import InvalidArgument
 from pgs.runtime.common import run_device
 from pgs.func.losses import chunked
 from pgs.func.plan import RELEASE, plan_for
-from pgs.runtime.model.build import DTYPES, build_config, build_model, freeze
+from pgs.runtime.model.build import build_config, build_model, freeze, resolve_dtype as _dtype
 from pgs.runtime.model.loading import load_tokenizer
 from pgs.runtime.model.layers import apply_activation_checkpointing
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
@@ -90,15 +90,6 @@ DISTILL_CHUNK_BYTES = 40
 
 
 # ----------------------------------------------------------------------------- model shapes
-
-
-def _dtype(d) -> torch.dtype:
-    if isinstance(d, torch.dtype):
-        return d
-    try:
-        return DTYPES[str(d).lower()]
-    except KeyError:
-        raise InvalidArgument(f"predict_memory: dtype {d!r} is not one of {sorted(DTYPES)}") from None
 
 
 def _hf_config(model_config):

@@ -98,13 +98,14 @@ def predict(spec, device: torch.device) -> Prediction:
     """What one process of ``spec`` needs at its peak on ``device``, and one checkpoint's bytes."""
     from pgs.func import kernels
     from pgs.runtime.model.attention import varlen_available
-    from pgs.runtime.tools.profile import _dtype, checkpoint_bytes, predict_memory, plan_from_spec
+    from pgs.runtime.model.build import resolve_dtype
+    from pgs.runtime.tools.profile import checkpoint_bytes, predict_memory, plan_from_spec
 
     plan = plan_from_spec(spec)
     kwargs = dict(plan["kwargs"])
     kwargs["loss_kernels"] = device.type == "cuda" and kernels.CONFIG.ce_kernels
     pred = predict_memory(plan["config"], **kwargs)
-    dt = _dtype(spec.model.dtype)
+    dt = resolve_dtype(spec.model.dtype)
     impl = spec.model.attn_implementation
     varlen = impl in ("varlen", "auto") and device.type == "cuda" and varlen_available(device, dt)
     if impl == "auto":
