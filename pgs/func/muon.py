@@ -19,6 +19,7 @@ import torch
 
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
+from pgs.func.kernels.kernel_config import interpret_requested
 from pgs.func._common import compute_dtype, increment, nonzero, zero_count, zeros_state
 from pgs.func.alias import adamw, lion
 from pgs.func.apply import stochastic_round_to_bf16
@@ -208,9 +209,7 @@ def _pick_kernel(ns_kernel: str, x: torch.Tensor) -> str:
 
 
 def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return interpret_requested()
 
 
 def muon_fused_step(

@@ -48,12 +48,6 @@ def launch_world_size() -> int:
         return 1
 
 
-def under_launcher() -> bool:
-    """True when this process is a worker that torchrun started (``LOCAL_RANK`` and
-    ``WORLD_SIZE`` are set), whatever the number of workers."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def variable(name: str, default: str | None = None) -> str | None:
     """The environment variable ``name``, or ``default``."""
     return os.environ.get(name, default)

@@ -28,11 +28,11 @@ Importing this module needs Triton; ``pgs.func.kernels`` imports it lazily.
 
 from __future__ import annotations
 
-import os
 
 import triton
 import triton.language as tl
 
+from pgs.func.kernels.kernel_config import interpret_requested
 from pgs.func.quant8 import BUCKET_MANTISSA_BITS as _MB
 from pgs.func.quant8 import MIN_SCALE as _MIN_SCALE
 
@@ -93,7 +93,7 @@ def quantize_rows(x, btab_ptr, SIGNED: tl.constexpr):
 
 
 #: Triton's CPU interpreter runs no inline PTX: kernels take a plain-Triton twin there.
-INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+INTERP = tl.constexpr(interpret_requested())
 #: Bounds assertions on every table index and on the unmasked bodies' offsets (the
 #: interpreter raises; on a GPU they need ``TRITON_DEBUG=1``).  Off; the tests switch it on
 #: by replacing this constant.

@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any, Sequence
 
+from pgs.runtime import process
+
 METRICS_FILE = "metrics.jsonl"
 
 #: Keys of every step record shown on the console, before and after the objective's own.
@@ -113,7 +115,7 @@ class MetricsLog:
 
     def interactive(self) -> bool:
         """Whether a person watches a terminal: stdout and the console stream are both ttys."""
-        return (_isatty(self.stream) and _isatty(sys.stdout)) and os.environ.get("TERM") != "dumb"
+        return (_isatty(self.stream) and _isatty(sys.stdout)) and process.variable("TERM") != "dumb"
 
     def start(self, step: int) -> None:
         if not self.interactive():

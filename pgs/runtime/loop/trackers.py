@@ -26,6 +26,7 @@ import os
 from typing import Any, Sequence
 
 from pgs.errors import MissingExtra
+from pgs.runtime import process
 
 #: tracker -> (module that must be importable, the pgs extra that installs it)
 TRACKERS = {
@@ -110,7 +111,7 @@ class MLflowTracker:
         import mlflow
 
         self._mlflow = mlflow
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
+        if not process.variable("MLFLOW_TRACKING_URI"):
             mlflow.set_tracking_uri("file:" + os.path.abspath(os.path.join(run_dir, "mlruns")))
         mlflow.set_experiment(project)
         self._run = mlflow.start_run(run_name=run_name)

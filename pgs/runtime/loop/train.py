@@ -135,7 +135,7 @@ def configure_allocator(device: torch.device, limit_gib: float = 0.0) -> None:
     if limit_gib and limit_gib * 2**30 > total:
         raise SpecError(f"memory.device_limit_gib: {limit_gib:g} GiB is more than the device's "
                         f"{total / 2**30:.1f} GiB ({torch.cuda.get_device_name(index)})")
-    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+    if not process.variable("PYTORCH_CUDA_ALLOC_CONF"):
         # the accelerator-wide setter where torch has it (the CUDA one warns that it is deprecated)
         setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
         setter("expandable_segments:True" + (",garbage_collection_threshold:0.9" if limit_gib else ""))
@@ -572,7 +572,7 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
     if resume is None:  # before the process group: no rank has written anything yet
         if not overwrite:
             ckpt.refuse_existing_run(spec.checkpoint.dir)
-        elif int(os.environ.get("RANK", "0")) == 0:
+        elif process.layout().rank == 0:
             aside = ckpt.move_aside(spec.checkpoint.dir)
             if aside is not None:
                 print(f"pgs: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)

@@ -53,6 +53,7 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     AveragingSpec,
     SECTIONS,
 )
+from pgs.runtime import process
 from pgs.runtime.common import describe as _describe, is_int as _is_int, suggest
 from pgs.runtime.spec.toml import dumps, parse_value, read_toml  # noqa: F401  (re-exported)
 
@@ -431,7 +432,7 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         raise SpecError("train.steps: needed (or train.epochs = N)")
     if train.batch_size % train.grad_accum:
         raise SpecError(f"train.grad_accum: {train.grad_accum} does not divide train.batch_size = {train.batch_size}")
-    world = launch_world_size()
+    world = process.launch_world_size()
     if world > 1:
         check_world_size(train, world, sections["parallel"].context)
     ckpt = sections["checkpoint"]
@@ -450,14 +451,6 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
 
     check_spec(spec)
     return spec
-
-
-def launch_world_size() -> int:
-    """The number of processes a launcher started (``$WORLD_SIZE`` under torchrun), else 1."""
-    try:
-        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
 
 
 def check_world_size(train: TrainSpec, world: int, context: int = 1) -> None:

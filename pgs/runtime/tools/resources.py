@@ -31,6 +31,7 @@ import attrs
 import torch
 
 from pgs.errors import PreflightRefused
+from pgs.runtime import process
 from pgs.runtime.common import auto_device
 
 GiB = 1024**3
@@ -236,7 +237,7 @@ def check_host(spec, processes: int | None = None) -> Prediction | None:
     except Exception:  # an architecture the meta device cannot build: the run will say more
         return None
     if processes is None:
-        processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        processes = process.launch_world_size()
         if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() > 1:
             processes = 0  # validate on a multi-GPU host: the run's process count is not known here
     if processes == 1:
