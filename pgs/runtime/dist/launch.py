@@ -277,7 +277,7 @@ def launch_run(spec, spec_path: str, *, nproc: int, overrides: Sequence[str] = (
     preflight_spec(spec, processes=nproc * (rendezvous.fixed_nodes or 1))
     check_world_size(spec.train, nproc * (rendezvous.fixed_nodes or 1), spec.parallel.context)
     if nproc * (rendezvous.fixed_nodes or 1) > 1:  # before any process starts, not after each built the model
-        from pgs.runtime.optim.make import single_process_refusal
+        from pgs.runtime.optim.memory import single_process_refusal
 
         why = single_process_refusal(spec.memory)
         if why:

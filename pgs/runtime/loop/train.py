@@ -65,9 +65,9 @@ from pgs.runtime.model.moe import router_tap
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime import process
 from pgs.runtime.optim import StepMetrics, make_optimizer
+from pgs.runtime.optim.memory import MemoryOptions
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
-from pgs.runtime.spec.sections import checkpoint_offload
 from pgs.runtime.store import background, checkpoint as ckpt, dcp
 from pgs.runtime.tools.resources import disk_copies
 from pgs.runtime.store.export import export_hf
@@ -94,16 +94,15 @@ def apply_memory(model, memory, fast_recompute: bool = True) -> None:
     ``fast_recompute=False``: checkpoint through ``torch.utils.checkpoint`` only (a router loss
     needs the forward's graph, which the fast recompute does not build)."""
 
-    if memory.liger:
+    options = MemoryOptions.of(memory)
+    if options.liger:
         layers.apply_liger(model)
-    if getattr(memory, "mlp_tiles", 0) > 1:
-        apply_mlp_tiles(model, memory.mlp_tiles)
-    if memory.activation_checkpointing != "none":
-        offload = checkpoint_offload(getattr(memory, "offload_checkpoints", False),
-                                     getattr(memory, "offload_prefetch", "auto"), getattr(memory, "offload_optimizer", False))
-        layers.apply_activation_checkpointing(model, memory.activation_checkpointing, memory.checkpoint_every,
-                                              offload=offload, fast_recompute=fast_recompute)
-    if memory.compile_layers:
+    if options.mlp_tiles > 1:
+        apply_mlp_tiles(model, options.mlp_tiles)
+    if options.activation_checkpointing != "none":
+        layers.apply_activation_checkpointing(model, options.activation_checkpointing, options.checkpoint_every,
+                                              offload=options.checkpoint_offload, fast_recompute=fast_recompute)
+    if options.compile_layers:
         layers.compile_layers(model)
 
 

@@ -25,6 +25,7 @@ import pgs.func as pf
 from pgs.errors import PgsError, SpecError
 from pgs.func.base import no_step_stage
 from pgs.func.losses import BACKENDS, OBJECTIVES
+from pgs.runtime.optim.memory import memory_refusal
 from pgs.runtime.optim.release import refusal, slab_refusal
 from pgs.runtime.common import suggest
 
@@ -281,25 +282,10 @@ def check_loss(loss) -> None:
 def check_memory_options(spec: Spec, chain) -> None:
     """``[memory]`` against the rest of the spec: what gradient release cannot run."""
     mem = spec.memory
-    if mem.offload_checkpoints and mem.activation_checkpointing not in ("full", "sublayer"):
-        raise SpecError(f"memory.offload_checkpoints: offloads the inputs of \"full\" or \"sublayer\" checkpointed "
-                        f"layers; activation_checkpointing is {mem.activation_checkpointing!r} (set it to \"full\" "
-                        "or \"sublayer\", or offload_checkpoints = false)")
-    if mem.offload_prefetch not in (1, "auto") and not mem.offload_checkpoints:
-        raise SpecError(f"memory.offload_prefetch = {mem.offload_prefetch}: how far ahead backward fetches the "
-                        "offloaded checkpoint inputs; set memory.offload_checkpoints = true, or leave "
-                        "offload_prefetch at \"auto\"")
-    if mem.tied_slabs and not mem.gradient_release:
-        raise SpecError(f"memory.tied_slabs = {mem.tied_slabs}: the embedding's weight is stepped in row slabs by "
-                        "gradient release at the end of backward; set memory.gradient_release = true or tied_slabs = 0")
-    if mem.offload_optimizer and not mem.gradient_release:
-        raise SpecError("memory.offload_optimizer: the state is streamed to the device group by group as "
-                        "gradient release steps inside backward; set memory.gradient_release = true or "
-                        "offload_optimizer = false")
+    why = memory_refusal(mem)
+    if why:
+        raise SpecError(why)
     if not mem.gradient_release:
-        if mem.master_weights != "none":
-            raise SpecError(f"memory.master_weights: {mem.master_weights!r} is kept by gradient release only; "
-                            "set memory.gradient_release = true or master_weights = \"none\"")
         return
     if spec.train.grad_accum > 1:
         raise SpecError(f"memory.gradient_release: train.grad_accum = {spec.train.grad_accum} needs whole gradients "

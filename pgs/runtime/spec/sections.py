@@ -17,6 +17,7 @@ from pgs.errors import SpecError
 from pgs.func.losses import DISTILL_KINDS, PREFERENCE_KINDS, REFERENCE_FREE
 from pgs.runtime.common import describe as _describe, is_int as _is_int, parse_size, suggest
 from pgs.runtime.data.config import DataConfig
+from pgs.runtime.optim.memory import head_grad_wanted
 
 #: ``"pgs:quickstart/train.jsonl"`` names a file bundled with the package.
 ASSET_PREFIX = "pgs:"
@@ -363,32 +364,6 @@ class MemorySpec:
         matmul per step and saves one V×D buffer through backward (docs/memory.md): worth it
         where memory is tight, not where activations dwarf it."""
         return head_grad_wanted(self.defer_head_grad, self.activation_checkpointing, self.tied_slabs)
-
-
-def head_grad_wanted(setting: bool | str, activation_checkpointing: str | None, tied_slabs: int | None) -> bool:
-    """``memory.defer_head_grad`` resolved (``MemorySpec.head_grad_deferred``, ``pgs profile``'s
-    prediction): ``"auto"`` defers with activation checkpointing or tied slabs, a bool says itself."""
-    if setting == "auto":
-        return activation_checkpointing not in (None, "none") or bool(tied_slabs)
-    return bool(setting)
-
-
-def prefetch_depth(setting: int | str, offload_optimizer: bool) -> int:
-    """``memory.offload_prefetch`` resolved (``pgs run``'s checkpointing, ``pgs profile``'s
-    prediction): ``"auto"`` is 2 where the optimizer state is offloaded too, else 1.  Why 2 there:
-    each group's state fetch (≈ 0.1 GB per decoder layer at 4B) queues on the same host→device
-    copy engine as the next layer's input, so the input copied back one layer ahead arrives late
-    and the compute stream waits for it; two layers ahead it is there (docs/memory.md, one layer
-    input more on the device: 21 MB at Qwen3-4B's 1×4096).  An int says itself."""
-    if setting == "auto":
-        return 2 if offload_optimizer else 1
-    return int(setting)
-
-
-def checkpoint_offload(offload_checkpoints: bool, offload_prefetch: int | str, offload_optimizer: bool) -> int | bool:
-    """``apply_activation_checkpointing``'s ``offload`` for these ``[memory]`` settings (``pgs run``
-    and ``pgs profile`` alike): False without ``offload_checkpoints``, else :func:`prefetch_depth`."""
-    return prefetch_depth(offload_prefetch, offload_optimizer) if offload_checkpoints else False
 
 
 def _kind_known(instance, attribute, value):
