@@ -39,7 +39,7 @@ from pgs.func.losses import distill_loss
 from pgs.runtime.data import EvalStream, TrainStream
 from pgs.runtime.data.chat import turn_markers
 from pgs.runtime.data.inspect import dataset_stats
-from pgs.runtime.data.packing import Document, PackedBatch, best_fit_decreasing, collate
+from pgs.runtime.data.packing import Document, PackedBatch, best_fit_decreasing, collate, pad_id
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
 from pgs.runtime.loop.objective_common import random_document, rank_and_world, steps_for
 from pgs.runtime.model.build import build_model, final_hidden, output_head
@@ -108,7 +108,7 @@ class DistillObjective:
         self.stream = stream
         self.settings = GenerationSettings(**self.d.generation_settings())
         self.stops = stop_ids(tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_id(tokenizer)
         self._generators = {
             "distill_coin": torch.Generator().manual_seed(spec.train.seed),
             "distill_sampler": torch.Generator(device=device).manual_seed(spec.train.seed + 1),

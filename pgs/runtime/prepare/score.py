@@ -211,7 +211,7 @@ def score(spec, out_dir: str, *, batch_size: int = 16, device: torch.device | No
     resumed = len(done)
     if model is None:
         model, tokenizer = load_model(spec, device)
-    pad_id = pad_id(tokenizer)
+    pad = pad_id(tokenizer)
     chunk = spec.loss.chunk_size
     written = batches = 0
     total = sum(len(i) for i in indexes)
@@ -221,7 +221,7 @@ def score(spec, out_dir: str, *, batch_size: int = 16, device: torch.device | No
         def flush() -> None:
             nonlocal written
             docs = [p for p in group if p.document is not None]
-            scores = iter(score_documents(model, [p.document for p in docs], pad_id, device, chunk)) if docs else iter(())
+            scores = iter(score_documents(model, [p.document for p in docs], pad, device, chunk)) if docs else iter(())
             for p in group:
                 line = {"id": p.id, "source": p.source, "index": p.index, "origin": p.origin}
                 if p.document is None:
