@@ -219,3 +219,13 @@ def test_graph_sees_function_level_imports():
     tree_edges, _, _ = _graph()
     # tools.resources imports tools.profile only inside a function
     assert "pgs.runtime.tools.profile" in tree_edges["pgs.runtime.tools.resources"]
+
+
+def test_cli_imports_no_torch():
+    """``pgs --help`` stays light: the command line imports what a command needs when it runs."""
+    import subprocess
+    import sys
+
+    code = "import sys, pgs.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False"
