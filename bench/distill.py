@@ -220,7 +220,7 @@ def trl_child(args) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    from pgs.runtime.model.build import load_tokenizer
+    from pgs.runtime.model.loading import load_tokenizer
     from pgs.runtime.spec.load import load_spec
 
     spec = load_spec(args.spec, distill_sets(args, args.chats))
@@ -400,7 +400,7 @@ def main(argv=None) -> int:
             json.dump(result, handle)
         return 0
 
-    from pgs.runtime.model.build import load_tokenizer
+    from pgs.runtime.model.loading import load_tokenizer
     from pgs.runtime.spec.load import load_spec
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="pgs-bench-distill-")

@@ -41,7 +41,7 @@ def worker(args) -> None:
     from pgs.func.losses import token_loss
     from pgs.runtime.loop import control
     from pgs.runtime.dist import fsdp as D
-    from pgs.runtime.model.build import build_model
+    from pgs.runtime.model.build import build_model, final_hidden
     from pgs.runtime.optim.sharded_bind import bind_sharded
 
     ctx = D.init(single=True)  # FSDP2 on 1 GPU too: the same code path, 1 vs 2 ranks
@@ -62,7 +62,7 @@ def worker(args) -> None:
 
     def step():
         n = D.global_count(int((labels != -100).sum()))
-        h = D.final_hidden(model, ids, pos)
+        h = final_hidden(model, ids, pos)
         loss = token_loss(h, model.get_output_embeddings().weight, labels, chunk_size=args.chunk).loss_sum / n
         loss.backward()
         control.agree([0, 0, int(not torch.isfinite(loss.detach()).item()), 0])

@@ -92,7 +92,7 @@ def words_for(tokens: int, tokenizer_path: str) -> int:
     tokenizer (measured on a sample, 10% over): records sized for the row being run, not for the
     longest one (a record of the longest row's size is tokenized whole before it is cut to a
     shorter row's length)."""
-    from pgs.runtime.model.build import load_tokenizer
+    from pgs.runtime.model.loading import load_tokenizer
 
     sample = 2000
     (text,) = long_texts(sample, 1)

@@ -106,7 +106,7 @@ def trl_child(args) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    from pgs.runtime.model.build import load_tokenizer
+    from pgs.runtime.model.loading import load_tokenizer
     from pgs.runtime.spec.load import load_spec
 
     spec = load_spec(args.spec, (SMALL if args.small else []))
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
             json.dump(result, handle)
         return 0
 
-    from pgs.runtime.model.build import load_tokenizer
+    from pgs.runtime.model.loading import load_tokenizer
     from pgs.runtime.spec.load import load_spec
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="pgs-bench-pref-")

@@ -299,7 +299,7 @@ def run_peer(spec_path: str, args) -> dict:
     import sft_step  # noqa: E402 - the bench's variants, so that peers are built one way everywhere
 
     from pgs.runtime.data import TrainStream
-    from pgs.runtime.model.build import load_tokenizer
+    from pgs.runtime.model.loading import load_tokenizer
     from pgs.runtime.spec.load import load_spec
 
     spec = load_spec(spec_path, (SMALL if args.small else []) + args.set)

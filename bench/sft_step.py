@@ -314,7 +314,7 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
 def defers(name: str, args) -> bool:
     """Whether a pgs variant defers the tied head's gradient: as ``memory.defer_head_grad = "auto"``
     (with checkpointing or slabs) unless ``--defer`` / ``--no-defer`` say otherwise."""
-    from pgs.runtime.spec.sections import head_grad_wanted
+    from pgs.runtime.optim.memory import head_grad_wanted
 
     setting = bool(args.defer) if (args.defer or args.no_defer) else "auto"
     return head_grad_wanted(setting, "full" if uses_ac(name) else "none", _slabs(split_name(name)[0]))

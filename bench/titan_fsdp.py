@@ -40,7 +40,8 @@ def worker(args) -> dict | None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from pgs.runtime.data import TrainStream
-    from pgs.runtime.model.build import build_model, load_tokenizer
+    from pgs.runtime.model.build import build_model
+    from pgs.runtime.model.loading import load_tokenizer
     from pgs.runtime.spec.load import load_spec
 
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])

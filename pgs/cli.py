@@ -219,6 +219,24 @@ def entry() -> int:
     return main(entry_point=True)
 
 
+def leave(code: int) -> None:
+    """End ``python -m pgs`` with ``code``.  A worker of ``pgs run --nproc`` first records the
+    code where its launcher reads it (``$PGS_EXIT_DIR``)."""
+    if os.environ.get("PGS_EXIT_DIR"):
+        from pgs.runtime.dist.launch import record_exit
+
+        record_exit(code)
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        # Under torchrun, leave without running C++ static destructors: a gloo/NCCL worker thread
+        # still winding down can abort the process ("terminate called without an active
+        # exception") after the run has finished and written everything, turning exit 0/143 into
+        # SIGABRT.  Everything the run writes is flushed and fsynced before this point.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
+
+
 def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
     """Run one ``pgs`` command; returns the exit code."""
     parser = build_parser()

@@ -6,7 +6,7 @@ import torch
 
 from pgs.func import tree as T
 
-_INT32_MAX = 2**31 - 1
+INT32_MAX = 2**31 - 1
 
 
 def device_of(tree) -> torch.device:
@@ -23,7 +23,7 @@ def zero_count(tree) -> torch.Tensor:
 
 def increment(count: torch.Tensor) -> torch.Tensor:
     """count + 1, saturating at int32 max instead of overflowing (as optax does)."""
-    return count.clamp(max=_INT32_MAX - 1) + 1  # two kernels (a where() form takes three)
+    return count.clamp(max=INT32_MAX - 1) + 1  # two kernels (a where() form takes three)
 
 
 def zeros_state(tree, dtype: torch.dtype | None):
@@ -55,3 +55,15 @@ def realize_scalar(x: torch.Tensor) -> torch.Tensor:
     if not torch.compiler.is_compiling():
         return x
     return x.reshape(1).expand(2).amax()
+
+
+def nonzero(x) -> bool:
+    """A hyperparameter that is a tensor (its value is known only at run time) or a number != 0."""
+    return isinstance(x, torch.Tensor) or x != 0
+
+
+def f32_scalar(x, ref: torch.Tensor):
+    """A hyperparameter as an fp32 scalar on ``ref``'s device (0-d float64 tensors would promote)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device=ref.device, dtype=torch.float32)
+    return torch.tensor(float(x), dtype=torch.float32, device=ref.device)

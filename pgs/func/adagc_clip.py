@@ -11,10 +11,9 @@ from typing import NamedTuple
 import torch
 
 from pgs.func import tree as T
-from pgs.func._common import increment, zero_count
+from pgs.func._common import f32_scalar, increment, zero_count
 from pgs.func.base import DIRECTION, GLOBAL, Transform, check_range
 from pgs.func.layout import per_tensor_apply, per_tensor_sumsq
-from pgs.func.zclip_spike import _f32
 from pgs.func.step import NO_CONTEXT, StepContext
 
 
@@ -82,7 +81,7 @@ def adagc(lambda_rel: float = 1.05, beta: float = 0.98, lambda_abs: float = 1.0,
         gnorm = total.sqrt()
 
         ref = next(x for x in T.leaves(norms) if x is not None)
-        l_abs, l_rel, b, omb, eps_ = (_f32(x, ref) for x in (lambda_abs, lambda_rel, beta, 1.0 - beta, eps))
+        l_abs, l_rel, b, omb, eps_ = (f32_scalar(x, ref) for x in (lambda_abs, lambda_rel, beta, 1.0 - beta, eps))
 
         def factor(n, g):
             h_warm = torch.clamp(l_abs / (gnorm + eps_), max=1.0)

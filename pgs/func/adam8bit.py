@@ -13,12 +13,12 @@ import torch
 
 from pgs.func import kernels as K
 from pgs.func import tree as T
-from pgs.func._common import compute_dtype, increment, zero_count
+from pgs.func._common import compute_dtype, increment, nonzero, zero_count
 from pgs.func.base import DIRECTION, ELEMENTWISE, Transform, chain, check_range, hp_in, identity
 from pgs.func.kernels.fused_transform import FusedTransform, _hp_cached, hp_tensor, one_minus
 from pgs.func.layout import group_label
 from pgs.func.learning_rate import scale_by_learning_rate
-from pgs.func.lion8bit_direction import Fused8bit, _nonzero, check_8bit_args, check_layout, fused_8bit_step, step_hp
+from pgs.func.lion8bit_direction import Fused8bit, check_8bit_args, check_layout, fused_8bit_step, step_hp
 from pgs.func.quant8 import Quantized8bit, init_moment, is_8bit_eligible, load_moment, moment_leaves, store_moment
 from pgs.func.weight_decay import add_decayed_weights, mask_fn
 from pgs.func.step import NO_CONTEXT, StepContext
@@ -179,7 +179,7 @@ def adamw8bit(
     """
     check_range("learning_rate", learning_rate, 0.0, None, who="adamw8bit")
     direction = scale_by_adam8bit(b1, b2, eps, 0.0, block_size, min_8bit_size, quantize, backend)
-    decay = add_decayed_weights(weight_decay, mask) if _nonzero(weight_decay) else identity()
+    decay = add_decayed_weights(weight_decay, mask) if nonzero(weight_decay) else identity()
     base = chain(direction, decay, scale_by_learning_rate(learning_rate))
     fn = mask_fn(mask, "adamw8bit")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pgs.func._common import nonzero
 from pgs.func.adam import scale_by_adam
 from pgs.func.base import Transform, chain, check_range, identity
 from pgs.func.learning_rate import scale_by_learning_rate
@@ -29,7 +30,7 @@ def adamw(
     check_range("learning_rate", learning_rate, 0.0, None, who="adamw")
     return chain(
         scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
-        add_decayed_weights(weight_decay, mask) if _nonzero(weight_decay) else identity(),
+        add_decayed_weights(weight_decay, mask) if nonzero(weight_decay) else identity(),
         scale_by_learning_rate(learning_rate),
     )
 
@@ -49,7 +50,7 @@ def lion(
     check_range("learning_rate", learning_rate, 0.0, None, who="lion")
     return chain(
         scale_by_lion(b1, b2, mu_dtype=mu_dtype),
-        add_decayed_weights(weight_decay, mask) if _nonzero(weight_decay) else identity(),
+        add_decayed_weights(weight_decay, mask) if nonzero(weight_decay) else identity(),
         scale_by_learning_rate(learning_rate),
     )
 
@@ -61,11 +62,7 @@ def sgd(learning_rate=1e-2, momentum: float = 0.0, nesterov: bool = False, weigh
     """
     check_range("learning_rate", learning_rate, 0.0, None, who="sgd")
     return chain(
-        add_decayed_weights(weight_decay, mask) if _nonzero(weight_decay) else identity(),
-        scale_by_sgd_momentum(momentum, nesterov) if (_nonzero(momentum) or nesterov) else identity(),
+        add_decayed_weights(weight_decay, mask) if nonzero(weight_decay) else identity(),
+        scale_by_sgd_momentum(momentum, nesterov) if (nonzero(momentum) or nesterov) else identity(),
         scale_by_learning_rate(learning_rate),
     )
-
-
-def _nonzero(x) -> bool:
-    return isinstance(x, torch.Tensor) or x != 0

@@ -13,7 +13,7 @@ import torch
 from pgs.errors import InvalidArgument
 from pgs.func import kernels as K
 from pgs.func import tree as T
-from pgs.func._common import compute_dtype, increment, zero_count
+from pgs.func._common import compute_dtype, increment, nonzero, zero_count
 from pgs.func.base import DIRECTION, ELEMENTWISE, EmptyState, Transform, chain, check_range, identity
 from pgs.func.kernels.fused_transform import FusedTransform, constant_lr, hp_tensor, increment_pair, one_minus, sr_seeds
 from pgs.func.layout import group_label
@@ -294,7 +294,7 @@ def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size
             if g is None:
                 x, out = p, moments
             else:
-                wd = weight_decay if (_nonzero(weight_decay) and (labels is None or labels[k])) else 0.0
+                wd = weight_decay if (nonzero(weight_decay) and (labels is None or labels[k])) else 0.0
                 if not isinstance(moments[0], Quantized8bit):  # fp32 state: stepped together below
                     key = (id(wd) if isinstance(wd, torch.Tensor) else wd, g.dtype, p.dtype, g.device,
                            tuple(m.dtype for m in moments))
@@ -429,7 +429,7 @@ def lion8bit(
     """
     check_range("learning_rate", learning_rate, 0.0, None, who="lion8bit")
     direction = scale_by_lion8bit(b1, b2, block_size, min_8bit_size, quantize, backend)
-    decay = add_decayed_weights(weight_decay, mask) if _nonzero(weight_decay) else identity()
+    decay = add_decayed_weights(weight_decay, mask) if nonzero(weight_decay) else identity()
     base = chain(direction, decay, scale_by_learning_rate(learning_rate))
     fn = mask_fn(mask, "lion8bit")
 
@@ -486,7 +486,3 @@ def lion8bit(
 
     return FusedTransform(base.init, base.update, name=base.name, locality=base.locality, stage=base.stage,
                           children=base.children, fused_step=fused_step)
-
-
-def _nonzero(x) -> bool:
-    return isinstance(x, torch.Tensor) or x != 0

@@ -19,7 +19,8 @@ import torch
 
 from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
-from pgs.func._common import compute_dtype, increment, zero_count, zeros_state
+from pgs.func.kernels.kernel_config import interpret_requested
+from pgs.func._common import compute_dtype, increment, nonzero, zero_count, zeros_state
 from pgs.func.alias import adamw, lion
 from pgs.func.apply import stochastic_round_to_bf16
 from pgs.func.base import DIRECTION, EmptyState, MATRIX, Transform, chain, check_range, hp_in
@@ -208,9 +209,7 @@ def _pick_kernel(ns_kernel: str, x: torch.Tensor) -> str:
 
 
 def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return interpret_requested()
 
 
 def muon_fused_step(
@@ -521,7 +520,7 @@ def muon_matrices(
 
     inner = scale_by_muon(momentum, nesterov, ns_steps, ns_coefficients, eps, adjust_lr, ns_dtype, mu_dtype)
     check_range("weight_decay", weight_decay, 0.0, None, who="muon")
-    decay = [add_decayed_weights(weight_decay)] if _nonzero(weight_decay) else []
+    decay = [add_decayed_weights(weight_decay)] if nonzero(weight_decay) else []
     base = chain(inner, *decay, scale_by_learning_rate(learning_rate))
 
     def fused_step(fg, state, fp, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
@@ -620,7 +619,3 @@ def _muon_partition_step(branch: Transform, other: Transform, route):
         return new_p, {"muon": s_muon, "fallback": s_fb}
 
     return fused_step
-
-
-def _nonzero(x) -> bool:
-    return isinstance(x, torch.Tensor) or x != 0

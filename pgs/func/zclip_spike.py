@@ -12,7 +12,7 @@ import torch
 
 from pgs.errors import InvalidArgument
 from pgs.func import tree as T
-from pgs.func._common import device_of, increment, zero_count
+from pgs.func._common import device_of, f32_scalar, increment, zero_count
 from pgs.func.base import DIRECTION, GLOBAL, Transform, check_range
 from pgs.func.clip import global_norm
 from pgs.func.step import NO_CONTEXT, StepContext
@@ -87,8 +87,8 @@ def zclip(alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 25, mo
     def update(updates, state, params=None, *, ctx: StepContext = NO_CONTEXT, **extra):
         count = increment(state.count)
         g = global_norm(updates, ctx.layout, ctx.reduce_sum)
-        alpha_, z_thr, eps_, cf = (_f32(v, g) for v in (alpha, z_thresh, eps, clip_factor))
-        cap = None if max_grad_norm is None else _f32(max_grad_norm, g)
+        alpha_, z_thr, eps_, cf = (f32_scalar(v, g) for v in (alpha, z_thresh, eps, clip_factor))
+        cap = None if max_grad_norm is None else f32_scalar(max_grad_norm, g)
         finite = torch.isfinite(g)
         warm = count <= warmup_steps
         mu, var = state.mean, state.var
@@ -129,10 +129,3 @@ def zclip(alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 25, mo
         skip_of = lambda state: ~torch.isfinite(state.norm)  # noqa: E731
     return Transform(init, update, name="zclip", locality=GLOBAL, shard_aware=True, skip_of=skip_of,
                      stage=DIRECTION)
-
-
-def _f32(x, ref: torch.Tensor):
-    """A hyperparameter as an fp32 scalar on ``ref``'s device (0-d float64 tensors would promote)."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device=ref.device, dtype=torch.float32)
-    return torch.tensor(float(x), dtype=torch.float32, device=ref.device)

@@ -10,9 +10,10 @@ one whole line there.
 
 from __future__ import annotations
 
-import os
 
 from rich.console import Console
+
+from pgs.runtime import process
 
 #: Columns of output that goes to a pipe or a file (no terminal to measure).
 PIPE_WIDTH = 200
@@ -22,7 +23,7 @@ def console(file=None, **kwargs) -> Console:
     """A ``rich`` console on ``file`` (None: stdout): the terminal's width on a terminal, else
     ``COLUMNS`` or :data:`PIPE_WIDTH`."""
     out = Console(file=file, **kwargs)
-    if not out.is_terminal and not os.environ.get("COLUMNS"):
+    if not out.is_terminal and not process.variable("COLUMNS"):
         out = Console(file=file, width=PIPE_WIDTH, **kwargs)
     return out
 

@@ -13,15 +13,16 @@ without it, and torch and pgs take their non-Triton paths).  Only the process en
 
 from __future__ import annotations
 
-import os
 import sys
+
+from pgs.func.kernels.kernel_config import interpret_requested
 
 
 def keep_triton_out() -> bool:
     """Make ``import triton`` fail in this process when no Triton kernel could run in it;
     returns whether it did.  A no-op once Triton is imported, with ``TRITON_INTERPRET=1``, or
     where CUDA is available."""
-    if "triton" in sys.modules or os.environ.get("TRITON_INTERPRET") == "1":
+    if "triton" in sys.modules or interpret_requested():
         return False
     import torch
 

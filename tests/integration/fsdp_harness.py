@@ -32,6 +32,7 @@ from pgs.func.muon_direction import newton_schulz
 from pgs.runtime.loop import control
 from pgs.runtime.store import dcp
 from pgs.runtime.dist import fsdp as D
+from pgs.runtime.model.build import final_hidden
 
 # tests/tiny.py, also when this file runs as a rank's script
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -97,7 +98,7 @@ TRUST = ("whole_matrix_ns",)
 
 
 def micro_loss(model, ids, pos, labels, n_global: int):
-    h = D.final_hidden(model, ids, pos)
+    h = final_hidden(model, ids, pos)
     weight = model.get_output_embeddings().weight
     result = token_loss(h, weight, labels)
     return result.loss_sum / max(n_global, 1)

@@ -18,7 +18,7 @@ from bench.product import markdown_table  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from pgs.runtime.model.build import load_tokenizer
+    from pgs.runtime.model.loading import load_tokenizer
 
     return load_tokenizer(os.path.join(ROOT, "pgs", "assets", "quickstart", "tokenizer"))
 

@@ -18,7 +18,7 @@ from bench import long_context as lc  # noqa: E402
 
 
 def test_records_fill_the_row(tmp_path):
-    from pgs.runtime.model.build import load_tokenizer
+    from pgs.runtime.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(os.path.join(ROOT, "pgs", "assets", "quickstart", "tokenizer"))
     path = tmp_path / "long.jsonl"
@@ -196,7 +196,7 @@ def test_table_columns_and_the_note():
 def test_records_are_sized_for_the_row_being_run(tmp_path):
     """words_for: records a little over the row's length with the spec's tokenizer (not the
     longest row's size for every row: a 128k-token record was tokenized whole for a 16k row)."""
-    from pgs.runtime.model.build import load_tokenizer
+    from pgs.runtime.model.loading import load_tokenizer
 
     path = os.path.join(ROOT, "pgs", "assets", "quickstart", "tokenizer")
     tokenizer = load_tokenizer(path)

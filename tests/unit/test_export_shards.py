@@ -15,7 +15,8 @@ from pgs.errors import SpecError
 from pgs.runtime.model.build import build_model
 from pgs.runtime.model.loading import load_tokenizer
 from pgs.runtime.spec.load import ASSETS_DIR, load_spec
-from pgs.runtime.store.export import INDEX, WEIGHTS, end_of_turn_ids, export_hf, parse_size, shard
+from pgs.runtime.common import parse_size
+from pgs.runtime.store.export import INDEX, WEIGHTS, end_of_turn_ids, export_hf, shard
 from tiny import shape_table, tiny_model
 
 TOKENIZER = ASSETS_DIR / "quickstart" / "tokenizer"

@@ -58,7 +58,7 @@ def test_memory_refusal_names_the_field_and_the_numbers(tmp_path):
 
 def _saved_square_bytes(implementation: str, rows: int, seq: int) -> tuple[int, object]:
     """Bytes of the [.., S, S] tensors autograd saves for a packed forward of a tiny Qwen3."""
-    from pgs.runtime.dist.fsdp import final_hidden
+    from pgs.runtime.model.build import final_hidden
     from pgs.runtime.model.build import build_model
 
     cfg = shape_table(max_position_embeddings=4096, tie_word_embeddings=True, vocab_size=64)

@@ -146,7 +146,7 @@ def test_measure_runs_the_distill_step_sampling_and_the_teacher(tmp_path, monkey
 
 
 def _tokenizer(spec):
-    from pgs.runtime.model.build import load_tokenizer
+    from pgs.runtime.model.loading import load_tokenizer
 
     return load_tokenizer(spec.model.tokenizer)
 

@@ -2,7 +2,7 @@
 
 ``pf.apply_updates``, ``pf.compile``'s plain flat step, gradient release's plain apply and
 Muon's torch route draw their noise from ``pgs.func.apply.sr_noise``: the 8-bit kernels' hash
-stream (``blockwise8._sr_noise``) in torch ops, seeded by the chain state's step count and the
+stream (``blockwise8.sr_noise``) in torch ops, seeded by the chain state's step count and the
 tensor's index.  Here: the same bits whatever torch's global generator did; unbiased over
 steps (and round to nearest fails the same bound); the torch stream equals the Triton kernels'
 (``kernels/small.py``'s ``stochastic_round_``, in Triton's interpreter on a CPU); another step,
@@ -26,7 +26,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _python_noise(seed: int, offset: int) -> int:
-    """``blockwise8._sr_noise`` written out in Python integers (uint32 arithmetic by masking)."""
+    """``blockwise8.sr_noise`` written out in Python integers (uint32 arithmetic by masking)."""
     m = 0xFFFFFFFF
 
     def h(x):

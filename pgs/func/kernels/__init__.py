@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 
-from pgs.func.kernels.kernel_config import KernelConfig
+from pgs.func.kernels.kernel_config import KernelConfig, interpret_requested
 from pgs.func.quant8 import Quantized8bit, bucket_table, dynamic_map
 
 #: The configuration every launcher and route reads at call time (see ``KernelConfig``).
@@ -50,7 +49,7 @@ def using(config: KernelConfig):
 def triton_on_cpu() -> bool:
     """Whether CPU tensors may run the Triton kernels: ``CONFIG.triton_on_cpu`` and Triton's
     own ``TRITON_INTERPRET=1`` (the interpreter)."""
-    return CONFIG.triton_on_cpu and os.environ.get("TRITON_INTERPRET") == "1"
+    return CONFIG.triton_on_cpu and interpret_requested()
 
 
 #: Quantization blocks per program, and warps per program: one warp per 256-element block,

@@ -28,11 +28,11 @@ Importing this module needs Triton; ``pgs.func.kernels`` imports it lazily.
 
 from __future__ import annotations
 
-import os
 
 import triton
 import triton.language as tl
 
+from pgs.func.kernels.kernel_config import interpret_requested
 from pgs.func.quant8 import BUCKET_MANTISSA_BITS as _MB
 from pgs.func.quant8 import MIN_SCALE as _MIN_SCALE
 
@@ -80,7 +80,7 @@ def _encode_bucket(xs, btab_ptr, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(x, btab_ptr, SIGNED: tl.constexpr):
+def quantize_rows(x, btab_ptr, SIGNED: tl.constexpr):
     """Codes and absmax of each row of ``x`` (rows are quantization blocks)."""
     # max over |x| as integer bit patterns: exact, and a NaN (above +inf) propagates.
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -93,7 +93,7 @@ def _quantize_rows(x, btab_ptr, SIGNED: tl.constexpr):
 
 
 #: Triton's CPU interpreter runs no inline PTX: kernels take a plain-Triton twin there.
-INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+INTERP = tl.constexpr(interpret_requested())
 #: Bounds assertions on every table index and on the unmasked bodies' offsets (the
 #: interpreter raises; on a GPU they need ``TRITON_DEBUG=1``).  Off; the tests switch it on
 #: by replacing this constant.
@@ -155,7 +155,7 @@ def _hash32(x):
 
 
 @triton.jit
-def _sr_noise(seed_ptr, offs):
+def sr_noise(seed_ptr, offs):
     """16 uniform random bits per element, a function of (seed, offset) only.
 
     The stream key is ``_hash32`` of the seed (once per program), the noise the high 16 bits
@@ -177,10 +177,10 @@ def _sr_noise(seed_ptr, offs):
 
 
 @triton.jit
-def _bf16_bits(x, add):
+def bf16_bits(x, add):
     """fp32 ``x`` rounded to a value bf16 holds, kept in fp32 (the cast to bf16 is then exact):
     bf16 keeps the top 16 bits of the word, so ``add`` goes below them and the rest is cut.
-    ``add`` is uniform noise for stochastic rounding, ``_rne_add(x)`` for round to nearest
+    ``add`` is uniform noise for stochastic rounding, ``rne_add(x)`` for round to nearest
     even (Triton's CPU interpreter truncates in the cast itself).  ±inf and NaN stay."""
     bits = x.to(tl.uint32, bitcast=True)
     up = ((bits + add) & 0xFFFF0000).to(tl.float32, bitcast=True)
@@ -188,20 +188,20 @@ def _bf16_bits(x, add):
 
 
 @triton.jit
-def _rne_add(x):
-    """What ``_bf16_bits`` adds to round to nearest, ties to even: 0x7FFF plus bit 16."""
+def rne_add(x):
+    """What ``bf16_bits`` adds to round to nearest, ties to even: 0x7FFF plus bit 16."""
     return 0x7FFF + ((x.to(tl.uint32, bitcast=True) >> 16) & 1)
 
 
 @triton.jit
-def _store_param(p_out_ptr, offs, mask, x, seed_ptr, SR: tl.constexpr, MASKED: tl.constexpr):
+def store_param(p_out_ptr, offs, mask, x, seed_ptr, SR: tl.constexpr, MASKED: tl.constexpr):
     if SR:
-        x = _bf16_bits(x, _sr_noise(seed_ptr, offs))
-    _st(p_out_ptr, offs, x.to(p_out_ptr.dtype.element_ty), mask, MASKED)
+        x = bf16_bits(x, sr_noise(seed_ptr, offs))
+    st(p_out_ptr, offs, x.to(p_out_ptr.dtype.element_ty), mask, MASKED)
 
 
 @triton.jit
-def _ld(ptr, offs, mask, other, MASKED: tl.constexpr):
+def ld(ptr, offs, mask, other, MASKED: tl.constexpr):
     if MASKED:
         return tl.load(ptr + offs, mask=mask, other=other)
     else:
@@ -211,7 +211,7 @@ def _ld(ptr, offs, mask, other, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _st(ptr, offs, x, mask, MASKED: tl.constexpr):
+def st(ptr, offs, x, mask, MASKED: tl.constexpr):
     if MASKED:
         tl.store(ptr + offs, x, mask=mask)
     else:
@@ -221,20 +221,20 @@ def _st(ptr, offs, x, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _tile(pid, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def tile(pid, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     rows = pid * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     return rows, offs, offs < n, rows < tl.cdiv(n, BLOCK)
 
 
 @triton.jit
-def _is_full(pid, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def is_full(pid, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """Whether program ``pid`` owns ROWS whole blocks (no masks needed): all but the last."""
     return (pid + 1) * (ROWS * BLOCK) <= n
 
 
 @triton.jit
-def _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, SIGNED: tl.constexpr,
+def load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, SIGNED: tl.constexpr,
                  MASKED: tl.constexpr):
     """A block-quantized moment in fp32: one gather per element from the 256-entry map, times
     the block's absmax."""
@@ -244,10 +244,10 @@ def _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, SIGNE
     # ``a·b + c·d`` to contract per element position and per body (sm_90 PTX); only
     # ``KernelConfig.fp_fusion=False`` does.
     if SIGNED:
-        codes = _ld(codes_ptr, offs, mask, 127, MASKED).to(tl.int32)
+        codes = ld(codes_ptr, offs, mask, 127, MASKED).to(tl.int32)
     else:
-        codes = _ld(codes_ptr, offs, mask, 0, MASKED).to(tl.int32)
-    absmax = _ld(absmax_ptr, rows, rmask, 0.0, MASKED)
+        codes = ld(codes_ptr, offs, mask, 0, MASKED).to(tl.int32)
+    absmax = ld(absmax_ptr, rows, rmask, 0.0, MASKED)
     q = _gather(qmap_ptr, codes, 256)
     return q * absmax[:, None]
 
@@ -262,9 +262,9 @@ def _write_step(out_ptr, p, u, lr_ptr, offs, mask, seed_ptr, APPLY: tl.constexpr
         lr = tl.load(lr_ptr)
         wd = tl.load(lr_ptr + 1)
         p = p.to(tl.float32)
-        _store_param(out_ptr, offs, mask, p - lr * (u + wd * p), seed_ptr, SR, MASKED)
+        store_param(out_ptr, offs, mask, p - lr * (u + wd * p), seed_ptr, SR, MASKED)
     else:
-        _st(out_ptr, offs, u.to(out_ptr.dtype.element_ty), mask, MASKED)
+        st(out_ptr, offs, u.to(out_ptr.dtype.element_ty), mask, MASKED)
 
 
 @triton.jit
@@ -274,7 +274,7 @@ def _param(p_ptr, offs, mask, MASKED: tl.constexpr, APPLY: tl.constexpr):
     that may alias it (with ``donate`` the outputs are the inputs), so a load after the
     requantization would wait for memory a second time."""
     if APPLY:
-        return _ld(p_ptr, offs, mask, 0.0, MASKED)
+        return ld(p_ptr, offs, mask, 0.0, MASKED)
     else:
         return 0.0
 
@@ -285,21 +285,21 @@ def _lion8bit_body(
     qmap_ptr, btab_ptr, hp_ptr, seed_ptr, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, APPLY: tl.constexpr, SR: tl.constexpr, MASKED: tl.constexpr,
 ):
-    rows, offs, mask, rmask = _tile(pid, n, BLOCK, ROWS)
+    rows, offs, mask, rmask = tile(pid, n, BLOCK, ROWS)
     w1 = tl.load(hp_ptr + 0)
     w2 = tl.load(hp_ptr + 1)
-    g = _ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+    g = ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
     p = _param(p_ptr, offs, mask, MASKED, APPLY)
-    m = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, True, MASKED)
+    m = load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, True, MASKED)
     d = g - m
     c = m + w1 * d
     u = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
     m = m + w2 * d
     if MASKED:
         m = tl.where(mask, m, 0.0)
-    codes, absmax = _quantize_rows(m, btab_ptr, True)
-    _st(codes_out_ptr, offs, codes, mask, MASKED)
-    _st(absmax_out_ptr, rows, absmax, rmask, MASKED)
+    codes, absmax = quantize_rows(m, btab_ptr, True)
+    st(codes_out_ptr, offs, codes, mask, MASKED)
+    st(absmax_out_ptr, rows, absmax, rmask, MASKED)
     _write_step(out_ptr, p, u, hp_ptr + 2, offs, mask, seed_ptr, APPLY, SR, MASKED)
 
 
@@ -316,7 +316,7 @@ def lion8bit_kernel(
     (False: the masked copy everywhere, which the tests compare against)."""
     pid = tl.program_id(0)
     if SPLIT:
-        if _is_full(pid, n, BLOCK, ROWS):
+        if is_full(pid, n, BLOCK, ROWS):
             _lion8bit_body(pid, g_ptr, p_ptr, out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr,
                            qmap_ptr, btab_ptr, hp_ptr, seed_ptr, n, BLOCK, ROWS, APPLY, SR, False)
         else:
@@ -335,7 +335,7 @@ def _adam8bit_body(
     qmap_m_ptr, btab_m_ptr, qmap_v_ptr, btab_v_ptr, hp_ptr, seed_ptr, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, APPLY: tl.constexpr, SR: tl.constexpr, MASKED: tl.constexpr,
 ):
-    rows, offs, mask, rmask = _tile(pid, n, BLOCK, ROWS)
+    rows, offs, mask, rmask = tile(pid, n, BLOCK, ROWS)
     w1 = tl.load(hp_ptr + 0)
     b2 = tl.load(hp_ptr + 1)
     w2 = tl.load(hp_ptr + 2)
@@ -343,10 +343,10 @@ def _adam8bit_body(
     eps_root = tl.load(hp_ptr + 4)
     bc1 = tl.load(hp_ptr + 5)
     bc2 = tl.load(hp_ptr + 6)
-    g = _ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+    g = ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
     p = _param(p_ptr, offs, mask, MASKED, APPLY)
-    m = _load_moment(mcodes_ptr, mabsmax_ptr, qmap_m_ptr, rows, offs, mask, rmask, True, MASKED)
-    v = _load_moment(vcodes_ptr, vabsmax_ptr, qmap_v_ptr, rows, offs, mask, rmask, False, MASKED)
+    m = load_moment(mcodes_ptr, mabsmax_ptr, qmap_m_ptr, rows, offs, mask, rmask, True, MASKED)
+    v = load_moment(vcodes_ptr, vabsmax_ptr, qmap_v_ptr, rows, offs, mask, rmask, False, MASKED)
     m = m + w1 * (g - m)
     v = v * b2 + w2 * (g * g)
     if MASKED:
@@ -357,12 +357,12 @@ def _adam8bit_body(
     r1 = 1.0 / bc1
     r2 = 1.0 / bc2
     u = _fast_div(m * r1, tl.sqrt(v * r2 + eps_root) + eps)
-    codes, absmax = _quantize_rows(m, btab_m_ptr, True)
-    _st(mcodes_out_ptr, offs, codes, mask, MASKED)
-    _st(mabsmax_out_ptr, rows, absmax, rmask, MASKED)
-    codes, absmax = _quantize_rows(v, btab_v_ptr, False)
-    _st(vcodes_out_ptr, offs, codes, mask, MASKED)
-    _st(vabsmax_out_ptr, rows, absmax, rmask, MASKED)
+    codes, absmax = quantize_rows(m, btab_m_ptr, True)
+    st(mcodes_out_ptr, offs, codes, mask, MASKED)
+    st(mabsmax_out_ptr, rows, absmax, rmask, MASKED)
+    codes, absmax = quantize_rows(v, btab_v_ptr, False)
+    st(vcodes_out_ptr, offs, codes, mask, MASKED)
+    st(vabsmax_out_ptr, rows, absmax, rmask, MASKED)
     _write_step(out_ptr, p, u, hp_ptr + 7, offs, mask, seed_ptr, APPLY, SR, MASKED)
 
 
@@ -379,7 +379,7 @@ def adam8bit_kernel(
     m uses the signed map, v the unsigned one; SPLIT as in ``lion8bit_kernel``."""
     pid = tl.program_id(0)
     if SPLIT:
-        if _is_full(pid, n, BLOCK, ROWS):
+        if is_full(pid, n, BLOCK, ROWS):
             _adam8bit_body(pid, g_ptr, p_ptr, out_ptr, mcodes_ptr, mabsmax_ptr, mcodes_out_ptr, mabsmax_out_ptr,
                            vcodes_ptr, vabsmax_ptr, vcodes_out_ptr, vabsmax_out_ptr,
                            qmap_m_ptr, btab_m_ptr, qmap_v_ptr, btab_v_ptr, hp_ptr, seed_ptr, n,
@@ -400,9 +400,9 @@ def adam8bit_kernel(
 def quantize_kernel(x_ptr, codes_ptr, absmax_ptr, btab_ptr, n,
                     BLOCK: tl.constexpr, ROWS: tl.constexpr, SIGNED: tl.constexpr):
     """Block-wise quantization alone (``pgs.func.quant8.quantize_blockwise`` on the device)."""
-    rows, offs, mask, rmask = _tile(tl.program_id(0), n, BLOCK, ROWS)
+    rows, offs, mask, rmask = tile(tl.program_id(0), n, BLOCK, ROWS)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    codes, absmax = _quantize_rows(x, btab_ptr, SIGNED)
+    codes, absmax = quantize_rows(x, btab_ptr, SIGNED)
     tl.store(codes_ptr + offs, codes, mask=mask)
     tl.store(absmax_ptr + rows, absmax, mask=rmask)
 
@@ -411,6 +411,6 @@ def quantize_kernel(x_ptr, codes_ptr, absmax_ptr, btab_ptr, n,
 def dequantize_kernel(codes_ptr, absmax_ptr, out_ptr, qmap_ptr, n,
                       BLOCK: tl.constexpr, ROWS: tl.constexpr, SIGNED: tl.constexpr):
     """Block-wise dequantization alone (``dequantize_blockwise`` on the device)."""
-    rows, offs, mask, rmask = _tile(tl.program_id(0), n, BLOCK, ROWS)
-    x = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, SIGNED, True)
+    rows, offs, mask, rmask = tile(tl.program_id(0), n, BLOCK, ROWS)
+    x = load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, SIGNED, True)
     tl.store(out_ptr + offs, x, mask=mask)

@@ -32,8 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pgs.func.kernels.blockwise8 import (INTERP, _bf16_bits, _is_full, _ld, _load_moment, _quantize_rows, _rne_add,
-                                        _st, _store_param, _tile)
+from pgs.func.kernels.blockwise8 import (INTERP, bf16_bits, is_full, ld, load_moment, quantize_rows, rne_add,
+                                        st, store_param, tile)
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _rnd(x, DT: tl.constexpr):
     0x8000, or equals it and bit 16 is odd; ±inf stay, NaN keeps its quiet bit)."""
     if DT == 1:
         if INTERP:
-            return _bf16_bits(x, _rne_add(x))
+            return bf16_bits(x, rne_add(x))
         else:
             return x.to(tl.bfloat16).to(tl.float32)
     else:
@@ -54,7 +54,7 @@ def _rnd(x, DT: tl.constexpr):
 
 @triton.jit
 def _final(x, PDT: tl.constexpr, SR: tl.constexpr):
-    """The new parameter before ``_store_param``: rounded to nearest here (so that the
+    """The new parameter before ``store_param``: rounded to nearest here (so that the
     interpreter's truncating cast is exact), left in fp32 for stochastic rounding."""
     if SR:
         return x
@@ -73,9 +73,9 @@ def _store_dir(u_ptr, rows, offs, u, mask, rmask, BLOCK: tl.constexpr, ROWS: tl.
         packed = tl.sum(q << sh[None, None, :], axis=2).to(tl.uint8)
         poffs = rows[:, None] * (BLOCK // 4) + tl.arange(0, BLOCK // 4)[None, :]
         pmask = rmask[:, None] & (tl.arange(0, BLOCK // 4) < BLOCK // 4)[None, :]
-        _st(u_ptr, poffs, packed, pmask, MASKED)
+        st(u_ptr, poffs, packed, pmask, MASKED)
     else:
-        _st(u_ptr, offs, u.to(tl.int8), mask, MASKED)
+        st(u_ptr, offs, u.to(tl.int8), mask, MASKED)
 
 
 @triton.jit
@@ -84,18 +84,18 @@ def _load_dir(u_ptr, rows, offs, mask, rmask, BLOCK: tl.constexpr, ROWS: tl.cons
     if PACK:
         poffs = rows[:, None] * (BLOCK // 4) + tl.arange(0, BLOCK // 4)[None, :]
         pmask = rmask[:, None] & (tl.arange(0, BLOCK // 4) < BLOCK // 4)[None, :]
-        packed = _ld(u_ptr, poffs, pmask, 0x55, MASKED).to(tl.int32)
+        packed = ld(u_ptr, poffs, pmask, 0x55, MASKED).to(tl.int32)
         sh = tl.arange(0, 4) * 2
         q = (packed[:, :, None] >> sh[None, None, :]) & 3
         return tl.reshape(q, (ROWS, BLOCK)).to(tl.float32) - 1.0
     else:
-        return _ld(u_ptr, offs, mask, 0, MASKED).to(tl.float32)
+        return ld(u_ptr, offs, mask, 0, MASKED).to(tl.float32)
 
 
 @triton.jit
 def sumsq_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """out[b] = Σ x² over block b (fp32)."""
-    rows, offs, mask, rmask = _tile(tl.program_id(0), n, BLOCK, ROWS)
+    rows, offs, mask, rmask = tile(tl.program_id(0), n, BLOCK, ROWS)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, tl.sum(x * x, axis=1), mask=rmask)
 
@@ -111,7 +111,7 @@ def _chain_b_body(
     Q8: tl.constexpr, PROJ: tl.constexpr,
     SR: tl.constexpr, MASKED: tl.constexpr, PACK: tl.constexpr,
 ):
-    rows, offs, mask, rmask = _tile(pid, n, BLOCK, ROWS)
+    rows, offs, mask, rmask = tile(pid, n, BLOCK, ROWS)
     first = tl.load(hp_ptr + 0)  # 1.0 at MONA's first step (Δ = 0)
     alpha = tl.load(hp_ptr + 1)
     bm = tl.load(hp_ptr + 2)
@@ -119,24 +119,24 @@ def _chain_b_body(
     w1 = tl.load(hp_ptr + 4)
     w2 = tl.load(hp_ptr + 5)
     # AdaGC: ĝ = h[seg]·g in fp32, rounded to g's dtype (the generic path's ``updates``)
-    seg = _ld(seg_ptr, rows, rmask, 0, MASKED)
+    seg = ld(seg_ptr, rows, rmask, 0, MASKED)
     h = tl.load(clip_ptr + seg)
-    g = _ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+    g = ld(g_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
     g = _rnd(g * h[:, None], GDT)
     # every load before the first store: the compiler keeps loads below stores that may alias
     # them (donated buffers do), so loads after a store wait one more DRAM round trip
-    prev = _ld(prev_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
-    acc = _ld(acc_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+    prev = ld(prev_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+    acc = ld(acc_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
     if Q8:
-        m = _load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, True, MASKED)
+        m = load_moment(codes_ptr, absmax_ptr, qmap_ptr, rows, offs, mask, rmask, True, MASKED)
     else:
-        m = _ld(m_ptr, offs, mask, 0.0, MASKED)
-    p = _ld(p_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+        m = ld(m_ptr, offs, mask, 0.0, MASKED)
+    p = ld(p_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
     # MONA
     delta = tl.where(first != 0.0, 0.0, g - prev)
     acc = acc * bm + ombm * delta
-    _st(prev_out_ptr, offs, _rnd(g, ADT).to(prev_out_ptr.dtype.element_ty), mask, MASKED)
-    _st(acc_out_ptr, offs, _rnd(acc, ADT).to(acc_out_ptr.dtype.element_ty), mask, MASKED)
+    st(prev_out_ptr, offs, _rnd(g, ADT).to(prev_out_ptr.dtype.element_ty), mask, MASKED)
+    st(acc_out_ptr, offs, _rnd(acc, ADT).to(acc_out_ptr.dtype.element_ty), mask, MASKED)
     x = _rnd(g + alpha * acc, GDT)
     # Lion on the 8-bit (or, for small tensors, fp32) momentum
     d = x - m
@@ -146,19 +146,19 @@ def _chain_b_body(
     if Q8:
         if MASKED:
             m = tl.where(mask, m, 0.0)
-        codes, absmax = _quantize_rows(m, btab_ptr, True)
-        _st(codes_out_ptr, offs, codes, mask, MASKED)
-        _st(absmax_out_ptr, rows, absmax, rmask, MASKED)
+        codes, absmax = quantize_rows(m, btab_ptr, True)
+        st(codes_out_ptr, offs, codes, mask, MASKED)
+        st(absmax_out_ptr, rows, absmax, rmask, MASKED)
     else:
-        _st(m_out_ptr, offs, m, mask, MASKED)
+        st(m_out_ptr, offs, m, mask, MASKED)
     if PROJ:  # hyperball: the direction (int8 or 2 bits) and the per-block partials of its norms
         _store_dir(u_ptr, rows, offs, u, mask, rmask, BLOCK, ROWS, PACK, MASKED)
-        _st(uu_ptr, rows, tl.sum(u * u, axis=1), rmask, MASKED)
-        _st(pu_ptr, rows, tl.sum(p * u, axis=1), rmask, MASKED)
-        _st(pp_ptr, rows, tl.sum(p * p, axis=1), rmask, MASKED)
+        st(uu_ptr, rows, tl.sum(u * u, axis=1), rmask, MASKED)
+        st(pu_ptr, rows, tl.sum(p * u, axis=1), rmask, MASKED)
+        st(pp_ptr, rows, tl.sum(p * p, axis=1), rmask, MASKED)
     else:  # not on a sphere: θ + rnd(−η u)
         neg_lr = tl.load(hp_ptr + 6)
-        _store_param(out_ptr, offs, mask, _final(p + _rnd(u * neg_lr, GDT), PDT, SR), seed_ptr, SR, MASKED)
+        store_param(out_ptr, offs, mask, _final(p + _rnd(u * neg_lr, GDT), PDT, SR), seed_ptr, SR, MASKED)
 
 
 @triton.jit
@@ -180,7 +180,7 @@ def chain_b_kernel(
     """
     pid = tl.program_id(0)
     if SPLIT:
-        if _is_full(pid, n, BLOCK, ROWS):
+        if is_full(pid, n, BLOCK, ROWS):
             _chain_b_body(pid, g_ptr, p_ptr, out_ptr, seg_ptr, clip_ptr, prev_ptr, acc_ptr, prev_out_ptr,
                           acc_out_ptr, codes_ptr, absmax_ptr, codes_out_ptr, absmax_out_ptr, m_ptr, m_out_ptr,
                           u_ptr, uu_ptr, pu_ptr, pp_ptr, qmap_ptr, btab_ptr, hp_ptr, seed_ptr,
@@ -201,14 +201,14 @@ def chain_b_kernel(
 def _chain_c_body(pid, p_ptr, u_ptr, out_ptr, seg_ptr, coef_ptr, shrink_ptr, seed_ptr, n,
                   BLOCK: tl.constexpr, ROWS: tl.constexpr, GDT: tl.constexpr, PDT: tl.constexpr, SR: tl.constexpr,
                   MASKED: tl.constexpr, PACK: tl.constexpr):
-    rows, offs, mask, rmask = _tile(pid, n, BLOCK, ROWS)
-    seg = _ld(seg_ptr, rows, rmask, 0, MASKED)
+    rows, offs, mask, rmask = tile(pid, n, BLOCK, ROWS)
+    seg = ld(seg_ptr, rows, rmask, 0, MASKED)
     coef = tl.load(coef_ptr + seg)
     shrink = tl.load(shrink_ptr + seg)
     u = _load_dir(u_ptr, rows, offs, mask, rmask, BLOCK, ROWS, PACK, MASKED)
-    p = _ld(p_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
+    p = ld(p_ptr, offs, mask, 0.0, MASKED).to(tl.float32)
     tilde = p - u * coef[:, None]
-    _store_param(out_ptr, offs, mask, _final(p + _rnd(tilde * shrink[:, None] - p, GDT), PDT, SR), seed_ptr, SR,
+    store_param(out_ptr, offs, mask, _final(p + _rnd(tilde * shrink[:, None] - p, GDT), PDT, SR), seed_ptr, SR,
                  MASKED)
 
 
@@ -219,7 +219,7 @@ def chain_c_kernel(p_ptr, u_ptr, out_ptr, seg_ptr, coef_ptr, shrink_ptr, seed_pt
     """θ̃ = θ − coef[seg]·u ;  θ ← θ + rnd(shrink[seg]·θ̃ − θ)  (hyperball's projection, applied)."""
     pid = tl.program_id(0)
     if SPLIT:
-        if _is_full(pid, n, BLOCK, ROWS):
+        if is_full(pid, n, BLOCK, ROWS):
             _chain_c_body(pid, p_ptr, u_ptr, out_ptr, seg_ptr, coef_ptr, shrink_ptr, seed_ptr, n,
                           BLOCK, ROWS, GDT, PDT, SR, False, PACK)
         else:

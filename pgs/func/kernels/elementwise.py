@@ -27,7 +27,7 @@ try:  # triton is optional on CPU installs
     import triton
     import triton.language as tl
 
-    from pgs.func.kernels.blockwise8 import _bf16_bits, _sr_noise
+    from pgs.func.kernels.blockwise8 import bf16_bits, sr_noise
 
     HAVE_TRITON = True
 except Exception:  # pragma: no cover
@@ -63,7 +63,7 @@ if HAVE_TRITON:
             u = u + wd * p
         p = p - lr * u
         if SR:  # to a value bf16 holds, with the hash stream's noise (the cast below is then exact)
-            p = _bf16_bits(p, _sr_noise(seed_ptr, offs))
+            p = bf16_bits(p, sr_noise(seed_ptr, offs))
         tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
         tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
         tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
@@ -88,7 +88,7 @@ if HAVE_TRITON:
             u = u + wd * p
         p = p - lr * u
         if SR:
-            p = _bf16_bits(p, _sr_noise(seed_ptr, offs))
+            p = bf16_bits(p, sr_noise(seed_ptr, offs))
         m = m + w2 * (g - m)
         tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
         tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from pgs.func._common import _INT32_MAX, increment
+from pgs.func._common import INT32_MAX, increment
 from pgs.func.base import Transform
 
 
@@ -114,5 +114,5 @@ def increment_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torc
     (``torch._foreach_*``: one clamp and one add over both)."""
     if a.device != b.device or a.dtype != b.dtype:
         return increment(a), increment(b)
-    na, nb = torch._foreach_add(torch._foreach_clamp_max([a, b], _INT32_MAX - 1), 1)
+    na, nb = torch._foreach_add(torch._foreach_clamp_max([a, b], INT32_MAX - 1), 1)
     return na, nb

@@ -11,7 +11,19 @@ program, warps) is fixed in the kernels' modules, not configurable.
 
 from __future__ import annotations
 
+import os
+
 import attrs
+
+
+def interpret_requested() -> bool:
+    """Whether this process asked Triton for its CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Triton's own switch, fixed when Triton starts: the one place pgs reads it (the kernels'
+    plain-Triton twins, the CPU paths of the Triton kernels, and ``pgs.runtime.triton_gate``
+    ask here), so that no other module of pgs reads the environment.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @attrs.frozen

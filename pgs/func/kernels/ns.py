@@ -26,9 +26,10 @@ Tile configurations are named in ``CONFIGS`` so that one benchmark run can try e
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from pgs.func.kernels.kernel_config import interpret_requested
 
 try:  # triton is optional on CPU installs
     import triton
@@ -166,7 +167,7 @@ if HAVE_TRITON:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return interpret_requested()
 
 
 def tuned_config(rows: int, cols: int) -> str:

@@ -14,7 +14,7 @@ for up to ``MAX_LEAVES`` leaves, in place, with the arithmetic of the reference 
 ``lerp`` is torch's: ``m + w(g − m)`` for |w| < ½, else ``g − (g − m)(1 − w)``.  Results equal
 the torch path up to FMA contraction (an ulp of m or of the fp32 parameter before rounding);
 stochastic rounding draws its 16 noise bits from the 8-bit kernels' hash stream
-(``blockwise8._sr_noise``).
+(``blockwise8.sr_noise``).
 
 ``stochastic_round_`` is that rounding alone, for the small leaves stepped by torch ops
 (AdamW8bit's always, Lion8bit's where this kernel cannot serve): the same seed and offsets,
@@ -39,7 +39,7 @@ try:
     import triton
     import triton.language as tl
 
-    from pgs.func.kernels.blockwise8 import _bf16_bits, _rne_add, _sr_noise
+    from pgs.func.kernels.blockwise8 import bf16_bits, rne_add, sr_noise
 
     @triton.jit
     def _lerp(a, b, w):
@@ -55,7 +55,7 @@ try:
         """fp32 ``x`` (elements ``offs`` of leaf ``leaf``) stochastically rounded to values bf16
         holds: the small leaves' one noise stream, element e of leaf i at offset i·STRIDE + e
         of the 8-bit kernels' hash stream for the step's seed."""
-        return _bf16_bits(x, _sr_noise(seed_ptr, leaf * STRIDE + offs))
+        return bf16_bits(x, sr_noise(seed_ptr, leaf * STRIDE + offs))
 
     @triton.jit
     def _leaf_step(g_ptr, p_ptr, m_ptr, n, blk, leaf, hp_ptr, seed_ptr,
@@ -79,7 +79,7 @@ try:
             if SR:
                 x = _leaf_round(x, seed_ptr, leaf, offs, STRIDE)
             else:
-                x = _bf16_bits(x, _rne_add(x))
+                x = bf16_bits(x, rne_add(x))
         tl.store(p_ptr + offs, x.to(p_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit

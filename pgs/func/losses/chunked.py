@@ -168,7 +168,7 @@ class DeferredHeadGrad:
                 del z, g
                 continue
             lse, gate = chunk[2], chunk[3]
-            g = _logit_grad(_chunk_logits(hc, Ws, bs, plan.softcap), lse, y, gate, plan, in_slab=not whole)
+            g = logit_grad(chunk_logits(hc, Ws, bs, plan.softcap), lse, y, gate, plan, in_slab=not whole)
             g.mul_(scale.to(g.dtype))
             add_chunk_head_grads(g, hc, Ws, None, None, out)
             del g
@@ -220,7 +220,7 @@ class ChunkedTokenLoss(torch.autograd.Function):
         return out[0], out[1], out[2], None, None
 
 
-def _chunk_logits(hc: Tensor, W: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
+def chunk_logits(hc: Tensor, W: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
     """``head_logits`` without its temporaries: the epilogue runs in place (no autograd here)."""
     z = (hc @ W.t()).to(compute_dtype(hc))
     if bias is not None:
@@ -281,7 +281,7 @@ def _torch_chunk(hc, W, bias, y, rows, plan: _Plan, sums, grad_h, grad_w, grad_b
     Same contract as ``_kernel_chunk``: statistics into ``sums``, gradients into the buffers;
     returns the rows' (gate, LSE)."""
     obj = plan.objective
-    z = _chunk_logits(hc, W, bias, plan.softcap)
+    z = chunk_logits(hc, W, bias, plan.softcap)
     lse = torch.logsumexp(z, dim=-1)
     logp_y = z.gather(1, y[:, None]).squeeze(1) - lse
     p = (z - lse[:, None]).exp_()
@@ -293,7 +293,7 @@ def _torch_chunk(hc, W, bias, y, rows, plan: _Plan, sums, grad_h, grad_w, grad_b
     sums += torch.stack([loss.sum(), entropy.sum(), logp_y.exp().sum(), lse.square().sum()])
     if not (plan.need_h or plan.need_w or plan.need_b):
         return gate, lse
-    g = _logit_grad(z, lse, y, gate, plan, p=p)
+    g = logit_grad(z, lse, y, gate, plan, p=p)
     del z
     if plan.need_b:
         grad_b += g.sum(0)
@@ -334,7 +334,7 @@ def _forward_and_grads(h, W, bias, labels, plan: _Plan):
     return stats, (grad_h, grad_w, grad_b)
 
 
-def _logit_grad(z: Tensor, lse: Tensor, y: Tensor, gate, plan: _Plan, p: Tensor | None = None,
+def logit_grad(z: Tensor, lse: Tensor, y: Tensor, gate, plan: _Plan, p: Tensor | None = None,
                 in_slab: bool = False) -> Tensor:
     """G = ((g + 2 z_loss LSE) p − g e_y) · softcap′ for one chunk, in place in p's (or z's) storage.
 
@@ -390,7 +390,7 @@ def _target_chunks(h, W, labels, bias, softcap, ignore_index, chunk_size):
     with torch.no_grad():
         for start in range(0, rows_all.numel(), chunk_size):
             rows = rows_all[start : start + chunk_size]
-            yield rows, _chunk_logits(h.index_select(0, rows), W, bias, softcap), labels.index_select(0, rows)
+            yield rows, chunk_logits(h.index_select(0, rows), W, bias, softcap), labels.index_select(0, rows)
 
 
 def token_nll_entropy(

@@ -44,9 +44,9 @@ import torch
 from torch import Tensor
 
 from pgs.errors import InvalidArgument
-from pgs.func.losses.chunked import _chunk_logits
+from pgs.func.losses.chunked import chunk_logits
 from pgs.func.losses.head import add_chunk_head_grads, check_options, compute_dtype
-from pgs.func.losses.preference import _check_number
+from pgs.func.losses.preference import check_number
 
 DISTILL_KINDS = ("forward_kl", "reverse_kl", "jsd")
 
@@ -114,8 +114,8 @@ class _DistillLoss(torch.autograd.Function):
             for start in range(0, rows.numel(), chunk):
                 r = rows[start : start + chunk]
                 hc = hs.index_select(0, r)
-                zs = _chunk_logits(hc, Ws, bs, cap_s)
-                zt = _chunk_logits(ht.index_select(0, r), Wt, bt, cap_t).to(zs.dtype)
+                zs = chunk_logits(hc, Ws, bs, cap_s)
+                zt = chunk_logits(ht.index_select(0, r), Wt, bt, cap_t).to(zs.dtype)
                 loss, g = _chunk_loss_and_grad(zs, zt, kind, beta, tau, need)
                 total += loss.sum()
                 del zt
@@ -192,8 +192,8 @@ def distill_loss(
     if kind not in DISTILL_KINDS:
         raise InvalidArgument(f"kind: unknown distillation loss {kind!r}; expected one of {list(DISTILL_KINDS)}")
     if kind == "jsd":
-        _check_number("beta", beta, 0 < beta < 1, "in (0, 1) for kind='jsd' (use forward_kl / reverse_kl for the limits)")
-    _check_number("temperature", temperature, temperature > 0, "> 0")
+        check_number("beta", beta, 0 < beta < 1, "in (0, 1) for kind='jsd' (use forward_kl / reverse_kl for the limits)")
+    check_number("temperature", temperature, temperature > 0, "> 0")
     check_options(student_softcap, 0.0, chunk_size)
     check_options(teacher_softcap, 0.0)
     for name, W in (("student_W", student_W), ("teacher_W", teacher_W)):

@@ -86,7 +86,7 @@ def _check_kind(kind: str) -> None:
     raise InvalidArgument(f"kind: unknown preference loss {kind!r}{hint}; expected one of {list(PREFERENCE_KINDS)}")
 
 
-def _check_number(name: str, value: float, ok: bool, expected: str) -> None:
+def check_number(name: str, value: float, ok: bool, expected: str) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
         raise InvalidArgument(f"{name} must be {expected}, got {value!r}")
 
@@ -111,11 +111,11 @@ def _check_inputs(kind, beta, label_smoothing, gamma, lam, nll_weight, chosen_lo
     """:func:`preference_loss`'s arguments: the numbers' ranges, the tensors' shapes, and what
     ``kind`` needs (a reference or lengths) or ignores."""
     _check_kind(kind)
-    _check_number("beta", beta, beta > 0, "> 0")
-    _check_number("label_smoothing", label_smoothing, 0.0 <= label_smoothing < 0.5, "in [0, 0.5)")
-    _check_number("gamma", gamma, True, "a finite number")
-    _check_number("lam", lam, lam >= 0, ">= 0")
-    _check_number("nll_weight", nll_weight, nll_weight >= 0, ">= 0")
+    check_number("beta", beta, beta > 0, "> 0")
+    check_number("label_smoothing", label_smoothing, 0.0 <= label_smoothing < 0.5, "in [0, 0.5)")
+    check_number("gamma", gamma, True, "a finite number")
+    check_number("lam", lam, lam >= 0, ">= 0")
+    check_number("nll_weight", nll_weight, nll_weight >= 0, ">= 0")
     for name, value in (("label_smoothing", label_smoothing), ("gamma", gamma), ("lam", lam)):
         if value != 0 and kind not in _USES[name]:
             raise InvalidArgument(

@@ -18,7 +18,7 @@ rebuilds each chunk's logits from the saved rows and their log-sum-exps.  It is 
 loss's G with gate_i = −w_{seq_i}, z-loss 0 and scale 1, so it is built by the same code: the
 Triton passes of ``triton_ce`` on CUDA (the chunk's logits in W's dtype, LSE and log p_y by
 ``row_stats`` in forward, overwritten in place by G with ``grad_in_place`` in backward; the
-torch path elsewhere, and for a bias gradient) and ``chunked._logit_grad`` otherwise.
+torch path elsewhere, and for a bias gradient) and ``chunked.logit_grad`` otherwise.
 Cost: one head matmul per chunk in forward, three in backward (logits, grad_h, grad_W); extra
 memory one chunk's logits (chunk·V in W's dtype with the Triton passes; fp32 logits and
 softmax, 8 B per element, on the torch path), grad_h [N, D] and grad_W [V, D], and one LSE per
@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from pgs.errors import InvalidArgument
-from pgs.func.losses.chunked import DeferredHeadGrad, _chunk_logits, _logit_grad, _Plan, _use_kernels
+from pgs.func.losses.chunked import DeferredHeadGrad, chunk_logits, logit_grad, _Plan, _use_kernels
 from pgs.func.losses.head import add_chunk_head_grads, check_options, compute_dtype, flatten_inputs
 
 
@@ -70,7 +70,7 @@ class _SequenceLogps(torch.autograd.Function):
 
                     lse, _, _, logp = triton_ce.row_stats(hc @ W.t(), y, bias, plan.softcap)
                 else:
-                    z = _chunk_logits(hc, W, bias, plan.softcap)
+                    z = chunk_logits(hc, W, bias, plan.softcap)
                     lse = torch.logsumexp(z, dim=-1)
                     logp = z.gather(1, y[:, None]).squeeze(1) - lse
                     del z
@@ -108,7 +108,7 @@ class _SequenceLogps(torch.autograd.Function):
 
                 g_low = triton_ce.grad_in_place(hc @ W.t(), y, bias, plan.softcap, lse, gate, gate)
             else:
-                g = _logit_grad(_chunk_logits(hc, W, bias, plan.softcap), lse, y, gate, plan)
+                g = logit_grad(chunk_logits(hc, W, bias, plan.softcap), lse, y, gate, plan)
                 if need_b:
                     grad_b += g.sum(0)
                 g_low = g.to(W.dtype)

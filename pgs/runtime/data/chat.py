@@ -382,7 +382,7 @@ def encode_chat(
         tokenizer, messages, tools, last_turn_only=last_turn_only, supervise_empty_think=supervise_empty_think,
         train_roles=train_roles,
     )
-    ((ids, offsets),) = _tokenize(tokenizer, [text])
+    ((ids, offsets),) = tokenize_texts(tokenizer, [text])
     return ids, train_mask(offsets, spans).tolist()
 
 
@@ -415,7 +415,7 @@ def encode_chats(
             continue
         out.append(spans)
         texts.append(text)
-    encoded = iter(_tokenize(tokenizer, texts)) if texts else iter(())
+    encoded = iter(tokenize_texts(tokenizer, texts)) if texts else iter(())
     for i, item in enumerate(out):
         if not isinstance(item, Exception):
             ids, offsets = next(encoded)
@@ -485,7 +485,7 @@ def _backend(tokenizer):
     return backend
 
 
-def _tokenize(tokenizer, texts: list[str]) -> list[tuple[list[int], np.ndarray]]:
+def tokenize_texts(tokenizer, texts: list[str]) -> list[tuple[list[int], np.ndarray]]:
     """``(input_ids, offsets [n, 2])`` of each text, without special tokens added."""
     backend = _backend(tokenizer)
     if backend is not None:

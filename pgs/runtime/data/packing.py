@@ -19,6 +19,8 @@ import attrs
 import numpy as np
 import torch
 
+from pgs.errors import DataError
+
 IGNORE_INDEX = -100
 
 
@@ -158,3 +160,16 @@ def collate(rows: Sequence[Sequence[Document]], pad_id: int, seq_len: int | None
         num_trained_tokens=trained,
         num_tokens=sum(used),
     )
+
+
+def pad_id(tokenizer, default: int | None = None) -> int:
+    """The id that pads rows: the tokenizer's pad token, else its eos; else ``default`` (0 where
+    ``pgs profile`` builds a model without a tokenizer's special tokens), or a ``DataError``
+    when no default is given."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            return int(value)
+    if default is None:
+        raise DataError("the tokenizer has neither a pad nor an eos token to pad batches with")
+    return default

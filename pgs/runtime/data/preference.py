@@ -37,11 +37,11 @@ import numpy as np
 import torch
 
 from pgs.errors import DataError
-from pgs.runtime.data.chat import _tokenize, assistant_spans, is_empty_turn, train_mask
+from pgs.runtime.data.chat import tokenize_texts, assistant_spans, is_empty_turn, train_mask
 from pgs.runtime.data.config import DataConfig
-from pgs.runtime.data.packing import Document, collate
+from pgs.runtime.data.packing import Document, collate, pad_id
 from pgs.runtime.data.readers import open_reader
-from pgs.runtime.data.records import RecordProblem, _message, json_reason
+from pgs.runtime.data.records import RecordProblem, parse_message, json_reason
 from pgs.runtime.data.stats import DataStats
 
 STATE_VERSION = 1
@@ -76,7 +76,7 @@ def _messages(value: Any, key: str) -> list[dict]:
     if not isinstance(value, list):
         raise RecordProblem(f"'{key}' must be a string or a list of messages, got {type(value).__name__}")
     try:
-        return [_message(m, i) for i, m in enumerate(value)]
+        return [parse_message(m, i) for i, m in enumerate(value)]
     except RecordProblem as err:
         raise RecordProblem(f"'{key}' {err}") from None
 
@@ -149,7 +149,7 @@ def encode_arm(tokenizer, prompt: list[dict], arm: list[dict], tools, config: Da
     text, spans = assistant_spans(tokenizer, messages, tools, supervise_empty_think=config.supervise_empty_think)
     # assistant_spans gives one span per non-empty assistant turn, in order: the prompt's come first
     skip = sum(m["role"] == "assistant" and not is_empty_turn(m) for m in prompt)
-    ((ids, offsets),) = _tokenize(tokenizer, [text])
+    ((ids, offsets),) = tokenize_texts(tokenizer, [text])
     return list(ids), train_mask(offsets, spans[skip:]).tolist()
 
 
@@ -261,14 +261,6 @@ def pack_rows(pairs: Sequence[Pair], capacity: int) -> list[list[Pair]]:
     return rows
 
 
-def _pad_id(tokenizer) -> int:
-    pad = getattr(tokenizer, "pad_token_id", None)
-    pad = getattr(tokenizer, "eos_token_id", None) if pad is None else pad
-    if pad is None:
-        raise DataError("the tokenizer has neither a pad nor an eos token to pad batches with")
-    return int(pad)
-
-
 class PreferenceStream:
     """The training pairs, epoch after epoch, in an order shuffled by ``(data.seed, epoch)``,
     packed into ``[batch_size, max_seq_len]`` rows; resumable exactly.
@@ -295,7 +287,7 @@ class PreferenceStream:
         if not pairs:
             raise DataError(f"{config.sources[0].path}: no usable preference pair")
         self.pairs = pairs
-        self._pad_id = _pad_id(tokenizer)
+        self._pad_id = pad_id(tokenizer)
         self._epoch = 0
         self._cursor = 0
         self._order = self._order_of(0)
@@ -370,7 +362,7 @@ def _digest(pairs: Sequence[Pair]) -> str:
 
 def eval_batches(pairs: Sequence[Pair], tokenizer, config: DataConfig, rows: int = 8) -> Iterator[PreferenceBatch]:
     """The held-out pairs in file order, rows filled with whole pairs, ``rows`` rows a batch (one pass)."""
-    pad = _pad_id(tokenizer)
+    pad = pad_id(tokenizer)
     packed = pack_rows(pairs, config.max_seq_len)
     for at in range(0, len(packed), rows):
         yield collate_pairs(packed[at:at + rows], pad, seq_len=None)

@@ -166,7 +166,7 @@ def _weight(raw: dict, role: str, where: str) -> int | None:
     return int(weight)
 
 
-def _message(raw: Any, index: int) -> dict:
+def parse_message(raw: Any, index: int) -> dict:
     where = f"message {index}"
     if not isinstance(raw, dict):
         raise RecordProblem(f"{where}: expected an object, got {type(raw).__name__}")
@@ -309,7 +309,7 @@ def parse_record(record: Any, format: str = "auto", fields: dict[str, str] | Non
     raw_messages, tools = _SHAPES[shape](record)
     if not isinstance(raw_messages, list) or not raw_messages:
         raise RecordProblem("the conversation must be a non-empty list of messages")
-    messages = [_message(m, i) for i, m in enumerate(raw_messages)]
+    messages = [parse_message(m, i) for i, m in enumerate(raw_messages)]
     if not any(m["role"] == "assistant" for m in messages):
         raise RecordProblem("the conversation has no assistant turn (nothing to train on)")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):

@@ -21,7 +21,7 @@ from typing import Iterator
 from pgs.errors import DataError
 from pgs.runtime.data.chat import empty_assistant_turns, encode_chat, encode_chats, weight_zero_turns
 from pgs.runtime.data.config import DataConfig, DataSource
-from pgs.runtime.data.packing import Document, PackedBatch, best_fit_decreasing, collate
+from pgs.runtime.data.packing import Document, PackedBatch, best_fit_decreasing, collate, pad_id
 from pgs.runtime.data.readers import read_conversations
 from pgs.runtime.data.records import Conversation
 from pgs.runtime.data.sources import MixedOrder, SourceIndex
@@ -105,15 +105,6 @@ def pack_documents(documents: list[Document], config: DataConfig) -> list[list[D
     return [[documents[i] for i in b] for b in bins]
 
 
-def _pad_id(tokenizer) -> int:
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tokenizer, "eos_token_id", None)
-    if pad is None:
-        raise DataError("the tokenizer has neither a pad nor an eos token to pad batches with")
-    return int(pad)
-
-
 class TrainStream:
     """Batches of packed sequences from a weighted mix of sources, resumable exactly.
 
@@ -142,7 +133,7 @@ class TrainStream:
         self.stats = DataStats()
         self._sources = [SourceIndex(s, config.on_bad_record, self.stats) for s in config.sources]
         self._order = MixedOrder([len(s) for s in self._sources], [s.weight for s in config.sources], config.seed)
-        self._pad_id = _pad_id(tokenizer)
+        self._pad_id = pad_id(tokenizer)
         self._window = 0
         self._window_start = self._order.state_dict()
         self._sequences: list[list[Document]] | None = None
@@ -308,7 +299,7 @@ class EvalStream:
         self.rank = rank
         self.world_size = world_size
         self.stats = DataStats()
-        self._pad_id = _pad_id(tokenizer)
+        self._pad_id = pad_id(tokenizer)
 
     def documents(self) -> Iterator[Document]:
         skipped: list[str] = []

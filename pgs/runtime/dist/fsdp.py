@@ -21,7 +21,7 @@ Sharding layout (``shard_model``):
   backward needs them at once, so freeing them would only cost one more all-gather;
 - the root unit (embeddings, final norm, output head, tied or not) also stays gathered after
   forward: the chunked loss applies the head *outside* the model's forward, to the hidden
-  states that :func:`final_hidden` returns, so the head's weight must still be the gathered
+  states that ``pgs.runtime.model.build.final_hidden`` returns, so the head's weight must still be the gathered
   parameter then.  Its gradient is reduce-scattered by FSDP's end-of-backward callback.
 """
 
@@ -37,13 +37,15 @@ import torch
 import torch.distributed as dist
 
 from pgs.errors import SpecError
-from pgs.runtime.model import build
+from pgs.runtime import process
+from pgs.runtime.model.build import HIDDEN_METHOD, base_hidden
+from pgs.runtime.model.layers import decoder_layers
+from pgs.runtime.process import collective_device, is_distributed
 
 #: Environment variable with the process-group timeout in seconds (default below).
 TIMEOUT_ENV = "PGS_PG_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1800.0
 #: Name of the method :func:`shard_model` registers as an FSDP forward on the root.
-HIDDEN_METHOD = "pgs_final_hidden"
 
 
 @attrs.frozen
@@ -82,7 +84,7 @@ def flight_recorder_env(run_dir: str | None, environ=None, *, create: bool = Fal
     must be on for the dump to be written.  Only these names are set (torch warns on every rank
     about the deprecated ``TORCH_NCCL_TRACE_BUFFER_SIZE`` / ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``),
     but a user's setting under an old name still wins."""
-    environ = os.environ if environ is None else environ
+    environ = process.environment() if environ is None else environ
     out: dict[str, str] = {}
 
     def default(names: tuple[str, ...], value: str) -> None:
@@ -103,15 +105,10 @@ def flight_recorder_env(run_dir: str | None, environ=None, *, create: bool = Fal
     return out
 
 
-def launched() -> bool:
-    """True when a launcher (torchrun) started this process as one of several."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def timeout_seconds(value: float | None = None) -> float:
     """The process-group timeout: ``value``, else ``$PGS_PG_TIMEOUT_S``, else 1800 s."""
     if value is None:
-        raw = os.environ.get(TIMEOUT_ENV, "")
+        raw = process.variable(TIMEOUT_ENV, "")
         try:
             value = float(raw) if raw else DEFAULT_TIMEOUT_S
         except ValueError:
@@ -134,9 +131,8 @@ def init(*, timeout_s: float | None = None, backend: str | None = None, device: 
     the environment lacks are set (:func:`flight_recorder_env`), so that a timeout dumps every
     rank's last collectives into ``<trace_dir>/nccl_trace/`` also under a plain torchrun.
     """
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    place = process.layout()
+    world, local = place.world_size, place.local_rank
     use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
     dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -146,7 +142,7 @@ def init(*, timeout_s: float | None = None, backend: str | None = None, device: 
     backend = backend or ("nccl" if use_cuda else "gloo")
     if not dist.is_initialized():
         if trace_dir is not None:
-            os.environ.update(flight_recorder_env(trace_dir, create=True))
+            process.set_variables(flight_recorder_env(trace_dir, create=True))
         kwargs: dict[str, Any] = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout_seconds(timeout_s)))
         if use_cuda:
             kwargs["device_id"] = dev  # binds NCCL to this device at once (no lazy init)
@@ -163,32 +159,12 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def collective_device() -> torch.device:
-    """The device a tensor must live on for the default group's collectives."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """``x`` summed over the ranks (a new tensor on ``x``'s device; ``x`` itself on one process)."""
-    if not is_distributed():
-        return x
-    y = x.detach().to(collective_device(), copy=True)
-    dist.all_reduce(y, op=dist.ReduceOp.SUM)
-    return y.to(x.device)
 
 
 def global_count(n: int) -> int:
@@ -236,21 +212,6 @@ def gather_object(obj) -> list:
 # sharding
 
 
-def decoder_layers(model) -> list[torch.nn.Module]:
-    """The model's repeated blocks: ``base_model.layers`` (HF decoders), else the modules
-    whose class is in ``model._no_split_modules``."""
-    base = getattr(model, "base_model", model)
-    layers = getattr(base, "layers", None)
-    if isinstance(layers, torch.nn.ModuleList) and len(layers):
-        return list(layers)
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    found = [m for m in model.modules() if type(m).__name__ in names]
-    if not found:
-        raise SpecError(f"shard_model: cannot find the decoder layers of {type(model).__name__} "
-                        "(no base_model.layers and no _no_split_modules); pass layers= explicitly")
-    return found
-
-
 def mixed_precision_policy(mixed_precision: str | None):
     """``None``/``"fp32"``: parameters as stored.  ``"bf16"``: bf16 compute, fp32 gradient reduce."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -262,10 +223,6 @@ def mixed_precision_policy(mixed_precision: str | None):
     raise SpecError(f"mixed_precision: {mixed_precision!r}, expected null, \"fp32\" or \"bf16\"")
 
 
-def _final_hidden(self, input_ids, position_ids, *, embed_noise=None):
-    return build.final_hidden(self, input_ids, position_ids, embed_noise=embed_noise)
-
-
 def shard_model(model, mesh=None, *, mixed_precision: str | None = None, layers: list | None = None,
                 reshard_layers: bool = True):
     """Shard ``model`` in place with FSDP2 and return it.  Call it on every rank.
@@ -275,13 +232,13 @@ def shard_model(model, mesh=None, *, mixed_precision: str | None = None, layers:
     ranks (divide factor 1, see the module docstring).  A method :data:`HIDDEN_METHOD`
     (``model.pgs_final_hidden(input_ids, position_ids, embed_noise=None)``) is registered as
     an FSDP forward: it all-gathers the root and returns the final hidden states, which is
-    what :func:`final_hidden` calls.
+    what ``pgs.runtime.model.build.final_hidden`` calls.
 
     Args:
         model: a HF causal LM (or any module whose blocks ``layers`` lists).
         mesh: the 1-D data-parallel mesh (``DistContext.mesh``; default: all ranks).
         mixed_precision: None / "fp32" or "bf16" (bf16 parameters in compute, fp32 reduce).
-        layers: the blocks to shard one by one (default :func:`decoder_layers`).
+        layers: the blocks to shard one by one (default ``pgs.runtime.model.layers.decoder_layers``).
         reshard_layers: free each layer's parameters after forward (False trades memory for
             one all-gather less per layer in backward).
     """
@@ -292,7 +249,7 @@ def shard_model(model, mesh=None, *, mixed_precision: str | None = None, layers:
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_layers and not last)
-    setattr(model, HIDDEN_METHOD, types.MethodType(_final_hidden, model))
+    setattr(model, HIDDEN_METHOD, types.MethodType(base_hidden, model))
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     register_fsdp_forward_method(model, HIDDEN_METHOD)
     for module in model.modules():
@@ -307,18 +264,6 @@ def is_sharded(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
-
-
-def final_hidden(model, input_ids, position_ids, *, embed_noise=None):
-    """Final hidden states [B, S, D]; under FSDP2 through the root's registered forward.
-
-    Use it (not ``model.base_model(...)`` directly) when the model may be sharded: a call
-    that bypasses the root's forward never all-gathers the embeddings and the head.
-    """
-    method = getattr(model, HIDDEN_METHOD, None)
-    if method is not None:
-        return method(input_ids, position_ids, embed_noise=embed_noise)
-    return _final_hidden(model, input_ids, position_ids, embed_noise=embed_noise)
 
 
 def reshard(model) -> None:

@@ -47,6 +47,7 @@ from typing import Sequence
 import attrs
 
 from pgs.errors import InvalidArgument, SpecError
+from pgs.runtime import process
 from pgs.runtime.dist.fsdp import flight_recorder_env
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
@@ -114,7 +115,7 @@ class Rendezvous:
 
 def under_launcher() -> bool:
     """True inside a torchrun worker (do not relaunch)."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return process.variable("LOCAL_RANK") is not None and process.variable("WORLD_SIZE") is not None
 
 
 def torchrun_command(nproc: int, args: Sequence[str], *, grace_s: int | None = None,
@@ -123,7 +124,7 @@ def torchrun_command(nproc: int, args: Sequence[str], *, grace_s: int | None = N
     several hosts when ``rendezvous`` says so)."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    grace = int(grace_s if grace_s is not None else os.environ.get(GRACE_ENV, DEFAULT_GRACE_S))
+    grace = int(grace_s if grace_s is not None else process.variable(GRACE_ENV, DEFAULT_GRACE_S))
     return [python or sys.executable, "-m", "torch.distributed.run", *(rendezvous or Rendezvous()).flags(),
             f"--nproc-per-node={nproc}", f"--shutdown-timeout={grace}", "-m", "pgs", *args]
 
@@ -146,7 +147,7 @@ def halt_code(run_dir: str | None, since: float) -> int | None:
 def record_exit(code: int) -> None:
     """In a worker started by :func:`relaunch`: write this process's exit code where the launcher
     reads it (``$PGS_EXIT_DIR/<LOCAL_RANK>``); nothing outside such a launch."""
-    folder, local_rank = os.environ.get(EXIT_DIR_ENV), os.environ.get("LOCAL_RANK", "")
+    folder, local_rank = process.variable(EXIT_DIR_ENV), process.variable("LOCAL_RANK", "")
     if not folder or not local_rank.isdigit() or not os.path.isdir(folder):
         return
     path = os.path.join(folder, str(int(local_rank)))
@@ -214,7 +215,7 @@ def relaunch(nproc: int, args: Sequence[str], *, run_dir: str | None = None, gra
     """
     started = time.time()
     exits = tempfile.mkdtemp(prefix="pgs-exit-")
-    env = {**os.environ, **flight_recorder_env(run_dir, create=True), EXIT_DIR_ENV: exits}
+    env = {**process.environment(), **flight_recorder_env(run_dir, create=True), EXIT_DIR_ENV: exits}
     try:
         child = subprocess.Popen(torchrun_command(nproc, args, grace_s=grace_s, rendezvous=rendezvous),
                                  stderr=subprocess.PIPE, env=env)
@@ -276,7 +277,7 @@ def launch_run(spec, spec_path: str, *, nproc: int, overrides: Sequence[str] = (
     preflight_spec(spec, processes=nproc * (rendezvous.fixed_nodes or 1))
     check_world_size(spec.train, nproc * (rendezvous.fixed_nodes or 1), spec.parallel.context)
     if nproc * (rendezvous.fixed_nodes or 1) > 1:  # before any process starts, not after each built the model
-        from pgs.runtime.optim.make import single_process_refusal
+        from pgs.runtime.optim.memory import single_process_refusal
 
         why = single_process_refusal(spec.memory)
         if why:

@@ -24,7 +24,8 @@ import attrs
 import torch
 
 from pgs.errors import EXIT_SKIP_CAP, HaltError, PreflightRefused
-from pgs.runtime.dist import fsdp as D
+from pgs.runtime.common import fsync_dir
+from pgs.runtime.process import collective_device
 
 #: Slots of the flag vector that :func:`agree` reduces.  Each is an int >= 0; MAX is the rule.
 #: ``SAVE_RUNNING``/``SAVE_FAILED``: a background checkpoint still being written on some process,
@@ -42,7 +43,7 @@ def agree(flags: list[int]) -> list[int]:
     all-reduce (MAX) of an int64 tensor; every rank must call it at the same program point.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=D.collective_device())
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=collective_device())
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return [int(x) for x in t.tolist()]
     return [int(f) for f in flags]
@@ -154,14 +155,6 @@ def write_json_atomic(path: str, payload: dict) -> None:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def halt(run_dir: str, reason: str, *, step: int, exit_code: int = EXIT_SKIP_CAP, details: dict | None = None) -> HaltError:

@@ -39,10 +39,9 @@ from pgs.func.losses import distill_loss
 from pgs.runtime.data import EvalStream, TrainStream
 from pgs.runtime.data.chat import turn_markers
 from pgs.runtime.data.inspect import dataset_stats
-from pgs.runtime.data.packing import Document, PackedBatch, best_fit_decreasing, collate
-from pgs.runtime.dist import fsdp as D
+from pgs.runtime.data.packing import Document, PackedBatch, best_fit_decreasing, collate, pad_id
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
-from pgs.runtime.loop.objective import random_document, rank_and_world, steps_for
+from pgs.runtime.loop.objective_common import random_document, rank_and_world, steps_for
 from pgs.runtime.model.build import build_model, final_hidden, output_head
 from pgs.runtime.model.generate import GenerationSettings, generate
 
@@ -109,7 +108,7 @@ class DistillObjective:
         self.stream = stream
         self.settings = GenerationSettings(**self.d.generation_settings())
         self.stops = stop_ids(tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_id(tokenizer)
         self._generators = {
             "distill_coin": torch.Generator().manual_seed(spec.train.seed),
             "distill_sampler": torch.Generator(device=device).manual_seed(spec.train.seed + 1),
@@ -199,7 +198,7 @@ class DistillObjective:
         """Σ over the batch's completion tokens of the divergence, with the student's graph."""
         dev = run.device
         ids, pos, labels = batch.input_ids.to(dev), batch.position_ids.to(dev), batch.labels.to(dev)
-        h = D.final_hidden(run.model, ids, pos)
+        h = final_hidden(run.model, ids, pos)
         out = self._divergence(run.model, h, labels, self.teacher_hidden(ids, pos))
         loss_sum = out.loss_sum * float("nan") if poison else out.loss_sum
         return loss_sum, torch.zeros(0, device=h.device)
@@ -232,7 +231,7 @@ class DistillObjective:
             for start in range(0, len(docs), 16):
                 b = collate([[d] for d in docs[start:start + 16]], self.pad_id)
                 ids, pos, labels = b.input_ids.to(self.device), b.position_ids.to(self.device), b.labels.to(self.device)
-                h = D.final_hidden(model, ids, pos)
+                h = final_hidden(model, ids, pos)
                 th = self.teacher_hidden(ids, pos)
                 kl += float(self._divergence(model, h, labels, th, kind="forward_kl").loss_sum)
                 out = self._divergence(model, h, labels, th)

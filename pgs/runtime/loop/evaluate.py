@@ -18,6 +18,7 @@ import torch
 
 from pgs.func.losses import token_loss
 from pgs.runtime.data import synthetic
+from pgs.runtime.data.packing import pad_id
 from pgs.runtime.model.build import final_hidden, output_head
 from pgs.runtime.model.generate import GenerationSettings, generate
 
@@ -121,9 +122,8 @@ def _generate(model, tokenizer, prompts: list[tuple[list, list | None]], max_new
     texts = [tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
              for messages, tools in prompts]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = generate(model, ids, GenerationSettings(max_new_tokens=max_new_tokens, temperature=0),
-                   stop_ids=[tokenizer.eos_token_id], pad_id=pad_id)
+                   stop_ids=[tokenizer.eos_token_id], pad_id=pad_id(tokenizer))
     replies = tokenizer.batch_decode(out.completions(), skip_special_tokens=False)
     pad = tokenizer.pad_token
     return [reply.replace(pad, "") if pad else reply for reply in replies]

@@ -19,6 +19,7 @@ from typing import Mapping
 import attrs
 
 from pgs.errors import InvalidArgument
+from pgs.runtime import process
 
 ENV = "PGS_FAULTS"
 #: where ``crash_at`` can strike: halfway through writing a checkpoint (weights written, the
@@ -88,8 +89,9 @@ class Faults:
                                  "nan_rank": self.nan_rank, "pause_at": self.pause_at})}
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Faults":
-        """What ``env()`` handed over, or ``NO_FAULTS``."""
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Faults":
+        """What ``env()`` handed over (in ``environ``, by default this process's), or ``NO_FAULTS``."""
+        environ = process.environment() if environ is None else environ
         raw = environ.get(ENV)
         if not raw:
             return NO_FAULTS

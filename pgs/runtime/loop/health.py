@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from pgs.runtime.dist import fsdp as D
+from pgs.runtime.process import all_reduce_sum
 
 #: Running statistics' decay, the z-score of a spike, and values seen before spikes are flagged.
 BETA = 0.95
@@ -155,7 +155,7 @@ class UpdateRatio:
         index = self.index
         sums = torch.zeros(2, len(self.names), device=device).index_add_(1, index, torch.stack([diff, size]))
         sums = torch.cat([sums, sums.sum(1, keepdim=True)], 1).double()  # the last column: all parameters
-        sums = D.all_reduce_sum(sums)  # FSDP2: the shards' sums
+        sums = all_reduce_sum(sums)  # FSDP2: the shards' sums
         event = None
         if sums.device.type == "cuda":
             host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)

@@ -20,6 +20,7 @@ import time
 from typing import Any, Sequence
 
 from pgs.errors import DiskFull
+from pgs.runtime import process
 from pgs.runtime.store.checkpoint import is_disk_full
 
 METRICS_FILE = "metrics.jsonl"
@@ -127,7 +128,7 @@ class MetricsLog:
 
     def interactive(self) -> bool:
         """Whether a person watches a terminal: stdout and the console stream are both ttys."""
-        return (_isatty(self.stream) and _isatty(sys.stdout)) and os.environ.get("TERM") != "dumb"
+        return (_isatty(self.stream) and _isatty(sys.stdout)) and process.variable("TERM") != "dumb"
 
     def start(self, step: int) -> None:
         if not self.interactive():

@@ -60,12 +60,14 @@ control plane (skips, stops, halts), checkpoints and exact resume, the metrics f
 
 from __future__ import annotations
 
-import math
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from pgs.errors import SpecError
+from pgs.runtime.loop.distill import DistillObjective
+from pgs.runtime.loop.preference import PreferenceObjective
+from pgs.runtime.loop.sft import SFTObjective
 
 
 @runtime_checkable
@@ -142,10 +144,6 @@ class Objective(Protocol):
 def objective_classes() -> tuple[type, ...]:
     """Every objective, the default (section None) last."""
 
-    from pgs.runtime.loop.distill import DistillObjective
-    from pgs.runtime.loop.preference import PreferenceObjective
-    from pgs.runtime.loop.sft import SFTObjective
-
     return (PreferenceObjective, DistillObjective, SFTObjective)
 
 
@@ -168,81 +166,4 @@ def build_objective(spec, *, model, tokenizer, device: torch.device, ctx=None) -
     return objective_class(spec).create(spec, model=model, tokenizer=tokenizer, device=device, ctx=ctx)
 
 
-def rank_and_world(ctx, context: int = 1) -> tuple[int, int]:
-    """``(rank, world size)`` of the data-parallel group a process reads rows for (``(0, 1)`` on
-    one process); ``context`` ranks that split each row (``[parallel] context``) read the same rows."""
-
-    if ctx is None or not ctx.distributed:
-        return 0, 1
-    return ctx.rank // context, ctx.world_size // context
-
-
-def steps_for(rows: int, batch_size: int) -> int:
-    """Optimizer steps of ``rows`` sequences at ``batch_size`` a step (at least one)."""
-
-    return max(1, math.ceil(rows / batch_size))
-
-
-def tied_head_deferrable(spec, run, weight) -> bool:
-    """Whether a forward may hand the head's gradient to the optimizer (``run.bound.before_step``
-    with a ``DeferredHeadGrad``) instead of to autograd: gradient release on one process (the
-    binder steps inside backward and takes contributions), ``memory.defer_head_grad`` resolved on
-    (``MemorySpec.head_grad_deferred``: ``"auto"`` with checkpointing or tied slabs), and a
-    trainable head that is the input embedding's weight (tied), so its gradient joins the
-    embedding's own right before that weight steps (whole, or slab by slab with ``tied_slabs``):
-    no V×D gradient through backward.  The objectives' ``defers_head_grad`` start here."""
-
-    if not (run.bound.in_backward and run.bound.defers_contributions and spec.memory.head_grad_deferred()
-            and weight.requires_grad):
-        return False
-    embed = run.model.get_input_embeddings()
-    return embed is not None and embed.weight is weight
-
-
-def random_document(length: int, prompt: int, vocab: int, generator: torch.Generator):
-    """A ``Document`` of ``length`` random token ids below ``vocab`` whose first ``prompt`` tokens
-    are not trained (the rest are): the synthetic data of ``Objective.for_profile``."""
-
-    from pgs.runtime.data.packing import Document
-
-    ids = torch.randint(0, max(1, int(vocab)), (max(0, int(length)),), generator=generator).tolist()
-    keep = min(max(0, int(prompt)), len(ids))
-    return Document(tuple(ids), (False,) * keep + (True,) * (len(ids) - keep), "pgs profile")
-
-
-def pad_token(tokenizer) -> int:
-    """The id that pads rows: the tokenizer's pad token, else its eos, else 0 (profiling a model
-    without a tokenizer's special tokens)."""
-
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if value is not None:
-            return int(value)
-    return 0
-
-
-# -- embedding noise (NEFTune, SymNoise), shared by the objectives that train on token embeddings
-def embedding_noise_generator(spec, device: torch.device) -> dict[str, torch.Generator]:
-    """``{"noise": generator}`` when the spec adds input-embedding noise (``loss.neftune_alpha``
-    or ``loss.symnoise_alpha`` > 0; seeded by ``train.seed``), else ``{}``."""
-
-    if spec.loss.embedding_noise() is None:
-        return {}
-    return {"noise": torch.Generator(device=device).manual_seed(spec.train.seed)}
-
-
-def embedding_noise_hook(spec, generators: dict[str, torch.Generator], batch, device: torch.device):
-    """The embedding hook that adds the spec's embedding noise to a batch's embeddings, scaled by
-    each row's length: NEFTune (arXiv 2310.05914, ``pgs.func.losses.neftune``) or SymNoise
-    (``pgs.func.losses.symnoise``); None without ``"noise"``."""
-
-    gen = generators.get("noise")
-    if gen is None:
-        return None
-    noise, alpha = spec.loss.embedding_noise()
-    lengths = torch.tensor([int(c[-1]) for c in batch.cu_seqlens], device=device)
-    return lambda e: noise(e, alpha, generator=gen, training=True, lengths=lengths)
-
-
-__all__ = ["Objective", "build_objective", "embedding_noise_generator", "embedding_noise_hook", "objective_class",
-           "objective_classes", "pad_token", "random_document", "rank_and_world", "steps_for", "tied_head_deferrable"]
+__all__ = ["Objective", "build_objective", "objective_class", "objective_classes"]

@@ -39,12 +39,13 @@ import torch
 
 from pgs.errors import PgsError
 from pgs.func.losses import preference_loss, sequence_logps
-from pgs.runtime.data.packing import Document
+from pgs.runtime.data.packing import Document, pad_id
 from pgs.runtime.data.preference import Pair, PreferenceBatch, PreferenceStream, collate_pairs, eval_batches, read_pairs
 from pgs.runtime.dist import fsdp as D
-from pgs.runtime.loop.objective import (embedding_noise_generator, embedding_noise_hook, pad_token, random_document,
+from pgs.runtime.loop.objective_common import (embedding_noise_generator, embedding_noise_hook, random_document,
                                         rank_and_world, steps_for, tied_head_deferrable)
-from pgs.runtime.model.build import build_model, output_head
+from pgs.runtime.model.build import build_model, final_hidden, output_head
+from pgs.runtime.process import is_distributed
 from pgs.runtime.store import reference as cache
 
 #: The per-step sums the objective reports, in the order of its stats tensor.
@@ -59,7 +60,7 @@ def pair_logps(model, batch: PreferenceBatch, device: torch.device, chunk_size: 
     ``defer(weight) -> bool``: asked with the head's weight after the forward; where it says so
     the head's gradient is left out of autograd (``sequence_logps(..., defer_head_grad=True)``).
     With ``defer`` given the result has a third element: that ``DeferredHeadGrad``, or None."""
-    h = D.final_hidden(model, batch.input_ids.to(device), batch.position_ids.to(device), embed_noise=embed_noise)
+    h = final_hidden(model, batch.input_ids.to(device), batch.position_ids.to(device), embed_noise=embed_noise)
     weight, bias, softcap = output_head(model)
     deferring = defer is not None and defer(weight)
     out = sequence_logps(h, weight, batch.labels.to(device), batch.seq_ids.to(device), 2 * batch.num_pairs,
@@ -141,7 +142,7 @@ def prepare_reference(spec, policy, tokenizer, device: torch.device, train_pairs
         ref.requires_grad_(False)
         ref.eval()
         return Reference("live", model=ref)
-    if not D.is_distributed():
+    if not is_distributed():
         return _cached_reference(spec, policy, tokenizer, device, train_pairs, eval_pairs)
     reference, failure = None, None
     if D.rank() == 0:
@@ -262,7 +263,7 @@ class PreferenceObjective:
             reference = Reference("cached", train=torch.zeros(rows, 2), eval=torch.zeros(0, 2))
         else:
             reference = prepare_reference(spec, model, tokenizer, device, [], [])
-        batch = collate_pairs([[p] for p in pairs], pad_token(tokenizer), seq_len=max(seq_len, 2 * arm))
+        batch = collate_pairs([[p] for p in pairs], pad_id(tokenizer, 0), seq_len=max(seq_len, 2 * arm))
         return cls(spec, reference, [], device=device), [batch]
 
     def steps_per_epoch(self, batch_size: int) -> int:

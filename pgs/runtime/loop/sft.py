@@ -25,12 +25,13 @@ from pgs.func.losses import token_loss
 from pgs.runtime.data import EvalStream, TrainStream
 from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.packing import doc_ids
-from pgs.runtime.dist import context as CP, fsdp as D
+from pgs.runtime.dist import context as CP
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
-from pgs.runtime.data.packing import collate
-from pgs.runtime.loop.objective import (embedding_noise_generator, embedding_noise_hook, pad_token, random_document,
+from pgs.runtime.data.packing import collate, pad_id
+from pgs.runtime.loop.objective_common import (embedding_noise_generator, embedding_noise_hook, random_document,
                                         rank_and_world, steps_for, tied_head_deferrable)
-from pgs.runtime.model.build import output_head
+from pgs.runtime.model.build import final_hidden, output_head
+from pgs.runtime.process import all_reduce_sum
 
 #: Eval records answered by greedy generation when the eval data has a known checker (the
 #: quickstart ships 200, all of them scored).
@@ -68,7 +69,7 @@ class SFTObjective:
         each, every token trained (a full packed row, the step's largest token loss)."""
         vocab = model.get_input_embeddings().num_embeddings
         docs = [[random_document(seq_len, 0, vocab, generator)] for _ in range(rows)]
-        return cls(spec, tokenizer, device, None), [collate(docs, pad_token(tokenizer), seq_len)]
+        return cls(spec, tokenizer, device, None), [collate(docs, pad_id(tokenizer, 0), seq_len)]
 
     def steps_per_epoch(self, batch_size: int) -> int:
         return steps_for(dataset_stats(self.spec.data, self.tokenizer).sequences, batch_size)
@@ -87,7 +88,7 @@ class SFTObjective:
         if run.moe is not None:
             run.moe.begin_micro(batch, dev)
         CP.begin_rows(batch, run.context, dev)  # a row split over ranks: ring attention (until end_rows)
-        h = D.final_hidden(run.model, ids, pos, embed_noise=embedding_noise_hook(self.spec, self._generators, batch, dev))
+        h = final_hidden(run.model, ids, pos, embed_noise=embedding_noise_hook(self.spec, self._generators, batch, dev))
         aux = run.moe.end_micro() if run.moe is not None else None
         weight, bias, softcap = output_head(run.model)
         loss = self.spec.loss
@@ -165,7 +166,7 @@ def _sharded_eval_loss(run) -> dict:
     try:
         for batch in batches:
             dev = run.device
-            h = D.final_hidden(run.model, batch.input_ids.to(dev), batch.position_ids.to(dev))
+            h = final_hidden(run.model, batch.input_ids.to(dev), batch.position_ids.to(dev))
             weight, bias, softcap = output_head(run.model)
             result = token_loss(h, weight, batch.labels.to(dev), backend="chunked", bias=bias, softcap=softcap,
                                 chunk_size=spec.loss.chunk_size)
@@ -173,7 +174,7 @@ def _sharded_eval_loss(run) -> dict:
             count += int(result.num_valid)
     finally:
         run.model.train()
-    sums = D.all_reduce_sum(torch.tensor([float(total), float(count)], dtype=torch.float64))
+    sums = all_reduce_sum(torch.tensor([float(total), float(count)], dtype=torch.float64))
     total, count = float(sums[0]), int(sums[1])
     return {"eval_loss": total / max(count, 1), "eval_tokens": count}
 

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Sequence
 import attrs
 
 from pgs.errors import MissingExtra
+from pgs.runtime import process
 from pgs.runtime.spec.fields import boolean, string
 
 #: tracker -> (module that must be importable, the pgs extra that installs it)
@@ -133,7 +134,7 @@ class MLflowTracker:
         import mlflow
 
         self._mlflow = mlflow
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
+        if not process.variable("MLFLOW_TRACKING_URI"):
             mlflow.set_tracking_uri("file:" + os.path.abspath(os.path.join(run_dir, "mlruns")))
         mlflow.set_experiment(project)
         self._run = mlflow.start_run(run_name=run_name)

@@ -40,11 +40,11 @@ import sys
 import time
 from typing import Any
 
-import attrs
 import numpy as np
 import torch
 
 from pgs.errors import DiskFull, EXIT_OK, EXIT_WALL_BUDGET, HaltError, PreflightRefused, SpecError
+from pgs.runtime.common import run_device
 from pgs.runtime.data import require_packing_isolation
 from pgs.runtime.data.loader import StepLoader
 from pgs.runtime.dist import context as CP, fsdp as D
@@ -56,87 +56,27 @@ from pgs.runtime.loop.faults import Faults, NO_FAULTS
 from pgs.runtime.loop.health import HealthMonitor
 from pgs.runtime.loop.metrics import MetricsLog, console_keys
 from pgs.runtime.loop.msft import Msft
+from pgs.runtime.loop.objective import build_objective, objective_class
 from pgs.runtime.loop.resume import check_resume
-from pgs.runtime.loop.objective import Objective, build_objective, objective_class
+from pgs.runtime.loop.run import Run
 from pgs.runtime.loop.services import Service, after_step, before_step, build_services
 from pgs.runtime.loop.trace import Profiler
 from pgs.runtime.model import layers
 from pgs.runtime.model.build import build_model, freeze, parameter_bytes
 from pgs.runtime.model.moe import router_tap
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
-from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
+from pgs.runtime import process
+from pgs.runtime.optim import StepMetrics, make_optimizer
+from pgs.runtime.optim.memory import MemoryOptions
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
-from pgs.runtime.optim.config import checkpoint_offload
-from pgs.runtime.store import background, checkpoint as ckpt, dcp, lock as run_lock
+from pgs.runtime.store import checkpoint as ckpt, dcp, lock as run_lock
 from pgs.runtime.tools.resources import disk_copies
-
-@attrs.define
-class Run:
-    """Everything a run holds between steps; the counters are what a checkpoint records."""
-
-    spec: Any
-    run_dir: str
-    device: torch.device
-    model: Any
-    tokenizer: Any
-    bound: Optimizer  # pgs.runtime.optim: the binder make_optimizer chose
-    objective: Objective  # pgs.runtime.loop.objective: what the run trains (SFT, preference, ...)
-    total_steps: int
-    micro_batch: int
-    skips: control.SkipCounter
-    chain_has_norm: bool = False
-    ctx: Any = None  # distributed.DistContext when several processes train together
-    step: int = 0
-    trained_tokens: int = 0
-    best: float | None = None
-    best_step: int | None = None
-    log: MetricsLog | None = None
-    loader: Any = None  # data.StepLoader: the steps' batches, prepared ahead by a worker (its position is the run's)
-    step_clock: float | None = None  # perf_counter at the end of the last step (None: restart the clock)
-    faults: Faults = NO_FAULTS  # what a test injects (faults.py)
-    health: HealthMonitor | None = None  # spikes, update ratios, the entropy tripwire (health.py)
-    averaging: WeightAverager | None = None  # [averaging]: weight EMA on the CPU, merge-back (averaging.py)
-    moe: Any = None  # model.moe.RouterTap of a mixture-of-experts model: router telemetry and losses
-    context: Any = None  # dist.context.SequenceShard: this rank's part of each row ([parallel] context > 1)
-    msft: Msft | None = None  # mSFT rounds (data.msft_round), else None
-    saver: background.BackgroundSaver | None = None  # [checkpoint] background: the save written on a thread
-
-    def counters(self) -> dict:
-        return {
-            "trained_tokens": self.trained_tokens,
-            "best": self.best,
-            "best_step": self.best_step,
-            "skips": self.skips.state_dict(),
-            "data": self.loader.state_dict(),
-            "objective": self.objective.state_dict(),
-            "health": self.health.state_dict() if self.health is not None else None,
-            **({"msft": self.msft.state_dict()} if self.msft is not None else {}),
-        }
-
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _device(name: str) -> torch.device:
-    """``train.device`` as a device; a CUDA device this host does not have is a ``SpecError``
-    (``pgs validate`` passes such a spec, whose device may be elsewhere; ``pgs run`` cannot)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise SpecError(f"train.device: {name!r}, but this host has no CUDA device (torch "
-                            f"{torch.__version__}{'' if torch.version.cuda else ', built without CUDA'}); "
-                            "set train.device = \"auto\" or \"cpu\"")
-        if device.index is not None and device.index >= count:
-            raise SpecError(f"train.device: {name!r}, but this host has {count} CUDA device(s) (cuda:0"
-                            f"{f'..cuda:{count - 1}' if count > 1 else ''})")
-    return device
 
 
 class _NullLog:
@@ -155,16 +95,15 @@ def apply_memory(model, memory, fast_recompute: bool = True) -> None:
     ``fast_recompute=False``: checkpoint through ``torch.utils.checkpoint`` only (a router loss
     needs the forward's graph, which the fast recompute does not build)."""
 
-    if memory.liger:
+    options = MemoryOptions.of(memory)
+    if options.liger:
         layers.apply_liger(model)
-    if getattr(memory, "mlp_tiles", 0) > 1:
-        apply_mlp_tiles(model, memory.mlp_tiles)
-    if memory.activation_checkpointing != "none":
-        offload = checkpoint_offload(getattr(memory, "offload_checkpoints", False),
-                                     getattr(memory, "offload_prefetch", "auto"), getattr(memory, "offload_optimizer", False))
-        layers.apply_activation_checkpointing(model, memory.activation_checkpointing, memory.checkpoint_every,
-                                              offload=offload, fast_recompute=fast_recompute)
-    if memory.compile_layers:
+    if options.mlp_tiles > 1:
+        apply_mlp_tiles(model, options.mlp_tiles)
+    if options.activation_checkpointing != "none":
+        layers.apply_activation_checkpointing(model, options.activation_checkpointing, options.checkpoint_every,
+                                              offload=options.checkpoint_offload, fast_recompute=fast_recompute)
+    if options.compile_layers:
         layers.compile_layers(model)
 
 
@@ -196,7 +135,7 @@ def configure_allocator(device: torch.device, limit_gib: float = 0.0) -> None:
     if limit_gib and limit_gib * 2**30 > total:
         raise SpecError(f"memory.device_limit_gib: {limit_gib:g} GiB is more than the device's "
                         f"{total / 2**30:.1f} GiB ({torch.cuda.get_device_name(index)})")
-    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+    if not process.variable("PYTORCH_CUDA_ALLOC_CONF"):
         # the accelerator-wide setter where torch has it (the CUDA one warns that it is deprecated)
         setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
         setter("expandable_segments:True" + (",garbage_collection_threshold:0.9" if limit_gib else ""))
@@ -240,7 +179,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         if cp > 1:
             shard = CP.make_shard(ctx.rank, world, cp, spec.parallel.layout)
     seed_everything(spec.train.seed)
-    device = ctx.device if sharded else _device(spec.train.device)
+    device = ctx.device if sharded else run_device(spec.train.device)
     configure_allocator(device, spec.memory.device_limit_gib)
     m = spec.model
     config = None
@@ -442,7 +381,7 @@ def train_step(run: Run, signals: control.StopSignals, wall: control.WallClock) 
     tokens = sum(b.num_tokens for b in batches)
     stats = list(torch.stack(stat_parts).sum(0).unbind())  # the objective's sums, still on the device
     if run.ctx is not None:  # the logged loss, sums and throughput are the whole step's
-        sums = D.all_reduce_sum(torch.tensor([loss_sum, *(float(v) for v in stats), float(tokens)],
+        sums = process.all_reduce_sum(torch.tensor([loss_sum, *(float(v) for v in stats), float(tokens)],
                                              dtype=torch.float64))
         loss_sum, stats, tokens = float(sums[0]), [float(v) for v in sums[1:-1]], int(sums[-1])
     values = {"lr": opt.lr, "grad_norm": opt.grad_norm if opt.grad_norm is not None else grad_norm}
@@ -522,7 +461,7 @@ def run(spec, *, resume: str | None = None, spec_path: str | None = None,
     there is read or written (``pgs.runtime.store.lock``); a folder a live run holds is refused
     (``RunInUse``, exit 2).
     """
-    with run_lock.hold(spec.checkpoint.dir, main=int(os.environ.get("RANK", "0")) == 0) as folder_lock:
+    with run_lock.hold(spec.checkpoint.dir, main=process.layout().rank == 0) as folder_lock:
         return _run(spec, folder_lock, resume=resume, spec_path=spec_path, profile=profile,
                     overwrite=overwrite, faults=faults)
 
@@ -541,13 +480,13 @@ def _run(spec, folder_lock: run_lock.RunLock, *, resume: str | None = None, spec
     if resume is None:  # before the process group: no rank has written anything yet
         if not overwrite:
             ckpt.refuse_existing_run(spec.checkpoint.dir)
-        elif int(os.environ.get("RANK", "0")) == 0:
+        elif process.layout().rank == 0:
             aside = ckpt.move_aside(spec.checkpoint.dir)
             if aside is not None:
                 folder_lock.relock()  # the lock moved with the old run: lock the fresh folder
                 print(f"pgs: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)
     wall = control.WallClock(spec.train.max_wall_seconds or None)
-    ctx = D.init(device=spec.train.device, trace_dir=spec.checkpoint.dir) if D.launched() else None
+    ctx = D.init(device=spec.train.device, trace_dir=spec.checkpoint.dir) if process.launched() else None
     together = False  # every rank reached the same exit (then they leave the group together)
     try:
         code = _train(spec, resume, wall, ctx, profile, faults)

@@ -153,13 +153,6 @@ def build_model(
     return model
 
 
-def load_tokenizer(path: str):
-    """The tokenizer of a local folder (``model.tokenizer``, or the model folder itself);
-    ``SpecError`` when it will not load (``pgs.runtime.model.loading.load_tokenizer``)."""
-
-    return load(path)
-
-
 def _layer_index(name: str) -> int | None:
     match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
     return int(match.group(1)) if match else None
@@ -217,7 +210,24 @@ def output_head(model) -> tuple[Tensor, Tensor | None, float | None]:
     return head.weight, getattr(head, "bias", None), softcap
 
 
+#: The method :func:`pgs.runtime.dist.fsdp.shard_model` registers on a sharded model as an FSDP
+#: forward (it all-gathers the root, then runs :func:`base_hidden`).
+HIDDEN_METHOD = "pgs_final_hidden"
+
+
 def final_hidden(model, input_ids: Tensor, position_ids: Tensor, *, embed_noise=None) -> Tensor:
+    """Final hidden states [B, S, D]; under FSDP2 through the root's registered forward.
+
+    Use it (not ``model.base_model(...)`` directly) when the model may be sharded: a call
+    that bypasses the root's forward never all-gathers the embeddings and the head.
+    """
+    method = getattr(model, HIDDEN_METHOD, None)
+    if method is not None:
+        return method(input_ids, position_ids, embed_noise=embed_noise)
+    return base_hidden(model, input_ids, position_ids, embed_noise=embed_noise)
+
+
+def base_hidden(model, input_ids: Tensor, position_ids: Tensor, *, embed_noise=None) -> Tensor:
     """Final hidden states [B, S, D] of the base model for a packed batch (no logits).
 
     ``position_ids`` restart at each document; no attention mask and no cache, so that

@@ -28,6 +28,7 @@ import re
 import attrs
 
 from pgs.errors import SpecError
+from pgs.runtime import process
 
 #: ``org/name`` or ``org/name@revision`` (the hub's own rules for repository names).
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*)(?:@(?P<rev>[A-Za-z0-9_.\-/]+))?$")
@@ -60,7 +61,7 @@ def parse(value: str) -> tuple[str, str | None] | None:
 
 
 def _true(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+    return (process.variable(name) or "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 def offline() -> bool:
@@ -70,10 +71,10 @@ def offline() -> bool:
 
 def cache_dir() -> str:
     """The hub cache huggingface_hub uses, read from the environment now."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
-    if os.environ.get("HF_HOME"):
-        return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
+    if process.variable("HF_HUB_CACHE"):
+        return os.path.expanduser(process.variable("HF_HUB_CACHE"))
+    if process.variable("HF_HOME"):
+        return os.path.join(os.path.expanduser(process.variable("HF_HOME")), "hub")
     from huggingface_hub import constants
 
     return constants.HF_HUB_CACHE

@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import weakref
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -50,8 +50,11 @@ SUBLAYER_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"
 _ORIGINAL = "_pgs_forward_before_checkpointing"
 
 
-def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder layers of a HF causal LM (``model.model.layers`` and the usual variants)."""
+def decoder_layers(model) -> Sequence[torch.nn.Module]:
+    """The decoder layers of a HF causal LM: the first non-empty ``ModuleList`` of
+    ``model.layers``, ``model.language_model.layers``, ``model.decoder.layers``, ``layers``,
+    ``transformer.h``, ``base_model.layers``; else the modules whose class is in
+    ``model._no_split_modules`` (a list)."""
     for path in ("model.layers", "model.language_model.layers", "model.decoder.layers", "layers",
                  "transformer.h", "base_model.layers"):
         obj: Any = model
@@ -61,9 +64,14 @@ def decoder_layers(model) -> torch.nn.ModuleList:
                 break
         if isinstance(obj, torch.nn.ModuleList) and len(obj) > 0:
             return obj
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if found:
+        return found
     raise InvalidArgument(f"{type(model).__name__}: no decoder layers found (looked for model.layers, "
-                          "model.language_model.layers, transformer.h); checkpointing and compile_layers "
-                          "need a transformers decoder")
+                          "model.language_model.layers, transformer.h, base_model.layers and the classes "
+                          "of _no_split_modules); checkpointing, compile_layers and sharding need a "
+                          "transformers decoder (shard_model: or pass layers= explicitly)")
 
 
 def _positive_rate(obj) -> bool:

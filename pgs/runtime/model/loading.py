@@ -9,7 +9,8 @@ import os
 from typing import Any
 
 from pgs.errors import SpecError
-from pgs.runtime.spec.sections import suggest
+from pgs.runtime import process
+from pgs.runtime.common import suggest
 
 #: Files of a tokenizer folder (at least one must be there).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -27,8 +28,8 @@ def first_line(err: BaseException, limit: int = 200) -> str:
 
 
 def quiet_transformers() -> None:
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    process.set_default("TRANSFORMERS_VERBOSITY", "error")
+    process.set_default("TOKENIZERS_PARALLELISM", "false")
     import transformers
 
     transformers.utils.logging.set_verbosity_error()

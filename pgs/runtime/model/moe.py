@@ -49,6 +49,7 @@ from torch import Tensor
 from pgs.errors import SpecError
 from pgs.func.losses import (RouterStats, dead_fraction, load_balance_loss, load_utilization, max_violation,
                              router_stats, router_z_loss)
+from pgs.runtime.process import all_reduce_sum, is_distributed
 
 #: The telemetry keys of a step record, in this order.
 METRIC_KEYS = ("moe/lb_loss", "moe/z_loss", "moe/max_vio", "moe/max_vio_worst", "moe/max_vio_layer",
@@ -158,18 +159,6 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _is_distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _all_reduce(x: Tensor) -> Tensor:
-    from pgs.runtime.dist.fsdp import all_reduce_sum
-
-    return all_reduce_sum(x)
-
-
 class RouterTap:
     """Forward hooks on a model's routers; see the module docstring.
 
@@ -259,8 +248,8 @@ class RouterTap:
         multiplied by it, so that it enters backward at its own scale."""
         self._denominator = float(max(int(loss_denominator), 1))
         local = float(sum(int(b.num_tokens) for b in batches))
-        if self.aux and _is_distributed():
-            self._step_tokens = _all_reduce(torch.tensor([local], dtype=torch.float64, device=device))[0]
+        if self.aux and is_distributed():
+            self._step_tokens = all_reduce_sum(torch.tensor([local], dtype=torch.float64, device=device))[0]
         else:
             self._step_tokens = local
         self._seen = None
@@ -315,8 +304,8 @@ class RouterTap:
         if self.load_balance > 0:
             experts = stats.counts.shape[-1]
             seen = torch.cat([stats.counts.double(), stats.tokens[:, None].double()], dim=1)
-            if _is_distributed():
-                seen = _all_reduce(seen)
+            if is_distributed():
+                seen = all_reduce_sum(seen)
             self._seen = seen if self._seen is None else self._seen + seen
             counts = self._seen[:, :experts].to(stats.prob_sum.dtype)
             count_tokens = self._seen[:, experts].to(stats.prob_sum.dtype)
@@ -333,8 +322,8 @@ class RouterTap:
         window, self._window = self._window, None
         if window is None or not self.telemetry:
             return {}
-        if _is_distributed():
-            window = _all_reduce(window)
+        if is_distributed():
+            window = all_reduce_sum(window)
         experts = (window.shape[1] - 3) // 2
         counts, prob_sum = window[:, :experts], window[:, experts:2 * experts]
         z_sum, entropy_sum, tokens = window[:, 2 * experts], window[:, 2 * experts + 1], window[:, 2 * experts + 2]

@@ -135,7 +135,7 @@ class MemorySpec:
     def refusal(self) -> str | None:
         """Why these ``[memory]`` settings cannot work together (None: they can): the rules that
         read this section alone, each written here once.  ``pgs validate`` / ``pgs run`` check
-        them with the spec (``pgs.runtime.spec.chain.check_memory``), ``make_optimizer`` with its
+        them with the spec (``pgs.runtime.spec.chain.check_memory_options``), ``make_optimizer`` with its
         arguments."""
         if self.offload_checkpoints and self.activation_checkpointing not in ("full", "sublayer"):
             return (f"memory.offload_checkpoints: offloads the inputs of \"full\" or \"sublayer\" checkpointed "

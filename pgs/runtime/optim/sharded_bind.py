@@ -50,7 +50,7 @@ from pgs.runtime.optim.interface import StepMetrics, step_metrics
 RANK_KEY = "__rank{rank}__"
 
 
-def _is_dtensor(x) -> bool:
+def is_dtensor(x) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(x, DTensor)
@@ -58,7 +58,7 @@ def _is_dtensor(x) -> bool:
 
 def local(x: torch.Tensor) -> torch.Tensor:
     """The rank-local part of a DTensor (a view of its storage), or ``x`` itself."""
-    return x.to_local() if _is_dtensor(x) else x
+    return x.to_local() if is_dtensor(x) else x
 
 
 def unaware_transforms(chain: pf.Transform, trust: Sequence[str] = ()) -> list[str]:
@@ -114,7 +114,7 @@ class ShardedBoundOptimizer:
         if not params:
             raise InvalidArgument("bind_sharded: the module has no trainable parameters")
         self.group = None
-        sharded = [n for n, p in params.items() if _is_dtensor(p)]
+        sharded = [n for n, p in params.items() if is_dtensor(p)]
         if sharded:
             plain = [n for n in params if n not in set(sharded)]
             if plain:

@@ -61,7 +61,7 @@ from pgs.func.plan import SHARDED, plan_for
 from pgs.func.step import NO_CONTEXT
 from pgs.runtime.optim.interface import StepMetrics
 from pgs.runtime.optim.release import Arrivals, check_released_chain, release_metrics, released_step
-from pgs.runtime.optim.sharded_bind import RANK_KEY, ShardedBoundOptimizer, _is_dtensor, local, refuse_unaware
+from pgs.runtime.optim.sharded_bind import RANK_KEY, ShardedBoundOptimizer, is_dtensor, local, refuse_unaware
 
 #: Group key of the parameters that the root FSDP unit manages (embeddings, final norm, head).
 ROOT_GROUP = "root"
@@ -123,7 +123,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not params:
             raise InvalidArgument(f"{who}: the module has no trainable parameters")
-        plain = [n for n, p in params.items() if not _is_dtensor(p)]
+        plain = [n for n, p in params.items() if not is_dtensor(p)]
         if plain:
             raise InvalidArgument(f"{who}: parameter {plain[0]!r} is not sharded; its gradient would never "
                                   "be reduced (shard the whole model)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from pgs.errors import SpecError
+from pgs.runtime.data.packing import pad_id
 from pgs.runtime.model.generate import GenerationSettings, generate
 
 
@@ -32,7 +33,7 @@ def generate_answers(model, tokenizer, prompts: list[tuple[list, list | None]], 
         raise SpecError(f"--temperature >= 0 and --top-p in (0, 1] expected, got {temperature}, {top_p}")
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    pad = pad_id(tokenizer)
     sample = temperature > 0
     per = k if sample else 1
     settings = GenerationSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)

@@ -19,7 +19,7 @@ import torch
 from pgs.func.data_scores import tfp_order
 from pgs.runtime.data.packing import collate
 from pgs.runtime.data.sources import SourceIndex
-from pgs.runtime.data.stream import _pad_id
+from pgs.runtime.data.packing import pad_id
 from pgs.runtime.prepare.score import pending_samples
 from pgs.runtime.prepare.select import write_selection
 
@@ -30,7 +30,7 @@ def instruction_embeddings(model, tokenizer, spec, device, batch_size: int = 16)
     from pgs.runtime.model.build import final_hidden
 
     indexes = [SourceIndex(s, spec.data.on_bad_record) for s in spec.data.sources]
-    pad = _pad_id(tokenizer)
+    pad = pad_id(tokenizer)
     ids, rows = [], []
     group = []
 

@@ -36,7 +36,8 @@ from pgs.func.losses import token_nll_entropy
 from pgs.runtime.data.packing import Document, collate
 from pgs.runtime.data.sources import SourceIndex
 from pgs.runtime.data.stats import DataStats
-from pgs.runtime.data.stream import _pad_id, encode_document
+from pgs.runtime.data.packing import pad_id
+from pgs.runtime.data.stream import encode_document
 
 SCORES = "scores.jsonl"
 META = "scores.meta.json"
@@ -210,7 +211,7 @@ def score(spec, out_dir: str, *, batch_size: int = 16, device: torch.device | No
     resumed = len(done)
     if model is None:
         model, tokenizer = load_model(spec, device)
-    pad_id = _pad_id(tokenizer)
+    pad = pad_id(tokenizer)
     chunk = spec.loss.chunk_size
     written = batches = 0
     total = sum(len(i) for i in indexes)
@@ -220,7 +221,7 @@ def score(spec, out_dir: str, *, batch_size: int = 16, device: torch.device | No
         def flush() -> None:
             nonlocal written
             docs = [p for p in group if p.document is not None]
-            scores = iter(score_documents(model, [p.document for p in docs], pad_id, device, chunk)) if docs else iter(())
+            scores = iter(score_documents(model, [p.document for p in docs], pad, device, chunk)) if docs else iter(())
             for p in group:
                 line = {"id": p.id, "source": p.source, "index": p.index, "origin": p.origin}
                 if p.document is None:

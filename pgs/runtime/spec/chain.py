@@ -27,7 +27,7 @@ from pgs.func.base import no_step_stage
 from pgs.func.losses import BACKENDS, OBJECTIVES
 from pgs.func.schedule_free_iterates import wraps_schedule_free
 from pgs.runtime.optim.release import refusal, slab_refusal
-from pgs.runtime.spec.sections import suggest
+from pgs.runtime.common import suggest
 
 if TYPE_CHECKING:  # the spec imports this module to build what it names
     from pgs.runtime.spec.load import Spec
@@ -279,7 +279,7 @@ def check_loss(loss) -> None:
             raise SpecError(f"loss.z_loss: the {loss.backend} backend has no z-loss; use chunked or dense")
 
 
-def check_memory(spec: Spec, chain) -> None:
+def check_memory_options(spec: Spec, chain) -> None:
     """``[memory]`` against the rest of the spec: what gradient release cannot run."""
     mem = spec.memory
     why = mem.refusal()
@@ -336,4 +336,4 @@ def check_spec(spec: Spec) -> None:
     if spec.averaging is not None:
         spec.averaging.check(spec)
     chain = build_chain(spec, total_steps=_stand_in_total(spec))
-    check_memory(spec, chain)
+    check_memory_options(spec, chain)

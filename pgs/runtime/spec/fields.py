@@ -3,27 +3,14 @@
 
 from __future__ import annotations
 
-import difflib
 import math
-from typing import Iterable
 
 from pgs.errors import SpecError
-
-
-def suggest(name: str, choices: Iterable[str]) -> str:
-    """`` (did you mean X?)`` for the closest of ``choices``, or ``""``."""
-    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]}?)" if close else ""
+from pgs.runtime.common import describe, is_int, suggest  # noqa: F401 - the checks' shared words, re-exported
 
 
 def where(instance, attribute) -> str:
     return f"{type(instance).section}.{attribute.name}"
-
-
-def describe(value) -> str:
-    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "an array", dict: "a table"}.get(type(value), type(value).__name__)
-    return f"{kind} ({value!r})" if not isinstance(value, (list, dict)) else kind
 
 
 def expect(kind: str, ok):
@@ -32,10 +19,6 @@ def expect(kind: str, ok):
             raise SpecError(f"{where(instance, attribute)}: expected {kind}, got {describe(value)}")
 
     return check
-
-
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def is_number(v) -> bool:

@@ -42,9 +42,6 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     CHECKPOINT_POLICIES,
     MASTER_WEIGHTS,
     RELEASE_GROUPS,
-    suggest,
-    _describe,
-    _is_int,
     ModelSpec,
     ChainEntry,
     OptimizerSpec,
@@ -61,6 +58,8 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     AveragingSpec,
     SECTIONS,
 )
+from pgs.runtime import process
+from pgs.runtime.common import describe as _describe, is_int as _is_int, suggest
 from pgs.runtime.spec.toml import dumps, parse_value, read_toml  # noqa: F401  (re-exported)
 
 
@@ -500,7 +499,7 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         sections["checkpoint"] = attrs.evolve(sections["checkpoint"], best_metric=best)
     spec = Spec(**sections, source=source, hub=hub)
     spec.train.check(spec)
-    world = launch_world_size()
+    world = process.launch_world_size()
     if world > 1:
         check_world_size(spec.train, world, spec.parallel.context)
     _check_schedule_fields(spec.schedule, raw.get("schedule", {}))
@@ -528,14 +527,6 @@ def check_numbers(raw, where: str = "") -> None:
                         f"{INT_RANGE[0]}..{INT_RANGE[1]})")
     elif isinstance(raw, float) and not math.isfinite(raw):
         raise SpecError(f"{where}: {raw} is not a finite number")
-
-
-def launch_world_size() -> int:
-    """The number of processes a launcher started (``$WORLD_SIZE`` under torchrun), else 1."""
-    try:
-        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
 
 
 def check_world_size(train: TrainSpec, world: int, context: int = 1) -> None:

@@ -38,7 +38,6 @@ from pgs.runtime.model.attention import hf_implementation
 from pgs.runtime.model.loading import (TOKENIZER_FILES, config_from_folder, config_from_table, first_line,  # noqa: F401
                                       known_model_types, load_tokenizer, quiet_transformers)
 from pgs.runtime.model.moe import experts_implementation
-from pgs.runtime.spec.sections import suggest
 
 #: ``data.max_seq_len`` allowed when the model's configuration names no
 #: ``max_position_embeddings`` (2**20 tokens; beyond it a batch alone outgrows a host).

@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file
 
 from pgs.errors import CheckpointError, DiskFull, PgsError, RunExists  # noqa: F401  (CheckpointError: re-exported)
-from pgs.runtime.loop.control import fsync_dir
+from pgs.runtime.common import fsync_dir
 from pgs.runtime.store import digest as digest_mod
 from pgs.runtime.store import safetensors_io
 

@@ -41,7 +41,8 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from pgs.runtime.dist.fsdp import broadcast_object as _broadcast, collective_device
+from pgs.runtime.dist.fsdp import broadcast_object as _broadcast
+from pgs.runtime.process import collective_device
 from pgs.runtime.store import checkpoint as ckpt
 from pgs.runtime.store.checkpoint import CheckpointError
 from pgs.runtime.store.export import export_hf as write_hf

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 
-from pgs.errors import SpecError
+from pgs.runtime.common import parse_size
 from pgs.runtime.store.checkpoint import disk_full_guard, model_tensors, publish, tensor_bytes
 from pgs.runtime.store.safetensors_io import write as write_safetensors
 
@@ -27,25 +26,6 @@ EXPORT_INFO = "pgs_export.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_SIZE = "5GB"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(value, field: str = "checkpoint.max_shard_size") -> int:
-    """Bytes of a size written as transformers writes it: an integer, or ``"5GB"`` (10^9),
-    ``"500MB"``, ``"2GiB"`` (2^30), ..."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(value).upper())
-        if match is None or match.group(2) not in _UNITS:
-            raise SpecError(f"{field}: {value!r} is not a size (write e.g. \"5GB\", \"500MB\" or \"2GiB\")")
-        size = int(float(match.group(1)) * _UNITS[match.group(2)])
-    if size < 1:
-        raise SpecError(f"{field}: {value!r} must be at least one byte")
-    return size
-
-
 def shard(tensors: dict, max_bytes: int) -> list[dict]:
     """The tensors cut into files of at most ``max_bytes`` in their order (a tensor larger than
     that gets a file of its own), as ``save_pretrained`` cuts them."""

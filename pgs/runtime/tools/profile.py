@@ -69,9 +69,11 @@ from torch.utils._pytree import tree_leaves
 
 import pgs.func as pf
 from pgs.errors import InvalidArgument
+from pgs.runtime.common import auto_device, run_device
 from pgs.func.losses import chunked
 from pgs.func.plan import RELEASE, plan_for
-from pgs.runtime.model.build import DTYPES, build_config, build_model, freeze, load_tokenizer
+from pgs.runtime.model.build import build_config, build_model, freeze, resolve_dtype as _dtype
+from pgs.runtime.model.loading import load_tokenizer
 from pgs.runtime.model.layers import apply_activation_checkpointing
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim.bound import bind
@@ -88,15 +90,6 @@ DISTILL_CHUNK_BYTES = 40
 
 
 # ----------------------------------------------------------------------------- model shapes
-
-
-def _dtype(d) -> torch.dtype:
-    if isinstance(d, torch.dtype):
-        return d
-    try:
-        return DTYPES[str(d).lower()]
-    except KeyError:
-        raise InvalidArgument(f"predict_memory: dtype {d!r} is not one of {sorted(DTYPES)}") from None
 
 
 def _hf_config(model_config):
@@ -577,23 +570,17 @@ def _peak(out: dict, binder: dict, head: dict, *, kept: int, recompute: int, tok
 
 
 def memory_options(spec) -> dict[str, Any]:
-    """Gradient release and checkpointing settings of a spec (defaults where it has none).
-
-    Looked up in ``[memory]`` (when the spec has that section), then ``[train]``:
-    ``gradient_release``, ``activation_checkpointing``, ``checkpoint_every``, ``master_weights``,
-    ``offload_checkpoints``, ``offload_prefetch``, ``offload_optimizer``.  (``tied_slabs`` is read by
-    ``plan_from_spec``.)
+    """Gradient release and checkpointing settings of a spec's ``[memory]``:
+    ``gradient_release``, ``activation_checkpointing``, ``checkpoint_every``, ``master_weights``
+    (None for ``"none"``), ``offload_checkpoints``, ``offload_prefetch``, ``offload_optimizer``.
+    (``tied_slabs`` is read by ``plan_from_spec``.)
     """
-    opts = {"gradient_release": False, "activation_checkpointing": "none", "checkpoint_every": 1,
-            "master_weights": None, "offload_checkpoints": False, "offload_prefetch": "auto", "offload_optimizer": False}
-    for section in (getattr(spec, "train", None), getattr(spec, "memory", None)):
-        for key in opts:
-            value = getattr(section, key, None) if section is not None else None
-            if value is not None:
-                opts[key] = value
-    if opts["master_weights"] == "none":  # [memory] spells "no masters" as "none"
-        opts["master_weights"] = None
-    return opts
+    mem = spec.memory
+    return {"gradient_release": mem.gradient_release, "activation_checkpointing": mem.activation_checkpointing,
+            "checkpoint_every": mem.checkpoint_every,
+            "master_weights": None if mem.master_weights == "none" else mem.master_weights,
+            "offload_checkpoints": mem.offload_checkpoints, "offload_prefetch": mem.offload_prefetch,
+            "offload_optimizer": mem.offload_optimizer}
 
 
 def _spec_model_config(spec):
@@ -616,9 +603,9 @@ def head_loss(spec) -> dict[str, Any]:
     backend, deferred as ``memory.defer_head_grad`` says (``PreferenceObjective.defers_head_grad``);
     ``[distill]``'s chunked divergence (``loss="distill"``: both heads' logits per chunk), whose
     head gradient goes through autograd."""
-    if getattr(spec, "preference", None) is not None:
+    if spec.preference is not None:
         return {"loss": "chunked", "defer_head_grad": spec.memory.defer_head_grad}
-    if getattr(spec, "distill", None) is not None:
+    if spec.distill is not None:
         return {"loss": "distill", "defer_head_grad": False}
     backend = spec.loss.backend
     return {"loss": "dense" if backend == "dense" else "chunked",
@@ -667,7 +654,7 @@ def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: in
     n = rows * seq_len
     b = torch.empty((), dtype=_dtype(dtype)).element_size()
     out: dict[str, int] = {}
-    pref = getattr(spec, "preference", None)
+    pref = spec.preference
     if pref is not None and pref.uses_reference:
         from pgs.func import kernels
 
@@ -689,7 +676,7 @@ def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: in
             scored = 8 * seq_len  # score_pairs: eval_batches of 8 rows
             out["scoring_pass"] = max(layer_working_bytes(cfg, scored, dtype),
                                       b * c.hidden_size * scored + chunk_logits)
-    distill = getattr(spec, "distill", None)
+    distill = spec.distill
     if distill is not None:
         t_cfg = _teacher_config(spec, c.vocab_size)
         t_dtype = _dtype(distill.teacher_dtype)
@@ -712,11 +699,9 @@ def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: in
 def plan_from_spec(spec, **overrides) -> dict[str, Any]:
     """Everything ``predict_memory`` needs, read from a checked spec (plus ``overrides``)."""
 
-    mem = getattr(spec, "memory", None)
-    opts = {**memory_options(spec), "tied_slabs": int(getattr(mem, "tied_slabs", 0) or 0),
-            "mlp_tiles": int(getattr(mem, "mlp_tiles", 0) or 0),
-            "release_groups": getattr(mem, "release_groups", "layer"),
-            "compile_layers": bool(getattr(mem, "compile_layers", False)),
+    mem = spec.memory
+    opts = {**memory_options(spec), "tied_slabs": mem.tied_slabs, "mlp_tiles": mem.mlp_tiles,
+            "release_groups": mem.release_groups, "compile_layers": mem.compile_layers,
             **{k: v for k, v in overrides.items() if v is not None}}
     cfg = _spec_model_config(spec)
     dt = _dtype(spec.model.dtype)
@@ -741,7 +726,7 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   release_groups=opts["release_groups"], compiled_layers=opts["compile_layers"],
                   offload_optimizer=bool(opts["offload_optimizer"] and opts["gradient_release"]),
                   loss_chunk=spec.loss.chunk_size, model=model,
-                  experts_eager=getattr(spec.model, "experts_implementation", "auto") == "eager", **head_loss(spec))
+                  experts_eager=spec.model.experts_implementation == "eager", **head_loss(spec))
     kwargs.update(objective_memory(spec, cfg, model, dt, micro, spec.data.max_seq_len, spec.loss.chunk_size))
     return {"config": cfg, "kwargs": kwargs, "notes": notes, "micro_batch": micro,
             "seq_len": spec.data.max_seq_len, "options": opts}
@@ -760,10 +745,10 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
     from rich.table import Table
 
     from pgs.runtime import output
-    from pgs.runtime.tools.resources import _device, predict
+    from pgs.runtime.tools.resources import predict
 
     console = console or output.console()
-    prediction = predict(spec, _device(spec), **overrides)  # the preflight's figure, part by part
+    prediction = predict(spec, auto_device(spec.train.device), **overrides)  # the preflight's figure, part by part
     plan, pred = prediction.plan, prediction.memory
     opts = plan["options"]
     title = (f"predicted memory of the {objective_label(spec)} step: {plan['micro_batch']}×{plan['seq_len']} tokens, "
@@ -931,10 +916,10 @@ class Measured:
 
 def objective_label(spec) -> str:
     """The objective the spec trains, in a few words (``pgs profile``'s prediction title)."""
-    if getattr(spec, "preference", None) is not None:
+    if spec.preference is not None:
         p = spec.preference
         return f"preference ({p.kind}, reference {p.reference if p.uses_reference else 'none'})"
-    if getattr(spec, "distill", None) is not None:
+    if spec.distill is not None:
         d = spec.distill
         return f"distill ({d.kind}, teacher in {d.teacher_dtype}, on_policy {d.on_policy:g})"
     return f"sft ({spec.build_objective().name})"
@@ -977,10 +962,10 @@ def measure_memory(spec, plan, *, steps: int = 3, device: torch.device | str | N
     (which includes the update under gradient release) and ``step``.
     """
     from pgs.runtime.loop.objective import objective_class
-    from pgs.runtime.loop.train import Run, _device
+    from pgs.runtime.loop.run import Run
 
     opts = plan["options"]
-    dev = _device(spec.train.device) if device is None else torch.device(device)  # as pgs run picks it
+    dev = run_device(spec.train.device) if device is None else torch.device(device)  # as pgs run picks it
     m = spec.model
     tokenizer = load_tokenizer(m.tokenizer or m.path)
     meter = CudaMeter(dev) if dev.type == "cuda" else TensorMeter(dev)
@@ -996,21 +981,20 @@ def measure_memory(spec, plan, *, steps: int = 3, device: torch.device | str | N
         objective, batches = objective_class(spec).for_profile(spec, model=model, tokenizer=tokenizer, device=dev,
                                                                rows=plan["micro_batch"], seq_len=plan["seq_len"],
                                                                generator=generator)
-        if int(opts.get("mlp_tiles", 0)) > 1:
+        if opts["mlp_tiles"] > 1:
             apply_mlp_tiles(model, int(opts["mlp_tiles"]))
         apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]),
-                                       offload=checkpoint_offload(opts.get("offload_checkpoints", False),
-                                                                  opts.get("offload_prefetch", "auto"),
-                                                                  opts.get("offload_optimizer", False)))
+                                       offload=checkpoint_offload(opts["offload_checkpoints"], opts["offload_prefetch"],
+                                                                  opts["offload_optimizer"]))
         chain = plan["kwargs"]["chain"]
         if opts["gradient_release"]:
             binder = GradientRelease
-            if opts.get("offload_optimizer"):
+            if opts["offload_optimizer"]:
                 from pgs.runtime.optim.offload import OffloadedRelease as binder
             opt = binder(chain, model, master_weights=opts["master_weights"],
                          stochastic_rounding=spec.model.dtype == "bfloat16",
-                         tied_slabs=int(opts.get("tied_slabs", 0)) or None,
-                         groups=opts.get("release_groups", "layer"))
+                         tied_slabs=opts["tied_slabs"] or None,
+                         groups=opts["release_groups"])
         else:
             opt = bind(chain, model, compile=spec.optimizer.compile, jit=spec.optimizer.jit)
         run = Run(spec=spec, run_dir=spec.checkpoint.dir, device=dev, model=model, tokenizer=tokenizer, bound=opt,

@@ -31,6 +31,8 @@ import attrs
 import torch
 
 from pgs.errors import PreflightRefused
+from pgs.runtime import process
+from pgs.runtime.common import auto_device
 
 GiB = 1024**3
 #: checkpoints' worth of disk a run that keeps every checkpoint (``checkpoint.keep = 0``) is
@@ -95,13 +97,6 @@ def attention_matrix_bytes(cfg, rows: int, seq_len: int, *, dtype_bytes: int, im
     return kept * per_layer + once
 
 
-def _device(spec) -> torch.device:
-    name = spec.train.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
 def predict(spec, device: torch.device, **overrides) -> Prediction:
     """What one process of ``spec`` needs at its peak on ``device``, and one checkpoint's bytes:
     the one estimate ``pgs validate``, ``pgs run``'s preflight and ``pgs profile`` show and check
@@ -114,13 +109,14 @@ def predict(spec, device: torch.device, **overrides) -> Prediction:
     from pgs.func import kernels
     from pgs.runtime.model.attention import varlen_available
     from pgs.runtime.loop.services import service_memory
-    from pgs.runtime.tools.profile import _dtype, checkpoint_bytes, predict_memory, plan_from_spec
+    from pgs.runtime.model.build import resolve_dtype
+    from pgs.runtime.tools.profile import checkpoint_bytes, predict_memory, plan_from_spec
 
     plan = plan_from_spec(spec, **overrides)
     kwargs = dict(plan["kwargs"])
     kwargs["loss_kernels"] = device.type == "cuda" and kernels.CONFIG.ce_kernels
     pred = predict_memory(plan["config"], **kwargs)
-    dt = _dtype(spec.model.dtype)
+    dt = resolve_dtype(spec.model.dtype)
     impl = spec.model.attn_implementation
     varlen = impl in ("varlen", "auto") and device.type == "cuda" and varlen_available(device, dt)
     if impl == "auto":
@@ -249,13 +245,13 @@ def check_host(spec, processes: int | None = None) -> Prediction | None:
     spec may be meant for ``--nproc``).  Memory is checked for one process only: the prediction
     is of an unsharded run.  Returns the prediction (None where the architecture cannot be sized
     on the meta device)."""
-    device = _device(spec)
+    device = auto_device(spec.train.device)
     try:
         prediction = predict(spec, device)
     except Exception:  # an architecture the meta device cannot build: the run will say more
         return None
     if processes is None:
-        processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        processes = process.launch_world_size()
         if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() > 1:
             processes = 0  # validate on a multi-GPU host: the run's process count is not known here
     if processes == 1:

@@ -42,6 +42,7 @@ import attrs
 
 from pgs.errors import (EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_OK, EXIT_PREFLIGHT, EXIT_SKIP_CAP, EXIT_TRIPWIRE,
                         EXIT_WALL_BUDGET, SpecError)
+from pgs.runtime import process
 from pgs.runtime.dist.launch import halt_code
 from pgs.runtime.store import checkpoint as ckpt
 
@@ -261,7 +262,7 @@ def supervise(spec, spec_path: str, *, overrides: Sequence[str] = (), resume: st
             before = progress(run_dir)
             cmd = run_command(spec_path, overrides, resume=resume, nproc=nproc)
             started = time.time()
-            env = {**os.environ, ATTEMPT_ENV: str(attempt)}
+            env = {**process.environment(), ATTEMPT_ENV: str(attempt)}
             child = subprocess.Popen(cmd, env=env, start_new_session=True)
             state["pgid"] = child.pid  # a new session: the group's id is the child's pid
             log.write("launch", f"attempt {attempt}: {' '.join(cmd[2:])}", attempt=attempt, command=cmd,

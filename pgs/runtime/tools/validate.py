@@ -9,7 +9,8 @@ from rich.table import Table
 from pgs.runtime import output
 from pgs.runtime.data.inspect import inspect_dataset, inspect_pairs
 from pgs.runtime.data.templates import apply_chat_template
-from pgs.runtime.spec.preflight import check_resources, load_tokenizer
+from pgs.runtime.model.loading import load_tokenizer
+from pgs.runtime.spec.preflight import check_resources
 
 
 def validate(spec, records: int = 200) -> int:
