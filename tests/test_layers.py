@@ -22,24 +22,31 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, ...]] = [
     ("pgs.errors",),
     ("pgs.func",),  # pure: torch and attrs only, never pgs.runtime
-    ("pgs.runtime.common", "pgs.runtime.process", "pgs.runtime.pinned", "pgs.runtime.triton_gate"),
+    ("pgs.runtime.common", "pgs.runtime.process", "pgs.runtime.pinned", "pgs.runtime.triton_gate",
+     "pgs.runtime.output", "pgs.runtime.userpath"),
     ("pgs.runtime.data",),
     ("pgs.runtime.model",),
     ("pgs.runtime.dist",),
     ("pgs.runtime.optim",),
     ("pgs.runtime.store",),
-    ("pgs.runtime.spec",),
     ("pgs.runtime.loop",),
+    ("pgs.runtime.spec",),  # the composition of every component's config (sections, load, chain)
     ("pgs.runtime.prepare",),
     ("pgs.runtime.tools",),
     ("driver",),  # what runs a whole run: preflight, setup, the loop, the launcher
     ("pgs.runtime", "pgs.cli", "pgs.__main__", "pgs"),  # entry points and package surfaces
 ]
-#: Modules whose layer is not their package's: the preflight asks the resource estimates
+#: Modules whose layer is not their package's: four leaves every layer may use (the configs'
+#: field checks, content digests, the linear-attention layers' boundaries) and the resume check
+#: of the driver; the preflight asks the resource estimates
 #: (``tools.resources``, which ``pgs profile`` prints too) and the trackers; the loop driver runs
 #: the preflight; the launcher re-executes ``pgs run`` under torchrun after the preflight; the
 #: supervisor relaunches ``pgs run`` and reads the launcher's halt code.
 PLACED = {
+    "pgs.runtime.spec.fields": "pgs.runtime.common",  # the field checks every component's config uses
+    "pgs.runtime.store.digest": "pgs.runtime.common",  # content digests (checkpoints, the data's fingerprint)
+    "pgs.runtime.model.linear_attention": "pgs.runtime.common",  # a leaf: data's packing verdict asks it
+    "pgs.runtime.loop.resume": "driver",  # compares a checkpoint's saved spec with the run's
     "pgs.runtime.spec.preflight": "pgs.runtime.tools",
     "pgs.runtime.loop.train": "driver",
     "pgs.runtime.dist.launch": "driver",

@@ -27,12 +27,12 @@ from __future__ import annotations
 import os
 import shutil
 
-import attrs
 import torch
 
 from pgs.errors import PreflightRefused
 from pgs.runtime import process
 from pgs.runtime.common import auto_device
+from pgs.runtime.tools.profile import Prediction, attention_matrix_bytes, predict  # noqa: F401 - re-exported
 
 GiB = 1024**3
 #: checkpoints' worth of disk a run that keeps every checkpoint (``checkpoint.keep = 0``) is
@@ -56,86 +56,6 @@ def disk_copies(checkpoint, run_dir: str | None = None) -> float:
 
         have = min(len(step_folders(run_dir)), checkpoint.keep)
     return checkpoint.keep - have + 1 + bool(checkpoint.best_metric) + bool(checkpoint.export)
-
-
-@attrs.frozen
-class Prediction:
-    """One process's predicted peak memory and the bytes of one checkpoint, with the parts a
-    message names."""
-
-    peak: int
-    checkpoint: int
-    parts: dict
-    tokens: str
-    host: int = 0  # what the run keeps in host memory besides a CPU run's peak (offloaded state and inputs)
-    memory: dict = attrs.field(factory=dict)  # predict_memory's figures (its categories, total, peak, host_*)
-    plan: dict = attrs.field(factory=dict)  # profile.plan_from_spec's plan it was made from
-
-
-def attention_matrix_bytes(cfg, rows: int, seq_len: int, *, dtype_bytes: int, implementation: str,
-                           device_type: str, packed: bool, varlen_kernel: bool, checkpointing: str = "none",
-                           every: int = 1) -> int:
-    """Bytes of the sequence-squared buffers attention keeps for backward: 0 where a kernel
-    runs without them (unpacked causal rows, or packed rows on the CUDA variable-length
-    kernel).  With SDPA each layer that keeps its activations saves its own copy of the
-    block-diagonal mask, ``rows·S²·b`` (SDPA converts transformers' boolean ``[B, 1, S, S]``
-    mask to the query's dtype, per call); eager attention saves each layer's probabilities,
-    ``rows·H·S²·b``, and holds one additive mask, ``rows·S²·b``.  Plus the boolean mask,
-    ``rows·S²``, once.  Checkpointed layers hold theirs only while one is recomputed.  Equal
-    to the tensors autograd saves for a packed Qwen3 forward on the CPU
-    (tests/unit/test_preflight_resources.py)."""
-    eager = implementation == "eager"
-    if not eager and (not packed or varlen_kernel):
-        return 0
-    c = getattr(cfg, "text_config", None) or cfg
-    layers = int(c.num_hidden_layers)
-    heads = int(c.num_attention_heads)
-    square = int(rows) * int(seq_len) ** 2
-    per_layer = square * dtype_bytes * (heads if eager else 1)
-    once = (square + (square * dtype_bytes if eager else 0)) if packed else 0
-    kept = layers if checkpointing == "none" else layers - len(range(0, layers, every)) + 1
-    return kept * per_layer + once
-
-
-def predict(spec, device: torch.device, **overrides) -> Prediction:
-    """What one process of ``spec`` needs at its peak on ``device``, and one checkpoint's bytes:
-    the one estimate ``pgs validate``, ``pgs run``'s preflight and ``pgs profile`` show and check
-    (``overrides``: ``pgs profile``'s, as ``plan_from_spec`` takes them).  Each part is its
-    component's: the model's weights, the binder's masters, state and gradients
-    (``profile.binder_memory``), the activations (``profile.activation_parts``), the head and
-    loss (``profile.head_memory``), the objective's frozen models (``profile.objective_memory``),
-    attention's masks (:func:`attention_matrix_bytes`) and each step-time service's own
-    (``Service.memory_estimate``)."""
-    from pgs.func import kernels
-    from pgs.runtime.model.attention import varlen_available
-    from pgs.runtime.loop.services import service_memory
-    from pgs.runtime.model.build import resolve_dtype
-    from pgs.runtime.tools.profile import checkpoint_bytes, predict_memory, plan_from_spec
-
-    plan = plan_from_spec(spec, **overrides)
-    kwargs = dict(plan["kwargs"])
-    kwargs["loss_kernels"] = device.type == "cuda" and kernels.CONFIG.ce_kernels
-    pred = predict_memory(plan["config"], **kwargs)
-    dt = resolve_dtype(spec.model.dtype)
-    impl = spec.model.attn_implementation
-    varlen = impl in ("varlen", "auto") and device.type == "cuda" and varlen_available(device, dt)
-    if impl == "auto":
-        impl = "varlen" if varlen else "sdpa"
-    opts = plan["options"]
-    attention = attention_matrix_bytes(
-        plan["config"], plan["micro_batch"], plan["seq_len"], dtype_bytes=torch.empty((), dtype=dt).element_size(),
-        implementation=impl, device_type=device.type, packed=bool(spec.data.packing), varlen_kernel=varlen,
-        checkpointing=opts["activation_checkpointing"], every=int(opts["checkpoint_every"]))
-    parts = {k: pred[k] for k in ("weights", "optimizer_state", "activations", "loss")}
-    parts["attention masks"] = attention
-    services = service_memory(spec, plan)  # what the step-time services hold (loop/services.py)
-    if services["device"]:
-        parts["services"] = services["device"]
-    checkpoint = checkpoint_bytes(pred)
-    return Prediction(peak=pred["peak"] + attention + services["device"], checkpoint=checkpoint, parts=parts,
-                      tokens=f"{plan['micro_batch']} rows × {plan['seq_len']} tokens per micro-batch",
-                      host=int(pred.get("host_state") or 0) + int(pred.get("host_inputs") or 0) + services["host"],
-                      memory=pred, plan=plan)
 
 
 def available_memory(device: torch.device) -> tuple[int | None, str]:
