@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: Bottom to top: a module may import modules of its own layer or of a lower one.  A layer is a
 #: list of module prefixes (a package names all its modules); ``PLACED`` names the modules that
@@ -180,7 +180,7 @@ def layer_of(module: str) -> int:
             name = place or module
             if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
                 best, level = len(prefix), i
-    assert level is not None, f"{module}: in no layer of tests/test_layers.py LAYERS"
+    assert level is not None, f"{module}: in no layer of tests/unit/test_layers.py LAYERS"
     return level
 
 
