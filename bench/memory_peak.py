@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     import torch
 
     sys.path.insert(0, ROOT)
+    import pgs.runtime.loop.checkpointer as checkpointer
     import pgs.runtime.loop.train as train
     from pgs.cli import main as pgs_main
 
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
 
     train.setup = wrap(train.setup, "after setup")
     train.train_step = wrap(train.train_step, "after the launch of")
-    train.save = wrap(train.save, "after the checkpoint save at")
+    checkpointer.save = wrap(checkpointer.save, "after the checkpoint save at")  # the loop's saves (loop/checkpointer.py)
     code = pgs_main(pgs_args)
     look("at the end")
     torch.cuda.memory._record_memory_history(enabled=None)
