@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from pgs.runtime.loop.faults import Faults
 from pgs.runtime.loop.train import run
@@ -62,7 +63,12 @@ def write_spec(tmp_path: Path, name: str = "run", **fields) -> Path:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("distill")
-    assert run(load_spec(write_spec(tmp, "ref"))) == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the child processes it is compared with bit for bit (helpers.child_env)
+    try:
+        assert run(load_spec(write_spec(tmp, "ref"))) == 0
+    finally:
+        torch.set_num_threads(threads)
     return tmp
 
 

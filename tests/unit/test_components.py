@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pgs.errors import SpecError
+from pgs.runtime.common import auto_device
 from pgs.runtime.loop.checkpointer import Checkpointer
 from pgs.runtime.loop.evaluator import Evaluator
 from pgs.runtime.loop.services import Service, after_step, before_step, build_services
@@ -121,7 +122,7 @@ def test_pgs_profile_shows_the_peak_the_preflight_checks(tmp_path):
     text = buf.getvalue()
     unit = re.search(r"predicted (GiB|MiB)", text).group(1)
     shown = float(re.search(r"peak \(what is live together at the worst phase\)\s*│\s*([\d.]+)", text).group(1))
-    prediction = R.predict(spec, R._device(spec))
+    prediction = R.predict(spec, auto_device(spec.train.device))
     assert shown == pytest.approx(prediction.peak / (2**30 if unit == "GiB" else 2**20), abs=1e-3)
     assert "attention masks" in text
 
