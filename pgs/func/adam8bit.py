@@ -199,7 +199,7 @@ def adamw8bit(
         return count, count, (count, None, bc32, {})
 
     def quantized(ctx, g, p, moments, lr, wd, seed, donate):
-        (count, bcs, bc32, hps), (m, v) = ctx, moments
+        (_, bcs, bc32, hps), (m, v) = ctx, moments
         dev = g.device
 
         def build():

@@ -317,10 +317,10 @@ def _micro_batches(run: Run, batches, n_mean: int, poison: bool) -> tuple[list, 
     for batch in batches:
         if run.bound.in_backward:  # the update runs inside backward: agree on the loss before it
             pending, e = _forward(run, batch, poison)
-            l = pending.detach()
+            loss = pending.detach()
         else:
-            l, e = _loss(run, batch, n_mean, poison)
-        loss_parts.append(l)
+            loss, e = _loss(run, batch, n_mean, poison)
+        loss_parts.append(loss)
         stat_parts.append(e)
     return loss_parts, stat_parts, pending
 

@@ -28,7 +28,7 @@ from torch import Tensor
 from pgs.errors import SpecError
 from pgs.runtime.model import linear_attention
 from pgs.runtime.model.attention import boundary_kwargs, hf_implementation, packed_kwargs, set_varlen_kernel, uses_varlen
-from pgs.runtime.model.loading import config_from_table, load_tokenizer as load
+from pgs.runtime.model.loading import config_from_table
 from pgs.runtime.model.moe import check_experts_implementation, experts_implementation as experts_choice
 
 DTYPES = {

@@ -32,7 +32,6 @@ backward) and what ``torch.compile`` traces.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 from typing import Any, Sequence
