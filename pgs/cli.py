@@ -163,7 +163,8 @@ def _add_prepare(sub) -> None:
                    help="write DIR/ordered.jsonl in Threshold Filtering Packing order (a standalone utility)")
     p.add_argument("--tfp-threshold", type=float, default=0.0, metavar="T",
                    help="TFP: minimum embedding distance to the last --tfp-window samples (default 0)")
-    p.add_argument("--tfp-window", type=_positive_int, default=1, metavar="W", help="TFP: samples the threshold looks back at")
+    p.add_argument("--tfp-window", type=_positive_int, default=1, metavar="W",
+                   help="TFP: samples the threshold looks back at")
     p.add_argument("--self-answer", action="store_true",
                    help="write DIR/self_answers.jsonl: the model's own answers that --verify accepts")
     p.add_argument("--verify", metavar="NAME", default=None,
@@ -172,7 +173,8 @@ def _add_prepare(sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N", help="per answer (default 256)")
-    p.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="self-answer the first N records only")
+    p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+                   help="self-answer the first N records only")
     p.add_argument("--replay", metavar="FILE", default=None,
                    help="general prompts (JSONL) whose own answers are mixed into the self-answers")
     p.add_argument("--replay-share", type=float, default=0.25, metavar="S",

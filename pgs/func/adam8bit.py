@@ -149,7 +149,8 @@ def scale_by_adam8bit(
     # the 8-bit fused kernels are reached through ``adamw8bit``'s FusedTransform.
     return Transform(init, update, name="scale_by_adam8bit", locality=ELEMENTWISE, stage=DIRECTION,
                      group_by=(eligible,), align=block_size,
-                     fused=("adam8bit", dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, block_size=block_size, min_8bit_size=min_8bit_size)) if quantize else None)
+                     fused=("adam8bit", dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, block_size=block_size,
+                                             min_8bit_size=min_8bit_size)) if quantize else None)
 
 
 def adamw8bit(
@@ -199,7 +200,7 @@ def adamw8bit(
         return count, count, (count, None, bc32, {})
 
     def quantized(ctx, g, p, moments, lr, wd, seed, donate):
-        (count, bcs, bc32, hps), (m, v) = ctx, moments
+        (_, bcs, bc32, hps), (m, v) = ctx, moments
         dev = g.device
 
         def build():

@@ -44,7 +44,8 @@ def schedule_peak(learning_rate, horizon: int | None = None, who: str = "adamc")
     return float(learning_rate(steps).max())
 
 
-def add_corrected_decayed_weights(weight_decay: float, learning_rate, peak_lr, normalized=is_hidden_matrix) -> Transform:
+def add_corrected_decayed_weights(weight_decay: float, learning_rate, peak_lr,
+                                  normalized=is_hidden_matrix) -> Transform:
     """u ← u + k_t λ θ, with k_t = γ_t/γ_max on ``normalized`` leaves and 1 elsewhere.
 
     Followed by ``scale_by_learning_rate(γ_t)`` the decay term is c_t λ θ with
@@ -66,7 +67,8 @@ def add_corrected_decayed_weights(weight_decay: float, learning_rate, peak_lr, n
         labels = group_label(layout, updates, fn)
         gamma = _lr_value(learning_rate, state.count)
         peak = peak_lr.to(gamma) if isinstance(peak_lr, torch.Tensor) else torch.full_like(gamma, float(peak_lr))
-        ratio = torch.where(peak > 0, gamma / torch.where(peak > 0, peak, torch.ones_like(peak)), torch.zeros_like(peak))
+        ratio = torch.where(peak > 0, gamma / torch.where(peak > 0, peak, torch.ones_like(peak)),
+                            torch.zeros_like(peak))
         wd = weight_decay.to(gamma) if isinstance(weight_decay, torch.Tensor) else weight_decay
 
         def one(path, g, p):

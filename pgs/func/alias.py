@@ -55,7 +55,8 @@ def lion(
     )
 
 
-def sgd(learning_rate=1e-2, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0, mask=None) -> Transform:
+def sgd(learning_rate=1e-2, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
+        mask=None) -> Transform:
     """SGD as torch.optim.SGD computes it: coupled weight decay, then momentum, then −η.
 
     g ← g + λθ ; b ← μb + g ; u = g + μb (nesterov) or b ; θ ← θ − η u.

@@ -187,7 +187,8 @@ def named_chain(*named: tuple[str, Transform]) -> Transform:
 
     def update(updates, state, params=None, **extra):
         if not isinstance(state, dict) or list(state) != names:
-            raise InvalidArgument(f"chain state keys {list(state) if isinstance(state, dict) else type(state).__name__} "
+            keys = list(state) if isinstance(state, dict) else type(state).__name__
+            raise InvalidArgument(f"chain state keys {keys} "
                                   f"do not match the chain's transforms {names}")
         if params is not None and context_of(extra).layout is None:
             # once per call, so that a mismatch names its leaf instead of failing inside a

@@ -1,9 +1,10 @@
 """Fused AdamW/Lion kernels standing in for recognised chains (the ``adamw_lion`` entry of
 the plan registry, ``pgs.func.plan``).
 
-``match(opt)`` says whether the chain is one that a hand-written kernel implements exactly: ``chain(scale_by_adam | scale_by_lion, [add_decayed_weights],
-scale_by_learning_rate)`` with Python-number hyperparameters (identities anywhere are
-ignored).  If so, and the buffers live on a device the kernel runs on, the plan's step
+``match(opt)`` says whether the chain is one that a hand-written kernel implements exactly:
+``chain(scale_by_adam | scale_by_lion, [add_decayed_weights], scale_by_learning_rate)`` with
+Python-number hyperparameters (identities anywhere are ignored).
+If so, and the buffers live on a device the kernel runs on, the plan's step
 runs one kernel per group that reads gradient, parameter and moments once and writes
 parameter and moments once — the byte floor.  The per-step scalars (lr from the schedule,
 bias corrections) are computed first by a few 0-d tensor ops on the device, so the host

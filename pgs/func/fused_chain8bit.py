@@ -37,9 +37,10 @@ Falls back (``fused_step`` returns None; the generic path runs) when: no Triton 
 lion stage's ``backend`` (``"auto"`` on CPU, ``"torch"``), tensor hyperparameters in adagc /
 mona / lion, a sharded binding (``reduce_sum``), parameter or gradient dtypes other than
 bf16 / fp32, MONA buffers in fp16 or in two dtypes, a flat layout whose ``align`` is not
-the quantization block size, absent gradients.  ``update()`` (no apply) is never fused.  Stochastic rounding of bf16 parameters is done in-kernel (the 8-bit kernels'
-hash noise, seeded from hyperball's step count and the group), so it equals the generic
-path in distribution, not bit for bit.
+the quantization block size, absent gradients.  ``update()`` (no apply) is never fused.
+Stochastic rounding of bf16 parameters is done in-kernel (the 8-bit kernels' hash noise,
+seeded from hyperball's step count and the group), so it equals the generic path in
+distribution, not bit for bit.
 """
 
 from __future__ import annotations

@@ -100,7 +100,8 @@ def hyperball(learning_rate, mask=None, eps: float = 1e-12) -> Transform:
             out = {k: (None if u is None else (on_sphere[k] if labels[k] else plain(u))) for k, u in updates.items()}
         return out, HyperballState(increment(state.count), lr, state.radius)
 
-    return Transform(init, update, name="hyperball", locality=PER_TENSOR, shard_aware=True, stage=STEP, group_by=(constrained,),
+    return Transform(init, update, name="hyperball", locality=PER_TENSOR, shard_aware=True, stage=STEP,
+                     group_by=(constrained,),
                      fused=("hyperball", dict(learning_rate=learning_rate, eps=eps)))  # pgs.func.fused_chain8bit
 
 

@@ -139,7 +139,8 @@ class Layout:
             if x is not None and s is None:
                 raise TreeMismatch(f"{what} leaf {path!r}: present in one tree only")
             if x is not None and x.shape != s:
-                raise TreeMismatch(f"{what} leaf {path!r} has shape {tuple(x.shape)}, the optimizer state expects {tuple(s)}")
+                raise TreeMismatch(f"{what} leaf {path!r} has shape {tuple(x.shape)}, "
+                                   f"the optimizer state expects {tuple(s)}")
 
     # -- moving between the two forms ---------------------------------------------------
     def empty(self, dtype: torch.dtype | None = None, fill: float | None = 0.0) -> dict[str, torch.Tensor]:

@@ -50,4 +50,5 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | Non
         u, mu = T.tree_map_n(one, 2, updates, state.mu)
         return u, ScaleByLionState(increment(state.count), mu)
 
-    return Transform(init, update, name="scale_by_lion", locality=ELEMENTWISE, stage=DIRECTION, fused=("lion", dict(b1=b1, b2=b2)))
+    return Transform(init, update, name="scale_by_lion", locality=ELEMENTWISE, stage=DIRECTION,
+                     fused=("lion", dict(b1=b1, b2=b2)))

@@ -78,4 +78,5 @@ def mona(alpha: float = 0.92, beta: float = 0.92, buffer_dtype: torch.dtype | No
         return u, MonaState(increment(state.count), prev, acc)
 
     return Transform(init, update, name="mona", locality=ELEMENTWISE, stage=DIRECTION,
-                     fused=("mona", dict(alpha=alpha, beta=beta, buffer_dtype=buffer_dtype)))  # pgs.func.fused_chain8bit
+                     # pgs.func.fused_chain8bit
+                     fused=("mona", dict(alpha=alpha, beta=beta, buffer_dtype=buffer_dtype)))

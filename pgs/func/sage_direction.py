@@ -137,6 +137,7 @@ def sage(learning_rate=2e-3, b1: float = 0.9, b2: float = 0.99, eps: float = 1e-
     check_range("learning_rate", learning_rate, 0.0, None, who="sage")
     return chain(
         scale_by_sage(b1, b2, eps, embedding, order, mu_dtype),
-        add_decayed_weights(weight_decay) if (isinstance(weight_decay, torch.Tensor) or weight_decay != 0) else identity(),
+        (add_decayed_weights(weight_decay) if (isinstance(weight_decay, torch.Tensor) or weight_decay != 0)
+         else identity()),
         scale_by_learning_rate(learning_rate),
     )

@@ -17,7 +17,8 @@ class ScaleBySgdMomentumState(NamedTuple):
     momentum: object
 
 
-def scale_by_sgd_momentum(momentum: float = 0.9, nesterov: bool = False, mu_dtype: torch.dtype | None = None) -> Transform:
+def scale_by_sgd_momentum(momentum: float = 0.9, nesterov: bool = False,
+                          mu_dtype: torch.dtype | None = None) -> Transform:
     """Momentum direction.
 
     b_t = μ b_{t−1} + g_t (b_0 = 0, so b_1 = g_1, as torch.optim.SGD)

@@ -66,5 +66,6 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> Transform:
             return T.tree_map_with_path(one, updates, params), state
         return {k: (None if g is None else one(k, g, params[k])) for k, g in updates.items()}, state
 
-    return Transform(init, update, name="add_decayed_weights", locality=ELEMENTWISE, stage=DIRECTION, group_by=(fn,) if fn else (),
+    return Transform(init, update, name="add_decayed_weights", locality=ELEMENTWISE, stage=DIRECTION,
+                     group_by=(fn,) if fn else (),
                      fused=("decay", dict(weight_decay=weight_decay, mask=fn)))

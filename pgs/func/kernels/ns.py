@@ -1,4 +1,5 @@
-"""Triton kernels for batched Muon (arXiv 2502.16982; docs/techniques/muon.md): symmetric products and fused elementwise.
+"""Triton kernels for batched Muon (arXiv 2502.16982; docs/techniques/muon.md): symmetric products and fused
+elementwise.
 
 Newton–Schulz (NS5) spends its FLOPs on three products per iteration on the wide
 orientation X ∈ R^{m×n} (m ≤ n):

@@ -151,8 +151,6 @@ def lion_small_(gs: list, ps: list, ms: list, hp: torch.Tensor, seed: torch.Tens
     """Lion on leaves ``(gs[i], ps[i], ms[i])`` in place (see the module docstring); ``hp`` =
     ``[1−β1, 1−β2, η, λ]`` (fp32, on the device); ``seed`` (int64 device tensor) turns on
     stochastic rounding of bf16 parameters; ``first``: the first leaf's index for the noise."""
-    from pgs.func import kernels as K
-
     sr = seed is not None and ps[0].dtype == torch.bfloat16
     seed_arg = seed if seed is not None else hp  # never read without SR
     for at in range(0, len(ps), MAX_LEAVES):

@@ -192,7 +192,8 @@ def distill_loss(
     if kind not in DISTILL_KINDS:
         raise InvalidArgument(f"kind: unknown distillation loss {kind!r}; expected one of {list(DISTILL_KINDS)}")
     if kind == "jsd":
-        check_number("beta", beta, 0 < beta < 1, "in (0, 1) for kind='jsd' (use forward_kl / reverse_kl for the limits)")
+        check_number("beta", beta, 0 < beta < 1,
+                     "in (0, 1) for kind='jsd' (use forward_kl / reverse_kl for the limits)")
     check_number("temperature", temperature, temperature > 0, "> 0")
     check_options(student_softcap, 0.0, chunk_size)
     check_options(teacher_softcap, 0.0)

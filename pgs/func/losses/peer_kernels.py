@@ -1,4 +1,5 @@
-"""Fused-kernel backends for plain cross-entropy: Liger and Apple's Cut Cross-Entropy (arXiv 2411.09009; docs/techniques/chunked_ce.md).
+"""Fused-kernel backends for plain cross-entropy: Liger and Apple's Cut Cross-Entropy (arXiv 2411.09009;
+docs/techniques/chunked_ce.md).
 
 Both are optional (``pip install 'pgs[gpu]'``), CUDA-only, and imported only when asked for.
 They return only the summed loss, so the token statistics (entropy, target probability,

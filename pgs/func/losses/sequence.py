@@ -196,7 +196,8 @@ def sequence_logps(
     if rows.numel():
         top = int(seq_valid.max())
         if top >= num_sequences:
-            raise InvalidArgument(f"seq_ids: a completion token has sequence id {top}, but num_sequences={num_sequences}")
+            raise InvalidArgument(f"seq_ids: a completion token has sequence id {top}, "
+                                  f"but num_sequences={num_sequences}")
         y_valid = y.index_select(0, rows)
         lo, hi = int(y_valid.min()), int(y_valid.max())
         if lo < 0 or hi >= weight.shape[0]:

@@ -92,7 +92,8 @@ def packing_isolation(model_or_config) -> IsolationVerdict:
         if not LA.isolated(model_or_config):
             return IsolationVerdict(
                 False, "its linear-attention layers were not given document boundaries "
-                "(build it with pgs.runtime.model.build.build_model, or call pgs.runtime.model.linear_attention.isolate)"
+                "(build it with pgs.runtime.model.build.build_model, "
+                "or call pgs.runtime.model.linear_attention.isolate)"
             )
     return IsolationVerdict(True)
 

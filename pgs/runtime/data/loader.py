@@ -422,7 +422,8 @@ class StepLoader:
     def __init__(self, stream: TrainStream, micro_batch: int, grad_accum: int, device: torch.device | str, *,
                  ahead: int | None = None, threaded: bool = True, worker: str = "process",
                  stall_timeout: float | None = 600.0):
-        checked = [("micro_batch", micro_batch), ("grad_accum", grad_accum)] + ([] if ahead is None else [("ahead", ahead)])
+        checked = ([("micro_batch", micro_batch), ("grad_accum", grad_accum)]
+                   + ([] if ahead is None else [("ahead", ahead)]))
         for name, value in checked:
             if int(value) < 1:
                 raise ValueError(f"StepLoader: {name} must be >= 1, got {value}")

@@ -143,7 +143,8 @@ def pair_record(record: Any, origin: str) -> PairRecord:
     return PairRecord(prompt, chosen, rejected, tools, origin)
 
 
-def encode_arm(tokenizer, prompt: list[dict], arm: list[dict], tools, config: DataConfig) -> tuple[list[int], list[bool]]:
+def encode_arm(tokenizer, prompt: list[dict], arm: list[dict], tools,
+               config: DataConfig) -> tuple[list[int], list[bool]]:
     """Token ids and train mask of ``prompt + arm``: the arm's assistant turns only (SFT's masks)."""
     messages = prompt + arm
     text, spans = assistant_spans(tokenizer, messages, tools, supervise_empty_think=config.supervise_empty_think)

@@ -4,8 +4,8 @@
 lists, tuples, NamedTuples and attrs classes such as ``PackedBatch`` holding tensors;
 other leaves pass through).  On CUDA it keeps one batch in flight: each batch's tensors are
 pinned in host memory and copied with ``non_blocking=True`` on a side stream, so the PCIe
-transfer of batch k+1 overlaps the forward and backward of batch k.  Handing a batch out makes the compute stream wait for
-its copy (an event, not a host sync) and records the tensors on the compute stream so the
+transfer of batch k+1 overlaps the forward and backward of batch k.  Handing a batch out makes
+the compute stream wait for its copy (an event, not a host sync) and records the tensors on the compute stream so the
 caching allocator does not reuse their memory early.
 
 On a CPU device (or without CUDA) it is a passthrough that yields the batches unchanged, in

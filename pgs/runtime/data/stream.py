@@ -129,7 +129,8 @@ class TrainStream:
         self.rank = rank
         self.world_size = world_size
         self.pack_window = int(pack_window)
-        self.window_tokens = int(window_tokens) if window_tokens is not None else default_window_tokens(config.max_seq_len)
+        self.window_tokens = (int(window_tokens) if window_tokens is not None
+                              else default_window_tokens(config.max_seq_len))
         self.stats = DataStats()
         self._sources = [SourceIndex(s, config.on_bad_record, self.stats) for s in config.sources]
         self._order = MixedOrder([len(s) for s in self._sources], [s.weight for s in config.sources], config.seed)
@@ -220,7 +221,8 @@ class TrainStream:
     def _fingerprint(self) -> dict:
         c = self.config
         return {
-            "sources": [f"{s.path}|{s.format}|{s.weight!r}|{len(i)}" + "".join(f"|{k}={v}" for k, v in s.fields().items())
+            "sources": [f"{s.path}|{s.format}|{s.weight!r}|{len(i)}"
+                        + "".join(f"|{k}={v}" for k, v in s.fields().items())
                         for s, i in zip(c.sources, self._sources)],
             "content": [i.digest for i in self._sources],  # each source's bytes (sources.content_digest)
             "seed": c.seed,

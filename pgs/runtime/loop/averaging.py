@@ -69,9 +69,10 @@ class AveragingSpec:
         master weights (kept by gradient release) would overwrite at the next step; the EMA is
         one process's (``WORLD_SIZE = 1``), checked by ``pgs run`` when it knows the processes."""
         if self.merge != "none" and spec.memory.master_weights != "none":
-            raise SpecError(f"averaging.merge: {self.merge!r} writes the model's weights, but memory.master_weights = "
-                            f"{spec.memory.master_weights!r} keeps the weights the optimizer steps elsewhere (the merge "
-                            "would be undone at the next step); set averaging.merge = \"none\" or master_weights = \"none\"")
+            raise SpecError(f"averaging.merge: {self.merge!r} writes the model's weights, "
+                            f"but memory.master_weights = {spec.memory.master_weights!r} keeps the weights "
+                            "the optimizer steps elsewhere (the merge would be undone at the next step); "
+                            "set averaging.merge = \"none\" or master_weights = \"none\"")
 
 
 class WeightAverager:

@@ -220,7 +220,8 @@ class DistillSpec:
         if self.teacher_config is not None and not isinstance(self.teacher_config.get("model_type"), str):
             raise SpecError("distill.teacher_config.model_type: needed (a string such as \"qwen3\")")
         if self.beta is not None and self.kind != "jsd":
-            raise SpecError(f"distill.beta: {self.beta!r} has no effect with kind = {self.kind!r} (only kind = 'jsd' reads it)")
+            raise SpecError(f"distill.beta: {self.beta!r} has no effect with kind = {self.kind!r} "
+                            "(only kind = 'jsd' reads it)")
         _check_generation(self.generation)
 
     @property

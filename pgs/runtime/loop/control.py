@@ -157,7 +157,8 @@ def write_json_atomic(path: str, payload: dict) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def halt(run_dir: str, reason: str, *, step: int, exit_code: int = EXIT_SKIP_CAP, details: dict | None = None) -> HaltError:
+def halt(run_dir: str, reason: str, *, step: int, exit_code: int = EXIT_SKIP_CAP,
+         details: dict | None = None) -> HaltError:
     """Write ``<run_dir>/HALT.json`` (atomically) and return the ``HaltError`` to raise."""
     payload = {
         "reason": reason,

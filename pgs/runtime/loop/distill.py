@@ -171,7 +171,8 @@ class DistillObjective:
 
     def _collate(self, docs: list[Document], device: torch.device) -> PackedBatch:
         if self.spec.data.packing:
-            rows = [[docs[i] for i in b] for b in best_fit_decreasing([len(d) for d in docs], self.spec.data.max_seq_len)]
+            bins = best_fit_decreasing([len(d) for d in docs], self.spec.data.max_seq_len)
+            rows = [[docs[i] for i in b] for b in bins]
         else:
             rows = [[d] for d in docs]
         b = collate(rows or [[]], self.pad_id)

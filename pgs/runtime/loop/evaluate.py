@@ -24,7 +24,8 @@ from pgs.runtime.model.generate import GenerationSettings, generate
 
 
 @torch.no_grad()
-def eval_loss(model, batches, *, backend: str = "chunked", chunk_size: int = 1024, max_batches: int | None = None) -> dict:
+def eval_loss(model, batches, *, backend: str = "chunked", chunk_size: int = 1024,
+              max_batches: int | None = None) -> dict:
     """``{"eval_loss": Σ loss / Σ valid, "eval_tokens": Σ valid}`` over ``batches``."""
     was_training = model.training
     model.eval()

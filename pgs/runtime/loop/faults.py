@@ -54,7 +54,8 @@ class Faults:
     on_attempt: int | None = None
     attempt: int = 1
     nan_rank: int | None = None
-    pause_at: tuple | None = attrs.field(default=None, converter=lambda v: None if v is None else (int(v[0]), str(v[1])))
+    pause_at: tuple | None = attrs.field(default=None,
+                                         converter=lambda v: None if v is None else (int(v[0]), str(v[1])))
 
     def _active(self) -> bool:
         return self.on_attempt is None or self.on_attempt == self.attempt

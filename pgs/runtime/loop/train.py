@@ -137,7 +137,8 @@ def configure_allocator(device: torch.device, limit_gib: float = 0.0) -> None:
                         f"{total / 2**30:.1f} GiB ({torch.cuda.get_device_name(index)})")
     if not process.variable("PYTORCH_CUDA_ALLOC_CONF"):
         # the accelerator-wide setter where torch has it (the CUDA one warns that it is deprecated)
-        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+        setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+                  or torch.cuda.memory._set_allocator_settings)
         setter("expandable_segments:True" + (",garbage_collection_threshold:0.9" if limit_gib else ""))
     if limit_gib:
         torch.cuda.set_per_process_memory_fraction(limit_gib * 2**30 / total, index)
@@ -317,10 +318,10 @@ def _micro_batches(run: Run, batches, n_mean: int, poison: bool) -> tuple[list, 
     for batch in batches:
         if run.bound.in_backward:  # the update runs inside backward: agree on the loss before it
             pending, e = _forward(run, batch, poison)
-            l = pending.detach()
+            loss = pending.detach()
         else:
-            l, e = _loss(run, batch, n_mean, poison)
-        loss_parts.append(l)
+            loss, e = _loss(run, batch, n_mean, poison)
+        loss_parts.append(loss)
         stat_parts.append(e)
     return loss_parts, stat_parts, pending
 

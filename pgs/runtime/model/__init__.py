@@ -1,1 +1,2 @@
-"""The model side: building a HF causal LM, packed attention, layer wrapping (activation checkpointing, compile, Liger), tiled MLP."""
+"""The model side: building a HF causal LM, packed attention, layer wrapping (activation checkpointing,
+compile, Liger), tiled MLP."""

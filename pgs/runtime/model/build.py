@@ -27,8 +27,9 @@ from torch import Tensor
 
 from pgs.errors import SpecError
 from pgs.runtime.model import linear_attention
-from pgs.runtime.model.attention import boundary_kwargs, hf_implementation, packed_kwargs, set_varlen_kernel, uses_varlen
-from pgs.runtime.model.loading import config_from_table, load_tokenizer as load
+from pgs.runtime.model.attention import (boundary_kwargs, hf_implementation, packed_kwargs, set_varlen_kernel,
+                                        uses_varlen)
+from pgs.runtime.model.loading import config_from_table
 from pgs.runtime.model.moe import check_experts_implementation, experts_implementation as experts_choice
 
 DTYPES = {
@@ -233,8 +234,8 @@ def base_hidden(model, input_ids: Tensor, position_ids: Tensor, *, embed_noise=N
     ``position_ids`` restart at each document; no attention mask and no cache, so that
     transformers isolates the documents (with ``attn_implementation = "varlen"`` the boundaries
     go to the packed-attention kernel instead, see ``pgs.runtime.model.attention``; a model with
-    linear-attention layers gets them too, see ``pgs.runtime.model.linear_attention``).  ``embed_noise(embeds) -> embeds`` (NEFTune) is
-    applied to the input embeddings when given.
+    linear-attention layers gets them too, see ``pgs.runtime.model.linear_attention``).
+    ``embed_noise(embeds) -> embeds`` (NEFTune) is applied to the input embeddings when given.
     """
 
     base = model.base_model

@@ -104,7 +104,8 @@ def _template_mismatch(student, teacher, conversations: Iterable[dict], names=("
             a, b = _render(student, conversation, generation_prompt), _render(teacher, conversation, generation_prompt)
             if a == b:
                 continue
-            what = f"chat rendering of sample conversation {index}" + (" (generation prompt)" if generation_prompt else "")
+            what = (f"chat rendering of sample conversation {index}"
+                    + (" (generation prompt)" if generation_prompt else ""))
             if isinstance(a, tuple) or isinstance(b, tuple):
                 fail = names[0] if isinstance(a, tuple) else names[1]
                 err = a if isinstance(a, tuple) else b

@@ -31,7 +31,8 @@ from pgs.errors import SpecError
 from pgs.runtime import process
 
 #: ``org/name`` or ``org/name@revision`` (the hub's own rules for repository names).
-HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*)(?:@(?P<rev>[A-Za-z0-9_.\-/]+))?$")
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*)"
+                    r"(?:@(?P<rev>[A-Za-z0-9_.\-/]+))?$")
 
 #: What a model folder needs from a repository (the rest, e.g. original/*.pth, is not fetched).
 MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
@@ -153,7 +154,8 @@ def resolve(value: str, field: str, kind: str = "model", trust_remote_code: bool
     except HFValidationError as err:
         raise SpecError(f"{field}: {value!r} is not a hub name ({_first_line(err)})") from None
     except Exception as err:  # the hub's HTTP errors, a full disk: the user's environment, one line
-        raise SpecError(f"{field}: cannot download {at} from the hub ({type(err).__name__}: {_first_line(err)})") from None
+        raise SpecError(f"{field}: cannot download {at} from the hub "
+                        f"({type(err).__name__}: {_first_line(err)})") from None
     folder = str(folder)
     commit = os.path.basename(os.path.normpath(folder))
     missing = _missing(folder, kind)

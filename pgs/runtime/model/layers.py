@@ -32,7 +32,6 @@ backward) and what ``torch.compile`` traces.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 from typing import Any, Sequence
@@ -453,7 +452,8 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, 
         raise InvalidArgument(f"apply_activation_checkpointing: offload={offload!r}: True, False, or the layers "
                               "to fetch ahead (an int >= 1; 0 is off)")
     if offload and policy not in ("full", "sublayer"):
-        raise InvalidArgument(f"apply_activation_checkpointing: offload=True needs policy \"full\" or \"sublayer\", got {policy!r} "
+        raise InvalidArgument("apply_activation_checkpointing: offload=True needs policy \"full\" or \"sublayer\", "
+                              f"got {policy!r} "
                               "(a selective policy replays the recompute's ops against the forward's, and the "
                               "copy back from the host is one more op)")
     remove_activation_checkpointing(model)

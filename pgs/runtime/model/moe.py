@@ -113,7 +113,8 @@ def check_experts_implementation(model, name: str | None) -> None:
     if name is None:
         return
     if not any(has_experts(type(m)) for m in model.modules()):
-        raise SpecError(f"model.experts_implementation: {name!r}: {type(model).__name__} has no mixture-of-experts layers "
+        raise SpecError(f"model.experts_implementation: {name!r}: {type(model).__name__} "
+                        "has no mixture-of-experts layers "
                         "(leave it \"auto\")")
     used = getattr(model.config, "_experts_implementation", None)
     if used != name:
@@ -337,7 +338,8 @@ class RouterTap:
             "moe/z_loss": router_z_loss(z_sum, tokens).mean(),
             "moe/max_vio": vio.mean(),
             "moe/max_vio_worst": vio.max(),
-            "moe/max_vio_layer": layer_ids.gather(0, vio.argmax().reshape(1)).reshape(()),  # a tensor index: no host read
+            # a tensor index: no host read
+            "moe/max_vio_layer": layer_ids.gather(0, vio.argmax().reshape(1)).reshape(()),
             "moe/utilization": util.mean(),
             "moe/utilization_worst": util.min(),
             "moe/dead_frac": dead.mean(),

@@ -12,5 +12,5 @@ from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.optim.sharded_bind import ShardedBoundOptimizer, bind_sharded
 from pgs.runtime.optim.sharded_release import ShardedGradientRelease
 
-__all__ = ["BoundOptimizer", "GradientRelease", "OffloadedRelease", "Optimizer", "ShardedBoundOptimizer", "ShardedGradientRelease",
-           "StepMetrics", "bind", "bind_sharded", "make_optimizer"]
+__all__ = ["BoundOptimizer", "GradientRelease", "OffloadedRelease", "Optimizer", "ShardedBoundOptimizer",
+           "ShardedGradientRelease", "StepMetrics", "bind", "bind_sharded", "make_optimizer"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 

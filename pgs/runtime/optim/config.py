@@ -101,11 +101,11 @@ class MemorySpec:
     (``"layer"``, ``"sublayer"`` or ``"parameter"``) is what steps together inside backward: a
     decoder layer's parameters, its MLP half and its attention half apart (the MLP's gradients
     are stepped before the attention's backward runs), or each parameter as soon as its
-    gradient exists (a layer's gradients then never all exist at once).  ``mlp_tiles`` (0: off) computes each decoder layer's gated MLP in that
-    many token slices, forward and backward (``pgs.runtime.model.tiled_mlp``): the MLP's
-    [tokens, intermediate] tensors never exist whole.  ``offload_optimizer`` keeps each release
-    group's chain state in pinned host memory and streams it through device staging slots
-    inside backward (``pgs.runtime.optim.offload``; gradient release, one process).
+    gradient exists (a layer's gradients then never all exist at once).  ``mlp_tiles`` (0: off)
+    computes each decoder layer's gated MLP in that many token slices, forward and backward
+    (``pgs.runtime.model.tiled_mlp``): the MLP's [tokens, intermediate] tensors never exist whole.
+    ``offload_optimizer`` keeps each release group's chain state in pinned host memory and streams
+    it through device staging slots inside backward (``pgs.runtime.optim.offload``; gradient release, one process).
     ``device_limit_gib`` (0: none) caps what CUDA's caching allocator may reserve on the device,
     as on a card of that size: past the cap it returns its cached free blocks to the driver
     and retries instead of reserving more, and a step that needs more than the cap fails as

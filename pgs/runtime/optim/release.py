@@ -126,7 +126,8 @@ def sublayer_group_of(name: str) -> str:
 SMALL_PARAMETER = 65536
 
 
-def group_parameters(names, groups: str | Callable[[str], str] = "layer", sizes: dict | None = None) -> dict[str, list[str]]:
+def group_parameters(names, groups: str | Callable[[str], str] = "layer",
+                     sizes: dict | None = None) -> dict[str, list[str]]:
     """``{group: [parameter names]}`` in the parameters' order.
 
     ``groups``: ``"layer"`` (a decoder layer's parameters step together; the others alone),

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist

@@ -49,7 +49,7 @@ equal the non-release sharded run bit for bit (tests/integration/test_fsdp_relea
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist

@@ -51,7 +51,8 @@ def parse_answer(text: str, end_of_turn: str | None = None) -> dict:
             bad.append(body)
             continue
         if isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments", {}), dict):
-            calls.append({"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}})
+            calls.append({"type": "function",
+                          "function": {"name": call["name"], "arguments": call.get("arguments", {})}})
         else:
             bad.append(body)
     content = _TOOL_CALL.sub(lambda m: m.group(0) if m.group(1) in bad else "", text).strip()

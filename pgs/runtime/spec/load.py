@@ -4,7 +4,8 @@
 checks every field (unknown keys with a suggestion, types, ranges, conflicts, files that must
 exist, transform names and their arguments) and returns a frozen :class:`Spec` whose paths are
 absolute.  Nothing here touches a model or reads training data; ``pgs validate`` and ``pgs
-run`` do that on top, through the same checks (``pgs.runtime.spec.preflight``).  Every problem is a ``SpecError`` naming the dotted field.
+run`` do that on top, through the same checks (``pgs.runtime.spec.preflight``).  Every problem is
+a ``SpecError`` naming the dotted field.
 
 Each section's typed config lives next to its component's code (``pgs.runtime.spec.sections``
 says which is where, and re-exports them, as does this module); the rules that read several
@@ -539,7 +540,8 @@ def check_world_size(train: TrainSpec, world: int, context: int = 1) -> None:
         raise SpecError(
             f"train.batch_size: {train.batch_size} sequences per step do not split evenly over "
             f"{world} processes x train.grad_accum = {train.grad_accum} micro-batches; use a multiple of "
-            f"{train.grad_accum * world} (batch_size is global: each rank gets batch_size / (grad_accum x processes) rows)")
+            f"{train.grad_accum * world} "
+            "(batch_size is global: each rank gets batch_size / (grad_accum x processes) rows)")
 
 
 def _check_schedule_fields(schedule: ScheduleSpec, table: dict) -> None:

@@ -399,7 +399,8 @@ def teacher_config(spec, tokenizer):
         table.setdefault("vocab_size", len(tokenizer))
         return config_from_table(table)
     except SpecError as err:
-        text = str(err).replace("model.path", "distill.teacher_path", 1).replace("model.config", "distill.teacher_config", 1)
+        text = (str(err).replace("model.path", "distill.teacher_path", 1)
+                .replace("model.config", "distill.teacher_config", 1))
         raise SpecError(text) from None
 
 

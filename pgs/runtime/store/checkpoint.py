@@ -465,7 +465,8 @@ def load_model_state(model, tensors: Mapping[str, torch.Tensor], aliases: dict[s
         if name in tensors:
             source = tensors[name]
             if source.shape != target.shape:
-                raise CheckpointError(f"model weight {name}: shape {tuple(source.shape)}, expected {tuple(target.shape)}")
+                raise CheckpointError(f"model weight {name}: shape {tuple(source.shape)}, "
+                                      f"expected {tuple(target.shape)}")
             target.copy_(source.to(dtype=target.dtype, device=target.device))
             del source
 

@@ -393,8 +393,9 @@ def predict_memory(
     out = {**dict.fromkeys(CATEGORIES, 0), "weights": model_bytes(model), "frozen_models": int(frozen_weights)}
     binder = binder_memory(model, params, chain=chain, state_bytes_per_param=state_bytes_per_param,
                            gradient_release=gradient_release, release_groups=release_groups,
-                           master_weights=master_weights, offload_optimizer=offload_optimizer, offload_slots=offload_slots,
-                           tied_slabs=tied_slabs, fused_update=fused_update, head_shape=(c.vocab_size, c.hidden_size))
+                           master_weights=master_weights, offload_optimizer=offload_optimizer,
+                           offload_slots=offload_slots, tied_slabs=tied_slabs, fused_update=fused_update,
+                           head_shape=(c.vocab_size, c.hidden_size))
     out.update({k: binder[k] for k in ("master_weights", "optimizer_state", "gradients", "temporaries")})
     kept, recompute = activation_parts(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
                                        every=checkpoint_every, gqa_native=gqa_native, offload=checkpoint_offload,

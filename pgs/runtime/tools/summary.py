@@ -88,7 +88,8 @@ def run_summary(spec, code: int, command: list[str]) -> list[str]:
     metric = spec.checkpoint.best_metric
     if metric and os.path.isdir(best):
         info = _export_info(best)
-        rows.append(("best", f"{_where(best)}  (step {info.get('step', '?')}, {metric} {_number(info.get(metric, '?'))})"))
+        rows.append(("best", f"{_where(best)}  "
+                             f"(step {info.get('step', '?')}, {metric} {_number(info.get(metric, '?'))})"))
     checkpoint = _newest_checkpoint(run_dir)
     if checkpoint is not None:
         rows.append(("checkpoint", _where(checkpoint)))

@@ -46,7 +46,8 @@ def print_summary(spec, facts: dict) -> None:
     table.add_column("value")
     m, t, s = spec.model, spec.train, spec.schedule
     table.add_row("model", _named(spec, "model.path", m.path or "random init") + f"  [{facts.get('model', '')}]")
-    table.add_row("parameters", facts.get("parameters", "?") + (f", frozen {facts['frozen']}" if "frozen" in facts else ""))
+    table.add_row("parameters", facts.get("parameters", "?")
+                  + (f", frozen {facts['frozen']}" if "frozen" in facts else ""))
     table.add_row("dtype / attention", f"{m.dtype} / {m.attn_implementation}"
                   + (f" ({m.varlen_kernel} kernel)" if m.varlen_kernel != "auto" else "")
                   + (f" / experts {m.experts_implementation}" if m.experts_implementation != "auto" else ""))
