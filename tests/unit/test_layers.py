@@ -236,3 +236,21 @@ def test_cli_imports_no_torch():
     code = "import sys, pgs.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _function_lengths() -> list[tuple[int, str, str]]:
+    """``(lines, file, name)`` of every function in pgs, docstrings included, longest first."""
+    rows = []
+    for path in sorted((ROOT / "pgs").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                rows.append((node.end_lineno - node.lineno + 1, str(path.relative_to(ROOT)), node.name))
+    return sorted(rows, reverse=True)
+
+
+def test_functions_read_on_one_screen_or_two():
+    """No function in pgs over 120 lines; the training loop's module under 80 a function (it reads
+    top to bottom: each service's cadence is the service's own)."""
+    rows = _function_lengths()
+    assert [r for r in rows if r[0] > 120] == []
+    assert [r for r in rows if r[1] == "pgs/runtime/loop/train.py" and r[0] > 80] == []

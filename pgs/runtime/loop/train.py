@@ -144,6 +144,29 @@ def configure_allocator(device: torch.device, limit_gib: float = 0.0) -> None:
         torch.cuda.set_per_process_memory_fraction(limit_gib * 2**30 / total, index)
 
 
+def _process_layout(spec, ctx: D.DistContext | None, world: int):
+    """What several processes need of the spec, checked; this rank's part of each row with
+    ``[parallel] context > 1`` (ring attention, dist/context.py: the rest is data parallel), else None.
+    ``ctx``: the distributed context of a sharded run (None: one process)."""
+    cp = spec.parallel.context
+    if cp > 1:
+        chosen = objective_class(spec)
+        if not chosen.splits_rows:
+            raise SpecError(f"parallel.context: a [{chosen.section}] run needs whole sequences on each rank "
+                            "(set parallel.context = 1)")
+        if spec.loss.embedding_noise() is not None:
+            raise SpecError("parallel.context: not with embedding noise (loss.neftune_alpha, loss.symnoise_alpha: "
+                            "they read whole rows)")
+        if ctx is None:
+            raise SpecError(f"parallel.context: {cp} ranks per sequence need pgs run --nproc N (N a multiple of {cp})")
+    if ctx is None:
+        return None
+    check_world_size(spec.train, world, cp)
+    if spec.averaging is not None:
+        raise SpecError("averaging: weight averaging runs on one process for now (WORLD_SIZE = 1)")
+    return CP.make_shard(ctx.rank, world, cp, spec.parallel.layout) if cp > 1 else None
+
+
 def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) -> Run:
     """Model, tokenizer, bound optimizer and data stream of a fresh run (nothing restored).
 
@@ -162,23 +185,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         print(f"pgs: warning: {found.tokenizer_note}", file=sys.stderr, flush=True)
     mem = spec.memory
     cp = spec.parallel.context
-    shard = None
-    if cp > 1:  # ranks split each row: ring attention (dist/context.py); the rest is data parallel
-        chosen = objective_class(spec)
-        if not chosen.splits_rows:
-            raise SpecError(f"parallel.context: a [{chosen.section}] run needs whole sequences on each rank "
-                            "(set parallel.context = 1)")
-        if spec.loss.embedding_noise() is not None:
-            raise SpecError("parallel.context: not with embedding noise (loss.neftune_alpha, loss.symnoise_alpha: "
-                            "they read whole rows)")
-        if not sharded:
-            raise SpecError(f"parallel.context: {cp} ranks per sequence need pgs run --nproc N (N a multiple of {cp})")
-    if sharded:
-        check_world_size(spec.train, world, cp)
-        if spec.averaging is not None:
-            raise SpecError("averaging: weight averaging runs on one process for now (WORLD_SIZE = 1)")
-        if cp > 1:
-            shard = CP.make_shard(ctx.rank, world, cp, spec.parallel.layout)
+    shard = _process_layout(spec, ctx if sharded else None, world)
     seed_everything(spec.train.seed)
     device = ctx.device if sharded else run_device(spec.train.device)
     configure_allocator(device, spec.memory.device_limit_gib)

@@ -343,8 +343,7 @@ def predict_memory(
             ``apply_activation_checkpointing`` (``offload``).
         micro_batch_tokens: tokens in one forward (micro-batch × sequence length).
         loss: ``"chunked"`` (any backend that never holds [N, V]) or ``"dense"``.
-        experts_eager: a mixture-of-experts model runs transformers' ``eager`` expert loop,
-            which keeps one more [tokens·k, hidden] tensor per layer than ``grouped_mm``.
+        experts_eager: ``eager`` expert loop of a mixture-of-experts model (one more [tokens·k, hidden] per layer).
         loss_chunk: rows per chunk of the chunked loss.
         vocab: overrides the config's vocabulary size.
         trainable: ``name -> bool``; None trains every parameter.
