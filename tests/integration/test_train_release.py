@@ -211,7 +211,7 @@ def test_offload_prefetch_auto_is_two_where_the_optimizer_state_shares_the_copie
     int is taken as given; a bad value is one spec error naming the field."""
     from pgs.errors import SpecError
     from pgs.runtime.spec.load import load_spec
-    from pgs.runtime.optim.memory import prefetch_depth
+    from pgs.runtime.optim.config import prefetch_depth
 
     value = f'"{setting}"' if isinstance(setting, str) else str(setting)
     spec = load_spec(release_spec(tmp_path, "pf"), ['memory.activation_checkpointing="full"',

@@ -339,3 +339,19 @@ def test_a_spec_running_the_eager_expert_loop_is_predicted_its_extra_inputs(tmp_
     a = predict_memory(grouped["config"], **grouped["kwargs"])["activations"]
     b = predict_memory(eager["config"], **eager["kwargs"])["activations"]
     assert b - a == 8 * 2 * 2048 * 4096 * 16
+
+
+def test_the_tensor_meter_counts_no_fake_tensor_a_compile_left_alive():
+    """A compile with dynamic shapes leaves fake tensors of symbolic size alive (dynamo's graph
+    of the traced frame); the meter's baseline walk of every live tensor counts real storages
+    only, so its figures stay plain integers (they were SymFloats, which ``pgs profile --measure``
+    could not print, after any such compile in the same process)."""
+    from pgs.runtime.tools.profile import TensorMeter
+
+    f = torch.compile(lambda x: (x * 2).sum(), backend="eager", dynamic=True)
+    f(torch.ones(5))
+    f(torch.ones(7))
+    with TensorMeter(torch.device("cpu")) as meter:
+        kept = torch.ones(1024)
+    assert type(meter.current()) is int and type(meter.peak()) is int
+    assert meter.peak() >= kept.untyped_storage().nbytes()

@@ -36,7 +36,6 @@ are taken: their forward signature and kernel dispatch are the ones this module 
 
 from __future__ import annotations
 
-import functools
 import importlib
 import types
 
@@ -82,6 +81,8 @@ def isolate(model: nn.Module) -> int:
         if type(layer).__name__ not in GATED_DELTANET_CLASSES:
             continue
         if not getattr(layer, _MARK, False):
+            if not _PER_DOCUMENT:  # made here, not at import: torch.compiler.disable imports dynamo and Triton
+                _PER_DOCUMENT.append(torch.compiler.disable(_per_document))
             layer.forward = types.MethodType(packed_forward, layer)
             setattr(layer, _MARK, True)
         count += 1
@@ -89,6 +90,11 @@ def isolate(model: nn.Module) -> int:
         setattr(model, _WANTS, True)
         fused_available()  # the kernels looked for now, not inside a compiled layer
     return count
+
+
+#: :func:`_per_document` left out of ``torch.compile``'s graphs (a Python loop over a
+#: data-dependent number of documents); wrapped by :func:`isolate` when it installs the forward.
+_PER_DOCUMENT: list = []
 
 
 def isolated(model: nn.Module) -> bool:
@@ -140,15 +146,7 @@ def packed_forward(self, hidden_states: Tensor, **kwargs):
     rest = {k: v for k, v in kwargs.items() if k not in BOUNDARY_KEYS and k not in _EMPTY}
     if path(hidden_states.device) == "fused":
         return _fused(self, original, hidden_states, cu, rest)
-    return _uncompiled(_per_document)(self, original, hidden_states, cu, rest)
-
-
-@functools.cache
-def _uncompiled(fn):
-    """``fn`` left out of ``torch.compile``'s graphs (a Python loop over a data-dependent number
-    of documents), wrapped on first use: ``torch.compiler.disable`` imports dynamo (and Triton),
-    which a run of a model without these layers never needs."""
-    return torch.compiler.disable(fn)
+    return _PER_DOCUMENT[0](self, original, hidden_states, cu, rest)
 
 
 #: Keyword arguments a packed call hands on only when they are given (all None there).

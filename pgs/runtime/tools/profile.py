@@ -956,6 +956,8 @@ class TensorMeter(TorchDispatchMode):
         except (RuntimeError, NotImplementedError, TypeError):  # no storage (a wrapper subclass)
             return
         key, size = id(storage), storage.nbytes()
+        if not isinstance(size, int):  # a traced graph's fake tensor (symbolic size) that a compile left alive
+            return
         old = self._live.get(key)
         if old is None:
             self._finalizers[key] = weakref.finalize(storage, self._free, key)
