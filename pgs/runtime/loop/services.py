@@ -189,7 +189,7 @@ SERVICES: tuple[type[Service], ...] = (FaultService, ProfilerService, AveragingS
 def service_memory(spec, plan: dict) -> dict[str, int]:
     """The bytes the services hold for ``spec`` (``plan``: ``pgs.runtime.tools.profile.plan_from_spec``'s),
     summed over :data:`SERVICES`' ``memory_estimate``: ``device`` joins the predicted peak,
-    ``host`` the host memory ``pgs validate`` and ``pgs run`` check (``tools/resources.predict``)."""
+    ``host`` the host memory ``pgs validate`` and ``pgs run`` check (``tools/profile.predict``)."""
     total = {"device": 0, "host": 0}
     for cls in SERVICES:
         for where, nbytes in cls.memory_estimate(spec, plan).items():
