@@ -235,7 +235,7 @@ def test_transforms_are_looked_up_dynamically(spec_file: Path, monkeypatch):
 
 def test_loss_objective(spec_file: Path):
     spec = load_spec(spec_file, ['loss.objective="deformed_log"', "loss.args={ alpha = 0.5 }"])
-    assert spec.build_objective().alpha == 0.5
+    assert spec.build_token_loss().alpha == 0.5
     with pytest.raises(SpecError, match="loss.z_loss"):
         load_spec(spec_file, ['loss.backend="cce"', "loss.z_loss=1e-4"])
 

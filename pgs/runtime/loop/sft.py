@@ -53,7 +53,7 @@ class SFTObjective:
         self.spec = spec
         self.tokenizer = tokenizer
         self.stream = stream
-        self.token_objective = spec.build_objective()  # the [loss] objective (pgs.func.losses)
+        self.token_objective = spec.build_token_loss()  # the [loss] objective (pgs.func.losses)
         self._generators = embedding_noise_generator(spec, device)
         self.entropy_low = False
 

@@ -241,7 +241,7 @@ def build_chain(spec: Spec, total_steps: int | None = None, schedule=None):
     return alias
 
 
-def build_objective(loss):
+def build_token_loss(loss):
     """The ``[loss]`` objective instance, with ``loss.args`` checked against its class."""
 
     if loss.objective not in OBJECTIVES:
@@ -266,7 +266,7 @@ def check_loss(loss) -> None:
     if loss.backend not in BACKENDS:
         raise SpecError(f"loss.backend: {loss.backend!r} is not one of {', '.join(BACKENDS)}"
                         f"{suggest(loss.backend, BACKENDS)}")
-    objective = build_objective(loss)
+    objective = build_token_loss(loss)
     if getattr(objective, "q_source", "live") == "reference":
         raise SpecError("loss.args.q_source: \"reference\" needs log-probs of a frozen reference model per token, "
                         "which pgs run does not compute; use q_source = \"live\" (the default: q from the model "

@@ -30,7 +30,7 @@ from pgs.runtime import userpath
 from pgs.runtime.data.config import DataConfig, DataSource
 from pgs.runtime.data.templates import resolve_chat_template
 from pgs.runtime.model.hub import parse as hub_name, resolve as resolve_hub
-from pgs.runtime.spec.chain import build_chain, build_objective, build_schedule, check_spec
+from pgs.runtime.spec.chain import build_chain, build_schedule, build_token_loss, check_spec
 from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     ASSET_PREFIX,
     ASSETS_DIR,
@@ -118,10 +118,11 @@ class Spec:
 
         return pf.compile(chain, jit=self.optimizer.jit)
 
-    def build_objective(self):
-        """The ``[loss]`` objective instance (``pgs.func.losses``), with ``loss.args``."""
+    def build_token_loss(self):
+        """The ``[loss]`` token objective instance (``pgs.func.losses``), with ``loss.args``.
+        (What a run trains, SFT or preference or distillation, is ``loop.objective.build_objective``.)"""
 
-        return build_objective(self.loss)
+        return build_token_loss(self.loss)
 
     def to_dict(self) -> dict:
         """The spec as plain TOML-ready data (None fields left out)."""

@@ -1002,7 +1002,7 @@ def objective_label(spec) -> str:
     if spec.distill is not None:
         d = spec.distill
         return f"distill ({d.kind}, teacher in {d.teacher_dtype}, on_policy {d.on_policy:g})"
-    return f"sft ({spec.build_objective().name})"
+    return f"sft ({spec.build_token_loss().name})"
 
 
 def _objective_text(spec, objective) -> str:
@@ -1015,7 +1015,7 @@ def _objective_text(spec, objective) -> str:
         teacher = sum(t.numel() for t in objective.teacher.parameters())
         sampled = "every step on-policy" if d.on_policy > 0 else "off-policy"
         return f"distill ({d.kind}, teacher {teacher:,} parameters in {d.teacher_dtype}, {sampled})"
-    return f"{objective.name} ({spec.build_objective().name})" if objective.name == "sft" else objective.name
+    return f"{objective.name} ({spec.build_token_loss().name})" if objective.name == "sft" else objective.name
 
 
 def _batch_text(objective, batches, extra: dict) -> str:
