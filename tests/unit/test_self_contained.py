@@ -56,6 +56,18 @@ def _text(path: Path) -> str | None:
     return data.decode("utf-8", errors="replace")
 
 
+def _texts(suffix: str, top: str | None = None):
+    """``(path relative to the root, text)`` of every tracked text file ending in ``suffix``
+    (below the top folder ``top``, when given)."""
+    for path in _tracked():
+        rel = path.relative_to(ROOT)
+        if path.suffix != suffix or (top is not None and rel.parts[0] != top):
+            continue
+        text = _text(path)
+        if text is not None:
+            yield rel, text
+
+
 def _lines_matching(text: str, pattern: re.Pattern) -> list[int]:
     return [i for i, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
 
@@ -78,13 +90,7 @@ def test_no_reference_to_files_outside_the_repository():
 
 def test_docs_named_by_the_source_exist():
     missing = []
-    for path in _tracked():
-        rel = path.relative_to(ROOT)
-        if rel.parts[0] != "pgs" or path.suffix != ".py":
-            continue
-        text = _text(path)
-        if text is None:
-            continue
+    for rel, text in _texts(".py", "pgs"):
         for n, line in enumerate(text.splitlines(), 1):
             for m in DOC_PATH.finditer(line):
                 if not (ROOT / m.group(0)).is_file():
@@ -94,19 +100,13 @@ def test_docs_named_by_the_source_exist():
 
 def test_links_between_docs_resolve():
     missing = []
-    for path in _tracked():
-        rel = path.relative_to(ROOT)
-        if path.suffix != ".md":
-            continue
-        text = _text(path)
-        if text is None:
-            continue
+    for rel, text in _texts(".md"):
         for n, line in enumerate(text.splitlines(), 1):
             for m in MD_LINK.finditer(line):
                 target = m.group(1)
                 if "://" in target:
                     continue
-                if not (path.parent / target).resolve().is_file():
+                if not (ROOT / rel.parent / target).resolve().is_file():
                     missing.append(f"{rel}:{n}: link to {target} does not resolve")
             if rel.parts[0] == "docs":
                 for m in DOC_PATH.finditer(line):
@@ -120,15 +120,7 @@ MACHINE = re.compile(r"\b(H100|H200|A100|RTX ?\d{4})\b")
 
 
 def test_source_names_no_particular_machine():
-    found = []
-    for path in _tracked():
-        rel = path.relative_to(ROOT)
-        if rel.parts[0] != "pgs" or path.suffix != ".py":
-            continue
-        text = _text(path)
-        if text is None:
-            continue
-        found += [f"{rel}:{n}" for n in _lines_matching(text, MACHINE)]
+    found = [f"{rel}:{n}" for rel, text in _texts(".py", "pgs") for n in _lines_matching(text, MACHINE)]
     assert not found, "machine figures belong in docs/performance.md, not in source:\n" + "\n".join(found)
 
 
