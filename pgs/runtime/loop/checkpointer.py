@@ -13,7 +13,6 @@ A background save's ``checkpoint`` event is logged when every process has seen i
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -26,18 +25,7 @@ from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop import control
 from pgs.runtime.loop.averaging import CHECKPOINT_FILE as AVERAGING_FILE
 from pgs.runtime.store import background, checkpoint as ckpt, dcp
-from pgs.runtime.optim.bound import BoundOptimizer
-from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.store.export import export_hf
-
-
-def eval_point(run):
-    """Inside: the weights to evaluate and export, those the optimizer steps or a schedule-free
-    chain's averaged point x (``BoundOptimizer.eval_weights``, ``GradientRelease.eval_weights``);
-    after: the stepped ones."""
-    if isinstance(run.bound, (BoundOptimizer, GradientRelease)):
-        return run.bound.eval_weights()
-    return contextlib.nullcontext()
 
 
 def export(run, out_dir: str, info: dict) -> None:
@@ -220,13 +208,13 @@ class Checkpointer:
         metric = self.best_metric
         if metric and metric in result and _improves(metric, result[metric], run.best):
             run.best, run.best_step = float(result[metric]), run.step
-            with eval_point(run):
+            with run.bound.eval_weights():  # a schedule-free chain's x
                 export(run, os.path.join(run.run_dir, "best"), {"step": run.step, metric: run.best})
 
     def finish(self, run) -> None:
         """``final/``: the model after the last step (``checkpoint.export``)."""
         if self.exports:
-            with eval_point(run):
+            with run.bound.eval_weights():  # a schedule-free chain's x
                 export(run, os.path.join(run.run_dir, "final"), {"step": run.step})
 
     def close(self, run) -> None:

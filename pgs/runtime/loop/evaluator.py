@@ -5,7 +5,6 @@ checkpointer).  The eval functions themselves are ``pgs.runtime.loop.evaluate``.
 
 from __future__ import annotations
 
-from pgs.runtime.loop.checkpointer import eval_point
 from pgs.runtime.loop.msft import source_eval_losses
 
 
@@ -39,7 +38,7 @@ class Evaluator:
     def run(self, run, services=(), checkpointer=None) -> dict:
         """Evaluate, let the services add to the record (``eval_record``) and react to it
         (``after_eval``), log it, and keep the best model."""
-        with eval_point(run):
+        with run.bound.eval_weights():  # a schedule-free chain is evaluated at its x
             result = evaluate(run)
         for service in services:
             service.eval_record(run, result)

@@ -27,7 +27,7 @@ profile`` call it.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ContextManager, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -104,6 +104,11 @@ class Optimizer(Protocol):
 
     def state_bytes(self) -> int:
         """Bytes the optimizer holds beyond the model (chain state, fp32 masters)."""
+
+    def eval_weights(self) -> ContextManager[None]:
+        """Inside: the parameters hold the point the model is evaluated and exported at (a
+        schedule-free chain's x, ``pf.schedule_free_eval_params``); after: the parameters it
+        steps, bit for bit.  A chain that evaluates where it steps moves nothing."""
 
 
 def step_metrics(state: Any, chain: pf.Transform, *, tensors: bool = False) -> StepMetrics:

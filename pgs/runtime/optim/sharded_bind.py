@@ -30,6 +30,7 @@ example block-wise 8-bit codes of a shard) under a per-rank key.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Callable, Sequence
@@ -284,6 +285,11 @@ class ShardedBoundOptimizer:
     def grad_norm(self) -> float:
         """The global norm of the current gradients over all shards (fp32)."""
         return float(pf.global_norm(self._local_grads(), None, self.reduce_sum if self.group is not None else None))
+
+    def eval_weights(self) -> contextlib.AbstractContextManager[None]:
+        """The weights as they are: several processes evaluate where they step (a schedule-free
+        chain, whose x differs, is refused there by ``make_optimizer``)."""
+        return contextlib.nullcontext()
 
     def metrics(self, *, tensors: bool = False) -> StepMetrics:
         """As ``BoundOptimizer.metrics`` (0-d state leaves are the same on every rank)."""
