@@ -24,6 +24,10 @@ every setup, so partial results survive):
    the interrupted run's, and beside the uninterrupted setup earlier in the same call the largest
    loss differences (after the resume, and run to run before it) and whether the final weights
    are equal.
+7. ``pgs_32b``, ``pgs_14b`` and ``pgs_14b_save``: ``specs/qwen3_32b_one_gpu.toml`` (every weight
+   of a Qwen3-32B trained on one card) and the same recipe at Qwen3-14B's shape, the first two
+   without a checkpoint at the end (``checkpoint.last = false``: a 32B checkpoint is 92 GiB),
+   the third with one (its ``checkpoint`` event times the save).
 
 For the ``pgs run`` setups: tokens/s is ``bench/product.py``'s "mean" over steps
 ``--skip``+1 to N (the run's own step records), max allocated / reserved are the run's
@@ -56,6 +60,9 @@ sys.path.insert(0, BENCH)
 import product  # noqa: E402 - the product bench's summary of a run's step records and its smoke shape
 
 GiB = 2**30
+#: Qwen3-14B's shape on the 32B recipe (the rest of its config is Qwen3-32B's)
+QWEN3_14B = ["model.config.intermediate_size=17408", "model.config.num_hidden_layers=40",
+             "model.config.num_attention_heads=40"]
 SETUPS = {  # name -> (kind, spec, extra --set, default timeout s)
     "pgs_8b_offload": ("pgs", "specs/qwen3_8b_20gib.toml", [], 200),
     "hf_8b_compiled_ac": ("peer", "specs/qwen3_8b_20gib.toml", [], 170),
@@ -73,6 +80,11 @@ SETUPS = {  # name -> (kind, spec, extra --set, default timeout s)
     # killed after step N/2 + 3 and resumed from the checkpoint at N/2 (run_resume)
     "pgs_4b_resume": ("resume", "specs/qwen3_4b_12gib.toml", [], 220),
     "pgs_8b_offload_resume": ("resume", "specs/qwen3_8b_20gib.toml", [], 400),
+    # the 32B recipe on one card (no checkpoint at the end: one is 92 GiB), and the same recipe at
+    # Qwen3-14B's shape, without and with one save at the end (the save's time and host memory)
+    "pgs_32b": ("pgs", "specs/qwen3_32b_one_gpu.toml", ["checkpoint.last=false"], 420),
+    "pgs_14b": ("pgs", "specs/qwen3_32b_one_gpu.toml", QWEN3_14B + ["checkpoint.last=false"], 240),
+    "pgs_14b_save": ("pgs", "specs/qwen3_32b_one_gpu.toml", QWEN3_14B, 300),
 }
 
 

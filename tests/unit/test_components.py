@@ -58,6 +58,10 @@ def test_the_checkpointer_saves_every_n_steps_at_a_stop_and_at_the_last_step():
     assert c.should_save(4, last_step=False, stop=True) and c.should_save(7, last_step=True, stop=False)
     never = Checkpointer(SimpleNamespace(spec=SimpleNamespace(checkpoint=CheckpointSpec(every=0)), ctx=None))
     assert not any(never.should_save(s, last_step=False, stop=False) for s in range(1, 10))
+    # checkpoint.last = false: no save after the last step, unless it is a periodic one or a stop
+    last = Checkpointer(SimpleNamespace(spec=SimpleNamespace(checkpoint=CheckpointSpec(every=3, last=False)), ctx=None))
+    assert not last.should_save(7, last_step=True, stop=False)
+    assert last.should_save(6, last_step=True, stop=False) and last.should_save(7, last_step=True, stop=True)
 
 
 def _eval_spec(eval_file, every, source_evals=()):

@@ -120,9 +120,13 @@ def test_disk_copies_follow_what_checkpoint_keeps():
     """keep newest + the one written beside them, + best, + export; keep = 0 (all) asks for 3."""
     from types import SimpleNamespace as NS
 
-    assert R.disk_copies(NS(keep=1, best_metric="", export=False)) == 2
-    assert R.disk_copies(NS(keep=2, best_metric="eval_loss", export=True)) == 5
-    assert R.disk_copies(NS(keep=0, best_metric="", export=False)) == R.DISK_COPIES
+    assert R.disk_copies(NS(every=5, last=True, keep=1, best_metric="", export=False)) == 2
+    assert R.disk_copies(NS(every=5, last=True, keep=2, best_metric="eval_loss", export=True)) == 5
+    assert R.disk_copies(NS(every=5, last=True, keep=0, best_metric="", export=False)) == R.DISK_COPIES
+    # no periodic saves and none after the last step (checkpoint.last = false): only the exports
+    assert R.disk_copies(NS(every=0, last=False, keep=1, best_metric="", export=False)) == 0
+    assert R.disk_copies(NS(every=0, last=False, keep=1, best_metric="", export=True)) == 1
+    assert R.disk_copies(NS(every=5, last=False, keep=1, best_metric="", export=False)) == 2
 
 
 def test_a_resumed_runs_step_folders_count_towards_keep(tmp_path):
@@ -131,8 +135,8 @@ def test_a_resumed_runs_step_folders_count_towards_keep(tmp_path):
     8B recipe's resume).  At most ``keep`` folders count; keep = 0 still asks for 3."""
     from types import SimpleNamespace as NS
 
-    one = NS(keep=1, best_metric="", export=False)
-    two = NS(keep=2, best_metric="eval_loss", export=True)
+    one = NS(every=6, last=True, keep=1, best_metric="", export=False)
+    two = NS(every=6, last=True, keep=2, best_metric="eval_loss", export=True)
     assert R.disk_copies(one, str(tmp_path / "absent")) == 2
     (tmp_path / "step_6").mkdir()
     (tmp_path / "best").mkdir()  # replaced beside the old one: still needs its room
@@ -141,7 +145,7 @@ def test_a_resumed_runs_step_folders_count_towards_keep(tmp_path):
     (tmp_path / "step_12").mkdir()
     (tmp_path / "step_18").mkdir()
     assert R.disk_copies(one, str(tmp_path)) == 1 and R.disk_copies(two, str(tmp_path)) == 3
-    assert R.disk_copies(NS(keep=0, best_metric="", export=False), str(tmp_path)) == R.DISK_COPIES
+    assert R.disk_copies(NS(every=6, last=True, keep=0, best_metric="", export=False), str(tmp_path)) == R.DISK_COPIES
 
 
 def test_device_limit_is_the_room_a_cuda_spec_is_checked_against_even_without_the_device(tmp_path):
@@ -212,3 +216,22 @@ def test_a_background_save_needs_host_memory_for_one_checkpoint(tmp_path):
     # on a GPU the run's peak is the device's, not the host's
     R.check_snapshot(prediction, torch.device("cuda"), available=prediction.checkpoint, where="x has")
     assert R.check_host(spec) is not None  # this host holds it
+
+
+def test_a_gpu_run_whose_pinned_host_memory_the_host_lacks_is_refused(tmp_path):
+    """``memory.offload_optimizer`` on a GPU: the page-locked state and inputs against the host's
+    free memory (page-locked memory cannot be swapped); one line naming the shortfall, exit 83.
+    A CPU run's state is part of its peak (check_memory), so nothing more is asked there."""
+    spec = load_spec(cpu_spec(tmp_path, model=LONG), [
+        "data.max_seq_len=96", "memory.gradient_release=true", "memory.offload_optimizer=true",
+        "optimizer.alias=lion8bit", "optimizer.clip=0"])
+    prediction = R.predict(spec, torch.device("cuda"))
+    assert prediction.host >= prediction.memory["host_state"] > 0
+    R.check_pinned(prediction, torch.device("cuda"), available=prediction.host, where="x has")
+    with pytest.raises(PreflightRefused) as err:
+        R.check_pinned(prediction, torch.device("cuda"), available=prediction.host - 2**20, where="the host has")
+    text = str(err.value)
+    assert "\n" not in text and err.value.exit_code == 83
+    assert text.startswith("memory.offload_optimizer: the run keeps ")
+    assert "the host has" in text and "0.00 GiB short" in text
+    R.check_pinned(prediction, torch.device("cpu"), available=0, where="x has")  # the CPU: part of the peak

@@ -145,7 +145,7 @@ class Checkpointer:
 
     def __init__(self, run):
         c = run.spec.checkpoint
-        self.every, self.best_metric, self.exports = c.every, c.best_metric, c.export
+        self.every, self.best_metric, self.exports, self.last = c.every, c.best_metric, c.export, c.last
         self.saver = run.saver = background.BackgroundSaver() if c.background else None
         if self.saver is not None and run.ctx is not None:  # the saves' own collectives, beside the training's
             self.saver.group = torch.distributed.new_group(backend="gloo",
@@ -158,7 +158,7 @@ class Checkpointer:
             self.saver.snapshot.reserve(snapshot_groups(run)[0])
 
     def should_save(self, step: int, *, last_step: bool, stop: bool) -> bool:
-        return bool(stop or (self.every and step % self.every == 0) or last_step)
+        return bool(stop or (self.every and step % self.every == 0) or (last_step and self.last))
 
     def save(self, run, *, last_step: bool, stop: bool) -> str | None:
         """Save ``step_<N>``: periodic saves on the background saver when there is one (None

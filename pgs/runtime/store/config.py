@@ -21,7 +21,9 @@ class CheckpointSpec:
     ``background`` writes each periodic checkpoint on a thread from a host snapshot while
     training goes on (``pgs.runtime.store.background``; host memory for one checkpoint, or
     each rank's shards with several processes); stops, halts and the last step still save in
-    the foreground.
+    the foreground.  ``last`` (default true) saves ``step_<N>`` after the last step; false
+    leaves a run that is only measured or thrown away without a checkpoint at its end (periodic
+    saves, stops and halts still save), and its disk is then not asked for one.
     """
 
     section: ClassVar[str] = "checkpoint"
@@ -33,6 +35,7 @@ class CheckpointSpec:
     export: bool = attrs.field(default=True, validator=boolean)
     max_shard_size: str | int = attrs.field(default="5GB", validator=lambda _s, _a, v: _shard_size(v))
     background: bool = attrs.field(default=False, validator=boolean)
+    last: bool = attrs.field(default=True, validator=boolean)
 
 
 def _shard_size(value) -> None:

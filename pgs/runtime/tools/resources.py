@@ -47,7 +47,11 @@ def disk_copies(checkpoint, run_dir: str | None = None) -> float:
 
     ``run_dir``: the run folder of a resumed run; the step folders already in it are on the
     disk (not free space to find) and count towards ``keep``, up to ``keep`` of them.  (The best
-    and final folders are not: a new one is written beside the old before the old is removed.)"""
+    and final folders are not: a new one is written beside the old before the old is removed.)
+    A run with neither periodic saves nor a save after its last step (``every = 0``, ``last =
+    false``) needs only its exports' room."""
+    if not checkpoint.every and not checkpoint.last:
+        return float(bool(checkpoint.best_metric) + bool(checkpoint.export))
     if checkpoint.keep <= 0:
         return DISK_COPIES
     have = 0
@@ -117,8 +121,35 @@ def check_memory(spec, prediction: Prediction, device: torch.device, available: 
     raise PreflightRefused(
         f"data.max_seq_len = {spec.data.max_seq_len}: {prediction.tokens} need at least "
         f"{prediction.peak / GiB:.2f} GiB at the peak ({parts} GiB; the largest: {biggest}; pgs profile), but "
-        f"{where} {available / GiB:.2f} GiB free on {device.type}; lower data.max_seq_len or the micro-batch "
+        f"{where} {available / GiB:.2f} GiB free on {device.type} ({(prediction.peak - available) / GiB:.2f} GiB "
+        f"short); lower data.max_seq_len or the micro-batch "
         f"(train.batch_size / train.grad_accum), or set memory.activation_checkpointing")
+
+
+def check_pinned(prediction: Prediction, device: torch.device, available: int | None = None,
+                 where: str = "") -> None:
+    """Refuse (exit 83) a GPU run whose page-locked host memory (the optimizer state of
+    ``memory.offload_optimizer``, the inputs of ``memory.offload_checkpoints``) is more than the
+    host has free: page-locked memory cannot be swapped, so such a run would be killed by the
+    kernel part-way rather than slow down.  (On the CPU the state is part of the peak; a GPU spec
+    validated on a host without its GPU is not checked against this host's memory.)"""
+    if device.type != "cuda" or not prediction.host:
+        return
+    if available is None:
+        if not torch.cuda.is_available():
+            return
+        available, where = available_memory(torch.device("cpu"))
+    if available is None or prediction.host <= available:
+        return
+    memory = prediction.memory
+    parts = ", ".join(f"{what} {memory.get(key, 0) / GiB:.2f}" for what, key in
+                      (("optimizer state", "host_state"), ("checkpointed inputs", "host_inputs"))
+                      if memory.get(key))
+    raise PreflightRefused(
+        f"memory.offload_optimizer: the run keeps {prediction.host / GiB:.2f} GiB in page-locked host memory "
+        f"({parts or 'state and inputs'} GiB; pgs profile), but {where} {available / GiB:.2f} GiB free, "
+        f"{(prediction.host - available) / GiB:.2f} GiB short; free host memory, or keep less there "
+        f"(memory.offload_checkpoints = false, or the state on the device)")
 
 
 def check_snapshot(prediction: Prediction, device: torch.device, available: int | None = None,
@@ -154,7 +185,8 @@ def check_disk(run_dir: str, checkpoint_bytes: int, copies: float = DISK_COPIES)
     if free < need:
         raise PreflightRefused(
             f"checkpoint.dir: {run_dir!r} has {free / GiB:.2f} GiB free; checkpoints need about "
-            f"{need / GiB:.2f} GiB ({copies:g} × {checkpoint_bytes / GiB:.2f} GiB of weights + optimizer state)")
+            f"{need / GiB:.2f} GiB ({copies:g} × {checkpoint_bytes / GiB:.2f} GiB of weights + optimizer state), "
+            f"{(need - free) / GiB:.2f} GiB short")
 
 
 def check_host(spec, processes: int | None = None) -> Prediction | None:
@@ -176,6 +208,7 @@ def check_host(spec, processes: int | None = None) -> Prediction | None:
             processes = 0  # validate on a multi-GPU host: the run's process count is not known here
     if processes == 1:
         check_memory(spec, prediction, device)
+        check_pinned(prediction, device)
         if spec.checkpoint.background:
             check_snapshot(prediction, device)
     check_disk(spec.checkpoint.dir, prediction.checkpoint, disk_copies(spec.checkpoint, spec.checkpoint.dir))
