@@ -431,6 +431,8 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="a tiny shape on the CPU (a smoke run of this script)")
     p.add_argument("--workdir", default="", help="where the run folders go (default: a temporary folder)")
     p.add_argument("--out", default="", help="JSON results (rewritten after every setup)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more --set for every setup's spec (e.g. memory.device_limit_gib=76: an H100's room on an H200)")
     p.add_argument("--keep", action="store_true", help="keep each pgs run's folder (default: removed after reading)")
     args = p.parse_args(argv)
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="pgs-offload-")
@@ -455,7 +457,7 @@ def main(argv=None) -> int:
             results.append(run_bandwidth(args, min(left, own.get(name, 60))))
         elif name in SETUPS:
             kind, spec, sets, default = SETUPS[name]
-            sets = [x.format(every=args.save_every) for x in sets]
+            sets = [x.format(every=args.save_every) for x in sets] + args.set
             timeout = min(left, own.get(name, default))
             fn = {"pgs": run_pgs, "peer": run_peer, "resume": run_resume}[kind]
             results.append(fn(name, spec, sets, args, timeout))
