@@ -27,7 +27,8 @@ every setup, so partial results survive):
 7. ``pgs_32b``, ``pgs_14b`` and ``pgs_14b_save``: ``specs/qwen3_32b_one_gpu.toml`` (every weight
    of a Qwen3-32B trained on one card) and the same recipe at Qwen3-14B's shape, the first two
    without a checkpoint at the end (``checkpoint.last = false``: a 32B checkpoint is 92 GiB),
-   the third with one (its ``checkpoint`` event times the save).
+   the third with one (its ``checkpoint`` event times the save); ``pgs_14b_save_resume`` is
+   that run killed and resumed as in 6.
 
 For the ``pgs run`` setups: tokens/s is ``bench/product.py``'s "mean" over steps
 ``--skip``+1 to N (the run's own step records), max allocated / reserved are the run's
@@ -85,6 +86,7 @@ SETUPS = {  # name -> (kind, spec, extra --set, default timeout s)
     "pgs_32b": ("pgs", "specs/qwen3_32b_one_gpu.toml", ["checkpoint.last=false"], 420),
     "pgs_14b": ("pgs", "specs/qwen3_32b_one_gpu.toml", QWEN3_14B + ["checkpoint.last=false"], 240),
     "pgs_14b_save": ("pgs", "specs/qwen3_32b_one_gpu.toml", QWEN3_14B, 300),
+    "pgs_14b_save_resume": ("resume", "specs/qwen3_32b_one_gpu.toml", QWEN3_14B, 400),
 }
 
 
