@@ -29,7 +29,7 @@ from pgs.errors import SpecError
 from pgs.runtime.model import linear_attention
 from pgs.runtime.model.attention import (boundary_kwargs, hf_implementation, packed_kwargs, set_varlen_kernel,
                                         uses_varlen)
-from pgs.runtime.model.loading import config_from_table
+from pgs.runtime.model.loading import config_from_table, first_line
 from pgs.runtime.model.moe import check_experts_implementation, experts_implementation as experts_choice
 
 DTYPES = {
@@ -125,11 +125,21 @@ def build_model(
         # straight onto the device where transformers can (its device_map needs accelerate); else
         # on the CPU (whatever device an enclosing context names) and then moved
         direct = device.type not in ("cpu", "meta") and importlib.util.find_spec("accelerate") is not None
-        with contextlib.nullcontext() if direct else torch.device("cpu"):
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True,
-                device_map=device if direct else None, trust_remote_code=trust_remote_code, **extra,
-            )
+        try:
+            with contextlib.nullcontext() if direct else torch.device("cpu"):
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    path, dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True,
+                    device_map=device if direct else None, trust_remote_code=trust_remote_code,
+                    output_loading_info=True, **extra,
+                )
+        except (OSError, ValueError, RuntimeError, KeyError) as err:  # cut short, corrupt, another shape
+            why = ("a tensor's shape differs from what config.json makes it; pgs validate names which"
+                   if "ignore_mismatched_sizes" in str(err) else first_line(err))
+            raise SpecError(f"model.path: the weights in {path} could not be loaded ({why})") from None
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:  # transformers would initialise them at random and the run would train them as loaded
+            raise SpecError(f"model.path: the weights in {path} lack {len(missing)} of the model's tensors "
+                            f"(e.g. {missing[0]!r}); pgs does not train weights that were never loaded")
         model.to(device)
     else:
         table = dict(config)

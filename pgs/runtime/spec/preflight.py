@@ -38,6 +38,7 @@ from pgs.runtime.model.attention import hf_implementation
 from pgs.runtime.model.loading import (TOKENIZER_FILES, config_from_folder, config_from_table, first_line,  # noqa: F401
                                       known_model_types, load_tokenizer, quiet_transformers)
 from pgs.runtime.model.moe import experts_implementation
+from pgs.runtime.spec.weights import check_weights
 
 #: ``data.max_seq_len`` allowed when the model's configuration names no
 #: ``max_position_embeddings`` (2**20 tokens; beyond it a batch alone outgrows a host).
@@ -489,6 +490,10 @@ def check_resources(spec, records: int = 200) -> dict:
         if isinstance(spec.model.freeze, tuple):
             frozen = check_freeze(spec.model.freeze, shapes)
             facts["frozen"] = f"{sum(_numel(shapes[n]) for n in frozen) / 1e6:,.2f} M in {len(frozen)} tensors"
+    if spec.model.path is not None:  # the weights' headers: missing, cut short, another shape or model
+        tied = bool(getattr(_text_config(config), "tie_word_embeddings", False)
+                    or getattr(config, "tie_word_embeddings", False))
+        facts["weights"] = check_weights(spec.model.path, found.shapes, tied)
     if spec.data.packing:
         verdict = require_packing_isolation(config, spec.data.allow_packing_leakage)
         if not verdict.isolates:

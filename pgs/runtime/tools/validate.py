@@ -46,6 +46,8 @@ def print_summary(spec, facts: dict) -> None:
     table.add_column("value")
     m, t, s = spec.model, spec.train, spec.schedule
     table.add_row("model", _named(spec, "model.path", m.path or "random init") + f"  [{facts.get('model', '')}]")
+    if "weights" in facts:
+        table.add_row("weights", facts["weights"])
     table.add_row("parameters", facts.get("parameters", "?")
                   + (f", frozen {facts['frozen']}" if "frozen" in facts else ""))
     table.add_row("dtype / attention", f"{m.dtype} / {m.attn_implementation}"
