@@ -205,3 +205,30 @@ def test_columns_named_otherwise(tmp_path):
     assert c.messages == GOOD["messages"]
     with pytest.raises(DataError, match=r":1: missing 'dialog' \(the source's messages_field\)"):
         list(read_conversations(DataSource(source.path, messages_field="dialog")))
+
+
+def test_a_line_longer_than_a_record_may_be_is_a_bad_record_never_held_whole(tmp_path, monkeypatch):
+    """A runaway line (a file without newlines, a base64 blob) is refused with its file:line, or
+    skipped and counted, and read in pieces: the line itself is never held (nor tokenised)."""
+    from pgs.runtime.data import records
+    from pgs.runtime.data.readers import JsonLinesReader
+
+    monkeypatch.setattr(records, "MAX_RECORD_BYTES", 64)
+    monkeypatch.setattr(records, "_SKIP_CHUNK", 16)  # the skip reads it 16 bytes at a time
+    good = json.dumps({"text": "short"}) + "\n"
+    long = json.dumps({"text": "x" * 300}) + "\n"
+    path = tmp_path / "d.jsonl"
+    path.write_text(good + long + good + json.dumps({"text": "y" * 100}))  # the last without a newline
+    lines = list(records.iter_lines(str(path)))
+    assert [n for n, _, _ in lines] == [1, 2, 3, 4]
+    assert isinstance(lines[1][2], records.LongLine) and lines[1][2].size == len(long)
+    assert lines[2][1] == len(good) + len(long) and lines[2][2] == good.encode()
+    assert isinstance(lines[3][2], records.LongLine)
+    reader = JsonLinesReader(str(path))
+    assert reader.read(lines[2][1]) == good.encode() and isinstance(reader.read(lines[1][1]), records.LongLine)
+    reader.close()
+    with pytest.raises(DataError, match=r"d\.jsonl:2: a record of 0\.0 MiB on one line, longer than the 0 MiB"):
+        list(read_conversations(str(path)))
+    skipped: list[str] = []
+    assert len(list(read_conversations(str(path), on_bad_record="skip", skipped=skipped))) == 2
+    assert [s.split(": ")[0].rsplit(":", 1)[1] for s in skipped] == ["2", "4"]

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from typing import Any, Iterator
 
 from pgs.errors import DataError, MissingExtra
-from pgs.runtime.data.records import Conversation, conversation, decode_object, iter_lines, json_reason
+from pgs.runtime.data.records import Conversation, conversation, decode_object, iter_lines, json_reason, read_line
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
 #: decoded Parquet row groups kept for ``read`` (a window's draws fall in few of them when the
@@ -94,7 +94,7 @@ class JsonLinesReader(Reader):
         if self._handle is None:
             self._handle = open(self.path, "rb")
         self._handle.seek(locator)
-        return self._handle.readline()
+        return read_line(self._handle)
 
     def record(self, raw, origin):
         return decode_object(raw, origin)

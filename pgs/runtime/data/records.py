@@ -327,8 +327,12 @@ def conversation(record: Any, origin: str, format: str = "auto", fields: dict[st
     return Conversation(messages=messages, tools=tools, origin=origin, text=text)
 
 
-def decode_object(raw: str | bytes, origin: str) -> dict:
-    """One JSONL line's object; ``DataError`` when it is not JSON or not an object."""
+def decode_object(raw: str | bytes | LongLine, origin: str) -> dict:
+    """One JSONL line's object; ``DataError`` when it is not JSON or not an object, or longer
+    than a record may be (:data:`MAX_RECORD_BYTES`)."""
+    if isinstance(raw, LongLine):
+        raise DataError(f"{origin}: a record of {raw.size / 2**20:.1f} MiB on one line, longer than the "
+                        f"{MAX_RECORD_BYTES >> 20} MiB a record may be")
     record = decode_json(raw, origin)
     if not isinstance(record, dict):
         raise DataError(f"{origin}: expected a JSON object per line, got {type(record).__name__}")
@@ -375,15 +379,53 @@ def parse_line(line: str | bytes, origin: str, format: str = "auto", fields: dic
     return conversation(decode_object(line, origin), origin, format, fields)
 
 
-def iter_lines(path: str) -> Iterator[tuple[int, int, bytes]]:
-    """Yield ``(line_number, byte_offset, raw_line)`` for each non-blank line, streaming."""
+#: The longest JSON Lines record pgs reads (bytes of one line).  A longer line is a bad record
+#: (``data.on_bad_record``) and is never held whole: a 1M-token document is ~4 MB of text,
+#: while a runaway line (a file without newlines, a base64 blob) would otherwise be read and
+#: tokenised whole, gigabytes of host memory to drop it.
+MAX_RECORD_BYTES = 16 * 2**20
+#: how much of an over-long line is read at a time while it is skipped
+_SKIP_CHUNK = 2**20
+
+
+class LongLine:
+    """A line longer than :data:`MAX_RECORD_BYTES`, skipped without being held: its length."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def strip(self) -> bytes:  # never blank
+        return b"x"
+
+
+def read_line(handle) -> bytes | LongLine:
+    """The next line of a binary file (``b""`` at its end), or a :class:`LongLine` for one
+    longer than :data:`MAX_RECORD_BYTES`, after which the file stands at the next line."""
+    raw = handle.readline(MAX_RECORD_BYTES + 1)
+    if len(raw) <= MAX_RECORD_BYTES or raw.endswith(b"\n"):
+        return raw
+    size = len(raw)
+    while True:
+        piece = handle.readline(_SKIP_CHUNK)
+        size += len(piece)
+        if not piece or piece.endswith(b"\n"):
+            return LongLine(size)
+
+
+def iter_lines(path: str) -> Iterator[tuple[int, int, bytes | LongLine]]:
+    """Yield ``(line_number, byte_offset, raw_line)`` for each non-blank line, streaming (an
+    over-long line as a :class:`LongLine`, which :func:`decode_object` refuses)."""
     try:
         handle = open(path, "rb")
     except OSError as err:
         raise DataError(f"{path}: cannot read ({err.strerror})") from None
     with handle:
-        offset = 0
-        for number, raw in enumerate(handle, start=1):
+        offset, number = 0, 0
+        while True:
+            raw = read_line(handle)
+            if isinstance(raw, bytes) and not raw:
+                return
+            number += 1
             if raw.strip():
                 yield number, offset, raw
-            offset += len(raw)
+            offset += raw.size if isinstance(raw, LongLine) else len(raw)
