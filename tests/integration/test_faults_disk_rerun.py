@@ -108,6 +108,50 @@ def test_disk_full_while_exporting_final_is_exit_84(tmp_path, monkeypatch, capsy
     assert ckpt.problem(str(run_dir / "step_3")) is None
 
 
+def _os_read_only(*args, **kwargs):
+    raise OSError(errno.EROFS, "Read-only file system")
+
+
+def test_a_run_folder_that_turns_read_only_mid_run_is_one_line_exit_84_and_resume_continues(
+        tmp_path, monkeypatch, capsys):
+    """The filesystem remounted read-only (or the write permission taken away) while the run
+    goes on: the checkpoint's write fails, the line says so (not "disk full"), exit 84, the
+    earlier checkpoint intact; the metrics' writer says the same of its own failed write."""
+    spec = tiny_spec(tmp_path, "run", steps=12, every=4)
+    run_dir = tmp_path / "run"
+    _full_from(8, "write_safetensors", _os_read_only, monkeypatch)
+    code = cli.main(["run", str(spec)])
+    err = capsys.readouterr().err
+    lines = _error_lines(err)
+    assert code == EXIT_DISK_FULL and "Traceback" not in err and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("pgs: error: the run folder can no longer be written (read-only or permission "
+                               f"denied) while writing the checkpoint {run_dir / 'step_8'}; the previous "
+                               f"checkpoint {run_dir / 'step_4'} is intact; make the folder writable")
+    assert not [p.name for p in run_dir.iterdir() if ".tmp-" in p.name]
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert cli.main(["run", str(spec), "--resume", "auto"]) == 0
+    assert [r["step"] for r in step_records(run_dir)] == list(range(1, 13))
+
+    from pgs.errors import DiskFull
+    from pgs.runtime.loop.metrics import MetricsLog
+
+    class ReadOnly:
+        def write(self, text):
+            _os_read_only()
+
+        def flush(self):
+            pass
+
+    (tmp_path / "other").mkdir()
+    log = MetricsLog(str(tmp_path / "other"), total_steps=20)
+    log._file.close()
+    log._file = ReadOnly()  # its filesystem now refuses writes
+    with pytest.raises(DiskFull, match=r"^the run folder can no longer be written .* the records from step 13 on "
+                                       r"are lost; .*make the folder writable"):
+        log.write({"step": 13, "loss": 1.0})
+
+
 def test_other_write_errors_are_not_called_a_full_disk(tmp_path, monkeypatch):
     def denied(*args, **kwargs):
         raise OSError(errno.EIO, "Input/output error")
@@ -121,7 +165,11 @@ def test_other_write_errors_are_not_called_a_full_disk(tmp_path, monkeypatch):
 def test_is_disk_full_reads_errno_text_and_causes():
     assert ckpt.is_disk_full(OSError(errno.ENOSPC, "x"))
     assert ckpt.is_disk_full(OSError(errno.EDQUOT, "x"))
-    assert not ckpt.is_disk_full(OSError(errno.EACCES, "Permission denied"))
+    # a folder that can no longer be written ends the run the same way (exit 84), said as such
+    assert ckpt.write_failure(OSError(errno.EACCES, "Permission denied")) == "read-only"
+    assert ckpt.write_failure(OSError(errno.EROFS, "x")) == "read-only"
+    assert ckpt.write_failure(OSError(errno.ENOSPC, "x")) == "full"
+    assert ckpt.write_failure(OSError(errno.EIO, "Input/output error")) is None
     try:
         try:
             raise OSError(errno.ENOSPC, "No space left on device")

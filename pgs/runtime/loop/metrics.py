@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from pgs.errors import DiskFull
 from pgs.runtime import process
-from pgs.runtime.store.checkpoint import is_disk_full
+from pgs.runtime.store.checkpoint import write_failure
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -103,11 +103,15 @@ class MetricsLog:
             self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
             self._file.flush()
         except OSError as err:
-            if not is_disk_full(err):
+            failure = write_failure(err)
+            if failure is None:
                 raise
             self._full = True
-            raise DiskFull(f"disk full while writing the metrics {self.path}: the records from step "
-                           f"{record.get('step')} on are lost; checkpoints written before are intact; free space, "
+            what = ("disk full" if failure == "full"
+                    else "the run folder can no longer be written (read-only or permission denied)")
+            cure = "free space" if failure == "full" else "make the folder writable"
+            raise DiskFull(f"{what} while writing the metrics {self.path}: the records from step "
+                           f"{record.get('step')} on are lost; checkpoints written before are intact; {cure}, "
                            "then continue with pgs run SPEC --resume auto") from None
         for tracker in self._trackers:
             numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}

@@ -196,13 +196,18 @@ def publish(tmp: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-# -- a full disk ----------------------------------------------------------------------------
+# -- a disk that cannot take the write -------------------------------------------------------
 _DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "StorageFull", "QuotaExceeded")
+#: a run folder that can no longer be written: its filesystem remounted read-only, or the
+#: write permission taken away while the run goes on
+_READ_ONLY_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}
+_READ_ONLY_TEXT = ("Read-only file system", "Permission denied")
 
 
-def is_disk_full(err: BaseException | None) -> bool:
-    """True when ``err`` (or an exception it was raised from) is a full disk or an exhausted quota.
+def write_failure(err: BaseException | None) -> str | None:
+    """``"full"`` when ``err`` (or an exception it was raised from) is a full disk or an
+    exhausted quota, ``"read-only"`` when the folder can no longer be written, else None.
 
     ``OSError`` carries ``errno``; safetensors' ``SafetensorError`` and DCP's
     ``CheckpointException`` carry only the OS's text, so that is checked too."""
@@ -210,16 +215,27 @@ def is_disk_full(err: BaseException | None) -> bool:
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         if isinstance(err, OSError) and err.errno in _DISK_FULL_ERRNOS:
-            return True
+            return "full"
+        if isinstance(err, OSError) and err.errno in _READ_ONLY_ERRNOS:
+            return "read-only"
         if any(text in str(err) for text in _DISK_FULL_TEXT):
-            return True
+            return "full"
+        if any(text in str(err) for text in _READ_ONLY_TEXT):
+            return "read-only"
         failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
         for failure in (failures.values() if isinstance(failures, dict) else ()):
             inner = failure[0] if isinstance(failure, tuple) and failure else failure
-            if isinstance(inner, BaseException) and is_disk_full(inner):
-                return True
+            found = write_failure(inner) if isinstance(inner, BaseException) else None
+            if found is not None:
+                return found
         err = err.__cause__ or err.__context__
-    return False
+    return None
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+    """True when the disk cannot take a write ``err`` reports: full, over quota, or no longer
+    writable (:func:`write_failure`); such a write ends the run with exit 84."""
+    return write_failure(err) is not None
 
 
 def _gib(n: int) -> str:
@@ -227,9 +243,16 @@ def _gib(n: int) -> str:
 
 
 def disk_full_error(final: str, need_bytes: int, what: str = "checkpoint",
-                    contents: str = "weights + optimizer state") -> DiskFull:
-    """The one line for a disk that filled while writing ``final`` (``need_bytes``: the estimate)."""
+                    contents: str = "weights + optimizer state", err: BaseException | None = None) -> DiskFull:
+    """The one line for a disk that filled while writing ``final`` (``need_bytes``: the estimate),
+    or, when ``err`` says so, for a run folder that could no longer be written."""
     run_dir = os.path.dirname(os.path.abspath(final))
+    if write_failure(err) == "read-only":
+        kept = [path for _, path in step_folders(run_dir) if path != final and problem(path, hashes=False) is None]
+        previous = f"the previous checkpoint {kept[0]} is intact" if kept else "no earlier checkpoint exists"
+        return DiskFull(f"the run folder can no longer be written (read-only or permission denied) while writing the "
+                        f"{what} {final}; {previous}; make the folder writable, then continue with pgs run SPEC "
+                        "--resume auto")
     try:
         free = f", {_gib(shutil.disk_usage(run_dir).free)} free now"
     except OSError:
@@ -253,7 +276,7 @@ def disk_full_guard(tmp: str, final: str, need_bytes: int, what: str = "checkpoi
         if not is_disk_full(err):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        raise disk_full_error(final, need_bytes, what, contents) from None
+        raise disk_full_error(final, need_bytes, what, contents, err) from None
 
 
 def tensor_bytes(tensors) -> int:

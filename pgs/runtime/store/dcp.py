@@ -99,7 +99,7 @@ def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], 
         _barrier()
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise ckpt.disk_full_error(final, need) from None
+        raise ckpt.disk_full_error(final, need, err=err) from None
     failure, full = None, False
     if _rank() == 0:
         try:
@@ -175,7 +175,7 @@ def save_async(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, 
                                       f"{_first_line(err)}") from err
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise ckpt.disk_full_error(final, need) from None
+            raise ckpt.disk_full_error(final, need, err=err) from None
         return final
 
     return job, final, need, writer
