@@ -103,6 +103,30 @@ def test_a_crash_without_progress_is_not_relaunched(tmp_path, monkeypatch):
     assert [r["event"] for r in log].count("launch") == 1
     stop = log[-1]
     assert stop["event"] == "stop" and "no progress" in stop["reason"]
+    assert not (tmp_path / "run" / ".pgs-supervise.lock").exists()  # let go at the end
+
+
+@pytest.mark.parametrize("held, by", [(".pgs-supervise.lock", "a live pgs supervise"), (".pgs.lock", "a live run")])
+def test_a_folder_held_by_another_supervisor_or_a_live_run_is_refused_before_anything_is_written(
+        tmp_path, held, by):
+    """Two supervisors of one folder would write one supervise.jsonl and launch runs that the
+    run lock refuses one after the other; a supervisor started beside a live run likewise.  Both
+    are refused with the one line of the run lock, and the folder's log is left as it was."""
+    from pgs.errors import RunInUse
+    from pgs.runtime.store.lock import RunLock
+
+    spec_path = tiny_spec(tmp_path, steps=8, every=4)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "supervise.jsonl").write_text('{"event": "start"}\n')
+    other = RunLock(str(run_dir), held).acquire()  # the other holder (its own open file: flock excludes it)
+    try:
+        with pytest.raises(RunInUse, match=f"is in use by {by}: pid "):
+            supervise(load_spec(spec_path), str(spec_path), policy=Policy(retries=0))
+    finally:
+        other.release()
+    assert (run_dir / "supervise.jsonl").read_text() == '{"event": "start"}\n'
+    assert not (run_dir / ".pgs-supervise.lock").exists()
 
 
 @pytest.mark.slow

@@ -25,6 +25,11 @@ gets one warning and the run goes on unlocked.  Deleting ``.pgs.lock`` while a r
 defeats the lock (the next run locks a new file): do it only to clear the lock of a host that
 will not come back.
 
+``pgs supervise`` holds a lock of its own on ``<run dir>/.pgs-supervise.lock`` while it
+supervises (one supervisor per folder: a second one's log lines would go into the first's
+``supervise.jsonl``, and its runs would be refused one after the other), and probes the run's
+lock before it starts: the runs it launches take the run's lock as any run does.
+
 Several processes of one run (torchrun, ``pgs run --nproc N``) lock once: the process of
 global rank 0 (``RANK``), which is also the one that moves an old run aside; ``pgs run --nproc
 N``'s launcher probes the lock before it starts any worker (:func:`refuse_if_held`).
@@ -44,6 +49,8 @@ import sys
 from pgs.errors import RunInUse
 
 LOCK_FILE = ".pgs.lock"
+#: the lock of ``pgs supervise`` (one supervisor per run folder; its runs take LOCK_FILE)
+SUPERVISOR_LOCK_FILE = ".pgs-supervise.lock"
 #: errors of a filesystem that has no working file locks (the run goes on, warned)
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
@@ -88,9 +95,10 @@ class RunLock:
     process's end).  ``fd`` is None where nothing is held (not rank 0, or no locks on the
     filesystem)."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, name: str = LOCK_FILE):
         self.run_dir = run_dir
-        self.path = os.path.join(run_dir, LOCK_FILE)
+        self.path = os.path.join(run_dir, name)
+        self.holder = "a live run" if name == LOCK_FILE else "a live pgs supervise"
         self.fd: int | None = None
         self.took_over: str | None = None  # the dead holder this lock was taken from, in words
         self.made: list[str] = []  # the folders made for the lock, innermost first: removed if still empty
@@ -118,7 +126,7 @@ class RunLock:
                     return self
                 if holder is None:
                     raise
-                raise RunInUse(f"checkpoint.dir: {self.run_dir} is in use by a live run: {_describe(holder)}; "
+                raise RunInUse(f"checkpoint.dir: {self.run_dir} is in use by {self.holder}: {_describe(holder)}; "
                                "a run folder has one writer: wait for that run to end (or stop it), "
                                "or give this run another checkpoint.dir") from None
             if not self._still_there(fd):  # locked a file that was removed or moved away meanwhile

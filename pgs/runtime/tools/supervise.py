@@ -45,6 +45,7 @@ from pgs.errors import (EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_OK, EXIT_PREFLIGHT,
 from pgs.runtime import process
 from pgs.runtime.dist.launch import halt_code
 from pgs.runtime.store import checkpoint as ckpt
+from pgs.runtime.store.lock import SUPERVISOR_LOCK_FILE, RunLock, refuse_if_held
 
 LOG_FILE = "supervise.jsonl"
 ATTEMPT_ENV = "PGS_ATTEMPT"
@@ -235,11 +236,22 @@ def supervise(spec, spec_path: str, *, overrides: Sequence[str] = (), resume: st
     if overwrite and resume is not None:
         raise SpecError("--overwrite starts over, --resume continues: give one of them")
     run_dir = spec.checkpoint.dir
-    if overwrite:  # here, not in the first attempt: the supervisor's own log lives in the run folder
-        aside = ckpt.move_aside(run_dir)
-        if aside is not None:
-            print(f"pgs supervise: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)
-        overwrite = False
+    supervisor = RunLock(run_dir, SUPERVISOR_LOCK_FILE).acquire()  # one supervisor per run folder
+    try:
+        refuse_if_held(run_dir)  # a live run in the folder: nothing of this supervisor is written there
+        if overwrite:  # here, not in the first attempt: the supervisor's own log lives in the run folder
+            aside = ckpt.move_aside(run_dir)
+            if aside is not None:
+                supervisor.relock()  # the new folder at the old path, locked before the old one is let go
+                print(f"pgs supervise: --overwrite: moved the previous run to {aside}", file=sys.stderr, flush=True)
+        return _supervise(run_dir, spec_path, overrides, resume, nproc, policy, sleep)
+    finally:
+        supervisor.release()
+
+
+def _supervise(run_dir: str, spec_path: str, overrides: Sequence[str], resume: str | None, nproc: int,
+               policy: Policy, sleep: Callable[[float], None]) -> int:
+    """The supervisor's loop, in the run folder it holds (see :func:`supervise`)."""
     log = Log(run_dir)
     log.write("start", spec=os.path.abspath(spec_path), overrides=list(overrides), retries=policy.retries,
               backoff_s=policy.backoff_s, nproc=nproc)
