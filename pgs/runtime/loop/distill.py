@@ -131,6 +131,9 @@ class DistillObjective:
     loader_ahead = None
     router_tap = False  # the student's forward here does not feed a MoE router tap (no router losses or statistics)
     splits_rows = False  # the student samples from whole prompts
+    whole_rows_reason = ("the student samples its completions from whole prompts through a KV cache and the teacher "
+                         "scores whole rows, while ring attention serves only the student's training forward over "
+                         "a split row")
 
     def __init__(self, spec, tokenizer, teacher, device: torch.device, stream):
         self.spec = spec

@@ -48,6 +48,7 @@ class SFTObjective:
     loader_ahead = None
     router_tap = True
     splits_rows = True  # a token loss: each rank sums its own part of a row
+    whole_rows_reason = ""
 
     def __init__(self, spec, tokenizer, device: torch.device, stream):
         self.spec = spec
