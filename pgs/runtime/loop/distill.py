@@ -45,8 +45,8 @@ completions of its own prompts, and the result is one process's with the same ``
   model's forward, chunk by chunk, as for the student).  Replicating it would keep all its
   weights on every device; a teacher is usually the larger model of the two, and the run is
   sharded because the student's training state does not fit one device.  The price is one
-  all-gather of each teacher layer per micro-batch (no backward, no reduce-scatter): a third of
-  what the student's layers move.
+  all-gather of each teacher layer per micro-batch (no backward, no reduce-scatter; a student
+  layer takes two all-gathers and a reduce-scatter).
 - *Eval*: each rank its share of the eval loss (as SFT), and every rank the same held-out
   divergence over all ``eval_prompts`` records; task accuracy by generation is measured on one
   process only, as SFT's.
