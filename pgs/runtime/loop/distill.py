@@ -192,8 +192,11 @@ class DistillObjective:
         parts = [split_documents(b) for b in batches]
         prompts = [p for part in parts for p, _, _ in part]
         sharded = getattr(run, "ctx", None) is not None
+        # sharded: FSDP's all-gathers run inside each decode step, which is then neither compiled nor
+        # captured as a CUDA graph (compile=False; eager steps, the static cache on CUDA as usual)
         out = generate(run.model, prompts, self.settings, stop_ids=self.stops, pad_id=self.pad_id,
-                       generator=self._generators["distill_sampler"], share=global_share(parts) if sharded else None)
+                       generator=self._generators["distill_sampler"], share=global_share(parts) if sharded else None,
+                       compile=False if sharded else None)
         generated = D.global_count(out.generated_tokens) if sharded else out.generated_tokens
         samples = iter(out.completions())
         limit = self.spec.data.max_seq_len
