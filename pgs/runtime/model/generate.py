@@ -328,7 +328,8 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
     stops = torch.as_tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long, device=device)
     out = torch.full((B, T), int(pad_id), dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    done[mine:] = True  # the placeholder row of a process without prompts
+    if mine < B:
+        done[mine:] = True  # the placeholder row of a process without prompts
     lengths = torch.zeros(B, dtype=torch.long, device=device)
     keyword = cache_keyword(model)
     with _eager():
