@@ -152,8 +152,9 @@ def test_context_on_one_process_is_refused(tmp_path):
 
 @pytest.mark.parametrize("section", ["preference", "distill", "neftune"])
 def test_context_refused_for_an_objective_that_needs_whole_sequences(tmp_path, section):
-    """``splits_rows``: a [preference] run (log-probs summed over whole arms) refuses rows split
-    over context ranks in one line naming its section, as embedding noise does, before anything
+    """``splits_rows``: a [preference] run (log-probs summed over whole arms) and a [distill] run
+    (sampling from whole prompts) refuse rows split over context ranks in one line naming the
+    section and why, as embedding noise does, before anything
     is built and before the process count is looked at."""
     from pgs.errors import SpecError
     from pgs.runtime.loop.train import setup
