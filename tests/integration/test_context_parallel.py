@@ -150,10 +150,11 @@ def test_context_on_one_process_is_refused(tmp_path):
     assert "parallel.context: 2 ranks per sequence need pgs run --nproc N" in done.stderr
 
 
-@pytest.mark.parametrize("section", ["preference", "neftune"])
+@pytest.mark.parametrize("section", ["preference", "distill", "neftune"])
 def test_context_refused_for_an_objective_that_needs_whole_sequences(tmp_path, section):
-    """``splits_rows``: a [preference] run (log-probs summed over whole arms) refuses rows split
-    over context ranks in one line naming its section, as embedding noise does, before anything
+    """``splits_rows``: a [preference] run (log-probs summed over whole arms) and a [distill] run
+    (sampling from whole prompts) refuse rows split over context ranks in one line naming the
+    section and why, as embedding noise does, before anything
     is built and before the process count is looked at."""
     from pgs.errors import SpecError
     from pgs.runtime.loop.train import setup
@@ -167,7 +168,14 @@ def test_context_refused_for_an_objective_that_needs_whole_sequences(tmp_path, s
                             'sources = [{ path = "pgs:quickstart/pairs_train.jsonl" }]')
         text = text.replace('eval = "pgs:quickstart/eval.jsonl"', 'eval = "pgs:quickstart/pairs_eval.jsonl"')
         text += '\n[preference]\nkind = "dpo"\n'
-        want = r"parallel.context: a \[preference\] run needs whole sequences"
+        want = r"parallel.context: a \[preference\] run needs whole sequences on each rank: a pair's loss is a "
+    elif section == "distill":
+        from helpers import inline_table
+        from tiny import tiny_table
+
+        text += f"\n[distill]\nteacher_config = {inline_table(tiny_table())}\n"
+        want = (r"parallel.context: a \[distill\] run needs whole sequences on each rank: the student samples its "
+                r"completions from whole prompts through a KV cache")
     else:
         want = "parallel.context: not with embedding noise"
     path.write_text(text + "\n[parallel]\ncontext = 2\n")

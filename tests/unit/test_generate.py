@@ -225,3 +225,34 @@ def test_layers_compiled_for_training_are_not_recompiled_by_generation():
         ref = generate(plain, ps, s, stop_ids=[], pad_id=PAD, cache=cache, compile=False)
         assert torch.equal(got.completion_ids, ref.completion_ids)
     assert not counters["stats"].get("unique_graphs")  # nothing compiled after the training forward
+
+
+def test_a_batch_shared_over_processes_samples_what_one_process_does(model):
+    """``Share``: each (simulated) process samples its rows of one global batch, interleaved and
+    one of them empty; every row's completion and every generator's final state equal one
+    process sampling the whole batch.  The agreement that all rows stopped is simulated from the
+    whole batch's longest completion (the CPU checks after every decode step)."""
+    from pgs.runtime.model.generate import Share
+
+    ps = prompts(7, n=6, lo=2, hi=14)
+    settings = GenerationSettings(max_new_tokens=10, temperature=1.0, top_p=0.9)
+    whole_gen = torch.Generator().manual_seed(5)
+    whole = generate(model, ps, settings, stop_ids=[5, 9, 17], pad_id=PAD, generator=whole_gen)
+    assert whole.lengths.min() < whole.lengths.max()  # rows stop at different steps
+    width, longest = max(len(p) for p in ps), int(whole.lengths.max())
+    for rows in [(4, 0, 2), (1, 3, 5), ()]:
+        checks = []
+
+        def all_stopped(mine: bool) -> bool:
+            checks.append(mine)
+            return len(checks) >= longest
+
+        g = torch.Generator().manual_seed(5)
+        part = generate(model, [ps[i] for i in rows], settings, stop_ids=[5, 9, 17], pad_id=PAD, generator=g,
+                        share=Share(rows, len(ps), width, all_stopped))
+        assert part.completions() == [whole.completions()[i] for i in rows]
+        assert torch.equal(g.get_state(), whole_gen.get_state())
+        assert part.generated_tokens == sum(int(whole.lengths[i]) for i in rows)
+    with pytest.raises(InvalidArgument, match="share: 1 rows for 2 prompts"):
+        generate(model, ps[:2], settings, stop_ids=[], pad_id=PAD, generator=g,
+                 share=Share((0,), 6, width, lambda mine: mine))

@@ -185,6 +185,15 @@ def global_counts(*ns: int) -> tuple[int, ...]:
     return tuple(int(v) for v in t.tolist())
 
 
+def all_true(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (a MIN all-reduce; ``flag`` itself on one process)."""
+    if not is_distributed():
+        return bool(flag)
+    t = torch.tensor([int(bool(flag))], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
@@ -257,6 +266,23 @@ def shard_model(model, mesh=None, *, mixed_precision: str | None = None, layers:
             module.set_gradient_divide_factor(1.0)
             # SUM collectives only: gloo has no PREMUL_SUM, NCCL is zero-copy only for SUM
             module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def shard_frozen(model, mesh=None, *, layers: list | None = None):
+    """Shard a frozen model (no gradients, no optimizer: a distillation teacher) in place and
+    return it.  Call it on every rank.
+
+    ``fully_shard`` on each decoder layer, every one freed after its forward (there is no
+    backward to keep it for); the root (embeddings, final norm, output head) is not sharded and
+    stays whole on every rank, because a loss applies the head chunk by chunk outside the
+    model's forward (as the student's chunked loss does).  ``final_hidden`` then runs the base
+    model as it is: each layer all-gathers its parameters just before it runs, a collective, so
+    every rank must run the model the same number of times."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in (list(layers) if layers is not None else decoder_layers(model)):
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
     return model
 
 

@@ -19,6 +19,38 @@ Randomness: the λ coin is a CPU generator and the sampler a generator on the de
 seeded by ``train.seed`` and saved with every checkpoint (``generators``), so a resumed run
 draws the same coins and the same samples as an uninterrupted one.
 
+Several processes (FSDP2, ``pgs run --nproc N``; docs/distributed.md, *Distillation*).  Each
+rank reads its rows of every global batch (``TrainStream(rank=, world_size=)``) and samples the
+completions of its own prompts, and the result is one process's with the same ``batch_size``:
+
+- *The same coin*: every rank holds the coin generator with the same seed and draws once a
+  step, so all ranks take the same on-policy or off-policy step.
+- *The same samples*: the step's prompts have one global order, one process's (micro-batch by
+  micro-batch, rank by rank within a micro-batch: the order of the rows in the global batch),
+  made known to every rank by one gather of the prompt lengths.  Every rank holds the sampler
+  generator with the same seed and, at each decode step, draws the race of the whole global
+  batch and keeps its own prompts' rows of it (``pgs.runtime.model.generate.Share``), pads its
+  prompts to the global batch's longest, and decodes until every rank's completions have
+  stopped.  So each prompt meets the same random numbers as on one process, whatever the split
+  over ranks, and the generators advance alike on every rank (each rank saves its own in the
+  checkpoint, and a resume at the same world size restores them).  What is left is the
+  forward's summation order, which the number of rows in a batch may change: a sample differs
+  from one process's only where two tokens tie to the last bits.
+- *The same loss*: each rank repacks its own micro-batches, as one process repacks the same
+  micro-batches; the step divides by the global count of completion tokens (the loop's
+  ``global_counts`` of ``count``), so the summed gradients are one process's.
+- *The teacher* is sharded: its decoder layers with FSDP2 (``fully_shard``, each layer
+  gathered for its forward and freed after it, ``pgs.runtime.dist.fsdp.shard_frozen``), its
+  embeddings, final norm and head whole on every rank (the loss applies the head outside the
+  model's forward, chunk by chunk, as for the student).  Replicating it would keep all its
+  weights on every device; a teacher is usually the larger model of the two, and the run is
+  sharded because the student's training state does not fit one device.  The price is one
+  all-gather of each teacher layer per micro-batch (no backward, no reduce-scatter; a student
+  layer takes two all-gathers and a reduce-scatter).
+- *Eval*: each rank its share of the eval loss (as SFT), and every rank the same held-out
+  divergence over all ``eval_prompts`` records; task accuracy by generation is measured on one
+  process only, as SFT's.
+
 Metrics: per step ``on_policy`` (1 or 0; its mean is the on-policy share), ``generated_tokens``
 and ``gen_tokens_per_s`` (0 off-policy), and ``tokens_per_s`` from the loop; at eval the mean
 teacher–student KL(T‖S) and the configured divergence per completion token on the first
@@ -34,16 +66,17 @@ from typing import Sequence
 
 import torch
 
-from pgs.errors import SpecError
 from pgs.func.losses import distill_loss
 from pgs.runtime.data import EvalStream, TrainStream
 from pgs.runtime.data.chat import turn_markers
 from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.packing import Document, PackedBatch, best_fit_decreasing, collate, pad_id
+from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
 from pgs.runtime.loop.objective_common import random_document, rank_and_world, steps_for
+from pgs.runtime.loop.sft import sharded_eval_loss
 from pgs.runtime.model.build import build_model, final_hidden, output_head
-from pgs.runtime.model.generate import GenerationSettings, generate
+from pgs.runtime.model.generate import GenerationSettings, Share, generate
 
 #: Eval records answered by greedy generation when the eval data has a known checker (as SFT).
 ACCURACY_SAMPLES = 200
@@ -98,6 +131,9 @@ class DistillObjective:
     loader_ahead = None
     router_tap = False  # the student's forward here does not feed a MoE router tap (no router losses or statistics)
     splits_rows = False  # the student samples from whole prompts
+    whole_rows_reason = ("the student samples its completions from whole prompts through a KV cache and the teacher "
+                         "scores whole rows, while ring attention serves only the student's training forward over "
+                         "a split row")
 
     def __init__(self, spec, tokenizer, teacher, device: torch.device, stream):
         self.spec = spec
@@ -122,10 +158,10 @@ class DistillObjective:
     @classmethod
     def create(cls, spec, *, model, tokenizer, device: torch.device, ctx=None) -> "DistillObjective":
         rank, world = rank_and_world(ctx)
-        if world > 1:
-            raise SpecError("distill: a [distill] run trains on one process for now (WORLD_SIZE = 1)")
-        return cls(spec, tokenizer, load_teacher(spec, tokenizer, device), device,
-                   TrainStream(spec.data, tokenizer, rank=rank, world_size=world))
+        teacher = load_teacher(spec, tokenizer, device)
+        if world > 1:  # its layers sharded, its head whole (module docstring)
+            D.shard_frozen(teacher, ctx.mesh)
+        return cls(spec, tokenizer, teacher, device, TrainStream(spec.data, tokenizer, rank=rank, world_size=world))
 
     @classmethod
     def for_profile(cls, spec, *, model, tokenizer, device: torch.device, rows: int, seq_len: int,
@@ -155,8 +191,13 @@ class DistillObjective:
         self.on_policy_steps += 1
         parts = [split_documents(b) for b in batches]
         prompts = [p for part in parts for p, _, _ in part]
+        sharded = getattr(run, "ctx", None) is not None
+        # sharded: FSDP's all-gathers run inside each decode step, which is then neither compiled nor
+        # captured as a CUDA graph (compile=False; eager steps, the static cache on CUDA as usual)
         out = generate(run.model, prompts, self.settings, stop_ids=self.stops, pad_id=self.pad_id,
-                       generator=self._generators["distill_sampler"])
+                       generator=self._generators["distill_sampler"], share=global_share(parts) if sharded else None,
+                       compile=False if sharded else None)
+        generated = D.global_count(out.generated_tokens) if sharded else out.generated_tokens
         samples = iter(out.completions())
         limit = self.spec.data.max_seq_len
         rebuilt = []
@@ -166,8 +207,9 @@ class DistillObjective:
                 completion = next(samples)[: max(0, limit - len(prompt))]
                 docs.append(Document(tuple(prompt + completion), (False,) * len(prompt) + (True,) * len(completion)))
             rebuilt.append(self._collate(docs, run.device))
-        return rebuilt, {"on_policy": 1.0, "generated_tokens": out.generated_tokens,
-                         "gen_tokens_per_s": out.tokens_per_second}
+        seconds = out.seconds
+        return rebuilt, {"on_policy": 1.0, "generated_tokens": generated,
+                         "gen_tokens_per_s": generated / seconds if seconds > 0 else 0.0}
 
     def _collate(self, docs: list[Document], device: torch.device) -> PackedBatch:
         if self.spec.data.packing:
@@ -247,6 +289,11 @@ class DistillObjective:
         """The held-out divergence, the student's eval loss and, where a checker knows the
         records, the student's task accuracy and the teacher's (measured once)."""
         spec = self.spec
+        if run.ctx is not None:  # every rank the same forwards (FSDP's all-gathers); no task accuracy
+            out = sharded_eval_loss(run)
+            out.update(self.held_out_divergence(run.model))
+            out["on_policy_share"] = self.on_policy_steps / max(self.steps, 1)
+            return out
         out = eval_loss(run.model, EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch)),
                         backend="chunked", chunk_size=spec.loss.chunk_size)
         out.update(self.held_out_divergence(run.model))
@@ -275,6 +322,26 @@ class DistillObjective:
         return self._generators
 
 
+def global_share(parts: list[list]) -> Share:
+    """This rank's part of the step's prompts in one process's order (``parts``: this rank's
+    ``split_documents`` of each micro-batch): micro-batch by micro-batch, and within one the
+    ranks in order, as the rows of the global batch lie (``TrainStream.next_batch``).  One
+    gather of every rank's prompt lengths; ``all_stopped`` agrees over the ranks."""
+    lengths = [[len(prompt) for prompt, _, _ in part] for part in parts]
+    every = D.gather_object(lengths)
+    me = D.rank()
+    rows: list[int] = []
+    total = 0
+    for m in range(len(lengths)):
+        for r, theirs in enumerate(every):
+            n = len(theirs[m])
+            if r == me:
+                rows.extend(range(total, total + n))
+            total += n
+    width = max((n for theirs in every for micro in theirs for n in micro), default=1)
+    return Share(tuple(rows), total, width, D.all_true)
+
+
 def load_teacher(spec, tokenizer, device: torch.device):
     """The frozen teacher: ``distill.teacher_path`` or ``distill.teacher_config`` (random init),
     in ``distill.teacher_dtype``, eval mode, no parameter requiring a gradient."""
@@ -290,4 +357,4 @@ def load_teacher(spec, tokenizer, device: torch.device):
     return teacher
 
 
-__all__ = ["DistillObjective", "load_teacher", "split_documents", "stop_ids"]
+__all__ = ["DistillObjective", "global_share", "load_teacher", "split_documents", "stop_ids"]

@@ -95,6 +95,9 @@ class Objective(Protocol):
     #: the row's; an objective that needs whole sequences (log-probs summed per sequence,
     #: generation from a prompt) sets False and ``setup`` refuses the split.
     splits_rows: bool
+    #: With ``splits_rows`` False: why a part of a row is not enough, the rest of ``setup``'s
+    #: one-line refusal (``"a pair's loss ..."``); empty otherwise.
+    whole_rows_reason: str
 
     @classmethod
     def for_profile(cls, spec, *, model, tokenizer, device: torch.device, rows: int, seq_len: int,

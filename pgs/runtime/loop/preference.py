@@ -219,6 +219,9 @@ class PreferenceObjective:
     loader_ahead = 2  # pairs are tokenized up front: their batches are cheap, no pack window to keep ahead of
     router_tap = False  # a [preference] run takes no router loss and logs no router statistics
     splits_rows = False  # a sequence's log-prob sums over the whole arm
+    whole_rows_reason = ("a pair's loss is a nonlinear function of each arm's log-prob summed over all its tokens, "
+                         "so ranks holding parts of an arm cannot each take a share of the loss or of its gradient "
+                         "from their own tokens")
 
     def __init__(self, spec, reference: Reference, eval_pairs: Sequence[Pair], *, stream=None,
                  device: torch.device | None = None):

@@ -48,6 +48,7 @@ class SFTObjective:
     loader_ahead = None
     router_tap = True
     splits_rows = True  # a token loss: each rank sums its own part of a row
+    whole_rows_reason = ""
 
     def __init__(self, spec, tokenizer, device: torch.device, stream):
         self.spec = spec
@@ -132,7 +133,7 @@ class SFTObjective:
         """Eval loss, and task accuracy where a checker knows the data (one process only)."""
         spec = self.spec
         if run.ctx is not None:  # every rank, the same number of forwards; no task accuracy
-            return _sharded_eval_loss(run)
+            return sharded_eval_loss(run)
         out = eval_loss(run.model, EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch)),
                         backend="chunked", chunk_size=spec.loss.chunk_size)
         samples = read_samples(spec.data.eval, ACCURACY_SAMPLES)
@@ -153,7 +154,7 @@ class SFTObjective:
 
 
 @torch.no_grad()
-def _sharded_eval_loss(run) -> dict:
+def sharded_eval_loss(run) -> dict:
     """Eval loss with several processes: each rank its share of every eval batch (all-padding
     rows when it has none; a forward anyway, FSDP's all-gathers are collectives), sums
     all-reduced.  The head is read after the forward, when the root is gathered."""
@@ -179,4 +180,4 @@ def _sharded_eval_loss(run) -> dict:
     return {"eval_loss": total / max(count, 1), "eval_tokens": count}
 
 
-__all__ = ["ACCURACY_SAMPLES", "SFTObjective"]
+__all__ = ["ACCURACY_SAMPLES", "SFTObjective", "sharded_eval_loss"]

@@ -152,8 +152,8 @@ def _process_layout(spec, ctx: D.DistContext | None, world: int):
     if cp > 1:
         chosen = objective_class(spec)
         if not chosen.splits_rows:
-            raise SpecError(f"parallel.context: a [{chosen.section}] run needs whole sequences on each rank "
-                            "(set parallel.context = 1)")
+            raise SpecError(f"parallel.context: a [{chosen.section}] run needs whole sequences on each rank: "
+                            f"{chosen.whole_rows_reason} (set parallel.context = 1)")
         if spec.loss.embedding_noise() is not None:
             raise SpecError("parallel.context: not with embedding noise (loss.neftune_alpha, loss.symnoise_alpha: "
                             "they read whole rows)")

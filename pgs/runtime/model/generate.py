@@ -24,6 +24,14 @@ distillation (docs/techniques/distillation.md), and completions for ``pgs prepar
   restoring it reproduces every later sample.
 - A sequence stops at the first of its ``stop_ids`` (the end-of-turn ids, the stop token is
   part of the completion) or after ``max_new_tokens``; the loop ends when all have stopped.
+- Several processes sampling one global batch together (:class:`Share`: distillation on N
+  ranks, each its share of the prompts): every process draws the whole batch's race
+  ``[total, V]`` from the same generator state and keeps the rows of its own prompts, pads to
+  the batch's longest prompt, and decodes until every process's rows have stopped (a
+  collective at each check).  So a prompt's completion is the one one process sampling the whole
+  batch draws (up to the forward's summation order, which the batch's size may change), the
+  generators stay equal on every process, and every process runs the same number of forwards
+  (FSDP's all-gathers are collectives).
 
 The model runs in eval mode under ``torch.no_grad`` and is put back as it was.
 """
@@ -36,7 +44,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -78,6 +86,26 @@ class GenerationSettings:
         return self.temperature == 0
 
 
+@dataclass(frozen=True)
+class Share:
+    """This process's part of a batch whose prompts are spread over processes that sample
+    together (module docstring).
+
+    Attributes:
+        rows: the global index of each of this process's prompts, in the order they are passed.
+        total: prompts in the global batch (the race drawn at each step is ``[total, V]``).
+        width: the global batch's longest prompt; every process left-pads to it.
+        all_stopped: ``all_stopped(mine) -> bool``, whether every process's rows have stopped
+            given whether this one's have (a collective: every process calls it at the same
+            decode steps).
+    """
+
+    rows: tuple[int, ...]
+    total: int
+    width: int
+    all_stopped: Callable[[bool], bool]
+
+
 @dataclass
 class Generation:
     """What ``generate`` returns; rows follow the order of the prompts.
@@ -109,10 +137,11 @@ class Generation:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device=None, multiple: int = 1) -> tuple[Tensor, Tensor]:
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device=None, multiple: int = 1,
+             at_least: int = 0) -> tuple[Tensor, Tensor]:
     """``(ids [B, P], mask [B, P])``: the prompts right-aligned, ``pad_id`` before them; P is the
-    longest prompt rounded up to ``multiple``."""
-    width = -(-max(len(p) for p in prompts) // multiple) * multiple
+    longest prompt (or ``at_least``, if longer) rounded up to ``multiple``."""
+    width = -(-max(at_least, *(len(p) for p in prompts)) // multiple) * multiple
     ids = torch.full((len(prompts), width), int(pad_id), dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.bool)
     for i, p in enumerate(prompts):
@@ -122,9 +151,12 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device=None, multipl
     return ids.to(device), mask.to(device)
 
 
-def next_token(logits: Tensor, settings: GenerationSettings, generator: torch.Generator | None) -> Tensor:
+def next_token(logits: Tensor, settings: GenerationSettings, generator: torch.Generator | None,
+               rows: Tensor | None = None, total: int = 0) -> Tensor:
     """One token per row of ``logits`` [B, V]: the argmax (τ = 0), else a sample of
-    softmax(logits/τ) restricted to the top-p nucleus (exponential race, module docstring)."""
+    softmax(logits/τ) restricted to the top-p nucleus (exponential race, module docstring).
+    ``rows`` [B] (with ``total``): the race is drawn for a batch of ``total`` rows and row
+    ``rows[i]`` of it races for ``logits[i]`` (:class:`Share`)."""
     if settings.greedy:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / settings.temperature, dim=-1)
@@ -133,7 +165,11 @@ def next_token(logits: Tensor, settings: GenerationSettings, generator: torch.Ge
         # keep a token if the mass before it is below p (the most likely one always stays)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= settings.top_p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-    race = torch.empty_like(probs).exponential_(generator=generator)
+    if rows is None:
+        race = torch.empty_like(probs).exponential_(generator=generator)
+    else:
+        whole = torch.empty((total, probs.shape[-1]), dtype=probs.dtype, device=probs.device)
+        race = whole.exponential_(generator=generator)[rows]
     return (probs / race).argmax(-1)
 
 
@@ -270,10 +306,18 @@ class _GraphedStep:
 
 
 @torch.no_grad()
-def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, static, compile_step):
+def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, static, compile_step,
+                    share: Share | None = None):
     device = next(model.parameters()).device
+    rows = None
+    mine = len(prompts)
+    if share is not None:
+        # a process without prompts decodes one stopped placeholder row: its forwards keep pace
+        prompts = list(prompts) or [[int(pad_id)]]
+        rows = torch.as_tensor(list(share.rows) or [0], dtype=torch.long, device=device)
     # widths in multiples of 64 for the compiled step (aligned shapes; after its second width it takes any)
-    ids, pmask = left_pad(prompts, pad_id, device, STATIC_WIDTH_MULTIPLE if compile_step else 1)
+    ids, pmask = left_pad(prompts, pad_id, device, STATIC_WIDTH_MULTIPLE if compile_step else 1,
+                          at_least=share.width if share is not None else 0)
     B, P = ids.shape
     T = settings.max_new_tokens
     width = P + T
@@ -284,6 +328,8 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
     stops = torch.as_tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long, device=device)
     out = torch.full((B, T), int(pad_id), dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
+    if mine < B:
+        done[mine:] = True  # the placeholder row of a process without prompts
     lengths = torch.zeros(B, dtype=torch.long, device=device)
     keyword = cache_keyword(model)
     with _eager():
@@ -293,14 +339,15 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
     graphed = _GraphedStep(compiled, model, mask, cache, keyword) if (
         compiled is not None and static and device.type == "cuda") else None
     check_every = DONE_CHECK_EVERY if device.type == "cuda" else 1
+    stopped = (lambda: bool(done.all())) if share is None else (lambda: share.all_stopped(bool(done.all())))
     for t in range(T):
-        tok = next_token(logits, settings, generator)
+        tok = next_token(logits, settings, generator, rows, share.total if share is not None else 0)
         tok = torch.where(done, torch.full_like(tok, int(pad_id)), tok)
         out[:, t] = tok
         lengths += (~done).long()
         if stops.numel():
             done |= torch.isin(tok, stops)
-        if t == T - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
+        if t == T - 1 or ((t + 1) % check_every == 0 and stopped()):
             break
         mask[:, P + t] = 1
         last = last + 1
@@ -312,7 +359,8 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
         else:
             with _eager():
                 logits = _step(model, tok[:, None], seen, last, cache, keyword)
-    used = int(lengths.max())  # the tokens decoded after the last row stopped are padding
+    ids, pmask, out, lengths = ids[:mine], pmask[:mine], out[:mine], lengths[:mine]
+    used = int(lengths.max()) if mine else 0  # the tokens decoded after the last row stopped are padding
     out = out[:, :used]
     cmask = torch.arange(used, device=device)[None, :] < lengths[:, None]
     return ids, pmask, out, cmask, lengths
@@ -329,6 +377,7 @@ def generate(
     batch_size: int | None = None,
     cache: str = "auto",
     compile: bool | None = None,
+    share: Share | None = None,
 ) -> Generation:
     """Completions of ``prompts`` (lists of token ids) by ``model`` (a transformers causal LM).
 
@@ -343,12 +392,17 @@ def generate(
         batch_size: prompts per forward (all at once by default); the output is the same.
         cache: ``"auto"`` (static on CUDA, dynamic elsewhere), ``"static"`` or ``"dynamic"``.
         compile: compile the decode step (default: with a static cache on CUDA).
+        share: this process's part of a batch sampled over several processes (:class:`Share`;
+            one batch, ``batch_size`` unset; ``prompts`` may then be empty).
 
     Returns:
         ``Generation``; the completions of all batches padded to the longest.
     """
-    if not prompts:
+    if not prompts and share is None:
         raise InvalidArgument("prompts: nothing to generate from (an empty list)")
+    if share is not None and (batch_size is not None or len(share.rows) != len(prompts)):
+        raise InvalidArgument(f"share: {len(share.rows)} rows for {len(prompts)} prompts, in one batch "
+                              "(batch_size unset)")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise InvalidArgument(f"prompts[{i}] is empty (a prompt needs at least one token)")
@@ -356,7 +410,7 @@ def generate(
         raise InvalidArgument("generator: sampling (temperature > 0) needs an explicit torch.Generator")
     static = _use_static(model, cache)
     compile_step = static and next(model.parameters()).is_cuda if compile is None else bool(compile)
-    size = len(prompts) if batch_size is None else int(batch_size)
+    size = max(len(prompts), 1) if batch_size is None else int(batch_size)
     if size < 1:
         raise InvalidArgument(f"batch_size must be a positive integer, got {batch_size!r}")
     was_training = model.training
@@ -364,9 +418,9 @@ def generate(
     start = time.perf_counter()
     parts = []
     try:
-        for b in range(0, len(prompts), size):
+        for b in range(0, max(len(prompts), 1), size):
             parts.append(_generate_batch(model, prompts[b : b + size], settings, stop_ids, pad_id, generator,
-                                         static, compile_step))
+                                         static, compile_step, share))
     finally:
         model.train(was_training)
     P = max(p[0].shape[1] for p in parts)
