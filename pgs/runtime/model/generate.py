@@ -39,9 +39,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from pgs.errors import InvalidArgument
+from pgs.runtime.process import collective_device
 
 
 #: With a compiled decode step, prompts are left-padded to a multiple of this many tokens.
@@ -269,8 +271,18 @@ class _GraphedStep:
         return out
 
 
+def _all_done(done: Tensor, synced: bool) -> bool:
+    """Whether the batch has stopped; ``synced``: whether every rank's batch has (a MAX
+    all-reduce of "still running", on the collective's device), the same answer on every rank."""
+    if not synced:
+        return bool(done.all())
+    running = (~done).any().to(device=collective_device(), dtype=torch.int64).reshape(1)
+    dist.all_reduce(running, op=dist.ReduceOp.MAX)
+    return not bool(running.item())
+
+
 @torch.no_grad()
-def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, static, compile_step):
+def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, static, compile_step, synced=False):
     device = next(model.parameters()).device
     # widths in multiples of 64 for the compiled step (aligned shapes; after its second width it takes any)
     ids, pmask = left_pad(prompts, pad_id, device, STATIC_WIDTH_MULTIPLE if compile_step else 1)
@@ -300,7 +312,7 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
         lengths += (~done).long()
         if stops.numel():
             done |= torch.isin(tok, stops)
-        if t == T - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
+        if t == T - 1 or ((t + 1) % check_every == 0 and _all_done(done, synced)):
             break
         mask[:, P + t] = 1
         last = last + 1
@@ -329,6 +341,7 @@ def generate(
     batch_size: int | None = None,
     cache: str = "auto",
     compile: bool | None = None,
+    synced: bool = False,
 ) -> Generation:
     """Completions of ``prompts`` (lists of token ids) by ``model`` (a transformers causal LM).
 
@@ -343,6 +356,11 @@ def generate(
         batch_size: prompts per forward (all at once by default); the output is the same.
         cache: ``"auto"`` (static on CUDA, dynamic elsewhere), ``"static"`` or ``"dynamic"``.
         compile: compile the decode step (default: with a static cache on CUDA).
+        synced: several processes share the model (FSDP2: each forward all-gathers the
+            sharded parameters) and every rank calls ``generate`` at the same time with the
+            same number of batches: a batch decodes until every rank's batch has stopped (one
+            all-reduce per check), so every rank makes the same forwards.  The completions are
+            what they would be alone (tokens after a row's stop are padding either way).
 
     Returns:
         ``Generation``; the completions of all batches padded to the longest.
@@ -366,7 +384,7 @@ def generate(
     try:
         for b in range(0, len(prompts), size):
             parts.append(_generate_batch(model, prompts[b : b + size], settings, stop_ids, pad_id, generator,
-                                         static, compile_step))
+                                         static, compile_step, synced))
     finally:
         model.train(was_training)
     P = max(p[0].shape[1] for p in parts)
