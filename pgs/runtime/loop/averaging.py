@@ -233,11 +233,7 @@ class WeightAverager:
         for name, state in self._states.items():
             ema = state.ema[name].contiguous()
             if self.sharded:
-                from torch.distributed.tensor import DTensor
-
-                p = params[name]
-                ema = DTensor.from_local(ema, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                         stride=p.stride())
+                ema = _host_dtensor(ema, params[name])
             out[f"ema.{name}"] = ema
             out["count"], out["correction"] = state.count.reshape(1), state.correction.reshape(1)
         return out
@@ -254,9 +250,27 @@ class WeightAverager:
         count = tensors["count"].reshape(()).to(torch.int32)
         correction = tensors["correction"].reshape(()).to(torch.float32)
         for name in self._states:
-            ema = _local(tensors[f"ema.{name}"]).float()
+            ema = _local(tensors[f"ema.{name}"]).to("cpu", torch.float32)  # the average lives in host memory
             self._states[name] = pf.EmaState(count.clone(), {name: ema.clone() if self.sharded else ema},
                                              correction.clone())
+
+
+def _host_dtensor(local: torch.Tensor, param) -> torch.Tensor:
+    """``local`` (this rank's shard of the EMA of ``param``, fp32 in host memory) as a DTensor of
+    ``param``'s mesh, placements and global shape, without a copy.  ``DTensor.from_local`` would
+    move a host tensor to the mesh's device (a GPU copy of the shard at every checkpoint); DCP
+    writes a DTensor's local shard wherever it lives, as it does for FSDP2's own offloaded
+    parameters, so the shard is wrapped where it is."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = param.device_mesh
+    if local.device.type == mesh.device_type:
+        return DTensor.from_local(local, mesh, param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(param.placements), tensor_meta=TensorMeta(param.shape, param.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 def _sharded_slerp(t: float, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
