@@ -1,10 +1,10 @@
 """The loop's services on several processes (FSDP2, gloo on the CPU) against one process.
 
 - ``[averaging]``: the EMA and a SLERP merge-back on each rank's shards, the EMA in the DCP
-  checkpoint, ``final-ema`` gathered; 2 ranks give one process's losses, weights, EMA and EMA
-  evals (eval loss and accuracy by generation), and a SIGKILL + ``--resume auto`` on 2 ranks
-  (checkpoints written in the background) ends bit for bit where the uninterrupted 2-rank run
-  ends (weights, EMA, losses).
+  checkpoint, ``final-ema`` gathered; ``pgs run --nproc 3`` gives one process's losses,
+  weights, EMA and EMA evals (eval loss and accuracy by generation), and a SIGKILL +
+  ``--resume auto`` on 3 ranks (checkpoints written in the background) ends bit for bit where
+  the uninterrupted 3-rank run ends (weights, EMA, losses).
 - ``data.msft_round``: per-source eval losses reduced over the ranks; 2 ranks exclude the same
   sources at the same steps as one process, with the same losses.
 - Eval generation: ``task_accuracy`` on 3 ranks (each its share of the batches, padded) gives
@@ -12,7 +12,7 @@
   whose batches stop at different steps in step (a hang would fail the test's timeout).
 
 Tolerances are tests/integration/test_train_distributed.py's (it explains them): one process with
-``grad_accum = 2`` and two ranks with ``grad_accum = 1`` train on the same micro-batches; losses to
+``grad_accum = N`` and N ranks with ``grad_accum = 1`` train on the same micro-batches; losses to
 1e-6 relative, weights to 1e-6 absolute.  The EMA and the linear merge are elementwise (exact on
 shards); SLERP's norms and dot product are shard sums all-reduced (the same to rounding).
 """
@@ -40,6 +40,7 @@ pytestmark = pytest.mark.slow  # several launches of 2 and 3 processes
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 300
 STEPS = 6
+NPROC = ("--nproc", "3")
 AVERAGING = """
 [averaging]
 ema = 0.75
@@ -50,78 +51,71 @@ merge_period = 0.5
 
 
 def _averaging_spec(tmp_path: Path, name: str, *, ranks: int, background: bool = False) -> Path:
+    """The tiny spec with ``[averaging]``, 6 rows a step: one process takes them as 3
+    micro-batches of 2, 3 ranks 2 rows each (the tiny model's widths do not divide by 3: uneven
+    FSDP2 shards, the EMA's too)."""
     evals = tmp_path / "eval.jsonl"  # 12 records with a task checker: eval loss and accuracy by generation
     evals.write_text("\n".join((QUICKSTART / "eval.jsonl").read_text().splitlines()[:12]) + "\n")
     path = tiny_spec(tmp_path, name, steps=STEPS, every=2, export="true", eval_every=STEPS)
     text = path.read_text().replace('eval = "pgs:quickstart/eval.jsonl"', f'eval = "{evals}"') + AVERAGING
-    if ranks > 1:
-        text = text.replace("grad_accum = 2", "grad_accum = 1")
+    text = text.replace("batch_size = 4", "batch_size = 6").replace("grad_accum = 2", f"grad_accum = {4 - ranks}")
     if background:
         text = text.replace('best_metric = ""', 'best_metric = ""\nbackground = true')
     path.write_text(text)
     return path
 
 
-def _torchrun_killed(spec: Path, faults: Faults) -> subprocess.CompletedProcess:
-    """2 ranks under torchrun with ``faults`` in every worker's environment."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "pgs", "run", str(spec)]
-    return subprocess.run(cmd, cwd=ROOT, env=child_env(PGS_PG_TIMEOUT_S=60, **faults.env()), capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
-
-
 def _ema(run_dir: Path) -> dict:
     return load_file(run_dir / EXPORT_DIR / "model.safetensors")
 
 
-def test_averaging_on_two_ranks_equals_one_process_and_resumes_exactly(tmp_path):
+def test_averaging_on_three_ranks_equals_one_process_and_resumes_exactly(tmp_path):
     done = launch(_averaging_spec(tmp_path, "single", ranks=1), timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
-    two = _averaging_spec(tmp_path, "two", ranks=2)
-    done = torchrun(two, timeout=TIMEOUT_S)
+    done = launch(_averaging_spec(tmp_path, "three", ranks=3), timeout=TIMEOUT_S, args=NPROC)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    single, pair = tmp_path / "single", tmp_path / "two"
+    single, three = tmp_path / "single", tmp_path / "three"
 
-    one_log, two_log = step_records(single), step_records(pair)
-    assert [r["step"] for r in two_log] == list(range(1, STEPS + 1))
-    for a, b in zip(one_log, two_log):
+    one_log, three_log = step_records(single), step_records(three)
+    assert [r["step"] for r in three_log] == list(range(1, STEPS + 1))
+    for a, b in zip(one_log, three_log):
         assert b["valid_tokens"] == a["valid_tokens"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0)
-    assert_same_weights(final_weights(single), final_weights(pair), "final, 1 vs 2 ranks", atol=1e-6)
-    assert_same_weights(_ema(single), _ema(pair), "final-ema, 1 vs 2 ranks", atol=1e-6)
-    moved = max((a - b).abs().max().item() for a, b in zip(_ema(pair).values(), final_weights(pair).values()))
+    assert_same_weights(final_weights(single), final_weights(three), "final, 1 vs 3 ranks", atol=1e-6)
+    assert_same_weights(_ema(single), _ema(three), "final-ema, 1 vs 3 ranks", atol=1e-6)
+    moved = max((a - b).abs().max().item() for a, b in zip(_ema(three).values(), final_weights(three).values()))
     assert moved > 1e-4  # the EMA is not the last weights
-    assert json.loads((pair / EXPORT_DIR / "pgs_export.json").read_text()) == {"step": STEPS, "ema": 0.75}
-    info = json.loads((pair / f"step_{STEPS}" / "dcp.json").read_text())
-    assert info["services"] == ["averaging"] and info["world_size"] == 2
+    assert json.loads((three / EXPORT_DIR / "pgs_export.json").read_text()) == {"step": STEPS, "ema": 0.75}
+    info = json.loads((three / f"step_{STEPS}" / "dcp.json").read_text())
+    assert info["services"] == ["averaging"] and info["world_size"] == 3
 
     one_eval = [r for r in records(single) if "eval_loss" in r]
-    two_eval = [r for r in records(pair) if "eval_loss" in r]
-    assert [r["step"] for r in two_eval] == [0, STEPS] and "ema_eval_loss" in two_eval[1]
-    for a, b in zip(one_eval, two_eval):
+    three_eval = [r for r in records(three) if "eval_loss" in r]
+    assert [r["step"] for r in three_eval] == [0, STEPS] and "ema_eval_loss" in three_eval[1]
+    assert "eval_accuracy" in three_eval[0] and "ema_eval_accuracy" in three_eval[1]
+    for a, b in zip(one_eval, three_eval):
         assert a.keys() == b.keys()
         for key in a:
             if key.startswith(("eval_accuracy", "ema_eval_accuracy")) or key.endswith(("_correct", "_tokens")):
-                assert b[key] == a[key], key  # generation on 2 ranks: the same verdicts
+                assert b[key] == a[key], key  # generation on 3 ranks: the same verdicts
             elif key.endswith("eval_loss"):
                 assert b[key] == pytest.approx(a[key], rel=1e-6), key
-    assert "eval_accuracy" in two_eval[0] and "ema_eval_accuracy" in two_eval[1]
 
-    # SIGKILL after step 5 on 2 ranks, checkpoints written in the background (the EMA staged by
+    # SIGKILL after step 5 on 3 ranks, checkpoints written in the background (the EMA staged by
     # DCP's async save with the rest), --resume auto from the newest complete one: the same bits
-    killed = _averaging_spec(tmp_path, "killed", ranks=2, background=True)
-    crash = _torchrun_killed(killed, Faults(crash_at=("step", 5)))
+    killed = _averaging_spec(tmp_path, "killed", ranks=3, background=True)
+    crash = launch(killed, timeout=TIMEOUT_S, args=NPROC, **Faults(crash_at=("step", 5)).env())
     assert crash.returncode != 0
     assert not (tmp_path / "killed" / f"step_{STEPS}").exists()
-    resumed = torchrun(killed, "auto", timeout=TIMEOUT_S)
+    resumed = launch(killed, "auto", timeout=TIMEOUT_S, args=NPROC)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     # step 4's save may still have been on its thread when the kill came: then step 2's is the newest
     assert any(f"resumed from {tmp_path / 'killed' / f'step_{s}'}" in resumed.stderr for s in (2, 4)), \
         resumed.stderr[-2000:]
     again = tmp_path / "killed"
-    assert_same_weights(final_weights(pair), final_weights(again), "final, resumed vs uninterrupted")
-    assert_same_weights(_ema(pair), _ema(again), "final-ema, resumed vs uninterrupted")
-    assert [r["loss"] for r in step_records(again)] == [r["loss"] for r in two_log]
+    assert_same_weights(final_weights(three), final_weights(again), "final, resumed vs uninterrupted")
+    assert_same_weights(_ema(three), _ema(again), "final-ema, resumed vs uninterrupted")
+    assert [r["loss"] for r in step_records(again)] == [r["loss"] for r in three_log]
 
 
 def test_msft_on_two_ranks_excludes_what_one_process_excludes(tmp_path):
