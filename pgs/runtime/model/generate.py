@@ -360,7 +360,9 @@ def generate(
             sharded parameters) and every rank calls ``generate`` at the same time with the
             same number of batches: a batch decodes until every rank's batch has stopped (one
             all-reduce per check), so every rank makes the same forwards.  The completions are
-            what they would be alone (tokens after a row's stop are padding either way).
+            what they would be alone (tokens after a row's stop are padding either way).  The
+            decode step then runs uncompiled (FSDP2 gathers the parameters in its forward hooks,
+            which a compiled step's CUDA graph would not replay).
 
     Returns:
         ``Generation``; the completions of all batches padded to the longest.
@@ -374,6 +376,9 @@ def generate(
         raise InvalidArgument("generator: sampling (temperature > 0) needs an explicit torch.Generator")
     static = _use_static(model, cache)
     compile_step = static and next(model.parameters()).is_cuda if compile is None else bool(compile)
+    # a sharded model's forward gathers its parameters in FSDP2's hooks, which neither a compiled
+    # decode step nor its CUDA graph's replay would run
+    compile_step = compile_step and not synced
     size = len(prompts) if batch_size is None else int(batch_size)
     if size < 1:
         raise InvalidArgument(f"batch_size must be a positive integer, got {batch_size!r}")
