@@ -142,3 +142,33 @@ def test_a_services_memory_estimate_joins_the_predicted_peak_and_host_memory(tmp
     after = R.predict(spec, torch.device("cpu"))
     assert after.peak == before.peak + 1000 and after.host == before.host + 7
     assert after.parts["services"] == 1000 and "services" not in before.parts
+
+
+class _Counter(Service):
+    """A service with state of its own (``state_name``): a tensor that must survive a resume."""
+
+    state_name = "counter"
+
+    def __init__(self, value=None):
+        self.value = value
+
+    def state_dict(self, run) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, run, tensors, folder) -> None:
+        self.value = None if tensors is None else tensors["value"].clone()
+
+
+def test_a_service_with_state_names_its_checkpoint_file_and_its_dcp_entry():
+    """What the checkpointer writes of the services: one process, ``<state_name>.safetensors``;
+    several, the DCP entry ``<state_name>``; a service without ``state_name`` adds nothing.
+    (The save and restore of such state end to end: tests/integration/test_averaging.py and
+    test_services_distributed.py, through the weight EMA's service.)"""
+    from pgs.runtime.loop.checkpointer import service_entries, service_files, stateful
+
+    kept = torch.tensor([1.5, -2.0, 3.25])
+    run = SimpleNamespace(services=[Service(), _Counter(kept), Recorder("x", [])])
+    assert [type(s) for s in stateful(run)] == [_Counter]
+    assert service_files(run) == {"counter.safetensors": {"value": kept}}
+    assert service_entries(run) == {"counter": {"value": kept}}
+    assert service_files(SimpleNamespace(services=[Service()])) == {}

@@ -272,8 +272,6 @@ def launch_run(spec, spec_path: str, *, nproc: int, overrides: Sequence[str] = (
     """
 
     rendezvous = rendezvous or Rendezvous()
-    if spec.averaging is not None:
-        raise SpecError("averaging: weight averaging runs on one process for now; drop --nproc or [averaging]")
     preflight_spec(spec, processes=nproc * (rendezvous.fixed_nodes or 1))
     check_world_size(spec.train, nproc * (rendezvous.fixed_nodes or 1), spec.parallel.context)
     if nproc * (rendezvous.fixed_nodes or 1) > 1:  # before any process starts, not after each built the model

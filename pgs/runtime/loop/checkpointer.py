@@ -23,7 +23,6 @@ import torch
 
 from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop import control
-from pgs.runtime.loop.averaging import CHECKPOINT_FILE as AVERAGING_FILE
 from pgs.runtime.store import background, checkpoint as ckpt, dcp
 from pgs.runtime.store.export import export_hf
 
@@ -43,6 +42,21 @@ def _improves(metric: str, value: float, best: float | None) -> bool:
     return value > best if "accuracy" in metric else value < best
 
 
+def stateful(run) -> list:
+    """The run's services that keep state in checkpoints (``Service.state_name`` set), in order."""
+    return [s for s in run.services if s.state_name]
+
+
+def service_files(run) -> dict[str, dict]:
+    """One process: the services' checkpoint state by file (``<state_name>.safetensors``)."""
+    return {f"{s.state_name}.safetensors": s.state_dict(run) for s in stateful(run)}
+
+
+def service_entries(run) -> dict[str, dict]:
+    """Several processes: the services' checkpoint state by DCP entry (``state_name``)."""
+    return {s.state_name: s.state_dict(run) for s in stateful(run)}
+
+
 def save(run, timings: dict[str, float] | None = None) -> str:
     """Write ``step_<N>`` (durably), then purge old ones beyond ``checkpoint.keep``.
     ``timings``: filled as ``pgs.runtime.store.checkpoint.save`` fills it (one process only)."""
@@ -50,7 +64,7 @@ def save(run, timings: dict[str, float] | None = None) -> str:
     if run.ctx is not None:
         folder = dcp.save(run.run_dir, step, model=run.model, optimizer=run.bound, trainer=run.counters(),
                           spec_toml=run.spec.to_toml(),
-                          generators=run.objective.generators())
+                          generators=run.objective.generators(), services=service_entries(run))
         if run.ctx.is_main:
             ckpt.purge(run.run_dir, run.spec.checkpoint.keep)
         D.barrier()
@@ -60,8 +74,7 @@ def save(run, timings: dict[str, float] | None = None) -> str:
         rng=ckpt.capture_rng(generators=run.objective.generators()), trainer=run.counters(),
         spec_toml=run.spec.to_toml(),
         crash_hook=lambda stage: stage == "optimizer" and run.faults.crash("checkpoint_write", step),
-        extra={AVERAGING_FILE: run.averaging.state_dict()} if run.averaging is not None and run.averaging.has_ema
-        else None,
+        extra=service_files(run) or None,
         timings=timings,
     )
     ckpt.purge(run.run_dir, run.spec.checkpoint.keep)
@@ -70,12 +83,13 @@ def save(run, timings: dict[str, float] | None = None) -> str:
 
 def snapshot_groups(run) -> tuple[dict, dict[str, str]]:
     """What a background save snapshots (file -> live tensors: the weights, the optimizer
-    state, the EMA) and the weights' aliases."""
+    state, the services' state, e.g. the EMA) and the weights' aliases."""
     tensors, aliases = ckpt.model_tensors(run.model)
-    groups = {"model": tensors, "optimizer": run.bound.state_dict(copy=False)}
-    if run.averaging is not None and run.averaging.has_ema:
-        groups[AVERAGING_FILE] = run.averaging.state_dict()
+    groups = {"model": tensors, "optimizer": run.bound.state_dict(copy=False), **service_files(run)}
     return groups, aliases
+
+
+_OWN_GROUPS = ("model", "optimizer")
 
 
 def _rounded(timings: dict) -> dict:
@@ -89,7 +103,8 @@ def _save_dcp_in_background(run, saver: background.BackgroundSaver, trainer: dic
     began = time.perf_counter()
     job, final, need, saver.writer = dcp.save_async(
         run_dir, step, model=run.model, optimizer=run.bound, trainer=trainer, spec_toml=spec_toml,
-        generators=run.objective.generators(), group=saver.group, writer=saver.writer)
+        generators=run.objective.generators(), group=saver.group, writer=saver.writer,
+        services=service_entries(run))
     saver.snapshot_seconds, saver.label, main = time.perf_counter() - began, (final, need), run.ctx.is_main
 
     def write_dcp() -> dict:
@@ -123,7 +138,7 @@ def save_in_background(run, saver: background.BackgroundSaver) -> float:
     groups, aliases = snapshot_groups(run)
     rng = ckpt.capture_rng(generators=run.objective.generators())
     saver.label = (os.path.join(run_dir, f"step_{step}"), ckpt.need_bytes(
-        groups["model"], groups["optimizer"], rng, {k: v for k, v in groups.items() if k == AVERAGING_FILE}))
+        groups["model"], groups["optimizer"], rng, {k: v for k, v in groups.items() if k not in _OWN_GROUPS}))
 
     def write(snap: dict) -> dict:
         timings: dict[str, float] = {}
@@ -131,7 +146,7 @@ def save_in_background(run, saver: background.BackgroundSaver) -> float:
             run_dir, step, tensors=snap["model"], aliases=aliases, optimizer_state=snap["optimizer"], rng=rng,
             trainer=trainer, spec_toml=spec_toml,
             crash_hook=lambda stage: stage == "optimizer" and faults.crash("checkpoint_write", step),
-            extra={AVERAGING_FILE: snap[AVERAGING_FILE]} if AVERAGING_FILE in snap else None, timings=timings)
+            extra={k: v for k, v in snap.items() if k not in _OWN_GROUPS} or None, timings=timings)
         ckpt.purge(run_dir, keep)
         return event(path, snapshot_bytes=saver.snapshot.nbytes, **_rounded(timings))
 

@@ -74,7 +74,7 @@ from pgs.runtime.data.packing import Document, PackedBatch, best_fit_decreasing,
 from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
 from pgs.runtime.loop.objective_common import random_document, rank_and_world, steps_for
-from pgs.runtime.loop.sft import sharded_eval_loss
+from pgs.runtime.loop.evaluate import sharded_eval_loss
 from pgs.runtime.model.build import build_model, final_hidden, output_head
 from pgs.runtime.model.generate import GenerationSettings, Share, generate
 

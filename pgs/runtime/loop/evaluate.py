@@ -7,6 +7,13 @@ one turn after another (a tool call, then the answer relayed from the record's t
 and counts a record right only if a checker accepts all its turns; the quickstart's checker
 is ``pgs.runtime.data.synthetic.turn_matches``.  Neither touches a random generator, so
 evaluating never changes what training does next.
+
+Several processes (FSDP2): ``sharded_eval_loss`` gives each rank its share of every eval
+batch and all-reduces the sums; ``task_accuracy`` (``ranks=``) gives each rank its share of
+the generation batches, pads the share with repeated work so that every rank makes the same
+number of forwards (each forward all-gathers the sharded parameters: a rank that stopped early
+would leave its peers waiting), and gathers the verdicts, so every rank returns the same
+record.
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ from typing import Callable
 import torch
 
 from pgs.func.losses import token_loss
-from pgs.runtime.data import synthetic
+from pgs.runtime.data import EvalStream, synthetic
 from pgs.runtime.data.packing import pad_id
+from pgs.runtime.dist.fsdp import gather_object
 from pgs.runtime.model.build import final_hidden, output_head
 from pgs.runtime.model.generate import GenerationSettings, generate
+from pgs.runtime.process import all_reduce_sum
 
 
 @torch.no_grad()
@@ -49,6 +58,34 @@ def eval_loss(model, batches, *, backend: str = "chunked", chunk_size: int = 102
     return {"eval_loss": float(total / max(count, 1)), "eval_tokens": count}
 
 
+@torch.no_grad()
+def sharded_eval_loss(run, path: str | None = None) -> dict:
+    """:func:`eval_loss` with several processes, of ``path`` (default ``data.eval``): each rank
+    its share of every eval batch (all-padding rows when it has none; a forward anyway, FSDP's
+    all-gathers are collectives), sums all-reduced, so every rank returns the same numbers.  The
+    head is read after the forward, when the root is gathered."""
+    spec, ctx = run.spec, run.ctx
+    batches = EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch), path=path, rank=ctx.rank,
+                         world_size=ctx.world_size)
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    run.model.eval()
+    try:
+        for batch in batches:
+            dev = run.device
+            h = final_hidden(run.model, batch.input_ids.to(dev), batch.position_ids.to(dev))
+            weight, bias, softcap = output_head(run.model)
+            result = token_loss(h, weight, batch.labels.to(dev), backend="chunked", bias=bias, softcap=softcap,
+                                chunk_size=spec.loss.chunk_size)
+            total += result.loss_sum.double().cpu()
+            count += int(result.num_valid)
+    finally:
+        run.model.train()
+    sums = all_reduce_sum(torch.tensor([float(total), float(count)], dtype=torch.float64))
+    total, count = float(sums[0]), int(sums[1])
+    return {"eval_loss": total / max(count, 1), "eval_tokens": count}
+
+
 def read_samples(path: str, n: int) -> list[dict]:
     """The first ``n`` records of a JSONL eval file (blank lines skipped)."""
     samples = []
@@ -71,6 +108,7 @@ def task_accuracy(
     matches: Callable[[dict, str], bool],
     max_new_tokens: int = 32,
     batch_size: int = 32,
+    ranks: tuple[int, int] | None = None,
 ) -> dict:
     """``{"eval_accuracy": correct / n, "eval_correct": correct}``: whole greedy replies, checked.
 
@@ -86,6 +124,15 @@ def task_accuracy(
     The chat template renders each prompt with the generation prompt, and greedy decoding
     (``pgs.runtime.model.generate``: left-padded batches, KV cache) stops at eos or after
     ``max_new_tokens``.
+
+    ``ranks = (rank, world)``: several processes share an FSDP2-sharded model, and every rank
+    calls this with the same samples.  Each round's prompts are cut into the batches one
+    process would generate (so each reply is the one a process alone gives), and batch ``j``
+    goes to rank ``j mod world``; a rank with fewer batches than the most loaded one generates
+    the round's first batch again and drops the replies, and every batch decodes until every
+    rank's batch has stopped (``generate(synced=True)``), so all ranks make the same forwards.
+    The verdicts are gathered after each round: every rank knows which samples go on and
+    returns the same numbers.
     """
     if not samples:
         return {}
@@ -98,14 +145,26 @@ def task_accuracy(
     was_training = model.training
     model.eval()
     alive = [True] * len(samples)
+    rank, world = ranks if ranks is not None else (0, 1)
     try:
         for k in range(max(len(plan) for plan in plans)):
             todo = [i for i, plan in enumerate(plans) if alive[i] and k < len(plan)]
-            for start in range(0, len(todo), batch_size):
-                chunk = todo[start:start + batch_size]
-                replies = _generate(model, tokenizer, [plans[i][k][:2] for i in chunk], max_new_tokens)
-                for i, reply in zip(chunk, replies):
-                    alive[i] = bool(matches(plans[i][k][2], reply))
+            batches = [todo[start:start + batch_size] for start in range(0, len(todo), batch_size)]
+            if world == 1:
+                for chunk in batches:
+                    replies = _generate(model, tokenizer, [plans[i][k][:2] for i in chunk], max_new_tokens)
+                    for i, reply in zip(chunk, replies):
+                        alive[i] = bool(matches(plans[i][k][2], reply))
+                continue
+            mine, verdicts = batches[rank::world], []
+            for call in range(-(-len(batches) // world)):  # the same number of calls on every rank
+                chunk = mine[call] if call < len(mine) else None
+                replies = _generate(model, tokenizer, [plans[i][k][:2] for i in (chunk or batches[0])],
+                                    max_new_tokens, synced=True)
+                verdicts += [(i, bool(matches(plans[i][k][2], reply))) for i, reply in zip(chunk or (), replies)]
+            for part in gather_object(verdicts):
+                for i, ok in part:
+                    alive[i] = ok
     finally:
         model.train(was_training)
     per_task: dict[str, list[bool]] = {}
@@ -118,13 +177,15 @@ def task_accuracy(
     return out
 
 
-def _generate(model, tokenizer, prompts: list[tuple[list, list | None]], max_new_tokens: int) -> list[str]:
-    """Greedy continuations of ``(messages, tools)`` prompts, decoded (the eos kept, padding removed)."""
+def _generate(model, tokenizer, prompts: list[tuple[list, list | None]], max_new_tokens: int,
+              synced: bool = False) -> list[str]:
+    """Greedy continuations of ``(messages, tools)`` prompts, decoded (the eos kept, padding removed).
+    ``synced``: every rank of a sharded model calls it at the same time (``generate``'s)."""
     texts = [tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
              for messages, tools in prompts]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     out = generate(model, ids, GenerationSettings(max_new_tokens=max_new_tokens, temperature=0),
-                   stop_ids=[tokenizer.eos_token_id], pad_id=pad_id(tokenizer))
+                   stop_ids=[tokenizer.eos_token_id], pad_id=pad_id(tokenizer), synced=synced)
     replies = tokenizer.batch_decode(out.completions(), skip_special_tokens=False)
     pad = tokenizer.pad_token
     return [reply.replace(pad, "") if pad else reply for reply in replies]

@@ -9,13 +9,13 @@ from pgs.runtime.loop.msft import source_eval_losses
 
 
 def evaluate(run) -> dict:
-    """The objective's eval record at the current step (with several processes, every rank), and
-    each source's own eval loss where sources name eval files (one process)."""
+    """The objective's eval record at the current step, and each source's own eval loss where
+    sources name eval files.  With several processes every rank calls it and gets the same
+    record (each rank evaluates its share, the sums are all-reduced)."""
     out = {"step": run.step}
     if run.spec.data.eval:
         out.update(run.objective.evaluate(run))
-    if run.ctx is None:
-        out.update(source_eval_losses(run))
+    out.update(source_eval_losses(run))
     return out
 
 

@@ -21,7 +21,14 @@ keeps counting through a revert (the steps after τ_{i*} were spent), so the sch
 where it was.  The paper's overfitting metric was not recovered; the eval loss of each
 source is used.  Snapshots are checkpoint folders under ``<run dir>/msft/`` (only those some
 active source's best still needs are kept), and the state (active sources, round, bests) is
-part of every checkpoint, so a resumed run continues the same rounds.  One process only.
+part of every checkpoint, so a resumed run continues the same rounds.
+
+Several processes (FSDP2): each source's eval loss is evaluated by every rank on its share of
+the eval batches and the sums are all-reduced (``sharded_eval_loss``); the losses every
+decision reads are then rank 0's, broadcast, so every rank excludes the same source at the
+same step.  Snapshots are sharded (DCP) folders written and read by every rank; the revert
+loads weights and optimizer state only (the RNG goes on, as on one process); the new mix is
+read by each rank for its share.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from pathlib import Path
 
 import attrs
 
-from pgs.errors import CheckpointError, SpecError
+from pgs.errors import CheckpointError
 
 
 def source_names(sources) -> list[str]:
@@ -42,9 +49,10 @@ def source_names(sources) -> list[str]:
 
 
 def source_eval_losses(run, indices=None) -> dict[str, float]:
-    """``{"eval_loss_<name>": loss}`` of each source (of ``indices``) that has an eval file."""
+    """``{"eval_loss_<name>": loss}`` of each source (of ``indices``) that has an eval file
+    (several processes: every rank, the same numbers)."""
     from pgs.runtime.data import EvalStream
-    from pgs.runtime.loop.evaluate import eval_loss
+    from pgs.runtime.loop.evaluate import eval_loss, sharded_eval_loss
 
     spec = run.spec
     sources = spec.data.sources
@@ -53,8 +61,11 @@ def source_eval_losses(run, indices=None) -> dict[str, float]:
     for i, source in enumerate(sources):
         if source.eval is None or (indices is not None and i not in indices):
             continue
-        batches = EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch), path=source.eval)
-        loss = eval_loss(run.model, batches, backend="chunked", chunk_size=spec.loss.chunk_size)
+        if run.ctx is not None:
+            loss = sharded_eval_loss(run, source.eval)
+        else:
+            batches = EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch), path=source.eval)
+            loss = eval_loss(run.model, batches, backend="chunked", chunk_size=spec.loss.chunk_size)
         out[f"eval_loss_{names[i]}"] = loss["eval_loss"]
     return out
 
@@ -79,12 +90,10 @@ class Msft:
     finished: bool = False
 
     @classmethod
-    def create(cls, spec, distributed: bool) -> "Msft | None":
+    def create(cls, spec) -> "Msft | None":
         c = spec.data.msft_round  # its fields are checked with the spec (spec/load.py)
         if not c:
             return None
-        if distributed:
-            raise SpecError("data.msft_round: mSFT runs on one process for now")
         return cls(round_steps=c, active=list(range(len(spec.data.sources))),
                    names=source_names(spec.data.sources), root=os.path.join(spec.checkpoint.dir, "msft"))
 
@@ -112,6 +121,10 @@ class Msft:
         """Record this evaluation; at a round's end exclude i* and revert.  Returns the event, if any."""
         if self.finished or not self.active:
             return None
+        if run.ctx is not None:  # one set of numbers decides on every rank: rank 0's
+            from pgs.runtime.dist.fsdp import broadcast_object
+
+            result = broadcast_object({k: v for k, v in result.items() if k.startswith("eval_loss_")})
         losses = {}
         for i in self.active:
             loss = result.get(f"eval_loss_{self.names[i]}")
@@ -123,7 +136,7 @@ class Msft:
         self.history[run.step] = losses
         if any(step == run.step for step, _ in self.best.values()):
             self._snapshot(run)
-        self._purge()
+        self._purge(run)
         if run.step - self.round_start < self.round_steps or not self.best:
             return None
         out = pick_excluded({i: self.best[i] for i in self.active if i in self.best})
@@ -142,7 +155,7 @@ class Msft:
         self.history = {run.step: {self.names[i]: at_tau[self.names[i]] for i in self.best}}
         if self.best:
             self._snapshot(run)
-        self._purge()
+        self._purge(run)
         if not self.active:
             self.finished = True
             run.total_steps = run.step  # the loop ends here, with the last source's best weights
@@ -154,8 +167,12 @@ class Msft:
         return os.path.join(self.root, f"step_{step}")  # the name ckpt.save gives it
 
     def _snapshot(self, run) -> None:
-        from pgs.runtime.store import checkpoint as ckpt
+        from pgs.runtime.store import checkpoint as ckpt, dcp
 
+        if run.ctx is not None:  # every rank writes its shards; the folder is replaced when published
+            dcp.save(self.root, run.step, model=run.model, optimizer=run.bound, trainer={"msft_snapshot": True},
+                     spec_toml=run.spec.to_toml(), generators=run.objective.generators())
+            return
         os.makedirs(self.root, exist_ok=True)
         if os.path.isdir(self._folder(run.step)):
             shutil.rmtree(self._folder(run.step))
@@ -163,8 +180,8 @@ class Msft:
                   rng=ckpt.capture_rng(generators=run.objective.generators()), trainer={"msft_snapshot": True},
                   spec_toml=run.spec.to_toml())
 
-    def _purge(self) -> None:
-        if not os.path.isdir(self.root):
+    def _purge(self, run) -> None:
+        if (run.ctx is not None and not run.ctx.is_main) or not os.path.isdir(self.root):
             return
         needed = {self._folder(step) for step, _ in self.best.values()}
         for name in os.listdir(self.root):
@@ -173,12 +190,22 @@ class Msft:
                 shutil.rmtree(path, ignore_errors=True)
 
     def _revert(self, run, step: int) -> None:
-        from pgs.runtime.store import checkpoint as ckpt
+        from pgs.runtime.store import checkpoint as ckpt, dcp
 
         folder = self._folder(step)
-        if not os.path.isdir(folder):
+        if run.ctx is not None:
+            from pgs.runtime.dist.fsdp import broadcast_object, reshard
+
+            present = broadcast_object(os.path.isdir(folder))
+        else:
+            present = os.path.isdir(folder)
+        if not present:
             raise CheckpointError(f"{folder}: the mSFT snapshot of step {step} is gone (removed after the "
                                   "checkpoint this run resumed from); restart the run without --resume")
+        if run.ctx is not None:
+            reshard(run.model)  # the eval forward left the root gathered: the next forward gathers the loaded shards
+            dcp.load(folder, model=run.model, optimizer=run.bound, rng=False)
+            return
         saved = ckpt.load(folder)
         ckpt.load_model_state(run.model, saved.model, saved.trainer.get("aliases", {}))
         run.bound.load_state_dict(saved.optimizer)
@@ -188,7 +215,10 @@ def swap_sources(run, active: list[int]) -> None:
     """Train on the mix of the ``active`` sources from here on: a fresh stream and loader."""
     from pgs.runtime.data import TrainStream
     from pgs.runtime.data.loader import StepLoader
+    from pgs.runtime.loop.objective_common import rank_and_world
 
     data = attrs.evolve(run.spec.data, sources=tuple(run.spec.data.sources[i] for i in active), msft_round=0)
+    rank, world = rank_and_world(run.ctx, run.spec.parallel.context)  # this rank's share of the new mix
     run.loader.close()
-    run.loader = StepLoader(TrainStream(data, run.tokenizer), run.micro_batch, run.spec.train.grad_accum, run.device)
+    run.loader = StepLoader(TrainStream(data, run.tokenizer, rank=rank, world_size=world), run.micro_batch,
+                            run.spec.train.grad_accum, run.device)

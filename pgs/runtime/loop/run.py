@@ -53,6 +53,7 @@ class Run:
     context: Any = None  # dist.context.SequenceShard: this rank's part of each row ([parallel] context > 1)
     msft: Msft | None = None  # mSFT rounds (data.msft_round), else None
     saver: background.BackgroundSaver | None = None  # [checkpoint] background: the save written on a thread
+    services: list = attrs.field(factory=list)  # loop.services: the step-time services (their state is checkpointed)
 
     def counters(self) -> dict:
         return {

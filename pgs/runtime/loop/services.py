@@ -24,7 +24,25 @@ hook                                when
                                     binder, activations and loss hold (``pgs profile``'s
                                     and the preflight's figure, :func:`service_memory`):
                                     ``{"device": .., "host": ..}``
+``state_dict(run)``                 its checkpoint state, when ``state_name`` is set (below)
+``load_state_dict(run, t, folder)`` restore it (``t`` None: the checkpoint has none)
 ==================================  ======================================================
+
+**State, shards and numbers on several processes.**  A service whose state must survive a
+resume sets ``state_name`` and returns its tensors from ``state_dict(run)``; the checkpointer
+writes them with every checkpoint and ``restore`` hands them back, before the first step,
+through ``load_state_dict``.  On one process they are the step folder's file
+``<state_name>.safetensors`` (``averaging.safetensors``); with several processes (``run.ctx``)
+they are the DCP entry ``<state_name>`` of the sharded checkpoint, and the service declares
+how its state is sharded by what it returns: a tensor that mirrors a parameter is a DTensor
+of that parameter's mesh and placements over this rank's local shard (DCP writes each rank's
+part and reshards it by global shape on another world size), any other tensor is the same on
+every rank (replicated: written once).  Numbers a service decides on come reduced: the
+evaluation's record (``eval_record``, ``after_eval``) and the step records are the same on
+every rank (sums all-reduced, generated replies gathered), and every hook is called on every
+rank at the same point, so a hook may run collectives (a gathered export, an eval forward of
+a sharded model) and every rank takes the same decision.  JSON counters (health, mSFT) go
+through ``Run.counters`` instead.
 
 Checkpointing (``pgs.runtime.loop.checkpointer``) and evaluation
 (``pgs.runtime.loop.evaluator``) decide *whether* the step ends with a save or an eval and
@@ -41,13 +59,22 @@ from typing import Any
 
 from pgs.errors import EXIT_TRIPWIRE
 from pgs.runtime.loop import control
-from pgs.runtime.loop.averaging import EXPORT_DIR
+from pgs.runtime.loop.averaging import CHECKPOINT_NAME, EXPORT_DIR
 from pgs.runtime.loop.checkpointer import export
 from pgs.runtime.loop.evaluator import evaluate
 
 
 class Service:
     """A runtime service the loop iterates; every hook is a no-op until a service overrides it."""
+
+    #: the name of the state it keeps in checkpoints (None: none; module docstring)
+    state_name: str | None = None
+
+    def state_dict(self, run) -> dict:
+        return {}
+
+    def load_state_dict(self, run, tensors: dict | None, folder: str) -> None:
+        pass
 
     def before_step(self, run, step: int) -> None:
         pass
@@ -117,6 +144,14 @@ class AveragingService(Service):
 
     def __init__(self, averager):
         self.averager = averager
+        # the EMA is state (the base of a merge is not: the model is rebuilt as it was at step 0)
+        self.state_name = CHECKPOINT_NAME if averager.has_ema else None
+
+    def state_dict(self, run) -> dict:
+        return self.averager.state_dict()
+
+    def load_state_dict(self, run, tensors: dict | None, folder: str) -> None:
+        self.averager.load_state_dict(tensors, folder)
 
     def after_step(self, run, step: int) -> None:
         self.averager.after_step(step)

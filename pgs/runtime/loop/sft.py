@@ -26,12 +26,11 @@ from pgs.runtime.data import EvalStream, TrainStream
 from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.packing import doc_ids
 from pgs.runtime.dist import context as CP
-from pgs.runtime.loop.evaluate import eval_loss, read_samples, task_accuracy, task_checker
+from pgs.runtime.loop.evaluate import eval_loss, read_samples, sharded_eval_loss, task_accuracy, task_checker
 from pgs.runtime.data.packing import collate, pad_id
 from pgs.runtime.loop.objective_common import (embedding_noise_generator, embedding_noise_hook, random_document,
                                         rank_and_world, steps_for, tied_head_deferrable)
 from pgs.runtime.model.build import final_hidden, output_head
-from pgs.runtime.process import all_reduce_sum
 
 #: Eval records answered by greedy generation when the eval data has a known checker (the
 #: quickstart ships 200, all of them scored).
@@ -130,17 +129,21 @@ class SFTObjective:
         self.entropy_low = low
 
     def evaluate(self, run) -> dict:
-        """Eval loss, and task accuracy where a checker knows the data (one process only)."""
+        """Eval loss, and task accuracy where a checker knows the data.  Several processes: each
+        rank its share of the eval batches and of the generated replies, results reduced (the
+        same record on every rank)."""
         spec = self.spec
-        if run.ctx is not None:  # every rank, the same number of forwards; no task accuracy
-            return sharded_eval_loss(run)
-        out = eval_loss(run.model, EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch)),
-                        backend="chunked", chunk_size=spec.loss.chunk_size)
+        if run.ctx is not None:  # every rank, the same number of forwards
+            out = sharded_eval_loss(run)
+        else:
+            out = eval_loss(run.model, EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch)),
+                            backend="chunked", chunk_size=spec.loss.chunk_size)
         samples = read_samples(spec.data.eval, ACCURACY_SAMPLES)
         checker = task_checker(samples)
         if checker is not None:
             turns, matches = checker
-            out.update(task_accuracy(run.model, run.tokenizer, samples, turns=turns, matches=matches))
+            ranks = (run.ctx.rank, run.ctx.world_size) if run.ctx is not None else None
+            out.update(task_accuracy(run.model, run.tokenizer, samples, turns=turns, matches=matches, ranks=ranks))
         return out
 
     def state_dict(self) -> dict:
@@ -153,31 +156,4 @@ class SFTObjective:
         return self._generators
 
 
-@torch.no_grad()
-def sharded_eval_loss(run) -> dict:
-    """Eval loss with several processes: each rank its share of every eval batch (all-padding
-    rows when it has none; a forward anyway, FSDP's all-gathers are collectives), sums
-    all-reduced.  The head is read after the forward, when the root is gathered."""
-    spec, ctx = run.spec, run.ctx
-    batches = EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch), rank=ctx.rank,
-                         world_size=ctx.world_size)
-    total = torch.zeros((), dtype=torch.float64)
-    count = 0
-    run.model.eval()
-    try:
-        for batch in batches:
-            dev = run.device
-            h = final_hidden(run.model, batch.input_ids.to(dev), batch.position_ids.to(dev))
-            weight, bias, softcap = output_head(run.model)
-            result = token_loss(h, weight, batch.labels.to(dev), backend="chunked", bias=bias, softcap=softcap,
-                                chunk_size=spec.loss.chunk_size)
-            total += result.loss_sum.double().cpu()
-            count += int(result.num_valid)
-    finally:
-        run.model.train()
-    sums = all_reduce_sum(torch.tensor([float(total), float(count)], dtype=torch.float64))
-    total, count = float(sums[0]), int(sums[1])
-    return {"eval_loss": total / max(count, 1), "eval_tokens": count}
-
-
-__all__ = ["ACCURACY_SAMPLES", "SFTObjective", "sharded_eval_loss"]
+__all__ = ["ACCURACY_SAMPLES", "SFTObjective"]

@@ -49,8 +49,9 @@ from pgs.runtime.data import require_packing_isolation
 from pgs.runtime.data.loader import StepLoader
 from pgs.runtime.dist import context as CP, fsdp as D
 from pgs.runtime.loop import control, trackers
-from pgs.runtime.loop.averaging import CHECKPOINT_FILE as AVERAGING_FILE, WeightAverager
-from pgs.runtime.loop.checkpointer import Checkpointer, export as _export, save, save_in_background, snapshot_groups  # noqa: F401
+from pgs.runtime.loop.averaging import WeightAverager
+from pgs.runtime.loop.checkpointer import (Checkpointer, export as _export, save, save_in_background,  # noqa: F401
+                                           snapshot_groups, stateful)
 from pgs.runtime.loop.evaluator import Evaluator, evaluate  # noqa: F401
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
 from pgs.runtime.loop.health import HealthMonitor
@@ -162,8 +163,6 @@ def _process_layout(spec, ctx: D.DistContext | None, world: int):
     if ctx is None:
         return None
     check_world_size(spec.train, world, cp)
-    if spec.averaging is not None:
-        raise SpecError("averaging: weight averaging runs on one process for now (WORLD_SIZE = 1)")
     return CP.make_shard(ctx.rank, world, cp, spec.parallel.layout) if cp > 1 else None
 
 
@@ -230,26 +229,32 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         ctx=ctx if sharded else None, faults=faults, moe=moe, context=shard,
         health=HealthMonitor.from_spec(spec, model, total),
         averaging=WeightAverager.from_spec(spec, model, total),  # its base: the weights as built, before any restore
-        msft=Msft.create(spec, distributed=sharded),
+        msft=Msft.create(spec),
     )
 
 
 def restore(run: Run, folder: str) -> None:
     """Continue from a verified checkpoint folder: weights, chain state, RNG, data, counters.
 
-    A DCP folder (several processes) is loaded by every rank through ``dcp.load``.
+    A DCP folder (several processes) is loaded by every rank through ``dcp.load``.  The
+    services that keep state (``Service.state_name``: the weight EMA) get theirs back.
     """
 
+    keeping = stateful(run)
     if run.ctx is not None or dcp.is_dcp(folder):
-        t = dcp.load(folder, model=run.model, optimizer=run.bound, generators=run.objective.generators())
+        entries = {s.state_name: s.state_dict(run) for s in keeping}
+        t = dcp.load(folder, model=run.model, optimizer=run.bound, generators=run.objective.generators(),
+                     services=entries)
         step = int(t["step"])
+        for service in keeping:
+            service.load_state_dict(run, entries[service.state_name], folder)
     else:
         saved = ckpt.load(folder)
         ckpt.load_model_state(run.model, saved.model, saved.trainer.get("aliases", {}))
         run.bound.load_state_dict(saved.optimizer)
         ckpt.restore_rng(saved.rng, generators=run.objective.generators())
-        if run.averaging is not None:
-            run.averaging.load_state_dict(ckpt.load_extra(folder, AVERAGING_FILE), folder)
+        for service in keeping:
+            service.load_state_dict(run, ckpt.load_extra(folder, f"{service.state_name}.safetensors"), folder)
         t, step = saved.trainer, saved.step
     if run.msft is not None and "msft" in t:  # the mix of the active sources, before its position
         run.msft.load_state_dict(run, t["msft"])
@@ -678,11 +683,11 @@ def _steps(r: Run, services: list[Service], evaluator: Evaluator, checkpointer: 
 
 def _train_loop(r: Run, spec, resume: str | None, wall: control.WallClock, profile: tuple[int, int] | None) -> int:
     """Prepare, then step until the end or a stop; every service closes however the run ends."""
+    profiler = Profiler(r.run_dir, profile, r.device) if profile and is_main(r) else None
+    services = r.services = build_services(r, profiler, extra=(_FreezeGc(),))  # before a restore: their state
     folder, changed = _prepare(r, resume)
     _open_log(r, folder, changed)
     evaluator, checkpointer = Evaluator(spec), Checkpointer(r)
-    profiler = Profiler(r.run_dir, profile, r.device) if profile and is_main(r) else None
-    services = build_services(r, profiler, extra=(_FreezeGc(),))
     try:
         with control.StopSignals() as signals:
             if r.step == 0 and evaluator.should_evaluate(r.step):

@@ -47,9 +47,11 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from pgs.errors import InvalidArgument
+from pgs.runtime.process import collective_device
 
 
 #: With a compiled decode step, prompts are left-padded to a multiple of this many tokens.
@@ -305,9 +307,19 @@ class _GraphedStep:
         return out
 
 
+def _all_done(done: Tensor, synced: bool) -> bool:
+    """Whether the batch has stopped; ``synced``: whether every rank's batch has (a MAX
+    all-reduce of "still running", on the collective's device), the same answer on every rank."""
+    if not synced:
+        return bool(done.all())
+    running = (~done).any().to(device=collective_device(), dtype=torch.int64).reshape(1)
+    dist.all_reduce(running, op=dist.ReduceOp.MAX)
+    return not bool(running.item())
+
+
 @torch.no_grad()
 def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, static, compile_step,
-                    share: Share | None = None):
+                    share: Share | None = None, synced: bool = False):
     device = next(model.parameters()).device
     rows = None
     mine = len(prompts)
@@ -339,7 +351,7 @@ def _generate_batch(model, prompts, settings, stop_ids, pad_id, generator, stati
     graphed = _GraphedStep(compiled, model, mask, cache, keyword) if (
         compiled is not None and static and device.type == "cuda") else None
     check_every = DONE_CHECK_EVERY if device.type == "cuda" else 1
-    stopped = (lambda: bool(done.all())) if share is None else (lambda: share.all_stopped(bool(done.all())))
+    stopped = (lambda: _all_done(done, synced)) if share is None else (lambda: share.all_stopped(bool(done.all())))
     for t in range(T):
         tok = next_token(logits, settings, generator, rows, share.total if share is not None else 0)
         tok = torch.where(done, torch.full_like(tok, int(pad_id)), tok)
@@ -378,6 +390,7 @@ def generate(
     cache: str = "auto",
     compile: bool | None = None,
     share: Share | None = None,
+    synced: bool = False,
 ) -> Generation:
     """Completions of ``prompts`` (lists of token ids) by ``model`` (a transformers causal LM).
 
@@ -394,6 +407,13 @@ def generate(
         compile: compile the decode step (default: with a static cache on CUDA).
         share: this process's part of a batch sampled over several processes (:class:`Share`;
             one batch, ``batch_size`` unset; ``prompts`` may then be empty).
+        synced: several processes share the model (FSDP2: each forward all-gathers the
+            sharded parameters) and every rank calls ``generate`` at the same time with the
+            same number of batches: a batch decodes until every rank's batch has stopped (one
+            all-reduce per check), so every rank makes the same forwards.  The completions are
+            what they would be alone (tokens after a row's stop are padding either way).  The
+            decode step then runs uncompiled (FSDP2 gathers the parameters in its forward hooks,
+            which a compiled step's CUDA graph would not replay).
 
     Returns:
         ``Generation``; the completions of all batches padded to the longest.
@@ -410,6 +430,9 @@ def generate(
         raise InvalidArgument("generator: sampling (temperature > 0) needs an explicit torch.Generator")
     static = _use_static(model, cache)
     compile_step = static and next(model.parameters()).is_cuda if compile is None else bool(compile)
+    # a sharded model's forward gathers its parameters in FSDP2's hooks, which neither a compiled
+    # decode step nor its CUDA graph's replay would run
+    compile_step = compile_step and not synced
     size = max(len(prompts), 1) if batch_size is None else int(batch_size)
     if size < 1:
         raise InvalidArgument(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -420,7 +443,7 @@ def generate(
     try:
         for b in range(0, max(len(prompts), 1), size):
             parts.append(_generate_batch(model, prompts[b : b + size], settings, stop_ids, pad_id, generator,
-                                         static, compile_step, share))
+                                         static, compile_step, share, synced))
     finally:
         model.train(was_training)
     P = max(p[0].shape[1] for p in parts)

@@ -4,7 +4,7 @@ A distributed checkpoint is ``<run_dir>/step_<N>/``::
 
     __<rank>_0.distcp     each rank's shards of the weights and of the chain state (DCP)
     .metadata             DCP's index of every tensor (global shapes, who holds what)
-    dcp.json              world size, which state keys are per rank
+    dcp.json              world size, which state keys are per rank, the services' entries
     trainer.json          counters and data-stream position (rank 0)
     spec.resolved.toml    the spec of the run (rank 0)
     COMPLETE              manifest (size + digest of every file above), written last
@@ -19,7 +19,9 @@ return around a save).
 What is saved: the model state (``get_model_state_dict``: DTensor shards) and the chain
 state (``Optimizer.dcp_state``: leaves that mirror a parameter are
 DTensors of its placement, scalars are replicated, anything else — 8-bit codes of a shard —
-is per rank), plus each rank's RNG states.
+is per rank), each rank's RNG states, and the state of the loop's services (``services``:
+one entry per ``Service.state_name``, e.g. the weight EMA as DTensors of the parameters'
+placements; their names are listed in ``dcp.json``).
 
 Resuming on the same world size restores every bit.  Resuming on another world size:
 start the new run with the new ``--nproc`` and resume from the folder; DCP reshards every
@@ -80,17 +82,19 @@ def _rng_key(rank: int) -> str:
 
 
 def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], spec_toml: str | None = None,
-         generators: Mapping[str, torch.Generator] | None = None) -> str:
+         generators: Mapping[str, torch.Generator] | None = None,
+         services: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> str:
     """Write ``<run_dir>/step_<step>`` as a DCP checkpoint on every rank; returns its path.
 
     Collective: every rank calls it with the same ``step``; it returns (on every rank) only
     after rank 0 has published the folder.  ``trainer``: JSON-able counters (rank 0's are
-    written).
+    written).  ``services``: the loop's services' state by name (``Service.state_dict``).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    final, tmp, state, need, per_rank, per_rank_any = _prepare(run_dir, step, model, optimizer, generators)
+    final, tmp, state, need, per_rank, per_rank_any = _prepare(run_dir, step, model, optimizer, generators,
+                                                               services)
     try:
         dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
     except BaseException as err:  # DCP's CheckpointException (a BaseException) carries every rank's failure
@@ -103,7 +107,7 @@ def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], 
     failure, full = None, False
     if _rank() == 0:
         try:
-            _publish(tmp, final, step, trainer, spec_toml, per_rank_any, per_rank)
+            _publish(tmp, final, step, trainer, spec_toml, per_rank_any, per_rank, sorted(services or {}))
         except Exception as err:  # every rank must hear of it, not wait in a barrier
             failure = f"{type(err).__name__}: {_first_line(err)}"
             full = ckpt.is_disk_full(err)
@@ -117,7 +121,8 @@ def save(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], 
     return final
 
 
-def _prepare(run_dir: str, step: int, model, optimizer, generators) -> tuple[str, str, dict, int, list[str], bool]:
+def _prepare(run_dir: str, step: int, model, optimizer, generators,
+             services=None) -> tuple[str, str, dict, int, list[str], bool]:
     """Collective: the folder (rank 0 makes its temporary, every rank waits for it) and this
     rank's state; ``(final, tmp, state, need, per_rank, per_rank_any)``: ``need`` the global bytes
     of weights + state, ``per_rank`` this rank's per-rank state keys, ``per_rank_any`` whether
@@ -135,13 +140,18 @@ def _prepare(run_dir: str, step: int, model, optimizer, generators) -> tuple[str
         "optim": opt_state,
         "rng": {_rng_key(_rank()): ckpt.capture_rng(generators=generators)},
     }
+    if services:
+        state["services"] = {name: dict(tensors) for name, tensors in services.items()}
     need = ckpt.tensor_bytes(state["model"]) + ckpt.tensor_bytes(opt_state)  # global sizes (DTensors)
+    for tensors in (services or {}).values():
+        need += ckpt.tensor_bytes(dict(tensors))
     per_rank = sorted(k for k in opt_state if k.startswith("__rank"))
     return final, tmp, state, need, per_rank, _broadcast_any(bool(per_rank))
 
 
 def save_async(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, Any], spec_toml: str | None,
-               generators: Mapping[str, torch.Generator] | None, group, writer=None):
+               generators: Mapping[str, torch.Generator] | None, group, writer=None,
+               services: Mapping[str, Mapping[str, torch.Tensor]] | None = None):
     """:func:`save` with the writing left to a thread (``[checkpoint] background``).
 
     Collective, on the training thread: the folder is made, this rank's state copied to host
@@ -155,7 +165,9 @@ def save_async(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    final, tmp, state, need, per_rank, per_rank_any = _prepare(run_dir, step, model, optimizer, generators)
+    final, tmp, state, need, per_rank, per_rank_any = _prepare(run_dir, step, model, optimizer, generators,
+                                                               services)
+    names = sorted(services or {})
     # staging buffers kept between saves are page-locked (DCP's cache), so only with CUDA
     writer = writer or FileSystemWriter(tmp, sync_files=True, cache_staged_state_dict=torch.cuda.is_available())
     response = dcp.async_save(state, checkpoint_id=tmp, storage_writer=writer, process_group=group)
@@ -166,7 +178,7 @@ def save_async(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, 
         try:
             upload.result()
             if rank == 0:
-                _publish(tmp, final, step, trainer, spec_toml, per_rank_any, per_rank)
+                _publish(tmp, final, step, trainer, spec_toml, per_rank_any, per_rank, names)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -182,10 +194,10 @@ def save_async(run_dir: str, step: int, *, model, optimizer, trainer: dict[str, 
 
 
 def _publish(tmp: str, final: str, step: int, trainer: dict, spec_toml: str | None, per_rank_any: bool,
-             per_rank: list[str]) -> None:
+             per_rank: list[str], services: list[str] = ()) -> None:
     """Rank 0: the small files, the manifest, the rename."""
     info = {"format": DCP_FORMAT, "step": step, "world_size": _world(), "per_rank_state": per_rank_any,
-            "per_rank_example": per_rank[0] if per_rank else None}
+            "per_rank_example": per_rank[0] if per_rank else None, "services": list(services)}
     _write_json(os.path.join(tmp, DCP_INFO), info)
     _write_json(os.path.join(tmp, ckpt.TRAINER_FILE), {"format": ckpt.FORMAT_VERSION, "step": step, **trainer})
     files = [DCP_INFO, ckpt.TRAINER_FILE]
@@ -246,11 +258,15 @@ def latest(run_dir: str) -> str | None:
     return _broadcast(found)
 
 
-def load(folder: str, *, model, optimizer, generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
+def load(folder: str, *, model, optimizer, generators: Mapping[str, torch.Generator] | None = None,
+         services: dict[str, dict[str, torch.Tensor] | None] | None = None, rng: bool = True) -> dict[str, Any]:
     """Restore weights, chain state and (same world size) RNG from ``folder``; returns trainer.json.
 
     Collective.  Verifies the folder first (rank 0; all ranks raise together).  See the
-    module docstring for another world size.
+    module docstring for another world size.  ``services``: name -> the tensors a service's
+    ``state_dict`` returns now (their shapes and placements say what to read); each is loaded
+    in place and left in the dict, or replaced by None where the checkpoint holds no entry of
+    that name.  ``rng=False``: the RNG states are left as they are (an mSFT revert).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
@@ -267,8 +283,16 @@ def load(folder: str, *, model, optimizer, generators: Mapping[str, torch.Genera
             f"({meta.get('per_rank_example')!r}: block-wise 8-bit state of a shard cannot be resharded); "
             f"resume with --nproc {meta['world_size']}")
     state = {"model": _model_state(model), "optim": optimizer.dcp_state()}
-    if same_world:
+    rng = rng and same_world
+    if rng:
         state["rng"] = {_rng_key(_rank()): ckpt.capture_rng(generators=generators)}
+    saved = set(meta.get("services") or ())
+    for name in list(services or {}):
+        if name not in saved:
+            services[name] = None
+    wanted = {name: tensors for name, tensors in (services or {}).items() if tensors is not None}
+    if wanted:
+        state["services"] = wanted
     try:
         with warnings.catch_warnings():  # one process loading a sharded checkpoint is intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -277,7 +301,9 @@ def load(folder: str, *, model, optimizer, generators: Mapping[str, torch.Genera
         raise CheckpointError(f"{folder}: cannot load into this model/optimizer: {_first_line(err)}") from err
     set_model_state_dict(model, state["model"])
     optimizer.load_dcp_state(state["optim"])
-    if same_world:
+    for name in wanted:  # DCP loads DTensors in place, and may replace a plain tensor in the dict
+        services[name] = state["services"][name]
+    if rng:
         ckpt.restore_rng(state["rng"][_rng_key(_rank())], generators=generators)
     with open(os.path.join(folder, ckpt.TRAINER_FILE), encoding="utf-8") as handle:
         return json.load(handle)

@@ -1,0 +1,178 @@
+"""The loop's services on several processes (FSDP2, gloo on the CPU) against one process.
+
+- ``[averaging]``: the EMA and a SLERP merge-back on each rank's shards, the EMA in the DCP
+  checkpoint, ``final-ema`` gathered; ``pgs run --nproc 3`` gives one process's losses,
+  weights, EMA and EMA evals (eval loss and accuracy by generation), and a SIGKILL +
+  ``--resume auto`` on 3 ranks (checkpoints written in the background) ends bit for bit where
+  the uninterrupted 3-rank run ends (weights, EMA, losses).
+- ``data.msft_round``: per-source eval losses reduced over the ranks; 2 ranks exclude the same
+  sources at the same steps as one process, with the same losses.
+- Eval generation: ``task_accuracy`` on 3 ranks (each its share of the batches, padded) gives
+  one process's verdicts on the very same replies, and ``generate(synced=True)`` keeps ranks
+  whose batches stop at different steps in step (a hang would fail the test's timeout).
+
+Tolerances are tests/integration/test_train_distributed.py's (it explains them): one process with
+``grad_accum = N`` and N ranks with ``grad_accum = 1`` train on the same micro-batches; losses to
+1e-6 relative, weights to 1e-6 absolute.  The EMA and the linear merge are elementwise (exact on
+shards); SLERP's norms and dot product are shard sums all-reduced (the same to rounding).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from pgs.runtime.loop.averaging import EXPORT_DIR
+from pgs.runtime.loop.faults import Faults
+from helpers import (QUICKSTART, ROOT, assert_same_weights, child_env, final_weights, free_port, launch, records,
+                     step_records, tiny_spec, torchrun)
+from test_echo_msft import _msft_spec
+
+pytestmark = pytest.mark.slow  # several launches of 2 and 3 processes
+
+HERE = Path(__file__).resolve().parent
+TIMEOUT_S = 300
+STEPS = 6
+NPROC = ("--nproc", "3")
+AVERAGING = """
+[averaging]
+ema = 0.75
+merge = "slerp"
+merge_weight = 0.3
+merge_period = 0.5
+"""
+
+
+def _averaging_spec(tmp_path: Path, name: str, *, ranks: int, background: bool = False) -> Path:
+    """The tiny spec with ``[averaging]``, 6 rows a step: one process takes them as 3
+    micro-batches of 2, 3 ranks 2 rows each (the tiny model's widths do not divide by 3: uneven
+    FSDP2 shards, the EMA's too)."""
+    evals = tmp_path / "eval.jsonl"  # 12 records with a task checker: eval loss and accuracy by generation
+    evals.write_text("\n".join((QUICKSTART / "eval.jsonl").read_text().splitlines()[:12]) + "\n")
+    path = tiny_spec(tmp_path, name, steps=STEPS, every=2, export="true", eval_every=STEPS)
+    text = path.read_text().replace('eval = "pgs:quickstart/eval.jsonl"', f'eval = "{evals}"') + AVERAGING
+    text = text.replace("batch_size = 4", "batch_size = 6").replace("grad_accum = 2", f"grad_accum = {4 - ranks}")
+    if background:
+        text = text.replace('best_metric = ""', 'best_metric = ""\nbackground = true')
+    path.write_text(text)
+    return path
+
+
+def _ema(run_dir: Path) -> dict:
+    return load_file(run_dir / EXPORT_DIR / "model.safetensors")
+
+
+def test_averaging_on_three_ranks_equals_one_process_and_resumes_exactly(tmp_path):
+    done = launch(_averaging_spec(tmp_path, "single", ranks=1), timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = launch(_averaging_spec(tmp_path, "three", ranks=3), timeout=TIMEOUT_S, args=NPROC)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    single, three = tmp_path / "single", tmp_path / "three"
+
+    one_log, three_log = step_records(single), step_records(three)
+    assert [r["step"] for r in three_log] == list(range(1, STEPS + 1))
+    for a, b in zip(one_log, three_log):
+        assert b["valid_tokens"] == a["valid_tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0)
+    assert_same_weights(final_weights(single), final_weights(three), "final, 1 vs 3 ranks", atol=1e-6)
+    assert_same_weights(_ema(single), _ema(three), "final-ema, 1 vs 3 ranks", atol=1e-6)
+    moved = max((a - b).abs().max().item() for a, b in zip(_ema(three).values(), final_weights(three).values()))
+    assert moved > 1e-4  # the EMA is not the last weights
+    assert json.loads((three / EXPORT_DIR / "pgs_export.json").read_text()) == {"step": STEPS, "ema": 0.75}
+    info = json.loads((three / f"step_{STEPS}" / "dcp.json").read_text())
+    assert info["services"] == ["averaging"] and info["world_size"] == 3
+
+    one_eval = [r for r in records(single) if "eval_loss" in r]
+    three_eval = [r for r in records(three) if "eval_loss" in r]
+    assert [r["step"] for r in three_eval] == [0, STEPS] and "ema_eval_loss" in three_eval[1]
+    assert "eval_accuracy" in three_eval[0] and "ema_eval_accuracy" in three_eval[1]
+    for a, b in zip(one_eval, three_eval):
+        assert a.keys() == b.keys()
+        for key in a:
+            if key.startswith(("eval_accuracy", "ema_eval_accuracy")) or key.endswith(("_correct", "_tokens")):
+                assert b[key] == a[key], key  # generation on 3 ranks: the same verdicts
+            elif key.endswith("eval_loss"):
+                assert b[key] == pytest.approx(a[key], rel=1e-6), key
+
+    # SIGKILL after step 5 on 3 ranks, checkpoints written in the background (the EMA staged by
+    # DCP's async save with the rest), --resume auto from the newest complete one: the same bits
+    killed = _averaging_spec(tmp_path, "killed", ranks=3, background=True)
+    crash = launch(killed, timeout=TIMEOUT_S, args=NPROC, **Faults(crash_at=("step", 5)).env())
+    assert crash.returncode != 0
+    assert not (tmp_path / "killed" / f"step_{STEPS}").exists()
+    resumed = launch(killed, "auto", timeout=TIMEOUT_S, args=NPROC)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    # step 4's save may still have been on its thread when the kill came: then step 2's is the newest
+    assert any(f"resumed from {tmp_path / 'killed' / f'step_{s}'}" in resumed.stderr for s in (2, 4)), \
+        resumed.stderr[-2000:]
+    again = tmp_path / "killed"
+    assert_same_weights(final_weights(three), final_weights(again), "final, resumed vs uninterrupted")
+    assert_same_weights(_ema(three), _ema(again), "final-ema, resumed vs uninterrupted")
+    assert [r["loss"] for r in step_records(again)] == [r["loss"] for r in three_log]
+
+
+def test_msft_on_two_ranks_excludes_what_one_process_excludes(tmp_path):
+    runs = {}
+    for ranks in (1, 2):
+        folder = tmp_path / f"ranks{ranks}"
+        folder.mkdir()
+        spec = _msft_spec(folder)
+        text = spec.read_text().replace("batch_size = 4", f"batch_size = 4\ngrad_accum = {3 - ranks}")
+        spec.write_text(text.replace("export = true", "export = false"))
+        done = launch(spec, timeout=TIMEOUT_S) if ranks == 1 else torchrun(spec, timeout=TIMEOUT_S)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        runs[ranks] = records(folder / "run")
+    events = {n: [r for r in log if r.get("event") == "msft_exclude"] for n, log in runs.items()}
+    assert len(events[1]) == 2
+    assert [(e["step"], e["source"], e["best_step"], e["active"]) for e in events[2]] == \
+        [(e["step"], e["source"], e["best_step"], e["active"]) for e in events[1]]
+    for a, b in zip(events[1], events[2]):
+        assert b["best_loss"] == pytest.approx(a["best_loss"], rel=1e-5)
+    evals = {n: [r for r in log if "eval_loss_add" in r] for n, log in runs.items()}
+    assert [r["step"] for r in evals[2]] == [r["step"] for r in evals[1]]
+    for a, b in zip(evals[1], evals[2]):
+        for key in ("eval_loss_add", "eval_loss_weather"):
+            assert (key in a) == (key in b)
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+    steps = {n: [r for r in log if "loss" in r and "event" not in r] for n, log in runs.items()}
+    assert [r["step"] for r in steps[2]] == [r["step"] for r in steps[1]]
+    for a, b in zip(steps[1], steps[2]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+
+
+def test_eval_generation_on_three_ranks_equals_one_process(tmp_path):
+    world, port, procs = 3, free_port(), []
+    for rank in range(world):
+        env = child_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PGS_PG_TIMEOUT_S=60, PYTHONPATH=ROOT)
+        log = open(tmp_path / f"log_rank{rank}.txt", "w")
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "generate_harness.py"), str(tmp_path)], env=env,
+                                      cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + TIMEOUT_S
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+    logs = "\n".join((tmp_path / f"log_rank{r}.txt").read_text()[-2000:] for r in range(world))
+    assert [p.returncode for p in procs] == [0] * world, logs
+    results = [json.loads((tmp_path / f"result_rank{r}.json").read_text()) for r in range(world)]
+    reference = results[0]["reference"]
+    assert reference["eval_correct"] not in (0, 10)  # the verdicts depend on the replies
+    for r in results:
+        assert r["accuracy"] == reference  # every rank returns one process's record
+        assert r["synced"] == r["synced_reference"]  # each rank's own prompts, as on one process
+    seen = sorted(tuple(x) for r in results for x in r["seen"])
+    assert seen == sorted(tuple(x) for x in results[0]["seen_reference"])  # the same replies, each once
+    assert {x[1] for x in seen} == {0, 1}  # second turns (the weather task) were generated too
+    lengths = [n for r in results for n in r["stop_lengths"]]
+    assert min(lengths) < max(lengths)  # the ranks' rows stopped at different steps
