@@ -289,21 +289,20 @@ class DistillObjective:
         """The held-out divergence, the student's eval loss and, where a checker knows the
         records, the student's task accuracy and the teacher's (measured once)."""
         spec = self.spec
-        if run.ctx is not None:  # every rank the same forwards (FSDP's all-gathers); no task accuracy
+        if run.ctx is not None:  # every rank the same forwards (FSDP's all-gathers)
             out = sharded_eval_loss(run)
-            out.update(self.held_out_divergence(run.model))
-            out["on_policy_share"] = self.on_policy_steps / max(self.steps, 1)
-            return out
-        out = eval_loss(run.model, EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch)),
-                        backend="chunked", chunk_size=spec.loss.chunk_size)
+        else:
+            out = eval_loss(run.model, EvalStream(spec.data, run.tokenizer, max(1, run.micro_batch)),
+                            backend="chunked", chunk_size=spec.loss.chunk_size)
         out.update(self.held_out_divergence(run.model))
         samples = read_samples(spec.data.eval, ACCURACY_SAMPLES)
         checker = task_checker(samples)
         if checker is not None:
             turns, matches = checker
-            out.update(task_accuracy(run.model, run.tokenizer, samples, turns=turns, matches=matches))
+            ranks = (run.ctx.rank, run.ctx.world_size) if run.ctx is not None else None  # replies dealt over ranks
+            out.update(task_accuracy(run.model, run.tokenizer, samples, turns=turns, matches=matches, ranks=ranks))
             if self.teacher_accuracy is None:
-                found = task_accuracy(self.teacher, run.tokenizer, samples, turns=turns, matches=matches)
+                found = task_accuracy(self.teacher, run.tokenizer, samples, turns=turns, matches=matches, ranks=ranks)
                 self.teacher_accuracy = {"eval_teacher_" + k[len("eval_"):]: v for k, v in found.items()}
             out.update(self.teacher_accuracy)
         out["on_policy_share"] = self.on_policy_steps / max(self.steps, 1)
