@@ -208,3 +208,21 @@ def test_spaco_is_unbiased(monkeypatch):
              for bits, g in _pattern_gradients(model, ids, pos, labels, count, 4, 1.0, monkeypatch).items()}
     biased = torch.stack([plain[tuple(row.draws())] for _ in range(400)])
     assert float(((biased.mean(0) - target).abs() / (biased.std(0) / 20)).max()) > 4.5
+
+
+@pytest.mark.parametrize("policy", ["full", "sublayer", "selective"])
+def test_seco_composes_with_activation_checkpointing_and_mlp_tiles(policy):
+    """The checkpointed layers recompute their chunk's attention inside the chunk's backward, with
+    the same cache and the same routing of its gradient."""
+    from pgs.runtime.model.layers import apply_activation_checkpointing
+    from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
+
+    ids, pos, labels = _row([[6, 13, 9]])
+    count = int((labels != -100).sum())
+    _, want = _whole(_model(), ids, pos, labels, count)
+    model = _model()
+    apply_mlp_tiles(model, 2)
+    apply_activation_checkpointing(model, policy)
+    _, got, _ = _chunked(model, ids, pos, labels, count, 8)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-12, msg=n)
