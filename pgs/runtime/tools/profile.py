@@ -451,7 +451,7 @@ def predict_memory(
     if binder["host_state"] is not None:
         out.update(host_state=binder["host_state"], pcie_per_step=2 * binder["host_state"])
     if checkpoint_offload:
-        out["host_inputs"] = offloaded_input_bytes(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
+        out["host_inputs"] = offloaded_input_bytes(cfg, forward_tokens, dtype=dt, policy=activation_checkpointing,
                                                    every=checkpoint_every)
     return out
 
