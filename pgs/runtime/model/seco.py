@@ -180,8 +180,11 @@ def _attend(state: RowState, q: Tensor, k: Tensor, v: Tensor, scaling: float | N
         cu_q, cu_k, lq, lk, rows = state.segments()
         off = state.span
         qf = q.transpose(1, 2).reshape(batch * width, hq, d)
-        kf = torch.cat([k[b, a - off:e - off] for b, (a, e) in enumerate(rows)]) if batch > 1 else k[0, rows[0][0] - off:]
-        vf = torch.cat([v[b, a - off:e - off] for b, (a, e) in enumerate(rows)]) if batch > 1 else v[0, rows[0][0] - off:]
+        if batch == 1:  # the row's keys from its first document's start: a view of the cache
+            kf, vf = k[0, rows[0][0] - off:], v[0, rows[0][0] - off:]
+        else:
+            kf = torch.cat([k[b, a - off:e - off] for b, (a, e) in enumerate(rows)])
+            vf = torch.cat([v[b, a - off:e - off] for b, (a, e) in enumerate(rows)])
         out = fn(qf, kf, vf, cu_q, cu_k, lq, lk, scale=scaling, **causal)
         return out.view(batch, width, hq, d)
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -234,7 +237,8 @@ def seco_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_
     if not _ACTIVE:
         raise SpecError("memory.seco_chunk: the chunk attention ran outside a chunk-wise pass")
     if dropout:
-        raise SpecError("memory.seco_chunk: attention dropout is not supported (set the model's attention_dropout to 0)")
+        raise SpecError("memory.seco_chunk: attention dropout is not supported "
+                        "(set the model's attention_dropout to 0)")
     state: RowState = _ACTIVE[-1]
     layer = module.layer_idx
     state.store(layer, key, value)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 
 from pgs.errors import SpecError
-from pgs.runtime.optim.config import checkpoint_offload, head_grad_wanted
+from pgs.runtime.optim.config import checkpoint_offload, head_grad_wanted  # noqa: F401  (head_grad_wanted: re-exported)
 
 
 def single_process_refusal(memory) -> str | None:

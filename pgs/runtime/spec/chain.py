@@ -340,7 +340,8 @@ def check_seco(spec: Spec) -> None:
                         "row or sample, which a chunk does not see; use another objective or seco_chunk = 0")
     if spec.loss.embedding_noise() is not None:
         raise SpecError("memory.seco_chunk: embedding noise (loss.neftune_alpha / symnoise_alpha) is drawn once per "
-                        "forward, and chunk-wise training runs each chunk's forward twice; set it to 0 or seco_chunk = 0")
+                        "forward, and chunk-wise training runs each chunk's forward twice; set it to 0 or "
+                        "seco_chunk = 0")
     if spec.parallel.context > 1:
         raise SpecError(f"memory.seco_chunk: parallel.context = {spec.parallel.context} splits rows over ranks; "
                         "chunk-wise training splits them in time on one process; use one of the two")
