@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from pgs.errors import SpecError
-from pgs.runtime.model.attention import _varlen_call, varlen_suits
+from pgs.runtime.model.attention import varlen_call, varlen_suits
 
 #: The attention implementation transformers is told while a chunk runs.
 HF_NAME = "pgs_seco"
@@ -174,7 +174,7 @@ def _attend(state: RowState, q: Tensor, k: Tensor, v: Tensor, scaling: float | N
     ``k``/``v`` ``[B, L, Hkv, D]`` (L = hi − span) → ``[B, C, Hq, D]``."""
     batch, hq, width, d = q.shape
     hkv = k.shape[2]
-    call = _varlen_call() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
+    call = varlen_call() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
     if call is not None:
         fn, causal = call
         cu_q, cu_k, lq, lk, rows = state.segments()

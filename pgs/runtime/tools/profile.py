@@ -352,8 +352,7 @@ def predict_memory(
     frozen_forward: int = 0,
     frozen_held: int = 0,
     sampling: int = 0,
-    scoring_pass: int = 0,
-    seco_chunk_tokens: int = 0,
+    scoring_pass: int = 0, seco_chunk_tokens: int = 0,
 ) -> dict[str, int]:
     """Bytes per category (``CATEGORIES``) plus ``total`` and ``peak``.  See the module docstring.
 
@@ -400,11 +399,7 @@ def predict_memory(
             their no-grad forward and what it leaves for the loss (at the end of the policy's
             forward), the on-policy sampling phase (KV cache, prefill), and the reference
             cache's scoring pass before the first step (weights only, no state yet).
-        seco_chunk_tokens: chunk-wise training (``memory.seco_chunk``): tokens of one chunk's
-            forward (rows × chunk).  The activations and the loss are one chunk's
-            (``cached_kv``), ``kv_cache`` holds the row's keys/values and their gradient
-            (``seco_cache_bytes``), one layer's cache gradient joins the recompute, and every
-            gradient lives through the reverse sweep (gradient release steps once it ends).
+        seco_chunk_tokens: ``memory.seco_chunk``'s tokens per chunk forward (``_activation_memory``).
 
     Example::
 
@@ -426,28 +421,19 @@ def predict_memory(
                            offload_slots=offload_slots, tied_slabs=tied_slabs, fused_update=fused_update,
                            head_shape=(c.vocab_size, c.hidden_size))
     out.update({k: binder[k] for k in ("master_weights", "optimizer_state", "gradients", "temporaries")})
-    seco = bool(seco_chunk_tokens) and seco_chunk_tokens < micro_batch_tokens
-    forward_tokens = int(seco_chunk_tokens) if seco else micro_batch_tokens
-    kept, recompute = activation_parts(cfg, forward_tokens, dtype=dt, policy=activation_checkpointing,
-                                       every=checkpoint_every, gqa_native=gqa_native, offload=checkpoint_offload,
-                                       mlp_tiles=int(mlp_tiles or 0), compiled=bool(compiled_layers),
-                                       experts_eager=experts_eager, cached_kv=seco)
-    if seco:
-        out["kv_cache"], span = seco_cache_bytes(cfg, micro_batch_tokens, forward_tokens, dtype=dt)
-        recompute += span
-        if gradient_release:  # the gradients accumulate through the sweep: every one of them lives
-            out["gradients"] = sum(p.numel() * (p.element_size() if p.is_floating_point() else 0)
-                                   for p in params.values())
-    out["activations"] = kept + recompute
+    kept, recompute, forward_tokens = _activation_memory(
+        out, cfg, params, dt, micro_batch_tokens, seco_chunk_tokens, gradient_release, policy=activation_checkpointing,
+        every=checkpoint_every, gqa_native=gqa_native, offload=checkpoint_offload, mlp_tiles=int(mlp_tiles or 0),
+        compiled=bool(compiled_layers), experts_eager=experts_eager)
     head = head_memory(cfg, model, dt, forward_tokens, loss=loss, loss_chunk=loss_chunk,
                        loss_kernels=loss_kernels, defer_head_grad=defer_head_grad,
                        gradient_release=gradient_release, activation_checkpointing=activation_checkpointing,
                        tied_slabs=tied_slabs, slab_names=binder["slab_names"])
     out["loss"], out["total"] = head["loss"], sum(out[k] for k in CATEGORIES if k != "loss") + head["loss"]
     out["peak"] = _peak(out, binder, head, kept=kept, recompute=recompute, tokens=forward_tokens,
-                        hidden=c.hidden_size, b=torch.empty((), dtype=dt).element_size(),
-                        gradient_release=gradient_release and not seco, frozen=(int(frozen_held), int(frozen_forward)),
-                        sampling=int(sampling), scoring_pass=int(scoring_pass))
+                        hidden=c.hidden_size, b=torch.empty((), dtype=dt).element_size(), sampling=int(sampling),
+                        gradient_release=gradient_release and not out["kv_cache"], scoring_pass=int(scoring_pass),
+                        frozen=(int(frozen_held), int(frozen_forward)))
     if binder["host_state"] is not None:
         out.update(host_state=binder["host_state"], pcie_per_step=2 * binder["host_state"])
     if checkpoint_offload:
@@ -562,6 +548,26 @@ def head_memory(cfg, model, dt, tokens: int, *, loss: str, loss_chunk: int, loss
         rebuild = chunk_work_bytes(min(loss_chunk, n), slab_cols, b, loss_kernels)[1] if deferred else 0
     return {"work": work, "rebuild": rebuild, "held": held, "deferred": deferred,
             "loss": max(work, rebuild if deferred else 0) + held}
+
+
+def _activation_memory(out: dict, cfg, params: dict, dt, tokens: int, seco_chunk_tokens: int, gradient_release: bool,
+                       **parts) -> tuple[int, int, int]:
+    """``(kept, recompute, tokens of one forward)``: ``activation_parts`` for ``predict_memory``,
+    which sets ``out["activations"]``.  Chunk-wise training (``seco_chunk_tokens`` < ``tokens``):
+    one chunk's activations (``cached_kv``) and one layer's cache gradient in its backward,
+    ``out["kv_cache"]`` the row's keys/values and their gradient (``seco_cache_bytes``), and with
+    gradient release every gradient (they accumulate through the sweep)."""
+    seco = bool(seco_chunk_tokens) and seco_chunk_tokens < tokens
+    forward_tokens = int(seco_chunk_tokens) if seco else int(tokens)
+    kept, recompute = activation_parts(cfg, forward_tokens, dtype=dt, cached_kv=seco, **parts)
+    if seco:
+        out["kv_cache"], span = seco_cache_bytes(cfg, tokens, forward_tokens, dtype=dt)
+        recompute += span
+        if gradient_release:
+            out["gradients"] = sum(p.numel() * (p.element_size() if p.is_floating_point() else 0)
+                                   for p in params.values())
+    out["activations"] = kept + recompute
+    return kept, recompute, forward_tokens
 
 
 def _peak(out: dict, binder: dict, head: dict, *, kept: int, recompute: int, tokens: int, hidden: int, b: int,
