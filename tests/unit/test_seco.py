@@ -210,8 +210,8 @@ def test_spaco_is_unbiased(monkeypatch):
     assert float(((biased.mean(0) - target).abs() / (biased.std(0) / 20)).max()) > 4.5
 
 
-@pytest.mark.parametrize("policy", ["full", "sublayer", "selective"])
-def test_seco_composes_with_activation_checkpointing_and_mlp_tiles(policy):
+@pytest.mark.parametrize("policy, offload", [("full", 1), ("sublayer", False), ("selective", False)])
+def test_seco_composes_with_activation_checkpointing_and_mlp_tiles(policy, offload):
     """The checkpointed layers recompute their chunk's attention inside the chunk's backward, with
     the same cache and the same routing of its gradient."""
     from pgs.runtime.model.layers import apply_activation_checkpointing
@@ -222,7 +222,7 @@ def test_seco_composes_with_activation_checkpointing_and_mlp_tiles(policy):
     _, want = _whole(_model(), ids, pos, labels, count)
     model = _model()
     apply_mlp_tiles(model, 2)
-    apply_activation_checkpointing(model, policy)
+    apply_activation_checkpointing(model, policy, offload=offload)
     _, got, _ = _chunked(model, ids, pos, labels, count, 8)
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-12, msg=n)
