@@ -33,8 +33,9 @@ backward recomputes the chunk's attention against the cache span, adds the past 
 into the accumulators and hands the chunk's own part, plus what the later chunks accumulated for
 it, to the chunk's key/value projections.  Where CUDA's variable-length FlashAttention runs
 (``torch.nn.attention.varlen``) each document of the chunk is one query segment against its keys
-from the document's start (bottom-right causal alignment); elsewhere SDPA with the block-diagonal
-causal mask (the reference path, what the CPU tests compare).
+from the document's start (bottom-right causal alignment, checked once per device by a tiny
+forward: ``_bottom_right``); elsewhere SDPA with the block-diagonal causal mask (the reference
+path, what the CPU tests compare).
 
 Refused where the chunking would change the result: models with layers that are not full
 softmax attention (linear attention, sliding windows), attention dropout, MoE router losses.
@@ -169,12 +170,42 @@ class RowState:
         return self._segments
 
 
+#: CUDA device index -> whether the varlen kernel aligns a shorter query segment with the end of
+#: its key segment (bottom-right causal), found once per device by :func:`_bottom_right`.
+_ALIGNED: dict[int, bool] = {}
+
+
+def _bottom_right(call, device: torch.device) -> bool:
+    """Whether ``varlen_attn``'s causal mask on ``device`` lets query i of a segment of n queries
+    against m ≥ n keys read keys ≤ i + m − n (what a chunk's attention needs): one tiny forward
+    against the masked reference, asked once per device.  Where it does not (or fails), the chunk
+    attention takes the masked SDPA path, which is correct everywhere."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _ALIGNED:
+        try:
+            fn, causal = call
+            g = torch.Generator(device=device).manual_seed(0)
+            q, k, v = (torch.randn(n, 1, 64, generator=g, device=device, dtype=torch.bfloat16) for n in (3, 7, 7))
+            cu_q = torch.tensor([0, 3], dtype=torch.int32, device=device)
+            cu_k = torch.tensor([0, 7], dtype=torch.int32, device=device)
+            out = fn(q, k, v, cu_q, cu_k, 3, 7, **causal)
+            mask = torch.arange(7, device=device)[None, :] <= torch.arange(4, 7, device=device)[:, None]
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1), attn_mask=mask)
+            _ALIGNED[index] = bool(torch.allclose(out.float(), ref.transpose(0, 1), atol=2e-2, rtol=2e-2))
+        except Exception:  # noqa: BLE001 - any failure: the masked path
+            _ALIGNED[index] = False
+    return _ALIGNED[index]
+
+
 def _attend(state: RowState, q: Tensor, k: Tensor, v: Tensor, scaling: float | None) -> Tensor:
     """Attention of the chunk's queries ``q`` ``[B, Hq, C, D]`` against the span's keys/values
     ``k``/``v`` ``[B, L, Hkv, D]`` (L = hi − span) → ``[B, C, Hq, D]``."""
     batch, hq, width, d = q.shape
     hkv = k.shape[2]
     call = varlen_call() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
+    if call is not None and not _bottom_right(call, q.device):
+        call = None
     if call is not None:
         fn, causal = call
         cu_q, cu_k, lq, lk, rows = state.segments()
