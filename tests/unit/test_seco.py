@@ -229,6 +229,7 @@ def test_seco_composes_with_activation_checkpointing_and_mlp_tiles(policy, offlo
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_seco_on_cuda_equals_the_whole_row(dtype):
     """On CUDA in bf16 the chunk attends through the variable-length FlashAttention kernel (each
