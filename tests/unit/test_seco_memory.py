@@ -67,3 +67,19 @@ def test_profile_predicts_less_for_chunks_at_long_rows_and_the_cache_grows_with_
         seco_cache_bytes(cfg, 65536, 4096)[1]
     # L·2·n_kv·d·b·(2N − C): twice the row, one chunk more
     assert longer["kv_cache"] == 2 * chunked["kv_cache"] + seco_cache_bytes(cfg, 4096, 4096)[0]
+
+
+def test_plan_hands_the_chunk_to_the_prediction(tmp_path):
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.tools.profile import plan_from_spec
+    from tests.helpers import tiny_spec
+
+    path = tiny_spec(tmp_path)
+    plain = plan_from_spec(load_spec(path))
+    chunked = plan_from_spec(load_spec(path, ["memory.seco_chunk=24"]))
+    micro = chunked["micro_batch"]
+    assert plain["kwargs"]["seco_chunk_tokens"] == 0 and chunked["kwargs"]["seco_chunk_tokens"] == micro * 24
+    a = predict_memory(plain["config"], **plain["kwargs"])
+    b = predict_memory(chunked["config"], **chunked["kwargs"])
+    assert a["kv_cache"] == 0 and b["kv_cache"] == seco_cache_bytes(chunked["config"], micro * 96, micro * 24,
+                                                                     dtype=chunked["kwargs"]["dtype"])[0]
