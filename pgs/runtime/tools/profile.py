@@ -891,7 +891,8 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
     table.add_column(f"predicted {unit}", justify="right")
     attention, services = prediction.parts["attention masks"], prediction.parts.get("services", 0)
     for k in CATEGORIES:
-        table.add_row(k, f"{pred[k] / scale:.3f}")
+        if k != "kv_cache" or pred[k]:  # the row's key/value cache: chunk-wise training only
+            table.add_row(k, f"{pred[k] / scale:.3f}")
     table.add_row("attention masks", f"{attention / scale:.3f}")
     if services:
         table.add_row("services (averaging, health, ...)", f"{services / scale:.3f}")
