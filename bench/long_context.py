@@ -22,6 +22,13 @@ length (``--lengths``, default 16k, 32k, 64k, 128k tokens), in one call:
    AdamW; ``hf_eager_ac`` is HF's own loss, whose fp32 ``[L, V]`` logits (74 GiB at 128k) are
    what stops it first.
 
+3. With ``--seco CHUNK``, ``pgs run`` again with chunk-wise training (SeCO, docs/techniques/seco.md):
+   the same recipe plus ``memory.seco_chunk = CHUNK`` (and ``tied_slabs = 0``,
+   ``compile_layers = false``, which it refuses), setup ``pgs run seco``.  ``--cap GIB`` sets
+   ``memory.device_limit_gib`` for both pgs setups (as on a card of that size); the lengths then
+   climb until a setup does not fit (``oom``, or ``refused`` by the preflight's prediction) and the
+   last line printed names the longest row each setup trained in the cap.
+
 Every (setup, shape, length) is its own child process (its own process group) under
 ``--timeout`` seconds, and all of them under ``--budget`` seconds (an entry gets what is left;
 one that would get less than 30 s is recorded as skipped).  Each entry's ``status``: ``ok``;
@@ -37,6 +44,8 @@ what it measured.  On the CPU, ``--small`` runs the same path at a tiny shape an
 smoke run of this script).
 
     python -m bench long-context --shapes qwen3-0.6b,qwen3-4b --lengths 16384,32768,65536,131072
+    python -m bench long-context --shapes qwen3-4b --lengths 16384,32768,65536,131072 --peers= \
+        --seco 4096 --cap 40
 """
 
 from __future__ import annotations
@@ -216,13 +225,21 @@ def pgs_overrides(length: int, data: str, steps: int, chunk: int, run_dir: str, 
                      f"checkpoint.dir={run_dir}", "train.log_every=1"] + (SMALL if small else [])
 
 
-def run_pgs(shape: str, length: int, data: str, args, workdir: str, timeout: float) -> dict:
-    run_dir = os.path.join(workdir, f"run_{shape}_{length}")
+def seco_overrides(chunk: int) -> list[str]:
+    """The ``--set`` list that turns the pgs entry chunk-wise (``--seco``): what SeCO refuses off."""
+    return [f"memory.seco_chunk={chunk}", "memory.tied_slabs=0", "memory.compile_layers=false"]
+
+
+def run_pgs(shape: str, length: int, data: str, args, workdir: str, timeout: float, seco: int = 0) -> dict:
+    run_dir = os.path.join(workdir, f"run_{shape}_{length}{'_seco' if seco else ''}")
     shutil.rmtree(run_dir, ignore_errors=True)
     tiles = mlp_tiles(length)
     sets = pgs_overrides(length, data, args.steps, args.chunk, run_dir, args.small) + args.set
+    sets += seco_overrides(seco) if seco else []
+    sets += [f"memory.device_limit_gib={args.cap:g}"] if args.cap else []
     cmd = [sys.executable, "-m", "pgs", "run", SPECS[shape]] + [x for s in sets for x in ("--set", s)]
-    out = {"setup": "pgs run", "shape": shape, "length": length, "mlp_tiles": tiles,
+    out = {"setup": "pgs run seco" if seco else "pgs run", "shape": shape, "length": length, "mlp_tiles": tiles,
+           "seco_chunk": seco, "cap_gib": args.cap,
            "command": "python -m pgs run " + " ".join(cmd[4:])}
 
     def last_step_logged() -> bool:  # the last step's record is written before the final checkpoint
@@ -239,7 +256,7 @@ def run_pgs(shape: str, length: int, data: str, args, workdir: str, timeout: flo
     if records:
         out.update(_summary(records, args.skip))
         metrics = os.path.join(run_dir, "metrics.jsonl")
-        shutil.copyfile(metrics, os.path.join(workdir, f"metrics_{shape}_{length}.jsonl"))
+        shutil.copyfile(metrics, os.path.join(workdir, f"metrics_{shape}_{length}{'_seco' if seco else ''}.jsonl"))
     shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoint: 12 GB at 4B, and no part of the figures
     return out
 
@@ -341,6 +358,19 @@ def table(results: list[dict]) -> str:
     return markdown_table(results, COLUMNS, setup=None, inline_errors=True)  # the note column shows an error
 
 
+def longest_line(results: list[dict], cap: float) -> str:
+    """The longest row each (setup, shape) trained (``status`` ok), in the cap where one was set."""
+    best: dict[tuple[str, str], int] = {}
+    for r in results:
+        key = (r["setup"], r["shape"])
+        best.setdefault(key, 0)
+        if r.get("status") == "ok":
+            best[key] = max(best[key], r["length"])
+    where = f" in {cap:g} GiB" if cap else ""
+    return "longest row trained" + where + ": " + "; ".join(
+        f"{setup} {shape}: {n:,}" if n else f"{setup} {shape}: none" for (setup, shape), n in best.items())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="qwen3-0.6b,qwen3-4b", help=f"comma-separated, of {sorted(SPECS)}")
@@ -354,6 +384,10 @@ def main(argv=None) -> int:
                    help="seconds for the whole call (0: no limit): an entry gets at most what is left, and one "
                         "that would get less than 30 s is skipped, so the table is printed before an outer timeout")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more spec overrides for pgs")
+    p.add_argument("--seco", type=int, default=0, metavar="CHUNK",
+                   help="also run pgs with chunk-wise training (memory.seco_chunk = CHUNK; 0: not)")
+    p.add_argument("--cap", type=float, default=0.0, metavar="GIB",
+                   help="memory.device_limit_gib for the pgs setups (0: none): the longest row in that cap")
     p.add_argument("--small", action="store_true", help="a tiny shape and short rows on the CPU (smoke run)")
     p.add_argument("--workdir", default="", help="run folders and the generated data (default: a temporary folder)")
     p.add_argument("--out", default="", help="JSON results (rewritten after every entry)")
@@ -400,8 +434,8 @@ def main(argv=None) -> int:
     too_long: dict[tuple[str, str], int] = {}  # (setup, shape) -> the length that did not fit
     for shape in shapes:
         for length in sorted(lengths):  # short rows first: a call cut short still has a table
-            for setup in ["pgs", *peers]:
-                name = "pgs run" if setup == "pgs" else setup
+            for setup in ["pgs", *(["pgs_seco"] if args.seco else []), *peers]:
+                name = {"pgs": "pgs run", "pgs_seco": "pgs run seco"}.get(setup, setup)
                 left = args.budget - (time.time() - began) if args.budget else float("inf")
                 if (name, shape) in too_long:
                     r = {"setup": name, "shape": shape, "length": length, "status": "skipped",
@@ -411,7 +445,8 @@ def main(argv=None) -> int:
                          "error": f"--budget {args.budget} s spent"}
                 else:
                     timeout = min(args.timeout, left - 5)
-                    r = (run_pgs(shape, length, data_for(shape, length), args, workdir, timeout) if setup == "pgs"
+                    r = (run_pgs(shape, length, data_for(shape, length), args, workdir, timeout,
+                                 seco=args.seco if setup == "pgs_seco" else 0) if setup.startswith("pgs")
                          else run_peer(setup, shape, length, args, timeout))
                 if r["status"] in ("oom", "refused"):
                     too_long[name, shape] = length
@@ -423,6 +458,7 @@ def main(argv=None) -> int:
                         json.dump({"shapes": shapes, "lengths": lengths, "steps": args.steps, "skip": args.skip,
                                    "results": results}, handle, indent=1)
     print(table(results))
+    print(longest_line(results, args.cap))
     return 0 if all(r.get("status") != "error" for r in results) else 1
 
 

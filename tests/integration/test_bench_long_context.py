@@ -211,3 +211,15 @@ def test_records_are_sized_for_the_row_being_run(tmp_path):
 def test_a_timeout_note_ends_with_what_the_run_printed_last():
     status, note = lc.outcome(None, "pgs: building the model\ndata: window 0\n", True, 150)
     assert status == "timeout" and note == "timeout after 150 s: pgs: building the model | data: window 0"
+
+
+def test_seco_entry_and_the_longest_row_in_the_cap():
+    assert lc.seco_overrides(4096) == ["memory.seco_chunk=4096", "memory.tied_slabs=0", "memory.compile_layers=false"]
+    results = [{"setup": "pgs run", "shape": "qwen3-4b", "length": 32768, "status": "ok"},
+               {"setup": "pgs run seco", "shape": "qwen3-4b", "length": 32768, "status": "ok"},
+               {"setup": "pgs run", "shape": "qwen3-4b", "length": 65536, "status": "ok"},
+               {"setup": "pgs run seco", "shape": "qwen3-4b", "length": 65536, "status": "oom"},
+               {"setup": "pgs run", "shape": "qwen3-0.6b", "length": 16384, "status": "refused"}]
+    line = lc.longest_line(results, 40)
+    assert line == ("longest row trained in 40 GiB: pgs run qwen3-4b: 65,536; pgs run seco qwen3-4b: 32,768; "
+                    "pgs run qwen3-0.6b: none")

@@ -10,6 +10,11 @@ checkpoint keeps.  The record carries the mean next-token entropy, and a warning
 it falls under ``train.entropy_warn``.  Eval: the token loss on ``data.eval`` and, where a
 checker knows the records (the quickstart's tasks), task accuracy by greedy generation.
 
+``memory.seco_chunk``: each micro-batch's rows are trained chunk-wise (SeCO/SpaCO,
+``pgs.runtime.model.seco``): the loss of chunk c is the token loss of its own tokens, and the
+step divides the row's summed loss by the valid-token count as ever, so the gradient is the
+whole row's (SpaCO: an unbiased estimate of it).
+
 With gradient release on one process and a tied head, the head's gradient can skip autograd:
 it is added into the embedding's own gradient buffer right before that weight steps
 (:meth:`SFTObjective.defers_head_grad`, ``memory.defer_head_grad``).
@@ -28,6 +33,8 @@ from pgs.runtime.data.packing import doc_ids
 from pgs.runtime.dist import context as CP
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, sharded_eval_loss, task_accuracy, task_checker
 from pgs.runtime.data.packing import collate, pad_id
+from pgs.errors import SpecError
+from pgs.runtime.model import seco
 from pgs.runtime.loop.objective_common import (embedding_noise_generator, embedding_noise_hook, random_document,
                                         rank_and_world, steps_for, tied_head_deferrable)
 from pgs.runtime.model.build import final_hidden, output_head
@@ -55,11 +62,15 @@ class SFTObjective:
         self.stream = stream
         self.token_objective = spec.build_token_loss()  # the [loss] objective (pgs.func.losses)
         self._generators = embedding_noise_generator(spec, device)
+        if spec.memory.spaco_keep < 1.0:  # which chunks' backwards run (checkpointed with the run)
+            self._generators["spaco"] = torch.Generator().manual_seed(spec.train.seed)
         self.entropy_low = False
 
     @classmethod
     def create(cls, spec, *, model, tokenizer, device: torch.device, ctx=None) -> "SFTObjective":
         rank, world = rank_and_world(ctx, spec.parallel.context)
+        if spec.memory.seco_chunk:
+            check_chunkwise(spec, model, ctx)
         return cls(spec, tokenizer, device, TrainStream(spec.data, tokenizer, rank=rank, world_size=world))
 
     @classmethod
@@ -87,6 +98,8 @@ class SFTObjective:
         ids, pos, labels = batch.input_ids.to(dev), batch.position_ids.to(dev), batch.labels.to(dev)
         if run.moe is not None:
             run.moe.begin_micro(batch, dev)
+        if self.spec.memory.seco_chunk:
+            return self._chunkwise(run, ids, pos, labels, poison)
         CP.begin_rows(batch, run.context, dev)  # a row split over ranks: ring attention (until end_rows)
         h = final_hidden(run.model, ids, pos, embed_noise=embedding_noise_hook(self.spec, self._generators, batch, dev))
         aux = run.moe.end_micro() if run.moe is not None else None
@@ -104,6 +117,27 @@ class SFTObjective:
             loss_sum = loss_sum + (aux - aux.detach())
         entropy = result.entropy_sum.detach() if result.entropy_sum is not None else torch.zeros((), device=h.device)
         return loss_sum, entropy.reshape(1).float()
+
+    def _chunkwise(self, run, ids, pos, labels, poison: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` for ``memory.seco_chunk``: the rows' summed token loss, computed chunk by
+        chunk without autograd; its backward is SeCO's reverse sweep (SpaCO's with
+        ``memory.spaco_keep`` < 1).  Gradient release holds its steps through the sweep and steps
+        every group once, with the accumulated gradients, when the row's backward ends."""
+        weight, bias, softcap = output_head(run.model)
+        loss = self.spec.loss
+
+        def chunk_loss(h, lo, hi):
+            r = token_loss(h, weight, labels[:, lo:hi], backend=loss.backend, objective=self.token_objective,
+                           bias=bias, softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size)
+            e = r.entropy_sum.detach() if r.entropy_sum is not None else torch.zeros((), device=h.device)
+            return r.loss_sum, e.reshape(1).float()
+
+        mem = self.spec.memory
+        hold = run.bound.accumulating if run.bound.in_backward else None
+        row = seco.ChunkedRow(run.model, ids, pos, mem.seco_chunk, chunk_loss, keep=mem.spaco_keep,
+                              generator=self._generators.get("spaco"), hold=hold)
+        loss_sum, entropy = row.forward()
+        return (loss_sum * float("nan") if poison else loss_sum), entropy
 
     def defers_head_grad(self, run, weight) -> bool:
         """Gradient release on one process, a tied head (the input embedding's weight),
@@ -154,6 +188,16 @@ class SFTObjective:
 
     def generators(self) -> dict[str, torch.Generator]:
         return self._generators
+
+
+def check_chunkwise(spec, model, ctx) -> None:
+    """``memory.seco_chunk`` against the model and the process layout (one line each)."""
+    if ctx is not None and ctx.world_size > 1:
+        raise SpecError(f"memory.seco_chunk: chunk-wise training runs on one process; this run has "
+                        f"{ctx.world_size}; set memory.seco_chunk = 0 or run with --nproc 1")
+    why = seco.refusal(getattr(model, "config", None))
+    if why:
+        raise SpecError(f"memory.seco_chunk: the model cannot be trained chunk-wise: {why}; set memory.seco_chunk = 0")
 
 
 __all__ = ["ACCURACY_SAMPLES", "SFTObjective"]

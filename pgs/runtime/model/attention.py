@@ -95,6 +95,12 @@ def _varlen_call():
     return _VARLEN_CALL[0]
 
 
+def varlen_call():
+    """``(fn, causal_kwargs)`` of ``torch.nn.attention.varlen.varlen_attn`` where this torch has it,
+    else None (what the chunk attention of ``pgs.runtime.model.seco`` calls too)."""
+    return _varlen_call()
+
+
 def _find_varlen_call():
     try:
         from torch.nn.attention.varlen import varlen_attn

@@ -110,6 +110,14 @@ class MemorySpec:
     as on a card of that size: past the cap it returns its cached free blocks to the driver
     and retries instead of reserving more, and a step that needs more than the cap fails as
     out of memory (``train.configure_allocator``).
+    ``seco_chunk`` (0: off) trains each row chunk-wise (SeCO, arXiv 2505.16710;
+    ``pgs.runtime.model.seco``): the forward runs chunks of that many tokens without autograd,
+    keeping each layer's keys/values, and the backward recomputes one chunk at a time in reverse,
+    routing the gradient of the cached keys/values back to their chunks (exact; one chunk's
+    activations alive, plus the cache and its gradient).  ``spaco_keep`` (1: off) < 1 makes it
+    SpaCO: each chunk's backward runs with that probability, what it sends scaled by
+    ``1/spaco_keep`` (an unbiased estimate of the gradient at ``spaco_keep`` of the backward's cost;
+    docs/techniques/seco.md).
     """
 
     section: ClassVar[str] = "memory"
@@ -131,6 +139,8 @@ class MemorySpec:
     mlp_tiles: int = attrs.field(default=0, validator=int_at_least(0))
     offload_optimizer: bool = attrs.field(default=False, validator=boolean)
     device_limit_gib: float = attrs.field(default=0.0, converter=to_float, validator=number_in(0.0))
+    seco_chunk: int = attrs.field(default=0, validator=int_at_least(0))
+    spaco_keep: float = attrs.field(default=1.0, converter=to_float, validator=number_in(0.0, 1.0))
 
     def refusal(self) -> str | None:
         """Why these ``[memory]`` settings cannot work together (None: they can): the rules that
@@ -145,6 +155,9 @@ class MemorySpec:
             return (f"memory.offload_prefetch = {self.offload_prefetch}: how far ahead backward fetches the "
                     "offloaded checkpoint inputs; set memory.offload_checkpoints = true, or leave "
                     "offload_prefetch at \"auto\"")
+        why = self.seco_refusal()
+        if why:
+            return why
         if self.gradient_release:
             return None
         if self.tied_slabs:
@@ -159,11 +172,31 @@ class MemorySpec:
                     "set memory.gradient_release = true or master_weights = \"none\"")
         return None
 
+    def seco_refusal(self) -> str | None:
+        """Why ``seco_chunk`` / ``spaco_keep`` cannot run with the other ``[memory]`` settings."""
+        if self.spaco_keep <= 0.0:
+            return "memory.spaco_keep: 0 would run no chunk's backward; set a probability in (0, 1] (1: SeCO, exact)"
+        if self.spaco_keep < 1.0 and not self.seco_chunk:
+            return (f"memory.spaco_keep = {self.spaco_keep:g}: SpaCO is the sparse variant of chunk-wise training; "
+                    "set memory.seco_chunk (tokens per chunk) too, or spaco_keep = 1")
+        if not self.seco_chunk:
+            return None
+        clashes = (("tied_slabs", self.tied_slabs, "0"), ("defer_head_grad", self.defer_head_grad is True, "\"auto\""),
+                   ("offload_optimizer", self.offload_optimizer, "false"),
+                   ("compile_layers", self.compile_layers, "false"))
+        for field, on, off in clashes:
+            if on:
+                return (f"memory.seco_chunk: memory.{field} does not compose with chunk-wise training (the gradients "
+                        f"of a row complete only after its last chunk); set memory.{field} = {off}, or seco_chunk = 0")
+        return None
+
     def head_grad_deferred(self) -> bool:
         """``defer_head_grad`` resolved: ``"auto"`` defers where memory is what the spec trades
         for (activation checkpointing or tied slabs; slabs need it).  Deferring costs one more head
         matmul per step and saves one V×D buffer through backward (docs/memory.md): worth it
         where memory is tight, not where activations dwarf it."""
+        if self.seco_chunk:  # each chunk's loss backward is its own: nothing to defer to the end
+            return False
         return head_grad_wanted(self.defer_head_grad, self.activation_checkpointing, self.tied_slabs)
 
 

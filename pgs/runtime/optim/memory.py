@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 
 from pgs.errors import SpecError
-from pgs.runtime.optim.config import checkpoint_offload, head_grad_wanted
+from pgs.runtime.optim.config import checkpoint_offload, head_grad_wanted  # noqa: F401  (head_grad_wanted: re-exported)
 
 
 def single_process_refusal(memory) -> str | None:
@@ -71,8 +71,7 @@ class MemoryOptions:
             master_weights=None if memory.master_weights == "none" else memory.master_weights,
             tied_slabs=memory.tied_slabs, release_groups=memory.release_groups,
             offload_optimizer=memory.offload_optimizer,
-            defer_head_grad=head_grad_wanted(memory.defer_head_grad, memory.activation_checkpointing,
-                                             memory.tied_slabs),
+            defer_head_grad=memory.head_grad_deferred(),
             activation_checkpointing=memory.activation_checkpointing, checkpoint_every=memory.checkpoint_every,
             checkpoint_offload=checkpoint_offload(memory.offload_checkpoints, memory.offload_prefetch,
                                                   memory.offload_optimizer),

@@ -271,6 +271,7 @@ class Arrivals:
         self.arrived = dict.fromkeys(self.sizes, 0)
         self.done: set[str] = set()
         self.active = False  # inside a backward that has released something
+        self.held = False  # gradients accumulate in .grad without counting (``GradientRelease.accumulating``)
 
     def touch(self) -> None:
         """A backward is under way (called from inside it): start it if not started yet."""
@@ -281,6 +282,8 @@ class Arrivals:
 
     def hook_for(self, group: str):
         def hook(p: torch.Tensor) -> None:
+            if self.held:
+                return
             self.touch()
             self.arrived[group] += 1
             if self.arrived[group] == self.sizes[group] and group not in self.done:
@@ -504,6 +507,24 @@ class GradientRelease:
 
     def backward_started(self) -> None:
         """Count this backward as started (a gradient arrived outside the parameters' hooks)."""
+        self._arrivals.touch()
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Inside a backward: the backwards run within accumulate their gradients in ``.grad``
+        without stepping; on leaving, every group steps once, with the gradients accumulated, at
+        the end of the enclosing backward (its engine callback, as ``finish``).  SeCO's reverse
+        sweep (``pgs.runtime.model.seco``) runs one backward per chunk of a row inside the row's
+        backward: a parameter's gradient is complete only after the last chunk's, so no group
+        may step before (docs/techniques/seco.md)."""
+        if self._slab_name is not None or self._before:
+            raise InvalidArgument("gradient release: tied slabs and deferred head gradients do not compose with "
+                                  "accumulating across backwards")
+        self._arrivals.held = True
+        try:
+            yield
+        finally:
+            self._arrivals.held = False
         self._arrivals.touch()
 
     def take_contributions(self, name: str) -> list:

@@ -285,6 +285,8 @@ def check_memory_options(spec: Spec, chain) -> None:
     why = mem.refusal()
     if why:
         raise SpecError(why)
+    if mem.seco_chunk:
+        check_seco(spec)
     if not mem.gradient_release:
         return
     if spec.train.grad_accum > 1:
@@ -318,6 +320,31 @@ def check_memory_options(spec: Spec, chain) -> None:
         if why:
             where = "optimizer.chain" if opt.chain is not None else "optimizer.alias"
             raise SpecError(f"memory.tied_slabs: {where}: {why}")
+
+
+#: Token objectives whose loss is not a sum of per-token terms of the token's own logits: a chunk
+#: alone cannot compute its share (Cayley's mean target probability is over the micro-batch,
+#: CADFT's compatibility over each sample).
+WHOLE_ROW_OBJECTIVES = ("deft_cayley", "cadft")
+
+
+def check_seco(spec: Spec) -> None:
+    """``memory.seco_chunk`` against the rest of the spec (one line each): chunk-wise training
+    (``pgs.runtime.model.seco``) trains the SFT token loss, a sum over tokens, on one process."""
+    for section in ("preference", "distill"):
+        if getattr(spec, section, None) is not None:
+            raise SpecError(f"memory.seco_chunk: chunk-wise training runs the SFT token loss; a [{section}] run "
+                            "scores whole sequences; set memory.seco_chunk = 0")
+    if spec.loss.objective in WHOLE_ROW_OBJECTIVES:
+        raise SpecError(f"memory.seco_chunk: loss.objective {spec.loss.objective!r} reads statistics over the whole "
+                        "row or sample, which a chunk does not see; use another objective or seco_chunk = 0")
+    if spec.loss.embedding_noise() is not None:
+        raise SpecError("memory.seco_chunk: embedding noise (loss.neftune_alpha / symnoise_alpha) is drawn once per "
+                        "forward, and chunk-wise training runs each chunk's forward twice; set it to 0 or "
+                        "seco_chunk = 0")
+    if spec.parallel.context > 1:
+        raise SpecError(f"memory.seco_chunk: parallel.context = {spec.parallel.context} splits rows over ranks; "
+                        "chunk-wise training splits them in time on one process; use one of the two")
 
 
 def _stand_in_total(spec: Spec) -> int:

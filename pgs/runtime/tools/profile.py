@@ -81,7 +81,7 @@ from pgs.runtime.optim.release import GradientRelease, group_parameters, refusal
 from pgs.runtime.optim.config import checkpoint_offload, head_grad_wanted
 
 CATEGORIES = ("weights", "frozen_models", "master_weights", "optimizer_state", "gradients", "activations", "loss",
-              "temporaries")
+              "temporaries", "kv_cache")
 GiB = 1024**3
 #: Bytes per [chunk, V] element the distillation loss holds at its fullest (``pgs.func.losses.distill``):
 #: about ten fp32 tensors — both heads' logits, log-probabilities and probabilities, the JSD's
@@ -145,6 +145,7 @@ def activation_parts(
     mlp_tiles: int = 0,
     compiled: bool = False,
     experts_eager: bool = False,
+    cached_kv: bool = False,
 ) -> tuple[int, int]:
     """``(kept, recompute)``: bytes that forward leaves for backward for ``tokens`` tokens of a
     HF Qwen3/Llama-style decoder, and the extra bytes of one layer recomputed in backward.
@@ -183,6 +184,10 @@ def activation_parts(
     Checked against inductor's saved tensors on the CPU within 5% (tests/unit/test_profile.py); the
     comparison with a GPU run is in docs/performance.md.
 
+    ``cached_kv`` (a SeCO chunk, ``pgs.runtime.model.seco``): the chunk's attention saves only its
+    queries; the rotated keys and values live in the row's cache (``seco_cache_bytes``) and the
+    log-sum-exp is recomputed: A_none − 2·b·k' − 4·n_q.
+
     Mixture-of-experts layers (Qwen3-MoE, OLMoE, Mixtral: E experts, k per token, expert
     intermediate I_e) replace the MLP's 4·b·I with k·(4·b·I_e + 2·b·h) + (b + 4)·E + 4k: each of
     a token's k expert MLPs keeps its four [I_e] tensors, its gathered input and its output
@@ -215,6 +220,8 @@ def activation_parts(
         mlp = top_k * ((3 if compiled else 4) * b * inter_e + (3 if experts_eager else 2) * b * h)
         mlp += (b + 4) * n_experts + 4 * top_k
     a_none = 2 * norm + 2 * b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q + mlp
+    if cached_kv:
+        a_none -= 2 * b * k_att + 4 * n_q
     a_kept = {"none": a_none, "full": b * h, "sublayer": 2 * b * h,
               "selective": b * h + b * (q + 2 * k) + b * q + 4 * n_q + 2 * b * h + 2 * b * inter}[policy]
     if offload and policy not in ("full", "sublayer"):
@@ -231,6 +238,23 @@ def activation_parts(
     if offload and checkpointed:  # inputs fetched further ahead than the next one (offload_prefetch)
         recompute += (int(offload) - 1) * b * h * tokens
     return per_token * tokens, recompute
+
+
+def seco_cache_bytes(cfg, tokens: int, chunk_tokens: int, *, dtype=torch.bfloat16) -> tuple[int, int]:
+    """``(cache, span)`` of chunk-wise training (``memory.seco_chunk``, ``pgs.runtime.model.seco``)
+    for ``tokens`` tokens of rows cut in chunks of ``chunk_tokens`` tokens (rows × chunk): the
+    rotated keys and values of every layer, 2·L·n_kv·d·b per token, and their gradient
+    accumulators over the tokens before the last chunk (as many bytes per token); ``span``: the
+    gradient of one layer's cached keys/values that a chunk's attention backward builds at most
+    (2·n_kv·d·b per token of the row).  Checked against ``RowState.cache_bytes`` and the saved
+    tensors of a chunk's recompute on the CPU (tests/unit/test_seco_memory.py)."""
+    c = _text_config(cfg)
+    b = torch.empty((), dtype=_dtype(dtype)).element_size()
+    n_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * n_kv * d * b
+    earlier = max(tokens - chunk_tokens, 0)
+    return c.num_hidden_layers * per_token * (tokens + earlier), per_token * tokens
 
 
 def offloaded_input_bytes(cfg, tokens: int, *, dtype=torch.bfloat16, policy: str = "full", every: int = 1) -> int:
@@ -328,7 +352,7 @@ def predict_memory(
     frozen_forward: int = 0,
     frozen_held: int = 0,
     sampling: int = 0,
-    scoring_pass: int = 0,
+    scoring_pass: int = 0, seco_chunk_tokens: int = 0,
 ) -> dict[str, int]:
     """Bytes per category (``CATEGORIES``) plus ``total`` and ``peak``.  See the module docstring.
 
@@ -375,6 +399,7 @@ def predict_memory(
             their no-grad forward and what it leaves for the loss (at the end of the policy's
             forward), the on-policy sampling phase (KV cache, prefill), and the reference
             cache's scoring pass before the first step (weights only, no state yet).
+        seco_chunk_tokens: ``memory.seco_chunk``'s tokens per chunk forward (``_activation_memory``).
 
     Example::
 
@@ -396,24 +421,23 @@ def predict_memory(
                            offload_slots=offload_slots, tied_slabs=tied_slabs, fused_update=fused_update,
                            head_shape=(c.vocab_size, c.hidden_size))
     out.update({k: binder[k] for k in ("master_weights", "optimizer_state", "gradients", "temporaries")})
-    kept, recompute = activation_parts(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
-                                       every=checkpoint_every, gqa_native=gqa_native, offload=checkpoint_offload,
-                                       mlp_tiles=int(mlp_tiles or 0), compiled=bool(compiled_layers),
-                                       experts_eager=experts_eager)
-    out["activations"] = kept + recompute
-    head = head_memory(cfg, model, dt, micro_batch_tokens, loss=loss, loss_chunk=loss_chunk,
+    kept, recompute, forward_tokens = _activation_memory(
+        out, cfg, params, dt, micro_batch_tokens, seco_chunk_tokens, gradient_release, policy=activation_checkpointing,
+        every=checkpoint_every, gqa_native=gqa_native, offload=checkpoint_offload, mlp_tiles=int(mlp_tiles or 0),
+        compiled=bool(compiled_layers), experts_eager=experts_eager)
+    head = head_memory(cfg, model, dt, forward_tokens, loss=loss, loss_chunk=loss_chunk,
                        loss_kernels=loss_kernels, defer_head_grad=defer_head_grad,
                        gradient_release=gradient_release, activation_checkpointing=activation_checkpointing,
                        tied_slabs=tied_slabs, slab_names=binder["slab_names"])
     out["loss"], out["total"] = head["loss"], sum(out[k] for k in CATEGORIES if k != "loss") + head["loss"]
-    out["peak"] = _peak(out, binder, head, kept=kept, recompute=recompute, tokens=int(micro_batch_tokens),
-                        hidden=c.hidden_size, b=torch.empty((), dtype=dt).element_size(),
-                        gradient_release=gradient_release, frozen=(int(frozen_held), int(frozen_forward)),
-                        sampling=int(sampling), scoring_pass=int(scoring_pass))
+    out["peak"] = _peak(out, binder, head, kept=kept, recompute=recompute, tokens=forward_tokens,
+                        hidden=c.hidden_size, b=torch.empty((), dtype=dt).element_size(), sampling=int(sampling),
+                        gradient_release=gradient_release and not out["kv_cache"], scoring_pass=int(scoring_pass),
+                        frozen=(int(frozen_held), int(frozen_forward)))
     if binder["host_state"] is not None:
         out.update(host_state=binder["host_state"], pcie_per_step=2 * binder["host_state"])
     if checkpoint_offload:
-        out["host_inputs"] = offloaded_input_bytes(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
+        out["host_inputs"] = offloaded_input_bytes(cfg, forward_tokens, dtype=dt, policy=activation_checkpointing,
                                                    every=checkpoint_every)
     return out
 
@@ -526,6 +550,26 @@ def head_memory(cfg, model, dt, tokens: int, *, loss: str, loss_chunk: int, loss
             "loss": max(work, rebuild if deferred else 0) + held}
 
 
+def _activation_memory(out: dict, cfg, params: dict, dt, tokens: int, seco_chunk_tokens: int, gradient_release: bool,
+                       **parts) -> tuple[int, int, int]:
+    """``(kept, recompute, tokens of one forward)``: ``activation_parts`` for ``predict_memory``,
+    which sets ``out["activations"]``.  Chunk-wise training (``seco_chunk_tokens`` < ``tokens``):
+    one chunk's activations (``cached_kv``) and one layer's cache gradient in its backward,
+    ``out["kv_cache"]`` the row's keys/values and their gradient (``seco_cache_bytes``), and with
+    gradient release every gradient (they accumulate through the sweep)."""
+    seco = bool(seco_chunk_tokens) and seco_chunk_tokens < tokens
+    forward_tokens = int(seco_chunk_tokens) if seco else int(tokens)
+    kept, recompute = activation_parts(cfg, forward_tokens, dtype=dt, cached_kv=seco, **parts)
+    if seco:
+        out["kv_cache"], span = seco_cache_bytes(cfg, tokens, forward_tokens, dtype=dt)
+        recompute += span
+        if gradient_release:
+            out["gradients"] = sum(p.numel() * (p.element_size() if p.is_floating_point() else 0)
+                                   for p in params.values())
+    out["activations"] = kept + recompute
+    return kept, recompute, forward_tokens
+
+
 def _peak(out: dict, binder: dict, head: dict, *, kept: int, recompute: int, tokens: int, hidden: int, b: int,
           gradient_release: bool, frozen: tuple[int, int], sampling: int, scoring_pass: int) -> int:
     """What is live together at the worst phase of a step (forward's end, a layer's backward, the
@@ -558,7 +602,7 @@ def _peak(out: dict, binder: dict, head: dict, *, kept: int, recompute: int, tok
                   last)  # last group's update (the embedding; with deferral the head's rebuilt chunk)
     else:
         phases = (forward_end, kept + recompute + loss_held + grads, grads + out["temporaries"])
-    peak = static + max(phases)
+    peak = static + out["kv_cache"] + max(phases)
     if sampling:  # on-policy sampling: no graph, no gradients; the KV cache and the prefill
         peak = max(peak, static + sampling)
     if scoring_pass:  # before the first step, before the optimizer's state exists
@@ -726,7 +770,9 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   release_groups=opts["release_groups"], compiled_layers=opts["compile_layers"],
                   offload_optimizer=bool(opts["offload_optimizer"] and opts["gradient_release"]),
                   loss_chunk=spec.loss.chunk_size, model=model,
-                  experts_eager=spec.model.experts_implementation == "eager", **head_loss(spec))
+                  experts_eager=spec.model.experts_implementation == "eager",
+                  seco_chunk_tokens=micro * min(mem.seco_chunk, spec.data.max_seq_len) if mem.seco_chunk else 0,
+                  **head_loss(spec))
     kwargs.update(objective_memory(spec, cfg, model, dt, micro, spec.data.max_seq_len, spec.loss.chunk_size))
     return {"config": cfg, "kwargs": kwargs, "notes": notes, "micro_batch": micro,
             "seq_len": spec.data.max_seq_len, "options": opts}
@@ -845,7 +891,8 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
     table.add_column(f"predicted {unit}", justify="right")
     attention, services = prediction.parts["attention masks"], prediction.parts.get("services", 0)
     for k in CATEGORIES:
-        table.add_row(k, f"{pred[k] / scale:.3f}")
+        if k != "kv_cache" or pred[k]:  # the row's key/value cache: chunk-wise training only
+            table.add_row(k, f"{pred[k] / scale:.3f}")
     table.add_row("attention masks", f"{attention / scale:.3f}")
     if services:
         table.add_row("services (averaging, health, ...)", f"{services / scale:.3f}")
