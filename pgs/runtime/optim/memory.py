@@ -18,9 +18,6 @@ from pgs.runtime.optim.config import checkpoint_offload, head_grad_wanted
 def single_process_refusal(memory) -> str | None:
     """Why ``[memory]`` cannot run on several processes (None: it can).  Checked by ``pgs run
     --nproc`` before it launches (pgs/runtime/dist/launch.py) and by each rank in ``make_optimizer``."""
-    if memory.offload_optimizer:
-        return ("memory.offload_optimizer: runs on one process (each process already holds only its "
-                "shard of the state with several); set offload_optimizer = false or run one process")
     if memory.tied_slabs:
         return ("memory.tied_slabs: the row-slab step of the tied weight runs on one process; "
                 "set tied_slabs = 0 with several processes")

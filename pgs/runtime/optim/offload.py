@@ -46,7 +46,9 @@ A group that arrives unannounced is fetched at once (correct, not overlapped).
 On a CPU-only machine the "device" and the host are both host memory: the same staging,
 views and write-back run with synchronous copies (how the CPU tests exercise the logic).
 
-Refused (spec error, ``make_optimizer``): without gradient release; with several processes.
+Refused (spec error, ``make_optimizer``): without gradient release.  With several processes
+(FSDP2) ``ShardedOffloadedRelease`` (pgs/runtime/optim/sharded_offload.py) streams each rank's
+own shards' state the same way, one FSDP unit at a time.
 """
 
 from __future__ import annotations
@@ -260,6 +262,11 @@ class StateStager:
 
     def _big(self, group: str) -> bool:
         return self.layouts[group].nbytes > self.slot_bytes
+
+    def forget(self, group: str) -> None:
+        """Drop ``group``'s staged copy (its host buffer was written: a resume)."""
+        self.synchronize()
+        self._evict(group)
 
     def _evict(self, group: str) -> None:
         """Forget a staged group that no step is using (its copy is dropped, the host has it)."""
@@ -484,7 +491,7 @@ class StreamedStates:
 
     The class using it has ``stager`` (a ``StateStager``), ``states`` (``{group: state}``) and
     calls ``_start_streaming(groups)`` once, ``_stream_begin()`` when a backward starts,
-    ``_streamed(group, step)`` for each group's step and ``_stream_end(groups)`` when the
+    ``_stream_step(group, step)`` for each group's step and ``_stream_end(groups)`` when the
     backward is over (its result: what the step record logs, ``offload/…``)."""
 
     stager: StateStager
@@ -514,7 +521,7 @@ class StreamedStates:
         for g in self._expected_after(None):
             self.stager.prefetch(g)
 
-    def _streamed(self, group: str, step, *, wait: bool = True) -> None:
+    def _stream_step(self, group: str, step, *, wait: bool = True) -> None:
         """``step(group)`` on ``group``'s state fetched to the device (``states[group]``: views
         of its staging slots; ``wait=False``: the step orders its reads by ``state_ready``), then
         written back to the host; the next groups' fetches started around it."""
@@ -615,7 +622,7 @@ class OffloadedRelease(StreamedStates, GradientRelease):
         # waits for the shares holding its rows (state_ready), so the first slabs step while the
         # last share of a state larger than a slot is still being copied
         slabbed = self._slab_name is not None and self.groups[group] == [self._slab_name]
-        self._streamed(group, super()._step_group, wait=not slabbed)
+        self._stream_step(group, super()._step_group, wait=not slabbed)
 
     def finish(self) -> None:
         active = self._arrivals.active
