@@ -178,6 +178,7 @@ def scenario_offload(ctx, out: str) -> dict:
             "grads_left": info["grads_left"], "streamed": info["streamed"], "units": len(opt.units),
             "unannounced": opt.stager.unannounced, "step_extras": opt.step_extras, **stats,
             "on_device_state_bytes": opt_b.state_bytes(), "release_steps": opt.steps,
+            "host_leaves": sum(len(lay.entries) for lay in opt.stager.layouts.values()),
             "state_on_host": all(x.untyped_storage().data_ptr() in homes for s in opt.states.values()
                                  for x in pf.tree.leaves(s) if x.dim() > 0),
         }
