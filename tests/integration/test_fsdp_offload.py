@@ -84,3 +84,76 @@ def test_dcp_resume_bit_exact_into_offloaded_and_on_device(offloaded):
         assert r["per_rank_keys"] > 0  # the 8-bit codes and scales of a shard, saved per rank
         assert r["resume_max_abs_diff"] == 0.0 and r["resume_state_equal"]
         assert r["resume_on_device_max_abs_diff"] == 0.0 and r["resume_on_device_state_equal"]
+
+
+# ----------------------------------------------------------------------------------------
+# pgs run --nproc 2 with [memory] offload_optimizer = true
+
+
+def _offload_spec(tmp_path, name: str):
+    """tests/integration/test_train_release.py's release spec (AdamW, grad_accum = 1, clip = 0,
+    6 steps, a checkpoint every 3, an export) with the state in host memory."""
+    from test_train_release import release_spec
+
+    spec = release_spec(tmp_path, name, export="true")
+    spec.write_text(spec.read_text() + "offload_optimizer = true\n")
+    return spec
+
+
+def _host_bytes(run_dir) -> tuple[int, int]:
+    from helpers import records
+
+    (event,) = [r for r in records(run_dir) if r.get("event") == "offload"]
+    return event["host_state_bytes"], event["processes"]
+
+
+@pytest.mark.slow
+def test_pgs_run_two_ranks_offloaded_equals_one_process_and_sigkill_resume_is_exact(tmp_path):
+    """``pgs run --nproc 2`` with the state in host memory: the final weights and the losses of
+    the same spec on one process (to the tolerance of tests/integration/test_train_distributed.py:
+    4 rows in one micro-batch there, 2 on each rank here, so the token sums of a gradient are
+    added in another order), each rank holding half the host state; killed (SIGKILL, both ranks,
+    after step 5) and resumed with ``--resume auto`` from step 3, it ends with the weights and
+    losses of the uninterrupted 2-rank run bit for bit."""
+    import subprocess
+
+    from helpers import ROOT, assert_same_weights, child_env, command, final_weights, launch, step_records
+    from pgs.runtime.loop.faults import Faults
+
+    one, two, cut = (_offload_spec(tmp_path, n) for n in ("one", "two", "cut"))
+    nproc = ("--nproc", "2")
+    procs = {"one": subprocess.Popen(command(one), cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True),
+             "two": subprocess.Popen(command(two, args=nproc), cwd=ROOT, env=child_env(PGS_PG_TIMEOUT_S=60),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)}
+    logs = {}
+    try:
+        for name, p in procs.items():
+            logs[name] = p.communicate(timeout=400)[0]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for name, p in procs.items():
+        assert p.returncode == 0, f"{name}:\n{logs[name][-4000:]}"
+    assert "optimizer state in host memory per process (2 processes, each its own shards)" in logs["two"]
+    assert_same_weights(final_weights(tmp_path / "one"), final_weights(tmp_path / "two"), "1 vs 2 ranks", atol=1e-6)
+    la, lb = step_records(tmp_path / "one"), step_records(tmp_path / "two")
+    assert [r["step"] for r in lb] == list(range(1, 7))
+    for ra, rb in zip(la, lb):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6) and rb["lr"] == ra["lr"]
+        assert rb["offload/fetches"] > 0 and rb["offload/unannounced"] == 0
+    (host_one, n_one), (host_two, n_two) = _host_bytes(tmp_path / "one"), _host_bytes(tmp_path / "two")
+    assert (n_one, n_two) == (1, 2)
+    assert 0.47 * host_one < host_two < 0.53 * host_one, (host_one, host_two)
+
+    first = launch(cut, timeout=400, args=nproc, PGS_PG_TIMEOUT_S=60, **Faults(crash_at=("step", 5)).env())
+    assert first.returncode != 0, (first.stdout + first.stderr)[-3000:]
+    assert (tmp_path / "cut" / "step_3" / "COMPLETE").exists() and not (tmp_path / "cut" / "step_6").exists()
+    resumed = launch(cut, "auto", timeout=400, args=nproc, PGS_PG_TIMEOUT_S=60)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert "resumed from" in resumed.stderr and "step_3" in resumed.stderr
+    assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "cut"), "resumed vs uninterrupted")
+    after = [r for r in step_records(tmp_path / "cut") if r["step"] > 3][-3:]
+    assert [(r["step"], r["loss"]) for r in after] == [(r["step"], r["loss"]) for r in lb[3:]]
