@@ -69,7 +69,22 @@ def test_offloaded_equals_on_device_sharded_release_and_one_process(offloaded, n
 
 @pytest.mark.parametrize("name", list(R.OFFLOAD_CHAINS))
 def test_each_rank_holds_half_the_host_state(offloaded, name):
+    """Each rank's host state is half of one process's (the numbers: docs/distributed.md), and
+    ``pgs profile``'s prediction for 2 ranks (``predict_memory(..., ranks=2)``) is what rank 0
+    holds: its host state, its device staging, and every rank's state for a checkpoint."""
+    from pgs.runtime.tools.profile import predict_memory
+
     _, _, host, ranks = offloaded
+    factory, tied = R.OFFLOAD_CHAINS[name]
+    model = H.tiny_model(tied)
+    pred = predict_memory(model.config, model=model, dtype=torch.float32, chain=factory(), gradient_release=True,
+                          offload_optimizer=True, micro_batch_tokens=32, ranks=2)
+    assert pred["host_state"] == ranks[0][name]["host_state_bytes"]
+    assert pred["optimizer_state"] == ranks[0][name]["staging_bytes"]
+    assert pred["state_total"] == sum(r[name]["host_state_bytes"] for r in ranks)
+    one = predict_memory(model.config, model=model, dtype=torch.float32, chain=factory(), gradient_release=True,
+                         offload_optimizer=True, micro_batch_tokens=32)
+    assert one["host_state"] == host[name] and "state_total" not in one
     for r in ranks:
         got = r[name]
         # each travelling leaf is padded to 64 bytes in the host buffer, on one process and on each rank
