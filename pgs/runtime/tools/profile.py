@@ -364,26 +364,17 @@ def predict_memory(
             sums (N·D·b each; N·D·8 more while summed in fp32), and the head's rebuilt chunk
             for the slab's columns (chunk × rows).
         mlp_tiles: the decoder MLPs computed in that many token slices (``activation_parts``).
-        compiled_layers: the decoder layers are ``torch.compile``d (``activation_parts``'s
-            ``compiled``: what inductor saves).
-        offload_optimizer: the state in pinned host memory, ``offload_slots`` staging buffers on
-            the device (None: as many as ``OffloadedRelease`` takes, ``offload.auto_slots``;
-            needs ``gradient_release``): adds ``host_state``
-            and ``pcie_per_step`` (bytes) to the result.
+        compiled_layers: the decoder layers are ``torch.compile``d (``activation_parts``' ``compiled``).
+        offload_optimizer: the state in pinned host memory, ``offload_slots`` staging buffers on the device
+            (None: as many as ``OffloadedRelease`` takes, ``offload.auto_slots``; needs
+            ``gradient_release``): adds ``host_state`` and ``pcie_per_step`` (bytes) to the result.
         frozen_weights, frozen_forward, frozen_held, sampling, scoring_pass: what the spec's
             objective adds (``objective_memory``): the weights of the frozen models it keeps on
             the device (a live reference, a teacher: ``frozen_models``), the working set of
             their no-grad forward and what it leaves for the loss (at the end of the policy's
             forward), the on-policy sampling phase (KV cache, prefill), and the reference
             cache's scoring pass before the first step (weights only, no state yet).
-        ranks: processes sharing the run with FSDP2 (``pgs run --nproc``): the chain's state is
-            sized as each rank holds it, ``chain.init`` of its shards (rank 0's, the largest:
-            ⌈rows/ranks⌉ rows of every parameter, fp32 for a low-precision model, whose FSDP2
-            masters are fp32), one state per FSDP unit under gradient release (a decoder layer;
-            the root: every parameter outside the layers), so ``optimizer_state`` and
-            ``host_state`` are one rank's (about 1/ranks of one process's) and ``state_total``
-            the state of every rank (a checkpoint holds it all).  The other categories are still
-            one unsharded process's (an upper bound under FSDP2).
+        ranks: FSDP2 processes: the state is one rank's, ``state_total`` all ranks' (``sharded_state_bytes``).
 
     Example::
 
@@ -391,7 +382,6 @@ def predict_memory(
                        chain=pf.lion8bit(1e-5), gradient_release=True,
                        activation_checkpointing="full", micro_batch_tokens=4096)
     """
-
     cfg = _hf_config(model_config)
     if vocab is not None:
         cfg.vocab_size = int(vocab)
@@ -421,8 +411,7 @@ def predict_memory(
                         sampling=int(sampling), scoring_pass=int(scoring_pass))
     if binder["host_state"] is not None:
         out.update(host_state=binder["host_state"], pcie_per_step=2 * binder["host_state"])
-    if ranks > 1:
-        out.update(ranks=int(ranks), state_total=binder["state_total"])
+    out.update(binder["sharded"])  # ranks > 1: ``ranks`` and ``state_total`` (every rank's state)
     if checkpoint_offload:
         out["host_inputs"] = offloaded_input_bytes(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
                                                    every=checkpoint_every)
@@ -452,7 +441,7 @@ def binder_memory(model, params: dict, *, chain, state_bytes_per_param, gradient
     else:
         state, host_state = _state_bytes(params, groups, chain, state_bytes_per_param, master_weights,
                                          offload_optimizer, offload_slots)
-        state_total = state if host_state is None else host_state
+        state_total = None
     group_bytes = {g: sum(params[n].numel() * params[n].element_size() for n in names) for g, names in groups.items()}
     embed = model.get_input_embeddings()
     embed_names = {n for n, p in model.named_parameters() if embed is not None and p is embed.weight}
@@ -472,7 +461,8 @@ def binder_memory(model, params: dict, *, chain, state_bytes_per_param, gradient
     temporaries = 2 * 4 * biggest
     if gradient_release and fused_update:
         temporaries = 4 * biggest if master_weights == "fp32" else 0
-    return {"master_weights": master, "optimizer_state": state, "host_state": host_state, "state_total": state_total,
+    return {"master_weights": master, "optimizer_state": state, "host_state": host_state,
+            "sharded": {"ranks": ranks, "state_total": state_total} if ranks > 1 else {},
             "gradients": max(group_bytes.values(), default=0), "temporaries": temporaries, "groups": groups,
             "group_bytes": group_bytes, "embed_names": embed_names, "slab_names": slab_names}
 
