@@ -2,7 +2,8 @@
 
 Not a test module.  Started as ``python tests/integration/fsdp_release_harness.py release OUT`` once
 per rank with torchrun's environment; reuses the loop and the data of tests/integration/fsdp_harness.py.
-Scenario ``offload``: the state in host memory per rank (tests/integration/test_fsdp_offload.py).
+Scenario ``offload``: the state in host memory per rank (tests/integration/test_fsdp_offload.py;
+``cuda_offload``: the same on one GPU over NCCL).
 Scenario ``cuda``: one rank on one GPU over NCCL (tests/integration/test_fsdp_release.py's CUDA test).
 """
 
@@ -139,13 +140,13 @@ OFFLOAD_CHAINS = {
 }
 
 
-def build_offload(name: str, ctx, *, offload: bool):
+def build_offload(name: str, ctx, *, offload: bool, mixed_precision: str | None = None):
     """The sharded tiny model and its release: the state in host memory (``offload``) or on the device."""
     from pgs.runtime.optim.sharded_offload import ShardedOffloadedRelease
     from pgs.runtime.optim.sharded_release import ShardedGradientRelease
 
     factory, tied = OFFLOAD_CHAINS[name]
-    model = D.shard_model(H.tiny_model(tied).to(ctx.device), ctx.mesh)
+    model = D.shard_model(H.tiny_model(tied).to(ctx.device), ctx.mesh, mixed_precision=mixed_precision)
     return model, (ShardedOffloadedRelease if offload else ShardedGradientRelease)(factory(), model)
 
 
@@ -199,6 +200,38 @@ def scenario_offload(ctx, out: str) -> dict:
     return report
 
 
+def scenario_cuda_offload(ctx, out: str) -> dict:
+    """One GPU, NCCL, one rank: the offloaded sharded release's copies on side streams, ordered
+    by events against FSDP2's reduce-scatter stream (where its hooks run), fp32 and bf16 mixed
+    precision: weights and state against the on-device sharded release, and a DCP resume."""
+    report: dict = {"backend": ctx.backend, "device": str(ctx.device)}
+    for name in OFFLOAD_CHAINS:
+        for mp in (None, "bf16"):
+            model, opt = build_offload(name, ctx, offload=True, mixed_precision=mp)
+            info: dict = {}
+            train(model, opt, ctx, 1, STEPS, info)
+            model_b, opt_b = build_offload(name, ctx, offload=False, mixed_precision=mp)
+            train(model_b, opt_b, ctx, 1, STEPS)
+            torch.cuda.synchronize()
+            got = H.full_params(model)
+            model2, opt2 = build_offload(name, ctx, offload=True, mixed_precision=mp)
+            train(model2, opt2, ctx, 1, 5)
+            run_dir = os.path.join(out, f"cuda_offload_{name}_{mp or 'fp32'}")
+            dcp.save(run_dir, 5, model=model2, optimizer=opt2, trainer={"next_step": 6})
+            model3, opt3 = build_offload(name, ctx, offload=True, mixed_precision=mp)
+            trainer = dcp.load(dcp.latest(run_dir), model=model3, optimizer=opt3)
+            train(model3, opt3, ctx, trainer["next_step"], STEPS)
+            torch.cuda.synchronize()
+            report[f"{name}_{mp or 'fp32'}"] = {
+                "max_abs_diff": _max_diff(got, H.full_params(model_b)), "state_equal": _same_states(opt, opt_b),
+                "resume_max_abs_diff": _max_diff(got, H.full_params(model3)),
+                "resume_state_equal": _same_states(opt, opt3), "grads_left": info["grads_left"],
+                "page_locked": opt.stager.page_locked, "unannounced": opt.stager.unannounced,
+                "finite": all(bool(torch.isfinite(v).all()) for v in got.values()),
+            }
+    return report
+
+
 def scenario_cuda(ctx, out: str) -> dict:
     """One GPU, NCCL, one rank (``D.init(single=True)``): FSDP2's reduce-scatter and the
     release's steps on CUDA streams.  For AdamW (tied) and Lion (untied), fp32 and bf16 mixed
@@ -241,8 +274,9 @@ def scenario_cuda(ctx, out: str) -> dict:
 def main(argv: list[str]) -> int:
     name, out = argv[0], argv[1]
     torch.set_num_threads(1)
-    ctx = D.init(single=name == "cuda")
-    result = {"release": scenario_release, "offload": scenario_offload, "cuda": scenario_cuda}[name](ctx, out)
+    ctx = D.init(single=name.startswith("cuda"))
+    result = {"release": scenario_release, "offload": scenario_offload, "cuda": scenario_cuda,
+              "cuda_offload": scenario_cuda_offload}[name](ctx, out)
     result.update(rank=ctx.rank, world=ctx.world_size)
     with open(os.path.join(out, f"result_{name}_rank{ctx.rank}.json"), "w") as handle:
         json.dump(result, handle)

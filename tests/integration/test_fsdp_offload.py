@@ -102,6 +102,28 @@ def test_dcp_resume_bit_exact_into_offloaded_and_on_device(offloaded):
 
 
 # ----------------------------------------------------------------------------------------
+# one GPU: NCCL, FSDP2's reduce-scatter stream, the staging's side streams
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_over_nccl_on_one_gpu_equals_on_device(tmp_path):
+    """One rank over NCCL (a group and a mesh of one: the path of several): the offloaded sharded
+    release equals the on-device one bit for bit, fp32 and bf16 mixed precision, for every chain
+    of the CPU test, with pinned host memory and a DCP resume bit-exact."""
+    procs = start("cuda_offload", tmp_path, world=1)
+    assert finish(procs, tmp_path) == [0], _logs(tmp_path)
+    (r,) = results(tmp_path, "cuda_offload", world=1)
+    assert r["backend"] == "nccl" and r["device"].startswith("cuda")
+    for name in R.OFFLOAD_CHAINS:
+        for mp in ("fp32", "bf16"):
+            got = r[f"{name}_{mp}"]
+            assert got["max_abs_diff"] == 0.0 and got["state_equal"], (name, mp, got)
+            assert got["resume_max_abs_diff"] == 0.0 and got["resume_state_equal"], (name, mp, got)
+            assert got["page_locked"] and got["finite"] and got["grads_left"] == 0, (name, mp, got)
+
+
+# ----------------------------------------------------------------------------------------
 # pgs run --nproc 2 with [memory] offload_optimizer = true
 
 
