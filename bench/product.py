@@ -75,10 +75,9 @@ SMALL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "m
 #: sharded run refuses or that size the one-GPU run only (docs/distributed.md, "The multi-GPU
 #: bench").  A ``--set`` of the same key wins.
 MULTI_PROCESS = [
-    # the row-slab step of the tied weight runs on one process (make_optimizer refuses it)
+    # the row-slab step of the tied weight runs on one process (make_optimizer refuses it: under
+    # FSDP2 the embedding's whole gradient is reduce-scattered anyway)
     "memory.tied_slabs=0",
-    # refused: with several processes each one already holds only its shard of the state
-    "memory.offload_optimizer=false",
     # the 12.5 GiB cap is the one-GPU budget (bf16 weights, no masters); FSDP2 keeps fp32 sharded
     # masters (4 B/param / N) and the root unit gathered, more than that at N = 2 by estimate
     "memory.device_limit_gib=0",

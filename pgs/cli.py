@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(p)
     p.add_argument("--records", type=_non_negative_int, default=200, metavar="N",
                    help="records read from each data file (default 200; 0 reads every record)")
+    p.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
+                   help="check for pgs run --nproc N: its refusals, and one process's share of the memory")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("report", help="plots and a summary table of a run's metrics.jsonl",
@@ -135,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("spec", metavar="SPEC", help="the spec file (.toml)")
     _add_set(p)
     p.add_argument("--measure", action="store_true", help="run a few real steps instead of estimating")
+    p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
+                   help="estimate one of N processes of pgs run --nproc N (its share of the batch, its shards' "
+                        "optimizer state)")
     p.set_defaults(func=cmd_profile)
     return parser
 
@@ -335,7 +340,7 @@ def cmd_supervise(args) -> int:
 def cmd_validate(args) -> int:
     from pgs.runtime.tools.validate import validate
 
-    return validate(_load(args), records=args.records)
+    return validate(_load(args), records=args.records, processes=args.nproc)
 
 
 def cmd_report(args) -> int:
@@ -354,7 +359,11 @@ def cmd_data_inspect(args) -> int:
 def cmd_profile(args) -> int:
     from pgs.runtime.tools.profile import profile
 
-    return int(profile(_load(args), measure=args.measure, spec_path=os.path.abspath(args.spec)) or 0)
+    if args.measure and args.nproc > 1:
+        raise SpecError(f"--measure runs the step on one process; drop --nproc {args.nproc} (the estimate "
+                        "without --measure is one of N processes)")
+    return int(profile(_load(args), measure=args.measure, spec_path=os.path.abspath(args.spec), ranks=args.nproc)
+               or 0)
 
 
 def cmd_prepare(args) -> int:

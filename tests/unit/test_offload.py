@@ -1,6 +1,7 @@
 """``memory.offload_optimizer``: the release's chain state in host memory, streamed through device
 staging slots inside backward, equals the on-device release bit for bit; checkpoints are the
-same and a resume is exact; refused without gradient release and with several processes.
+same and a resume is exact; refused without gradient release (with several processes it is
+``ShardedOffloadedRelease``: tests/integration/test_fsdp_offload.py).
 
 On the CPU the "device" and the host coincide, but the staging path runs all the same: the
 state lives in each group's host buffer, is copied into a staging slot, stepped there and
@@ -16,9 +17,10 @@ import torch
 
 import pgs.func as pf
 from helpers import CountingReader
-from pgs.errors import SpecError
+from pgs.errors import InvalidArgument, SpecError
 from pgs.func import tree as T
 from pgs.runtime.optim import Optimizer, StepMetrics, make_optimizer
+from pgs.runtime.optim.memory import single_process_refusal
 from pgs.runtime.optim.offload import OffloadedRelease, StateStager, auto_slots, slot_size
 from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.spec.sections import MemorySpec
@@ -395,8 +397,13 @@ def test_refusals():
     m = tiny_model()
     with pytest.raises(SpecError, match="offload_optimizer.*gradient_release = true"):
         make_optimizer(CHAINS["lion8bit"](), m, _memory(offload_optimizer=True))
-    with pytest.raises(SpecError, match="offload_optimizer.*one process"):
+    # several processes: the sharded offloaded release (it needs the FSDP2-sharded model; the runs
+    # are tests/integration/test_fsdp_offload.py's); tied slabs are refused there, with the reason
+    with pytest.raises(InvalidArgument, match="ShardedGradientRelease: the model is not sharded"):
         make_optimizer(CHAINS["lion8bit"](), m, _memory(offload_optimizer=True, gradient_release=True), sharded=True)
+    assert single_process_refusal(_memory(offload_optimizer=True, gradient_release=True)) is None
+    why = single_process_refusal(_memory(tied_slabs=8, gradient_release=True))
+    assert why.startswith("memory.tied_slabs: with several processes FSDP2 reduce-scatters the embedding's whole")
     rel = make_optimizer(CHAINS["lion8bit"](), m, _memory(offload_optimizer=True, gradient_release=True))
     assert type(rel) is OffloadedRelease and isinstance(rel, Optimizer) and rel.in_backward
     assert isinstance(rel.metrics(), StepMetrics) and rel.state_bytes() > 0
@@ -692,3 +699,25 @@ def test_state_views_write_the_same_file(tmp_path, cls):
     if cls is OffloadedRelease:  # no copies: the travelling leaves are views of the pinned host buffer
         whole = rel.stager._whole.untyped_storage().data_ptr()
         assert any(v.untyped_storage().data_ptr() == whole for v in views.values())
+
+
+def test_nproc_of_validate_and_profile(tmp_path, capsys):
+    """``pgs validate --nproc 2`` refuses what ``pgs run --nproc 2`` refuses (tied slabs, with the
+    reason), one line and exit 2; ``pgs profile --measure`` measures one process, so ``--nproc 2``
+    beside it is refused; the estimate for 2 processes prints the host state per process."""
+    from helpers import cli_error, tiny_spec
+
+    spec = tiny_spec(tmp_path, "s", steps=4)
+    text = spec.read_text().replace("grad_accum = 2", "grad_accum = 1").replace('alias = "adamw"',
+                                                                                'alias = "adamw"\nclip = 0')
+    spec.write_text(text + "\n[memory]\ngradient_release = true\ntied_slabs = 8\n")
+    code, line = cli_error(["validate", str(spec), "--nproc", "2"], capsys)
+    assert code == 2 and "memory.tied_slabs: with several processes FSDP2 reduce-scatters" in line
+    code, line = cli_error(["profile", str(spec), "--measure", "--nproc", "2"], capsys)
+    assert code == 2 and "--measure runs the step on one process; drop --nproc 2" in line
+    spec.write_text(text + "\n[memory]\ngradient_release = true\noffload_optimizer = true\n")
+    from pgs.cli import main
+
+    assert main(["profile", str(spec), "--nproc", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # (the console wraps the title)
+    assert "one of 2 processes" in out and "offload_optimizer, per process of 2" in out

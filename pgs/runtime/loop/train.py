@@ -590,10 +590,12 @@ def _open_log(r: Run, folder: str | None, changed: str | None = None) -> None:
     offload = getattr(r.bound, "offload_stats", None)
     if offload is not None:  # memory.offload_optimizer: what lives where, and the PCIe traffic it costs
         o = offload()
-        r.log.say(f"pgs: optimizer state in host memory: {o['host_state_bytes'] / 2**30:.2f} GiB pinned, "
+        ranks = r.ctx.world_size if r.ctx is not None else 1  # with several, each holds its own shards' state
+        each = f" per process ({ranks} processes, each its own shards)" if ranks > 1 else ""
+        r.log.say(f"pgs: optimizer state in host memory{each}: {o['host_state_bytes'] / 2**30:.2f} GiB pinned, "
                   f"{o['staging_bytes'] / 2**30:.2f} GiB of device staging, "
                   f"{o['pcie_bytes_per_step'] / 2**30:.2f} GiB over PCIe per step")
-        r.log.write({"step": r.step, "event": "offload", **{k: o[k] for k in
+        r.log.write({"step": r.step, "event": "offload", "processes": ranks, **{k: o[k] for k in
                      ("host_state_bytes", "staging_bytes", "pcie_bytes_per_step")}})
 
 

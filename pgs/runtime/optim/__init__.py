@@ -10,7 +10,8 @@ from pgs.runtime.optim.make import make_optimizer
 from pgs.runtime.optim.offload import OffloadedRelease
 from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.optim.sharded_bind import ShardedBoundOptimizer, bind_sharded
+from pgs.runtime.optim.sharded_offload import ShardedOffloadedRelease
 from pgs.runtime.optim.sharded_release import ShardedGradientRelease
 
 __all__ = ["BoundOptimizer", "GradientRelease", "OffloadedRelease", "Optimizer", "ShardedBoundOptimizer",
-           "ShardedGradientRelease", "StepMetrics", "bind", "bind_sharded", "make_optimizer"]
+           "ShardedGradientRelease", "ShardedOffloadedRelease", "StepMetrics", "bind", "bind_sharded", "make_optimizer"]

@@ -105,7 +105,8 @@ class MemorySpec:
     computes each decoder layer's gated MLP in that many token slices, forward and backward
     (``pgs.runtime.model.tiled_mlp``): the MLP's [tokens, intermediate] tensors never exist whole.
     ``offload_optimizer`` keeps each release group's chain state in pinned host memory and streams
-    it through device staging slots inside backward (``pgs.runtime.optim.offload``; gradient release, one process).
+    it through device staging slots inside backward (``pgs.runtime.optim.offload``; gradient release; with
+    several processes each rank streams its own shards' state, ``pgs.runtime.optim.sharded_offload``).
     ``device_limit_gib`` (0: none) caps what CUDA's caching allocator may reserve on the device,
     as on a card of that size: past the cap it returns its cached free blocks to the driver
     and retries instead of reserving more, and a step that needs more than the cap fails as

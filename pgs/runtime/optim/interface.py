@@ -18,7 +18,9 @@ binder                            when the chain runs          parameters
 ================================  ==========================  ============================
 
 ``OffloadedRelease`` (offload.py) is ``GradientRelease`` with each group's state in host memory,
-streamed through the device inside backward (``memory.offload_optimizer``).
+streamed through the device inside backward (``memory.offload_optimizer``);
+``ShardedOffloadedRelease`` (sharded_offload.py) is ``ShardedGradientRelease`` with each unit's
+state of this rank's shards streamed alike.
 
 :func:`pgs.runtime.optim.make.make_optimizer` is the only place that chooses among them, from
 ``[memory]``, ``[optimizer]`` and the process layout; ``pgs.runtime.loop.train`` and ``pgs

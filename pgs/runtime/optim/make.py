@@ -13,6 +13,7 @@ from pgs.runtime.optim.memory import MemoryOptions, single_process_refusal
 from pgs.runtime.optim.offload import OffloadedRelease
 from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.optim.sharded_bind import ShardedBoundOptimizer
+from pgs.runtime.optim.sharded_offload import ShardedOffloadedRelease
 from pgs.runtime.optim.sharded_release import ShardedGradientRelease
 
 
@@ -29,8 +30,10 @@ def make_optimizer(chain: pf.Transform, model: torch.nn.Module, memory, *, shard
     true                   ``GradientRelease``      ``ShardedGradientRelease``
     =====================  ======================  ==========================
 
-    ``memory.offload_optimizer`` (gradient release on one process) takes ``OffloadedRelease``:
-    the release with each group's state in pinned host memory (pgs/runtime/optim/offload.py).
+    ``memory.offload_optimizer`` (gradient release) takes ``OffloadedRelease`` on one process:
+    the release with each group's state in pinned host memory (pgs/runtime/optim/offload.py);
+    ``ShardedOffloadedRelease`` on several, each rank's shards' state in its host memory, one
+    FSDP unit at a time (pgs/runtime/optim/sharded_offload.py).
     """
     options = MemoryOptions.of(memory)  # the [memory] rules checked once (MemorySpec.refusal)
     if sharded:
@@ -43,8 +46,8 @@ def make_optimizer(chain: pf.Transform, model: torch.nn.Module, memory, *, shard
         if options.gradient_release:
             # each FSDP unit's chain runs right after its reduce-scatter, inside backward; a bf16
             # model already has fp32 sharded masters (mixed precision), so master_weights adds nothing
-            return ShardedGradientRelease(chain, model, stochastic_rounding=options.stochastic_rounding,
-                                          grad_accum=grad_accum)
+            binder = ShardedOffloadedRelease if options.offload_optimizer else ShardedGradientRelease
+            return binder(chain, model, stochastic_rounding=options.stochastic_rounding, grad_accum=grad_accum)
         return ShardedBoundOptimizer(chain, model, stochastic_rounding=options.stochastic_rounding)
     if options.gradient_release:
         binder = OffloadedRelease if options.offload_optimizer else GradientRelease

@@ -18,12 +18,10 @@ from pgs.runtime.optim.config import checkpoint_offload, head_grad_wanted  # noq
 def single_process_refusal(memory) -> str | None:
     """Why ``[memory]`` cannot run on several processes (None: it can).  Checked by ``pgs run
     --nproc`` before it launches (pgs/runtime/dist/launch.py) and by each rank in ``make_optimizer``."""
-    if memory.offload_optimizer:
-        return ("memory.offload_optimizer: runs on one process (each process already holds only its "
-                "shard of the state with several); set offload_optimizer = false or run one process")
     if memory.tied_slabs:
-        return ("memory.tied_slabs: the row-slab step of the tied weight runs on one process; "
-                "set tied_slabs = 0 with several processes")
+        return ("memory.tied_slabs: with several processes FSDP2 reduce-scatters the embedding's whole V×D "
+                "gradient (every rank builds it, then keeps its V/N rows), so row slabs cannot avoid it; "
+                "set tied_slabs = 0 (each rank already steps only its own rows; docs/distributed.md)")
     return None
 
 
@@ -35,7 +33,8 @@ class MemoryOptions:
         gradient_release: the chain runs inside backward (``GradientRelease`` and kin).
         stochastic_rounding: bf16 parameters are rounded stochastically in the update.
         master_weights: None, or ``"fp32"``: fp32 masters of low-precision parameters (release).
-        tied_slabs: rows per slab of the tied embedding's step (0: off; release, one process).
+        tied_slabs: rows per slab of the tied embedding's step (0: off; release, one process:
+            ``single_process_refusal`` says why not with several).
         release_groups: what steps together inside backward (``"layer"``, ``"sublayer"``, ``"parameter"``).
         offload_optimizer: the release state lives in pinned host memory (``OffloadedRelease``).
         defer_head_grad: ``memory.defer_head_grad`` with ``"auto"`` resolved.

@@ -46,7 +46,9 @@ A group that arrives unannounced is fetched at once (correct, not overlapped).
 On a CPU-only machine the "device" and the host are both host memory: the same staging,
 views and write-back run with synchronous copies (how the CPU tests exercise the logic).
 
-Refused (spec error, ``make_optimizer``): without gradient release; with several processes.
+Refused (spec error, ``make_optimizer``): without gradient release.  With several processes
+(FSDP2) ``ShardedOffloadedRelease`` (pgs/runtime/optim/sharded_offload.py) streams each rank's
+own shards' state the same way, one FSDP unit at a time.
 """
 
 from __future__ import annotations
@@ -261,6 +263,11 @@ class StateStager:
     def _big(self, group: str) -> bool:
         return self.layouts[group].nbytes > self.slot_bytes
 
+    def forget(self, group: str) -> None:
+        """Drop ``group``'s staged copy (its host buffer was written: a resume)."""
+        self.synchronize()
+        self._evict(group)
+
     def _evict(self, group: str) -> None:
         """Forget a staged group that no step is using (its copy is dropped, the host has it)."""
         for s in self.slots:
@@ -464,19 +471,33 @@ class StateStager:
         return home
 
 
-class OffloadedRelease(GradientRelease):
-    """``GradientRelease`` with each group's chain state in host memory, streamed through
-    ``slots`` device staging buffers inside backward.  See the module docstring.
+def stager_for(chain, groups, tensors, slots: int | None, **hooks) -> StateStager:
+    """The ``StateStager`` of a release's ``groups`` (``tensors(group)``: the tensors its state
+    is made for): each group's state made on the device and moved to the host before the next
+    one's is made (the whole state never exists on the device); the buffers sized from a meta
+    init; ``slots`` None: ``auto_slots`` of the groups' state sizes.  ``hooks``: ``chain.init``'s
+    keyword arguments (the sharded step context)."""
+    shapes = {g: chain.init({n: torch.empty_like(t, device="meta") for n, t in tensors(g).items()}, **hooks)
+              for g in groups}
+    if slots is None:
+        slots = auto_slots([StateLayout(s).nbytes for s in shapes.values()])
+    return StateStager(shapes, ((g, chain.init(tensors(g), **hooks)) for g in groups), slots=slots)
 
-    Takes ``GradientRelease``'s arguments, plus ``slots`` (staging slots, ``slot_size`` each;
-    None: ``auto_slots`` of the groups' state sizes; 2: one group steps while the next one's
-    state arrives).
-    """
 
-    def __init__(self, chain, model, *, slots: int | None = None, **kw):
-        self._slots = slots
-        super().__init__(chain, model, **kw)
-        self._set_order(list(reversed(list(self.groups))))  # first guess: backward runs the layers in reverse
+class StreamedStates:
+    """What the offloaded releases share (``OffloadedRelease`` here, ``ShardedOffloadedRelease``
+    in pgs/runtime/optim/sharded_offload.py): the order the groups' states are fetched in,
+    learned from the backward before, and the fetch, step, write-back of one group.
+
+    The class using it has ``stager`` (a ``StateStager``), ``states`` (``{group: state}``) and
+    calls ``_start_streaming(groups)`` once, ``_stream_begin()`` when a backward starts,
+    ``_stream_step(group, step)`` for each group's step and ``_stream_end(groups)`` when the
+    backward is over (its result: what the step record logs, ``offload/…``)."""
+
+    stager: StateStager
+
+    def _start_streaming(self, groups: list[str]) -> None:
+        self._set_order(list(reversed(groups)))  # first guess: backward runs the layers in reverse
         self._seen: list[str] = []
         self._counted = (0, 0)  # the stager's (fetches, unannounced) at the end of the last step
         self._stager_s = 0.0  # host seconds in the stager's calls since the last step's end
@@ -484,18 +505,6 @@ class OffloadedRelease(GradientRelease):
     def _set_order(self, order: list[str]) -> None:
         self._order = order
         self._position = {g: i for i, g in enumerate(order)}  # (a list search per group step otherwise)
-
-    def _init_states(self) -> dict:
-        """Each group's state made on the device and moved to the host before the next one's is
-        made (the whole state never exists on the device); the buffers sized from a meta init."""
-        shapes = {g: self.chain.init({n: torch.empty_like(t, device="meta") for n, t in
-                                      self._group_tensors(g)[0].items()}) for g in self.groups}
-        slots = self._slots
-        if slots is None:
-            slots = auto_slots([StateLayout(s).nbytes for s in shapes.values()])
-        self.stager = StateStager(shapes, ((g, self.chain.init(self._group_tensors(g)[0])) for g in self.groups),
-                                  slots=slots)
-        return {g: self.stager.home(g) for g in self.groups}
 
     def _expected_after(self, group: str | None) -> list[str]:
         """The next groups backward should complete after ``group`` (the first ones for None)."""
@@ -507,25 +516,22 @@ class OffloadedRelease(GradientRelease):
             return []
         return self._order[i + 1:i + n]
 
-    def _begin(self) -> None:
-        super()._begin()
+    def _stream_begin(self) -> None:
         self._seen = []
         for g in self._expected_after(None):
             self.stager.prefetch(g)
 
-    @torch.no_grad()
-    def _step_group(self, group: str) -> None:
+    def _stream_step(self, group: str, step, *, wait: bool = True) -> None:
+        """``step(group)`` on ``group``'s state fetched to the device (``states[group]``: views
+        of its staging slots; ``wait=False``: the step orders its reads by ``state_ready``), then
+        written back to the host; the next groups' fetches started around it."""
         t = time.perf_counter()
-        # the weight stepped in row slabs (tied_slabs) reads its state a slab at a time: each slab
-        # waits for the shares holding its rows (state_ready), so the first slabs step while the
-        # last share of a state larger than a slot is still being copied
-        slabbed = self._slab_name is not None and self.groups[group] == [self._slab_name]
-        self.states[group] = self.stager.acquire(group, wait=not slabbed)
+        self.states[group] = self.stager.acquire(group, wait=wait)
         for g in self._expected_after(group):
             self.stager.prefetch(g)
         t1 = time.perf_counter()
         try:
-            super()._step_group(group)
+            step(group)
         finally:
             t2 = time.perf_counter()
             self.states[group] = self.stager.release(group, self.states[group])
@@ -556,27 +562,73 @@ class OffloadedRelease(GradientRelease):
         stream waits for the fetch of the shares that hold it."""
         self.stager.wait_for(group, T.leaves(part))
 
+    def _stream_end(self, groups) -> dict[str, float]:
+        """After a backward: the order it completed the groups in kept for the next one, whose
+        first groups are fetched now (during its forward); what the step record logs beside
+        release/host_ms: fetches started during this step (the next step's first ones
+        included), how many groups arrived unannounced (fetched on demand: the compute stream
+        waited for the whole copy), and the host's time in the stager (fetch, acquire,
+        write-back: Python, events, copies queued)."""
+        t = time.perf_counter()
+        if sorted(self._seen) == sorted(groups):
+            self._set_order(list(self._seen))
+        self._rotate(0)
+        for i, g in enumerate(self._expected_after(None)):  # the next step's first groups, during its forward
+            self.stager.prefetch(g, evict=i == 0)  # (a staged group that this step never used makes room)
+        self._stager_s += time.perf_counter() - t
+        s = self.stager
+        extras = {"offload/fetches": s.fetches - self._counted[0],
+                  "offload/unannounced": s.unannounced - self._counted[1], "offload/host_ms": self._stager_s * 1e3}
+        self._counted = (s.fetches, s.unannounced)
+        self._stager_s = 0.0
+        return extras
+
+    def offload_stats(self) -> dict:
+        """Host bytes of the state, device staging bytes, PCIe bytes moved so far and per step
+        (this process's: with several, each holds and moves its own shards' state)."""
+        s = self.stager
+        return {"host_state_bytes": s.host_bytes(), "staging_bytes": s.staging_bytes(),
+                "pcie_bytes_per_step": s.bytes_per_step(), "h2d_bytes": s.h2d_bytes, "d2h_bytes": s.d2h_bytes,
+                "fetches": s.fetches, "unannounced_fetches": s.unannounced}
+
+
+class OffloadedRelease(StreamedStates, GradientRelease):
+    """``GradientRelease`` with each group's chain state in host memory, streamed through
+    ``slots`` device staging buffers inside backward.  See the module docstring.
+
+    Takes ``GradientRelease``'s arguments, plus ``slots`` (staging slots, ``slot_size`` each;
+    None: ``auto_slots`` of the groups' state sizes; 2: one group steps while the next one's
+    state arrives).
+    """
+
+    def __init__(self, chain, model, *, slots: int | None = None, **kw):
+        self._slots = slots
+        super().__init__(chain, model, **kw)
+        self._start_streaming(list(self.groups))
+
+    def _init_states(self) -> dict:
+        """Each group's state made on the device and moved to the host before the next one's is
+        made (``stager_for``)."""
+        self.stager = stager_for(self.chain, self.groups, lambda g: self._group_tensors(g)[0], self._slots)
+        return {g: self.stager.home(g) for g in self.groups}
+
+    def _begin(self) -> None:
+        super()._begin()
+        self._stream_begin()
+
+    @torch.no_grad()
+    def _step_group(self, group: str) -> None:
+        # the weight stepped in row slabs (tied_slabs) reads its state a slab at a time: each slab
+        # waits for the shares holding its rows (state_ready), so the first slabs step while the
+        # last share of a state larger than a slot is still being copied
+        slabbed = self._slab_name is not None and self.groups[group] == [self._slab_name]
+        self._stream_step(group, super()._step_group, wait=not slabbed)
+
     def finish(self) -> None:
         active = self._arrivals.active
         super().finish()
         if active:
-            t = time.perf_counter()
-            if sorted(self._seen) == sorted(self.groups):
-                self._set_order(list(self._seen))
-            self._rotate(0)
-            for i, g in enumerate(self._expected_after(None)):  # the next step's first groups, during its forward
-                self.stager.prefetch(g, evict=i == 0)  # (a staged group that this step never used makes room)
-            self._stager_s += time.perf_counter() - t
-            s = self.stager
-            # what the step record logs beside release/host_ms: fetches started during this step
-            # (the next step's first ones included), how many groups arrived unannounced (fetched
-            # on demand: the compute stream waited for the whole copy), and the host's time in
-            # the stager (fetch, acquire, write-back: Python, events, copies queued)
-            self.step_extras = {**self.step_extras, "offload/fetches": s.fetches - self._counted[0],
-                                "offload/unannounced": s.unannounced - self._counted[1],
-                                "offload/host_ms": self._stager_s * 1e3}
-            self._counted = (s.fetches, s.unannounced)
-            self._stager_s = 0.0
+            self.step_extras = {**self.step_extras, **self._stream_end(self.groups)}
 
     def state_dict(self, device=None, copy: bool = True):
         """As ``GradientRelease.state_dict``, once every copy is done; ``copy=False``: views of
@@ -602,10 +654,3 @@ class OffloadedRelease(GradientRelease):
         leaves, spec = T.flatten(self.states[g])
         loaded = [x if x is None else next(pairs)[1].to(x.device) for x in leaves]
         self.states[g] = self.stager.load(g, T.unflatten(loaded, spec))
-
-    def offload_stats(self) -> dict:
-        """Host bytes of the state, device staging bytes, PCIe bytes moved so far and per step."""
-        s = self.stager
-        return {"host_state_bytes": s.host_bytes(), "staging_bytes": s.staging_bytes(),
-                "pcie_bytes_per_step": s.bytes_per_step(), "h2d_bytes": s.h2d_bytes, "d2h_bytes": s.d2h_bytes,
-                "fetches": s.fetches, "unannounced_fetches": s.unannounced}

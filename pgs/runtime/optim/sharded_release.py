@@ -148,7 +148,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         self.units = fsdp_units(model, list(params))
         self._unit_of = {n: u for u, names in self.units.items() for n in names}
         with torch.no_grad():
-            self.states = {u: chain.init(self._unit_params(u), **self.hooks()) for u in self.units}
+            self.states = self._init_states()
         self.steps = 0  # completed optimizer steps (backward passes)
         self._finishing = False
         self._streamed = 0
@@ -171,6 +171,10 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
     @state.setter
     def state(self, value):
         self.states = value
+
+    def _init_states(self) -> dict:
+        """Every unit's chain state, ``chain.init`` of its local shards."""
+        return {u: self.chain.init(self._unit_params(u), **self.hooks()) for u in self.units}
 
     # -- the hooks --------------------------------------------------------------------------
     def _begin(self) -> None:

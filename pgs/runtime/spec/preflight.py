@@ -471,15 +471,25 @@ def _check_eval(spec, tokenizer, records: int) -> int:
     return count
 
 
-def check_resources(spec, records: int = 200) -> dict:
+def check_resources(spec, records: int = 200, processes: int | None = None) -> dict:
     """What ``pgs validate`` checks beyond the spec itself; returns facts for its summary.
 
     :func:`preflight_spec` (the same checks ``pgs run`` makes), then packing isolation and the
     first ``records`` records of every data file through the data pipeline.  Problems raise
     ``SpecError`` or ``DataError``; ``facts["warnings"]`` holds what is worth saying but not fatal.
+    ``processes``: ``pgs validate --nproc N`` (None: not given): what ``pgs run --nproc N`` refuses
+    before it launches is refused here too, and the memory figures are one process's share.
     """
 
-    found = preflight_spec(spec, count_parameters=True)
+    if processes is not None and processes > 1:
+        from pgs.runtime.optim.memory import single_process_refusal
+        from pgs.runtime.spec.load import check_world_size
+
+        check_world_size(spec.train, processes, spec.parallel.context)
+        why = single_process_refusal(spec.memory)
+        if why:
+            raise SpecError(why)
+    found = preflight_spec(spec, count_parameters=True, processes=processes)
     tokenizer, config = found.tokenizer, found.config
     facts: dict = {"warnings": list(found.warnings)}
     facts["tokenizer"] = f"{len(tokenizer)} tokens"
@@ -501,9 +511,14 @@ def check_resources(spec, records: int = 200) -> dict:
     facts["chain"] = found.chain
     if found.prediction is not None:
         limit = spec.memory.device_limit_gib
+        memory = found.prediction.memory
+        ranks = memory.get("ranks", 1)
+        host = memory.get("host_state")
         facts["memory"] = (f"predicted peak {found.prediction.peak / 2**30:.2f} GiB per process (pgs profile; "
                            "a lower bound)" + (f", allocator capped at {limit:g} GiB (memory.device_limit_gib)"
-                                               if limit else ""))
+                                               if limit else "")
+                           + (f"; optimizer state in host memory {host / 2**30:.2f} GiB per process"
+                              + (f" (its shards, one of {ranks})" if ranks > 1 else "") if host is not None else ""))
     if found.distill is not None:
         facts["distill"] = found.distill
     if spec.preference is not None:

@@ -77,7 +77,7 @@ from pgs.runtime.model.loading import load_tokenizer
 from pgs.runtime.model.layers import apply_activation_checkpointing
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim.bound import bind
-from pgs.runtime.optim.release import GradientRelease, group_parameters, refusal
+from pgs.runtime.optim.release import GradientRelease, group_of, group_parameters, refusal
 from pgs.runtime.optim.config import checkpoint_offload, head_grad_wanted
 
 CATEGORIES = ("weights", "frozen_models", "master_weights", "optimizer_state", "gradients", "activations", "loss",
@@ -353,6 +353,7 @@ def predict_memory(
     frozen_held: int = 0,
     sampling: int = 0,
     scoring_pass: int = 0, seco_chunk_tokens: int = 0,
+    ranks: int = 1,
 ) -> dict[str, int]:
     """Bytes per category (``CATEGORIES``) plus ``total`` and ``peak``.  See the module docstring.
 
@@ -387,12 +388,10 @@ def predict_memory(
             sums (N·D·b each; N·D·8 more while summed in fp32), and the head's rebuilt chunk
             for the slab's columns (chunk × rows).
         mlp_tiles: the decoder MLPs computed in that many token slices (``activation_parts``).
-        compiled_layers: the decoder layers are ``torch.compile``d (``activation_parts``'s
-            ``compiled``: what inductor saves).
-        offload_optimizer: the state in pinned host memory, ``offload_slots`` staging buffers on
-            the device (None: as many as ``OffloadedRelease`` takes, ``offload.auto_slots``;
-            needs ``gradient_release``): adds ``host_state``
-            and ``pcie_per_step`` (bytes) to the result.
+        compiled_layers: the decoder layers are ``torch.compile``d (``activation_parts``' ``compiled``).
+        offload_optimizer: the state in pinned host memory, ``offload_slots`` staging buffers on the device
+            (None: as many as ``OffloadedRelease`` takes, ``offload.auto_slots``; needs
+            ``gradient_release``): adds ``host_state`` and ``pcie_per_step`` (bytes) to the result.
         frozen_weights, frozen_forward, frozen_held, sampling, scoring_pass: what the spec's
             objective adds (``objective_memory``): the weights of the frozen models it keeps on
             the device (a live reference, a teacher: ``frozen_models``), the working set of
@@ -400,6 +399,7 @@ def predict_memory(
             forward), the on-policy sampling phase (KV cache, prefill), and the reference
             cache's scoring pass before the first step (weights only, no state yet).
         seco_chunk_tokens: ``memory.seco_chunk``'s tokens per chunk forward (``_activation_memory``).
+        ranks: FSDP2 processes: the state is one rank's, ``state_total`` all ranks' (``sharded_state_bytes``).
 
     Example::
 
@@ -407,7 +407,6 @@ def predict_memory(
                        chain=pf.lion8bit(1e-5), gradient_release=True,
                        activation_checkpointing="full", micro_batch_tokens=4096)
     """
-
     cfg = _hf_config(model_config)
     if vocab is not None:
         cfg.vocab_size = int(vocab)
@@ -419,7 +418,7 @@ def predict_memory(
                            gradient_release=gradient_release, release_groups=release_groups,
                            master_weights=master_weights, offload_optimizer=offload_optimizer,
                            offload_slots=offload_slots, tied_slabs=tied_slabs, fused_update=fused_update,
-                           head_shape=(c.vocab_size, c.hidden_size))
+                           head_shape=(c.vocab_size, c.hidden_size), ranks=int(ranks))
     out.update({k: binder[k] for k in ("master_weights", "optimizer_state", "gradients", "temporaries")})
     kept, recompute, forward_tokens = _activation_memory(
         out, cfg, params, dt, micro_batch_tokens, seco_chunk_tokens, gradient_release, policy=activation_checkpointing,
@@ -436,6 +435,7 @@ def predict_memory(
                         frozen=(int(frozen_held), int(frozen_forward)))
     if binder["host_state"] is not None:
         out.update(host_state=binder["host_state"], pcie_per_step=2 * binder["host_state"])
+    out.update(binder["sharded"])  # ranks > 1: ``ranks`` and ``state_total`` (every rank's state)
     if checkpoint_offload:
         out["host_inputs"] = offloaded_input_bytes(cfg, forward_tokens, dtype=dt, policy=activation_checkpointing,
                                                    every=checkpoint_every)
@@ -444,11 +444,12 @@ def predict_memory(
 
 def binder_memory(model, params: dict, *, chain, state_bytes_per_param, gradient_release: bool, release_groups: str,
                   master_weights, offload_optimizer: bool, offload_slots, tied_slabs, fused_update,
-                  head_shape: tuple[int, int]) -> dict[str, Any]:
+                  head_shape: tuple[int, int], ranks: int = 1) -> dict[str, Any]:
     """The optimizer binder's bytes (``pgs.runtime.optim``): fp32 masters, the chain's state (on the
-    device, or in host memory with device staging slots under ``offload_optimizer``), the gradients
-    it holds at once (all of them, or one release group's), its update's temporaries; and the
-    release groups and tied-slab names the peak's phases need."""
+    device, or in host memory with device staging slots under ``offload_optimizer``; one rank's
+    with ``ranks`` > 1, ``sharded_state_bytes``), the gradients it holds at once (all of them, or
+    one release group's), its update's temporaries; and the release groups and tied-slab names
+    the peak's phases need."""
     master = 0
     if master_weights == "fp32":
         master = sum(4 * p.numel() for p in params.values() if p.dtype in (torch.bfloat16, torch.float16))
@@ -458,8 +459,13 @@ def binder_memory(model, params: dict, *, chain, state_bytes_per_param, gradient
               if gradient_release else {"all": list(params)})
     if offload_optimizer and not gradient_release:
         raise InvalidArgument("predict_memory: offload_optimizer needs gradient_release")
-    state, host_state = _state_bytes(params, groups, chain, state_bytes_per_param, master_weights,
-                                     offload_optimizer, offload_slots)
+    if ranks > 1:
+        state, host_state, state_total = sharded_state_bytes(params, chain, state_bytes_per_param, ranks,
+                                                             gradient_release, offload_optimizer, offload_slots)
+    else:
+        state, host_state = _state_bytes(params, groups, chain, state_bytes_per_param, master_weights,
+                                         offload_optimizer, offload_slots)
+        state_total = None
     group_bytes = {g: sum(params[n].numel() * params[n].element_size() for n in names) for g, names in groups.items()}
     embed = model.get_input_embeddings()
     embed_names = {n for n, p in model.named_parameters() if embed is not None and p is embed.weight}
@@ -480,6 +486,7 @@ def binder_memory(model, params: dict, *, chain, state_bytes_per_param, gradient
     if gradient_release and fused_update:
         temporaries = 4 * biggest if master_weights == "fp32" else 0
     return {"master_weights": master, "optimizer_state": state, "host_state": host_state,
+            "sharded": {"ranks": ranks, "state_total": state_total} if ranks > 1 else {},
             "gradients": max(group_bytes.values(), default=0), "temporaries": temporaries, "groups": groups,
             "group_bytes": group_bytes, "embed_names": embed_names, "slab_names": slab_names}
 
@@ -507,6 +514,50 @@ def _state_bytes(params: dict, groups: dict, chain, state_bytes_per_param, maste
         return state, None
     sizes = [int(round(state_bytes_per_param * sum(params[n].numel() for n in names))) for names in groups.values()]
     return _staging_bytes(sizes, offload_slots), state
+
+
+def sharded_state_bytes(params: dict, chain, state_bytes_per_param, ranks: int, gradient_release: bool,
+                        offload_optimizer: bool, offload_slots) -> tuple[int, int | None, int]:
+    """``(device, host, every rank's)`` bytes of the chain's state with FSDP2 over ``ranks``
+    processes: rank 0's (the largest shards: ⌈rows/ranks⌉ rows of every parameter) on the device
+    (its staging slots under ``offload_optimizer``) and in host memory (None: not offloaded),
+    and the state of all ranks together.  Sized as the sharded binders build it: ``chain.init``
+    of the local shards, fp32 where the model is in low precision (FSDP2's sharded masters),
+    one state per FSDP unit under gradient release (``ShardedGradientRelease``: each decoder
+    layer; the root: the parameters outside them), one for all otherwise."""
+
+    def shard(p, rank: int):
+        rows = p.shape[0] if p.dim() else 1
+        chunk = -(-rows // ranks)
+        mine = max(0, min(rows, (rank + 1) * chunk) - min(rows, rank * chunk))
+        dtype = torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
+        return torch.empty((mine, *p.shape[1:]), dtype=dtype, device="meta")
+
+    from pgs.runtime.optim.sharded_release import ROOT_GROUP
+
+    units: dict[str, list[str]] = {}
+    for n in params:
+        units.setdefault((group_of(n) if group_of(n) != n else ROOT_GROUP) if gradient_release else "all", []).append(n)
+    per_rank = []
+    for rank in range(ranks):
+        if chain is None:
+            if state_bytes_per_param is None:
+                raise InvalidArgument("predict_memory: give chain= (sized exactly) or state_bytes_per_param=")
+            sizes = [int(round(state_bytes_per_param * sum(shard(params[n], rank).numel() for n in names)))
+                     for names in units.values()]
+        else:
+            inits = [chain.init({n: shard(params[n], rank) for n in names}) for names in units.values()]
+            if offload_optimizer:
+                from pgs.runtime.optim.offload import StateLayout
+
+                sizes = [StateLayout(s).nbytes for s in inits]
+            else:
+                sizes = [int(pf.state_bytes(s)) for s in inits]
+        per_rank.append(sizes)
+    mine = per_rank[0]
+    if not offload_optimizer:
+        return sum(mine), None, sum(sum(x) for x in per_rank)
+    return _staging_bytes(mine, offload_slots), sum(mine), sum(sum(x) for x in per_rank)
 
 
 def head_memory(cfg, model, dt, tokens: int, *, loss: str, loss_chunk: int, loss_kernels, defer_head_grad,
@@ -740,8 +791,10 @@ def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: in
     return out
 
 
-def plan_from_spec(spec, **overrides) -> dict[str, Any]:
-    """Everything ``predict_memory`` needs, read from a checked spec (plus ``overrides``)."""
+def plan_from_spec(spec, ranks: int = 1, **overrides) -> dict[str, Any]:
+    """Everything ``predict_memory`` needs, read from a checked spec (plus ``overrides``), for one
+    of ``ranks`` processes (``pgs run --nproc``: its share of the global batch, of each row with
+    context parallelism, and its shards' optimizer state)."""
 
     mem = spec.memory
     opts = {**memory_options(spec), "tied_slabs": mem.tied_slabs, "mlp_tiles": mem.mlp_tiles,
@@ -758,8 +811,10 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
         why = refusal(chain, spec.train.grad_accum)
         if why:
             notes.append(f"gradient release would be refused: {why}")
-    micro = max(1, spec.train.batch_size // spec.train.grad_accum)
-    tokens = micro * spec.data.max_seq_len
+    ranks = max(1, int(ranks))
+    context = spec.parallel.context if ranks > 1 else 1
+    micro = max(1, spec.train.batch_size // (spec.train.grad_accum * max(1, ranks // context)))
+    tokens = micro * max(1, spec.data.max_seq_len // context)
     kwargs = dict(dtype=dt, chain=chain, gradient_release=bool(opts["gradient_release"]),
                   master_weights=opts["master_weights"],
                   activation_checkpointing=opts["activation_checkpointing"],
@@ -770,7 +825,7 @@ def plan_from_spec(spec, **overrides) -> dict[str, Any]:
                   release_groups=opts["release_groups"], compiled_layers=opts["compile_layers"],
                   offload_optimizer=bool(opts["offload_optimizer"] and opts["gradient_release"]),
                   loss_chunk=spec.loss.chunk_size, model=model,
-                  experts_eager=spec.model.experts_implementation == "eager",
+                  experts_eager=spec.model.experts_implementation == "eager", ranks=ranks,
                   seco_chunk_tokens=micro * min(mem.seco_chunk, spec.data.max_seq_len) if mem.seco_chunk else 0,
                   **head_loss(spec))
     kwargs.update(objective_memory(spec, cfg, model, dt, micro, spec.data.max_seq_len, spec.loss.chunk_size))
@@ -782,6 +837,8 @@ def checkpoint_bytes(pred: dict) -> int:
     """One checkpoint's tensor bytes from ``predict_memory``'s figures: the weights, the fp32
     masters and the whole optimizer state (with ``offload_optimizer`` the host's copy, not the
     device's staging)."""
+    if "state_total" in pred:  # several ranks: a checkpoint holds every rank's shards
+        return pred["weights"] + pred["master_weights"] + pred["state_total"]
     return pred["weights"] + pred["master_weights"] + pred.get("host_state", pred["optimizer_state"])
 
 
@@ -824,8 +881,9 @@ def attention_matrix_bytes(cfg, rows: int, seq_len: int, *, dtype_bytes: int, im
     return kept * per_layer + once
 
 
-def predict(spec, device: torch.device, **overrides) -> Prediction:
-    """What one process of ``spec`` needs at its peak on ``device``, and one checkpoint's bytes:
+def predict(spec, device: torch.device, ranks: int = 1, **overrides) -> Prediction:
+    """What one process of ``spec`` (one of ``ranks``, ``plan_from_spec``) needs at its peak on
+    ``device``, and one checkpoint's bytes:
     the one estimate ``pgs validate``, ``pgs run``'s preflight and ``pgs profile`` show and check
     (``overrides``: ``pgs profile``'s, as ``plan_from_spec`` takes them).  Each part is its
     component's: the model's weights, the binder's masters, state and gradients
@@ -838,7 +896,7 @@ def predict(spec, device: torch.device, **overrides) -> Prediction:
     from pgs.runtime.loop.services import service_memory
     from pgs.runtime.model.build import resolve_dtype
 
-    plan = plan_from_spec(spec, **overrides)
+    plan = plan_from_spec(spec, ranks, **overrides)
     kwargs = dict(plan["kwargs"])
     kwargs["loss_kernels"] = device.type == "cuda" and kernels.CONFIG.ce_kernels
     pred = predict_memory(plan["config"], **kwargs)
@@ -864,20 +922,24 @@ def predict(spec, device: torch.device, **overrides) -> Prediction:
                       memory=pred, plan=plan)
 
 
-def profile(spec, measure: bool = False, spec_path: str | None = None, *, console=None, **overrides) -> int:
-    """``pgs profile SPEC [--measure]``: print the predicted memory of the spec's objective's step
-    (and, with ``measure``, the peaks measured while running that step: ``measure_memory``)."""
+def profile(spec, measure: bool = False, spec_path: str | None = None, *, console=None, ranks: int = 1,
+            **overrides) -> int:
+    """``pgs profile SPEC [--measure] [--nproc N]``: print the predicted memory of the spec's
+    objective's step for one of ``ranks`` processes (and, with ``measure``, the peaks measured
+    while running that step on one process: ``measure_memory``)."""
     from rich.table import Table
 
     from pgs.runtime import output
 
     console = console or output.console()
-    prediction = predict(spec, auto_device(spec.train.device), **overrides)  # the preflight's figure, part by part
+    prediction = predict(spec, auto_device(spec.train.device), ranks, **overrides)  # the preflight's figure
     plan, pred = prediction.plan, prediction.memory
     opts = plan["options"]
     title = (f"predicted memory of the {objective_label(spec)} step: {plan['micro_batch']}×{plan['seq_len']} tokens, "
              f"release={'on' if opts['gradient_release'] else 'off'}, "
-             f"checkpointing={opts['activation_checkpointing']}")
+             f"checkpointing={opts['activation_checkpointing']}"
+             + (f", one of {ranks} processes (FSDP2: the optimizer state is this process's shards')" if ranks > 1
+                else ""))
     measured = None
     if measure:
         refused = [n for n in plan["notes"] if n.startswith("gradient release would be refused")]
@@ -902,7 +964,8 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
     table.add_row("peak (what is live together at the worst phase)", f"{prediction.peak / scale:.3f}")
     if "host_state" in pred:
         table.add_section()
-        table.add_row("host: optimizer state (pinned; offload_optimizer)", f"{pred['host_state'] / scale:.3f}")
+        each = f", per process of {ranks}" if ranks > 1 else ""
+        table.add_row(f"host: optimizer state (pinned; offload_optimizer{each})", f"{pred['host_state'] / scale:.3f}")
         table.add_row("PCIe per step (state in + out)", f"{pred['pcie_per_step'] / scale:.3f}")
     host_rows = []
     if pred.get("host_inputs"):

@@ -194,18 +194,19 @@ def check_host(spec, processes: int | None = None) -> Prediction | None:
 
     ``processes``: how many processes will train (``pgs run``: 1, or ``--nproc``/``WORLD_SIZE``);
     None (``pgs validate``): unknown, taken as 1 unless several CUDA devices are visible (the
-    spec may be meant for ``--nproc``).  Memory is checked for one process only: the prediction
-    is of an unsharded run.  Returns the prediction (None where the architecture cannot be sized
-    on the meta device)."""
+    spec may be meant for ``--nproc``).  Memory is checked for one process only (with several,
+    the prediction shards the optimizer state only: ``predict_memory``'s ``ranks``).  Returns the
+    prediction, one process's share where several are known (None where the architecture cannot
+    be sized on the meta device)."""
     device = auto_device(spec.train.device)
-    try:
-        prediction = predict(spec, device)
-    except Exception:  # an architecture the meta device cannot build: the run will say more
-        return None
     if processes is None:
         processes = process.launch_world_size()
         if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() > 1:
             processes = 0  # validate on a multi-GPU host: the run's process count is not known here
+    try:  # one process's share where several are known (its shards' optimizer state: profile.predict)
+        prediction = predict(spec, device, ranks=max(1, processes))
+    except Exception:  # an architecture the meta device cannot build: the run will say more
+        return None
     if processes == 1:
         check_memory(spec, prediction, device)
         check_pinned(prediction, device)

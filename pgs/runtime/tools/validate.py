@@ -13,10 +13,11 @@ from pgs.runtime.model.loading import load_tokenizer
 from pgs.runtime.spec.preflight import check_resources
 
 
-def validate(spec, records: int = 200) -> int:
+def validate(spec, records: int = 200, processes: int | None = None) -> int:
     """Check ``spec`` (its model, tokenizer, run folder and the first ``records`` records of each
-    data file; 0 reads all) and print the summary; a problem raises its ``PgsError``."""
-    print_summary(spec, check_resources(spec, records=records))
+    data file; 0 reads all) for ``processes`` processes (``--nproc``; None: not given) and print
+    the summary; a problem raises its ``PgsError``."""
+    print_summary(spec, check_resources(spec, records=records, processes=processes))
     return 0
 
 
