@@ -127,8 +127,10 @@ def kto_loss(
     if z.dim() != 0 or not bool(torch.isfinite(z)) or bool(z < 0):
         raise InvalidArgument(f"reference_point must be a finite number >= 0 (a 0-d tensor), got {reference_point!r}")
     r = logps.to(dtype) - ref_logps.detach().to(dtype)
+    # the weights are made in the loss's dtype (a Python float in torch.where would be fp32)
+    lam_d, lam_u = (torch.tensor(w, dtype=dtype, device=logps.device) for w in (desirable_weight, undesirable_weight))
     sign = torch.where(desirable, 1.0, -1.0).to(dtype)
-    weight = torch.where(desirable, desirable_weight, undesirable_weight).to(dtype)
+    weight = torch.where(desirable, lam_d, lam_u)
     loss = weight * (1 - torch.sigmoid(beta * sign * (r - z)))
     return KTOLoss(loss, beta * r.detach(), desirable, z)
 
