@@ -3,7 +3,8 @@ any objective that comes later.
 
 ``pgs/runtime/loop/train.py`` names no objective.  :func:`setup` calls :func:`build_objective`,
 which picks the class whose spec section is present (``[preference]`` selects
-:class:`~pgs.runtime.loop.preference.PreferenceObjective`; none selects
+:class:`~pgs.runtime.loop.preference.PreferenceObjective`, whose ``variant(spec)`` is
+:class:`~pgs.runtime.loop.kto.KTOObjective` for ``kind = "kto"``; none selects
 :class:`~pgs.runtime.loop.sft.SFTObjective`), and from then on the loop only talks to the
 :class:`Objective` protocol below.  One optimizer step, as the loop runs it::
 
@@ -156,7 +157,7 @@ def objective_class(spec) -> type:
         names = " and ".join(f"[{c.section}]" for c in chosen)
         raise SpecError(f"{names}: a run trains one objective; keep one of these sections")
     if chosen:
-        return chosen[0]
+        return chosen[0].variant(spec) if hasattr(chosen[0], "variant") else chosen[0]
     return next(c for c in classes if c.section is None)
 
 

@@ -26,7 +26,7 @@ def inspect_spec(spec, n: int = 5, records: int = 0) -> int:
     tokenizer = apply_chat_template(load_tokenizer(spec.model.tokenizer, spec.model.trust_remote_code),
                                     spec.data.chat_template)
     if spec.preference is not None:
-        inspect_pairs(spec.data, tokenizer, n=n, max_records=records or None)
+        inspect_pairs(spec.data, tokenizer, n=n, max_records=records or None, kto=spec.preference.kind == "kto")
     else:
         inspect_dataset(spec.data, tokenizer, n=n, max_records=records or None)
     return 0
