@@ -51,8 +51,8 @@ def ratio_warning(pref, desirable: int, undesirable: int) -> str | None:
     if desirable == 0 or undesirable == 0:
         return (f"the KTO data has {desirable} desirable and {undesirable} undesirable records: only one side of the "
                 "loss trains")
-    # the undesirable weight that brings the ratio to its lower bound 1 (the paper's advice: adjust λ)
-    fit = pref.desirable_weight * desirable / undesirable
+    # the undesirable weight that brings the ratio to the middle of the range (the paper's advice: adjust λ)
+    fit = pref.desirable_weight * desirable / (undesirable * (low + high) / 2)
     return (f"preference.desirable_weight · {desirable} desirable / (preference.undesirable_weight · {undesirable} "
             f"undesirable) = {ratio:.3g}, outside the [1, 4/3] the KTO paper recommends (arXiv 2402.01306); e.g. "
             f"undesirable_weight = {fit:.3g}")
