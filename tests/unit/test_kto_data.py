@@ -229,3 +229,12 @@ def test_step_values_per_label():
     assert (v["desirable"], v["undesirable"], v["records"]) == (3, 1, 4)
     one_sided = kto_values([3.0, 0.0, 3.0, 0.0, 3.0, -30.0, 0.0, 0.0], 3)
     assert "reward_undesirable" not in one_sided and "reward_margin" not in one_sided
+
+
+def test_best_metric_direction_of_preference_metrics():
+    from pgs.runtime.loop.checkpointer import _improves
+
+    assert _improves("eval_reward_margin", 0.3, 0.2) and not _improves("eval_reward_margin", 0.1, 0.2)
+    assert _improves("eval_logp_chosen", -5.0, -6.0) and _improves("eval_preference_accuracy", 0.9, 0.8)
+    assert _improves("eval_preference_loss", 0.4, 0.5) and not _improves("eval_kl", 0.5, 0.4)
+    assert _improves("eval_loss", 1.0, 2.0)
