@@ -39,7 +39,7 @@ import attrs
 from pgs.errors import DataError
 from pgs.runtime.data.config import DataConfig
 from pgs.runtime.data.packing import Document
-from pgs.runtime.data.preference import Pair, _arm_is_empty, _messages, encode_arm
+from pgs.runtime.data.preference import Pair, arm_is_empty, encode_arm, messages_of
 from pgs.runtime.data.readers import open_reader
 from pgs.runtime.data.records import RecordProblem, json_reason
 from pgs.runtime.data.stats import DataStats
@@ -71,7 +71,7 @@ def parse_kto(record: Any) -> tuple[list[dict], list[dict], bool, list[dict] | N
     if "messages" in record:
         if "prompt" in record or "completion" in record:
             raise RecordProblem("give either 'messages' or 'prompt' and 'completion', not both")
-        messages = _messages(record["messages"], "messages")
+        messages = messages_of(record["messages"], "messages")
         cut = len(messages)
         while cut > 0 and messages[cut - 1]["role"] == "assistant":
             cut -= 1
@@ -85,10 +85,10 @@ def parse_kto(record: Any) -> tuple[list[dict], list[dict], bool, list[dict] | N
             if key not in record:
                 raise RecordProblem(f"missing '{key}' (a KTO record is 'prompt', 'completion' and 'label', "
                                     "or 'messages' and 'label')")
-        prompt, completion = _messages(record["prompt"], "prompt"), _messages(record["completion"], "completion")
+        prompt, completion = messages_of(record["prompt"], "prompt"), messages_of(record["completion"], "completion")
         if not prompt:
             raise RecordProblem("'prompt' is empty")
-    if _arm_is_empty(completion):
+    if arm_is_empty(completion):
         raise RecordProblem("the completion is empty (no assistant reply to score)")
     if completion[0]["role"] != "assistant":
         raise RecordProblem(f"'completion' must start with an assistant message, got {completion[0]['role']}")

@@ -77,7 +77,7 @@ class Pair:
         return len(self.chosen) + len(self.rejected)
 
 
-def _messages(value: Any, key: str) -> list[dict]:
+def messages_of(value: Any, key: str) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "assistant", "content": value}] if key != "prompt" else [{"role": "user", "content": value}]
     if not isinstance(value, list):
@@ -88,7 +88,7 @@ def _messages(value: Any, key: str) -> list[dict]:
         raise RecordProblem(f"'{key}' {err}") from None
 
 
-def _arm_is_empty(messages: list[dict]) -> bool:
+def arm_is_empty(messages: list[dict]) -> bool:
     return not messages or all(is_empty_turn(m) or (m["role"] != "assistant" and not m["content"].strip())
                                for m in messages)
 
@@ -100,9 +100,9 @@ def parse_pair(record: Any) -> tuple[list[dict], list[dict], list[dict], list[di
     for key in ("chosen", "rejected"):
         if key not in record:
             raise RecordProblem(f"missing '{key}' (a preference pair needs 'chosen' and 'rejected')")
-    chosen, rejected = _messages(record["chosen"], "chosen"), _messages(record["rejected"], "rejected")
+    chosen, rejected = messages_of(record["chosen"], "chosen"), messages_of(record["rejected"], "rejected")
     if "prompt" in record:
-        prompt = _messages(record["prompt"], "prompt")
+        prompt = messages_of(record["prompt"], "prompt")
         if not prompt:
             raise RecordProblem("'prompt' is empty")
     else:  # whole conversations: the prompt is their shared prefix
@@ -120,7 +120,7 @@ def parse_pair(record: Any) -> tuple[list[dict], list[dict], list[dict], list[di
             raise RecordProblem("'chosen' and 'rejected' share no prompt (no 'prompt' key and no common first "
                                 "message)")
     for key, arm in (("chosen", chosen), ("rejected", rejected)):
-        if _arm_is_empty(arm):
+        if arm_is_empty(arm):
             raise RecordProblem(f"'{key}' is empty (no assistant reply to score)")
         if arm[0]["role"] != "assistant":
             raise RecordProblem(f"'{key}' must start with an assistant message, got {arm[0]['role']}")

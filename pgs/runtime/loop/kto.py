@@ -65,6 +65,10 @@ class KTOObjective(PreferenceObjective):
     console_keys = ("reward_desirable", "reward_undesirable", "kl", "preference_accuracy")
 
     @classmethod
+    def selects(cls, spec) -> bool:
+        return spec.preference.kind == "kto"
+
+    @classmethod
     def create(cls, spec, *, model, tokenizer, device: torch.device, ctx=None) -> "KTOObjective":
         """The records are read and tokenized once (each with its KL sample); the reference
         scores both documents of every record with the initial weights."""

@@ -267,14 +267,10 @@ class PreferenceObjective:
         return cls(spec, reference, [], device=device), [batch]
 
     @classmethod
-    def variant(cls, spec) -> type:
-        """The class that trains ``spec``: :class:`~pgs.runtime.loop.kto.KTOObjective` for
-        ``kind = "kto"`` (unpaired records), else this one."""
-        if spec.preference.kind == "kto":
-            from pgs.runtime.loop.kto import KTOObjective  # it builds on this module
-
-            return KTOObjective
-        return cls
+    def selects(cls, spec) -> bool:
+        """Whether this class trains a spec with its section: the paired kinds (``kind = "kto"``
+        is :class:`~pgs.runtime.loop.kto.KTOObjective`'s)."""
+        return spec.preference.kind != "kto"
 
     def steps_per_epoch(self, batch_size: int) -> int:
         return steps_for(self.stream.rows_per_epoch(), batch_size)
