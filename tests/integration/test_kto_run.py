@@ -95,6 +95,12 @@ def test_step_metrics_and_the_cache(trained):
     tensors = cache.load(path, print_)
     assert tensors["train"].shape == (TRAIN, 2) and tensors["eval"].shape == (HELD, 2)
     assert (tensors["train"] < 0).all()  # the record's and its KL sample's log-probs
+    from pgs.runtime.tools.report import write_report
+
+    rows = dict(write_report(str(run_dir)))
+    assert "best eval_preference_accuracy" in rows
+    for png in ("rewards.png", "kl.png", "preference.png"):
+        assert (run_dir / "report" / png).exists(), png
 
 
 def test_live_reference_trains_the_same_first_steps(trained, tmp_path):
