@@ -238,3 +238,18 @@ def test_best_metric_direction_of_preference_metrics():
     assert _improves("eval_logp_chosen", -5.0, -6.0) and _improves("eval_preference_accuracy", 0.9, 0.8)
     assert _improves("eval_preference_loss", 0.4, 0.5) and not _improves("eval_kl", 0.5, 0.4)
     assert _improves("eval_loss", 1.0, 2.0)
+
+
+def test_kind_kto_selects_the_kto_objective():
+    import types
+
+    from pgs.runtime.loop import objective as O
+    from pgs.runtime.loop.kto import KTOObjective
+    from pgs.runtime.loop.preference import PreferenceObjective
+
+    assert O.objective_class(types.SimpleNamespace(preference=PreferenceSpec(kind="kto"))) is KTOObjective
+    assert O.objective_class(types.SimpleNamespace(preference=PreferenceSpec(kind="dpo"))) is PreferenceObjective
+    members = set(O.Objective.__annotations__) | {k for k, v in vars(O.Objective).items()
+                                                  if callable(v) and not k.startswith("_")}
+    assert [m for m in members if m != "stream" and not hasattr(KTOObjective, m)] == []
+    assert KTOObjective.section == "preference" and not KTOObjective.splits_rows

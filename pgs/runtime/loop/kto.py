@@ -66,7 +66,7 @@ class KTOObjective(PreferenceObjective):
 
     @classmethod
     def selects(cls, spec) -> bool:
-        return spec.preference.kind == "kto"
+        return getattr(spec.preference, "kind", None) == "kto"
 
     @classmethod
     def create(cls, spec, *, model, tokenizer, device: torch.device, ctx=None) -> "KTOObjective":

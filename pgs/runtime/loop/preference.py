@@ -270,7 +270,7 @@ class PreferenceObjective:
     def selects(cls, spec) -> bool:
         """Whether this class trains a spec with its section: the paired kinds (``kind = "kto"``
         is :class:`~pgs.runtime.loop.kto.KTOObjective`'s)."""
-        return spec.preference.kind != "kto"
+        return getattr(spec.preference, "kind", None) != "kto"
 
     def steps_per_epoch(self, batch_size: int) -> int:
         return steps_for(self.stream.rows_per_epoch(), batch_size)
