@@ -68,7 +68,7 @@ def print_summary(spec, facts: dict) -> None:
     table.add_row("schedule", f"{s.name}, peak {peak_lr:g}, warmup {s.warmup}, total {s.total or 'train length'}")
     if "preference" in facts:
         table.add_row("preference", facts["preference"])
-        table.add_row("pairs", facts["pairs"])
+        table.add_row("records" if spec.preference.kind == "kto" else "pairs", facts["pairs"])
     elif "distill" in facts:
         table.add_row("distill", facts["distill"])
     else:
