@@ -253,3 +253,18 @@ def test_kind_kto_selects_the_kto_objective():
                                                   if callable(v) and not k.startswith("_")}
     assert [m for m in members if m != "stream" and not hasattr(KTOObjective, m)] == []
     assert KTOObjective.section == "preference" and not KTOObjective.splits_rows
+
+
+def test_data_inspect_shows_labels_and_kl_samples(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from pgs.runtime.data.inspect import inspect_pairs
+
+    path = write(tmp_path / "k.jsonl", [record(1), record(2, False), record(3, False)])
+    out = io.StringIO()
+    stats = inspect_pairs(config(path), tok(), n=2, console=Console(file=out, width=200), kto=True)
+    text = out.getvalue()
+    assert f"{path}:1 desirable" in text and f"{path}:2 undesirable" in text and "KL sample" in text
+    assert "KTO data statistics" in text and "1 / 2" in text and stats.records == 3
