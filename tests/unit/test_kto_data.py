@@ -196,8 +196,11 @@ def test_validate_reads_kto_data_and_checks_the_best_metric(tmp_path):
     facts = check_resources(load_spec(spec_file(tmp_path, 'kind = "kto"')), records=40)
     assert facts["pairs"].startswith("40 records checked") and "desirable" in facts["pairs"]
     assert facts["eval"] == "40 held-out records checked"
+    from pgs.runtime.spec.preflight import check_preference
+
     with pytest.raises(SpecError, match="'eval_logp_chosen' is not reported by a kto run"):
-        check_resources(load_spec(spec_file(tmp_path, 'kind = "kto"', 'best_metric = "eval_logp_chosen"')))
+        check_preference(load_spec(spec_file(tmp_path, 'kind = "kto"', 'best_metric = "eval_logp_chosen"')), tok())
+    check_preference(load_spec(spec_file(tmp_path, 'kind = "kto"', 'best_metric = "eval_kl"')), tok())
 
 
 def test_reference_fingerprint_tells_kto_from_paired_caches(tmp_path):
