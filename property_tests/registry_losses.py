@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from pgs.func.losses import (DISTILL_KINDS, PREFERENCE_KINDS, REFERENCE_FREE, distill_loss, preference_loss, router_stats,
-                             sequence_logps)
+from pgs.func.losses import (DISTILL_KINDS, PREFERENCE_KINDS, REFERENCE_FREE, distill_loss, kto_loss, preference_loss,
+                             router_stats, sequence_logps)
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 
@@ -167,6 +167,28 @@ def _distill_entry(kind: str, **hyper) -> LossEntry:
     return LossEntry(f"distill_loss[{name}]", distill_loss, draw, split, combine, covers=("distill_loss", kind))
 
 
+# ---- kto_loss: examples are independent given the reference point z_ref (an argument) ----------
+
+
+def _kto_entry(**hyper) -> LossEntry:
+    def draw(gen, n, dtype):
+        logps, ref = ((-torch.rand(n, generator=gen, dtype=F64) * 40 - 0.1).to(dtype) for _ in range(2))
+        desirable = torch.rand(n, generator=gen) < 0.5
+        z = (torch.rand((), generator=gen, dtype=F64) * 3).to(dtype)
+        return Inputs((logps, ref, desirable, z), dict(hyper), grad=(0,))
+
+    def split(inp, k):
+        logps, ref, desirable, z = inp.args
+        return (Inputs((logps[:k], ref[:k], desirable[:k], z), inp.kwargs, inp.grad),
+                Inputs((logps[k:], ref[k:], desirable[k:], z), inp.kwargs, inp.grad))
+
+    def combine(a, b):
+        return (*(torch.cat([x, y]) for x, y in zip(a[:3], b[:3])), a[3])
+
+    name = ",".join(f"{k}={v}" for k, v in hyper.items())
+    return LossEntry(f"kto_loss[{name}]", kto_loss, draw, split, combine, covers=("kto_loss", "kto"))
+
+
 ENTRIES = [
     _preference_entry("dpo"),
     _preference_entry("dpo", label_smoothing=0.1, beta=0.5),
@@ -175,6 +197,8 @@ ENTRIES = [
     _preference_entry("dpop", lam=5.0),
     _preference_entry("simpo", beta=2.0, gamma=0.5),
     _preference_entry("orpo", nll_weight=0.1),
+    _kto_entry(),
+    _kto_entry(beta=0.5, desirable_weight=1.33, undesirable_weight=0.75),
     _sequence_entry(None),
     _sequence_entry(3.0),
     _sequence_entry(None, deferred=True),
@@ -188,4 +212,4 @@ ENTRIES = [
 ]
 
 #: The names that must be covered: every loss entry point and every kind.
-REQUIRED = ("preference_loss", "sequence_logps", *PREFERENCE_KINDS, "distill_loss", *DISTILL_KINDS, "router_stats")
+REQUIRED = ("preference_loss", "sequence_logps", *PREFERENCE_KINDS, "kto_loss", "kto", "distill_loss", *DISTILL_KINDS, "router_stats")

@@ -9,13 +9,14 @@ from pgs.cli import main
 SPECS = sorted((Path(__file__).resolve().parents[2] / "specs").glob("*.toml"))
 
 
-#: Specs that start from another spec's output (the DPO quickstart tunes the quickstart's
+#: Specs that start from another spec's output (the DPO and KTO quickstarts tune the quickstart's
 #: final/ folder; the distillation quickstart's teacher is that folder and its student a shorter
 #: quickstart run's): validated with the quickstart's architecture as a random init instead.
 QUICKSTART_MODEL = ('model.config={ model_type = "qwen3", hidden_size = 128, intermediate_size = 384, '
                     'num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, head_dim = 32, '
                     'max_position_embeddings = 512, tie_word_embeddings = true }')
 STANDINS = {"dpo_quickstart.toml": ["--set", QUICKSTART_MODEL, "--set", "model.tokenizer=pgs:quickstart/tokenizer"],
+            "kto_quickstart.toml": ["--set", QUICKSTART_MODEL, "--set", "model.tokenizer=pgs:quickstart/tokenizer"],
             # the distillation quickstart's teacher is the quickstart's final/ folder, its student a
             # 400-step quickstart run's
             "distill_quickstart.toml": ["--set", QUICKSTART_MODEL, "--set", "model.tokenizer=pgs:quickstart/tokenizer",

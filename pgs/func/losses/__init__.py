@@ -5,8 +5,8 @@ Backends (same signature, chosen by ``token_loss(..., backend=...)``):
 (CUDA fused kernels, cross-entropy only).  Objectives: ``ce``, ``deft``, ``deft_cayley``,
 ``dft``, ``infosft``, ``cadft``, ``deformed_log`` (docs/techniques/README.md).  Embedding noise: ``neftune``,
 ``symnoise`` (docs/techniques/noise.md).  Preference losses: ``preference_loss`` (DPO, IPO, SLiC hinge, DPOP,
-SimPO, ORPO) on per-sequence log-probs from ``sequence_logps``.  Distillation:
-``distill_loss`` (forward KL, reverse KL, GKD's JSD(β)) between a student's and a teacher's
+SimPO, ORPO) on per-sequence log-probs from ``sequence_logps``; ``kto_loss`` (KTO) on unpaired labelled
+ones.  Distillation: ``distill_loss`` (forward KL, reverse KL, GKD's JSD(β)) between a student's and a teacher's
 head, chunked.  Mixture-of-experts router statistics and losses: ``router_stats``,
 ``load_balance_loss``, ``router_z_loss`` (docs/moe.md).  See docs/losses.md,
 docs/techniques/preference.md and docs/techniques/distillation.md.
@@ -50,6 +50,8 @@ from pgs.func.losses.objectives import (
     infosft_weight,
     resolve_objective,
 )
+from pgs.func.losses.kto import (RECOMMENDED_RATIO, KTOLoss, kto_accuracy, kto_loss, kto_reference_point,
+                                 kto_weight_ratio)
 from pgs.func.losses.preference import PREFERENCE_KINDS, REFERENCE_FREE, PreferenceLoss, preference_loss
 from pgs.func.losses.result import TokenLossResult
 from pgs.func.losses.sequence import sequence_logps
@@ -72,6 +74,8 @@ __all__ = [
     "Objective",
     "PREFERENCE_KINDS",
     "PreferenceLoss",
+    "KTOLoss",
+    "RECOMMENDED_RATIO",
     "REFERENCE_FREE",
     "RouterStats",
     "TokenInputs",
@@ -92,6 +96,10 @@ __all__ = [
     "max_violation",
     "neftune",
     "preference_loss",
+    "kto_accuracy",
+    "kto_loss",
+    "kto_reference_point",
+    "kto_weight_ratio",
     "resolve_objective",
     "router_stats",
     "router_z_loss",

@@ -14,6 +14,7 @@ from rich.text import Text
 from pgs.runtime import output
 from pgs.runtime.data.config import DataConfig
 from pgs.runtime.data.packing import Document
+from pgs.runtime.data.kto import label_counts, read_kto_records
 from pgs.runtime.data.preference import pack_rows, read_pairs
 from pgs.runtime.data.readers import read_conversations
 from pgs.runtime.data.stats import DataStats
@@ -95,28 +96,35 @@ def inspect_dataset(config: DataConfig, tokenizer, n: int = 5, console: Console 
 
 
 def inspect_pairs(config: DataConfig, tokenizer, n: int = 5, console: Console | None = None,
-                  max_records: int | None = None) -> DataStats:
+                  max_records: int | None = None, kto: bool = False) -> DataStats:
     """A preference run's data: the first ``n`` pairs, each arm with its scored tokens marked as
     :func:`inspect_dataset` marks trained tokens, then the pair statistics (bad pairs raise, or
-    are counted under ``data.on_bad_record = "skip"``)."""
+    are counted under ``data.on_bad_record = "skip"``).  ``kto``: the data is KTO's unpaired
+    records (``pgs.runtime.data.kto``), shown with their label and KL sample."""
     console = console or output.console()
     stats = DataStats()
     skipped: list[str] = []
-    pairs = read_pairs([s.path for s in config.sources], tokenizer, config, stats, skipped, max_records=max_records)
+    read = read_kto_records if kto else read_pairs
+    pairs = read([s.path for s in config.sources], tokenizer, config, stats, skipped, max_records=max_records)
     for pair in pairs[:n]:
-        for arm, document in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+        arms = ((("desirable" if pair.desirable else "undesirable"), "KL sample") if kto else ("chosen", "rejected"))
+        for arm, document in zip(arms, (pair.chosen, pair.rejected)):
             output.heading(console, f"{document.origin} {arm}  ({len(document)} tokens, {document.num_trained} scored)")
             plain = not console.is_terminal
             console.print(render_document(document, tokenizer, plain=plain), soft_wrap=plain)
     rows = pack_rows(pairs, config.max_seq_len)
     stats.sequences, stats.sequence_capacity = len(rows), len(rows) * config.max_seq_len
-    table = Table(title="preference data statistics", show_header=False)
+    unit = "records" if kto else "pairs"
+    table = Table(title=f"{'KTO' if kto else 'preference'} data statistics", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
-    table.add_row("pairs", f"{len(pairs):,}")
-    table.add_row("bad pairs skipped", f"{len(skipped):,}")
+    table.add_row(unit, f"{len(pairs):,}")
+    if kto:
+        good, bad = label_counts(pairs)
+        table.add_row("desirable / undesirable", f"{good:,} / {bad:,}")
+    table.add_row(f"bad {unit} skipped", f"{len(skipped):,}")
     table.add_row("rows of max_seq_len (one epoch)", f"{len(rows):,}")
-    table.add_row("pairs per row", f"{len(pairs) / max(len(rows), 1):.2f}")
+    table.add_row(f"{unit} per row", f"{len(pairs) / max(len(rows), 1):.2f}")
     table.add_row("scored tokens / tokens", f"{stats.trained_tokens:,} / {stats.tokens:,}")
     table.add_row("packing efficiency", f"{stats.packing_efficiency:.1%}")
     console.print(table)

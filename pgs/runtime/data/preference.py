@@ -23,6 +23,11 @@ filled with whole pairs in the epoch's order.  A :class:`PreferenceBatch` carrie
 (``[B, S]``: ``2k`` for the chosen arm of the batch's ``k``-th pair, ``2k + 1`` for its rejected
 arm, ``-1`` for padding) and ``pair_ids`` (``[P]``: each pair's index in the data, the key of the
 reference cache).
+
+KTO's unpaired records (``pgs.runtime.data.kto``) travel in the same shapes: a :class:`Pair`
+whose ``chosen`` is the record's completion, ``rejected`` the mismatched completion of its KL
+estimate, and ``desirable`` the record's label (None for a preference pair); a batch of them
+carries ``desirable`` ``[P]``.
 """
 
 from __future__ import annotations
@@ -60,17 +65,19 @@ class PairRecord:
 
 @attrs.frozen
 class Pair:
-    """A tokenized pair: two documents (the arms) and the pair's index in the data."""
+    """A tokenized pair: two documents (the arms) and the pair's index in the data.  A KTO record
+    (``pgs.runtime.data.kto``) is one too: its completion, the mismatched completion, its label."""
 
     chosen: Document
     rejected: Document
     index: int
+    desirable: bool | None = None
 
     def __len__(self) -> int:
         return len(self.chosen) + len(self.rejected)
 
 
-def _messages(value: Any, key: str) -> list[dict]:
+def messages_of(value: Any, key: str) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "assistant", "content": value}] if key != "prompt" else [{"role": "user", "content": value}]
     if not isinstance(value, list):
@@ -81,7 +88,7 @@ def _messages(value: Any, key: str) -> list[dict]:
         raise RecordProblem(f"'{key}' {err}") from None
 
 
-def _arm_is_empty(messages: list[dict]) -> bool:
+def arm_is_empty(messages: list[dict]) -> bool:
     return not messages or all(is_empty_turn(m) or (m["role"] != "assistant" and not m["content"].strip())
                                for m in messages)
 
@@ -93,9 +100,9 @@ def parse_pair(record: Any) -> tuple[list[dict], list[dict], list[dict], list[di
     for key in ("chosen", "rejected"):
         if key not in record:
             raise RecordProblem(f"missing '{key}' (a preference pair needs 'chosen' and 'rejected')")
-    chosen, rejected = _messages(record["chosen"], "chosen"), _messages(record["rejected"], "rejected")
+    chosen, rejected = messages_of(record["chosen"], "chosen"), messages_of(record["rejected"], "rejected")
     if "prompt" in record:
-        prompt = _messages(record["prompt"], "prompt")
+        prompt = messages_of(record["prompt"], "prompt")
         if not prompt:
             raise RecordProblem("'prompt' is empty")
     else:  # whole conversations: the prompt is their shared prefix
@@ -113,7 +120,7 @@ def parse_pair(record: Any) -> tuple[list[dict], list[dict], list[dict], list[di
             raise RecordProblem("'chosen' and 'rejected' share no prompt (no 'prompt' key and no common first "
                                 "message)")
     for key, arm in (("chosen", chosen), ("rejected", rejected)):
-        if _arm_is_empty(arm):
+        if arm_is_empty(arm):
             raise RecordProblem(f"'{key}' is empty (no assistant reply to score)")
         if arm[0]["role"] != "assistant":
             raise RecordProblem(f"'{key}' must start with an assistant message, got {arm[0]['role']}")
@@ -226,6 +233,7 @@ class PreferenceBatch:
     num_pairs: int
     num_trained_tokens: int
     num_tokens: int
+    desirable: torch.Tensor | None = None  # [P] bool: KTO records' labels (None for preference pairs)
 
 
 def collate_pairs(rows: Sequence[Sequence[Pair]], pad_id: int, seq_len: int | None = None) -> PreferenceBatch:
@@ -241,11 +249,13 @@ def collate_pairs(rows: Sequence[Sequence[Pair]], pad_id: int, seq_len: int | No
                 at += len(doc)
                 k += 1
     pair_ids = torch.tensor([p.index for row in rows for p in row], dtype=torch.long)
+    marks = [p.desirable for row in rows for p in row]
+    desirable = torch.tensor(marks, dtype=torch.bool) if marks and marks[0] is not None else None
     return PreferenceBatch(
         input_ids=packed.input_ids, labels=packed.labels, position_ids=packed.position_ids,
         seq_ids=torch.from_numpy(seq_ids), pair_ids=pair_ids, cu_seqlens=packed.cu_seqlens,
         num_docs=packed.num_docs, num_pairs=len(pair_ids), num_trained_tokens=packed.num_trained_tokens,
-        num_tokens=packed.num_tokens,
+        num_tokens=packed.num_tokens, desirable=desirable,
     )
 
 
@@ -273,7 +283,7 @@ class PreferenceStream:
     """
 
     def __init__(self, config: DataConfig, tokenizer, *, rank: int = 0, world_size: int = 1,
-                 pairs: list[Pair] | None = None):
+                 pairs: list[Pair] | None = None, read=None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.config = config
@@ -282,7 +292,9 @@ class PreferenceStream:
         self.stats = DataStats()
         self.skipped: list[str] = []
         if pairs is None:
-            pairs = read_pairs([s.path for s in config.sources], tokenizer, config, self.stats, self.skipped)
+            # ``read``: another reader of the same signature (KTO's ``read_kto_records``)
+            pairs = (read or read_pairs)([s.path for s in config.sources], tokenizer, config, self.stats,
+                                         self.skipped)
         else:
             self.stats.samples = len(pairs)
         if not pairs:
@@ -358,6 +370,8 @@ def _digest(pairs: Sequence[Pair]) -> str:
             h.update(np.asarray(doc.input_ids, dtype=np.int64).tobytes())
             h.update(np.asarray(doc.train_mask, dtype=np.bool_).tobytes())
             h.update(b"|")
+        if p.desirable is not None:  # a KTO record's label is part of its data
+            h.update(b"+" if p.desirable else b"-")
     return h.hexdigest()[:16]
 
 

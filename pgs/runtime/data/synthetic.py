@@ -196,6 +196,31 @@ def write_preference(out: str, seed: int = 0, n_train: int = 1000) -> None:
         write_jsonl(os.path.join(out, f"pairs_{split}.jsonl"), preference_pairs(samples, seed + (split == "eval")))
 
 
+def kto_records(pairs: list[dict], seed: int) -> list[dict]:
+    """KTO's unpaired records from preference pairs: one record per pair, its chosen answer
+    (``label`` true) or its rejected one (false) with even odds (deterministic in ``seed``), so
+    no prompt is seen with both labels: the data is unpaired, as KTO's is."""
+    rng = random.Random(f"kto:{seed}")
+    out = []
+    for pair in pairs:
+        desirable = rng.random() < 0.5
+        record = {"task": pair["task"], "prompt": pair["prompt"],
+                  "completion": pair["chosen" if desirable else "rejected"], "label": desirable}
+        if "tools" in pair:
+            record["tools"] = pair["tools"]
+        out.append(record)
+    return out
+
+
+def write_kto(out: str, seed: int = 0) -> None:
+    """``kto_train.jsonl`` and ``kto_eval.jsonl`` under ``out`` from its ``pairs_*.jsonl``: the KTO
+    quickstart's records (:func:`kto_records`)."""
+    for split in ("train", "eval"):
+        with open(os.path.join(out, f"pairs_{split}.jsonl"), encoding="utf-8") as f:
+            pairs = [json.loads(line) for line in f if line.strip()]
+        write_jsonl(os.path.join(out, f"kto_{split}.jsonl"), kto_records(pairs, seed + (split == "eval")))
+
+
 #: Tokens of one turn under the quickstart tokenizer and template, on average within a
 #: conversation (measured over 256 chats), plus the 35-token tool header once.
 _TURN_TOKENS = {"add": 23, "weather": 67}
@@ -375,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     write_quickstart(args.out, args.seed, args.train, args.eval, args.vocab_size, args.weather_share)
     write_preference(args.out, args.seed)
+    write_kto(args.out, args.seed)
     total = sum(
         os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(args.out) for f in files
     )

@@ -36,10 +36,15 @@ def export(run, out_dir: str, info: dict) -> None:
         export_hf(run.model, run.tokenizer, out_dir, info=info, max_shard_size=shards)
 
 
+#: Parts of a metric's name that make higher better (accuracies, a preference run's reward margin,
+#: rewards and log-probs); any other metric (losses, KLs) improves by falling.
+HIGHER_IS_BETTER = ("accuracy", "margin", "reward", "logp")
+
+
 def _improves(metric: str, value: float, best: float | None) -> bool:
     if best is None:
         return True
-    return value > best if "accuracy" in metric else value < best
+    return value > best if any(part in metric for part in HIGHER_IS_BETTER) else value < best
 
 
 def stateful(run) -> list:

@@ -16,6 +16,9 @@ from pgs.runtime.spec.fields import (describe, expect, int_at_least, is_int, is_
 
 DEVICES = ("auto", "cpu", "cuda")
 REFERENCE_MODES = ("cached", "live")
+#: ``preference.kind``: the paired losses of ``pgs.func.losses.preference_loss`` and KTO
+#: (``pgs.func.losses.kto_loss``, on unpaired labelled records: ``pgs.runtime.data.kto``).
+PREFERENCE_SPEC_KINDS = (*PREFERENCE_KINDS, "kto")
 
 
 @attrs.frozen
@@ -95,9 +98,10 @@ class TrainSpec:
 
 
 def _kind_known(instance, attribute, value):
-    if value not in PREFERENCE_KINDS:
-        hint = suggest(value, PREFERENCE_KINDS) if isinstance(value, str) else ""
-        raise SpecError(f"preference.kind: {value!r} is not one of {', '.join(map(repr, PREFERENCE_KINDS))}{hint}")
+    if value not in PREFERENCE_SPEC_KINDS:
+        hint = suggest(value, PREFERENCE_SPEC_KINDS) if isinstance(value, str) else ""
+        raise SpecError(f"preference.kind: {value!r} is not one of {', '.join(map(repr, PREFERENCE_SPEC_KINDS))}"
+                        f"{hint}")
 
 
 def _optional_path(instance, attribute, value):
@@ -118,7 +122,9 @@ class PreferenceSpec:
     reference log-probs of every pair once before training and keeps them in the run folder;
     ``"live"`` keeps a frozen copy that computes them every step.  ``reference_path`` names a
     local model folder as the reference (default: the initial policy).  ``simpo``/``orpo`` use
-    no reference.
+    no reference.  ``kind = "kto"`` trains on unpaired records (prompt, completion, label;
+    docs/techniques/kto.md) with ``beta``, ``desirable_weight`` (λ_D) and ``undesirable_weight``
+    (λ_U), read by it only (``pgs.func.losses.kto_loss``).
     """
 
     section: ClassVar[str] = "preference"
@@ -133,6 +139,12 @@ class PreferenceSpec:
                                validator=expect("a finite number", lambda v: is_number(v) and math.isfinite(v)))
     lam: float = attrs.field(default=0.0, converter=to_float, validator=number_in(0.0))
     nll_weight: float = attrs.field(default=0.0, converter=to_float, validator=number_in(0.0))
+    desirable_weight: float = attrs.field(default=1.0, converter=to_float,
+                                          validator=expect("a number > 0",
+                                                           lambda v: is_number(v) and 0 < v < math.inf))
+    undesirable_weight: float = attrs.field(default=1.0, converter=to_float,
+                                            validator=expect("a number > 0",
+                                                             lambda v: is_number(v) and 0 < v < math.inf))
     reference: str = attrs.field(default="cached", validator=one_of(REFERENCE_MODES))
     reference_path: str | None = attrs.field(default=None, validator=_optional_path)
 
@@ -141,6 +153,13 @@ class PreferenceSpec:
             if getattr(self, name) != 0 and self.kind != kind:
                 raise SpecError(f"preference.{name}: {getattr(self, name)!r} has no effect with kind = {self.kind!r} "
                                 f"(only kind = {kind!r} reads it)")
+        for name in ("desirable_weight", "undesirable_weight"):
+            if getattr(self, name) != 1.0 and self.kind != "kto":
+                raise SpecError(f"preference.{name}: {getattr(self, name)!r} has no effect with kind = {self.kind!r} "
+                                "(only kind = 'kto' reads it)")
+        if self.kind == "kto" and self.nll_weight:
+            raise SpecError(f"preference.nll_weight: {self.nll_weight!r} has no effect with kind = 'kto' (an NLL term "
+                            "on the chosen answers belongs to the paired kinds)")
         if self.reference_path is not None and not self.uses_reference:
             raise SpecError(f"preference.reference_path: kind = {self.kind!r} uses no reference model")
 

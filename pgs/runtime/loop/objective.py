@@ -3,7 +3,9 @@ any objective that comes later.
 
 ``pgs/runtime/loop/train.py`` names no objective.  :func:`setup` calls :func:`build_objective`,
 which picks the class whose spec section is present (``[preference]`` selects
-:class:`~pgs.runtime.loop.preference.PreferenceObjective`; none selects
+one of :class:`~pgs.runtime.loop.preference.PreferenceObjective` and
+:class:`~pgs.runtime.loop.kto.KTOObjective`, by ``kind``: several classes may share a section
+and say which specs are theirs with a ``selects(spec)`` classmethod; none selects
 :class:`~pgs.runtime.loop.sft.SFTObjective`), and from then on the loop only talks to the
 :class:`Objective` protocol below.  One optimizer step, as the loop runs it::
 
@@ -66,6 +68,7 @@ import torch
 
 from pgs.errors import SpecError
 from pgs.runtime.loop.distill import DistillObjective
+from pgs.runtime.loop.kto import KTOObjective
 from pgs.runtime.loop.preference import PreferenceObjective
 from pgs.runtime.loop.sft import SFTObjective
 
@@ -147,14 +150,15 @@ class Objective(Protocol):
 def objective_classes() -> tuple[type, ...]:
     """Every objective, the default (section None) last."""
 
-    return (PreferenceObjective, DistillObjective, SFTObjective)
+    return (PreferenceObjective, KTOObjective, DistillObjective, SFTObjective)
 
 
 def objective_class(spec) -> type:
     """The class the spec selects: the one whose section is present, else the default."""
 
     classes = objective_classes()
-    chosen = [c for c in classes if c.section is not None and getattr(spec, c.section, None) is not None]
+    chosen = [c for c in classes if c.section is not None and getattr(spec, c.section, None) is not None
+              and (not hasattr(c, "selects") or c.selects(spec))]
     if len(chosen) > 1:
         names = " and ".join(f"[{c.section}]" for c in chosen)
         raise SpecError(f"{names}: a run trains one objective; keep one of these sections")

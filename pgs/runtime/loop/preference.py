@@ -269,6 +269,12 @@ class PreferenceObjective:
         batch = collate_pairs([[p] for p in pairs], pad_id(tokenizer, 0), seq_len=max(seq_len, 2 * arm))
         return cls(spec, reference, [], device=device), [batch]
 
+    @classmethod
+    def selects(cls, spec) -> bool:
+        """Whether this class trains a spec with its section: the paired kinds (``kind = "kto"``
+        is :class:`~pgs.runtime.loop.kto.KTOObjective`'s)."""
+        return getattr(spec.preference, "kind", None) != "kto"
+
     def steps_per_epoch(self, batch_size: int) -> int:
         return steps_for(self.stream.rows_per_epoch(), batch_size)
 
@@ -295,11 +301,15 @@ class PreferenceObjective:
         if head_grad is not None:  # joins the embedding's gradient in the tied weight's hook (filled by backward)
             run.bound.before_step(output_head(run.model)[0], head_grad)
         ref = self.reference.logps(batch, device, chunk)
-        out = self.loss(logps[:, 0], logps[:, 1], lengths, ref)
+        out = self.batch_loss(logps, lengths, ref, batch)
         loss_sum = out.loss.sum()
         if poison:
             loss_sum = loss_sum * float("nan")
         return loss_sum, self.sums(out, logps.detach())
+
+    def batch_loss(self, logps: torch.Tensor, lengths: torch.Tensor, ref, batch: PreferenceBatch):
+        """The per-pair losses of a micro-batch from its ``[P, 2]`` log-probs, lengths and reference."""
+        return self.loss(logps[:, 0], logps[:, 1], lengths, ref)
 
     def defers_head_grad(self, run, weight) -> bool:
         """As SFT's (``objective.tied_head_deferrable``: gradient release on one process, a tied

@@ -31,6 +31,7 @@ from pgs.errors import DataError, PgsError, SpecError
 from pgs.runtime.data import DataStats, encode_document, read_conversations
 from pgs.runtime.data.inspect import dataset_stats
 from pgs.runtime.data.isolation import ATTENTION_LAYER_TYPES, LEAKING_MODEL_TYPES, require_packing_isolation
+from pgs.runtime.data.kto import label_counts, read_kto_records
 from pgs.runtime.data.preference import pack_rows, read_pairs
 from pgs.runtime.data.readers import has_records
 from pgs.runtime.data.templates import apply_chat_template
@@ -381,9 +382,10 @@ def check_preference(spec, tokenizer) -> None:
             raise SpecError(f"preference.reference_path: the reference has {vocab} embeddings but the tokenizer "
                             f"has {len(tokenizer)} tokens")
     metric = spec.checkpoint.best_metric
-    if metric and metric.startswith("eval_") and metric not in PREFERENCE_EVAL_METRICS:
-        raise SpecError(f"checkpoint.best_metric: {metric!r} is not reported by a preference run; one of "
-                        f"{', '.join(PREFERENCE_EVAL_METRICS)} (or \"\")")
+    known = KTO_EVAL_METRICS if pref.kind == "kto" else PREFERENCE_EVAL_METRICS
+    if metric and metric.startswith("eval_") and metric not in known:
+        raise SpecError(f"checkpoint.best_metric: {metric!r} is not reported by a {pref.kind} run; one of "
+                        f"{', '.join(known)} (or \"\")")
     if metric and not spec.data.eval:
         raise SpecError(f"checkpoint.best_metric: {metric!r} needs data.eval (held-out pairs)")
 
@@ -450,6 +452,9 @@ def check_distill(spec, tokenizer, config) -> str:
 #: The eval metrics of a preference run (``loop.preference.PreferenceObjective.evaluate``).
 PREFERENCE_EVAL_METRICS = ("eval_preference_accuracy", "eval_preference_loss", "eval_reward_margin",
                            "eval_logp_chosen")
+#: The eval metrics of a KTO run (``loop.kto.KTOObjective.evaluate_pairs``).
+KTO_EVAL_METRICS = ("eval_preference_accuracy", "eval_preference_loss", "eval_reward_margin", "eval_reward_desirable",
+                    "eval_logp_desirable", "eval_kl")
 
 
 def _numel(shape) -> int:
@@ -547,19 +552,30 @@ def _preference_facts(spec, tokenizer, records: int, facts: dict) -> dict:
     limit = records or None
     stats = DataStats()
     skipped: list[str] = []
-    pairs = read_pairs([s.path for s in spec.data.sources], tokenizer, spec.data, stats, skipped, max_records=limit)
+    kto = spec.preference.kind == "kto"
+    read = read_kto_records if kto else read_pairs
+    pairs = read([s.path for s in spec.data.sources], tokenizer, spec.data, stats, skipped, max_records=limit)
     if not pairs:
         raise SpecError(f"data.sources: no usable preference pair in the {stats.bad_records} records checked")
     rows = pack_rows(pairs, spec.data.max_seq_len)
     stats.sequences, stats.sequence_capacity = len(rows), len(rows) * spec.data.max_seq_len
     facts["data"] = stats
-    facts["pairs"] = f"{len(pairs)} pairs checked, {stats.trained_tokens} completion tokens" + (
-        f", {len(skipped)} bad pairs skipped (first: {skipped[0]})" if skipped else "")
+    unit = "records" if kto else "pairs"
+    facts["pairs"] = f"{len(pairs)} {unit} checked, {stats.trained_tokens} completion tokens" + (
+        f", {len(skipped)} bad {unit} skipped (first: {skipped[0]})" if skipped else "")
+    if kto:
+        from pgs.runtime.loop.kto import ratio_warning
+
+        good, bad = label_counts(pairs)
+        facts["pairs"] += f" ({good} desirable, {bad} undesirable; each with its KL sample)"
+        warning = ratio_warning(spec.preference, good, bad)
+        if warning:
+            facts["warnings"].append(warning)
     pref = spec.preference
     facts["preference"] = (f"{pref.kind}, beta {pref.beta:g}, reference "
                            + ("none" if not pref.uses_reference else
                               f"{pref.reference} ({pref.reference_path or 'the initial policy'})"))
     if spec.data.eval is not None:
-        held = read_pairs([spec.data.eval], tokenizer, spec.data, max_records=limit)
-        facts["eval"] = f"{len(held)} held-out pairs checked"
+        held = read([spec.data.eval], tokenizer, spec.data, max_records=limit)
+        facts["eval"] = f"{len(held)} held-out {unit} checked"
     return facts

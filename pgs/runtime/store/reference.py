@@ -11,9 +11,10 @@ removes the temporary and raises ``DiskFull`` (exit 84, ``checkpoint.disk_full_g
 The file's metadata holds the *fingerprint* it was computed for: the reference model (its
 folder's config and weight files, or the random-init config and seed), the data files (size,
 mtime and a hash of the first MiB of each), the chat template, the tokenizer, ``max_seq_len``
-and the data settings that change the masks.  Reading it back with another fingerprint is
-refused (:class:`StaleReference`), naming what changed: the numbers would belong to other
-pairs or another model.
+and the data settings that change the masks (and for ``kind = "kto"`` the seed that picks each
+record's KL sample: the second column holds the reference's log-prob of that mismatched pair).
+Reading it back with another fingerprint is refused (:class:`StaleReference`), naming what
+changed: the numbers would belong to other pairs or another model.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def fingerprint(spec, tokenizer) -> dict[str, str]:
     pref, data, m = spec.preference, spec.data, spec.model
     folder = pref.reference_path or m.path
     files = [s.path for s in data.sources] + ([data.eval] if data.eval else [])
-    return {
+    print_ = {
         "format": str(FORMAT),
         "model": _model_fingerprint(folder, None if folder else m) + f" dtype {m.dtype}",
         "data": " ".join(f"{p}={file_fingerprint(p)}" for p in files),
@@ -83,6 +84,9 @@ def fingerprint(spec, tokenizer) -> dict[str, str]:
         "max_seq_len": str(data.max_seq_len),
         "masks": f"supervise_empty_think={data.supervise_empty_think} on_bad_record={data.on_bad_record}",
     }
+    if pref.kind == "kto":  # the second column is each record's KL sample, chosen by data.seed
+        print_["kto"] = f"KL samples seed {data.seed}"
+    return print_
 
 
 def key(print_: dict[str, str]) -> str:
@@ -120,7 +124,8 @@ def load(path: str, expected: dict[str, str]) -> dict[str, torch.Tensor] | None:
     with safe_open(path, framework="pt") as f:
         meta = f.metadata() or {}
         saved = json.loads(meta.get("fingerprint", "{}"))
-        changed = [k for k in expected if saved.get(k) != expected[k]]
+        # a part only one side has (a KTO cache read by a paired run) changed too
+        changed = [k for k in [*expected, *(k for k in saved if k not in expected)] if saved.get(k) != expected.get(k)]
         if changed:
             raise StaleReference(
                 f"{path}: the reference log-probs were computed for another {', '.join(changed)} "

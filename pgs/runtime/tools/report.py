@@ -36,12 +36,15 @@ PLOTS: dict[str, tuple[str, str, tuple[str, ...], bool]] = {
     "eval_accuracy.png": ("eval accuracy", "accuracy", ("eval_accuracy",), False),
     "update_ratio.png": ("update / weight norm ratio (health summaries)", "‖Δw‖ / ‖w‖", ("health/update_ratio",), True),
     # [preference] runs
-    "preference.png": ("preference accuracy (chosen reward above rejected)", "accuracy",
-                       ("preference_accuracy", "eval_preference_accuracy"), False),
-    "rewards.png": ("implicit rewards", "reward", ("reward_chosen", "reward_rejected", "reward_margin",
-                                                   "eval_reward_margin"), False),
-    "logps.png": ("summed log-probs of the completions", "log p", ("logp_chosen", "logp_rejected",
-                                                                   "eval_logp_chosen", "eval_logp_rejected"), False),
+    "preference.png": ("preference accuracy (chosen reward above rejected; KTO: reward on its label's side of z_ref)",
+                       "accuracy", ("preference_accuracy", "eval_preference_accuracy"), False),
+    "rewards.png": ("implicit rewards", "reward", ("reward_chosen", "reward_rejected", "reward_desirable",
+                                                   "reward_undesirable", "reward_margin", "eval_reward_margin"), False),
+    "logps.png": ("summed log-probs of the completions", "log p", ("logp_chosen", "logp_rejected", "logp_desirable",
+                                                                   "logp_undesirable", "eval_logp_chosen",
+                                                                   "eval_logp_rejected", "eval_logp_desirable",
+                                                                   "eval_logp_undesirable"), False),
+    "kl.png": ("KTO's reference point z_ref (estimated KL from the reference)", "nats", ("kl", "eval_kl"), False),
 }
 
 #: Per-task accuracies (``evaluate.task_accuracy``) are drawn on eval_accuracy.png too, and the

@@ -27,7 +27,7 @@ def inspect_spec(spec, n: int = 5, records: int = 0) -> int:
     tokenizer = apply_chat_template(load_tokenizer(spec.model.tokenizer, spec.model.trust_remote_code),
                                     spec.data.chat_template)
     if spec.preference is not None:
-        inspect_pairs(spec.data, tokenizer, n=n, max_records=records or None)
+        inspect_pairs(spec.data, tokenizer, n=n, max_records=records or None, kto=spec.preference.kind == "kto")
     else:
         inspect_dataset(spec.data, tokenizer, n=n, max_records=records or None)
     return 0
@@ -71,7 +71,7 @@ def print_summary(spec, facts: dict) -> None:
     table.add_row("schedule", f"{s.name}, peak {peak_lr:g}, warmup {s.warmup}, total {s.total or 'train length'}")
     if "preference" in facts:
         table.add_row("preference", facts["preference"])
-        table.add_row("pairs", facts["pairs"])
+        table.add_row("records" if spec.preference.kind == "kto" else "pairs", facts["pairs"])
     elif "distill" in facts:
         table.add_row("distill", facts["distill"])
     else:
