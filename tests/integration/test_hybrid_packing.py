@@ -297,3 +297,41 @@ def test_the_fused_route_hands_the_boundaries_to_both_kernels(family, monkeypatc
     want = torch.tensor([0, 7, 77, 86, 96, 166, 175, 192])  # 2 rows of 96: documents, then padding
     assert len(seen["rule"]) == 2 and all(torch.equal(cu, want) for cu in seen["rule"])
     assert len(seen["conv"]) == 2 and all(torch.equal(cu, want) for cu in seen["conv"])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text"])
+def test_sublayer_checkpointing_of_hybrid_layers_keeps_packed_loss_and_gradients(family):
+    """``memory.activation_checkpointing = "sublayer"`` on a hybrid: each layer's mixer (Gated
+    DeltaNet or attention) and its MLP checkpointed apart, packed rows with their boundaries:
+    logits and gradients equal the unchecked model's (which equal each document alone)."""
+    from pgs.runtime.model.layers import apply_activation_checkpointing, decoder_layers
+
+    def grads_of(model):
+        model.train()
+        batch = collate(documents(), pad_id=0, seq_len=WIDTH)
+        logits = model.lm_head(final_hidden(model, batch.input_ids, batch.position_ids))
+        (logits * torch.linspace(-1, 1, 96)).sum().backward()
+        return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    want, want_grads = grads_of(tiny(family))
+    model = tiny(family)
+    assert apply_activation_checkpointing(model, "sublayer") == [0, 1, 2, 3]
+    calls = []
+    mixer = LA.linear_layers(model)[0]
+    inner = mixer.forward
+    mixer.forward = lambda *a, **k: calls.append(torch.is_grad_enabled()) or inner(*a, **k)
+    got, got_grads = grads_of(model)
+    assert calls == [False, True]  # run without autograd in forward, recomputed in backward
+    assert torch.allclose(got, want, atol=1e-6) and got_grads.keys() == want_grads.keys()
+    assert all(torch.allclose(got_grads[n], want_grads[n], atol=1e-6) for n in want_grads)
+    assert any(".linear_attn." in n for n in got_grads)
+    assert type(decoder_layers(model)[0]).__name__ != "OlmoHybridAttentionDecoderLayer"
+
+
+def test_sublayer_checkpointing_refuses_post_norm_attention_layers():
+    """OLMo-Hybrid's attention layers normalize after the mixer (not ``x + mixer(norm(x))``)."""
+    from pgs.errors import InvalidArgument
+    from pgs.runtime.model.layers import apply_activation_checkpointing
+
+    with pytest.raises(InvalidArgument, match="OlmoHybridAttentionDecoderLayer"):
+        apply_activation_checkpointing(tiny("olmo_hybrid").train(), "sublayer")

@@ -43,9 +43,16 @@ from pgs.errors import InvalidArgument, MissingExtra
 from pgs.runtime.pinned import HostPool
 
 POLICIES = ("none", "full", "selective", "sublayer")
-#: decoder layers whose forward is ``x + attn(norm1(x))`` then ``h + mlp(norm2(h))`` (the
-#: ``"sublayer"`` policy re-states that forward in two checkpointed parts)
-SUBLAYER_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
+#: decoder layers whose forward is ``x + mixer(norm1(x))`` then ``h + mlp(norm2(h))`` (the
+#: ``"sublayer"`` policy re-states that forward in two checkpointed parts).  The mixer is the
+#: layer's ``self_attn``, or in a hybrid model's linear-attention layers its ``linear_attn``
+#: (Gated DeltaNet), called as transformers' decoder layer calls it.
+SUBLAYER_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer",
+                   "Qwen3_5DecoderLayer", "Qwen3_5MoeDecoderLayer", "Qwen3NextDecoderLayer",
+                   "OlmoHybridLinearAttentionDecoderLayer")
+#: What a decoder layer's keyword arguments hold that transformers' hybrid layers do not hand to
+#: their linear-attention mixer (it takes the cache, the mask and the packing boundaries).
+_ATTENTION_ONLY = ("position_ids", "position_embeddings", "use_cache", "output_attentions")
 _ORIGINAL = "_pgs_forward_before_checkpointing"
 
 
@@ -361,15 +368,24 @@ def _tagged(run, inner, context_fn, offload: bool | int, rng: bool, fast: bool):
 
 def sublayer_parts(layer: torch.nn.Module):
     """``(attention, mlp)``: the two residual halves of a decoder layer's forward,
-    ``attention(x, **kw) = x + self_attn(input_layernorm(x), **kw)`` and
-    ``mlp(h) = h + mlp(post_attention_layernorm(h))``."""
+    ``attention(x, **kw) = x + mixer(input_layernorm(x), **kw)`` and
+    ``mlp(h) = h + mlp(post_attention_layernorm(h))``; the mixer is ``self_attn``, or
+    ``linear_attn`` in a hybrid model's linear-attention layers (given the keyword arguments
+    transformers gives it: not the positions), and a mixture-of-experts MLP's router logits
+    are dropped as the layer drops them."""
+    linear = getattr(layer, "linear_attn", None)
 
     def attention(x, **kwargs):
-        out = layer.self_attn(hidden_states=layer.input_layernorm(x), **kwargs)
+        if linear is not None:
+            out = linear(hidden_states=layer.input_layernorm(x),
+                         **{k: v for k, v in kwargs.items() if k not in _ATTENTION_ONLY})
+        else:
+            out = layer.self_attn(hidden_states=layer.input_layernorm(x), **kwargs)
         return x + (out[0] if isinstance(out, tuple) else out)
 
     def mlp(h):
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        out = layer.mlp(layer.post_attention_layernorm(h))
+        return h + (out[0] if isinstance(out, tuple) else out)
 
     return attention, mlp
 
@@ -421,7 +437,8 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, 
             matmul and attention outputs, recompute elementwise ops) or ``"sublayer"`` (the
             attention half and the MLP half of the layer checkpointed apart: two kept inputs
             per layer, and backward holds one half's activations at a time; Llama, Qwen2/3,
-            Mistral layers).
+            Mistral layers, and the hybrid Qwen3.5, Qwen3.5-MoE, Qwen3-Next layers, whose
+            linear-attention mixer is the first half as attention is).
         every: checkpoint layers ``i`` with ``i % every == 0`` (1: all of them).
         offload: keep each checkpointed layer's input in (pinned) host memory between forward
             and backward instead of on the device (``OffloadedInput``): −b·h bytes per token
