@@ -335,3 +335,57 @@ def test_sublayer_checkpointing_refuses_post_norm_attention_layers():
 
     with pytest.raises(InvalidArgument, match="OlmoHybridAttentionDecoderLayer"):
         apply_activation_checkpointing(tiny("olmo_hybrid").train(), "sublayer")
+
+
+def _saved_by_layer(model, ids):
+    """Bytes autograd saves in one forward, by the decoder layer running (parameters not
+    counted), and the parameter gradients of the logits' weighted sum."""
+    from pgs.runtime.model.layers import decoder_layers
+
+    where, saved = [None], {}
+    hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: where.__setitem__(0, i))
+             for i, layer in enumerate(decoder_layers(model))]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[where[0]] = saved.get(where[0], 0) + t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(input_ids=ids, use_cache=False).logits
+    (logits * torch.linspace(-1, 1, 96)).sum().backward()
+    for h in hooks:
+        h.remove()
+    return saved, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("policy", ["none", "sublayer"])
+def test_frozen_layers_below_the_first_trainable_one_save_nothing(policy):
+    """Selective differentiation: linear-attention layers frozen (``freeze = "non_attention"``)
+    and the untied embedding frozen, the two linear-attention layers under the first attention
+    layer need no backward; ``skip_frozen_prefix`` runs them without autograd.  Measured: they
+    save nothing (with sublayer checkpointing each kept its two inputs, 2·b·h per token), the
+    layers above save what they saved, gradients are unchanged."""
+    from pgs.runtime.model.layers import apply_activation_checkpointing, frozen_prefix, skip_frozen_prefix
+
+    def build(skip):
+        model = build_model(config={**table("qwen3_5_text"), "tie_word_embeddings": False, "layer_types": [
+            "linear_attention", "linear_attention", "full_attention", "linear_attention"]}).train()
+        freeze(model, "non_attention")
+        assert frozen_prefix(model) == 0  # the embedding is trainable: backward reaches it through all
+        model.model.embed_tokens.weight.requires_grad_(False)
+        assert frozen_prefix(model) == 2
+        if skip:
+            assert skip_frozen_prefix(model) == [0, 1]
+        apply_activation_checkpointing(model, policy)
+        return model
+
+    ids = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+    without, want = _saved_by_layer(build(False), ids)
+    with_skip, got = _saved_by_layer(build(True), ids)
+    below = without.get(0, 0) + without.get(1, 0)
+    assert with_skip.get(0, 0) == with_skip.get(1, 0) == 0
+    assert below == (2 * 2 * 4 * 32 * ids.numel() if policy == "sublayer" else 0)  # autograd alone saves none
+    assert {k: v for k, v in with_skip.items() if k not in (0, 1)} == {k: v for k, v in without.items() if k not in (0, 1)}
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)

@@ -74,7 +74,7 @@ from pgs.func.losses import chunked
 from pgs.func.plan import RELEASE, plan_for
 from pgs.runtime.model.build import build_config, build_model, freeze, resolve_dtype as _dtype
 from pgs.runtime.model.loading import load_tokenizer
-from pgs.runtime.model.layers import apply_activation_checkpointing
+from pgs.runtime.model.layers import apply_activation_checkpointing, skip_frozen_prefix
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim.bound import bind
 from pgs.runtime.optim.release import GradientRelease, group_parameters, refusal
@@ -1061,6 +1061,7 @@ def measure_memory(spec, plan, *, steps: int = 3, device: torch.device | str | N
         objective, batches = objective_class(spec).for_profile(spec, model=model, tokenizer=tokenizer, device=dev,
                                                                rows=plan["micro_batch"], seq_len=plan["seq_len"],
                                                                generator=generator)
+        skip_frozen_prefix(model)  # as pgs run's apply_memory
         if opts["mlp_tiles"] > 1:
             apply_mlp_tiles(model, int(opts["mlp_tiles"]))
         apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]),
