@@ -389,3 +389,82 @@ def test_frozen_layers_below_the_first_trainable_one_save_nothing(policy):
     assert below == (2 * 2 * 4 * 32 * ids.numel() if policy == "sublayer" else 0)  # autograd alone saves none
     assert {k: v for k, v in with_skip.items() if k not in (0, 1)} == {k: v for k, v in without.items() if k not in (0, 1)}
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+class _KeepsNothing(torch.autograd.Function):
+    """A kernel stand-in that saves nothing for backward (its output: zeros of ``like``'s shape)."""
+
+    @staticmethod
+    def forward(ctx, like, *inputs):
+        return torch.zeros_like(like)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None,) * len(ctx.needs_input_grad)
+
+
+def _linear_layer_saved(model):
+    """Bytes autograd saves in decoder layer 1 (a linear-attention layer) in the packed training
+    forward of two rows of 16 tokens, parameters not counted, each storage once."""
+    from pgs.runtime.model.layers import decoder_layers
+
+    where, saved = [None], {}
+    for i, layer in enumerate(decoder_layers(model)):
+        layer.register_forward_pre_hook(lambda m, a, i=i: where.__setitem__(0, i))
+    model.model.norm.register_forward_pre_hook(lambda m, a: where.__setitem__(0, "norm"))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if where[0] == 1 and t.dtype != torch.long and key not in params:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    rows = [[Document(tuple(range(3, 13)), (True,) * 10), Document(tuple(range(3, 9)), (True,) * 6)],
+            [Document(tuple(range(3, 19)), (True,) * 16)]]
+    batch = collate(rows, pad_id=0, seq_len=16)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        final_hidden(model, batch.input_ids.to(model.device), batch.position_ids.to(model.device))
+    return sum(saved.values()), 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_profile_linear_attention_term_around_the_kernels_equals_saved_tensors(dtype, monkeypatch):
+    """``pgs profile``'s Gated DeltaNet layer (``activation_parts``): what autograd keeps around
+    fla's two kernels (projections, β, the decay, the gated norm, the output projection, the
+    norms and the MLP), measured on the CPU through the fused route with stand-in kernels that
+    keep nothing; the per-layer constants (the norms' 1 + w, exp(A_log)) aside.  The kernels'
+    own term is measured on CUDA (test_profile_linear_attention_layer_on_cuda)."""
+    from pgs.runtime.tools.profile import _fp32_norm, _linear_mixer_bytes
+
+    config = {**table("qwen3_5_text"), "num_hidden_layers": 2, "layer_types": ["full_attention", "linear_attention"]}
+    model = build_model(config=config, dtype=dtype).train()
+    conv = lambda x, weight, bias=None, **_: (_KeepsNothing.apply(x, x), None)  # noqa: E731
+    rule = lambda q, k, v, g, beta, **_: (_KeepsNothing.apply(v, q, k, v, g, beta), None)  # noqa: E731
+    monkeypatch.setattr(LA, "_KERNELS", [(conv, rule)])
+    monkeypatch.setattr(LA, "path", lambda device: "fused")
+    measured, tokens = _linear_layer_saved(model)
+    c, b, h = build_config(config), dtype.itemsize, 32
+    assert _fp32_norm(c)
+    norm, mlp = 8 * h + 4, 4 * b * 64
+    predicted = (2 * norm + 2 * b * h + mlp + _linear_mixer_bytes(c, b, kernels=False)) * tokens
+    constants = 2 * 4 * h + 2 * 4 * 4  # the two norms' fp32 1 + w, exp(A_log) and its negation
+    assert measured == predicted + constants
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_profile_linear_attention_layer_on_cuda(dtype):
+    """The whole Gated DeltaNet layer term, fla's kernels included, against what autograd keeps
+    on CUDA through the fused path (within 2%: the kernels' per-sequence extras)."""
+    from pgs.runtime.tools.profile import _linear_mixer_bytes
+
+    if not LA.fused_available():
+        pytest.skip("flash-linear-attention is not installed")
+    config = {**table("qwen3_5_text"), "num_hidden_layers": 2, "layer_types": ["full_attention", "linear_attention"]}
+    model = build_model(config=config, dtype=dtype, device="cuda").train()
+    measured, tokens = _linear_layer_saved(model)
+    b, h = dtype.itemsize, 32
+    predicted = (2 * (8 * h + 4) + 2 * b * h + 4 * b * 64 + _linear_mixer_bytes(build_config(config), b)) * tokens
+    assert abs(measured - predicted) <= 0.02 * predicted, (measured, predicted)

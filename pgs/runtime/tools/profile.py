@@ -74,7 +74,7 @@ from pgs.func.losses import chunked
 from pgs.func.plan import RELEASE, plan_for
 from pgs.runtime.model.build import build_config, build_model, freeze, resolve_dtype as _dtype
 from pgs.runtime.model.loading import load_tokenizer
-from pgs.runtime.model.layers import apply_activation_checkpointing, skip_frozen_prefix
+from pgs.runtime.model.layers import apply_activation_checkpointing, frozen_prefix, skip_frozen_prefix
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim.bound import bind
 from pgs.runtime.optim.release import GradientRelease, group_parameters, refusal
@@ -145,6 +145,7 @@ def activation_parts(
     mlp_tiles: int = 0,
     compiled: bool = False,
     experts_eager: bool = False,
+    no_backward: int = 0,
 ) -> tuple[int, int]:
     """``(kept, recompute)``: bytes that forward leaves for backward for ``tokens`` tokens of a
     HF Qwen3/Llama-style decoder, and the extra bytes of one layer recomputed in backward.
@@ -189,6 +190,23 @@ def activation_parts(
     before the routing weight, and the router its logits, their fp32 softmax and the k
     weights.  That is what transformers' ``grouped_mm`` experts save (within 2% on the CPU,
     tests/unit/test_profile.py); its ``eager`` loop keeps one more k·b·h per token.
+
+    Gated DeltaNet layers of a hybrid model (``layer_types`` entries ``"linear_attention"``:
+    Qwen3.5, Qwen3-Next, OLMo-Hybrid; HV value heads of d_v, H_k key heads, key_dim kd and
+    value_dim vd, C = 2·kd + vd convolution channels) replace the attention terms with what the
+    fused path (``pgs.runtime.model.linear_attention``, flash-linear-attention's kernels) keeps:
+
+        around the kernels = b·HV (β) + 8·HV (softplus's fp32 input and output of the decay)
+                             + 12·vd + 4·HV + 2·b·vd (the gated norm: fp32 input, 1/rms, fp32
+                             gate, SiLU(gate), normed and weighted output) + b·vd (o_proj's input)
+        kernels            = b·C (the convolution's input) + b(2·kd + vd) + 8·H_k (normalized q
+                             and k, their 1/‖·‖, v) + 4·HV (cumulated decay) + 64·b·HV (the
+                             chunk's triangular system, 64-token chunks)
+
+    (+ b·HV for OLMo-Hybrid's β ∈ [0, 2)).  The recurrent state is not kept: fla's backward
+    recomputes it chunk by chunk.  Qwen3.5 and Qwen3-Next's RMSNorm multiplies by 1 + w in
+    fp32: norm(x) = 8h + 4 there.  ``no_backward``: the first that many layers run without
+    autograd (``pgs.runtime.model.layers.skip_frozen_prefix``): they keep nothing.
     """
     if policy not in ("none", "full", "selective", "sublayer"):
         raise InvalidArgument(f"activation_bytes: policy={policy!r} is not none, full or selective")
@@ -202,7 +220,7 @@ def activation_parts(
     d = getattr(c, "head_dim", None) or h // n_q
     q, k = n_q * d, n_kv * d
     k_att = k if (gqa_native or n_kv == n_q) else q
-    norm = 4 * h + 4 + b * h
+    norm = 8 * h + 4 if _fp32_norm(c) else 4 * h + 4 + b * h
     qk_norm = 4 * (q + k) + 4 * (n_q + n_kv) + b * (q + k) if _has_qk_norm(c) else 0
     tiled = mlp_tiles > 1
     if compiled:  # inductor recomputes the fp32 copies and one [tokens, I] tensor
@@ -215,17 +233,32 @@ def activation_parts(
         mlp = top_k * ((3 if compiled else 4) * b * inter_e + (3 if experts_eager else 2) * b * h)
         mlp += (b + 4) * n_experts + 4 * top_k
     a_none = 2 * norm + 2 * b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q + mlp
+    attn_half = norm + b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q
+    linear = _linear_mixer_bytes(c, b)
     a_kept = {"none": a_none, "full": b * h, "sublayer": 2 * b * h,
               "selective": b * h + b * (q + 2 * k) + b * q + 4 * n_q + 2 * b * h + 2 * b * inter}[policy]
     if offload and policy not in ("full", "sublayer"):
         raise InvalidArgument(f"activation_bytes: offload needs policy \"full\" or \"sublayer\", got {policy!r}")
-    checkpointed = 0 if policy == "none" else len(range(0, n_layers, every))
-    per_token = checkpointed * (0 if offload else a_kept) + (n_layers - checkpointed) * a_none
-    per_token += 4 * h + 4 + b * h + b * h + 2 * b * d  # final norm (eager) and its output; rotary cos and sin
-    recompute = (a_none - (0 if offload else a_kept)) * tokens if checkpointed else 0
-    if policy == "sublayer" and checkpointed:  # one half recomputed at a time (+ its input copied back)
-        attn_half = norm + b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q
-        recompute = (max(attn_half, norm + b * h + mlp) + (b * h if offload else 0)) * tokens
+    types = list(getattr(c, "layer_types", None) or [])
+    final_norm = 8 * h + 4 if _fp32_norm(c) else 4 * h + 4 + b * h  # eager, also in compiled runs
+    per_token, worst = final_norm + b * h + 2 * b * d, 0  # final norm and its output; rotary cos and sin
+    checkpointed = 0
+    for i in range(n_layers):
+        if i < no_backward:  # run without autograd: nothing kept, nothing recomputed
+            continue
+        mixer = linear if i < len(types) and types[i] == "linear_attention" and linear else None
+        layer = a_none if mixer is None else 2 * norm + 2 * b * h + mixer + mlp
+        half = attn_half if mixer is None else norm + b * h + mixer
+        if policy == "none" or i % every:
+            per_token += layer
+            continue
+        checkpointed += 1
+        per_token += 0 if offload else a_kept
+        if policy == "sublayer":  # one half recomputed at a time (+ its input copied back)
+            worst = max(worst, max(half, norm + b * h + mlp) + (b * h if offload else 0))
+        else:
+            worst = max(worst, layer - (0 if offload else a_kept))
+    recompute = worst * tokens
     if tiled:  # one tile's working set in the MLP's backward
         recompute += 8 * b * inter * -(-tokens // mlp_tiles)
     if offload and checkpointed:  # inputs fetched further ahead than the next one (offload_prefetch)
@@ -243,6 +276,31 @@ def offloaded_input_bytes(cfg, tokens: int, *, dtype=torch.bfloat16, policy: str
     b = torch.empty((), dtype=_dtype(dtype)).element_size()
     layers = len(range(0, c.num_hidden_layers, every))
     return layers * (2 if policy == "sublayer" else 1) * b * c.hidden_size * int(tokens)
+
+
+#: Families whose RMSNorm returns ``normed·(1 + w)`` computed in fp32 (it keeps its fp32 output).
+_ONE_PLUS_W_NORM = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+def _fp32_norm(c) -> bool:
+    return getattr(c, "model_type", "") in _ONE_PLUS_W_NORM
+
+
+def _linear_mixer_bytes(c, b: int, kernels: bool = True) -> int:
+    """Bytes per token a Gated DeltaNet mixer keeps through the fused path (``activation_parts``
+    has the terms; ``kernels=False``: only what autograd keeps around fla's two kernels); 0 for
+    a config without linear-attention heads."""
+    heads_v = getattr(c, "linear_num_value_heads", None)
+    if not heads_v:
+        return 0
+    heads_k = int(c.linear_num_key_heads)
+    kd, vd = heads_k * int(c.linear_key_head_dim), int(heads_v) * int(c.linear_value_head_dim)
+    around = b * heads_v + 8 * heads_v + 12 * vd + 4 * heads_v + 2 * b * vd + b * vd
+    if getattr(c, "linear_allow_neg_eigval", False):
+        around += b * heads_v
+    channels = 2 * kd + vd  # the convolution's input; then q and k normalized, v made contiguous
+    inside = b * channels + b * (2 * kd + vd) + 8 * heads_k + 4 * heads_v + 64 * b * heads_v
+    return around + (inside if kernels else 0)
 
 
 def _has_qk_norm(c) -> bool:
@@ -399,7 +457,7 @@ def predict_memory(
     kept, recompute = activation_parts(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
                                        every=checkpoint_every, gqa_native=gqa_native, offload=checkpoint_offload,
                                        mlp_tiles=int(mlp_tiles or 0), compiled=bool(compiled_layers),
-                                       experts_eager=experts_eager)
+                                       experts_eager=experts_eager, no_backward=frozen_prefix(model))
     out["activations"] = kept + recompute
     head = head_memory(cfg, model, dt, micro_batch_tokens, loss=loss, loss_chunk=loss_chunk,
                        loss_kernels=loss_kernels, defer_head_grad=defer_head_grad,
