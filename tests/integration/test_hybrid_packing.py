@@ -468,3 +468,19 @@ def test_profile_linear_attention_layer_on_cuda(dtype):
     b, h = dtype.itemsize, 32
     predicted = (2 * (8 * h + 4) + 2 * b * h + 4 * b * 64 + _linear_mixer_bytes(build_config(config), b)) * tokens
     assert abs(measured - predicted) <= 0.02 * predicted, (measured, predicted)
+
+
+def test_the_qwen3_5_4b_recipe_is_predicted_within_16_gib():
+    """specs/qwen3_5_4b_16gib.toml: ``pgs profile``'s peak for one CUDA process is at most 16 GiB,
+    its linear-attention layers frozen (no gradient, no state) and sublayer-checkpointed."""
+    from pathlib import Path
+
+    from pgs.runtime.spec.load import load_spec
+    from pgs.runtime.tools.profile import GiB, plan_from_spec, predict
+
+    spec = load_spec(Path(__file__).resolve().parents[2] / "specs" / "qwen3_5_4b_16gib.toml")
+    plan = plan_from_spec(spec)
+    model = plan["kwargs"]["model"]
+    assert all(not p.requires_grad for n, p in model.named_parameters() if ".linear_attn." in n)
+    assert plan["options"]["activation_checkpointing"] == "sublayer"
+    assert predict(spec, torch.device("cuda")).peak <= 16 * GiB
