@@ -123,7 +123,10 @@ def _kernels() -> tuple:
         try:
             rule = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
             conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
-            found = (conv, rule) if callable(rule) and callable(conv) else ()
+            # outside torch.compile's graphs (compiled layers compile what is around them):
+            # Triton kernels behind fla's own autotuner and autograd functions
+            found = (torch.compiler.disable(conv), torch.compiler.disable(rule)) if callable(rule) and callable(
+                conv) else ()
         except Exception:  # noqa: BLE001 - missing or broken: the per-document path runs
             found = ()
         _KERNELS.append(found)

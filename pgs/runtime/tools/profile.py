@@ -191,22 +191,10 @@ def activation_parts(
     weights.  That is what transformers' ``grouped_mm`` experts save (within 2% on the CPU,
     tests/unit/test_profile.py); its ``eager`` loop keeps one more k·b·h per token.
 
-    Gated DeltaNet layers of a hybrid model (``layer_types`` entries ``"linear_attention"``:
-    Qwen3.5, Qwen3-Next, OLMo-Hybrid; HV value heads of d_v, H_k key heads, key_dim kd and
-    value_dim vd, C = 2·kd + vd convolution channels) replace the attention terms with what the
-    fused path (``pgs.runtime.model.linear_attention``, flash-linear-attention's kernels) keeps:
-
-        around the kernels = b·HV (β) + 8·HV (softplus's fp32 input and output of the decay)
-                             + 12·vd + 4·HV + 2·b·vd (the gated norm: fp32 input, 1/rms, fp32
-                             gate, SiLU(gate), normed and weighted output) + b·vd (o_proj's input)
-        kernels            = b·C (the convolution's input) + b(2·kd + vd) + 8·H_k (normalized q
-                             and k, their 1/‖·‖, v) + 4·HV (cumulated decay) + 64·b·HV (the
-                             chunk's triangular system, 64-token chunks)
-
-    (+ b·HV for OLMo-Hybrid's β ∈ [0, 2)).  The recurrent state is not kept: fla's backward
-    recomputes it chunk by chunk.  Qwen3.5 and Qwen3-Next's RMSNorm multiplies by 1 + w in
-    fp32: norm(x) = 8h + 4 there.  ``no_backward``: the first that many layers run without
-    autograd (``pgs.runtime.model.layers.skip_frozen_prefix``): they keep nothing.
+    Gated DeltaNet layers of a hybrid model (``layer_types`` entries ``"linear_attention"``)
+    replace the attention terms with their mixer's (``_linear_mixer_bytes``); Qwen3.5's and
+    Qwen3-Next's RMSNorm keeps its fp32 output (norm(x) = 8h + 4).  ``no_backward``: the first
+    layers that run without autograd (``layers.skip_frozen_prefix``), which keep nothing.
     """
     if policy not in ("none", "full", "selective", "sublayer"):
         raise InvalidArgument(f"activation_bytes: policy={policy!r} is not none, full or selective")
@@ -287,9 +275,21 @@ def _fp32_norm(c) -> bool:
 
 
 def _linear_mixer_bytes(c, b: int, kernels: bool = True) -> int:
-    """Bytes per token a Gated DeltaNet mixer keeps through the fused path (``activation_parts``
-    has the terms; ``kernels=False``: only what autograd keeps around fla's two kernels); 0 for
-    a config without linear-attention heads."""
+    """Bytes per token a Gated DeltaNet mixer keeps through the fused path
+    (``pgs.runtime.model.linear_attention``, flash-linear-attention's kernels); ``kernels=False``:
+    only what autograd keeps around fla's two kernels; 0 for a config without linear-attention
+    heads.  With HV value heads of d_v, H_k key heads, key_dim kd, value_dim vd and
+    C = 2·kd + vd convolution channels:
+
+        around the kernels = b·HV (β) + 8·HV (softplus's fp32 input and output of the decay)
+                             + 12·vd + 4·HV + 2·b·vd (the gated norm: fp32 input, 1/rms, fp32
+                             gate, SiLU(gate), normed and weighted output) + b·vd (o_proj's input)
+        kernels            = b·C (the convolution's input) + b(2·kd + vd) + 8·H_k (normalized q
+                             and k, their 1/‖·‖, v) + 4·HV (cumulated decay) + 64·b·HV (the
+                             chunk's triangular system, 64-token chunks)
+
+    (+ b·HV for OLMo-Hybrid's β ∈ [0, 2)).  The recurrent state is not kept: fla's backward
+    recomputes it chunk by chunk."""
     heads_v = getattr(c, "linear_num_value_heads", None)
     if not heads_v:
         return 0
