@@ -254,15 +254,17 @@ def activation_parts(
     return per_token * tokens, recompute
 
 
-def offloaded_input_bytes(cfg, tokens: int, *, dtype=torch.bfloat16, policy: str = "full", every: int = 1) -> int:
+def offloaded_input_bytes(cfg, tokens: int, *, dtype=torch.bfloat16, policy: str = "full", every: int = 1,
+                          no_backward: int = 0) -> int:
     """Host bytes of the checkpointed layers' inputs with ``offload_checkpoints``: each
     checkpointed layer keeps its input (``"full"``) or its two sublayers' inputs
-    (``"sublayer"``), b·h per token each, all of a step's forward at once."""
+    (``"sublayer"``), b·h per token each, all of a step's forward at once (the first
+    ``no_backward`` layers, run without autograd, keep none)."""
     if policy not in ("full", "sublayer"):
         return 0
     c = _text_config(cfg)
     b = torch.empty((), dtype=_dtype(dtype)).element_size()
-    layers = len(range(0, c.num_hidden_layers, every))
+    layers = len([i for i in range(0, c.num_hidden_layers, every) if i >= no_backward])
     return layers * (2 if policy == "sublayer" else 1) * b * c.hidden_size * int(tokens)
 
 
@@ -457,7 +459,7 @@ def predict_memory(
     kept, recompute = activation_parts(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
                                        every=checkpoint_every, gqa_native=gqa_native, offload=checkpoint_offload,
                                        mlp_tiles=int(mlp_tiles or 0), compiled=bool(compiled_layers),
-                                       experts_eager=experts_eager, no_backward=frozen_prefix(model))
+                                       experts_eager=experts_eager, no_backward=(skipped := frozen_prefix(model)))
     out["activations"] = kept + recompute
     head = head_memory(cfg, model, dt, micro_batch_tokens, loss=loss, loss_chunk=loss_chunk,
                        loss_kernels=loss_kernels, defer_head_grad=defer_head_grad,
@@ -472,7 +474,7 @@ def predict_memory(
         out.update(host_state=binder["host_state"], pcie_per_step=2 * binder["host_state"])
     if checkpoint_offload:
         out["host_inputs"] = offloaded_input_bytes(cfg, micro_batch_tokens, dtype=dt, policy=activation_checkpointing,
-                                                   every=checkpoint_every)
+                                                   every=checkpoint_every, no_backward=skipped)
     return out
 
 
