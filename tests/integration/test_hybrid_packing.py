@@ -484,3 +484,34 @@ def test_the_qwen3_5_4b_recipe_is_predicted_within_16_gib():
     assert all(not p.requires_grad for n, p in model.named_parameters() if ".linear_attn." in n)
     assert plan["options"]["activation_checkpointing"] == "sublayer"
     assert predict(spec, torch.device("cuda")).peak <= 16 * GiB
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_profile_attention_layers_of_a_hybrid_equal_saved_tensors(family, dtype):
+    """``activation_parts`` on a hybrid family's attention layers ((1 + w) norms in fp32, the
+    sigmoid output gate, a quarter of each head rotated) equals what autograd saves, as it does
+    for Qwen3's; the per-norm constants (1 + w in fp32, [h] or [d]) aside."""
+    from pgs.runtime.tools.profile import activation_bytes
+
+    config = {**table(family), "num_hidden_layers": 2, "layer_types": ["full_attention"] * 2,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
+    if family == "qwen3_next":
+        config["num_experts"] = 0  # a dense MLP: the experts' term is tested on Qwen3-MoE
+    model = build_model(config=config, dtype=dtype).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if t.dtype != torch.long and key not in params:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    B, S = 2, 16
+    ids = torch.randint(3, 96, (B, S), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        h = model.model(input_ids=ids, position_ids=torch.arange(S).expand(B, S), use_cache=False).last_hidden_state
+    measured = sum(saved.values()) + h.numel() * h.element_size()
+    constants = (2 * 2 + 1) * 4 * 32 + 2 * 2 * 4 * 8  # five hidden norms' 1 + w, two q/k norms per layer
+    assert measured - constants == activation_bytes(build_config(config), B * S, dtype=dtype, policy="none")

@@ -192,8 +192,9 @@ def activation_parts(
     tests/unit/test_profile.py); its ``eager`` loop keeps one more k·b·h per token.
 
     Gated DeltaNet layers of a hybrid model (``layer_types`` entries ``"linear_attention"``)
-    replace the attention terms with their mixer's (``_linear_mixer_bytes``); Qwen3.5's and
-    Qwen3-Next's RMSNorm keeps its fp32 output (norm(x) = 8h + 4).  ``no_backward``: the first
+    replace the attention terms with their mixer's (``_linear_mixer_bytes``).  Qwen3.5's and
+    Qwen3-Next's RMSNorms keep their fp32 output (norm(x) = 8h + 4, qk_norm = 8(q + k) +
+    4(n_q + n_kv)) and their attention a sigmoid output gate (3·b·q more).  ``no_backward``: the first
     layers that run without autograd (``layers.skip_frozen_prefix``), which keep nothing.
     """
     if policy not in ("none", "full", "selective", "sublayer"):
@@ -209,7 +210,7 @@ def activation_parts(
     q, k = n_q * d, n_kv * d
     k_att = k if (gqa_native or n_kv == n_q) else q
     norm = 8 * h + 4 if _fp32_norm(c) else 4 * h + 4 + b * h
-    qk_norm = 4 * (q + k) + 4 * (n_q + n_kv) + b * (q + k) if _has_qk_norm(c) else 0
+    qk_norm, gate = _qk_norm_and_gate(c, b, q, k, n_q, n_kv)
     tiled = mlp_tiles > 1
     if compiled:  # inductor recomputes the fp32 copies and one [tokens, I] tensor
         norm -= 4 * h
@@ -220,8 +221,8 @@ def activation_parts(
         n_experts, top_k, inter_e = moe
         mlp = top_k * ((3 if compiled else 4) * b * inter_e + (3 if experts_eager else 2) * b * h)
         mlp += (b + 4) * n_experts + 4 * top_k
-    a_none = 2 * norm + 2 * b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q + mlp
-    attn_half = norm + b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q
+    a_none = 2 * norm + 2 * b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q + gate + mlp
+    attn_half = norm + b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q + gate
     linear = _linear_mixer_bytes(c, b)
     a_kept = {"none": a_none, "full": b * h, "sublayer": 2 * b * h,
               "selective": b * h + b * (q + 2 * k) + b * q + 4 * n_q + 2 * b * h + 2 * b * inter}[policy]
@@ -229,7 +230,7 @@ def activation_parts(
         raise InvalidArgument(f"activation_bytes: offload needs policy \"full\" or \"sublayer\", got {policy!r}")
     types = list(getattr(c, "layer_types", None) or [])
     final_norm = 8 * h + 4 if _fp32_norm(c) else 4 * h + 4 + b * h  # eager, also in compiled runs
-    per_token, worst = final_norm + b * h + 2 * b * d, 0  # final norm and its output; rotary cos and sin
+    per_token, worst = final_norm + b * h + 2 * b * _rotary_dim(c, d), 0  # final norm and output; rotary cos, sin
     checkpointed = 0
     for i in range(n_layers):
         if i < no_backward:  # run without autograd: nothing kept, nothing recomputed
@@ -274,6 +275,24 @@ _ONE_PLUS_W_NORM = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"
 
 def _fp32_norm(c) -> bool:
     return getattr(c, "model_type", "") in _ONE_PLUS_W_NORM
+
+
+def _qk_norm_and_gate(c, b: int, q: int, k: int, n_q: int, n_kv: int) -> tuple[int, int]:
+    """Bytes per token the q/k norms keep, and an output gate's.  Qwen3.5 and Qwen3-Next: (1 + w)
+    norms that keep their fp32 input and output (in an fp32 model q's input is a view of q_proj's
+    whole [q, gate] output), and ``o_proj(attention · sigmoid(gate))``: the sigmoid's output,
+    the attention output reshaped for the product, and the product."""
+    if _fp32_norm(c):
+        return 8 * (q + k) + 4 * (n_q + n_kv) + (4 * q if b == 4 else 0), 3 * b * q
+    return (4 * (q + k) + 4 * (n_q + n_kv) + b * (q + k) if _has_qk_norm(c) else 0), 0
+
+
+def _rotary_dim(c, head_dim: int) -> int:
+    """The rotated part of a head (``partial_rotary_factor``: Qwen3.5 rotates a quarter)."""
+    rope = getattr(c, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)) if isinstance(
+        rope, dict) else getattr(c, "partial_rotary_factor", 1.0)
+    return int(head_dim * float(factor or 1.0))
 
 
 def _linear_mixer_bytes(c, b: int, kernels: bool = True) -> int:
