@@ -79,6 +79,9 @@ SUITES = {s.name: s for s in (
     Suite("moe", "moe.py", "product",
           "mixture-of-experts experts: `pgs run` on OLMoE-1B-7B per expert implementation (eager, grouped_mm) "
           "beside HF's own forward + backward + AdamW with the same implementations, same batches"),
+    Suite("hybrid", "hybrid_packing.py", "product",
+          "hybrid linear-attention models: `pgs run` on the Qwen3.5-4B recipe packed and isolated (fla's kernels "
+          "given the boundaries) vs one document per row, beside HF's own step on one conversation per step"),
     Suite("offload", "offload_bench.py", "product",
           "optimizer state on the host: `pgs run` on the 8B 20 GiB spec beside HF compiled + AC + fused AdamW, "
           "the 4B recipe with and without offload, PCIe bandwidth; saves in the foreground and background, "

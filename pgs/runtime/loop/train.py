@@ -92,11 +92,13 @@ def is_main(run: Run) -> bool:
 
 
 def apply_memory(model, memory, fast_recompute: bool = True) -> None:
-    """Liger kernels, activation checkpointing and per-layer compile from ``[memory]``, in place.
+    """Selective differentiation (``layers.skip_frozen_prefix``), Liger kernels, activation
+    checkpointing and per-layer compile from ``[memory]``, in place.
     ``fast_recompute=False``: checkpoint through ``torch.utils.checkpoint`` only (a router loss
     needs the forward's graph, which the fast recompute does not build)."""
 
     options = MemoryOptions.of(memory)
+    layers.skip_frozen_prefix(model)  # frozen layers with nothing trainable below: no backward
     if options.liger:
         layers.apply_liger(model)
     if options.mlp_tiles > 1:

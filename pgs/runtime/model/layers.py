@@ -43,10 +43,22 @@ from pgs.errors import InvalidArgument, MissingExtra
 from pgs.runtime.pinned import HostPool
 
 POLICIES = ("none", "full", "selective", "sublayer")
-#: decoder layers whose forward is ``x + attn(norm1(x))`` then ``h + mlp(norm2(h))`` (the
-#: ``"sublayer"`` policy re-states that forward in two checkpointed parts)
-SUBLAYER_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
+#: decoder layers whose forward is ``x + mixer(norm1(x))`` then ``h + mlp(norm2(h))`` (the
+#: ``"sublayer"`` policy re-states that forward in two checkpointed parts).  The mixer is the
+#: layer's ``self_attn``, or in a hybrid model's linear-attention layers its ``linear_attn``
+#: (Gated DeltaNet), called as transformers' decoder layer calls it.
+SUBLAYER_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer",
+                   "Qwen3_5DecoderLayer", "Qwen3_5MoeDecoderLayer", "Qwen3NextDecoderLayer",
+                   "OlmoHybridLinearAttentionDecoderLayer")
+#: What a decoder layer's keyword arguments hold that transformers' hybrid layers do not hand to
+#: their linear-attention mixer (it takes the cache, the mask and the packing boundaries).
+_ATTENTION_ONLY = ("position_ids", "position_embeddings", "use_cache", "output_attentions")
 _ORIGINAL = "_pgs_forward_before_checkpointing"
+#: Marks a decoder layer that :func:`skip_frozen_prefix` runs without autograd.
+_NO_BACKWARD = "_pgs_no_backward"
+#: Parameters outside the decoder layers that sit above them (the final norm; the head is
+#: found as the output embeddings): trainable, they need no backward through the layers.
+_ABOVE_LAYERS = (".norm.", ".final_layernorm.", ".ln_f.", ".final_norm.", ".norm_f.")
 
 
 def decoder_layers(model) -> Sequence[torch.nn.Module]:
@@ -361,15 +373,24 @@ def _tagged(run, inner, context_fn, offload: bool | int, rng: bool, fast: bool):
 
 def sublayer_parts(layer: torch.nn.Module):
     """``(attention, mlp)``: the two residual halves of a decoder layer's forward,
-    ``attention(x, **kw) = x + self_attn(input_layernorm(x), **kw)`` and
-    ``mlp(h) = h + mlp(post_attention_layernorm(h))``."""
+    ``attention(x, **kw) = x + mixer(input_layernorm(x), **kw)`` and
+    ``mlp(h) = h + mlp(post_attention_layernorm(h))``; the mixer is ``self_attn``, or
+    ``linear_attn`` in a hybrid model's linear-attention layers (given the keyword arguments
+    transformers gives it: not the positions), and a mixture-of-experts MLP's router logits
+    are dropped as the layer drops them."""
+    linear = getattr(layer, "linear_attn", None)
 
     def attention(x, **kwargs):
-        out = layer.self_attn(hidden_states=layer.input_layernorm(x), **kwargs)
+        if linear is not None:
+            out = linear(hidden_states=layer.input_layernorm(x),
+                         **{k: v for k, v in kwargs.items() if k not in _ATTENTION_ONLY})
+        else:
+            out = layer.self_attn(hidden_states=layer.input_layernorm(x), **kwargs)
         return x + (out[0] if isinstance(out, tuple) else out)
 
     def mlp(h):
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        out = layer.mlp(layer.post_attention_layernorm(h))
+        return h + (out[0] if isinstance(out, tuple) else out)
 
     return attention, mlp
 
@@ -397,6 +418,50 @@ def _checkpointed_sublayers(layer: torch.nn.Module, original, offload: bool | in
     return _tagged(run, original, None, offload, rng, fast)
 
 
+def frozen_prefix(model) -> int:
+    """How many decoder layers, from the first, no gradient needs to pass through: frozen, with
+    no trainable parameter below them (the input embeddings, or anything else outside the
+    layers but the output head and the final norm, trainable means 0)."""
+    layers = decoder_layers(model)
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    above = {id(p) for p in head.parameters()} if head is not None else set()
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = {id(p) for p in embeddings.parameters()} if embeddings is not None else set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in inside:
+            continue
+        if id(p) in tied or not (id(p) in above or any(t in "." + name for t in _ABOVE_LAYERS)):
+            return 0  # trainable below the layers: backward goes through every one of them
+    count = 0
+    for layer in layers:
+        if any(p.requires_grad for p in layer.parameters()):
+            break
+        count += 1
+    return count
+
+
+def skip_frozen_prefix(model) -> list[int]:
+    """Selective differentiation: the decoder layers of :func:`frozen_prefix` run under
+    ``torch.no_grad()``, so they save nothing for backward (not even a checkpointed layer's
+    input: ``apply_activation_checkpointing`` leaves them alone) and backward ends at the first
+    trainable layer.  Exact: no gradient would reach them.  Returns their indices; call it after
+    ``freeze`` (a later change of ``requires_grad`` is not seen)."""
+    done = []
+    for i, layer in enumerate(decoder_layers(model)[:frozen_prefix(model)]):
+        if not getattr(layer, _NO_BACKWARD, False):
+            forward = layer.forward
+
+            def run(*args, _forward=forward, **kwargs):
+                with torch.no_grad():
+                    return _forward(*args, **kwargs)
+
+            layer.forward = run
+            setattr(layer, _NO_BACKWARD, True)
+        done.append(i)
+    return done
+
+
 def remove_activation_checkpointing(model) -> None:
     """Undo ``apply_activation_checkpointing`` (restores each layer's own forward)."""
     for layer in decoder_layers(model):
@@ -421,7 +486,8 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, 
             matmul and attention outputs, recompute elementwise ops) or ``"sublayer"`` (the
             attention half and the MLP half of the layer checkpointed apart: two kept inputs
             per layer, and backward holds one half's activations at a time; Llama, Qwen2/3,
-            Mistral layers).
+            Mistral layers, and the hybrid Qwen3.5, Qwen3.5-MoE, Qwen3-Next layers, whose
+            linear-attention mixer is the first half as attention is).
         every: checkpoint layers ``i`` with ``i % every == 0`` (1: all of them).
         offload: keep each checkpointed layer's input in (pinned) host memory between forward
             and backward instead of on the device (``OffloadedInput``): −b·h bytes per token
@@ -470,7 +536,7 @@ def apply_activation_checkpointing(model, policy: str = "full", every: int = 1, 
     fast = bool(fast_recompute)
     done = []
     for i, layer in enumerate(layers):
-        if i % every:
+        if i % every or getattr(layer, _NO_BACKWARD, False):  # no backward: nothing to keep
             continue
         layer.__dict__[_ORIGINAL] = layer.__dict__.get("forward")  # None: the class's forward
         if policy == "sublayer":

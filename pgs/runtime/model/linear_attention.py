@@ -18,16 +18,17 @@ boundaries (``cu_seq_lens_q``: ``[0, l1, l1+l2, …, B·S]`` over the flattened 
 same boundaries the packed-attention kernels take, see ``pgs.runtime.model.attention``) and
 restarts both the convolution window and the recurrent state at each:
 
-* **fused** (CUDA, with flash-linear-attention *and* causal-conv1d installed): the rows become
-  one ``[1, B·S]`` sequence and the layer's own transformers forward runs once, with
-  ``cu_seq_lens_q`` (which transformers hands to fla's ``chunk_gated_delta_rule`` as
-  ``cu_seqlens``) and ``seq_idx`` (a document index per token, which transformers hands to
-  causal-conv1d's ``causal_conv1d_fn``): the two kernels transformers already dispatches these
-  layers to, each told where documents start.  Neither kernel runs on the CPU.
+* **fused** (CUDA, with flash-linear-attention installed): the rows become one ``[1, B·S]``
+  sequence and the layer's computation runs once, re-stated here from its parameters
+  (:func:`_fused`): the input projections, fla's causal convolution and fla's
+  ``chunk_gated_delta_rule``, each given the boundaries as ``cu_seqlens``, then the layer's own
+  gated norm and output projection.  fla is pure Python and Triton, so nothing else needs
+  building (transformers' own route to fused kernels also wants causal-conv1d, a compiled
+  extension); its kernels run on CUDA only.
 * **per document** (everywhere else): the layer's transformers forward runs on each document's
   slice alone, and the outputs are concatenated.  Each document then goes through exactly the
   computation it gets as a sequence of its own, so the result is the unpacked result; the cost
-  is one call per document and layer (on CUDA with fla installed, each call uses fla's kernel).
+  is one call per document and layer.
 
 A forward without boundaries (unpacked rows, generation with a cache, a padding mask) runs the
 layer's transformers forward unchanged.  Only the layer classes in :data:`GATED_DELTANET_CLASSES`
@@ -40,6 +41,7 @@ import importlib
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 #: transformers' Gated DeltaNet layer classes whose forward this module wraps (all take
@@ -107,25 +109,28 @@ def wants_boundaries(model: nn.Module) -> bool:
     return bool(getattr(model, _WANTS, False))
 
 
-#: :func:`fused_available`'s answer, found once (a list, not ``lru_cache``: compiled layers reach
-#: :func:`path`, and dynamo warns at every ``lru_cache``-wrapped call it traces).  :func:`isolate`
-#: asks first, eagerly, outside any compiled layer.
-_FUSED: list = []
-
-
 def fused_available() -> bool:
-    """Are fla's ``chunk_gated_delta_rule`` and causal-conv1d's ``causal_conv1d_fn`` importable
-    (what transformers dispatches Gated DeltaNet layers to on CUDA)?"""
-    if not _FUSED:
+    """Are flash-linear-attention's ``chunk_gated_delta_rule`` and ``causal_conv1d`` importable?"""
+    return bool(_kernels())
+
+
+#: fla's two kernels, ``(causal_conv1d, chunk_gated_delta_rule)``, or ``()`` without fla (found once).
+_KERNELS: list = []
+
+
+def _kernels() -> tuple:
+    if not _KERNELS:
         try:
-            fla = importlib.import_module("fla.ops.gated_delta_rule")
-            conv = importlib.import_module("causal_conv1d")
-            found = callable(getattr(fla, "chunk_gated_delta_rule", None)) and callable(
-                getattr(conv, "causal_conv1d_fn", None))
+            rule = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+            conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
+            # outside torch.compile's graphs (compiled layers compile what is around them):
+            # Triton kernels behind fla's own autotuner and autograd functions
+            found = (torch.compiler.disable(conv), torch.compiler.disable(rule)) if callable(rule) and callable(
+                conv) else ()
         except Exception:  # noqa: BLE001 - missing or broken: the per-document path runs
-            found = False
-        _FUSED.append(found)
-    return _FUSED[0]
+            found = ()
+        _KERNELS.append(found)
+    return _KERNELS[0]
 
 
 def path(device: torch.device) -> str:
@@ -144,8 +149,8 @@ def packed_forward(self, hidden_states: Tensor, **kwargs):
     if cu is None or any(kwargs.get(k) is not None for k in ("cache", "cache_params", "attention_mask")):
         return original(self, hidden_states, **kwargs)
     rest = {k: v for k, v in kwargs.items() if k not in BOUNDARY_KEYS and k not in _EMPTY}
-    if path(hidden_states.device) == "fused":
-        return _fused(self, original, hidden_states, cu, rest)
+    if path(hidden_states.device) == "fused" and fusable(self):
+        return _fused(self, hidden_states, cu, _kernels())
     return _PER_DOCUMENT[0](self, original, hidden_states, cu, rest)
 
 
@@ -153,16 +158,69 @@ def packed_forward(self, hidden_states: Tensor, **kwargs):
 _EMPTY = ("cache", "cache_params", "attention_mask")
 
 
-def _fused(layer, original, hidden_states: Tensor, cu: Tensor, rest: dict) -> Tensor:
-    """The rows as one sequence, the boundaries handed to fla's and causal-conv1d's kernels."""
+def fusable(layer: nn.Module) -> bool:
+    """Does :func:`_fused` know ``layer``'s computation (its class's projections, and an
+    activation fla's convolution applies)?"""
+    return type(layer).__name__ in _INPUTS and getattr(layer, "activation", None) in ("silu", "swish")
+
+
+def _qwen3_5_inputs(layer, x: Tensor):
+    """Qwen3.5 (dense and MoE): one projection for q, k, v, one each for the gate z, b and a."""
+    z = layer.in_proj_z(x)
+    return layer.in_proj_qkv(x), z, layer.in_proj_b(x).sigmoid(), layer.in_proj_a(x)
+
+
+def _qwen3_next_inputs(layer, x: Tensor):
+    """Qwen3-Next: q, k, v, z interleaved per key head in one projection, b and a in another."""
+    query, key, value, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(x), layer.in_proj_ba(x))
+    mixed = torch.cat([t.reshape(t.shape[0], t.shape[1], -1) for t in (query, key, value)], dim=-1)
+    return mixed, z, b.sigmoid(), a
+
+
+def _olmo_hybrid_inputs(layer, x: Tensor):
+    """OLMo-Hybrid: separate q, k, v, a, b and gate projections; β ∈ [0, 2) with negative eigenvalues."""
+    mixed = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)
+    beta = layer.b_proj(x).sigmoid()
+    if layer.allow_neg_eigval:
+        beta = beta * 2.0
+    return mixed, layer.g_proj(x), beta, layer.a_proj(x)
+
+
+#: Per class: ``inputs(layer, x [1, T, D]) -> (qkv before the convolution [1, T, 2·key_dim +
+#: value_dim], output gate [1, T, value_dim or HV×d_v], β [1, T, HV], a [1, T, HV])``, and the
+#: names of the gated norm and the output projection: what each class's transformers forward
+#: computes around its two token mixers.
+_INPUTS = {
+    "Qwen3_5GatedDeltaNet": (_qwen3_5_inputs, "norm", "out_proj"),
+    "Qwen3_5MoeGatedDeltaNet": (_qwen3_5_inputs, "norm", "out_proj"),
+    "Qwen3NextGatedDeltaNet": (_qwen3_next_inputs, "norm", "out_proj"),
+    "OlmoHybridGatedDeltaNet": (_olmo_hybrid_inputs, "o_norm", "o_proj"),
+}
+
+
+def _fused(layer, hidden_states: Tensor, cu: Tensor, kernels: tuple) -> Tensor:
+    """The layer's forward over the rows as one sequence, both token mixers told the boundaries.
+
+    With ``mixed = conv(W_qkv x)`` split into q, k, v and ``g = −exp(A_log)·softplus(a + dt_bias)``
+    (the log decay), ``o = out(norm(GDR(q, k, v, g, β), gate))``: the transformers forward of the
+    four classes, whose convolution and delta rule here each restart at every ``cu`` boundary.
+    ``kernels``: ``(causal_conv1d, chunk_gated_delta_rule)`` with fla's signatures."""
+    conv, rule = kernels
+    inputs, norm, out = _INPUTS[type(layer).__name__]
     batch, width, dim = hidden_states.shape
     total = batch * width
-    cu = cu.to(hidden_states.device)
-    lengths = (cu[1:] - cu[:-1]).long()
-    seq_idx = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device, dtype=torch.int32), lengths,
-                                      output_size=total).view(1, total)
-    out = original(layer, hidden_states.reshape(1, total, dim), cu_seq_lens_q=cu.long(), seq_idx=seq_idx, **rest)
-    return out.view(batch, width, -1)
+    cu = cu.to(device=hidden_states.device, dtype=torch.long)
+    mixed, gate, beta, a = inputs(layer, hidden_states.reshape(1, total, dim))
+    weight = layer.conv1d.weight.squeeze(1)  # [channels, kernel]
+    mixed, _ = conv(mixed, weight, layer.conv1d.bias, activation=layer.activation, cu_seqlens=cu)
+    query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    query = query.reshape(1, total, -1, layer.head_k_dim)
+    key = key.reshape(1, total, -1, layer.head_k_dim)
+    value = value.reshape(1, total, -1, layer.head_v_dim)
+    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
+    core, _ = rule(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    core = getattr(layer, norm)(core.reshape(-1, layer.head_v_dim), gate.reshape(-1, layer.head_v_dim))
+    return getattr(layer, out)(core.reshape(batch, width, -1))
 
 
 def _per_document(layer, original, hidden_states: Tensor, cu: Tensor, rest: dict) -> Tensor:

@@ -74,7 +74,7 @@ from pgs.func.losses import chunked
 from pgs.func.plan import RELEASE, plan_for
 from pgs.runtime.model.build import build_config, build_model, freeze, resolve_dtype as _dtype
 from pgs.runtime.model.loading import load_tokenizer
-from pgs.runtime.model.layers import apply_activation_checkpointing
+from pgs.runtime.model.layers import apply_activation_checkpointing, frozen_prefix, skip_frozen_prefix
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime.optim.bound import bind
 from pgs.runtime.optim.release import GradientRelease, group_of, group_parameters, refusal
@@ -146,6 +146,7 @@ def activation_parts(
     compiled: bool = False,
     experts_eager: bool = False,
     cached_kv: bool = False,
+    no_backward: int = 0,
 ) -> tuple[int, int]:
     """``(kept, recompute)``: bytes that forward leaves for backward for ``tokens`` tokens of a
     HF Qwen3/Llama-style decoder, and the extra bytes of one layer recomputed in backward.
@@ -194,6 +195,12 @@ def activation_parts(
     before the routing weight, and the router its logits, their fp32 softmax and the k
     weights.  That is what transformers' ``grouped_mm`` experts save (within 2% on the CPU,
     tests/unit/test_profile.py); its ``eager`` loop keeps one more k·b·h per token.
+
+    Gated DeltaNet layers of a hybrid model (``layer_types`` entries ``"linear_attention"``)
+    replace the attention terms with their mixer's (``_linear_mixer_bytes``).  Qwen3.5's and
+    Qwen3-Next's RMSNorms keep their fp32 output (norm(x) = 8h + 4, qk_norm = 8(q + k) +
+    4(n_q + n_kv)) and their attention a sigmoid output gate (3·b·q more).  ``no_backward``: the first
+    layers that run without autograd (``layers.skip_frozen_prefix``), which keep nothing.
     """
     if policy not in ("none", "full", "selective", "sublayer"):
         raise InvalidArgument(f"activation_bytes: policy={policy!r} is not none, full or selective")
@@ -207,8 +214,8 @@ def activation_parts(
     d = getattr(c, "head_dim", None) or h // n_q
     q, k = n_q * d, n_kv * d
     k_att = k if (gqa_native or n_kv == n_q) else q
-    norm = 4 * h + 4 + b * h
-    qk_norm = 4 * (q + k) + 4 * (n_q + n_kv) + b * (q + k) if _has_qk_norm(c) else 0
+    norm = 8 * h + 4 if _fp32_norm(c) else 4 * h + 4 + b * h
+    qk_norm, gate = _qk_norm_and_gate(c, b, q, k, n_q, n_kv)
     tiled = mlp_tiles > 1
     if compiled:  # inductor recomputes the fp32 copies and one [tokens, I] tensor
         norm -= 4 * h
@@ -219,20 +226,36 @@ def activation_parts(
         n_experts, top_k, inter_e = moe
         mlp = top_k * ((3 if compiled else 4) * b * inter_e + (3 if experts_eager else 2) * b * h)
         mlp += (b + 4) * n_experts + 4 * top_k
-    a_none = 2 * norm + 2 * b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q + mlp
-    if cached_kv:
+    a_none = 2 * norm + 2 * b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q + gate + mlp
+    attn_half = norm + b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q + gate
+    if cached_kv:  # chunk-wise training: the chunk's keys/values live in the row's cache
         a_none -= 2 * b * k_att + 4 * n_q
+        attn_half -= 2 * b * k_att + 4 * n_q
+    linear = _linear_mixer_bytes(c, b)
     a_kept = {"none": a_none, "full": b * h, "sublayer": 2 * b * h,
               "selective": b * h + b * (q + 2 * k) + b * q + 4 * n_q + 2 * b * h + 2 * b * inter}[policy]
     if offload and policy not in ("full", "sublayer"):
         raise InvalidArgument(f"activation_bytes: offload needs policy \"full\" or \"sublayer\", got {policy!r}")
-    checkpointed = 0 if policy == "none" else len(range(0, n_layers, every))
-    per_token = checkpointed * (0 if offload else a_kept) + (n_layers - checkpointed) * a_none
-    per_token += 4 * h + 4 + b * h + b * h + 2 * b * d  # final norm (eager) and its output; rotary cos and sin
-    recompute = (a_none - (0 if offload else a_kept)) * tokens if checkpointed else 0
-    if policy == "sublayer" and checkpointed:  # one half recomputed at a time (+ its input copied back)
-        attn_half = norm + b * h + qk_norm + b * (q + 2 * k_att) + b * q + 4 * n_q
-        recompute = (max(attn_half, norm + b * h + mlp) + (b * h if offload else 0)) * tokens
+    types = list(getattr(c, "layer_types", None) or [])
+    final_norm = 8 * h + 4 if _fp32_norm(c) else 4 * h + 4 + b * h  # eager, also in compiled runs
+    per_token, worst = final_norm + b * h + 2 * b * _rotary_dim(c, d), 0  # final norm and output; rotary cos, sin
+    checkpointed = 0
+    for i in range(n_layers):
+        if i < no_backward:  # run without autograd: nothing kept, nothing recomputed
+            continue
+        mixer = linear if i < len(types) and types[i] == "linear_attention" and linear else None
+        layer = a_none if mixer is None else 2 * norm + 2 * b * h + mixer + mlp
+        half = attn_half if mixer is None else norm + b * h + mixer
+        if policy == "none" or i % every:
+            per_token += layer
+            continue
+        checkpointed += 1
+        per_token += 0 if offload else a_kept
+        if policy == "sublayer":  # one half recomputed at a time (+ its input copied back)
+            worst = max(worst, max(half, norm + b * h + mlp) + (b * h if offload else 0))
+        else:
+            worst = max(worst, layer - (0 if offload else a_kept))
+    recompute = worst * tokens
     if tiled:  # one tile's working set in the MLP's backward
         recompute += 8 * b * inter * -(-tokens // mlp_tiles)
     if offload and checkpointed:  # inputs fetched further ahead than the next one (offload_prefetch)
@@ -257,16 +280,73 @@ def seco_cache_bytes(cfg, tokens: int, chunk_tokens: int, *, dtype=torch.bfloat1
     return c.num_hidden_layers * per_token * (tokens + earlier), per_token * tokens
 
 
-def offloaded_input_bytes(cfg, tokens: int, *, dtype=torch.bfloat16, policy: str = "full", every: int = 1) -> int:
+def offloaded_input_bytes(cfg, tokens: int, *, dtype=torch.bfloat16, policy: str = "full", every: int = 1,
+                          no_backward: int = 0) -> int:
     """Host bytes of the checkpointed layers' inputs with ``offload_checkpoints``: each
     checkpointed layer keeps its input (``"full"``) or its two sublayers' inputs
-    (``"sublayer"``), b·h per token each, all of a step's forward at once."""
+    (``"sublayer"``), b·h per token each, all of a step's forward at once (the first
+    ``no_backward`` layers, run without autograd, keep none)."""
     if policy not in ("full", "sublayer"):
         return 0
     c = _text_config(cfg)
     b = torch.empty((), dtype=_dtype(dtype)).element_size()
-    layers = len(range(0, c.num_hidden_layers, every))
+    layers = len([i for i in range(0, c.num_hidden_layers, every) if i >= no_backward])
     return layers * (2 if policy == "sublayer" else 1) * b * c.hidden_size * int(tokens)
+
+
+#: Families whose RMSNorm returns ``normed·(1 + w)`` computed in fp32 (it keeps its fp32 output).
+_ONE_PLUS_W_NORM = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+def _fp32_norm(c) -> bool:
+    return getattr(c, "model_type", "") in _ONE_PLUS_W_NORM
+
+
+def _qk_norm_and_gate(c, b: int, q: int, k: int, n_q: int, n_kv: int) -> tuple[int, int]:
+    """Bytes per token the q/k norms keep, and an output gate's.  Qwen3.5 and Qwen3-Next: (1 + w)
+    norms that keep their fp32 input and output (in an fp32 model q's input is a view of q_proj's
+    whole [q, gate] output), and ``o_proj(attention · sigmoid(gate))``: the sigmoid's output,
+    the attention output reshaped for the product, and the product."""
+    if _fp32_norm(c):
+        return 8 * (q + k) + 4 * (n_q + n_kv) + (4 * q if b == 4 else 0), 3 * b * q
+    return (4 * (q + k) + 4 * (n_q + n_kv) + b * (q + k) if _has_qk_norm(c) else 0), 0
+
+
+def _rotary_dim(c, head_dim: int) -> int:
+    """The rotated part of a head (``partial_rotary_factor``: Qwen3.5 rotates a quarter)."""
+    rope = getattr(c, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)) if isinstance(
+        rope, dict) else getattr(c, "partial_rotary_factor", 1.0)
+    return int(head_dim * float(factor or 1.0))
+
+
+def _linear_mixer_bytes(c, b: int, kernels: bool = True) -> int:
+    """Bytes per token a Gated DeltaNet mixer keeps through the fused path
+    (``pgs.runtime.model.linear_attention``, flash-linear-attention's kernels); ``kernels=False``:
+    only what autograd keeps around fla's two kernels; 0 for a config without linear-attention
+    heads.  With HV value heads of d_v, H_k key heads, key_dim kd, value_dim vd and
+    C = 2·kd + vd convolution channels:
+
+        around the kernels = b·HV (β) + 8·HV (softplus's fp32 input and output of the decay)
+                             + 12·vd + 4·HV + 2·b·vd (the gated norm: fp32 input, 1/rms, fp32
+                             gate, SiLU(gate), normed and weighted output) + b·vd (o_proj's input)
+        kernels            = b·C (the convolution's input) + b(2·kd + vd) + 8·H_k (normalized q
+                             and k, their 1/‖·‖, v) + 4·HV (cumulated decay) + 64·b·HV (the
+                             chunk's triangular system, 64-token chunks)
+
+    (+ b·HV for OLMo-Hybrid's β ∈ [0, 2)).  The recurrent state is not kept: fla's backward
+    recomputes it chunk by chunk."""
+    heads_v = getattr(c, "linear_num_value_heads", None)
+    if not heads_v:
+        return 0
+    heads_k = int(c.linear_num_key_heads)
+    kd, vd = heads_k * int(c.linear_key_head_dim), int(heads_v) * int(c.linear_value_head_dim)
+    around = b * heads_v + 8 * heads_v + 12 * vd + 4 * heads_v + 2 * b * vd + b * vd
+    if getattr(c, "linear_allow_neg_eigval", False):
+        around += b * heads_v
+    channels = 2 * kd + vd  # the convolution's input; then q and k normalized, v made contiguous
+    inside = b * channels + b * (2 * kd + vd) + 8 * heads_k + 4 * heads_v + 64 * b * heads_v
+    return around + (inside if kernels else 0)
 
 
 def _has_qk_norm(c) -> bool:
@@ -423,7 +503,7 @@ def predict_memory(
     kept, recompute, forward_tokens = _activation_memory(
         out, cfg, params, dt, micro_batch_tokens, seco_chunk_tokens, gradient_release, policy=activation_checkpointing,
         every=checkpoint_every, gqa_native=gqa_native, offload=checkpoint_offload, mlp_tiles=int(mlp_tiles or 0),
-        compiled=bool(compiled_layers), experts_eager=experts_eager)
+        compiled=bool(compiled_layers), experts_eager=experts_eager, no_backward=(skipped := frozen_prefix(model)))
     head = head_memory(cfg, model, dt, forward_tokens, loss=loss, loss_chunk=loss_chunk,
                        loss_kernels=loss_kernels, defer_head_grad=defer_head_grad,
                        gradient_release=gradient_release, activation_checkpointing=activation_checkpointing,
@@ -438,7 +518,7 @@ def predict_memory(
     out.update(binder["sharded"])  # ranks > 1: ``ranks`` and ``state_total`` (every rank's state)
     if checkpoint_offload:
         out["host_inputs"] = offloaded_input_bytes(cfg, forward_tokens, dtype=dt, policy=activation_checkpointing,
-                                                   every=checkpoint_every)
+                                                   every=checkpoint_every, no_backward=skipped)
     return out
 
 
@@ -1171,6 +1251,7 @@ def measure_memory(spec, plan, *, steps: int = 3, device: torch.device | str | N
         objective, batches = objective_class(spec).for_profile(spec, model=model, tokenizer=tokenizer, device=dev,
                                                                rows=plan["micro_batch"], seq_len=plan["seq_len"],
                                                                generator=generator)
+        skip_frozen_prefix(model)  # as pgs run's apply_memory
         if opts["mlp_tiles"] > 1:
             apply_mlp_tiles(model, int(opts["mlp_tiles"]))
         apply_activation_checkpointing(model, opts["activation_checkpointing"], int(opts["checkpoint_every"]),
