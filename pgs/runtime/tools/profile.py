@@ -133,21 +133,9 @@ def activation_bytes(cfg, tokens: int, **kwargs) -> int:
     return kept + recompute
 
 
-def activation_parts(
-    cfg,
-    tokens: int,
-    *,
-    dtype=torch.bfloat16,
-    policy: str = "none",
-    every: int = 1,
-    gqa_native: bool = True,
-    offload: bool | int = False,
-    mlp_tiles: int = 0,
-    compiled: bool = False,
-    experts_eager: bool = False,
-    cached_kv: bool = False,
-    no_backward: int = 0,
-) -> tuple[int, int]:
+def activation_parts(cfg, tokens: int, *, dtype=torch.bfloat16, policy: str = "none", every: int = 1,
+                     gqa_native: bool = True, offload: bool | int = False, mlp_tiles: int = 0, compiled: bool = False,
+                     experts_eager: bool = False, cached_kv: bool = False, no_backward: int = 0) -> tuple[int, int]:
     """``(kept, recompute)``: bytes that forward leaves for backward for ``tokens`` tokens of a
     HF Qwen3/Llama-style decoder, and the extra bytes of one layer recomputed in backward.
 
