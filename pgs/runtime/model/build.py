@@ -27,8 +27,8 @@ from torch import Tensor
 
 from pgs.errors import SpecError
 from pgs.runtime.model import linear_attention
-from pgs.runtime.model.attention import (boundary_kwargs, hf_implementation, packed_kwargs, set_varlen_kernel,
-                                        uses_varlen)
+from pgs.runtime.model.attention import (boundary_kwargs, document_masks, hf_implementation, packed_kwargs,
+                                        set_varlen_kernel, uses_varlen)
 from pgs.runtime.model.loading import config_from_table
 from pgs.runtime.model.moe import check_experts_implementation, experts_implementation as experts_choice
 
@@ -244,6 +244,9 @@ def base_hidden(model, input_ids: Tensor, position_ids: Tensor, *, embed_noise=N
         kwargs.update(packed_kwargs(position_ids))
     elif linear_attention.wants_boundaries(model):  # for the linear-attention layers
         kwargs.update(boundary_kwargs(position_ids))
+    masks = document_masks(model, position_ids, model.get_input_embeddings().weight.dtype)
+    if masks is not None:  # a family whose own forward builds its masks without the positions
+        kwargs.update(masks)
     if embed_noise is None:
         out = base(input_ids=input_ids, **kwargs)
     else:
