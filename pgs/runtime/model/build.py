@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from pgs.errors import SpecError
-from pgs.runtime.model import linear_attention
+from pgs.runtime.model import composite, linear_attention
 from pgs.runtime.model.attention import (boundary_kwargs, document_masks, hf_implementation, packed_kwargs,
                                         set_varlen_kernel, uses_varlen)
 from pgs.runtime.model.loading import config_from_table
@@ -131,6 +131,7 @@ def build_model(
                 device_map=device if direct else None, trust_remote_code=trust_remote_code, **extra,
             )
         model.to(device)
+        composite.attach(model, path)  # a vision-language checkpoint's text model exports in its shape
     else:
         table = dict(config)
         if vocab_size is not None:

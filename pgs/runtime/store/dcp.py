@@ -298,6 +298,7 @@ class _Gathered:
     def __init__(self, model, tensors: dict[str, torch.Tensor]):
         self._tensors = tensors
         self.config = model.config
+        self.pgs_composite = getattr(model, "pgs_composite", None)  # a vision-language checkpoint's shape
         self.generation_config = getattr(model, "generation_config", None)
 
     def state_dict(self, keep_vars: bool = False):

@@ -1,0 +1,139 @@
+"""Every decoder-only text family pgs supports, end to end on a tiny random config of each
+(tests/tiny.py ``FAMILIES``; the table in docs/models.md):
+
+- packed isolation: every packed document's logits, and the parameter gradients of a weighted
+  sum of them, equal the document alone (documents longer than the 8-token sliding windows,
+  GPT-OSS's attention sinks included), through pgs's training forward;
+- compiled layers: ``compile_layers`` (dynamo and AOT autograd, the ``aot_eager`` backend:
+  inductor's code generation is not run on the CPU) gives the same packed logits and gradients;
+- chat masks with a template in the family's style (tests/templates/): exactly the assistant's
+  answers train, their end-of-reply token included;
+- ``pgs run`` (packed, gradient release, 2 steps, export) and the exported folder reloaded by
+  the family's own class, every weight found, generating.
+
+One model per family and test; the run is one in-process ``pgs run`` per family.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pgs.runtime.data import Document, collate, packing_isolation
+from pgs.runtime.model.build import build_model, final_hidden
+from pgs.runtime.model.layers import compile_layers
+from helpers import QUICKSTART, cpu_spec, step_records
+from tiny import FAMILIES, family_table
+from test_data_templates import FAMILY_TOKENS, PLAIN, family_tokenizer, trained_runs
+
+#: The causal LM class transformers builds for each family (what the export must reload as).
+CLASSES = {
+    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+    "olmo_hybrid": "OlmoHybridForCausalLM", "olmo3": "Olmo3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+#: The template (tests/templates/, or one pgs ships) in each family's style, and the family's
+#: special tokens (test_data_templates.FAMILY_TOKENS).
+TEMPLATES = {
+    "qwen3": ("qwen3", "qwen3"), "qwen3_moe": ("qwen3", "qwen3"), "qwen3_5_text": ("qwen3", "qwen3"),
+    "qwen3_5_moe_text": ("qwen3", "qwen3"), "qwen3_next": ("qwen3", "qwen3"), "olmo_hybrid": ("qwen3", "chatml"),
+    "olmo3": ("qwen3", "chatml"), "gemma3_text": ("gemma3", "gemma3"), "gemma4_text": ("gemma3", "gemma3"),
+    "llama": ("llama3", "llama3"), "mistral": ("mistral", "mistral_v7"), "gpt_oss": ("gpt_oss", "gpt_oss"),
+    "deepseek_v3": ("deepseek_r1", "deepseek_r1"),
+}
+#: What trains of ``PLAIN``'s two answers, by template.
+ANSWERS = {
+    "qwen3": ["Hello.<|im_end|>", "4<|im_end|>"], "chatml": ["Hello.<|im_end|>", "4<|im_end|>"],
+    "gemma3": ["Hello.<end_of_turn>", "4<end_of_turn>"], "llama3": ["Hello.<|eot_id|>", "4<|eot_id|>"],
+    "mistral_v7": ["Hello.</s>", "4</s>"],
+    "gpt_oss": ["<|channel|>final<|message|>Hello.<|return|>", "<|channel|>final<|message|>4<|return|>"],
+    "deepseek_r1": ["Hello.<｜end▁of▁sentence｜>", "4<｜end▁of▁sentence｜>"],
+}
+FAMILY_TOKENS.setdefault("gpt_oss", ({}, ["<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>",
+                                          "<|call|>", "<|constrain|>"]))
+#: Documents of 7, 20 and 9 tokens (20 > the 8-token windows) in two padded rows of 40.
+LENGTHS, WIDTH, VOCAB = (7, 20, 9), 40, 96
+
+
+def tiny(family: str):
+    return build_model(config=family_table(family, max_position_embeddings=128), attn_implementation="auto").eval()
+
+
+def rows():
+    g = torch.Generator().manual_seed(1)
+    docs = [Document(tuple(torch.randint(3, VOCAB, (n,), generator=g).tolist()), (True,) * n) for n in LENGTHS]
+    return [docs, docs[1:]]
+
+
+def packed_and_grads(model, batch, weights, params):
+    """Each document's packed logits (the training forward) and the gradients of Σ <w, logits>."""
+    logits = model.lm_head(final_hidden(model, batch.input_ids, batch.position_ids))
+    spans = [(r, s, e) for r in range(len(batch.cu_seqlens))
+             for s, e in zip(batch.cu_seqlens[r].tolist(), batch.cu_seqlens[r].tolist()[1:])][:len(weights)]
+    pieces = [logits[r, s:e] for r, s, e in spans]
+    grads = torch.autograd.grad(sum((p * w).sum() for p, w in zip(pieces, weights)), params, allow_unused=True)
+    return [p.detach() for p in pieces], [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+
+def largest_difference(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_documents_equal_alone_and_compiled_layers_agree(family):
+    model = tiny(family)
+    assert type(model).__name__ == CLASSES[family] and packing_isolation(model).isolates
+    docs = [d for row in rows() for d in row if d.input_ids]
+    batch = collate(rows(), pad_id=0, seq_len=WIDTH)
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(2)
+    weights = [torch.randn(len(d.input_ids), VOCAB, generator=g) for d in docs]
+    packed, g_packed = packed_and_grads(model, batch, weights, params)
+    alone = [model(input_ids=torch.tensor([d.input_ids]), use_cache=False).logits[0] for d in docs]
+    g_alone = torch.autograd.grad(sum((a * w).sum() for a, w in zip(alone, weights)), params, allow_unused=True)
+    g_alone = [torch.zeros_like(p) if x is None else x for p, x in zip(params, g_alone)]
+    scale = max(1.0, max(float(x.abs().max()) for x in g_alone))
+    assert largest_difference(packed, [a.detach() for a in alone]) < 1e-5
+    assert largest_difference(g_packed, g_alone) < 1e-5 * scale
+    assert compile_layers(model, backend="aot_eager") >= 2
+    compiled, g_compiled = packed_and_grads(model, batch, weights, params)
+    assert largest_difference(compiled, packed) < 1e-5
+    assert largest_difference(g_compiled, g_packed) < 1e-5 * scale
+
+
+@pytest.mark.parametrize("family", sorted(TEMPLATES))
+def test_chat_masks_train_exactly_the_answers(family):
+    tokens, template = TEMPLATES[family]
+    assert trained_runs(family_tokenizer(tokens, template), PLAIN) == ANSWERS[template]
+
+
+def _model_table(family: str, vocab: int) -> str:
+    table = family_table(family, vocab_size=None, max_position_embeddings=128)
+    if "vocab_size_per_layer_input" in table:  # Gemma 4's per-layer embeddings cover the vocabulary
+        table["vocab_size_per_layer_input"] = vocab
+    return "[model.config]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_run_packed_with_gradient_release_exports_what_the_family_reloads(family, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pgs.cli import main
+
+    vocab = len(AutoTokenizer.from_pretrained(QUICKSTART / "tokenizer"))
+    spec = cpu_spec(tmp_path, model=_model_table(family, vocab))
+    text = spec.read_text().replace("steps = 1\n", "steps = 2\n").replace("export = false", "export = true")
+    spec.write_text(text + "\n[optimizer]\nclip = 0.0\n\n[memory]\ngradient_release = true\n")
+    assert main(["run", str(spec)]) == 0, capsys.readouterr().err
+    losses = [r["loss"] for r in step_records(tmp_path / "run") if "loss" in r]
+    assert len(losses) == 2 and all(loss == loss and loss > 0 for loss in losses)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final", output_loading_info=True)
+    assert type(model).__name__ == CLASSES[family]
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    prompt = torch.tensor([[5, 6, 7]])
+    out = model.generate(prompt, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    assert out.shape == (1, 7) and out[0, :3].tolist() == [5, 6, 7]
