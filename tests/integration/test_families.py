@@ -137,3 +137,63 @@ def test_run_packed_with_gradient_release_exports_what_the_family_reloads(family
     prompt = torch.tensor([[5, 6, 7]])
     out = model.generate(prompt, max_new_tokens=4, do_sample=False, min_new_tokens=4)
     assert out.shape == (1, 7) and out[0, :3].tolist() == [5, 6, 7]
+
+
+def _vision_language_checkpoint(folder):
+    """A tiny random Qwen3.5 vision-language checkpoint (``model_type: qwen3_5``, the text model
+    under ``model.language_model``, a one-block vision tower under ``model.visual``)."""
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = family_table("qwen3_5_text", vocab_size=485, pad_token_id=0, eos_token_id=2)
+    text.pop("model_type")
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2)
+    torch.manual_seed(0)
+    Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(folder)
+    return Qwen3_5ForConditionalGeneration
+
+
+def test_a_vision_language_checkpoint_keeps_its_shape(tmp_path):
+    """Trained as its text model, exported with its vision tower untouched, its model_type,
+    architecture and weight names: the original's class loads it, every weight found."""
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    from pgs.runtime.store.export import export_hf
+
+    original = tmp_path / "vl"
+    cls = _vision_language_checkpoint(original)
+    model = build_model(path=str(original))
+    assert type(model).__name__ == "Qwen3_5ForCausalLM" and model.config.model_type == "qwen3_5_text"
+    with torch.no_grad():  # what training would do to the text model
+        for p in model.parameters():
+            p.add_(0.01)
+    export_hf(model, AutoTokenizer.from_pretrained(QUICKSTART / "tokenizer"), str(tmp_path / "out"))
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["model_type"] == "qwen3_5" and saved["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    assert saved["vision_config"] == json.loads((original / "config.json").read_text())["vision_config"]
+    with safe_open(original / "model.safetensors", "pt") as a, safe_open(tmp_path / "out" / "model.safetensors", "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        vision = [k for k in a.keys() if k.startswith("model.visual.")]
+        assert vision and all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in vision)
+    reloaded, info = cls.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    trained = model.state_dict()
+    for name, tensor in reloaded.model.language_model.state_dict().items():
+        torch.testing.assert_close(tensor, trained["model." + name], rtol=0, atol=0)
+
+
+def test_a_vision_language_checkpoint_whose_text_has_no_place_is_refused_at_validate(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from helpers import cli_error
+
+    original = tmp_path / "vl"
+    _vision_language_checkpoint(original)
+    tensors = load_file(original / "model.safetensors")  # the text model renamed out of its place
+    save_file({k.replace("language_model.layers.", "language_model.blocks."): v for k, v in tensors.items()},
+              original / "model.safetensors", metadata={"format": "pt"})
+    spec = cpu_spec(tmp_path, model=f'path = "{original.as_posix()}"')
+    capsys.readouterr()
+    code, line = cli_error(["validate", str(spec)], capsys)
+    assert code == 2 and "is a vision-language checkpoint" in line and "'model.layers.0." in line, line

@@ -131,9 +131,11 @@ def map_names(shapes: dict[str, tuple[int, ...]], stored: dict[str, tuple[int, .
         first = base[0][len("model."):]
         fits = [p for p in _prefix(first, stored) if all(p + n[len("model."):] in stored for n in base)]
         if len(fits) != 1:
+            tried = _prefix(first, stored)
+            lost = next((n for n in base if tried and tried[0] + n[len("model."):] not in stored), base[0])
             raise SpecError(f"model.path: {folder} is a vision-language checkpoint, and pgs finds "
                             f"{'no' if not fits else 'more than one'} place among its weights for the text model's "
-                            f"{base[0]!r}, so it cannot export the fine-tune in the checkpoint's shape")
+                            f"{lost!r}, so it cannot export the fine-tune in the checkpoint's shape")
         names.update({n: fits[0] + n[len("model."):] for n in base})
     for n in shapes:
         if n not in names:
