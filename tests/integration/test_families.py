@@ -139,6 +139,16 @@ def _model_table(family: str, vocab: int) -> str:
     return "[model.config]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items())
 
 
+def _tensor_names(folder) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, "pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_run_packed_with_gradient_release_exports_what_the_family_reloads(family, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -155,6 +165,9 @@ def test_run_packed_with_gradient_release_exports_what_the_family_reloads(family
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final", output_loading_info=True)
     assert type(model).__name__ == CLASSES[family]
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+    # the layout transformers saves the family in (a mixture of experts: one tensor per expert)
+    model.save_pretrained(tmp_path / "resaved")
+    assert _tensor_names(tmp_path / "run" / "final") == _tensor_names(tmp_path / "resaved")
     prompt = torch.tensor([[5, 6, 7]])
     out = model.generate(prompt, max_new_tokens=4, do_sample=False, min_new_tokens=4)
     assert out.shape == (1, 7) and out[0, :3].tolist() == [5, 6, 7]
@@ -218,3 +231,37 @@ def test_a_vision_language_checkpoint_whose_text_has_no_place_is_refused_at_vali
     capsys.readouterr()
     code, line = cli_error(["validate", str(spec)], capsys)
     assert code == 2 and "is a vision-language checkpoint" in line and "'model.layers.0." in line, line
+
+
+def test_a_gemma3_vision_language_checkpoint_trains_its_text_and_keeps_its_tower(tmp_path, capsys):
+    """transformers loads a Gemma 3 vision-language checkpoint whole: ``pgs run`` (packed, weight
+    decay on) trains its language model, leaves its vision tower and projector frozen, and
+    exports a folder ``Gemma3ForConditionalGeneration`` loads, the tower bit for bit as it was."""
+    from safetensors import safe_open
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from pgs.cli import main
+
+    text = family_table("gemma3_text", vocab_size=485, pad_token_id=0, eos_token_id=2, bos_token_id=None)
+    text.pop("model_type")
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                  patch_size=4)
+    torch.manual_seed(0)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=480,
+                          boi_token_index=481, eoi_token_index=482)
+    Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path / "vl")
+    spec = cpu_spec(tmp_path, model=f'path = "{(tmp_path / "vl").as_posix()}"')
+    text = spec.read_text().replace("steps = 1\n", "steps = 2\n").replace("export = false", "export = true")
+    spec.write_text(text + '\n[optimizer]\nalias = "adamw"\nargs = { weight_decay = 0.1 }\n')
+    assert main(["run", str(spec)]) == 0, capsys.readouterr().err
+    out = tmp_path / "run" / "final"
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma3ForConditionalGeneration"]
+    with safe_open(tmp_path / "vl" / "model.safetensors", "pt") as a, safe_open(out / "model.safetensors", "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())  # the checkpoint's own names (language_model.model.…)
+        tower = [k for k in a.keys() if not k.startswith("language_model.")]
+        assert tower and all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in tower)
+        changed = [k for k in a.keys() if k.startswith("language_model.model.layers.")
+                   and not torch.equal(a.get_tensor(k), b.get_tensor(k))]
+        assert changed
+    reloaded, info = Gemma3ForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -150,6 +150,7 @@ def build_model(
                 trust_remote_code=trust_remote_code, **extra,
             )
     check_experts_implementation(model, experts)
+    composite.freeze_towers(model)  # a vision-language model trained on text: its tower stays as loaded
     linear_attention.isolate(model)  # Gated DeltaNet layers restart at packed document boundaries
     model.train()
     return model

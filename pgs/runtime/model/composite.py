@@ -193,3 +193,26 @@ def attach(model, folder: str) -> Composite | None:
     found = describe(folder, stored_shapes(model))
     setattr(model, ATTR, found)
     return found
+
+
+def freeze_towers(model) -> list[str]:
+    """Freeze what a text-only forward of a vision-language model never reaches (its vision
+    tower and projector: every parameter outside its one ``language_model`` submodule, input
+    embeddings and output head kept); returns their names ([] for a model without one).
+
+    transformers loads some vision-language checkpoints whole as the causal LM
+    (``Gemma3ForConditionalGeneration`` for ``model_type: gemma3``).  Their tower gets no
+    gradient from text; left trainable, the optimizer would still step it with a zero gradient
+    (weight decay would shrink it), and the export would carry a tower that text training
+    changed.  Frozen, the tower is exported exactly as it was loaded."""
+    language = [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "language_model"]
+    if len(language) != 1:
+        return []
+    prefix = language[0] + "."
+    kept = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    frozen = []
+    for name, p in model.named_parameters():
+        if not name.startswith(prefix) and id(p) not in kept:
+            p.requires_grad_(False)
+            frozen.append(name)
+    return frozen

@@ -299,6 +299,7 @@ class _Gathered:
         self._tensors = tensors
         self.config = model.config
         self.pgs_composite = getattr(model, "pgs_composite", None)  # a vision-language checkpoint's shape
+        self.pgs_model = model  # whose weight conversions the export reverts (export.saved_names)
         self.generation_config = getattr(model, "generation_config", None)
 
     def state_dict(self, keep_vars: bool = False):

@@ -60,6 +60,24 @@ def write_weights(tensors: dict, folder: str, max_shard_size="5GB") -> list[str]
     return names + [INDEX]
 
 
+def saved_names(model, tensors: dict) -> dict:
+    """``tensors`` under the names and in the layout ``save_pretrained`` gives them: the weight
+    conversions transformers applied when it loaded the checkpoint reverted (a mixture of
+    experts' fused expert tensors split back into one tensor per expert, a vision-language
+    model's legacy prefixes restored), so that the export has the layout of the checkpoint it
+    came from (or of the family's published checkpoints), not transformers' in-memory one.
+    Splits are views: nothing is copied."""
+    target = getattr(model, "pgs_model", model)  # what a gathered state dict stands for
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without weight conversions: its names are the layout
+        return tensors
+    if not isinstance(target, PreTrainedModel):
+        return tensors
+    return revert_weight_conversion(target, dict(tensors))
+
+
 def write_composite(composite, tensors: dict, trained_config, dtype, folder: str, max_shard_size="5GB") -> None:
     """The fine-tuned text model of a vision-language checkpoint in the checkpoint's shape
     (``pgs.runtime.model.composite``): its ``config.json`` (``text_config`` updated, ``dtype``),
@@ -103,7 +121,7 @@ def export_hf(model, tokenizer, out_dir: str, *, info: dict | None = None, max_s
         if composite is not None:  # a vision-language checkpoint's text model: the checkpoint's shape
             write_composite(composite, tensors, model.config, dtype, tmp, max_shard_size)
         else:
-            write_weights(tensors, tmp, max_shard_size)
+            write_weights(saved_names(model, tensors), tmp, max_shard_size)
             config = model.config
             if dtype is not None:
                 config.dtype = dtype
