@@ -109,7 +109,7 @@ FAMILIES = {
     "mistral": dict(sliding_window=8),
     "gpt_oss": dict(SLIDING, num_local_experts=4, num_experts_per_tok=2, intermediate_size=16),
     "glm4_moe": dict(ROUTED),
-    "deepseek_v3": dict(ROUTED, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8,
+    "deepseek_v3": dict(ROUTED, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, v_head_dim=6,
                         qk_nope_head_dim=4, head_dim=4, num_key_value_heads=4),
 }
 

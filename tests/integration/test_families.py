@@ -3,7 +3,9 @@
 
 - packed isolation: every packed document's logits, and the parameter gradients of a weighted
   sum of them, equal the document alone (documents longer than the 8-token sliding windows,
-  GPT-OSS's attention sinks included), through pgs's training forward;
+  GPT-OSS's attention sinks included), through pgs's training forward with the attention
+  ``"auto"`` picks on the CPU, and again through ``"varlen"`` (its CPU reference) for the
+  families whose ``"auto"`` takes it on CUDA (DeepSeek-V3's values narrower than its keys);
 - compiled layers: ``compile_layers`` with dynamo's ``eager`` backend (the layers traced, the
   captured graphs run as they are: AOT autograd and inductor's code generation are not run on
   the CPU) gives the same packed logits and gradients (not run for the hybrid families, whose
@@ -24,6 +26,7 @@ import pytest
 import torch
 
 from pgs.runtime.data import Document, collate, packing_isolation
+from pgs.runtime.model.attention import varlen_suits
 from pgs.runtime.model.build import build_model, final_hidden
 from pgs.runtime.model.layers import compile_layers
 from helpers import QUICKSTART, cpu_spec, step_records
@@ -110,6 +113,13 @@ def test_packed_documents_equal_alone_and_compiled_layers_agree(family):
     scale = max(1.0, max(float(x.abs().max()) for x in g_alone))
     assert largest_difference(packed, [a.detach() for a in alone]) < 1e-5
     assert largest_difference(g_packed, g_alone) < 1e-5 * scale
+    if varlen_suits(model.config) is None:  # "auto" takes the packed-attention kernel on CUDA: its CPU reference
+        varlen = build_model(config=family_table(family, max_position_embeddings=128), attn_implementation="varlen")
+        varlen.load_state_dict(model.state_dict())
+        on_varlen, g_varlen = packed_and_grads(varlen.eval(), batch, weights,
+                                               [p for p in varlen.parameters() if p.requires_grad])
+        assert largest_difference(on_varlen, packed) < 1e-5
+        assert largest_difference(g_varlen, g_packed) < 1e-5 * scale
     assert compile_layers(model, backend="eager") >= 2
     compiled, g_compiled = packed_and_grads(model, batch, weights, params)
     assert largest_difference(compiled, packed) < 1e-5

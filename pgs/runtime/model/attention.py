@@ -414,6 +414,20 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
                         "not supported; use \"sdpa\"")
     batch, hq, width, d = query.shape
     hkv = key.shape[1]
+    dv = value.shape[-1]
+    if dv != d:
+        # multi-head latent attention (DeepSeek-V3: keys of 192, values of 128): the kernels take
+        # one head dim, so the narrower side is padded with zeros (values: zero output columns,
+        # cut off again; queries and keys: the same dot products, the scale fixed first), as
+        # transformers' flash path does; exact
+        scaling = d ** -0.5 if scaling is None else scaling
+        pad = torch.nn.functional.pad
+        if dv < d:
+            out, _ = varlen_attention(module, query, key, pad(value, (0, d - dv)), attention_mask, scaling, dropout,
+                                      **kwargs)
+            return out[..., :dv], None
+        return varlen_attention(module, pad(query, (0, dv - d)), pad(key, (0, dv - d)), value, attention_mask,
+                                scaling, dropout, **kwargs)
     if width == 1 and _decode_suits(key, attention_mask, kwargs):  # one new token per row against a cache
         return decode_attention(query, key, value, attention_mask, scaling), None
     if attention_mask is not None or key.shape[2] != width:  # padding or a cache: not a packed forward
