@@ -161,28 +161,16 @@ def describe(folder: str, shapes: dict[str, tuple[int, ...]]) -> Composite:
 
 
 def stored_shapes(model) -> dict[str, tuple[int, ...]]:
-    """The model's state tensors by name, each storage once (a tied head left out), as the
-    export writes them."""
-    seen: set = set()
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name, t in model.state_dict(keep_vars=False).items():
-        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-        if t.numel() and t.device.type != "meta" and key in seen:
-            continue
-        if t.device.type == "meta" and name in _tied_names(model):
-            continue
-        seen.add(key)
-        shapes[name] = tuple(t.shape)
-    return shapes
+    """The model's state tensors by name, a tied head left out (the export writes it once,
+    under the input embeddings' name), also for a model on the meta device."""
+    tied = _tied_names(model)
+    return {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=False).items() if name not in tied}
 
 
 def _tied_names(model) -> set[str]:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if head is None or embed is None or head.weight is not embed.weight:
-        return set()
-    return {n for n, p in model.named_parameters(remove_duplicate=False) if p is head.weight} - {
-        n for n, p in model.named_parameters() if p is head.weight}
+    """The names under which a parameter appears again after its first name (a tied head)."""
+    first = {n for n, _ in model.named_parameters()}
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - first
 
 
 def attach(model, folder: str) -> Composite | None:
