@@ -275,3 +275,20 @@ def test_a_gemma3_vision_language_checkpoint_trains_its_text_and_keeps_its_tower
         assert changed
     reloaded, info = Gemma3ForConditionalGeneration.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_attention_choices_that_would_fail_mid_run_are_made_or_refused_up_front(tmp_path, capsys):
+    """GPT-OSS has no SDPA path in transformers: ``"auto"`` takes eager, ``"sdpa"`` is one line at
+    validate; a Mistral window keeps ``"auto"`` off the varlen kernel (which has no windows)."""
+    from helpers import cli_error
+    from pgs.runtime.model.attention import hf_implementation
+    from pgs.runtime.model.build import build_config
+
+    assert hf_implementation("auto", build_config(family_table("gpt_oss"))) == "eager"
+    assert "sliding-window" in varlen_suits(build_config(family_table("mistral")))
+    unwindowed = build_config(family_table("mistral"))
+    unwindowed.sliding_window = None  # Mistral 7B v0.3's and Small's config.json
+    assert varlen_suits(unwindowed) is None
+    spec = cpu_spec(tmp_path, model='attn_implementation = "sdpa"\n' + _model_table("gpt_oss", 485))
+    code, line = cli_error(["validate", str(spec)], capsys)
+    assert code == 2 and line.startswith('pgs: error: model.attn_implementation: "sdpa": GptOssForCausalLM has no SDPA'), line
