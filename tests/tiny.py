@@ -82,3 +82,38 @@ def tiny_model(model_type: str = "qwen3", *, seed: int | None = 0, init_dtype: t
     """The causal LM of ``tiny_config(model_type, **fields)``, built by ``from_config``."""
     return from_config(tiny_config(model_type, **fields), seed=seed, init_dtype=init_dtype, dtype=dtype,
                        mode=mode, fork_rng=fork_rng)
+
+
+#: Every decoder-only text family pgs verifies end to end (tests/integration/test_families.py,
+#: docs/models.md's table): ``model_type`` -> the fields its tiny config sets on top of ``SHAPE``
+#: (None: the family's default).  Each keeps the family's distinguishing parts small but present:
+#: experts, multi-head latent attention, Gated DeltaNet layers beside attention, sliding windows
+#: of 8 tokens (shorter than the test's documents), attention sinks, per-layer input embeddings.
+SLIDING = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+HYBRID = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, linear_conv_kernel_dim=4,
+              linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+ROUTED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+              first_k_dense_replace=1, n_group=1, topk_group=1)
+FAMILIES = {
+    "qwen3": {},
+    "qwen3_moe": dict(EXPERTS),
+    "qwen3_5_text": dict(HYBRID),
+    "qwen3_5_moe_text": dict(HYBRID, **EXPERTS, shared_expert_intermediate_size=16, intermediate_size=None),
+    "qwen3_next": dict(HYBRID, **EXPERTS, shared_expert_intermediate_size=16),
+    "olmo_hybrid": dict(HYBRID, head_dim=None, pad_token_id=0, eos_token_id=2),
+    "olmo3": dict(SLIDING, head_dim=None, pad_token_id=0, eos_token_id=2),
+    "gemma3_text": dict(SLIDING, query_pre_attn_scalar=8),
+    "gemma4_text": dict(SLIDING, hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, global_head_dim=8),
+    "llama": {},
+    "mistral": dict(sliding_window=8),
+    "gpt_oss": dict(SLIDING, num_local_experts=4, num_experts_per_tok=2, intermediate_size=16),
+    "glm4_moe": dict(ROUTED),
+    "deepseek_v3": dict(ROUTED, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, v_head_dim=6,
+                        qk_nope_head_dim=4, head_dim=4, num_key_value_heads=4),
+}
+
+
+def family_table(model_type: str, **changes) -> dict:
+    """``shape_table`` of the family ``model_type`` with its ``FAMILIES`` fields and ``changes``."""
+    return shape_table(model_type, **{**FAMILIES[model_type], **changes})

@@ -136,6 +136,10 @@ def turn_markers(tokenizer, template: str | None = None) -> tuple[str, str]:
     return header, end
 
 
+class NoEndOfTurn(TemplateProblem):
+    """A template that ends an assistant turn with nothing of its own (GLM-4.5's shape)."""
+
+
 def _spans_from_markers(text: str, header: str, end: str, n_assistant: int) -> list[tuple[int, int]]:
     spans = []
     cursor = 0
@@ -171,6 +175,12 @@ def _assistant_lead(tokenizer, template: str, name: str) -> str:
         at = after.find(_PROBE_ASSISTANT, len(before))
         if at < 0:
             raise TemplateProblem(f"{name} does not render assistant content")
+        if not after[at + len(_PROBE_ASSISTANT):].strip():
+            # GLM-4.5's shape: the next turn's role token ends a turn; trained as it is, the
+            # model would never learn to end a reply
+            raise NoEndOfTurn(f"{name} writes nothing after an assistant turn's text (no end-of-turn token: the "
+                                  "next turn's role token ends it), so no end of reply would train; set "
+                                  f"data.chat_template (a template pgs ships: {', '.join(shipped_names())})")
         _markers_cache[key] = after[len(before):at]
     return _markers_cache[key]
 
@@ -280,6 +290,8 @@ def _turn_spans(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | N
             # diffing finds it when the template is prefix-stable; otherwise the markers' error
             try:
                 text, spans = _spans_by_prefix(tokenizer, template, messages, tools)
+            except NoEndOfTurn:
+                raise
             except TemplateProblem:
                 raise err from None
     else:

@@ -4,8 +4,8 @@ A model's own template is written for inference; some cannot be masked for train
 stock v3 template moves the system prompt into the *last* user turn, so a conversation's
 prefixes do not render to prefixes of it).  ``data.chat_template`` replaces the tokenizer's
 template for the whole run, masks, evaluation and the exported tokenizer alike: a path to a
-Jinja file, or the name of a template in ``pgs/assets/templates`` (``chatml``, ``mistral-v3``,
-``mistral-v7``).
+Jinja file, or the name of a template in ``pgs/assets/templates`` (``chatml``, ``glm4``,
+``mistral-v3``, ``mistral-v7``).
 """
 
 from __future__ import annotations

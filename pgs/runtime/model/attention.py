@@ -420,6 +420,20 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
                         "not supported; use \"sdpa\"")
     batch, hq, width, d = query.shape
     hkv = key.shape[1]
+    dv = value.shape[-1]
+    if dv != d:
+        # multi-head latent attention (DeepSeek-V3: keys of 192, values of 128): the kernels take
+        # one head dim, so the narrower side is padded with zeros (values: zero output columns,
+        # cut off again; queries and keys: the same dot products, the scale fixed first), as
+        # transformers' flash path does; exact
+        scaling = d ** -0.5 if scaling is None else scaling
+        pad = torch.nn.functional.pad
+        if dv < d:
+            out, _ = varlen_attention(module, query, key, pad(value, (0, d - dv)), attention_mask, scaling, dropout,
+                                      **kwargs)
+            return out[..., :dv], None
+        return varlen_attention(module, pad(query, (0, dv - d)), pad(key, (0, dv - d)), value, attention_mask,
+                                scaling, dropout, **kwargs)
     if width == 1 and _decode_suits(key, attention_mask, kwargs):  # one new token per row against a cache
         return decode_attention(query, key, value, attention_mask, scaling), None
     if attention_mask is not None or key.shape[2] != width:  # padding or a cache: not a packed forward
@@ -520,9 +534,14 @@ def varlen_suits(config) -> str | None:
     for c in (config, getattr(config, "text_config", None)):
         if c is None:
             continue
-        if any(t != "full_attention" for t in (getattr(c, "layer_types", None) or [])):
+        layer_types = getattr(c, "layer_types", None)
+        if any(t != "full_attention" for t in (layer_types or [])):
             return "its layer_types are not all full attention"
-        if getattr(c, "use_sliding_window", False) or getattr(c, "attn_logit_softcapping", None):
+        # a family without layer_types (Mistral) slides whenever it names a window, unless a
+        # use_sliding_window switch (Qwen2) is off
+        sliding = (not layer_types and getattr(c, "sliding_window", None) is not None
+                   and getattr(c, "use_sliding_window", True) is not False)
+        if sliding or getattr(c, "use_sliding_window", False) or getattr(c, "attn_logit_softcapping", None):
             return "it uses sliding-window or softcapped attention"
         if float(getattr(c, "attention_dropout", 0.0) or 0.0) > 0:
             return "its attention_dropout is not 0"
@@ -539,10 +558,60 @@ def hf_implementation(name: str | None, config=None, device: torch.device | str 
     """
     if name == AUTO:
         name = SPEC_NAME if varlen_available() and (config is None or varlen_suits(config) is None) else "sdpa"
+        if name == "sdpa" and not supports_sdpa(config):
+            name = "eager"  # the family's own attention (GPT-OSS: sinks) has no SDPA path in transformers
+    elif name == "sdpa" and not supports_sdpa(config):
+        raise SpecError(f"model.attn_implementation: \"sdpa\": {causal_lm_class(config).__name__} has no SDPA "
+                        "attention in transformers (its attention has parts SDPA cannot run, e.g. sinks); "
+                        "use \"auto\" or \"eager\"")
     if name == SPEC_NAME:
         _prime(device)
         return register()
     return name
+
+
+def causal_lm_class(config):
+    """The class ``AutoModelForCausalLM`` builds for ``config`` (None: not known, e.g. remote code)."""
+    if config is None:
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ValueError):
+        return None
+
+
+def supports_sdpa(config) -> bool:
+    """Whether transformers runs ``config``'s causal LM through SDPA (True where the class is
+    not known: transformers itself then says)."""
+    cls = causal_lm_class(config)
+    return cls is None or bool(getattr(cls, "_supports_sdpa", True))
+
+
+#: Families whose transformers forward (5.25) builds its attention masks without
+#: ``position_ids``: from a packed row it builds one causal mask over every document, so they
+#: would see each other.  ``document_masks`` builds their masks from the positions instead.
+MASKS_WITHOUT_POSITIONS = ("gpt_oss",)
+
+
+def document_masks(model, position_ids: Tensor, dtype: torch.dtype) -> dict | None:
+    """``{"attention_mask": {layer type: mask}}``, the masks of each layer type built by
+    transformers' own mask functions from the restarted ``position_ids`` (block-diagonal,
+    sliding windows included), for a model of ``MASKS_WITHOUT_POSITIONS``; None for the others
+    (their forward builds them so itself).  Such a forward takes a prepared dict of masks as
+    ``attention_mask`` (what ``generate`` hands it)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in MASKS_WITHOUT_POSITIONS:
+        return None
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    shape = torch.empty(*position_ids.shape, 0, dtype=dtype, device=position_ids.device)
+    args = dict(config=config, inputs_embeds=shape, attention_mask=None, cache=None, position_ids=position_ids)
+    masks = {"full_attention": create_causal_mask(**args)}
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        masks["sliding_attention"] = create_sliding_window_causal_mask(**args)
+    return {"attention_mask": masks}
 
 
 def uses_varlen(model) -> bool:

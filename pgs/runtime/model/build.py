@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from pgs.errors import SpecError
-from pgs.runtime.model import linear_attention
-from pgs.runtime.model.attention import (boundary_kwargs, hf_implementation, packed_kwargs, set_varlen_kernel,
-                                        uses_varlen)
+from pgs.runtime.model import composite, linear_attention
+from pgs.runtime.model.attention import (boundary_kwargs, document_masks, hf_implementation, packed_kwargs,
+                                        set_varlen_kernel, uses_varlen)
 from pgs.runtime.model.loading import config_from_table, first_line
 from pgs.runtime.model.moe import check_experts_implementation, experts_implementation as experts_choice
 
@@ -141,6 +141,7 @@ def build_model(
             raise SpecError(f"model.path: the weights in {path} lack {len(missing)} of the model's tensors "
                             f"(e.g. {missing[0]!r}); pgs does not train weights that were never loaded")
         model.to(device)
+        composite.attach(model, path)  # a vision-language checkpoint's text model exports in its shape
     else:
         table = dict(config)
         if vocab_size is not None:
@@ -159,6 +160,7 @@ def build_model(
                 trust_remote_code=trust_remote_code, **extra,
             )
     check_experts_implementation(model, experts)
+    composite.freeze_towers(model)  # a vision-language model trained on text: its tower stays as loaded
     linear_attention.isolate(model)  # Gated DeltaNet layers restart at packed document boundaries
     model.train()
     return model
@@ -254,6 +256,9 @@ def base_hidden(model, input_ids: Tensor, position_ids: Tensor, *, embed_noise=N
         kwargs.update(packed_kwargs(position_ids))
     elif linear_attention.wants_boundaries(model):  # for the linear-attention layers
         kwargs.update(boundary_kwargs(position_ids))
+    masks = document_masks(model, position_ids, model.get_input_embeddings().weight.dtype)
+    if masks is not None:  # a family whose own forward builds its masks without the positions
+        kwargs.update(masks)
     if embed_noise is None:
         out = base(input_ids=input_ids, **kwargs)
     else:

@@ -193,6 +193,28 @@ def parameter_shapes(config, trust_remote_code: bool) -> dict[str, tuple[int, ..
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
+def check_composite(model, config) -> None:
+    """A vision-language checkpoint whose text model pgs trains (``model.path``): every trained
+    tensor must have its place among the checkpoint's weights, so that the export keeps the
+    checkpoint's shape (``pgs.runtime.model.composite``); refused here, before any weights load."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pgs.runtime.model import composite
+
+    if model.path is None or getattr(config, "text_config", None) is None:
+        return
+    raw_type = getattr(config, "model_type", None)
+    try:
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(config, trust_remote_code=model.trust_remote_code)
+    except Exception:  # an architecture that cannot build on meta: build_model checks it with the weights
+        return
+    built_type = str(getattr(built.config, "model_type", ""))
+    if built_type != raw_type and composite.is_composite(model.path, built_type):
+        composite.describe(model.path, composite.stored_shapes(built))
+
+
 def check_freeze(freeze, shapes: dict[str, tuple[int, ...]]) -> list[str]:
     """The frozen parameter names of ``model.freeze`` patterns; each pattern must match one,
     and something must stay trainable."""
@@ -331,6 +353,7 @@ def preflight_spec(spec, *, count_parameters: bool = False, processes: int | Non
     tokenizer = apply_chat_template(tokenizer, spec.data.chat_template)
     check_architecture(m, config)
     check_layers(spec, config)
+    check_composite(m, config)
     experts_implementation(m.experts_implementation, config)  # a known implementation, a model with experts
     check_seq_len(spec, config)
     check_run_dir(spec.checkpoint.dir)

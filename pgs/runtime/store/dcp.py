@@ -324,6 +324,8 @@ class _Gathered:
     def __init__(self, model, tensors: dict[str, torch.Tensor]):
         self._tensors = tensors
         self.config = model.config
+        self.pgs_composite = getattr(model, "pgs_composite", None)  # a vision-language checkpoint's shape
+        self.pgs_model = model  # whose weight conversions the export reverts (export.saved_names)
         self.generation_config = getattr(model, "generation_config", None)
 
     def state_dict(self, keep_vars: bool = False):

@@ -19,6 +19,7 @@ import os
 import shutil
 
 from pgs.runtime.common import parse_size
+from pgs.runtime.model.composite import ATTR
 from pgs.runtime.store.checkpoint import disk_full_guard, model_tensors, publish, tensor_bytes
 from pgs.runtime.store.safetensors_io import write as write_safetensors
 
@@ -59,6 +60,47 @@ def write_weights(tensors: dict, folder: str, max_shard_size="5GB") -> list[str]
     return names + [INDEX]
 
 
+def saved_names(model, tensors: dict) -> dict:
+    """``tensors`` under the names and in the layout ``save_pretrained`` gives them: the weight
+    conversions transformers applied when it loaded the checkpoint reverted (a mixture of
+    experts' fused expert tensors split back into one tensor per expert, a vision-language
+    model's legacy prefixes restored), so that the export has the layout of the checkpoint it
+    came from (or of the family's published checkpoints), not transformers' in-memory one.
+    Splits are views: nothing is copied."""
+    target = getattr(model, "pgs_model", model)  # what a gathered state dict stands for
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without weight conversions: its names are the layout
+        return tensors
+    if not isinstance(target, PreTrainedModel):
+        return tensors
+    return revert_weight_conversion(target, dict(tensors))
+
+
+def write_composite(composite, tensors: dict, trained_config, dtype, folder: str, max_shard_size="5GB") -> None:
+    """The fine-tuned text model of a vision-language checkpoint in the checkpoint's shape
+    (``pgs.runtime.model.composite``): its ``config.json`` (``text_config`` updated, ``dtype``),
+    the trained tensors under the checkpoint's names, the tensors pgs did not train (the vision
+    tower) read unchanged from the checkpoint's files, in the checkpoint's order."""
+    from safetensors import safe_open
+
+    renamed = {composite.names[name]: t for name, t in tensors.items()}
+    untouched: dict = {}
+    by_file: dict[str, list[str]] = {}
+    for key in composite.untouched():
+        by_file.setdefault(composite.files[key], []).append(key)
+    for file, keys in by_file.items():
+        with safe_open(os.path.join(composite.folder, file), framework="pt") as handle:
+            untouched.update({key: handle.get_tensor(key) for key in keys})
+    ordered = {key: renamed[key] if key in renamed else untouched[key]
+               for key in composite.files if key in renamed or key in untouched}
+    write_weights(ordered, folder, max_shard_size)
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump(composite.saved_config(trained_config, dtype), handle, indent=2, sort_keys=True)
+        handle.write("\n")
+
+
 def export_hf(model, tokenizer, out_dir: str, *, info: dict | None = None, max_shard_size="5GB") -> str:
     """Write ``model`` (+ ``tokenizer``) to ``out_dir`` in HF format; returns ``out_dir``.
 
@@ -74,12 +116,16 @@ def export_hf(model, tokenizer, out_dir: str, *, info: dict | None = None, max_s
     # a full disk is one line (exit 84), the temporary removed and the published folder kept
     with disk_full_guard(tmp, out_dir, tensor_bytes(tensors), "export", "weights"):
         # Weights under the names transformers expects; tied copies are re-tied by the config.
-        write_weights(tensors, tmp, max_shard_size)
-        config = model.config
         dtype = next(iter(tensors.values())).dtype if tensors else None
-        if dtype is not None:
-            config.dtype = dtype
-        config.save_pretrained(tmp)
+        composite = getattr(model, ATTR, None)
+        if composite is not None:  # a vision-language checkpoint's text model: the checkpoint's shape
+            write_composite(composite, tensors, model.config, dtype, tmp, max_shard_size)
+        else:
+            write_weights(saved_names(model, tensors), tmp, max_shard_size)
+            config = model.config
+            if dtype is not None:
+                config.dtype = dtype
+            config.save_pretrained(tmp)
         generation = _generation_config(model, tokenizer)
         if generation is not None:
             generation.save_pretrained(tmp)
