@@ -164,6 +164,8 @@ def _process_layout(spec, ctx: D.DistContext | None, world: int):
     check_world_size(spec.train, world, cp)
     if spec.averaging is not None:
         raise SpecError("averaging: weight averaging runs on one process for now (WORLD_SIZE = 1)")
+    if spec.eval.samples:
+        raise SpecError("eval.samples: sample completions at eval run on one process for now (WORLD_SIZE = 1)")
     return CP.make_shard(ctx.rank, world, cp, spec.parallel.layout) if cp > 1 else None
 
 
