@@ -44,7 +44,6 @@ from pgs.runtime.loop import control
 from pgs.runtime.loop.averaging import EXPORT_DIR
 from pgs.runtime.loop.checkpointer import export
 from pgs.runtime.loop.evaluator import evaluate
-from pgs.runtime.loop.samples import EvalSamples
 
 
 class Service:
@@ -191,8 +190,8 @@ def build_services(run, profiler=None, extra: tuple[Service, ...] = ()) -> list[
         services.append(HealthService(run.health))
     if run.msft is not None:
         services.append(MsftService(run.msft))
-    if run.spec.eval.samples:
-        services.append(SamplesService(EvalSamples(run.spec)))
+    if run.samples is not None:
+        services.append(SamplesService(run.samples))
     return services
 
 

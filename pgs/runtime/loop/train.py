@@ -50,6 +50,7 @@ from pgs.runtime.data.loader import StepLoader
 from pgs.runtime.dist import context as CP, fsdp as D
 from pgs.runtime.loop import control, trackers
 from pgs.runtime.loop.averaging import CHECKPOINT_FILE as AVERAGING_FILE, WeightAverager
+from pgs.runtime.loop.samples import EvalSamples
 from pgs.runtime.loop.checkpointer import Checkpointer, export as _export, save, save_in_background, snapshot_groups  # noqa: F401
 from pgs.runtime.loop.evaluator import Evaluator, evaluate  # noqa: F401
 from pgs.runtime.loop.faults import Faults, NO_FAULTS
@@ -233,6 +234,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         health=HealthMonitor.from_spec(spec, model, total),
         averaging=WeightAverager.from_spec(spec, model, total),  # its base: the weights as built, before any restore
         msft=Msft.create(spec, distributed=sharded),
+        samples=EvalSamples(spec) if spec.eval.samples else None,
     )
 
 
