@@ -244,6 +244,19 @@ def leave(code: int) -> None:
     raise SystemExit(code)
 
 
+def _openmp_waits_passively() -> None:
+    """``OMP_WAIT_POLICY=PASSIVE`` for this process and its children, unless the environment
+    says otherwise; set before torch is imported, since OpenMP reads it once, when it loads.
+
+    By default an OpenMP thread that reaches the end of a parallel region spins until its
+    siblings arrive.  Where another process takes a core, a sibling is descheduled and the
+    others spin for its whole time slice, on every operator: the CPU time of a training step
+    multiplies, and the slowdown is many times the CPU lost (docs/performance.md, *A busy
+    machine*).  A passive wait sleeps instead, so a step costs the same CPU time however busy
+    the machine is, and its wall time grows only with the CPU others take."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
     """Run one ``pgs`` command; returns the exit code."""
     parser = build_parser()
@@ -252,6 +265,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         parser.print_help(sys.stderr)
         return EXIT_BAD_INPUT
     if entry_point:
+        _openmp_waits_passively()
         from pgs.runtime.triton_gate import keep_triton_out
 
         keep_triton_out()
@@ -291,6 +305,9 @@ def cmd_run(args) -> int:
         from pgs.runtime.loop.faults import Faults
         from pgs.runtime.loop.trace import parse_steps
         from pgs.runtime.loop.train import run
+        from pgs.runtime.process import fit_cpu_threads
+
+        fit_cpu_threads()
 
         code = int(run(spec, resume=args.resume, spec_path=os.path.abspath(args.spec),
                        profile=parse_steps(args.profile) if args.profile else None, overwrite=args.overwrite,

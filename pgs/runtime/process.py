@@ -9,6 +9,7 @@ statistics and the loss sums): it imports nothing of pgs, so any runtime module 
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Mapping
 
@@ -66,6 +67,52 @@ def set_variables(entries: Mapping[str, str]) -> None:
 def set_default(name: str, value: str) -> None:
     """Set ``name`` unless the environment already has it."""
     os.environ.setdefault(name, value)
+
+
+def available_cpus() -> int:
+    """The CPUs this process may use: those of its affinity mask (``taskset``, a scheduler's
+    cpuset), fewer where its control group caps its CPU time (``docker --cpus``, Kubernetes
+    limits: cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``), rounded up; at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        cpus = min(cpus, max(1, math.ceil(quota)))
+    return max(1, cpus)
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """CPUs' worth of time per period this process's control group may use; None: no cap."""
+    v2 = _read("/sys/fs/cgroup/cpu.max")  # "<quota> <period>", or "max <period>"
+    if v2 is not None:
+        quota, _, period = v2.partition(" ")
+    else:
+        quota, period = _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    try:
+        return int(quota) / int(period) if int(quota) > 0 else None
+    except (TypeError, ValueError):  # "max", a missing file, something unreadable: no cap known
+        return None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def fit_cpu_threads() -> int:
+    """Use no more intra-op threads than :func:`available_cpus` (torch counts the host's cores,
+    also where a container may use only a part of them); returns the number in use.  Never
+    raises a number set lower (``OMP_NUM_THREADS``, ``torch.set_num_threads``, torchrun's one
+    thread per worker)."""
+    threads = min(torch.get_num_threads(), available_cpus())
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return threads
 
 
 def is_distributed() -> bool:

@@ -43,7 +43,7 @@ def test_before_hooks_run_in_order_and_after_hooks_in_reverse():
 def test_a_new_service_joins_through_build_services():
     calls: list = []
     run = SimpleNamespace(faults=SimpleNamespace(slow_step_s=0, crash=lambda *a: None), averaging=None,
-                          health=None, msft=None)
+                          health=None, msft=None, samples=None)
     services = build_services(run, extra=(Recorder("mine", calls),))
     before_step(services, run, 1)
     after_step(services, run, 1)

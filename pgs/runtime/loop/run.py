@@ -52,6 +52,7 @@ class Run:
     moe: Any = None  # model.moe.RouterTap of a mixture-of-experts model: router telemetry and losses
     context: Any = None  # dist.context.SequenceShard: this rank's part of each row ([parallel] context > 1)
     msft: Msft | None = None  # mSFT rounds (data.msft_round), else None
+    samples: Any = None  # samples.EvalSamples: replies to held-out prompts at every eval ([eval] samples)
     saver: background.BackgroundSaver | None = None  # [checkpoint] background: the save written on a thread
     services: list = attrs.field(factory=list)  # loop.services: the step-time services (their state is checkpointed)
 

@@ -203,6 +203,17 @@ class MsftService(Service):
                         f"excluded, weights reverted to that step; active: {', '.join(event['active']) or 'none'}")
 
 
+class SamplesService(Service):
+    """``[eval] samples`` (``pgs.runtime.loop.samples.EvalSamples``): greedy replies to held-out
+    prompts at every evaluation, written to ``<run dir>/samples/step_<N>.jsonl``."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def eval_record(self, run, result: dict) -> None:
+        self.samples.sample(run, result)
+
+
 def build_services(run, profiler=None, extra: tuple[Service, ...] = ()) -> list[Service]:
     """The run's step-time services, in the order their ``before_*`` hooks run."""
     services: list[Any] = [FaultService(run.faults), *extra]
@@ -214,11 +225,14 @@ def build_services(run, profiler=None, extra: tuple[Service, ...] = ()) -> list[
         services.append(HealthService(run.health))
     if run.msft is not None:
         services.append(MsftService(run.msft))
+    if run.samples is not None:
+        services.append(SamplesService(run.samples))
     return services
 
 
 #: The service classes :func:`build_services` may build: the memory estimate asks each of them.
-SERVICES: tuple[type[Service], ...] = (FaultService, ProfilerService, AveragingService, HealthService, MsftService)
+SERVICES: tuple[type[Service], ...] = (FaultService, ProfilerService, AveragingService, HealthService, MsftService,
+                                       SamplesService)
 
 
 def service_memory(spec, plan: dict) -> dict[str, int]:

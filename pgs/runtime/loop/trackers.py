@@ -14,8 +14,9 @@ sends it the numbers of every record it writes (``pgs.runtime.loop.metrics``).
 - TensorBoard: ``torch.utils.tensorboard.SummaryWriter`` writing event files to
   ``<run dir>/tensorboard/<run name>`` (``tensorboard --logdir <run dir>/tensorboard``).
 - MLflow: the experiment ``project`` and a run named ``run name`` on the tracking server
-  ``$MLFLOW_TRACKING_URI`` names, else a local store in ``<run dir>/mlruns``; the spec's
-  fields are logged as parameters (``section.field``).
+  ``$MLFLOW_TRACKING_URI`` names, else a local file store in ``<run dir>/mlruns`` (MLflow 3
+  serves that store only with ``MLFLOW_ALLOW_FILE_STORE=true``, which pgs sets for it; read it
+  with the same variable set); the spec's fields are logged as parameters (``section.field``).
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ class MLflowTracker:
 
         self._mlflow = mlflow
         if not process.variable("MLFLOW_TRACKING_URI"):
+            # MLflow 3 refuses its file store unless asked (it is in maintenance mode, a database
+            # is what it recommends); a folder in the run needs no server and no database driver.
+            process.set_default("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri("file:" + os.path.abspath(os.path.join(run_dir, "mlruns")))
         mlflow.set_experiment(project)
         self._run = mlflow.start_run(run_name=run_name)

@@ -50,6 +50,7 @@ from pgs.runtime.data.loader import StepLoader
 from pgs.runtime.dist import context as CP, fsdp as D
 from pgs.runtime.loop import control, trackers
 from pgs.runtime.loop.averaging import WeightAverager
+from pgs.runtime.loop.samples import EvalSamples
 from pgs.runtime.loop.checkpointer import (Checkpointer, export as _export, save, save_in_background,  # noqa: F401
                                            snapshot_groups, stateful)
 from pgs.runtime.loop.evaluator import Evaluator, evaluate  # noqa: F401
@@ -165,6 +166,8 @@ def _process_layout(spec, ctx: D.DistContext | None, world: int):
     if ctx is None:
         return None
     check_world_size(spec.train, world, cp)
+    if spec.eval.samples:
+        raise SpecError("eval.samples: sample completions at eval run on one process for now (WORLD_SIZE = 1)")
     return CP.make_shard(ctx.rank, world, cp, spec.parallel.layout) if cp > 1 else None
 
 
@@ -232,6 +235,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
         health=HealthMonitor.from_spec(spec, model, total),
         averaging=WeightAverager.from_spec(spec, model, total),  # its base: the weights as built, before any restore
         msft=Msft.create(spec),
+        samples=EvalSamples(spec) if spec.eval.samples else None,
     )
 
 

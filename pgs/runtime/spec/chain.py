@@ -362,5 +362,6 @@ def check_spec(spec: Spec) -> None:
     check_loss(spec.loss)
     if spec.averaging is not None:
         spec.averaging.check(spec)
+    spec.eval.check(spec)
     chain = build_chain(spec, total_steps=_stand_in_total(spec))
     check_memory_options(spec, chain)

@@ -57,6 +57,7 @@ from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     PreferenceSpec,
     DistillSpec,
     AveragingSpec,
+    EvalSpec,
     SECTIONS,
 )
 from pgs.runtime import process
@@ -83,6 +84,7 @@ class Spec:
     preference: PreferenceSpec | None = None  # a preference run (``[preference]``), else SFT
     distill: DistillSpec | None = None  # a distillation run (``[distill]``)
     averaging: AveragingSpec | None = None  # weight EMA / merge-back (``[averaging]``), else none
+    eval: EvalSpec = attrs.field(factory=EvalSpec)  # what an evaluation adds (``[eval]``: samples)
     source: str | None = attrs.field(default=None, eq=False)
     #: hub names resolved to local snapshots, by field (``"model.path"``: ``model.hub.HubSource``)
     hub: dict = attrs.field(factory=dict, eq=False)
@@ -461,7 +463,7 @@ def spec_from_dict(raw: dict, base: str | os.PathLike, source: str | None = None
         "data": _data(raw["data"], base),
         "optimizer": _optimizer(raw.get("optimizer", {})),
     }
-    for name in ("schedule", "loss", "train", "checkpoint", "log", "memory", "moe", "parallel"):
+    for name in ("schedule", "loss", "train", "checkpoint", "log", "memory", "moe", "parallel", "eval"):
         sections[name] = _section(name, raw.get(name, {}))
     if "preference" in raw:
         preference = _section("preference", raw["preference"])

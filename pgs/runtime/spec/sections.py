@@ -19,6 +19,7 @@ section         class                 module
 ``[checkpoint]`` ``CheckpointSpec``   ``pgs.runtime.store.config``
 ``[log]``       ``LogSpec``           ``pgs.runtime.loop.trackers``
 ``[averaging]`` ``AveragingSpec``     ``pgs.runtime.loop.averaging``
+``[eval]``      ``EvalSpec``          ``pgs.runtime.loop.samples``
 ``[parallel]``  ``ParallelSpec``      ``pgs.runtime.dist.config``
 ==============  ====================  =================================================
 
@@ -34,6 +35,7 @@ from pgs.runtime.dist.config import ParallelSpec
 from pgs.runtime.loop.averaging import MERGE_METHODS, AveragingSpec
 from pgs.runtime.loop.config import (DEVICES, GENERATION_DEFAULTS, REFERENCE_MODES, DistillSpec, LossSpec,
                                      PreferenceSpec, TrainSpec)
+from pgs.runtime.loop.samples import EvalSpec
 from pgs.runtime.loop.trackers import LogSpec
 from pgs.runtime.model.config import (ATTN_IMPLEMENTATIONS, DTYPES, EXPERTS_IMPLEMENTATIONS, FREEZE_POLICIES,
                                       VARLEN_KERNELS, ModelSpec, MoESpec)
@@ -62,13 +64,14 @@ SECTIONS: dict[str, type] = {
     "preference": PreferenceSpec,
     "distill": DistillSpec,
     "averaging": AveragingSpec,
+    "eval": EvalSpec,
 }
 
 __all__ = [
     "ASSET_PREFIX", "ASSETS_DIR", "ATTN_IMPLEMENTATIONS", "CHECKPOINT_POLICIES", "DEVICES", "DTYPES",
     "EXPERTS_IMPLEMENTATIONS", "FREEZE_POLICIES", "GENERATION_DEFAULTS", "MASTER_WEIGHTS", "MERGE_METHODS",
     "REFERENCE_MODES", "RELEASE_GROUPS", "SCHEDULES", "SECTIONS", "VARLEN_KERNELS", "WSD_SHAPES",
-    "AveragingSpec", "ChainEntry", "CheckpointSpec", "DataConfig", "DistillSpec", "LogSpec", "LossSpec",
+    "AveragingSpec", "ChainEntry", "CheckpointSpec", "DataConfig", "DistillSpec", "EvalSpec", "LogSpec", "LossSpec",
     "MemorySpec", "ModelSpec", "MoESpec", "OptimizerSpec", "ParallelSpec", "PreferenceSpec", "ScheduleSpec",
     "TrainSpec", "checkpoint_offload", "head_grad_wanted", "prefetch_depth", "suggest", "_describe", "_is_int",
 ]

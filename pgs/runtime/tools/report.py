@@ -236,6 +236,36 @@ def _zoom_start(metrics: Metrics, warmup: int) -> float | None:
     return start if sum(1 for x, _ in points if x > start) >= 4 else None
 
 
+def plot_keys(filename: str, metrics: Metrics) -> list[str]:
+    """The series of ``metrics`` drawn on plot ``filename`` (``PLOTS``, with the per-task
+    accuracies and per-group update ratios), those that have points."""
+    keys = PLOTS[filename][2]
+    if filename == "eval_accuracy.png":
+        keys = keys + tuple(sorted(k for k in metrics.series if k.startswith(TASK_ACCURACY)))
+    if filename == "update_ratio.png":
+        keys = keys + tuple(sorted(k for k in metrics.series if k.startswith(GROUP_RATIO)))
+    return [k for k in keys if metrics.series.get(k)]
+
+
+def svg_charts(metrics: Metrics, entropy_warn: float | None = None, *, clip: float | None = None) -> list[str]:
+    """The plots of ``PLOTS`` that have data, as inline SVG charts (the HTML page's)."""
+    from pgs.runtime.tools.report_html import svg_chart
+
+    charts = []
+    for filename, (title, ylabel, _, log) in PLOTS.items():
+        present = plot_keys(filename, metrics)
+        if not present:
+            continue
+        lines: tuple[tuple[float, str], ...] = ()
+        if filename == "entropy.png" and entropy_warn:
+            lines = ((entropy_warn, "entropy_warn"),)
+        if filename == "grad_norm.png" and clip:
+            lines = ((clip, f"clip = {clip:g}"),)
+        charts.append(svg_chart(title, {k: metrics.series[k] for k in present}, ylabel=ylabel, lines=lines,
+                                log=log or filename == "loss.png"))
+    return charts
+
+
 def _draw(ax, metrics: Metrics, keys: list[str], after: float | None = None) -> None:
     for key in keys:
         points = [(x, y) for x, y in metrics.series[key] if after is None or x > after]
@@ -260,12 +290,8 @@ def draw_plots(metrics: Metrics, out_dir: str, entropy_warn: float | None = None
     import matplotlib.pyplot as plt
 
     written = []
-    for filename, (title, ylabel, keys, log) in PLOTS.items():
-        if filename == "eval_accuracy.png":
-            keys = keys + tuple(sorted(k for k in metrics.series if k.startswith(TASK_ACCURACY)))
-        if filename == "update_ratio.png":
-            keys = keys + tuple(sorted(k for k in metrics.series if k.startswith(GROUP_RATIO)))
-        present = [k for k in keys if metrics.series.get(k)]
+    for filename, (title, ylabel, _, log) in PLOTS.items():
+        present = plot_keys(filename, metrics)
         if not present:
             continue
         positive = all(v > 0 for k in present for _, v in metrics.series[k])
@@ -299,11 +325,38 @@ def draw_plots(metrics: Metrics, out_dir: str, entropy_warn: float | None = None
     return written
 
 
+def _spec_text(run_dir: str) -> str | None:
+    try:
+        with open(os.path.join(run_dir, "spec.resolved.toml"), encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _samples_table(samples, console) -> None:
+    """The newest evaluation's sample replies (``[eval] samples``) as a table on the console."""
+    from rich.table import Table
+
+    from pgs.runtime.tools.report_html import prompt_text
+
+    step, rows = samples[0]
+    table = Table(title=f"samples at step {step} (samples/step_{step}.jsonl)", title_justify="left")
+    for name in ("#", "prompt", "reply", "reference"):
+        table.add_column(name, overflow="fold")
+    for row in rows:
+        table.add_row(str(row.get("index", "")), prompt_text(row), str(row.get("reply", "")),
+                      str(row.get("reference", "")))
+    console.print(table)
+
+
 def write_report(run_dir: str, console=None) -> list[tuple[str, str]]:
-    """Read ``RUN_DIR/metrics.jsonl``; write ``RUN_DIR/report/`` (PNGs, ``summary.md``); print the table."""
+    """Read ``RUN_DIR/metrics.jsonl``; write ``RUN_DIR/report/`` (``report.html``: one
+    self-contained page; PNGs where matplotlib is installed; ``summary.md``); print the table
+    and the newest sample replies."""
     from rich.table import Table
 
     from pgs.runtime import output
+    from pgs.runtime.tools.report_html import read_samples, render, write_html
 
     console = console or output.console()
     if not os.path.isdir(run_dir):
@@ -322,21 +375,28 @@ def write_report(run_dir: str, console=None) -> list[tuple[str, str]]:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as err:
         raise ReportError(f"{out_dir}: cannot be made ({err.strerror or err})") from None
+    spec = _resolved_spec(run_dir)
+    entropy_warn, clip = _entropy_floor(run_dir, spec), _clip_threshold(spec)
     try:
-        spec = _resolved_spec(run_dir)
-        plots = draw_plots(metrics, out_dir, _entropy_floor(run_dir, spec), clip=_clip_threshold(spec),
-                           warmup=_warmup(spec))
+        plots = draw_plots(metrics, out_dir, entropy_warn, clip=clip, warmup=_warmup(spec))
     except ImportError:
         plots = []
-        console.print("[yellow]warning:[/] matplotlib is not installed (pip install 'pgs[plot]'); no plots drawn")
     rows = summary_rows(metrics)
     with open(os.path.join(out_dir, "summary.md"), "w", encoding="utf-8") as f:
         f.write(_markdown(rows, run_dir, plots))
+    samples = read_samples(run_dir)
+    page = os.path.join(out_dir, "report.html")
+    write_html(page, render(run_dir, rows, svg_charts(metrics, entropy_warn, clip=clip), _spec_text(run_dir),
+                            samples))
     table = Table(title=f"pgs report: {run_dir}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value", justify="right")
     for what, value in rows:
         table.add_row(what, value)
     console.print(table)
-    console.print(f"wrote {out_dir}/summary.md" + (f" and {len(plots)} plots" if plots else ""))
+    if samples and samples[0][1]:
+        _samples_table(samples, console)
+    console.print(f"wrote {page} (open it in a browser: one file, works offline), {out_dir}/summary.md"
+                  + (f" and {len(plots)} PNG plots" if plots else " (no PNG plots: matplotlib is not installed, "
+                     "pip install 'pgs[plot]')"))
     return rows
