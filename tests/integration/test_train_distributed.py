@@ -44,9 +44,16 @@ STEPS = 10
 def spec_for(tmp_path: Path, name: str, *, ranks: int) -> Path:
     """The tiny spec; grad_accum = 2 on one process, 1 on two ranks (same micro-batches)."""
     path = tiny_spec(tmp_path, name, steps=STEPS, every=0, export="true", eval_every=STEPS)
+    path.write_text(path.read_text() + "\n[eval]\nsamples = 2\nmax_new_tokens = 6\n")
     if ranks > 1:
         path.write_text(path.read_text().replace("grad_accum = 2", "grad_accum = 1"))
     return path
+
+
+def two_replies(tmp_path: Path, step: int, run: str = "two") -> list[str]:
+    """The replies in ``<run>/samples/step_<step>.jsonl``."""
+    lines = (tmp_path / run / "samples" / f"step_{step}.jsonl").read_text().splitlines()
+    return [json.loads(line)["reply"] for line in lines]
 
 
 def dist_env(**extra) -> dict:
@@ -89,6 +96,13 @@ def test_two_ranks_equal_one_process_and_sigterm_resume_is_exact(tmp_path):
     for a, b in zip(ref_evals, evals):
         assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-6)
     assert (tmp_path / "two" / f"step_{STEPS}" / "dcp.json").exists()
+    # [eval] samples on two ranks: every rank replies to every prompt (synced decoding), rank 0
+    # writes; at step 0 (the same weights, bit for bit) the replies are one process's exactly
+    for step in (0, STEPS):
+        one, two = ([json.loads(line) for line in (tmp_path / run / "samples" / f"step_{step}.jsonl").open()]
+                    for run in ("single", "two"))
+        assert [r["prompt"] for r in two] == [r["prompt"] for r in one] and len(one) == 2
+    assert two_replies(tmp_path, 0) == two_replies(tmp_path, 0, "single")
 
     # 3. SIGTERM to rank 1 only: both ranks stop at the same step, checkpoint, exit 143.
     stopped = spec_for(tmp_path, "stopped", ranks=2)

@@ -99,9 +99,12 @@ def held_out_prompts(path: str, n: int) -> list[dict]:
 
 
 @torch.no_grad()
-def greedy_replies(model, tokenizer, prompts: list[dict], max_new_tokens: int) -> list[dict]:
+def greedy_replies(model, tokenizer, prompts: list[dict], max_new_tokens: int, synced: bool = False) -> list[dict]:
     """Each prompt's greedy reply through the run's generation path: ``{"reply", "new_tokens",
-    "stopped"}`` (``stopped``: it ended at the end-of-turn token, not at ``max_new_tokens``)."""
+    "stopped"}`` (``stopped``: it ended at the end-of-turn token, not at ``max_new_tokens``).
+    ``synced``: every rank of an FSDP2-sharded model calls this with the same prompts, and each
+    batch decodes until every rank's has stopped (``generate(synced=True)``): the same forwards,
+    the same greedy replies on every rank."""
     out: list[dict] = []
     settings = GenerationSettings(max_new_tokens=max_new_tokens, temperature=0)
     for start in range(0, len(prompts), BATCH):
@@ -109,7 +112,8 @@ def greedy_replies(model, tokenizer, prompts: list[dict], max_new_tokens: int) -
         texts = [tokenizer.apply_chat_template(p["messages"], tools=p["tools"], tokenize=False,
                                                add_generation_prompt=True) for p in chunk]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        generation = generate(model, ids, settings, stop_ids=[tokenizer.eos_token_id], pad_id=pad_id(tokenizer))
+        generation = generate(model, ids, settings, stop_ids=[tokenizer.eos_token_id], pad_id=pad_id(tokenizer),
+                              synced=synced)
         for tokens in generation.completions():
             tokens = [int(t) for t in tokens]
             stopped = bool(tokens) and tokens[-1] == tokenizer.eos_token_id
@@ -153,10 +157,13 @@ class EvalSamples:
         """Reply to every prompt, write ``samples/step_<N>.jsonl``, count them in ``result``."""
         if not self.prompts:
             return
+        sharded = run.ctx is not None  # several processes: every rank replies to every prompt, rank 0 writes
         with run.bound.eval_weights():  # the weights the eval loss was measured at
-            replies = greedy_replies(run.model, run.tokenizer, self.prompts, self.max_new_tokens)
-        path = write_samples(run.run_dir, run.step, self.prompts, replies)
+            replies = greedy_replies(run.model, run.tokenizer, self.prompts, self.max_new_tokens, synced=sharded)
         result["eval_samples"] = len(replies)
+        if sharded and run.ctx.rank != 0:
+            return
+        path = write_samples(run.run_dir, run.step, self.prompts, replies)
         last_user = next((m.get("content") for m in reversed(self.prompts[0]["messages"])
                           if m.get("role") == "user"), "")
         run.log.say(f"samples  {len(replies)} replies in {os.path.relpath(path, run.run_dir)}; "

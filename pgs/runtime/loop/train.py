@@ -166,8 +166,6 @@ def _process_layout(spec, ctx: D.DistContext | None, world: int):
     if ctx is None:
         return None
     check_world_size(spec.train, world, cp)
-    if spec.eval.samples:
-        raise SpecError("eval.samples: sample completions at eval run on one process for now (WORLD_SIZE = 1)")
     return CP.make_shard(ctx.rank, world, cp, spec.parallel.layout) if cp > 1 else None
 
 
