@@ -343,8 +343,17 @@ if __name__ == "__main__":
     mark("started")
     if POINT != "reading":
         mark("worker", str(loader._worker.process.pid))
-    if POINT == "step":
+    if POINT in ("step", "connecting"):
         loader.next_step()
+    if POINT == "connecting":  # a restart (a resume), held between connecting and the request
+        import multiprocessing.reduction
+
+        def held(*args):
+            mark("parent")
+            signal.pause()
+
+        multiprocessing.reduction.sendfds = held
+        loader.load_state_dict(loader.state_dict())
     mark("parent")
     signal.pause()
 """
@@ -354,13 +363,14 @@ def _gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
 
 
-@pytest.mark.parametrize("point", ["reading", "started", "step"])
+@pytest.mark.parametrize("point", ["reading", "started", "step", "connecting"])
 def test_a_killed_parent_takes_its_worker_process_with_it_silently(files, tmp_path, point):
     """A SIGKILLed training process leaves no worker holding its pipes open (a caller waiting
     for its output would hang), and nothing on its stderr: killed while the worker reads its
-    process object (the parent still in Process.start()), right after the start, or after a
-    step.  The stderr pipe is read to its end, when every process that inherited it (the
-    worker, the fork server, multiprocessing's resource tracker) is gone."""
+    process object (the parent still in Process.start()), right after the start, after a
+    step, or while it asks the fork server for a worker again.  The stderr pipe is read to
+    its end, when every process that inherited it (the worker, the fork server,
+    multiprocessing's resource tracker) is gone."""
     import subprocess
 
     script = tmp_path / "killed.py"

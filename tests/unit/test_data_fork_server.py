@@ -48,17 +48,17 @@ def test_a_process_object_cut_short_by_a_gone_parent_is_quiet(fork_server):
     for data in (b"", whole[:-10]):  # nothing sent (EOFError), or part of it (truncated)
         with read_process_object(data, parent_lives=False) as (error, tb):
             assert isinstance(error, (EOFError, pickle.UnpicklingError))
-            assert fork_server.parent_gone_while_sending(error, tb)
+            assert fork_server.parent_gone(error, tb)
 
 
 def test_other_errors_and_a_living_parent_are_printed(fork_server, monkeypatch):
     with read_process_object(pickle.dumps({}) + b"\xff", parent_lives=True) as (error, tb):  # bad data
         assert isinstance(error, pickle.UnpicklingError)
-        assert not fork_server.parent_gone_while_sending(error, tb)
+        assert not fork_server.parent_gone(error, tb)
     try:
         raise EOFError("raised elsewhere")
     except EOFError as err:
-        assert not fork_server.parent_gone_while_sending(err, err.__traceback__)
+        assert not fork_server.parent_gone(err, err.__traceback__)
     printed = []
     monkeypatch.setattr(fork_server, "_previous", lambda *info: printed.append(info[1]))
     real = ValueError("a real error")
