@@ -5,9 +5,11 @@ as a forked child runs it (the subprocess case is tests/integration/test_data_lo
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.reduction
 import multiprocessing.spawn
 import os
 import pickle
+import socket
 import sys
 
 import pytest
@@ -59,6 +61,11 @@ def test_other_errors_and_a_living_parent_are_printed(fork_server, monkeypatch):
         raise EOFError("raised elsewhere")
     except EOFError as err:
         assert not fork_server.parent_gone(err, err.__traceback__)
+    left, right = socket.socketpair()
+    right.close()  # a client gone before its request, outside the fork server's loop
+    with left, pytest.raises(EOFError) as received:
+        multiprocessing.reduction.recvfds(left, 4)
+    assert not fork_server.parent_gone(received.value, received.value.__traceback__)
     printed = []
     monkeypatch.setattr(fork_server, "_previous", lambda *info: printed.append(info[1]))
     real = ValueError("a real error")
