@@ -306,34 +306,95 @@ def test_a_stalled_worker_is_an_error_not_a_hang(files, tok, worker, monkeypatch
 
 
 KILLED_PARENT = """
-import os, signal, sys
-from transformers import AutoTokenizer
+import os, signal, sys, time
 from pgs.runtime.data import DataConfig, TrainStream
 from pgs.runtime.data.loader import StepLoader
 
+POINT, FOLDER = sys.argv[1], sys.argv[2]
+
+
+def mark(name, text=""):
+    with open(os.path.join(FOLDER, name + ".part"), "w") as f:
+        f.write(text)
+    os.rename(os.path.join(FOLDER, name + ".part"), os.path.join(FOLDER, name))
+
+
+class BigStream(TrainStream):
+    \"\"\"A pickled stream larger than a pipe's buffer (as any real tokenizer makes it), so
+    that Process.start() writes until the worker reads.\"\"\"
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.ballast = bytes(4 << 20)
+
+
+if __name__ == "__mp_main__" and POINT == "reading":
+    # the worker imports this module before it reads its process object: held here until
+    # the parent is killed
+    mark("worker", str(os.getpid()))
+    while not os.path.exists(os.path.join(FOLDER, "go")):
+        time.sleep(0.01)
+
 if __name__ == "__main__":
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained({tokenizer!r})
-    stream = TrainStream(DataConfig(sources=[{path!r}], max_seq_len=160), tok, pack_window=16)
+    stream = BigStream(DataConfig(sources=[{path!r}], max_seq_len=160), tok, pack_window=16)
     loader = StepLoader(stream, 2, 1, "cpu")
-    loader.next_step()
-    print(loader._worker.process.pid, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    mark("started")
+    if POINT != "reading":
+        mark("worker", str(loader._worker.process.pid))
+    if POINT in ("step", "connecting"):
+        loader.next_step()
+    if POINT == "connecting":  # a restart (a resume), held between connecting and the request
+        import multiprocessing.reduction
+
+        def held(*args):
+            mark("parent")
+            signal.pause()
+
+        multiprocessing.reduction.sendfds = held
+        loader.load_state_dict(loader.state_dict())
+    mark("parent")
+    signal.pause()
 """
 
 
-def test_a_killed_parent_takes_its_worker_process_with_it(files, tmp_path):
-    """A SIGKILLed training process leaves no worker holding its pipes open (a caller
-    waiting for its output would hang)."""
+def _gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+
+
+@pytest.mark.parametrize("point", ["reading", "started", "step", "connecting"])
+def test_a_killed_parent_takes_its_worker_process_with_it_silently(files, tmp_path, point):
+    """A SIGKILLed training process leaves no worker holding its pipes open (a caller waiting
+    for its output would hang), and nothing on its stderr: killed while the worker reads its
+    process object (the parent still in Process.start()), right after the start, after a
+    step, or while it asks the fork server for a worker again.  The stderr pipe is read to
+    its end, when every process that inherited it (the worker, the fork server,
+    multiprocessing's resource tracker) is gone."""
     import subprocess
 
     script = tmp_path / "killed.py"
     script.write_text(KILLED_PARENT.format(tokenizer=os.path.abspath(TOKENIZER), path=files[0]))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.getcwd()})
-    assert done.returncode == -9, done.stderr[-2000:]
-    worker = int(done.stdout.split()[0])
-    wait_until(lambda: not os.path.exists(f"/proc/{worker}") or "Z" in open(f"/proc/{worker}/stat").read().split()[2],
-               "the worker process ending")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    parent = subprocess.Popen([sys.executable, str(script), point, str(marks)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        there = marks / ("worker" if point == "reading" else "parent")
+        wait_until(lambda: there.exists() or parent.poll() is not None, f"the parent at {point!r}", limit=120)
+        assert parent.poll() is None, parent.stderr.read()[-2000:]
+        # reading: the worker is held before it reads, so the parent is still writing it
+        assert (marks / "started").exists() == (point != "reading")
+        parent.kill()
+    finally:
+        parent.kill()
+        parent.wait()
+    (marks / "go").touch()
+    _, stderr = parent.communicate(timeout=120)  # to the end: every holder of the pipe ended
+    assert parent.returncode == -9
+    worker = int((marks / "worker").read_text())
+    wait_until(lambda: _gone(worker), "the worker process ending")
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr[-2000:]
 
 
 # -- close ---------------------------------------------------------------------------------

@@ -314,10 +314,11 @@ def _serve(sys_path: list[str], template: bytes, state: dict | None, micro_batch
 
 
 def _context():
-    """A fork server (clean, no CUDA, no threads; this module preloaded), else spawn."""
+    """A fork server (clean, no CUDA, no threads; this module preloaded, and a start cut short
+    by a killed parent kept quiet: ``pgs.runtime.data.fork_server``), else spawn."""
     if "forkserver" in mp.get_all_start_methods():
         context = mp.get_context("forkserver")
-        context.set_forkserver_preload([__name__])
+        context.set_forkserver_preload(["pgs.runtime.data.fork_server"])
         return context
     return mp.get_context("spawn")
 
