@@ -6,7 +6,9 @@
   ``--resume auto`` on 3 ranks (checkpoints written in the background) ends bit for bit where
   the uninterrupted 3-rank run ends (weights, EMA, losses).
 - ``data.msft_round``: per-source eval losses reduced over the ranks; 2 ranks exclude the same
-  sources at the same steps as one process, with the same losses.
+  sources at the same steps as one process, with the same losses; a SIGKILL + ``--resume auto``
+  on 2 ranks, between a round's revert and the next one, ends bit for bit where the
+  uninterrupted 2-rank run ends (records, exclusions, the rounds' state, final weights).
 - Eval generation: ``task_accuracy`` on 3 ranks (each its share of the batches, padded) gives
   one process's verdicts on the very same replies, and ``generate(synced=True)`` keeps ranks
   whose batches stop at different steps in step (a hang would fail the test's timeout).
