@@ -6,7 +6,9 @@
   ``--resume auto`` on 3 ranks (checkpoints written in the background) ends bit for bit where
   the uninterrupted 3-rank run ends (weights, EMA, losses).
 - ``data.msft_round``: per-source eval losses reduced over the ranks; 2 ranks exclude the same
-  sources at the same steps as one process, with the same losses.
+  sources at the same steps as one process, with the same losses; a SIGKILL + ``--resume auto``
+  on 2 ranks, between a round's revert and the next one, ends bit for bit where the
+  uninterrupted 2-rank run ends (records, exclusions, the rounds' state, final weights).
 - Eval generation: ``task_accuracy`` on 3 ranks (each its share of the batches, padded) gives
   one process's verdicts on the very same replies, and ``generate(synced=True)`` keeps ranks
   whose batches stop at different steps in step (a hang would fail the test's timeout).
@@ -118,17 +120,37 @@ def test_averaging_on_three_ranks_equals_one_process_and_resumes_exactly(tmp_pat
     assert [r["loss"] for r in step_records(again)] == [r["loss"] for r in three_log]
 
 
-def test_msft_on_two_ranks_excludes_what_one_process_excludes(tmp_path):
-    runs = {}
-    for ranks in (1, 2):
-        folder = tmp_path / f"ranks{ranks}"
-        folder.mkdir()
-        spec = _msft_spec(folder)
-        text = spec.read_text().replace("batch_size = 4", f"batch_size = 4\ngrad_accum = {3 - ranks}")
-        spec.write_text(text.replace("export = true", "export = false"))
-        done = launch(spec, timeout=TIMEOUT_S) if ranks == 1 else torchrun(spec, timeout=TIMEOUT_S)
-        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-        runs[ranks] = records(folder / "run")
+def _msft_ranks_spec(folder: Path, ranks: int) -> Path:
+    """test_echo_msft's mSFT spec (rounds of 4 steps, an eval every 2) in ``folder``, 8 rows a
+    step: one process as 2 micro-batches of 4, 2 ranks 4 rows each.  A checkpoint every 2 steps,
+    and a learning rate high enough that both rounds revert: round 1 at step 4 to step 0's
+    snapshot, round 2 at step 8 to step 6's."""
+    folder.mkdir(exist_ok=True)
+    spec = _msft_spec(folder)
+    text = spec.read_text().replace("batch_size = 4", f"batch_size = 4\ngrad_accum = {3 - ranks}")
+    spec.write_text(text.replace("peak = 3e-3", "peak = 0.2").replace("every = 4", "every = 2"))
+    return spec
+
+
+@pytest.fixture(scope="module")
+def msft_two_ranks(tmp_path_factory) -> Path:
+    """The run folder of one uninterrupted 2-rank mSFT run (shared by the tests below)."""
+    spec = _msft_ranks_spec(tmp_path_factory.mktemp("msft") / "ranks2", 2)
+    done = torchrun(spec, timeout=TIMEOUT_S)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return spec.parent / "run"
+
+
+def _exclusions(run_dir: Path) -> list[dict]:
+    """The run's ``msft_exclude`` records, without their wall-clock time."""
+    return [{k: v for k, v in r.items() if k != "time"} for r in records(run_dir) if r.get("event") == "msft_exclude"]
+
+
+def test_msft_on_two_ranks_excludes_what_one_process_excludes(tmp_path, msft_two_ranks):
+    spec = _msft_ranks_spec(tmp_path / "ranks1", 1)
+    done = launch(spec, timeout=TIMEOUT_S)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    runs = {1: records(tmp_path / "ranks1" / "run"), 2: records(msft_two_ranks)}
     events = {n: [r for r in log if r.get("event") == "msft_exclude"] for n, log in runs.items()}
     assert len(events[1]) == 2
     assert [(e["step"], e["source"], e["best_step"], e["active"]) for e in events[2]] == \
@@ -146,6 +168,35 @@ def test_msft_on_two_ranks_excludes_what_one_process_excludes(tmp_path):
     assert [r["step"] for r in steps[2]] == [r["step"] for r in steps[1]]
     for a, b in zip(steps[1], steps[2]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+
+
+def test_msft_on_two_ranks_killed_and_resumed_ends_as_uninterrupted(tmp_path, msft_two_ranks):
+    """SIGKILL on 2 ranks after step 7: the newest checkpoint (step 6) holds the rounds after the
+    first exclusion (step 4, reverted to step 0) and round 2's best so far (step 6, its snapshot on
+    disk); --resume auto must restore the active set, the round and its bests, and revert at step 8
+    to that snapshot: the same records, state and final weights, bit for bit."""
+    events = _exclusions(msft_two_ranks)
+    assert [(e["step"], e["best_step"]) for e in events] == [(4, 0), (8, 6)]  # both rounds revert
+    spec = _msft_ranks_spec(tmp_path, 2)
+    killed = tmp_path / "run"
+    crash = launch(spec, timeout=TIMEOUT_S, args=("--nproc", "2"), **Faults(crash_at=("step", 7)).env())
+    assert crash.returncode != 0 and not (killed / "step_8").exists(), (crash.stdout + crash.stderr)[-4000:]
+    assert _exclusions(killed) == events[:1]  # the first decision was made before the kill
+    at_kill = json.loads((killed / "step_6" / "trainer.json").read_text())["msft"]
+    assert at_kill["excluded"] == [{k: events[0][k] for k in ("step", "source", "best_step", "best_loss")}]
+    assert [v[0] for v in at_kill["best"].values()] == [6] and (killed / "msft" / "step_6").is_dir()
+    resumed = launch(spec, "auto", timeout=TIMEOUT_S, args=("--nproc", "2"))
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert f"resumed from {killed / 'step_6'}" in resumed.stderr, resumed.stderr[-2000:]
+
+    assert _exclusions(killed) == events  # steps, sources, best steps and losses, active sets
+    assert [r["loss"] for r in step_records(killed)] == [r["loss"] for r in step_records(msft_two_ranks)]
+    evals = [{k: v for k, v in r.items() if k.startswith("eval_loss")} for r in records(killed) if "eval_loss_add" in r]
+    assert evals == [{k: v for k, v in r.items() if k.startswith("eval_loss")}
+                     for r in records(msft_two_ranks) if "eval_loss_add" in r]
+    state = [json.loads((run / "step_8" / "trainer.json").read_text())["msft"] for run in (msft_two_ranks, killed)]
+    assert state[0] == state[1] and state[0]["finished"] and not state[0]["active"]
+    assert_same_weights(final_weights(msft_two_ranks), final_weights(killed), "final, resumed vs uninterrupted")
 
 
 def test_eval_generation_on_three_ranks_equals_one_process(tmp_path):
