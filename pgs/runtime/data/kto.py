@@ -41,7 +41,7 @@ from pgs.runtime.data.config import DataConfig
 from pgs.runtime.data.packing import Document
 from pgs.runtime.data.preference import Pair, arm_is_empty, encode_arm, messages_of
 from pgs.runtime.data.readers import open_reader
-from pgs.runtime.data.records import RecordProblem, json_reason
+from pgs.runtime.data.records import RecordProblem
 from pgs.runtime.data.stats import DataStats
 
 
@@ -105,15 +105,6 @@ def kto_record(record: Any, origin: str) -> KTORecord:
     except RecordProblem as err:
         raise DataError(f"{origin}: {err}") from None
     return KTORecord(prompt, completion, desirable, tools, origin)
-
-
-def parse_kto_line(line: str | bytes, origin: str) -> KTORecord:
-    """Decode and validate one JSONL line; ``DataError('file:line: problem')`` when it is bad."""
-    try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DataError(f"{origin}: malformed JSON ({json_reason(err)})") from None
-    return kto_record(record, origin)
 
 
 def _encode(record: KTORecord, tokenizer, config: DataConfig) -> Document:
@@ -215,4 +206,4 @@ def label_counts(pairs: Sequence[Pair]) -> tuple[int, int]:
     return good, len(pairs) - good
 
 
-__all__ = ["KTORecord", "kto_record", "label_counts", "parse_kto", "parse_kto_line", "partners", "read_kto_records"]
+__all__ = ["KTORecord", "kto_record", "label_counts", "parse_kto", "partners", "read_kto_records"]

@@ -33,7 +33,6 @@ carries ``desirable`` ``[P]``.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from typing import Any, Iterator, Sequence
 
@@ -46,7 +45,7 @@ from pgs.runtime.data.chat import tokenize_texts, assistant_spans, is_empty_turn
 from pgs.runtime.data.config import DataConfig
 from pgs.runtime.data.packing import Document, collate, pad_id
 from pgs.runtime.data.readers import open_reader
-from pgs.runtime.data.records import RecordProblem, parse_message, json_reason
+from pgs.runtime.data.records import RecordProblem, decode_object, parse_message
 from pgs.runtime.data.stats import DataStats
 
 STATE_VERSION = 1
@@ -134,11 +133,7 @@ def parse_pair(record: Any) -> tuple[list[dict], list[dict], list[dict], list[di
 
 def parse_pair_line(line: str | bytes, origin: str) -> PairRecord:
     """Decode and validate one JSONL line; ``DataError('file:line: problem')`` when it is bad."""
-    try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DataError(f"{origin}: malformed JSON ({json_reason(err)})") from None
-    return pair_record(record, origin)
+    return pair_record(decode_object(line, origin), origin)
 
 
 def pair_record(record: Any, origin: str) -> PairRecord:
