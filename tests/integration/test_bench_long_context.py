@@ -64,7 +64,7 @@ def test_run_child_done_ends_early_as_success(tmp_path):
 def test_longer_rows_skipped_after_oom_and_budget(tmp_path, monkeypatch, capsys):
     calls = []
 
-    def fake_pgs(shape, length, data, args, workdir, timeout):
+    def fake_pgs(shape, length, data, args, workdir, timeout, seco=0):
         calls.append(("pgs", length, timeout))
         status = "oom" if length >= 2048 else "ok"
         return {"setup": "pgs run", "shape": shape, "length": length, "status": status, "tok_s": 1.0,
