@@ -117,4 +117,4 @@ def test_spec_chat_template_by_name_by_file_and_refused(tmp_path, capsys):
     assert main(["validate", str(spec)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["pgs: error: data.chat_template: 'mistral' is neither a file nor a template pgs ships "
-                   "(chatml, mistral-v3, mistral-v7)"]
+                   "(chatml, glm4, mistral-v3, mistral-v7)"]
