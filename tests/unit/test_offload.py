@@ -701,11 +701,13 @@ def test_state_views_write_the_same_file(tmp_path, cls):
         assert any(v.untyped_storage().data_ptr() == whole for v in views.values())
 
 
-def test_nproc_of_validate_and_profile(tmp_path, capsys):
+def test_nproc_of_validate_and_profile(tmp_path, capsys, monkeypatch):
     """``pgs validate --nproc 2`` refuses what ``pgs run --nproc 2`` refuses (tied slabs, with the
     reason), one line and exit 2; ``pgs profile --measure`` measures one process, so ``--nproc 2``
     beside it is refused; the estimate for 2 processes prints the host state per process."""
     from helpers import cli_error, tiny_spec
+
+    monkeypatch.delenv("COLUMNS", raising=False)  # the pipe's width (output.PIPE_WIDTH): no row wraps
 
     spec = tiny_spec(tmp_path, "s", steps=4)
     text = spec.read_text().replace("grad_accum = 2", "grad_accum = 1").replace('alias = "adamw"',

@@ -31,11 +31,24 @@ def test_a_full_disk_is_disk_full_and_keeps_the_previous_cache(tmp_path, monkeyp
 
 
 def test_other_write_errors_stay_what_they_are(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(cache, "write_safetensors", broken)
+    with pytest.raises(OSError, match="Input/output"):
+        cache.save(cache.cache_path(str(tmp_path)), {"train": torch.zeros(1, 2)}, PRINT)
+
+
+def test_a_folder_that_can_no_longer_be_written_is_said_as_such(tmp_path, monkeypatch):
+    """Permission taken away (or a read-only remount) ends the run like a full disk (exit 84),
+    with its own words."""
+    from pgs.errors import DiskFull
+
     def denied(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
     monkeypatch.setattr(cache, "write_safetensors", denied)
-    with pytest.raises(PermissionError):
+    with pytest.raises(DiskFull, match="can no longer be written .* reference log-probs cache"):
         cache.save(cache.cache_path(str(tmp_path)), {"train": torch.zeros(1, 2)}, PRINT)
 
 
