@@ -398,5 +398,5 @@ def write_report(run_dir: str, console=None) -> list[tuple[str, str]]:
         _samples_table(samples, console)
     console.print(f"wrote {page} (open it in a browser: one file, works offline), {out_dir}/summary.md"
                   + (f" and {len(plots)} PNG plots" if plots else " (no PNG plots: matplotlib is not installed, "
-                     "pip install 'pgs[plot]')"))
+                     "pip install 'pgs[plot]')"), markup=False)  # [plot] is text, not rich markup
     return rows
