@@ -21,7 +21,6 @@ halt are decided on agreed flags, so every rank stops or halts at the same step.
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
@@ -29,10 +28,9 @@ import pytest
 from pgs.runtime.loop.faults import Faults
 from pgs.runtime.loop.train import run
 from pgs.runtime.spec.load import load_spec
-from helpers import (assert_same_weights, final_weights, launch, records, step_records, stopped_checkpoint,
-                     wait_for_file)
+from helpers import assert_same_weights, final_weights, launch, records, step_records, stopped_checkpoint
 from test_distill_run import write_spec
-from test_train_distributed import start_ranks
+from test_train_distributed import sigterm_rank_one, start_ranks
 
 pytestmark = pytest.mark.slow  # several launches of 2 and 3 ranks
 
@@ -98,20 +96,9 @@ def test_stop_then_sigkill_then_resume_on_two_ranks_is_bit_exact(runs, tmp_path)
     ends on the uninterrupted 2-rank run's weights bit for bit, its on-policy steps 5 and 6
     sampled from the restored generators."""
     spec = spec_for(runs, "cut", ranks=2)
-    run_dir, gate = runs / "cut", tmp_path / "gate"
-    gate.mkdir()
-    procs = start_ranks(spec, **Faults(pause_at=(2, str(gate))).env())
-    try:
-        wait_for_file(gate / "paused", procs, TIMEOUT_S)
-        procs[1].send_signal(signal.SIGTERM)
-        wait_for_file(gate / "signalled", procs, TIMEOUT_S)
-        (gate / "go").write_text("")
-        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [143, 143], [o[1][-2000:] for o in outs]
+    run_dir = runs / "cut"
+    codes, outs = sigterm_rank_one(spec, tmp_path / "gate")
+    assert codes == [143, 143], [o[1][-2000:] for o in outs]
     stopped = stopped_checkpoint(run_dir, 2, 4, world_size=2)
 
     killed = on_ranks(spec, 2, "auto", **Faults(crash_at=("step", 5)).env())

@@ -72,6 +72,24 @@ def start_ranks(spec: Path, **env) -> list[subprocess.Popen]:
     return procs
 
 
+def sigterm_rank_one(spec: Path, gate: Path, step: int = 2) -> tuple[list[int], list[tuple[str, str]]]:
+    """Two ranks of ``spec`` that hold after ``step`` (``Faults.pause_at``, in the folder ``gate``)
+    until SIGTERM, sent to rank 1 only, has reached it: their exit codes and (stdout, stderr)."""
+    gate.mkdir()
+    procs = start_ranks(spec, **Faults(pause_at=(step, str(gate))).env())
+    try:
+        wait_for_file(gate / "paused", procs, TIMEOUT_S)
+        procs[1].send_signal(signal.SIGTERM)
+        wait_for_file(gate / "signalled", procs, TIMEOUT_S)
+        (gate / "go").write_text("")
+        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [p.returncode for p in procs], outs
+
+
 def test_two_ranks_equal_one_process_and_sigterm_resume_is_exact(tmp_path):
     # 1. One process, grad_accum = 2.
     single = spec_for(tmp_path, "single", ranks=1)
@@ -107,20 +125,8 @@ def test_two_ranks_equal_one_process_and_sigterm_resume_is_exact(tmp_path):
     # 3. SIGTERM to rank 1 only: both ranks stop at the same step, checkpoint, exit 143.
     stopped = spec_for(tmp_path, "stopped", ranks=2)
     run_dir = tmp_path / "stopped"
-    gate = tmp_path / "gate"  # the ranks hold after step 2 until the signal has reached rank 1
-    gate.mkdir()
-    procs = start_ranks(stopped, **Faults(pause_at=(2, str(gate))).env())
-    try:
-        wait_for_file(gate / "paused", procs, TIMEOUT_S)
-        procs[1].send_signal(signal.SIGTERM)
-        wait_for_file(gate / "signalled", procs, TIMEOUT_S)
-        (gate / "go").write_text("")
-        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [143, 143], [o[1][-2000:] for o in outs]
+    codes, outs = sigterm_rank_one(stopped, tmp_path / "gate")
+    assert codes == [143, 143], [o[1][-2000:] for o in outs]
     folder = stopped_checkpoint(run_dir, 2, STEPS, world_size=2)
 
     # 4. Resume under torchrun: continues to the uninterrupted run's bits.
