@@ -394,9 +394,6 @@ class LongLine:
     def __init__(self, size: int):
         self.size = size
 
-    def strip(self) -> bytes:  # never blank
-        return b"x"
-
 
 def read_line(handle) -> bytes | LongLine:
     """The next line of a binary file (``b""`` at its end), or a :class:`LongLine` for one
@@ -426,6 +423,7 @@ def iter_lines(path: str) -> Iterator[tuple[int, int, bytes | LongLine]]:
             if isinstance(raw, bytes) and not raw:
                 return
             number += 1
-            if raw.strip():
+            long = isinstance(raw, LongLine)
+            if long or raw.strip():  # an over-long line is never blank
                 yield number, offset, raw
-            offset += raw.size if isinstance(raw, LongLine) else len(raw)
+            offset += raw.size if long else len(raw)
