@@ -247,9 +247,9 @@ def disk_full_error(final: str, need_bytes: int, what: str = "checkpoint",
     """The one line for a disk that filled while writing ``final`` (``need_bytes``: the estimate),
     or, when ``err`` says so, for a run folder that could no longer be written."""
     run_dir = os.path.dirname(os.path.abspath(final))
+    kept = [path for _, path in step_folders(run_dir) if path != final and problem(path, hashes=False) is None]
+    previous = f"the previous checkpoint {kept[0]} is intact" if kept else "no earlier checkpoint exists"
     if write_failure(err) == "read-only":
-        kept = [path for _, path in step_folders(run_dir) if path != final and problem(path, hashes=False) is None]
-        previous = f"the previous checkpoint {kept[0]} is intact" if kept else "no earlier checkpoint exists"
         return DiskFull(f"the run folder can no longer be written (read-only or permission denied) while writing the "
                         f"{what} {final}; {previous}; make the folder writable, then continue with pgs run SPEC "
                         "--resume auto")
@@ -257,8 +257,6 @@ def disk_full_error(final: str, need_bytes: int, what: str = "checkpoint",
         free = f", {_gib(shutil.disk_usage(run_dir).free)} free now"
     except OSError:
         free = ""
-    kept = [path for _, path in step_folders(run_dir) if path != final and problem(path, hashes=False) is None]
-    previous = f"the previous checkpoint {kept[0]} is intact" if kept else "no earlier checkpoint exists"
     return DiskFull(
         f"disk full while writing the {what} {final}: it needs about {_gib(need_bytes)} "
         f"({need_bytes:,} bytes of {contents}){free}; the partial folder was removed and "
