@@ -118,7 +118,10 @@ def main(argv=None) -> int:
             row = run_pgs(args.spec, run_args, workdir)
             row.update(setup=f"pgs run, {which}", packed="yes, isolated" if which == "packed" else "no")
         elif which == "hf":
-            row = run_hf_unpacked(args)
+            try:
+                row = run_hf_unpacked(args)
+            except RuntimeError as err:  # e.g. fla's refusal of its backward on this GPU: the row says so
+                row = {"setup": "HF unpacked (hf_eager_ac)", "packed": "no", "error": str(err)[:400]}
         else:
             p.error(f"--only {which}: not packed, unpacked or hf")
         results.append(row)

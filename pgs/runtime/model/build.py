@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from pgs.errors import SpecError
+from pgs.errors import PreflightRefused, SpecError
 from pgs.runtime.model import composite, linear_attention
 from pgs.runtime.model.attention import (boundary_kwargs, document_masks, hf_implementation, packed_kwargs,
                                         set_varlen_kernel, uses_varlen)
@@ -162,6 +162,9 @@ def build_model(
     check_experts_implementation(model, experts)
     composite.freeze_towers(model)  # a vision-language model trained on text: its tower stays as loaded
     linear_attention.isolate(model)  # Gated DeltaNet layers restart at packed document boundaries
+    refusal = linear_attention.linear_layers(model) and linear_attention.backward_refusal(device)
+    if refusal:
+        raise PreflightRefused(f"model: {refusal}")
     model.train()
     return model
 

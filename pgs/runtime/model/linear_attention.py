@@ -38,6 +38,7 @@ are taken: their forward signature and kernel dispatch are the ones this module 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import types
 
 import torch
@@ -131,6 +132,39 @@ def _kernels() -> tuple:
             found = ()
         _KERNELS.append(found)
     return _KERNELS[0]
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "(unknown version)"
+
+
+def backward_refusal(device: torch.device) -> str | None:
+    """Why flash-linear-attention, where installed, cannot train a Gated DeltaNet layer on
+    ``device``, or None.
+
+    fla refuses the backward of its gated chunk kernels (``chunk_bwd_dqkwg``) on Hopper GPUs
+    with Triton 3.4 up to 3.7.0, whose compiler produces wrong gradients there (fla's issue
+    640), unless its TileLang backend (the ``tilelang`` package and a usable ``nvcc``) takes the
+    kernel.  transformers dispatches its Gated DeltaNet layers to the same fla kernels whenever
+    fla is installed, so a hybrid model's first backward would end in that error after the
+    model was built; asked before, the run stops with one line instead.
+    """
+    if device.type != "cuda" or not fused_available():
+        return None
+    try:
+        from fla.backends import TileLangBackend
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:  # another fla release: it decides for itself
+        return None
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1) or TileLangBackend.is_available():
+        return None
+    return (f"flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with Triton "
+            f"{_version('triton')} (wrong gradients below Triton 3.7.1, its issue 640): install tilelang "
+            "(pip install tilelang; it needs nvcc) or Triton >= 3.7.1, or uninstall flash-linear-attention to "
+            "train with transformers' PyTorch recurrence (slower, and unpacked rows only)")
 
 
 def path(device: torch.device) -> str:
