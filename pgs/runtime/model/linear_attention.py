@@ -164,7 +164,7 @@ def backward_refusal(device: torch.device) -> str | None:
     return (f"flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with Triton "
             f"{_version('triton')} (wrong gradients below Triton 3.7.1, its issue 640): install tilelang "
             "(pip install tilelang; it needs nvcc) or Triton >= 3.7.1, or uninstall flash-linear-attention to "
-            "train with transformers' PyTorch recurrence (slower, and unpacked rows only)")
+            "train with transformers' PyTorch recurrence, one packed document at a time (slower)")
 
 
 def path(device: torch.device) -> str:
