@@ -39,7 +39,7 @@ from pgs.func.combine import masked, partition
 from pgs.func.flat_chain import FlatChain, compile
 from pgs.func.hyperparams import InjectHyperparamsState, inject_hyperparams
 from pgs.func.layout import Layout, per_tensor_apply, per_tensor_dot, per_tensor_sumsq
-from pgs.func.learning_rate import ScaleByLearningRateState, scale_by_learning_rate
+from pgs.func.learning_rate import ScaleByLearningRateState, scale_by_learning_rate, takes_learning_rate
 from pgs.func.lion_direction import ScaleByLionState, scale_by_lion
 from pgs.func.schedules import (
     constant_schedule,
@@ -94,7 +94,7 @@ __all__ = [
     "scale_by_adam", "ScaleByAdamState", "adamw",
     "scale_by_lion", "ScaleByLionState", "lion",
     "scale_by_sgd_momentum", "sgd",
-    "scale_by_learning_rate", "ScaleByLearningRateState",
+    "scale_by_learning_rate", "ScaleByLearningRateState", "takes_learning_rate",
     "add_decayed_weights",
     "clip_by_global_norm", "clip_by_norm_per_tensor", "global_norm",
     "accumulate", "AccumulateState",

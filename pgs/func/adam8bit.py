@@ -17,7 +17,7 @@ from pgs.func._common import compute_dtype, increment, nonzero, zero_count
 from pgs.func.base import DIRECTION, ELEMENTWISE, Transform, chain, check_range, hp_in, identity
 from pgs.func.kernels.fused_transform import FusedTransform, _hp_cached, hp_tensor, one_minus
 from pgs.func.layout import group_label
-from pgs.func.learning_rate import scale_by_learning_rate
+from pgs.func.learning_rate import scale_by_learning_rate, takes_learning_rate
 from pgs.func.lion8bit_direction import Fused8bit, check_8bit_args, check_layout, fused_8bit_step, step_hp
 from pgs.func.quant8 import Quantized8bit, init_moment, is_8bit_eligible, load_moment, moment_leaves, store_moment
 from pgs.func.weight_decay import add_decayed_weights, mask_fn
@@ -153,6 +153,7 @@ def scale_by_adam8bit(
                                              min_8bit_size=min_8bit_size)) if quantize else None)
 
 
+@takes_learning_rate
 def adamw8bit(
     learning_rate=1e-3,
     b1: float = 0.9,

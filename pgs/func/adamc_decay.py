@@ -15,7 +15,7 @@ from pgs.func._common import increment, zero_count
 from pgs.func.adam import scale_by_adam
 from pgs.func.base import DIRECTION, ELEMENTWISE, Transform, chain, check_range
 from pgs.func.layout import group_label
-from pgs.func.learning_rate import lr_value as _lr_value, scale_by_learning_rate
+from pgs.func.learning_rate import lr_value as _lr_value, scale_by_learning_rate, takes_learning_rate
 from pgs.func.muon_direction import is_hidden_matrix
 from pgs.func.weight_decay import mask_fn
 from pgs.func.step import NO_CONTEXT, StepContext
@@ -44,6 +44,7 @@ def schedule_peak(learning_rate, horizon: int | None = None, who: str = "adamc")
     return float(learning_rate(steps).max())
 
 
+@takes_learning_rate
 def add_corrected_decayed_weights(weight_decay: float, learning_rate, peak_lr,
                                   normalized=is_hidden_matrix) -> Transform:
     """u ← u + k_t λ θ, with k_t = γ_t/γ_max on ``normalized`` leaves and 1 elsewhere.
@@ -86,6 +87,7 @@ def add_corrected_decayed_weights(weight_decay: float, learning_rate, peak_lr,
                      stage=DIRECTION)
 
 
+@takes_learning_rate
 def adamc(learning_rate=1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2,
           normalized=is_hidden_matrix, peak_lr=None, horizon: int | None = None,
           mu_dtype: torch.dtype | None = None, nu_dtype: torch.dtype | None = None) -> Transform:

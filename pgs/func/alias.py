@@ -7,12 +7,13 @@ import torch
 from pgs.func._common import nonzero
 from pgs.func.adam import scale_by_adam
 from pgs.func.base import Transform, chain, check_range, identity
-from pgs.func.learning_rate import scale_by_learning_rate
+from pgs.func.learning_rate import scale_by_learning_rate, takes_learning_rate
 from pgs.func.lion_direction import scale_by_lion
 from pgs.func.sgd_momentum import scale_by_sgd_momentum
 from pgs.func.weight_decay import add_decayed_weights
 
 
+@takes_learning_rate
 def adamw(
     learning_rate=1e-3,
     b1: float = 0.9,
@@ -35,6 +36,7 @@ def adamw(
     )
 
 
+@takes_learning_rate
 def lion(
     learning_rate=1e-4,
     b1: float = 0.9,
@@ -55,6 +57,7 @@ def lion(
     )
 
 
+@takes_learning_rate
 def sgd(learning_rate=1e-2, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
         mask=None) -> Transform:
     """SGD as torch.optim.SGD computes it: coupled weight decay, then momentum, then −η.

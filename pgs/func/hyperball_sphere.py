@@ -17,7 +17,7 @@ from pgs.func.adam import scale_by_adam
 from pgs.func.base import PER_TENSOR, STEP, Transform, chain, check_range
 from pgs.func.combine import partition
 from pgs.func.layout import group_label, per_tensor_apply, per_tensor_sumsq
-from pgs.func.learning_rate import lr_value as _lr_value
+from pgs.func.learning_rate import lr_value as _lr_value, takes_learning_rate
 from pgs.func.muon_direction import NS_COEFFICIENTS, muon_route, scale_by_muon
 from pgs.func.weight_decay import mask_fn
 from pgs.func.step import NO_CONTEXT, StepContext
@@ -31,6 +31,7 @@ class HyperballState(NamedTuple):
     reports = (("lr", "lr"),)  # pgs.func.reported
 
 
+@takes_learning_rate
 def hyperball(learning_rate, mask=None, eps: float = 1e-12) -> Transform:
     """The last stage of a chain: turn a base direction u into a step on the sphere ‖W‖_F = R.
 
@@ -105,6 +106,7 @@ def hyperball(learning_rate, mask=None, eps: float = 1e-12) -> Transform:
                      fused=("hyperball", dict(learning_rate=learning_rate, eps=eps)))  # pgs.func.fused_chain8bit
 
 
+@takes_learning_rate
 def adamh(learning_rate=1e-2, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8, mask=None,
           mu_dtype: torch.dtype | None = None, nu_dtype: torch.dtype | None = None) -> Transform:
     """AdamH = chain(scale_by_adam(b1, b2, eps), hyperball(η, mask)).
@@ -123,6 +125,7 @@ def _is_head(path, p) -> bool:
     return p.ndim >= 2 and "lm_head" in path.lower()
 
 
+@takes_learning_rate
 def muonh(learning_rate=0.02, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
           ns_coefficients=NS_COEFFICIENTS, adam_lr=6e-4, b1: float = 0.9, b2: float = 0.95,
           adam_eps: float = 1e-8, route=None, fallback_mask=_is_head,

@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple, TypeVar
 
 import torch
 
 from pgs.func import tree as T
 from pgs.func._common import increment, realize_scalar, zero_count
 from pgs.func.base import ELEMENTWISE, STEP, Transform, check_range
+
+
+F = TypeVar("F", bound=Callable)
+
+
+def takes_learning_rate(factory: F) -> F:
+    """Declare that ``factory`` takes the learning rate η_t as its ``learning_rate`` argument
+    (a number ≥ 0, a 0-d tensor or a schedule ``step -> 0-d tensor``).
+
+    The declaration, not the signature, is what a spec reads: ``pgs.runtime.spec.chain`` hands
+    the ``[schedule]`` to the ``learning_rate`` of every factory that declares it (an
+    ``optimizer.alias`` is one of them; a chain entry that sets ``learning_rate`` keeps its
+    own), and to no other.  A factory that declares nothing never receives it.
+    """
+    factory.takes_learning_rate = True
+    return factory
 
 
 class ScaleByLearningRateState(NamedTuple):
@@ -27,6 +43,7 @@ def lr_value(lr, count):
     return torch.full((), float(lr), dtype=torch.float64, device=count.device)
 
 
+@takes_learning_rate
 def scale_by_learning_rate(learning_rate, flip_sign: bool = True) -> Transform:
     """u ← −η_t·u, with η_t = schedule(t) or a constant.
 

@@ -17,7 +17,7 @@ from pgs.func._common import compute_dtype, increment, nonzero, zero_count
 from pgs.func.base import DIRECTION, ELEMENTWISE, EmptyState, Transform, chain, check_range, identity
 from pgs.func.kernels.fused_transform import FusedTransform, constant_lr, hp_tensor, increment_pair, one_minus, sr_seeds
 from pgs.func.layout import group_label
-from pgs.func.learning_rate import ScaleByLearningRateState, lr_value, scale_by_learning_rate
+from pgs.func.learning_rate import ScaleByLearningRateState, lr_value, scale_by_learning_rate, takes_learning_rate
 from pgs.func.quant8 import (
     Quantized8bit,
     init_moment,
@@ -404,6 +404,7 @@ def scale_by_lion8bit(
                                              backend=backend)) if quantize else None)
 
 
+@takes_learning_rate
 def lion8bit(
     learning_rate=1e-4,
     b1: float = 0.9,

@@ -26,7 +26,7 @@ from pgs.func.apply import stochastic_round_to_bf16
 from pgs.func.base import DIRECTION, EmptyState, MATRIX, Transform, chain, check_range, hp_in
 from pgs.func.combine import partition
 from pgs.func.layout import call_update, group_label
-from pgs.func.learning_rate import ScaleByLearningRateState, lr_value, scale_by_learning_rate
+from pgs.func.learning_rate import ScaleByLearningRateState, lr_value, scale_by_learning_rate, takes_learning_rate
 from pgs.func.step import NO_CONTEXT, StepContext
 from pgs.func.weight_decay import add_decayed_weights
 
@@ -433,6 +433,7 @@ def scale_by_muon(
                      stage=DIRECTION)
 
 
+@takes_learning_rate
 def muon(
     learning_rate=1e-3,
     momentum: float = 0.95,

@@ -14,7 +14,7 @@ from pgs.errors import InvalidArgument
 from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, zero_count
 from pgs.func.base import DIRECTION, MATRIX, Transform, chain, check_range, hp_in, identity
-from pgs.func.learning_rate import scale_by_learning_rate
+from pgs.func.learning_rate import scale_by_learning_rate, takes_learning_rate
 from pgs.func.muon_direction import is_embedding_or_head
 from pgs.func.weight_decay import add_decayed_weights, mask_fn
 
@@ -125,6 +125,7 @@ def _map_with_path(fn, tree, *rest):
     return tuple(T.unflatten(o, spec) for o in outs)
 
 
+@takes_learning_rate
 def sage(learning_rate=2e-3, b1: float = 0.9, b2: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
          embedding=is_embedding, order: str = "canon", mu_dtype: torch.dtype | None = None) -> Transform:
     """SAGE = chain(scale_by_sage, add_decayed_weights, scale_by_learning_rate).

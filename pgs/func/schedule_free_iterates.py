@@ -39,7 +39,7 @@ from pgs.func import tree as T
 from pgs.func._common import compute_dtype, increment, realize_scalar, zero_count, zeros_state
 from pgs.func.base import DIRECTION, ELEMENTWISE, Transform, chain, check_range, hp_cache, identity
 from pgs.func.layout import call_init, call_update
-from pgs.func.learning_rate import lr_value, scale_by_learning_rate
+from pgs.func.learning_rate import lr_value, scale_by_learning_rate, takes_learning_rate
 from pgs.func.weight_decay import add_decayed_weights
 
 
@@ -55,6 +55,7 @@ class ScheduleFreeState(NamedTuple):
     reports = (("schedule_free_c", "c"),)  # pgs.func.reported
 
 
+@takes_learning_rate
 def schedule_free(opt: Transform, learning_rate, b1: float = 0.9, weight_lr_power: float = 2.0,
                   z_dtype: torch.dtype | None = None) -> Transform:
     """Make ``opt`` schedule-free (arXiv 2405.15682; equations in the module docstring).
@@ -154,6 +155,7 @@ def _scale_by_rms(b2: float, eps: float, nu_dtype: torch.dtype | None) -> Transf
     return Transform(init, update, name="scale_by_rms", locality=ELEMENTWISE, stage=DIRECTION)
 
 
+@takes_learning_rate
 def schedule_free_adamw(
     learning_rate=2.5e-3,
     b1: float = 0.9,

@@ -133,3 +133,20 @@ def test_no_step_stage_verdicts_unchanged():
     assert "a partition branch" in no_step_stage(split)
     assert no_step_stage(pf.accumulate(pf.adamw(1e-3), every=2)) is None
     assert no_step_stage(pf.lion8bit(1e-3)) is None and no_step_stage(pf.adamw8bit(1e-3)) is None
+
+
+def _factories_with(parameter: str) -> set[str]:
+    """The transform factories of pgs.func (``-> Transform``) with that parameter."""
+    import inspect
+
+    sigs = {n: inspect.signature(getattr(pf, n)) for n in pf.__all__ if inspect.isfunction(getattr(pf, n))}
+    return {n for n, sig in sigs.items() if "Transform" in str(sig.return_annotation) and parameter in sig.parameters}
+
+
+def test_every_factory_taking_a_learning_rate_declares_it():
+    """A spec hands its [schedule] to the factories that declare ``takes_learning_rate``, and to
+    no other: one that takes ``learning_rate`` without declaring it would train at its default."""
+    declared = {n for n in pf.__all__ if getattr(getattr(pf, n), "takes_learning_rate", False)}
+    takes = _factories_with("learning_rate")
+    assert declared == takes, f"undeclared: {sorted(takes - declared)}; declared without it: {sorted(declared - takes)}"
+    assert {"adamw", "lion", "sgd", "scale_by_learning_rate", "hyperball", "add_corrected_decayed_weights"} <= declared

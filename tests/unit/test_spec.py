@@ -168,6 +168,27 @@ def test_chain_learning_rate_step_gets_the_schedule(spec_file: Path):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_the_schedule_goes_where_it_is_declared_not_where_a_signature_has_it(monkeypatch):
+    from pgs.runtime.spec.chain import make_transform
+
+    schedule = pf.constant_schedule(0.5)
+
+    def lr_of(name: str, args: dict) -> float:
+        t = make_transform(name, args, where="optimizer.chain[0]", learning_rate=schedule)
+        return float(t.init({"w": torch.ones(2)}).lr)
+
+    assert lr_of("scale_by_learning_rate", {}) == 0.5
+    assert lr_of("scale_by_learning_rate", {"learning_rate": 0.25}) == 0.25  # the entry's own wins
+
+    declared = pf.scale_by_learning_rate
+
+    def undeclared(learning_rate=0.125) -> pf.Transform:  # the same factory, without the declaration
+        return declared(learning_rate)
+
+    monkeypatch.setattr(pf, "scale_by_learning_rate", undeclared)
+    assert lr_of("scale_by_learning_rate", {}) == 0.125
+
+
 def test_compiled_optimizer(spec_file: Path):
     spec = load_spec(spec_file, ["optimizer.compile=true", "optimizer.jit=false"])
     opt = spec.build_optimizer()

@@ -6,7 +6,7 @@ before anything is restored (docs/checkpoints.md, "What a resume may change").
   resume whose name resolves to another commit (the branch moved on the hub) is refused: the run
   would continue against other weights.
 * **The learning-rate schedule.**  The chain's step counter is restored and the schedule is
-  rebuilt from the spec at hand, so a change of what the schedule depends on (the
+  the one the run built from the spec at hand, so a change of what the schedule depends on (the
   ``[schedule]`` fields, ``train.steps`` / ``train.epochs``) silently changes the learning
   rate of the steps to come: a cosine schedule of 60 steps extended to 90 jumps back up from its
   tail.  The rule: a resume may change these only if the new schedule gives every step already
@@ -65,21 +65,16 @@ def check_hub(spec, saved: dict) -> None:
                             "from the same files, or start a new run")
 
 
-def _schedule_of(spec, table: dict, total: int):
-    shim = attrs.evolve(spec, schedule=ScheduleSpec(**table),
-                        train=attrs.evolve(spec.train, steps=total, epochs=None))
-    return shim.build_schedule(total)
-
-
 def _format(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def check_schedule(spec, saved: dict, step: int, total: int,
+def check_schedule(spec, saved: dict, step: int, total: int, schedule,
                    steps_per_epoch: Callable[[int], int] | None = None) -> str | None:
-    """The schedule of the checkpoint's spec against ``spec``'s (``total``: this run's steps);
-    returns the note to print when something it depends on changed, raises ``SpecError``
-    when the learning rate of a step already trained (``step`` of them) would differ."""
+    """The schedule of the checkpoint's spec against this run's ``schedule`` (built from
+    ``spec`` for ``total`` steps); returns the note to print when something it depends on
+    changed, raises ``SpecError`` when the learning rate of a step already trained (``step`` of
+    them) would differ."""
     old_table = dict(saved.get("schedule") or {})
     old_train = saved.get("train") or {}
     if not old_table or not old_train:
@@ -101,10 +96,9 @@ def check_schedule(spec, saved: dict, step: int, total: int,
         old_total = int(old_train["epochs"]) * steps_per_epoch(int(old_train.get("batch_size", spec.train.batch_size)))
     else:
         old_total = total
-    old = _schedule_of(spec, old_table, old_total)
-    new = spec.build_schedule(total)
+    old = ScheduleSpec(**old_table).build(old_total)
     counts = torch.arange(step + 1)  # the updates of the trained steps use counts 0 .. step-1; the next, step
-    was, will = old(counts).double(), new(counts).double()
+    was, will = old(counts).double(), schedule(counts).double()
     what = ", ".join(changes)
     if step and not torch.allclose(was[:step], will[:step], rtol=1e-6, atol=0.0):
         first = int((~torch.isclose(was[:step], will[:step], rtol=1e-6, atol=0.0)).nonzero()[0])
@@ -117,11 +111,12 @@ def check_schedule(spec, saved: dict, step: int, total: int,
             f"step {step + 1} goes on at {will[step]:.3g}")
 
 
-def check_resume(spec, folder: str, step: int, total: int,
+def check_resume(spec, folder: str, step: int, total: int, schedule,
                  steps_per_epoch: Callable[[int], int] | None = None) -> str | None:
-    """Both checks against checkpoint ``folder`` (at ``step``); the note to print, or None."""
+    """Both checks against checkpoint ``folder`` (at ``step``; ``schedule``: the run's); the note
+    to print, or None."""
     saved = _saved_spec(folder)
     if saved is None:
         return None
     check_hub(spec, saved)
-    return check_schedule(spec, saved, step, total, steps_per_epoch)
+    return check_schedule(spec, saved, step, total, schedule, steps_per_epoch)

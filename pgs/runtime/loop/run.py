@@ -38,6 +38,7 @@ class Run:
     micro_batch: int
     skips: control.SkipCounter
     chain_has_norm: bool = False
+    schedule: Any = None  # the learning rate, built once from [schedule]: the chain's, and the resume check's
     ctx: Any = None  # distributed.DistContext when several processes train together
     step: int = 0
     trained_tokens: int = 0

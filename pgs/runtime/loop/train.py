@@ -70,6 +70,7 @@ from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime import process
 from pgs.runtime.optim import StepMetrics, make_optimizer
 from pgs.runtime.optim.memory import MemoryOptions
+from pgs.runtime.spec.chain import build_chain
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
 from pgs.runtime.store import checkpoint as ckpt, dcp, lock as run_lock
@@ -217,7 +218,8 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     apply_memory(model, mem, fast_recompute=not (moe is not None and moe.aux))
     per_epoch = None if spec.train.steps is not None else objective.steps_per_epoch(spec.train.batch_size)
     total = spec.total_steps(per_epoch)
-    chain = spec.build_chain(total)
+    schedule = spec.schedule.build(total)  # the learning rate: the chain's, and the resume check's
+    chain = build_chain(spec.optimizer, schedule)
     if sharded:
         D.shard_model(model, ctx.mesh, mixed_precision=mixed)
     bound = make_optimizer(chain, model, mem, sharded=sharded, grad_accum=spec.train.grad_accum,
@@ -226,7 +228,7 @@ def setup(spec, ctx: D.DistContext | None = None, faults: Faults = NO_FAULTS) ->
     loader = StepLoader(objective.stream, micro_batch, spec.train.grad_accum, device, ahead=objective.loader_ahead)
     return Run(
         spec=spec, run_dir=spec.checkpoint.dir, device=device, model=model, tokenizer=tokenizer, bound=bound,
-        objective=objective, total_steps=total, micro_batch=micro_batch, loader=loader,
+        objective=objective, total_steps=total, micro_batch=micro_batch, loader=loader, schedule=schedule,
         skips=control.SkipCounter(spec.train.max_consecutive_skips, spec.train.max_skip_fraction),
         chain_has_norm=bound.metrics().grad_norm is not None,
         ctx=ctx if sharded else None, faults=faults, moe=moe, context=shard,
@@ -565,7 +567,7 @@ def _prepare(r: Run, resume: str | None) -> tuple[str | None, str | None]:
     changed = None  # what the resume changes that the schedule depends on (loop/resume.py)
     if folder is not None:
         restore(r, folder)
-        changed = check_resume(r.spec, folder, r.step, r.total_steps, r.objective.steps_per_epoch)
+        changed = check_resume(r.spec, folder, r.step, r.total_steps, r.schedule, r.objective.steps_per_epoch)
         if main:
             MetricsLog.truncate_after(run_dir, r.step)
     return folder, changed

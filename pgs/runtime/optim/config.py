@@ -7,6 +7,8 @@ from typing import ClassVar
 
 import attrs
 
+import pgs.func as pf
+from pgs.errors import PgsError, SpecError
 from pgs.runtime.spec.fields import (boolean, expect, int_at_least, is_int, number_in, one_of, string, table,
                                      to_float)
 
@@ -73,6 +75,42 @@ class ScheduleSpec:
         "wsd": ("peak", "warmup", "total", "final", "init", "shape", "stable", "decay"),
         "power_decay": ("peak", "warmup", "total", "gamma", "init"),
     }
+
+    def build(self, run_steps: int | None = None):
+        """This schedule as a ``pgs.func`` schedule (``step -> 0-d float64 tensor``): the learning
+        rate that ``pgs.runtime.spec.chain.build_chain`` hands to the factories declaring
+        ``takes_learning_rate``.  ``run_steps`` (the run's optimizer steps) is the length where
+        ``total = 0``; a decaying schedule needs one of the two."""
+        total = self.total or run_steps
+        if total is None and self.name not in ("constant", "linear_warmup"):
+            raise SpecError(f"schedule.total: the {self.name} schedule needs the run length; set schedule.total "
+                            "or pass the number of steps once the data is counted")
+        if total is not None and self.name != "constant" and self.warmup > total:
+            raise SpecError(f"schedule.warmup: {self.warmup} steps is more than the run's {total} steps")
+        try:
+            return self._schedule(total)
+        except PgsError as err:
+            if isinstance(err, SpecError):
+                raise
+            raise SpecError(f"schedule: {err}") from None
+
+    def _schedule(self, total: int | None):
+        if self.name == "constant":
+            return pf.constant_schedule(self.peak)
+        if self.name == "linear_warmup":
+            return pf.linear_warmup(self.peak, self.warmup, init=self.init)
+        if self.name == "cosine":
+            return pf.cosine_schedule(self.peak, self.warmup, total, final=self.final, init=self.init)
+        if self.name == "power_decay":
+            if total <= self.warmup:
+                raise SpecError(f"schedule.warmup: power_decay needs warmup ({self.warmup}) < total ({total})")
+            return pf.power_decay_schedule(self.peak, total, gamma=self.gamma, warmup=self.warmup, init=self.init)
+        decay = self.decay or max(1, round(0.2 * (total - self.warmup)))
+        stable = self.stable or total - self.warmup - decay
+        if stable < 0:
+            raise SpecError(f"schedule: warmup ({self.warmup}) + decay ({decay}) is more than total ({total})")
+        return pf.wsd_schedule(self.peak, self.warmup, stable, decay, shape=self.shape, final=self.final,
+                               init=self.init)
 
 
 @attrs.frozen

@@ -6,13 +6,16 @@ Transforms are looked up by name in ``pgs.func`` at call time, so a transform ad
 * a *chain entry* is any public ``pgs.func`` factory annotated ``-> Transform`` that does
   not wrap other transforms (``chain``, ``masked``, ``accumulate``, ... cannot be written
   in TOML);
-* an *alias* is such a factory with a ``learning_rate`` argument (``adamw``, ``lion``,
+* an *alias* is such a factory that declares ``pf.takes_learning_rate`` (``adamw``, ``lion``,
   ``sgd``, ...), other than ``scale_by_learning_rate`` itself.
 
-Arguments are checked against ``inspect.signature`` before the factory is called.  A factory
-with a ``learning_rate`` argument that the spec leaves out gets the ``[schedule]``.  Strings
-given to ``mask`` arguments are compiled from a small vocabulary (:func:`compile_mask`), and
-strings given to ``*_dtype`` arguments become torch dtypes.
+The learning rate is an explicit argument: :func:`build_chain` takes the run's schedule (built
+once from ``[schedule]``, ``ScheduleSpec.build``) and hands it to the ``learning_rate`` of every
+factory that declares ``takes_learning_rate``, unless the spec sets ``learning_rate`` there
+itself; a factory that declares nothing never receives it.  The spec's own arguments are
+checked against ``inspect.signature`` before the factory is called.  Strings given to ``mask``
+arguments are compiled from a small vocabulary (:func:`compile_mask`), and strings given to
+``*_dtype`` arguments become torch dtypes.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pgs.runtime.optim.release import refusal, slab_refusal
 from pgs.runtime.common import suggest
 
 if TYPE_CHECKING:  # the spec imports this module to build what it names
+    from pgs.runtime.optim.config import OptimizerSpec
     from pgs.runtime.spec.load import Spec
 
 #: Parameter names of factories that wrap other transforms (not expressible as a chain entry).
@@ -97,10 +101,10 @@ def transform_names() -> list[str]:
 
 
 def alias_names() -> list[str]:
-    """The names ``optimizer.alias`` may use (factories with a ``learning_rate`` argument)."""
+    """The names ``optimizer.alias`` may use (factories that declare ``takes_learning_rate``)."""
     return sorted(
         name for name, f in _factories().items()
-        if name != "scale_by_learning_rate" and "learning_rate" in inspect.signature(f).parameters
+        if name != "scale_by_learning_rate" and getattr(f, "takes_learning_rate", False)
     )
 
 
@@ -137,11 +141,13 @@ def _hint(key: str, value, params) -> str:
     return suggest(key, list(params))
 
 
-def make_transform(name: str, args: dict, *, where: str, schedule=None, alias: bool = False):
+def make_transform(name: str, args: dict, *, where: str, learning_rate, alias: bool = False):
     """Call the ``pgs.func`` factory ``name`` with checked ``args``; errors name ``where``.
 
-    ``where`` is the dotted field of the entry (``optimizer.chain[1]``); an unknown argument is
-    reported as ``{where}.{arg}`` (or ``{where}.args.{arg}`` for an alias).
+    ``learning_rate`` (the run's schedule) goes to a factory that declares
+    ``takes_learning_rate`` and whose ``args`` do not set it.  ``where`` is the dotted field of
+    the entry (``optimizer.chain[1]``); an unknown argument is reported as ``{where}.{arg}`` (or
+    ``{where}.args.{arg}`` for an alias).
     """
 
     if name == "ema" and not alias:
@@ -156,8 +162,8 @@ def make_transform(name: str, args: dict, *, where: str, schedule=None, alias: b
         if key not in params and not takes_any:
             raise SpecError(f"{arg_where}.{key}: unknown argument of {name}{_hint(key, value, params)}")
         kwargs[key] = _convert(key, value, f"{arg_where}.{key}")
-    if "learning_rate" in params and "learning_rate" not in kwargs and schedule is not None:
-        kwargs["learning_rate"] = schedule
+    if getattr(factory, "takes_learning_rate", False):
+        kwargs.setdefault("learning_rate", learning_rate)
     missing = [
         p.name for p in params.values()
         if p.default is inspect.Parameter.empty and p.name not in kwargs
@@ -177,53 +183,14 @@ def make_transform(name: str, args: dict, *, where: str, schedule=None, alias: b
 # --------------------------------------------------------------------------- builders
 
 
-def _schedule_total(spec: Spec, total_steps: int | None) -> int | None:
-    return spec.schedule.total or total_steps or spec.train.steps
+def build_chain(opt: OptimizerSpec, schedule):
+    """The ``[optimizer]`` as one ``pgs.func.Transform`` whose learning rate is ``schedule`` (the
+    ``[schedule]``'s ``ScheduleSpec.build``, or a number): it goes to the factories that declare
+    ``takes_learning_rate``.  A chain that would climb the loss (no learning-rate stage) is refused."""
 
-
-def build_schedule(spec: Spec, total_steps: int | None = None):
-    """The ``[schedule]`` as a ``pgs.func`` schedule (``step -> 0-d tensor``)."""
-
-    s = spec.schedule
-    total = _schedule_total(spec, total_steps)
-    if total is None and s.name not in ("constant", "linear_warmup"):
-        raise SpecError(f"schedule.total: the {s.name} schedule needs the run length; set schedule.total "
-                        "or pass the number of steps once the data is counted")
-    if total is not None and s.name != "constant" and s.warmup > total:
-        raise SpecError(f"schedule.warmup: {s.warmup} steps is more than the run's {total} steps")
-    try:
-        if s.name == "constant":
-            return pf.constant_schedule(s.peak)
-        if s.name == "linear_warmup":
-            return pf.linear_warmup(s.peak, s.warmup, init=s.init)
-        if s.name == "cosine":
-            return pf.cosine_schedule(s.peak, s.warmup, total, final=s.final, init=s.init)
-        if s.name == "power_decay":
-            if total <= s.warmup:
-                raise SpecError(f"schedule.warmup: power_decay needs warmup ({s.warmup}) < total ({total})")
-            return pf.power_decay_schedule(s.peak, total, gamma=s.gamma, warmup=s.warmup, init=s.init)
-        decay = s.decay or max(1, round(0.2 * (total - s.warmup)))
-        stable = s.stable or total - s.warmup - decay
-        if stable < 0:
-            raise SpecError(f"schedule: warmup ({s.warmup}) + decay ({decay}) is more than total ({total})")
-        return pf.wsd_schedule(s.peak, s.warmup, stable, decay, shape=s.shape, final=s.final, init=s.init)
-    except PgsError as err:
-        if isinstance(err, SpecError):
-            raise
-        raise SpecError(f"schedule: {err}") from None
-
-
-def build_chain(spec: Spec, total_steps: int | None = None, schedule=None):
-    """The ``[optimizer]`` as one ``pgs.func.Transform``; the learning rate is ``schedule``.
-
-    A chain that would climb the loss (no learning-rate stage) is refused."""
-
-    if schedule is None:
-        schedule = build_schedule(spec, total_steps)
-    opt = spec.optimizer
     if opt.chain is not None:
         parts = [
-            make_transform(e.name, e.args, where=f"optimizer.chain[{i}]", schedule=schedule)
+            make_transform(e.name, e.args, where=f"optimizer.chain[{i}]", learning_rate=schedule)
             for i, e in enumerate(opt.chain)
         ]
         chain = pf.chain(*parts)
@@ -232,7 +199,7 @@ def build_chain(spec: Spec, total_steps: int | None = None, schedule=None):
             entry = '{ name = "scale_by_learning_rate" }'
             raise SpecError(f"optimizer.chain: {why.replace('scale_by_learning_rate(lr)', entry)}")
         return chain
-    alias = make_transform(opt.alias, opt.args, where="optimizer", schedule=schedule, alias=True)
+    alias = make_transform(opt.alias, opt.args, where="optimizer", learning_rate=schedule, alias=True)
     why = no_step_stage(alias)
     if why:
         raise SpecError(f"optimizer.alias: {why}")
@@ -279,8 +246,9 @@ def check_loss(loss) -> None:
             raise SpecError(f"loss.z_loss: the {loss.backend} backend has no z-loss; use chunked or dense")
 
 
-def check_memory_options(spec: Spec, chain) -> None:
-    """``[memory]`` against the rest of the spec: what gradient release cannot run."""
+def check_memory_options(spec: Spec, chain, schedule) -> None:
+    """``[memory]`` against the rest of the spec: what gradient release cannot run (``schedule``:
+    the chain's learning rate, to rebuild an entry that release refuses and name it)."""
     mem = spec.memory
     why = mem.refusal()
     if why:
@@ -310,7 +278,7 @@ def check_memory_options(spec: Spec, chain) -> None:
         where = "optimizer.chain" if opt.chain is not None else "optimizer.alias"
         for i, entry in enumerate(opt.chain or ()):
             if refusal(make_transform(entry.name, entry.args, where=f"optimizer.chain[{i}]",
-                                      schedule=build_schedule(spec, _stand_in_total(spec))), 1):
+                                      learning_rate=schedule), 1):
                 where = f"optimizer.chain[{i}] ({entry.name})"
                 break
         raise SpecError(f"memory.gradient_release: {where} cannot run inside backward: {why}; "
@@ -348,7 +316,7 @@ def check_seco(spec: Spec) -> None:
 
 
 def _stand_in_total(spec: Spec) -> int:
-    total = _schedule_total(spec, None)
+    total = spec.schedule.total or spec.train.steps
     if total is None:  # epochs: the length is known later; check the arguments on a stand-in
         s = spec.schedule
         total = s.warmup + s.stable + s.decay + 100
@@ -363,5 +331,6 @@ def check_spec(spec: Spec) -> None:
     if spec.averaging is not None:
         spec.averaging.check(spec)
     spec.eval.check(spec)
-    chain = build_chain(spec, total_steps=_stand_in_total(spec))
-    check_memory_options(spec, chain)
+    schedule = spec.schedule.build(_stand_in_total(spec))
+    chain = build_chain(spec.optimizer, schedule)
+    check_memory_options(spec, chain, schedule)

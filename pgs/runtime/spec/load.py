@@ -9,9 +9,10 @@ a ``SpecError`` naming the dotted field.
 
 Each section's typed config lives next to its component's code (``pgs.runtime.spec.sections``
 says which is where, and re-exports them, as does this module); the rules that read several
-sections are each section's ``check(spec)``, run here once the ``Spec`` is composed.  Building
-the optimizer chain and the schedule from a spec lives in ``chain.py``;
-``Spec.build_chain()`` and ``Spec.build_schedule()`` are thin doors into it.
+sections are each section's ``check(spec)``, run here once the ``Spec`` is composed.  The
+schedule builds itself from ``[schedule]`` (``ScheduleSpec.build``); building the optimizer
+chain from ``[optimizer]`` and that schedule lives in ``chain.py``; ``Spec.build_schedule()``
+and ``Spec.build_chain()`` are thin doors into them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pgs.runtime import userpath
 from pgs.runtime.data.config import DataConfig, DataSource
 from pgs.runtime.data.templates import resolve_chat_template
 from pgs.runtime.model.hub import parse as hub_name, resolve as resolve_hub
-from pgs.runtime.spec.chain import build_chain, build_schedule, build_token_loss, check_spec
+from pgs.runtime.spec.chain import build_chain, build_token_loss, check_spec
 from pgs.runtime.spec.sections import (  # noqa: F401  (re-exported)
     ASSET_PREFIX,
     ASSETS_DIR,
@@ -103,14 +104,16 @@ class Spec:
         return self.train.epochs * steps_per_epoch
 
     def build_schedule(self, total_steps: int | None = None):
-        """The ``[schedule]`` as a ``pgs.func`` schedule; ``total = 0`` becomes ``total_steps``."""
+        """The ``[schedule]`` as a ``pgs.func`` schedule (``ScheduleSpec.build``); ``total = 0``
+        becomes ``total_steps``, else ``train.steps``."""
 
-        return build_schedule(self, total_steps)
+        return self.schedule.build(total_steps or self.train.steps)
 
-    def build_chain(self, total_steps: int | None = None, schedule=None):
-        """The ``[optimizer]`` as one pure ``pgs.func.Transform`` (learning rate = the schedule)."""
+    def build_chain(self, total_steps: int | None = None):
+        """The ``[optimizer]`` as one pure ``pgs.func.Transform`` whose learning rate is
+        :meth:`build_schedule` (``pgs.runtime.spec.chain.build_chain``)."""
 
-        return build_chain(self, total_steps, schedule)
+        return build_chain(self.optimizer, self.build_schedule(total_steps))
 
     def build_optimizer(self, total_steps: int | None = None):
         """``build_chain``, run through ``pf.compile(jit=optimizer.jit)`` when ``optimizer.compile``."""
