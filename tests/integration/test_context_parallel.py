@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pgs.runtime.dist.context import (SequenceShard, document_ids, pad_width, ring_attention, shard_rows,
-                                      unshard_rows)
+from pgs.runtime.dist.context import SequenceShard, pad_width, ring_attention, shard_rows, unshard_rows
+from pgs.runtime.documents import document_ids
 from helpers import free_port
 
 HERE = Path(__file__).resolve().parent
