@@ -4,8 +4,8 @@ document boundary, and the forms its users take it in.
 A packed batch is ``[B, S]`` rows of documents laid end to end, each document numbered
 ``0, 1, 2, ...`` (``pgs.runtime.data.packing.collate``).  **A document starts at every token
 whose position is 0, and at the first token of every row** (rows never share a document: a
-row that begins inside a document, such as a context-parallel rank's part of a row or a row
-cut at a chunk, begins a document of its own there).  Nothing else is a boundary.
+row that begins inside a document, such as a context-parallel rank's part of a row, begins a
+document of its own there).  Nothing else is a boundary.
 
 Padding needs no rule of its own: collate and ``pgs.runtime.dist.context.shard_batch`` number a
 row's trailing padding ``0, 1, 2, ...`` as well, so it is one more document of that row, which
