@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from pgs.func.losses import token_loss
-from pgs.runtime.dist.context import (SequenceShard, document_ids, register, ring_attention, sequence_parallel,
-                                      shard_rows)
+from pgs.runtime.dist.context import SequenceShard, register, ring_attention, sequence_parallel, shard_rows
+from pgs.runtime.documents import document_ids
 from pgs.runtime.model.build import build_model, final_hidden, output_head
 
 F64 = torch.float64

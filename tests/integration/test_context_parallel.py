@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pgs.runtime.dist.context import (SequenceShard, document_ids, pad_width, ring_attention, shard_rows,
-                                      unshard_rows)
+from pgs.runtime.dist.context import SequenceShard, pad_width, ring_attention, shard_rows, unshard_rows
+from pgs.runtime.documents import document_ids
 from helpers import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -150,12 +150,13 @@ def test_context_on_one_process_is_refused(tmp_path):
     assert "parallel.context: 2 ranks per sequence need pgs run --nproc N" in done.stderr
 
 
-@pytest.mark.parametrize("section", ["preference", "distill", "neftune"])
+@pytest.mark.parametrize("section", ["preference", "distill", "neftune", "cadft"])
 def test_context_refused_for_an_objective_that_needs_whole_sequences(tmp_path, section):
     """``splits_rows``: a [preference] run (log-probs summed over whole arms) and a [distill] run
     (sampling from whole prompts) refuse rows split over context ranks in one line naming the
-    section and why, as embedding noise does, before anything
-    is built and before the process count is looked at."""
+    section and why, as embedding noise and a token objective over whole samples (CADFT's
+    per-sample compatibility) do, before anything is built and before the process count is
+    looked at."""
     from pgs.errors import SpecError
     from pgs.runtime.loop.train import setup
     from pgs.runtime.spec.load import load_spec
@@ -176,9 +177,11 @@ def test_context_refused_for_an_objective_that_needs_whole_sequences(tmp_path, s
         text += f"\n[distill]\nteacher_config = {inline_table(tiny_table())}\n"
         want = (r"parallel.context: a \[distill\] run needs whole sequences on each rank: the student samples its "
                 r"completions from whole prompts through a KV cache")
+    elif section == "cadft":
+        want = "parallel.context: loss.objective 'cadft' reads statistics over the whole row or sample"
     else:
         want = "parallel.context: not with embedding noise"
     path.write_text(text + "\n[parallel]\ncontext = 2\n")
-    sets = ["loss.neftune_alpha=5.0"] if section == "neftune" else []
+    sets = {"neftune": ["loss.neftune_alpha=5.0"], "cadft": ['loss.objective="cadft"']}.get(section, [])
     with pytest.raises(SpecError, match=want):
         setup(load_spec(str(path), sets))

@@ -13,7 +13,7 @@ import torch
 from pgs.cli import main
 from pgs.func.losses import CADFT, token_loss
 from pgs.runtime.data import Document, collate
-from pgs.runtime.data.packing import doc_ids
+from pgs.runtime.documents import document_ids
 from pgs.runtime.loop import train
 from pgs.runtime.spec.load import load_spec
 from helpers import tiny_spec
@@ -27,7 +27,7 @@ def _doc(n: int, seed: int) -> Document:
 
 def test_doc_ids_follow_the_packers_documents():
     batch = collate([[_doc(3, 0), _doc(4, 1)], [_doc(5, 2)]], pad_id=0, seq_len=8)
-    assert doc_ids(batch.position_ids).tolist() == [[1, 1, 1, 2, 2, 2, 2, 3],  # two docs, then padding
+    assert document_ids(batch.position_ids).tolist() == [[1, 1, 1, 2, 2, 2, 2, 3],  # two docs, then padding
                                                     [4, 4, 4, 4, 4, 5, 5, 5]]  # one doc, then padding
 
 
@@ -44,7 +44,7 @@ def test_cadft_on_a_packed_row_equals_each_document_alone():
 
     def loss(batch):
         h = table[batch.input_ids]
-        out = token_loss(h, W, batch.labels, objective=objective, doc_ids=doc_ids(batch.position_ids))
+        out = token_loss(h, W, batch.labels, objective=objective, doc_ids=document_ids(batch.position_ids))
         (grad,) = torch.autograd.grad(out.loss_sum, W)
         return out.loss_sum.detach(), grad
 

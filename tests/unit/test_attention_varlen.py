@@ -16,6 +16,7 @@ import torch
 from pgs.errors import SpecError
 from pgs.runtime.model import attention as A
 from pgs.runtime.data import Document, collate, packing_isolation
+from pgs.runtime.documents import cu_seqlens
 from pgs.runtime.model.build import build_model, final_hidden
 from tiny import tiny_config, tiny_model
 
@@ -41,7 +42,7 @@ def batch_of(lengths_per_row, seq_len, seed=1):
 
 def test_boundaries_from_positions_match_the_collated_ones():
     _, batch = batch_of([(7, 5, 9), (5, 9), (24,)], seq_len=24)
-    cu = A.cu_seqlens_from_positions(batch.position_ids)
+    cu = cu_seqlens(batch.position_ids)
     expected = [0]
     for r, row_cu in enumerate(batch.cu_seqlens):
         base = r * 24
@@ -55,7 +56,7 @@ def test_boundaries_from_positions_match_the_collated_ones():
 
 def test_a_row_that_starts_mid_document_still_starts_a_document():
     pos = torch.tensor([[3, 4, 5, 0, 1], [0, 1, 2, 3, 4]])
-    assert A.cu_seqlens_from_positions(pos).tolist() == [0, 3, 5, 10]
+    assert cu_seqlens(pos).tolist() == [0, 3, 5, 10]
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
@@ -169,7 +170,7 @@ def test_the_spec_accepts_varlen():
 def test_cuda_kernel_equals_the_reference_path():
     torch.manual_seed(0)
     _, batch = batch_of([(300, 500, 224), (1024,)], seq_len=1024)
-    cu = A.cu_seqlens_from_positions(batch.position_ids).cuda()
+    cu = cu_seqlens(batch.position_ids).cuda()
     q = torch.randn(2 * 1024, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2 * 1024, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(2 * 1024, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -278,7 +279,7 @@ def test_one_document_per_row_takes_dense_sdpa(monkeypatch):
         v = torch.randn(2, 2, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         out, _ = A.varlen_attention(None, q, k, v, None, **A.packed_kwargs(pos))
         assert len(calls) == (1 if len(docs[0]) == 1 else 0)
-        cu = A.cu_seqlens_from_positions(pos)
+        cu = cu_seqlens(pos)
         flat = [t.transpose(1, 2).reshape(2048, t.shape[1], 128).float() for t in (q, k, v)]
         ref = A._reference(*flat, cu, 2, 1024, None).view(2, 1024, 8, 128)
         calls.clear()
@@ -368,7 +369,7 @@ def test_cuda_cudnn_kernel_equals_the_reference_path(docs):
     """cuDNN's THD kernel (document count padded to its bucket) against the fp32 reference."""
     torch.manual_seed(0)
     _, batch = batch_of(docs, seq_len=1024)
-    cu = A.cu_seqlens_from_positions(batch.position_ids).cuda()
+    cu = cu_seqlens(batch.position_ids).cuda()
     q = torch.randn(2 * 1024, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2 * 1024, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(2 * 1024, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -387,7 +388,7 @@ def test_cuda_the_chosen_kernel_runs(monkeypatch, kernel_choice):
     monkeypatch.setattr(A, "_cudnn_varlen", lambda *a: calls.append(1) or real(*a))
     _, batch = batch_of([(300, 724), (1024,)], seq_len=1024)
     pos = batch.position_ids.cuda()
-    cu = A.cu_seqlens_from_positions(pos)
+    cu = cu_seqlens(pos)
     auto_cudnn = torch.cuda.get_device_capability() in A.CUDNN_AUTO_CAPABILITIES
     for choice, expect in (("cudnn", 1), ("flash", 0), ("auto", int(auto_cudnn))):
         A.set_varlen_kernel(choice)

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pgs.errors",),
     ("pgs.func",),  # pure: torch and attrs only, never pgs.runtime
     ("pgs.runtime.common", "pgs.runtime.process", "pgs.runtime.pinned", "pgs.runtime.triton_gate",
-     "pgs.runtime.output", "pgs.runtime.userpath"),
+     "pgs.runtime.output", "pgs.runtime.userpath", "pgs.runtime.documents"),
     ("pgs.runtime.data",),
     ("pgs.runtime.model",),
     ("pgs.runtime.dist",),

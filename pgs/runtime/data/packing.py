@@ -95,15 +95,6 @@ class PackedBatch:
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
 
 
-def doc_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """A document id per token of a batch (the shape of ``position_ids``, ids unique over the
-    whole batch): a new document starts
-    wherever the positions restart at 0 (every packed document, each row, and a row's padding,
-    which is a document of its own).  Computed on the tensor's device, no host read; what a
-    per-sample objective (CADFT's compatibility) needs to tell the packed samples apart."""
-    return (position_ids.reshape(-1) == 0).cumsum(0).reshape(position_ids.shape)
-
-
 def collate(rows: Sequence[Sequence[Document]], pad_id: int, seq_len: int | None = None) -> PackedBatch:
     """Lay out rows of documents as a ``PackedBatch``, padded to ``seq_len`` or the longest row."""
     used = [sum(len(d) for d in row) for row in rows]

@@ -25,7 +25,7 @@ neither restriction.  The exchange here is ``torch.distributed`` point-to-point
 
 Packed documents stay isolated: the mask of a (query block, key block) pair is computed from
 the *global* token indices of both blocks and the global document ids of the row (a new
-document wherever ``position_ids`` restarts at 0, as everywhere in pgs), ``allowed = same
+document wherever ``position_ids`` restarts at 0: ``pgs.runtime.documents``), ``allowed = same
 document and key index <= query index``.  Causal balance: with the ``"zigzag"`` layout
 (default) the row is cut into ``2W`` chunks and rank ``r`` holds chunks ``r`` and ``2W-1-r``,
 so every rank has the same number of unmasked (query, key) pairs of a causal row; ``"contiguous"``
@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pgs.errors import SpecError
+from pgs.runtime.documents import document_ids
 
 #: The name under which :func:`register` makes the ring attention known to transformers.
 HF_NAME = "pgs_ring"
@@ -97,11 +98,6 @@ class SequenceShard:
 def pad_width(width: int, shard: SequenceShard) -> int:
     """The smallest row width >= ``width`` that ``shard`` splits."""
     return math.ceil(width / shard.multiple) * shard.multiple
-
-
-def document_ids(position_ids: Tensor) -> Tensor:
-    """``[B, S]`` document number of each token: a new document wherever the position restarts at 0."""
-    return torch.cumsum((position_ids == 0).to(torch.int64), dim=-1)
 
 
 def shard_rows(x: Tensor, shard: SequenceShard, dim: int = 1) -> Tensor:
@@ -305,8 +301,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, doc: Tensor, shard: Sequence
 
     ``q`` ``[B, Hq, S/W, D]``, ``k``/``v`` ``[B, Hkv, S/W, D]`` (``Hkv`` divides ``Hq``): this
     rank's shard (``shard.indices``) of rows of ``S`` tokens; ``doc`` ``[B, S]``: the document
-    ids of the whole rows (:func:`document_ids`).  Returns ``[B, Hq, S/W, D]``.  Every rank of
-    ``shard`` must call it (the exchange is collective).  Softmax in fp32 (fp64 for fp64).
+    ids of the whole rows (``pgs.runtime.documents.document_ids``; only ids of one row are
+    compared).  Returns ``[B, Hq, S/W, D]``.  Every rank of ``shard`` must call it (the exchange
+    is collective).  Softmax in fp32 (fp64 for fp64).
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"ring_attention: {k.shape[1]} key heads do not divide {q.shape[1]} query heads")

@@ -29,8 +29,8 @@ import torch
 from pgs.func.losses import token_loss
 from pgs.runtime.data import EvalStream, TrainStream
 from pgs.runtime.data.inspect import dataset_stats
-from pgs.runtime.data.packing import doc_ids
 from pgs.runtime.dist import context as CP
+from pgs.runtime.documents import document_ids
 from pgs.runtime.loop.evaluate import eval_loss, read_samples, sharded_eval_loss, task_accuracy, task_checker
 from pgs.runtime.data.packing import collate, pad_id
 from pgs.errors import SpecError
@@ -106,7 +106,7 @@ class SFTObjective:
         weight, bias, softcap = output_head(run.model)
         loss = self.spec.loss
         defer = self.defers_head_grad(run, weight)
-        docs = doc_ids(pos) if self.token_objective.name == "cadft" else None  # CADFT's per-sample compatibility
+        docs = document_ids(pos) if self.token_objective.name == "cadft" else None  # CADFT's per-sample compatibility
         result = token_loss(h, weight, labels, backend=loss.backend, objective=self.token_objective, bias=bias,
                             softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size, defer_head_grad=defer,
                             doc_ids=docs)

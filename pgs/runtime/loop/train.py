@@ -70,7 +70,7 @@ from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime import process
 from pgs.runtime.optim import StepMetrics, make_optimizer
 from pgs.runtime.optim.memory import MemoryOptions
-from pgs.runtime.spec.chain import build_chain
+from pgs.runtime.spec.chain import WHOLE_ROW_OBJECTIVES, build_chain
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
 from pgs.runtime.store import checkpoint as ckpt, dcp, lock as run_lock
@@ -162,6 +162,9 @@ def _process_layout(spec, ctx: D.DistContext | None, world: int):
         if spec.loss.embedding_noise() is not None:
             raise SpecError("parallel.context: not with embedding noise (loss.neftune_alpha, loss.symnoise_alpha: "
                             "they read whole rows)")
+        if spec.loss.objective in WHOLE_ROW_OBJECTIVES:
+            raise SpecError(f"parallel.context: loss.objective {spec.loss.objective!r} reads statistics over the whole "
+                            "row or sample, which one rank's part of a row does not see (set parallel.context = 1)")
         if ctx is None:
             raise SpecError(f"parallel.context: {cp} ranks per sequence need pgs run --nproc N (N a multiple of {cp})")
     if ctx is None:

@@ -17,7 +17,8 @@ Elsewhere (CPU, fp32, a torch without ``varlen_attn``) the same numbers come fro
 the block-diagonal causal mask (the reference path the tests compare against).
 
 The document boundaries are derived once per forward from ``position_ids`` by
-:func:`packed_kwargs` (one host synchronisation per step, for the number of documents) and
+:func:`packed_kwargs` (``pgs.runtime.documents.cu_seqlens``, whose definition of a boundary every
+user of packed rows shares; one host synchronisation per step, for the number of documents) and
 reach every layer as the ``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/``max_length_k``
 keyword arguments transformers forwards to its attention functions.  ``max_length`` is the
 row width, a constant, so compiled layers do not recompile when the longest document changes
@@ -70,6 +71,7 @@ import torch
 from torch import Tensor
 
 from pgs.errors import SpecError
+from pgs.runtime.documents import cu_seqlens
 
 #: What a spec writes (``model.attn_implementation``).
 SPEC_NAME = "varlen"
@@ -355,19 +357,6 @@ def varlen_available(device: torch.device | str | None = None, dtype: torch.dtyp
     return torch.cuda.is_available() and _varlen_call() is not None
 
 
-def cu_seqlens_from_positions(position_ids: Tensor) -> Tensor:
-    """Document boundaries ``[0, l1, l1+l2, ..., B*S]`` (int32) of the flattened ``[B, S]``
-    packed rows: a document starts wherever the position is 0 (each row starts one; collate
-    numbers a row's trailing padding 0, 1, ..., so the padding is one document)."""
-    flat = position_ids.reshape(-1)
-    starts = (flat == 0).nonzero().flatten()
-    # the first token of a row begins a document whatever its position says: rows never share one
-    row_starts = torch.arange(0, flat.numel(), position_ids.shape[-1], device=flat.device)
-    starts = torch.unique(torch.cat([starts, row_starts]))  # sorted
-    end = torch.tensor([flat.numel()], device=flat.device, dtype=starts.dtype)
-    return torch.cat([starts, end]).to(torch.int32)
-
-
 def packed_kwargs(position_ids: Tensor) -> dict:
     """The keyword arguments that carry the document boundaries to :func:`varlen_attention`."""
     if position_ids.is_cuda:  # the kernel choice for this device, before any compiled layer reads it
@@ -380,7 +369,7 @@ def boundary_kwargs(position_ids: Tensor) -> dict:
     (``cu_seq_lens_q``/``_k`` over the flattened rows, ``max_length_q``/``_k`` the row width),
     which reach every layer: the packed-attention kernel and linear-attention layers
     (``pgs.runtime.model.linear_attention``) read them."""
-    cu = cu_seqlens_from_positions(position_ids)
+    cu = cu_seqlens(position_ids)
     width = int(position_ids.shape[-1])
     try:  # one compiled graph whatever the number of documents
         torch._dynamo.maybe_mark_dynamic(cu, 0)
@@ -446,8 +435,7 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
     if cu is None:
         position_ids = kwargs.get("position_ids")
         if position_ids is not None:
-            cu = cu_seqlens_from_positions(position_ids.expand(batch, -1) if position_ids.shape[0] != batch
-                                           else position_ids)
+            cu = cu_seqlens(position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids)
         else:
             cu = torch.arange(0, (batch + 1) * width, width, device=query.device, dtype=torch.int32)
     q = query.transpose(1, 2).reshape(batch * width, hq, d)

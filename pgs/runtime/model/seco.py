@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from pgs.errors import SpecError
+from pgs.runtime.documents import document_ids
 from pgs.runtime.model.attention import varlen_call, varlen_suits
 
 #: The attention implementation transformers is told while a chunk runs.
@@ -87,10 +88,7 @@ class RowState:
     def __init__(self, position_ids: Tensor, chunk: int):
         self.batch, self.width = position_ids.shape
         self.chunk = chunk
-        # a document id per token (unique over the batch); each row starts one whatever its position
-        starts = position_ids == 0
-        starts[:, 0] = True
-        self.docs = starts.reshape(-1).cumsum(0).reshape(self.batch, self.width)
+        self.docs = document_ids(position_ids)  # a document id per token, unique over the batch
         self.bounds = [(lo, min(lo + chunk, self.width)) for lo in range(0, self.width, chunk)]
         self.keys: dict[int, Tensor] = {}
         self.values: dict[int, Tensor] = {}
