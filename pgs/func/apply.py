@@ -183,9 +183,9 @@ def apply_updates(params, updates, *, memory: MemoryOptions = NO_MEMORY_OPTIONS,
     With ``memory.stochastic_rounding`` (``memory``: a ``pf.MemoryOptions``), bf16 parameters are
     rounded stochastically (unbiased in expectation; arXiv 1502.02551), which lets bf16 weights
     accumulate updates smaller than their ulp without an fp32 master copy.  The noise of leaf i
-    (in tree order) is the hash stream of seed ``sr_seed(step_count(state), first + i)``, from its element ``start`` on
-    (``sr_noise``; ``start``: where these leaves sit in the tensors they are slabs of): pass the
-    chain's new ``state`` so that the result is a function of (params, updates, state), or an
+    (in tree order) is the hash stream of seed ``sr_seed(step_count(state), first + i)``, from
+    its element ``start`` on (``sr_noise``; ``start``: where these leaves sit in the tensors they
+    are slabs of): pass the chain's new ``state`` so that the result is a function of (params, updates, state), or an
     explicit ``generator`` instead.  Returns a new tree; ``params`` is untouched.
 
     Example::
