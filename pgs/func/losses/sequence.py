@@ -177,6 +177,7 @@ def sequence_logps(
         [2, 1]
         >>> W.requires_grad_(True)  # doctest: +ELLIPSIS
         tensor(...)
+        >>> from pgs.func import MemoryOptions
         >>> logp, n, head = sequence_logps(h, W, labels, seq, 2, memory=MemoryOptions(defer_head_grad=True))
         >>> logp.sum().backward()
         >>> W.grad is None, head.ready
