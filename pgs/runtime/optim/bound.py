@@ -31,7 +31,7 @@ from pgs.errors import CheckpointError, InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import no_step_stage
 from pgs.func.schedule_free_iterates import eval_point, has_schedule_free, schedule_free_state
-from pgs.runtime.optim.interface import StepMetrics, binder_memory, step_metrics
+from pgs.runtime.optim.interface import StepMetrics, binder_options, step_metrics
 
 _LAYOUT_KEY = "__pgs_layout__"
 #: Elements per slice when ``eval_weights`` writes a schedule-free chain's x into the weights.
@@ -80,7 +80,7 @@ class BoundOptimizer:
         self.chain = chain
         self.params = params
         self.compiled = bool(compile)
-        self.memory = binder_memory(memory, "bind")
+        self.memory = binder_options(memory, "bind")
         self._last_grads = None
         self._before: dict[str, list] = {}
         if self.compiled:

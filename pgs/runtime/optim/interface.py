@@ -118,7 +118,7 @@ class Optimizer(Protocol):
         steps, bit for bit.  A chain that evaluates where it steps moves nothing."""
 
 
-def binder_memory(memory: pf.MemoryOptions | None, who: str, *, slabs: bool = False) -> pf.MemoryOptions:
+def binder_options(memory: pf.MemoryOptions | None, who: str, *, slabs: bool = False) -> pf.MemoryOptions:
     """``memory`` checked for the binder ``who``: a ``pf.MemoryOptions`` (None: none of them), and
     ``tied_slabs`` only where the binder steps the tied weight in row slabs (``slabs``:
     ``GradientRelease`` on one process); elsewhere it would be silently dropped, so it is refused."""

@@ -87,7 +87,7 @@ from pgs.func.plan import RELEASE, plan_for
 from pgs.func.schedule_free_iterates import eval_point, has_schedule_free, schedule_free_state
 from pgs.func.step import StepContext
 from pgs.runtime.optim.bound import trainable_parameters
-from pgs.runtime.optim.interface import StepMetrics, binder_memory
+from pgs.runtime.optim.interface import StepMetrics, binder_options
 from pgs.runtime.optim.tied_slabs import TiedSlabs, slab_refusal  # noqa: F401  (slab_refusal: re-exported)
 
 _LAYOUT_KEY = "__pgs_release_groups__"
@@ -348,7 +348,7 @@ class GradientRelease:
                 raise InvalidArgument(f"GradientRelease: parameter {n!r} is not a leaf tensor")
         self.chain = chain
         self.params = params
-        self.memory = binder_memory(memory, "GradientRelease", slabs=True)
+        self.memory = binder_options(memory, "GradientRelease", slabs=True)
         self.master_weights = master_weights
         self.track_grad_norm = track_grad_norm
         if not isinstance(apply_chunk, int) or apply_chunk < 1:

@@ -45,7 +45,7 @@ from pgs.func.base import ELEMENTWISE, no_step_stage
 from pgs.func.plan import SHARDED, plan_for
 from pgs.func.step import NO_CONTEXT, StepContext
 from pgs.runtime.dist.fsdp import reshard
-from pgs.runtime.optim.interface import StepMetrics, binder_memory, step_metrics
+from pgs.runtime.optim.interface import StepMetrics, binder_options, step_metrics
 
 #: Prefix of per-rank state keys in a checkpoint.
 RANK_KEY = "__rank{rank}__"
@@ -140,7 +140,7 @@ class ShardedBoundOptimizer:
         self.plan = plan_for(chain, SHARDED)  # a fused step on shards, if the registry has one
         self.model = model
         self.params = params
-        self.memory = binder_memory(memory, "bind_sharded")
+        self.memory = binder_options(memory, "bind_sharded")
         self.world = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         with torch.no_grad():

@@ -59,7 +59,7 @@ from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.plan import SHARDED, plan_for
 from pgs.func.step import NO_CONTEXT
-from pgs.runtime.optim.interface import StepMetrics, binder_memory
+from pgs.runtime.optim.interface import StepMetrics, binder_options
 from pgs.runtime.optim.release import Arrivals, check_released_chain, release_metrics, released_step
 from pgs.runtime.optim.sharded_bind import RANK_KEY, ShardedBoundOptimizer, is_dtensor, local, refuse_unaware
 
@@ -141,7 +141,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         self.plan = plan_for(chain, SHARDED)  # a fused step on shards, if the registry has one
         self.model = model
         self.params = params
-        self.memory = binder_memory(memory, who)
+        self.memory = binder_options(memory, who)
         self.group = mesh.get_group()
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)

@@ -1250,9 +1250,10 @@ def measure_memory(spec, plan, *, steps: int = 3, device: torch.device | str | N
             binder = GradientRelease
             if opts["offload_optimizer"]:
                 from pgs.runtime.optim.offload import OffloadedRelease as binder
-            opt = binder(chain, model, master_weights=opts["master_weights"],
-                         stochastic_rounding=spec.model.dtype == "bfloat16",
-                         tied_slabs=opts["tied_slabs"] or None,
+            # the spec's memory options (MemorySpec.options()) with what the overrides change
+            memory = spec.memory.options().evolve(stochastic_rounding=spec.model.dtype == "bfloat16",
+                                                  tied_slabs=int(opts["tied_slabs"] or 0))
+            opt = binder(chain, model, memory=memory, master_weights=opts["master_weights"],
                          groups=opts["release_groups"])
         else:
             opt = bind(chain, model, compile=spec.optimizer.compile, jit=spec.optimizer.jit)
