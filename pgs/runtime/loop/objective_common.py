@@ -34,10 +34,10 @@ def tied_head_deferrable(run, weight) -> bool:
     with a ``DeferredHeadGrad``) instead of to autograd: gradient release on one process (the
     binder steps inside backward and takes contributions), ``defer_head_grad`` on in the binder's
     memory options (``run.bound.memory``, made by ``MemorySpec.options()``: ``"auto"`` with
-    checkpointing or tied slabs), and a
-    trainable head that is the input embedding's weight (tied), so its gradient joins the
-    embedding's own right before that weight steps (whole, or slab by slab with ``tied_slabs``):
-    no V×D gradient through backward.  The objectives' ``defers_head_grad`` start here."""
+    checkpointing or tied slabs), and a trainable head that is the input embedding's weight
+    (tied), so its gradient joins the embedding's own right before that weight steps (whole, or
+    slab by slab with ``tied_slabs``): no V×D gradient through backward.  The objectives'
+    ``defers_head_grad`` start here."""
 
     if not (run.bound.in_backward and run.bound.defers_contributions and run.bound.memory.defer_head_grad
             and weight.requires_grad):

@@ -82,8 +82,8 @@ class Optimizer(Protocol):
 
         ``contribution``: a function ``fn(grad)`` adding in place, or an object with
         ``add_to(grad)`` (and ``add_rows_to(out, r0, r1)`` where the weight steps in row slabs),
-        e.g. ``token_loss(..., memory=pf.MemoryOptions(defer_head_grad=True)).head_grad``.  Binders that cannot do it
-        raise ``InvalidArgument``; :attr:`defers_contributions` says which can."""
+        e.g. ``token_loss(..., memory=pf.MemoryOptions(defer_head_grad=True)).head_grad``.  Binders
+        that cannot do it raise ``InvalidArgument``; :attr:`defers_contributions` says which can."""
 
     @property
     def defers_contributions(self) -> bool:
