@@ -450,7 +450,7 @@ def predict_memory(
         loss_kernels: the chunked loss runs its two Triton passes (CUDA; ``chunk_work_bytes``
             has what each path holds per chunk).  None: ``pgs.func.kernels.CONFIG.ce_kernels`` —
             the prediction is for a CUDA run even where it is made on a CPU.
-        tied_slabs: rows per slab (``GradientRelease(..., tied_slabs=rows)``, release only):
+        tied_slabs: rows per slab (``memory.tied_slabs``, release only):
             the embedding's V×D gradient is replaced by a slab's working set at the end of
             backward — the slab's gradient (rows·D·b), the looked-up rows' gradients and their
             sums (N·D·b each; N·D·8 more while summed in fp32), and the head's rebuilt chunk
