@@ -1,4 +1,4 @@
-"""The tied weight stepped in row slabs (``GradientRelease(..., tied_slabs=rows)``): no dense
+"""The tied weight stepped in row slabs (``GradientRelease(..., memory=pf.MemoryOptions(tied_slabs=rows))``): no dense
 V×D gradient, and the same weights and state as the deferred path (tests/unit/test_release_defer.py)
 up to summation order, on the CPU in fp32."""
 
