@@ -148,7 +148,7 @@ def main() -> None:
     iters, warmup = (args.iters, 3) if cuda else (2, 1)
 
     def pgs_row(name, opt, jit=False, sr=False, bound_grads=True, fused=True):
-        fast = pf.compile(opt, jit=jit, donate=True, stochastic_rounding=sr, fused=fused)
+        fast = pf.compile(opt, jit=jit, donate=True, memory=pf.MemoryOptions(stochastic_rounding=sr), fused=fused)
         p = {k: v.clone() for k, v in params.items()}
         fast.bind_buffers(p)
         g = {k: v.clone() for k, v in grads.items()}

@@ -209,13 +209,13 @@ def setup(name: str, table: dict, device, args, init: dict | None = None):
         if args.master:  # an fp32 master copy of every parameter instead of stochastic rounding into bf16
             release = GradientRelease(chain, model, master_weights="fp32", track_grad_norm=False)
         else:
-            release = GradientRelease(chain, model, stochastic_rounding=True, track_grad_norm=False)
+            release = GradientRelease(chain, model, memory=pf.MemoryOptions(stochastic_rounding=True), track_grad_norm=False)
         defer = output_head(model)[0] is model.get_input_embeddings().weight
 
         def step(ids):
             h = final_hidden(model, ids, pos_of(ids))
             W, bias, softcap = output_head(model)
-            r = token_loss(h, W, labels_of(ids), bias=bias, softcap=softcap, chunk_size=2048, defer_head_grad=defer)
+            r = token_loss(h, W, labels_of(ids), bias=bias, softcap=softcap, chunk_size=2048, memory=pf.MemoryOptions(defer_head_grad=defer))
             if defer:
                 release.before_step(W, r.head_grad.add_to)
             loss = r.loss_sum / r.num_valid

@@ -287,8 +287,9 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
     new_path = name != "pgs_release_unfused"
     backend = "triton" if (args.small and args.triton_on_cpu) else "auto"
     slabs = slab_rows if _slabs(name) else None
-    release = GradientRelease(pf.lion8bit(1e-5, backend=backend), model, stochastic_rounding=True,
-                              track_grad_norm=False, fused=new_path, tied_slabs=slabs,
+    release = GradientRelease(pf.lion8bit(1e-5, backend=backend), model,
+                              memory=pf.MemoryOptions(stochastic_rounding=True, tied_slabs=slabs or 0),
+                              track_grad_norm=False, fused=new_path,
                               groups="parameter" if _per_parameter(name) else "layer")
     W0 = output_head(model)[0]
     defer = new_path and W0 is model.get_input_embeddings().weight and defers(name, args)
@@ -301,7 +302,7 @@ def variant_setup(name: str, model, args, loss_chunk: int, slab_rows: int | None
         W, bias, softcap = output_head(model)
         labels = torch.roll(ids, -1, dims=1)
         labels[:, -1] = -100  # as HF's shifted loss: the last position has no target
-        r = token_loss(h, W, labels, bias=bias, softcap=softcap, chunk_size=loss_chunk, defer_head_grad=defer)
+        r = token_loss(h, W, labels, bias=bias, softcap=softcap, chunk_size=loss_chunk, memory=pf.MemoryOptions(defer_head_grad=defer))
         if defer:  # in row slabs the release rebuilds the head's rows slab by slab: hand it the object
             release.before_step(W, r.head_grad if slabs else r.head_grad.add_to)
         loss = r.loss_sum / r.num_valid

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from pgs.func import MemoryOptions
 from pgs.func.losses import (DISTILL_KINDS, PREFERENCE_KINDS, REFERENCE_FREE, distill_loss, kto_loss, preference_loss,
                              router_stats, sequence_logps)
 
@@ -84,7 +85,7 @@ def _preference_entry(kind: str, **hyper) -> LossEntry:
 def _deferred_sequence_logps(h, W, labels, seq, num, **kwargs):
     """``sequence_logps(..., defer_head_grad=True)``'s tensors (its ``DeferredHeadGrad`` left out:
     W's gradient goes there, not to autograd; tests/unit/test_preference_losses.py checks it)."""
-    logp, lengths, _ = sequence_logps(h, W, labels, seq, num, defer_head_grad=True, **kwargs)
+    logp, lengths, _ = sequence_logps(h, W, labels, seq, num, memory=MemoryOptions(defer_head_grad=True), **kwargs)
     return logp, lengths
 
 

@@ -66,7 +66,7 @@ def _disturb(seed):
 
 def _step(opt, g, state, p, pr):
     return opt.fused_step(g, state, p, ctx=StepContext(sr_offset=pr["sr_offset"]), donate=pr["donate"],
-                          stochastic_rounding=True)
+                          memory=pf.MemoryOptions(stochastic_rounding=True))
 
 
 def _bits(p: dict, state) -> dict:

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pgs.func import MemoryOptions
 from pgs.func.losses import PREFERENCE_KINDS, REFERENCE_FREE, preference_loss, sequence_logps, token_loss
 
 FAST = settings(max_examples=25, deadline=None)
@@ -254,7 +255,7 @@ def test_deferred_head_grad_equals_the_dense_gradient(problem, chunk, softcap, s
     deferred object's ``add_to`` and its ``add_rows_to`` over slabs of any size give W's."""
     h, W, b, labels, seq, num, seed = problem
     logp, n, head = sequence_logps(h, W, labels, seq, num, chunk_size=chunk, bias=b, softcap=softcap,
-                                   defer_head_grad=True)
+                                   memory=MemoryOptions(defer_head_grad=True))
     ref, _ = dense_reference(h, W, b, labels, seq, num, softcap)
     up = torch.randn(num, generator=torch.Generator().manual_seed(seed), dtype=F64)
     gh, gW, gb = torch.autograd.grad((logp * up).sum(), (h, W, b), allow_unused=True)

@@ -55,6 +55,7 @@ from pgs.func.state_io import state_entries, state_from_dict, state_to_dict
 from pgs.func.weight_decay import add_decayed_weights
 from pgs.func.tree import leaves_with_paths, tree_map
 from pgs.func.step import NO_CONTEXT, StepContext
+from pgs.func.memory_options import NO_MEMORY_OPTIONS, MemoryOptions
 from pgs.func.plan import FLAT, RELEASE, SHARDED, Placement, Plan, PlanEntry, plan_for
 from pgs.func.kernels.kernel_config import KernelConfig
 
@@ -104,6 +105,7 @@ __all__ = [
     "wsd_schedule",
     # applying updates, trees, state
     "apply_updates", "stochastic_round_to_bf16", "tree_map", "leaves_with_paths",
+    "MemoryOptions", "NO_MEMORY_OPTIONS",
     "state_entries", "state_from_dict", "state_to_dict", "state_bytes", "state_bytes_per_param",
     "reported_metrics",
     # execution: flat layout, compiled chains, fused plans

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from pgs.errors import InvalidArgument
+from pgs.func.memory_options import NO_MEMORY_OPTIONS, MemoryOptions, memory_options
 from pgs.func import kernels as K
 from pgs.func import tree as T
 from pgs.func.kernels.fused_transform import sr_seeds  # the fused steps' seeds, one per tensor
@@ -175,31 +176,32 @@ def step_count(state) -> torch.Tensor:
                           "an explicit generator=)")
 
 
-def apply_updates(params, updates, *, stochastic_rounding: bool = False, state=None, first: int = 0,
+def apply_updates(params, updates, *, memory: MemoryOptions = NO_MEMORY_OPTIONS, state=None, first: int = 0,
                   start: int = 0, generator: torch.Generator | None = None):
     """θ ← θ + u, computed in fp32 and cast back to each parameter's dtype.
 
-    With ``stochastic_rounding=True``, bf16 parameters are rounded stochastically (unbiased in
-    expectation; arXiv 1502.02551), which lets bf16 weights accumulate updates smaller than
-    their ulp without an fp32 master copy.  The noise of leaf i (in tree order) is the hash
-    stream of seed ``sr_seed(step_count(state), first + i)``, from its element ``start`` on
-    (``sr_noise``; ``start``: where these leaves sit in the tensors they are slabs of): pass the
-    chain's new ``state`` so that the result is a function of (params, updates, state), or an
+    With ``memory.stochastic_rounding`` (``memory``: a ``pf.MemoryOptions``), bf16 parameters are
+    rounded stochastically (unbiased in expectation; arXiv 1502.02551), which lets bf16 weights
+    accumulate updates smaller than their ulp without an fp32 master copy.  The noise of leaf i
+    (in tree order) is the hash stream of seed ``sr_seed(step_count(state), first + i)``, from
+    its element ``start`` on (``sr_noise``; ``start``: where these leaves sit in the tensors they
+    are slabs of): pass the chain's new ``state`` so that the result is a function of (params, updates, state), or an
     explicit ``generator`` instead.  Returns a new tree; ``params`` is untouched.
 
     Example::
 
         updates, state = opt.update(grads, state, params)
-        params = pf.apply_updates(params, updates, stochastic_rounding=True, state=state)
+        params = pf.apply_updates(params, updates, memory=pf.MemoryOptions(stochastic_rounding=True), state=state)
     """
     T.check_same_structure(params, updates, "params", "updates")
+    stochastic_rounding = memory_options(memory, "apply_updates").stochastic_rounding
     streams: list[tuple[torch.Tensor, torch.Tensor]] = []  # (seeds, keys): made at the first bf16 leaf
     index = iter(range(1 << 62))  # leaf i in tree order (tree_map visits the tensor leaves in order)
 
     def noise_of(i: int, n: int) -> torch.Tensor:
         if not streams:
             if state is None:
-                raise InvalidArgument("apply_updates: stochastic_rounding draws its noise from the chain "
+                raise InvalidArgument("apply_updates: stochastic rounding draws its noise from the chain "
                                       "state's step count: pass state= (the state the update returned) "
                                       "or an explicit generator=")
             seeds = sr_seeds(step_count(state), first, len(T.leaves(params)))

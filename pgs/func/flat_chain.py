@@ -33,6 +33,7 @@ from pgs.func import fused_adamw_lion as _fused, tree as T
 from pgs.func.apply import sr_seeds, step_count, stochastic_round_to_bf16
 from pgs.func.base import Transform
 from pgs.func.layout import Layout, call_init, call_update
+from pgs.func.memory_options import NO_MEMORY_OPTIONS, MemoryOptions, memory_options
 from pgs.func.plan import FLAT, Plan, plan_for
 from pgs.func.step import context_of
 
@@ -41,13 +42,13 @@ class FlatChain:
     """A transform run on the flat layout.  See the module docstring."""
 
     def __init__(self, opt: Transform, *, jit: bool = True, donate: bool = False, align: int = 256,
-                 stochastic_rounding: bool = False, compile_options: dict | None = None, fused: bool = True):
+                 memory: MemoryOptions = NO_MEMORY_OPTIONS, compile_options: dict | None = None, fused: bool = True):
         if not isinstance(opt, Transform):
             raise InvalidArgument(f"compile: expected a pgs.func.Transform, got {type(opt).__name__}")
         self.opt = opt
         self.jit = jit
         self.donate = donate
-        self.stochastic_rounding = stochastic_rounding
+        self.memory = memory_options(memory, "compile")
         import math
 
         self.align = math.lcm(int(align), opt.max_align())
@@ -127,7 +128,7 @@ class FlatChain:
             ctx = context_of(extra).evolve(layout=self.layout)
             rest = {k: v for k, v in extra.items() if k != "ctx"}
             out = self.plan.step(flat_grads, state, flat_params, ctx=ctx, donate=self.donate,
-                                 stochastic_rounding=self.stochastic_rounding, extra=rest)
+                                 memory=self.memory, extra=rest)
             if out is not None:
                 return out
         if self._step_fn is None:
@@ -136,7 +137,8 @@ class FlatChain:
 
     def uses_fused_kernel(self) -> bool:
         """True when ``step`` runs the hand-written AdamW/Lion kernels (``pgs.func.fused_adamw_lion``)."""
-        if self.plan is None or self.plan.name != "adamw_lion" or self.stochastic_rounding or self.layout is None:
+        if (self.plan is None or self.plan.name != "adamw_lion" or self.memory.stochastic_rounding
+                or self.layout is None):
             return False
 
         return _fused.available(self.layout)
@@ -156,7 +158,7 @@ class FlatChain:
         for j, (k, p) in enumerate(fp.items()):
             cd = torch.promote_types(p.dtype, torch.float32)
             x = p.to(cd) + u[k].to(cd)
-            if self.stochastic_rounding and p.dtype == torch.bfloat16:
+            if self.memory.stochastic_rounding and p.dtype == torch.bfloat16:
                 # group buffer j's noise: the hash stream of the new state's step count and the
                 # buffer's index (pgs.func.apply), never torch's global generator
                 if seeds is None:
@@ -194,7 +196,8 @@ class FlatChain:
 
 
 def compile(opt: Transform, *, jit: bool = True, donate: bool = False, align: int = 256,
-            stochastic_rounding: bool = False, compile_options: dict | None = None, fused: bool = True) -> FlatChain:
+            memory: MemoryOptions = NO_MEMORY_OPTIONS, compile_options: dict | None = None,
+            fused: bool = True) -> FlatChain:
     """Run ``opt`` on the flat layout (see ``pgs.func.flat_chain`` module docs).
 
     Args:
@@ -203,8 +206,9 @@ def compile(opt: Transform, *, jit: bool = True, donate: bool = False, align: in
         donate: update state (and parameters in ``step``) in place.
         align: element alignment of each tensor inside its group (a multiple of every
             transform's own ``align``, e.g. the 8-bit block size).
-        stochastic_rounding: ``step`` rounds bf16 parameters stochastically, with noise seeded by
-            the chain state's step count (``pgs.func.apply``; the fused plans seed theirs alike),
+        memory: a ``pf.MemoryOptions``; with ``stochastic_rounding`` ``step`` rounds bf16
+            parameters stochastically, with noise seeded by the chain state's step count
+            (``pgs.func.apply``; the fused plans seed theirs alike),
             so ``step`` is a function of (grads, state, params).
         fused: let ``step`` use the fused plan the registry has for the chain
             (``pgs.func.plan``: the 8-bit and Muon chains' own steps, AdamW/Lion kernels, the
@@ -216,5 +220,5 @@ def compile(opt: Transform, *, jit: bool = True, donate: bool = False, align: in
         state = fast.init(params)
         params, state = fast.step(grads, state, params)
     """
-    return FlatChain(opt, jit=jit, donate=donate, align=align, stochastic_rounding=stochastic_rounding,
+    return FlatChain(opt, jit=jit, donate=donate, align=align, memory=memory,
                      compile_options=compile_options, fused=fused)

@@ -26,6 +26,7 @@ import torch
 from pgs.func._common import increment
 from pgs.func.layout import Layout, group_label
 from pgs.func.learning_rate import ScaleByLearningRateState, lr_value
+from pgs.func.memory_options import MemoryOptions
 from pgs.func.step import StepContext
 
 
@@ -104,15 +105,15 @@ def plan_step(plan: FusedPlan):
     noise the plain path draws (``pf.apply_updates``: tensor i of the call seeded by
     ``sr_seed(count, ctx.sr_offset + i)`` of the new state's count)."""
 
-    def fused_step(grads, state, params, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
+    def fused_step(grads, state, params, *, ctx: StepContext, donate, memory: MemoryOptions, extra=None):
         layout = ctx.layout
         if layout is not None:
-            if stochastic_rounding or not available(layout):
+            if memory.stochastic_rounding or not available(layout):
                 return None
         elif not available_on({t.device.type for t in params.values()}):
             return None
         return step(plan, layout, grads, state, params, donate=donate,
-                    sr_offset=ctx.sr_offset if stochastic_rounding else None)
+                    sr_offset=ctx.sr_offset if memory.stochastic_rounding else None)
 
     return fused_step
 

@@ -60,6 +60,7 @@ from pgs.func.learning_rate import lr_value
 from pgs.func.lion8bit_direction import ScaleByLion8bitState
 from pgs.func.mona_acceleration import MonaState
 from pgs.func.quant8 import Quantized8bit
+from pgs.func.memory_options import MemoryOptions
 from pgs.func.step import StepContext
 
 #: Blocks per program of the passes (4 warps: one warp per 256-element block).  Pass B holds
@@ -196,7 +197,7 @@ def _pass_a(fg, layout, s_ada, ada, bs: int, dev, KC):
 
 
 def _pass_b(fg, fp, layout, s_mona, s_lion, s_hb, mona, hb, clip, w1, w2, bs: int, dev, code, btab, constrained,
-            donate, stochastic_rounding, KC):
+            donate, memory: MemoryOptions, KC):
     """Pass B: Mona's accumulators, Lion8bit's moment and the direction; the tensors hyperball
     projects keep their packed direction and block sums for pass C (``proj``)."""
     learning_rate = hb["learning_rate"]
@@ -210,7 +211,7 @@ def _pass_b(fg, fp, layout, s_mona, s_lion, s_hb, mona, hb, clip, w1, w2, bs: in
         grp = layout.groups[k]
         p, prev, acc, m = fp[k], s_mona.prev[k], s_mona.acc[k], s_lion.mu[k]
         q8 = isinstance(m, Quantized8bit)
-        sr = bool(stochastic_rounding) and p.dtype == torch.bfloat16
+        sr = memory.stochastic_rounding and p.dtype == torch.bfloat16
         on = bool(labels[k])
         out = p if donate else torch.empty_like(p)
         prev_o = prev if donate else torch.empty_like(prev)
@@ -285,7 +286,7 @@ def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
     w1, w2 = one_minus(lion["b1"]), one_minus(lion["b2"])
     hb_eps = hb["eps"]
 
-    def fused_step(fg, state, fp, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
+    def fused_step(fg, state, fp, *, ctx: StepContext, donate, memory: MemoryOptions, extra=None):
         if not _accepts(fg, state, fp, ctx, keys, bs, backend):
             return None
         layout = ctx.layout
@@ -297,7 +298,7 @@ def _make_step(keys, ada, mona, lion, hb, constrained) -> Callable:
         count, clip, gamma = _pass_a(fg, layout, s_ada, ada, bs, dev, KC)
         lr, new_p, new_prev, new_acc, new_mu, proj = _pass_b(
             fg, fp, layout, s_mona, s_lion, s_hb, mona, hb, clip, w1, w2, bs, dev, code, btab, constrained,
-            donate, stochastic_rounding, KC)
+            donate, memory, KC)
         _pass_c(fg, fp, layout, s_hb, lr, new_p, proj, hb_eps, bs, KC)
         new_state = dict(state)
         new_state[k_ada] = AdaGCState(count, gamma)

@@ -27,6 +27,7 @@ from pgs.func.quant8 import (
     store_moment,
 )
 from pgs.func.weight_decay import add_decayed_weights, mask_fn
+from pgs.func.memory_options import MemoryOptions
 from pgs.func.step import NO_CONTEXT, StepContext
 
 
@@ -257,7 +258,7 @@ def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size
     generic path) where a leaf cannot take the kernel.
     """
 
-    def fused_step(fg, state, fp, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
+    def fused_step(fg, state, fp, *, ctx: StepContext, donate, memory: MemoryOptions, extra=None):
         if not quantize or any(
             not K.use_triton(backend, g, block_size) for g in fg.values() if g is not None
         ):
@@ -303,7 +304,7 @@ def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size
                     for d in new:
                         d[k] = None
                     continue
-                sr = stochastic_rounding and p.dtype == torch.bfloat16
+                sr = memory.stochastic_rounding and p.dtype == torch.bfloat16
                 x, out = kind.quantized(ctx, g, p, moments, lr_k, wd, seed_of(i) if sr else None, donate)
             new_p[k] = x
             for d, m in zip(new, out):
@@ -311,7 +312,7 @@ def fused_8bit_step(kind: Fused8bit, *, quantize: bool, backend: str, block_size
         index = {k: i for i, k in enumerate(fg)} if small else None
         for wd, keys in small.values():
             # the group's seed: its first leaf's, whichever route steps it (the same noise)
-            sr = stochastic_rounding and fp[keys[0]].dtype == torch.bfloat16
+            sr = memory.stochastic_rounding and fp[keys[0]].dtype == torch.bfloat16
             seed = seed_of(index[keys[0]]) if sr else None
             if donate and kind.small_kernel is not None:  # one Triton launch per ≤ 4 leaves, in place
                 if kind.small_kernel(ctx, [fg[k] for k in keys], [fp[k] for k in keys],

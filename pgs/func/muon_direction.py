@@ -27,6 +27,7 @@ from pgs.func.base import DIRECTION, EmptyState, MATRIX, Transform, chain, check
 from pgs.func.combine import partition
 from pgs.func.layout import call_update, group_label
 from pgs.func.learning_rate import ScaleByLearningRateState, lr_value, scale_by_learning_rate, takes_learning_rate
+from pgs.func.memory_options import NO_MEMORY_OPTIONS, MemoryOptions
 from pgs.func.step import NO_CONTEXT, StepContext
 from pgs.func.weight_decay import add_decayed_weights
 
@@ -229,7 +230,7 @@ def muon_fused_step(
     ns_kernel: str = "auto",
     fold: bool | None = None,
     elementwise: str = "auto",
-    stochastic_rounding: bool = False,
+    memory: MemoryOptions = NO_MEMORY_OPTIONS,
     step: torch.Tensor | None = None,
     out: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
@@ -299,7 +300,7 @@ def muon_fused_step(
         seed = None
         for j, i in enumerate(idx):
             p, dst = params[i], out[i]
-            sr = stochastic_rounding and p.dtype == torch.bfloat16
+            sr = memory.stochastic_rounding and p.dtype == torch.bfloat16
             if sr and seed is None:
                 seed = sr_seed(step if step is not None else torch.zeros((), device=dev), gi)
             if tri:
@@ -524,7 +525,7 @@ def muon_matrices(
     decay = [add_decayed_weights(weight_decay)] if nonzero(weight_decay) else []
     base = chain(inner, *decay, scale_by_learning_rate(learning_rate))
 
-    def fused_step(fg, state, fp, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
+    def fused_step(fg, state, fp, *, ctx: StepContext, donate, memory: MemoryOptions, extra=None):
         layout = ctx.layout
         if layout is None or ctx.whole_tensors is not None:
             return None
@@ -546,7 +547,7 @@ def muon_matrices(
             muon_fused_step(ps, gs, ms, learning_rate=lr, weight_decay=weight_decay, momentum=momentum,
                             nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
                             adjust_lr=adjust_lr, ns_dtype=ns_dtype, ns_kernel=ns_kernel,
-                            stochastic_rounding=stochastic_rounding, step=count)
+                            memory=memory, step=count)
         new_state = {names[0]: ScaleByMuonState(increment(s_dir.count), mu)}
         for n in names[1:-1]:
             new_state[n] = state[n] if isinstance(state[n], EmptyState) else EmptyState()
@@ -580,7 +581,7 @@ def _muon_partition_step(branch: Transform, other: Transform, route):
     """
     from pgs.func.kernels.fused_transform import sr_seed
 
-    def fused_step(fg, state, fp, *, ctx: StepContext, donate, stochastic_rounding, extra=None):
+    def fused_step(fg, state, fp, *, ctx: StepContext, donate, memory: MemoryOptions, extra=None):
         layout = ctx.layout
         if layout is None or ctx.whole_tensors is not None:
             return None
@@ -590,7 +591,7 @@ def _muon_partition_step(branch: Transform, other: Transform, route):
             return {k: v for k, v in tree.items() if labs.get(k) == want}
 
         got = branch.fused_step(part(fg, "muon"), state["muon"], part(fp, "muon"), ctx=ctx,
-                                donate=donate, stochastic_rounding=stochastic_rounding, extra=extra)
+                                donate=donate, memory=memory, extra=extra)
         if got is None:
             return None
         new_p, s_muon = dict(got[0]), got[1]
@@ -606,7 +607,7 @@ def _muon_partition_step(branch: Transform, other: Transform, route):
                     continue
                 cd = torch.promote_types(p.dtype, torch.float32)
                 x = p.to(cd) + u[k].to(cd)
-                if stochastic_rounding and p.dtype == torch.bfloat16:  # a seed per fallback tensor
+                if memory.stochastic_rounding and p.dtype == torch.bfloat16:  # a seed per fallback tensor
                     x = round_to_bf16(x, sr_seed(count, ctx.sr_offset + j, salt=FALLBACK_SALT))
                 else:
                     x = x.to(p.dtype)

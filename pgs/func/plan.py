@@ -10,14 +10,15 @@ chain's own ``update`` and apply it):
 
 A plan's ``step`` has one signature::
 
-    step(grads, state, params, *, ctx: StepContext, donate: bool, stochastic_rounding: bool,
+    step(grads, state, params, *, ctx: StepContext, donate: bool, memory: MemoryOptions,
          extra: dict | None = None) -> (new_params, new_state) | None
 
 It updates and applies in one go and returns the chain's own state (same NamedTuples, same
 buffers), so a run can switch between a plan and the generic path at any step.  It returns
 None where it cannot serve this call (a device without the kernel, a dtype it does not
 handle): the executor then runs the generic path.  ``ctx.layout`` is the flat layout (None in
-gradient release); ``extra`` holds the caller's keyword arguments.
+gradient release); ``memory`` the run's memory options (``pf.MemoryOptions``: a step reads
+``memory.stochastic_rounding``); ``extra`` holds the caller's keyword arguments.
 
 Entries, in the order they are tried (the first that matches wins):
 

@@ -197,7 +197,7 @@ def test_small_leaves_stepped_as_one_equal_leaf_by_leaf(alias, donate):
         p = {k: params[k].clone() for k in keys}
         state = opt.init(p)
         out_p, out_s = opt.fused_step({k: grads[k].clone() for k in keys}, state, p, ctx=NO_CONTEXT, donate=donate,
-                                      stochastic_rounding=False)
+                                      memory=pf.MemoryOptions(stochastic_rounding=False))
         return out_p, out_s
 
     together, state = run(list(shapes))

@@ -42,7 +42,7 @@ def _problem(seed=0):
 
 def _step(opt, g, state, p, sr=True):
     return opt.fused_step(g, state, {k: v.clone() for k, v in p.items()}, ctx=StepContext(), donate=False,
-                          stochastic_rounding=sr)
+                          memory=pf.MemoryOptions(stochastic_rounding=sr))
 
 
 def _neighbours(x: torch.Tensor):
@@ -132,7 +132,7 @@ def test_compiled_flat_step_ignores_the_global_generator():
     params = {k: torch.randn(s, generator=gen).bfloat16().to(DEV) for k, s in shapes.items()}
     grads = [{k: torch.randn(s, generator=gen).bfloat16().to(DEV) for k, s in shapes.items()} for _ in range(2)]
     fast = pf.compile(pf.adamw8bit(3e-3, weight_decay=0.1, backend="triton"), jit=False, donate=True,
-                      stochastic_rounding=True)
+                      memory=pf.MemoryOptions(stochastic_rounding=True))
     (pa, sa), (pb, sb) = compiled_run(fast, params, grads, 0), compiled_run(fast, params, grads, 1000)
     for k in shapes:
         assert torch.equal(pa[k].view(torch.int16), pb[k].view(torch.int16)), k

@@ -63,7 +63,7 @@ def _grads(params, t, seed=1):
 
 
 def _run(opt, params, steps, *, fused, donate=False, sr=False, seed=1):
-    fast = pf.compile(opt, jit=False, fused=fused, donate=donate, stochastic_rounding=sr)
+    fast = pf.compile(opt, jit=False, fused=fused, donate=donate, memory=pf.MemoryOptions(stochastic_rounding=sr))
     p = {k: v.clone() for k, v in params.items()}
     s = fast.init(p)
     ran = _count_fused(fast)
@@ -263,11 +263,11 @@ def test_falls_back_where_it_cannot_fuse():
     s = fast.init(p)
     fg, fp = fast.flatten(_grads(params, 0)), fast.flatten(p)
     assert step(fg, s, fp, ctx=StepContext(layout=fast.layout, reduce_sum=lambda x: x), donate=False,
-                stochastic_rounding=False) is None
+                memory=pf.MemoryOptions(stochastic_rounding=False)) is None
     wide = pf.compile(_stack(), jit=False, align=512)
     s = wide.init(p)
     assert step(wide.flatten(_grads(params, 0)), s, wide.flatten(p), ctx=StepContext(layout=wide.layout),
-                donate=False, stochastic_rounding=False) is None
+                donate=False, memory=pf.MemoryOptions(stochastic_rounding=False)) is None
 
 
 def test_schedule_learning_rate():

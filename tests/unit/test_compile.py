@@ -304,7 +304,7 @@ def test_apply_updates_stochastic_rounding_accumulates_sub_ulp_updates():
     gen = torch.Generator().manual_seed(2)
     nearest = pf.apply_updates(params, updates)["w"]
     assert torch.all(nearest == 1.0), "round-to-nearest should lose a sub-ulp update"
-    out = pf.apply_updates(params, updates, stochastic_rounding=True, generator=gen)["w"]
+    out = pf.apply_updates(params, updates, memory=pf.MemoryOptions(stochastic_rounding=True), generator=gen)["w"]
     assert out.dtype == BF16
     target = 1.0 + float(torch.tensor(1e-3, dtype=torch.float32))
     ulp = 2.0**-7
@@ -318,7 +318,7 @@ def test_flat_step_with_stochastic_rounding_is_unbiased():
     n = 1 << 16
     params = {"w": torch.ones(n, dtype=BF16)}
     grads = {"w": torch.ones(n, dtype=BF16)}
-    fc = pf.compile(pf.sgd(1e-3), jit=False, stochastic_rounding=True)
+    fc = pf.compile(pf.sgd(1e-3), jit=False, memory=pf.MemoryOptions(stochastic_rounding=True))
     state = fc.init(params)
     new, _ = fc.step(grads, state, params)
     # the update keeps the gradient's dtype (bf16), then 1 + u is rounded: 1 + u lies in

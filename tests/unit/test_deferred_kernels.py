@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pgs.func import MemoryOptions
 from pgs.func.kernels import fused_transform as F
 from pgs.func.losses import chunked, token_loss
 
@@ -31,7 +32,7 @@ def test_deferred_kernel_rebuild_equals_plain(kernels_on, softcap, z_loss, objec
     kw = dict(backend="chunked", softcap=softcap, z_loss=z_loss, objective=objective, chunk_size=8)
     r = token_loss(h, W, labels, **kw)
     gh_ref, gw_ref = torch.autograd.grad(r.loss_sum * 0.37, (h, W))
-    r = token_loss(h, W, labels, defer_head_grad=True, **kw)
+    r = token_loss(h, W, labels, memory=MemoryOptions(defer_head_grad=True), **kw)
     (gh,) = torch.autograd.grad(r.loss_sum * 0.37, (h,))
     assert chunked._use_kernels(h, W, r.head_grad._saved[-1], W)
     gw = torch.zeros_like(W)
@@ -44,7 +45,7 @@ def test_deferred_kernel_rebuild_bf16(kernels_on):
     h, W, labels = problem(kernels_on, torch.bfloat16, n=64, v=500)
     r = token_loss(h.float(), W.float(), labels, backend="chunked", chunk_size=16)
     (gw_ref,) = torch.autograd.grad(r.loss_sum * 0.37, (W,))
-    r = token_loss(h, W, labels, backend="chunked", chunk_size=16, defer_head_grad=True)
+    r = token_loss(h, W, labels, backend="chunked", chunk_size=16, memory=MemoryOptions(defer_head_grad=True))
     (r.loss_sum * 0.37).backward()
     gw = torch.zeros_like(W)
     r.head_grad.add_to(gw)
@@ -71,7 +72,7 @@ def test_slabs_reuse_chunk_inputs_and_equal_add_to(request, use_kernels):
     dev = request.getfixturevalue("kernels_on") if use_kernels else "cpu"
     h, W, labels = problem(dev, torch.float32, n=45, v=300)
     kw = dict(backend="chunked", chunk_size=8)
-    r = token_loss(h, W, labels, defer_head_grad=True, **kw)
+    r = token_loss(h, W, labels, memory=MemoryOptions(defer_head_grad=True), **kw)
     (r.loss_sum * 0.37).backward()
     calls = []
     real = chunked.DeferredHeadGrad._chunk_inputs
@@ -88,7 +89,7 @@ def test_slabs_reuse_chunk_inputs_and_equal_add_to(request, use_kernels):
     finally:
         chunked.DeferredHeadGrad._chunk_inputs = real
     assert calls == [True, False, False], f"chunk inputs rebuilt per slab: {calls}"
-    r2 = token_loss(h, W, labels, defer_head_grad=True, **kw)
+    r2 = token_loss(h, W, labels, memory=MemoryOptions(defer_head_grad=True), **kw)
     (r2.loss_sum * 0.37).backward()
     want = r2.head_grad.add_to(torch.zeros_like(W))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

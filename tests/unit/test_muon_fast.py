@@ -379,7 +379,7 @@ def test_stochastic_rounding_into_bf16_parameters(elementwise):
     params = {k: v.to(dev) for k, v in params.items()}
     grads = [{k: v.to(dev) for k, v in g.items()} for g in grads]
     p_near, _ = _fast(params, grads, elementwise=elementwise)
-    p_sr, _ = _fast(params, grads, elementwise=elementwise, stochastic_rounding=True,
+    p_sr, _ = _fast(params, grads, elementwise=elementwise, memory=pf.MemoryOptions(stochastic_rounding=True),
                     step=torch.tensor(3, device=dev))
     for k in params:
         assert p_sr[k].dtype == torch.bfloat16
@@ -430,7 +430,7 @@ def test_pf_muon_stochastic_rounding_ignores_the_global_generator():
 
     def run(global_seed, sr=True):
         opt = pf.muon(0.02, weight_decay=0.1, adam_lr=3e-3, adam_weight_decay=0.01, ns_dtype=torch.float32)
-        fast = pf.compile(opt, donate=True, jit=False, stochastic_rounding=sr)
+        fast = pf.compile(opt, donate=True, jit=False, memory=pf.MemoryOptions(stochastic_rounding=sr))
         return compiled_run(fast, params, grads, global_seed)[0]
 
     a, b, near = run(0), run(500), run(0, sr=False)

@@ -189,8 +189,8 @@ def test_tied_slabs_offloaded():
     with the deferred head gradient, from a staged state."""
     data = batches(3)
     a, b = tiny_model(), tiny_model()
-    ref = GradientRelease(CHAINS["lion8bit"](), a, tied_slabs=10)
-    rel = OffloadedRelease(CHAINS["lion8bit"](), b, tied_slabs=10)
+    ref = GradientRelease(CHAINS["lion8bit"](), a, memory=pf.MemoryOptions(tied_slabs=10))
+    rel = OffloadedRelease(CHAINS["lion8bit"](), b, memory=pf.MemoryOptions(tied_slabs=10))
     for ids in data:
         slab_step(a, ids, ref)
         slab_step(b, ids, rel)
@@ -210,8 +210,8 @@ def test_slabs_wait_only_for_the_shares_holding_their_rows():
     on-device release."""
     data = batches(3)
     a, b = big_vocab_model(), big_vocab_model()
-    ref = GradientRelease(CHAINS["lion8bit"](), a, tied_slabs=256)
-    rel = OffloadedRelease(CHAINS["lion8bit"](), b, tied_slabs=256)
+    ref = GradientRelease(CHAINS["lion8bit"](), a, memory=pf.MemoryOptions(tied_slabs=256))
+    rel = OffloadedRelease(CHAINS["lion8bit"](), b, memory=pf.MemoryOptions(tied_slabs=256))
     st, embed = rel.stager, "model.embed_tokens.weight"
     assert st._big(embed) and len(st.slots) >= 3
     lay = st.layouts[embed]
@@ -474,7 +474,7 @@ def three_runs_bf16(device, make, *, slots, steps, layers, groups="layer"):
     for i, (label, cls, kw) in enumerate((("ref", GradientRelease, {}), ("ref2", GradientRelease, {}),
                                           ("offload", OffloadedRelease, {"slots": slots}))):
         m = tiny_model(torch.bfloat16, layers=layers).to(device)
-        rel = cls(make(), m, stochastic_rounding=True, groups=groups, **kw)
+        rel = cls(make(), m, memory=pf.MemoryOptions(stochastic_rounding=True), groups=groups, **kw)
         _disturb(1000 + i)
         run(m, rel, data)
         if device.type == "cuda":
@@ -544,7 +544,7 @@ def test_adamw8bit_small_leaves_ignore_the_global_generator():
     out = []
     for i in range(3):
         m = tiny_model(torch.bfloat16, layers=1).to(dev)
-        rel = GradientRelease(make(), m, stochastic_rounding=True)
+        rel = GradientRelease(make(), m, memory=pf.MemoryOptions(stochastic_rounding=True))
         if i == 2:
             _disturb(7)
         loss_of(m, ids).backward()
@@ -592,8 +592,8 @@ def test_cuda_slabs_waiting_share_by_share_do_not_race(slow, math_attention):
     to the on-device release bit for bit."""
     data = [ids.cuda() for ids in distinct_batches(4)]
     a, b = big_vocab_model().cuda(), big_vocab_model().cuda()
-    ref = GradientRelease(CHAINS["lion8bit"](), a, tied_slabs=256)
-    rel = OffloadedRelease(CHAINS["lion8bit"](), b, tied_slabs=256)
+    ref = GradientRelease(CHAINS["lion8bit"](), a, memory=pf.MemoryOptions(tied_slabs=256))
+    rel = OffloadedRelease(CHAINS["lion8bit"](), b, memory=pf.MemoryOptions(tied_slabs=256))
     assert rel.stager._big("model.embed_tokens.weight")
     stream = {"compute": torch.cuda.current_stream(), "h2d": rel.stager.h2d, "d2h": rel.stager.d2h}[slow]
     big = torch.randn(4096, 4096, device="cuda")
@@ -616,14 +616,14 @@ def test_cuda_tied_slabs_and_resume(tmp_path, math_attention):
 
     data = [ids.cuda() for ids in distinct_batches(4)]
     a, b = tiny_model(torch.bfloat16).cuda(), tiny_model(torch.bfloat16).cuda()
-    ref = GradientRelease(CHAINS["lion8bit"](), a, tied_slabs=10, stochastic_rounding=True)
-    rel = OffloadedRelease(CHAINS["lion8bit"](), b, tied_slabs=10, stochastic_rounding=True)
+    ref = GradientRelease(CHAINS["lion8bit"](), a, memory=pf.MemoryOptions(tied_slabs=10, stochastic_rounding=True))
+    rel = OffloadedRelease(CHAINS["lion8bit"](), b, memory=pf.MemoryOptions(tied_slabs=10, stochastic_rounding=True))
     for ids in data[:2]:
         slab_step(a, ids, ref)
         slab_step(b, ids, rel)
     save_file(rel.state_dict("cpu"), tmp_path / "o.safetensors")
     rel.remove()
-    rel2 = OffloadedRelease(CHAINS["lion8bit"](), b, tied_slabs=10, stochastic_rounding=True)
+    rel2 = OffloadedRelease(CHAINS["lion8bit"](), b, memory=pf.MemoryOptions(tied_slabs=10, stochastic_rounding=True))
     rel2.load_state_dict(load_file(tmp_path / "o.safetensors"))
     for ids in data[2:]:
         slab_step(a, ids, ref)

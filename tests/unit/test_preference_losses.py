@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pgs.errors import InvalidArgument
+from pgs.func import MemoryOptions
 from pgs.func.losses import (
     PREFERENCE_KINDS,
     REFERENCE_FREE,
@@ -414,7 +415,7 @@ def _plain_and_deferred(h, W, b, labels, seq, **kw):
     """(grads of h, W, b by autograd; grads of h, b by autograd and the deferred W object)."""
     logp, n = sequence_logps(h, W, labels, seq, 4, bias=b, **kw)
     plain = torch.autograd.grad(_dpo_of(logp), (h, W, b))
-    logp_d, n_d, head = sequence_logps(h, W, labels, seq, 4, bias=b, defer_head_grad=True, **kw)
+    logp_d, n_d, head = sequence_logps(h, W, labels, seq, 4, bias=b, memory=MemoryOptions(defer_head_grad=True), **kw)
     assert torch.equal(logp_d, logp) and torch.equal(n_d, n)
     assert head is not None and not head.ready  # filled by backward, not by forward
     loss = _dpo_of(logp_d)
@@ -451,14 +452,14 @@ def test_deferred_head_grad_equals_autograd(dtype, softcap, chunk):
 
 def test_deferred_head_grad_only_where_W_gets_a_gradient():
     h, W, b, labels, seq = packed_problem(12)
-    assert sequence_logps(h, W.detach(), labels, seq, 4, defer_head_grad=True)[2] is None
+    assert sequence_logps(h, W.detach(), labels, seq, 4, memory=MemoryOptions(defer_head_grad=True))[2] is None
     with torch.no_grad():
-        assert sequence_logps(h, W, labels, seq, 4, defer_head_grad=True)[2] is None
-    logp, _, head = sequence_logps(h, W, torch.full_like(labels, -100), seq, 4, defer_head_grad=True)
+        assert sequence_logps(h, W, labels, seq, 4, memory=MemoryOptions(defer_head_grad=True))[2] is None
+    logp, _, head = sequence_logps(h, W, torch.full_like(labels, -100), seq, 4, memory=MemoryOptions(defer_head_grad=True))
     (gh,) = torch.autograd.grad(logp.sum(), (h,))  # no completion token: zeros, an empty rebuild
     assert (gh == 0).all() and head.ready
     assert (head.add_to(torch.zeros_like(W)) == 0).all()
-    logp, _, head = sequence_logps(h, W, labels, seq, 4, defer_head_grad=True)
+    logp, _, head = sequence_logps(h, W, labels, seq, 4, memory=MemoryOptions(defer_head_grad=True))
     head.discard()  # a step that never ran backward drops what it would hold
     with pytest.raises(RuntimeError, match="nothing to add"):
         head.add_to(torch.zeros_like(W))
@@ -483,7 +484,7 @@ def test_sequence_logps_triton_passes_equal_the_torch_path(kernels_on, monkeypat
 
     def grads(defer):
         x, w = h.clone().requires_grad_(), W.clone().requires_grad_()
-        out = sequence_logps(x, w, labels, seq, 4, chunk_size=7, softcap=softcap, defer_head_grad=defer)
+        out = sequence_logps(x, w, labels, seq, 4, chunk_size=7, softcap=softcap, memory=MemoryOptions(defer_head_grad=defer))
         _dpo_of(out[0].cpu()).backward()
         if defer:
             assert w.grad is None

@@ -191,7 +191,7 @@ def test_state_dict_round_trip_resumes_exactly():
 def test_bf16_stochastic_rounding_trains_without_master():
     model = tiny_model(torch.bfloat16)
     before = [p.detach().clone() for p in model.parameters()]
-    rel = run_release(model, pf.lion(1e-4), batches(2), stochastic_rounding=True)
+    rel = run_release(model, pf.lion(1e-4), batches(2), memory=pf.MemoryOptions(stochastic_rounding=True))
     assert rel.masters == {}
     # 1e-4 is below a bf16 ulp for most weights: round-to-nearest would freeze them
     moved = sum(int((p != q).sum()) for p, q in zip(model.parameters(), before))

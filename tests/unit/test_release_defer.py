@@ -20,7 +20,7 @@ def step_loss(model, ids, release=None):
     labels = torch.roll(ids, -1, 1)
     labels[:, -1] = -100
     defer = release is not None
-    r = token_loss(h, W, labels, bias=bias, softcap=softcap, chunk_size=7, defer_head_grad=defer)
+    r = token_loss(h, W, labels, bias=bias, softcap=softcap, chunk_size=7, memory=pf.MemoryOptions(defer_head_grad=defer))
     if defer:
         seen = {}
         release.before_step(W, lambda g: (seen.setdefault("emb_part", g.clone()), r.head_grad.add_to(g)))
@@ -65,4 +65,4 @@ def test_before_step_refuses_strangers_and_zero_grad_drops():
 def test_defer_needs_the_chunked_backend():
     h, W = torch.randn(4, 8), torch.randn(16, 8, requires_grad=True)
     with pytest.raises(Exception, match="chunked"):
-        token_loss(h, W, torch.zeros(4, dtype=torch.long), backend="dense", defer_head_grad=True)
+        token_loss(h, W, torch.zeros(4, dtype=torch.long), backend="dense", memory=pf.MemoryOptions(defer_head_grad=True))

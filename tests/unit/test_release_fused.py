@@ -124,9 +124,9 @@ def test_adamw_lion_fused_step_rounds_with_the_documented_noise(name, monkeypatc
     for _ in range(2):  # the second step has non-zero moments and bias corrections below 1
         fp_in = {k: v.float() for k, v in bf.items()}
         new_fp, _ = plan.step(grads, state, fp_in, ctx=StepContext(sr_offset=5), donate=False,
-                              stochastic_rounding=True)  # fp32 tensors: nothing to round; state untouched
+                              memory=pf.MemoryOptions(stochastic_rounding=True))  # fp32 tensors: nothing to round; state untouched
         new_bf, state = plan.step(grads, state, bf, ctx=StepContext(sr_offset=5), donate=True,
-                                  stochastic_rounding=True)
+                                  memory=pf.MemoryOptions(stochastic_rounding=True))
         seeds = sr_seeds(pf.apply.step_count(state), 5, len(bf))
         moved = 0
         for i, k in enumerate(bf):
@@ -152,8 +152,8 @@ def test_release_rounds_adamw_lion_stochastically_in_the_kernel(name, monkeypatc
     data = [x.to(DEV) for x in batches(1)]
     a = tiny_model(torch.bfloat16, layers=1).to(DEV)
     b = copy.deepcopy(a)
-    plain = run_release(a, make(), data, stochastic_rounding=True, fused=False)
-    fast = run_release(b, make(), data, stochastic_rounding=True)
+    plain = run_release(a, make(), data, memory=pf.MemoryOptions(stochastic_rounding=True), fused=False)
+    fast = run_release(b, make(), data, memory=pf.MemoryOptions(stochastic_rounding=True))
     assert plain.fused_group_steps == 0 and fast.plain_group_steps == 0 and fast.fused_group_steps > 0
     eps = torch.finfo(torch.bfloat16).eps
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
@@ -166,7 +166,7 @@ def _constant_grad_run(fused: bool, steps: int, sr: bool, chain=None):
     torch.manual_seed(0)
     params = {f"w{i}": torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16, device=DEV)) for i in range(2)}
     rel = GradientRelease(chain or pf.lion8bit(1e-4, backend="triton"), params, groups="parameter",
-                          stochastic_rounding=sr, fused=fused)
+                          memory=pf.MemoryOptions(stochastic_rounding=sr), fused=fused)
     for _ in range(steps):
         sum(p.float().sum() for p in params.values()).backward()
     return rel, params

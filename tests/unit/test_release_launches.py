@@ -86,7 +86,7 @@ def group_step_ops(model, chain, triton_runs, *, track_grad_norm=True, stochasti
     """``(release, {group: (aten op Counter, Triton kernel Counter)})`` of the second backward's
     group steps (the first fills the caches: hyperparameter vectors, seed offsets)."""
     kernels, paused = triton_runs
-    rel = GradientRelease(chain, model, stochastic_rounding=stochastic_rounding, track_grad_norm=track_grad_norm)
+    rel = GradientRelease(chain, model, memory=pf.MemoryOptions(stochastic_rounding=stochastic_rounding), track_grad_norm=track_grad_norm)
     x = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     seen = {}
     step = rel._step_group
@@ -249,7 +249,7 @@ def test_small_leaves_in_place_equal_out_of_place(alias, wd, lr, monkeypatch):
         torch.manual_seed(5 + donate)
         for i, g in enumerate(steps):
             p, state = opt.fused_step(g, state, p, ctx=StepContext(sr_offset=2), donate=donate,
-                                      stochastic_rounding=True)
+                                      memory=pf.MemoryOptions(stochastic_rounding=True))
         return p, pf.state_to_dict(state)
 
     (pa, sa), (pb, sb) = run(False), run(True)
@@ -283,7 +283,7 @@ def test_small_kernel_route_matches(wd, monkeypatch):
         state = opt.init(p)
         for g in steps[:n]:
             p, state = opt.fused_step(g, state, p, ctx=StepContext(sr_offset=0), donate=True,
-                                      stochastic_rounding=sr)
+                                      memory=pf.MemoryOptions(stochastic_rounding=sr))
         return p, pf.state_to_dict(state)
 
     (pa, sa), (pb, sb) = run(False, False), run(True, False)

@@ -1,4 +1,4 @@
-"""The tied weight stepped in row slabs (``GradientRelease(..., tied_slabs=rows)``): no dense
+"""The tied weight stepped in row slabs (``GradientRelease(..., memory=pf.MemoryOptions(tied_slabs=rows))``): no dense
 V×D gradient, and the same weights and state as the deferred path (tests/unit/test_release_defer.py)
 up to summation order, on the CPU in fp32."""
 
@@ -33,8 +33,8 @@ def step(model, ids, release, chunk=7, z_loss=0.0, softcap=None):
     labels = torch.roll(ids, -1, 1)
     labels[:, -1] = -100
     r = token_loss(h, W, labels, bias=bias, softcap=softcap or cap, chunk_size=chunk, z_loss=z_loss,
-                   defer_head_grad=True)
-    release.before_step(W, r.head_grad if release.tied_slabs else r.head_grad.add_to)
+                   memory=pf.MemoryOptions(defer_head_grad=True))
+    release.before_step(W, r.head_grad if release.memory.tied_slabs else r.head_grad.add_to)
     (r.loss_sum / r.num_valid).backward()
 
 
@@ -51,7 +51,7 @@ def test_slabs_equal_the_deferred_path(name):
     seen = []  # before the release's hook: what W.grad is when autograd is done with W
     b.model.embed_tokens.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad))
     ref = GradientRelease(CHAINS[name](), a)
-    rel = GradientRelease(CHAINS[name](), b, tied_slabs=10)  # 10 slabs, the last one 6 rows
+    rel = GradientRelease(CHAINS[name](), b, memory=pf.MemoryOptions(tied_slabs=10))  # 10 slabs, the last one 6 rows
     for i, ids in enumerate(data):
         step(a, ids, ref, softcap=30.0 if i == 1 else None, z_loss=1e-3 if i == 2 else 0.0)
         step(b, ids, rel, softcap=30.0 if i == 1 else None, z_loss=1e-3 if i == 2 else 0.0)
@@ -73,7 +73,7 @@ def test_untied_embedding_and_masters():
     data = batches(2)
     a, b = tiny_model(tied=False), tiny_model(tied=False)
     ref = GradientRelease(pf.adamw(1e-2, weight_decay=0.1), a)
-    rel = GradientRelease(pf.adamw(1e-2, weight_decay=0.1), b, tied_slabs=32)
+    rel = GradientRelease(pf.adamw(1e-2, weight_decay=0.1), b, memory=pf.MemoryOptions(tied_slabs=32))
     for ids in data:
         for m in (a, b):
             m(input_ids=ids, labels=ids).loss.backward()
@@ -81,7 +81,7 @@ def test_untied_embedding_and_masters():
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)
     assert ref.counts() == rel.counts() == {2}
     c = tiny_model(dtype=torch.bfloat16)
-    rel = GradientRelease(pf.lion(1e-3), c, tied_slabs=16, master_weights="fp32")
+    rel = GradientRelease(pf.lion(1e-3), c, memory=pf.MemoryOptions(tied_slabs=16), master_weights="fp32")
     w0 = c.model.embed_tokens.weight.detach().clone()
     step(c, data[0], rel)
     master = rel.masters["model.embed_tokens.weight"]
@@ -95,18 +95,18 @@ def test_untied_embedding_and_masters():
 ])
 def test_refuses_chains_that_are_not_row_separable(chain, cause):
     with pytest.raises(InvalidArgument, match=f"is {cause}.*not row-separable"):
-        GradientRelease(chain(), tiny_model(), tied_slabs=8)
+        GradientRelease(chain(), tiny_model(), memory=pf.MemoryOptions(tied_slabs=8))
 
 
 def test_refusals():
     model = tiny_model()
     with pytest.raises(InvalidArgument, match="whole rows of a slab"):  # 3 rows × 32 = 96, blocks of 64
-        GradientRelease(CHAINS["lion8bit"](), model, tied_slabs=3)
+        GradientRelease(CHAINS["lion8bit"](), model, memory=pf.MemoryOptions(tied_slabs=3))
     with pytest.raises(InvalidArgument, match="nn.Module"):
-        GradientRelease(pf.adamw(1e-2), dict(model.named_parameters()), tied_slabs=8)
+        GradientRelease(pf.adamw(1e-2), dict(model.named_parameters()), memory=pf.MemoryOptions(tied_slabs=8))
     with pytest.raises(InvalidArgument, match="shares its release group"):
-        GradientRelease(pf.adamw(1e-2), model, tied_slabs=8, groups=lambda n: "all")
-    rel = GradientRelease(pf.adamw(1e-2), model, tied_slabs=8)
+        GradientRelease(pf.adamw(1e-2), model, memory=pf.MemoryOptions(tied_slabs=8), groups=lambda n: "all")
+    rel = GradientRelease(pf.adamw(1e-2), model, memory=pf.MemoryOptions(tied_slabs=8))
     with pytest.raises(InvalidArgument, match="add_rows_to"):
         rel.before_step(model.model.embed_tokens.weight, lambda g: None)
     rel.remove()  # the embedding is a plain nn.Embedding again
@@ -129,7 +129,7 @@ def test_fused_slabs_and_triton_rebuild(name, monkeypatch):
     data = batches(2)
     a, b = tiny_model(layers=1).to(DEV), tiny_model(layers=1).to(DEV)
     ref = GradientRelease(chain(), a)
-    rel = GradientRelease(chain(), b, tied_slabs=32)
+    rel = GradientRelease(chain(), b, memory=pf.MemoryOptions(tied_slabs=32))
     for ids in data:
         step(a, ids, ref, chunk=16)
         step(b, ids, rel, chunk=16)
@@ -226,7 +226,7 @@ def test_each_slab_rounds_with_its_own_stream():
     """Stochastic rounding: every slab gets its own Philox stream, none shared with another tensor."""
     model = tiny_model(dtype=torch.bfloat16, layers=1).to(DEV)
     rel = GradientRelease(pf.lion8bit(1e-3, block_size=64, min_8bit_size=256, backend="triton"), model,
-                          stochastic_rounding=True, tied_slabs=32)
+                          memory=pf.MemoryOptions(stochastic_rounding=True, tied_slabs=32))
     offsets, inner = [], rel._fused_step
 
     def spy(fg, state, fp, **kw):
@@ -242,7 +242,7 @@ def test_each_slab_rounds_with_its_own_stream():
 def test_autograd_grad_through_the_embedding_is_not_a_step():
     """``torch.autograd.grad(loss, [W])`` gets the dense gradient and steps nothing."""
     a, b = tiny_model(), tiny_model()
-    rel = GradientRelease(pf.adamw(1e-2), b, tied_slabs=8)
+    rel = GradientRelease(pf.adamw(1e-2), b, memory=pf.MemoryOptions(tied_slabs=8))
     ids = batches(1)[0]
     (ga,) = torch.autograd.grad(a(input_ids=ids, labels=ids).loss, [a.model.embed_tokens.weight])
     (gb,) = torch.autograd.grad(b(input_ids=ids, labels=ids).loss, [b.model.embed_tokens.weight])

@@ -98,14 +98,14 @@ def test_apply_updates_ignores_the_global_generator_and_follows_the_step():
     opt = pf.sgd(3e-3)
     u, s1 = opt.update(grads, opt.init(params), params)
     _perturb_global(0)
-    a = pf.apply_updates(params, u, stochastic_rounding=True, state=s1)
+    a = pf.apply_updates(params, u, memory=pf.MemoryOptions(stochastic_rounding=True), state=s1)
     _perturb_global(1)
-    b = pf.apply_updates(params, u, stochastic_rounding=True, state=s1)
+    b = pf.apply_updates(params, u, memory=pf.MemoryOptions(stochastic_rounding=True), state=s1)
     assert all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in params)
     _, s2 = opt.update(grads, s1, params)
     assert int(step_count(s1)) == 1 and int(step_count(s2)) == 2
-    c = pf.apply_updates(params, u, stochastic_rounding=True, state=s2)
-    d = pf.apply_updates(params, u, stochastic_rounding=True, state=s1, first=5)
+    c = pf.apply_updates(params, u, memory=pf.MemoryOptions(stochastic_rounding=True), state=s2)
+    d = pf.apply_updates(params, u, memory=pf.MemoryOptions(stochastic_rounding=True), state=s1, first=5)
     near = pf.apply_updates(params, u)
     for k in params:
         assert not torch.equal(a[k], c[k]), f"{k}: step 2 drew step 1's noise"
@@ -143,7 +143,7 @@ def test_apply_updates_is_unbiased_over_steps():
     for t in range(draws):
         u, state = opt.update(grads, state, params)
         _perturb_global(t)
-        new = pf.apply_updates(params, u, stochastic_rounding=True, state=state)
+        new = pf.apply_updates(params, u, memory=pf.MemoryOptions(stochastic_rounding=True), state=state)
         for k, x in exact.items():
             lo, hi, _ = _neighbours(x)
             y = new[k].float()
@@ -165,7 +165,7 @@ def test_flat_step_ignores_the_global_generator_and_follows_the_count():
     """``pf.compile``'s plain flat step (a chain without a fused plan): the same parameters from
     one state whatever the global generator did; the next step rounds with other noise."""
     params, grads = _sgd_problem(seed=2)
-    fc = pf.compile(pf.sgd(1e-3, momentum=0.9), jit=False, stochastic_rounding=True)
+    fc = pf.compile(pf.sgd(1e-3, momentum=0.9), jit=False, memory=pf.MemoryOptions(stochastic_rounding=True))
     state = fc.init(params)
     _perturb_global(0)
     a, s1 = fc.step(grads, state, params)
@@ -183,15 +183,15 @@ def test_flat_step_ignores_the_global_generator_and_follows_the_count():
 def test_missing_seed_source_is_refused():
     params, grads = _sgd_problem()
     with pytest.raises(InvalidArgument, match="state="):
-        pf.apply_updates(params, grads, stochastic_rounding=True)
+        pf.apply_updates(params, grads, memory=pf.MemoryOptions(stochastic_rounding=True))
     with pytest.raises(InvalidArgument, match="no 'count'"):
-        pf.apply_updates(params, grads, stochastic_rounding=True, state={"mini_step": torch.tensor(3)})
+        pf.apply_updates(params, grads, memory=pf.MemoryOptions(stochastic_rounding=True), state={"mini_step": torch.tensor(3)})
     with pytest.raises(InvalidArgument, match="exactly one"):
         stochastic_round_fp32(params["w"].float())
     # fp32 parameters need no seed; an explicit generator is still taken
-    assert pf.apply_updates({"w": params["w"].float()}, {"w": grads["w"]}, stochastic_rounding=True)["w"].dtype \
+    assert pf.apply_updates({"w": params["w"].float()}, {"w": grads["w"]}, memory=pf.MemoryOptions(stochastic_rounding=True))["w"].dtype \
         == torch.float32
-    out = pf.apply_updates(params, grads, stochastic_rounding=True, generator=torch.Generator().manual_seed(0))
+    out = pf.apply_updates(params, grads, memory=pf.MemoryOptions(stochastic_rounding=True), generator=torch.Generator().manual_seed(0))
     assert out["w"].dtype == torch.bfloat16
     # accumulate's mini_step is not the step counter: the inner chain's count is
     acc = pf.accumulate(pf.sgd(1e-3), every=2)
@@ -209,7 +209,7 @@ def test_release_plain_path_is_pure_and_slabs_round_as_one():
 
     def train(global_seed, sr=True, **kw):
         model = tiny_model(torch.bfloat16)
-        rel = GradientRelease(pf.lion(1e-3, weight_decay=0.1), model, stochastic_rounding=sr, fused=False, **kw)
+        rel = GradientRelease(pf.lion(1e-3, weight_decay=0.1), model, memory=pf.MemoryOptions(stochastic_rounding=sr), fused=False, **kw)
         for i, ids in enumerate(batches(3)):
             _perturb_global(global_seed + i)
             loss_of(model, ids).backward()
@@ -265,12 +265,12 @@ def test_sharded_apply_rounds_each_shard_as_the_whole_tensor():
     opt = pf.sgd(1e-3)
     state = opt.init(full)
     _, state = opt.update(ups, state, full)
-    want = pf.apply_updates(full, ups, stochastic_rounding=True, state=state)
+    want = pf.apply_updates(full, ups, memory=pf.MemoryOptions(stochastic_rounding=True), state=state)
     world = 4
     pieces: dict[str, list] = {k: [] for k in shapes}
     for rank in range(world):
         binder = ShardedBoundOptimizer.__new__(ShardedBoundOptimizer)
-        binder.params, binder.stochastic_rounding = full, True
+        binder.params, binder.memory = full, pf.MemoryOptions(stochastic_rounding=True)
         binder.group, binder.world, binder.rank = object(), world, rank
         local = {k: v.chunk(world)[rank] if rank < len(v.chunk(world)) else v[:0] for k, v in full.items()}
         local_u = {k: v.chunk(world)[rank] if rank < len(v.chunk(world)) else v[:0] for k, v in ups.items()}
@@ -295,11 +295,11 @@ def test_release_plain_path_resumes_exactly_from_a_state_dict():
 
     data = batches(3)
     a, b = tiny_model(torch.bfloat16), tiny_model(torch.bfloat16)
-    rel_a = GradientRelease(chain(), a, stochastic_rounding=True, fused=False)
+    rel_a = GradientRelease(chain(), a, memory=pf.MemoryOptions(stochastic_rounding=True), fused=False)
     for i, ids in enumerate(data):
         _perturb_global(i)
         loss_of(a, ids).backward()
-    rel_b = GradientRelease(chain(), b, stochastic_rounding=True, fused=False)
+    rel_b = GradientRelease(chain(), b, memory=pf.MemoryOptions(stochastic_rounding=True), fused=False)
     for ids in data[:2]:
         loss_of(b, ids).backward()
     saved, weights = rel_b.state_dict(), {k: v.clone() for k, v in b.state_dict().items()}
@@ -307,7 +307,7 @@ def test_release_plain_path_resumes_exactly_from_a_state_dict():
     rel_b.remove()
     c = tiny_model(torch.bfloat16, seed=5)
     c.load_state_dict(weights)
-    resumed = GradientRelease(chain(), c, stochastic_rounding=True, fused=False)
+    resumed = GradientRelease(chain(), c, memory=pf.MemoryOptions(stochastic_rounding=True), fused=False)
     resumed.load_state_dict(saved)
     _perturb_global(99)
     loss_of(c, data[2]).backward()

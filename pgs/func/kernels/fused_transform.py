@@ -5,7 +5,7 @@ runs on the flat layout as three elementwise stages plus the apply, i.e. four pa
 memory.  A ``FusedTransform`` is that same chain (same ``init``/``update``, same state) with
 one extra attribute, ``fused_step``, which does the whole step in one kernel per group:
 
-    fused_step(flat_grads, state, flat_params, *, layout, donate, stochastic_rounding, extra)
+    fused_step(flat_grads, state, flat_params, *, ctx, donate, memory, extra)
         -> (new_flat_params, new_state)   or   None  (cannot fuse here: use the generic path)
 
 ``FlatChain.step_flat`` calls it first.  The result must equal the generic path's up to

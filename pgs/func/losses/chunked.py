@@ -13,7 +13,7 @@ autograd, so no second head-gradient buffer ever exists (a per-chunk
 ``torch.utils.checkpoint`` design holds two).  Peak extra memory: O(chunk · V) for the
 chunk plus grad_h [N, D] and grad_W [V, D].
 
-Deferred head gradient (``defer_head_grad=True``).  With tied embeddings the head weight is
+Deferred head gradient (``memory.defer_head_grad``, a ``pf.MemoryOptions``).  With tied embeddings the head weight is
 also the embedding, whose own gradient arrives at the very end of backward; holding grad_W
 from the loss's forward until then costs a V·D buffer through the whole backward (0.72 GiB at
 Qwen3-4B).  Deferred, the forward keeps only what rebuilds G per chunk — the valid rows'
@@ -42,6 +42,7 @@ from pgs.func import kernels as K
 from pgs.func.losses.head import add_chunk_head_grads, check_options, compute_dtype, flatten_inputs
 from pgs.func.losses.objectives import CE, TokenObjective, TokenInputs, resolve_objective
 from pgs.func.losses.result import TokenLossResult
+from pgs.func.memory_options import NO_MEMORY_OPTIONS, MemoryOptions, memory_options
 
 
 class _Plan:
@@ -65,7 +66,7 @@ class DeferredHeadGrad:
     """The head's gradient s·Σ_k Gₖᵀ H_k, not yet computed (see the module docstring).
 
     Filled by the loss's forward (rows, gates, LSEs, h, W) and backward (the scale s: the
-    gradient reaching ``loss_sum``); ``sequence_logps(..., defer_head_grad=True)`` fills all of
+    gradient reaching ``loss_sum``); ``sequence_logps`` (deferring too) fills all of
     it in its backward (gates −∂L/∂logp_sum of each row's sequence, s = 1).  ``add_to(out)``
     adds it into ``out`` [V, D] (any float dtype; the chunk products are formed in W's dtype,
     as the plain path's), chunk by chunk, and then drops everything it holds; it may run once.
@@ -107,7 +108,7 @@ class DeferredHeadGrad:
         The slab's logits ``H_k W[r0:r1]ᵀ`` are rebuilt per chunk and turned into G with the
         saved LSEs and gates by the same arithmetic as ``add_to`` (the Triton pass where it
         runs; a label outside the slab contributes no −gate), so the rows equal ``add_to``'s up
-        to the order of the matmul's sums.  How ``GradientRelease(..., tied_slabs=rows)``
+        to the order of the matmul's sums.  How gradient release with ``memory.tied_slabs``
         steps a tied weight slab by slab without a V×D gradient (docs/memory.md)."""
         W = self._held()[1]
         r0, r1 = int(r0), int(r1)
@@ -437,15 +438,15 @@ def chunked_token_loss(
     ref_logprobs: Tensor | None = None,
     doc_ids: Tensor | None = None,
     compat: Tensor | None = None,
-    defer_head_grad: bool = False,
+    memory: MemoryOptions = NO_MEMORY_OPTIONS,
     _scale_in_place: bool = True,
 ) -> TokenLossResult:
     """Σ_{i∈M} ℓ_i for any objective in O(chunk_size · V) extra memory (docs/techniques/chunked_ce.md).
 
     Arguments as ``token_loss``; ``accum_dtype`` is the dtype of the grad_W buffer (default
     W's dtype, as Liger does; ``torch.float32`` trades V·D·2 more bytes for exact accumulation
-    of bf16 chunks).  ``defer_head_grad``: autograd gets no gradient for W;
-    ``result.head_grad.add_to(buffer)`` adds it later (see the module docstring).
+    of bf16 chunks).  ``memory.defer_head_grad`` (``memory``: a ``pf.MemoryOptions``): autograd gets
+    no gradient for W; ``result.head_grad.add_to(buffer)`` adds it later (see the module docstring).
     """
     check_options(softcap, z_loss, chunk_size)
     obj = resolve_objective(objective)
@@ -471,7 +472,7 @@ def chunked_token_loss(
         need_b=grad_on and bias is not None and bias.requires_grad,
         scale_in_place=_scale_in_place,
     )
-    if defer_head_grad and plan.need_w:
+    if memory_options(memory, "chunked_token_loss").defer_head_grad and plan.need_w:
         plan.need_w = False
         plan.deferred = DeferredHeadGrad()
     loss_sum, entropy_sum, p_sum, lse_sq_sum = ChunkedTokenLoss.apply(h, W, bias, labels, plan)

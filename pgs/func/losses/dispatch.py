@@ -11,6 +11,7 @@ from pgs.func.losses.dense import dense_token_loss
 from pgs.func.losses.peer_kernels import fused_cross_entropy
 from pgs.func.losses.objectives import CE, TokenObjective, resolve_objective
 from pgs.func.losses.result import TokenLossResult
+from pgs.func.memory_options import NO_MEMORY_OPTIONS, MemoryOptions, memory_options
 
 BACKENDS = ("chunked", "dense", "liger", "cce")
 
@@ -33,7 +34,7 @@ def token_loss(
     doc_ids: Tensor | None = None,
     compat: Tensor | None = None,
     stats: bool = True,
-    defer_head_grad: bool = False,
+    memory: MemoryOptions = NO_MEMORY_OPTIONS,
 ) -> TokenLossResult:
     """Summed token loss of the output head ``z = softcap(h Wᵀ + b)`` against ``labels``.
 
@@ -57,8 +58,9 @@ def token_loss(
         ref_logprobs: InfoSFT ``q_source="reference"``: log q per token from a frozen model.
         doc_ids: CADFT: sample id per token.  compat: CADFT: explicit per-token c instead.
         stats: fused backends only: compute entropy / target-prob sums with a no-grad pass.
-        defer_head_grad: chunked backend only: W gets no gradient from autograd; the caller
-            adds ``result.head_grad`` into W's gradient later (tied embeddings, docs/memory.md).
+        memory: a ``pf.MemoryOptions``; with ``defer_head_grad`` (chunked backend only) W gets no
+            gradient from autograd and the caller adds ``result.head_grad`` into W's gradient
+            later (tied embeddings, docs/memory.md).
 
     Returns:
         ``TokenLossResult`` (sums and the valid count; all zero, never NaN, when all masked).
@@ -67,8 +69,9 @@ def token_loss(
         raise InvalidArgument(f"unknown loss backend {backend!r}; expected one of {list(BACKENDS)}")
     obj = resolve_objective(objective)
     objective_args = dict(p_bar=p_bar, ref_logprobs=ref_logprobs, doc_ids=doc_ids, compat=compat)
-    if defer_head_grad and backend != "chunked":
-        raise InvalidArgument(f"defer_head_grad needs backend='chunked', got {backend!r}")
+    memory = memory_options(memory, "token_loss")
+    if memory.defer_head_grad and backend != "chunked":
+        raise InvalidArgument(f"token_loss: memory.defer_head_grad needs backend='chunked', got {backend!r}")
     if backend in ("liger", "cce"):
         if not isinstance(obj, CE):
             raise InvalidArgument(
@@ -86,6 +89,6 @@ def token_loss(
         )
     return chunked_token_loss(
         h, W, labels, objective=obj, bias=bias, softcap=softcap, ignore_index=ignore_index,
-        z_loss=z_loss, chunk_size=chunk_size, accum_dtype=accum_dtype, defer_head_grad=defer_head_grad,
+        z_loss=z_loss, chunk_size=chunk_size, accum_dtype=accum_dtype, memory=memory,
         **objective_args,
     )

@@ -24,7 +24,7 @@ class TokenLossResult(NamedTuple):
         target_prob_sum: 0-d fp32, detached: Σ_{i∈M} p_{i,y}, or None when not computed.
         z_loss_sum: 0-d fp32, detached: Σ_{i∈M} LSE_i² (before the coefficient), or None.
         head_grad: the chunked loss's ``DeferredHeadGrad`` when asked to defer the head's
-            gradient (``defer_head_grad=True``), else None.
+            gradient (``memory.defer_head_grad``), else None.
     """
 
     loss_sum: Tensor

@@ -24,14 +24,14 @@ memory one chunk's logits (chunk·V in W's dtype with the Triton passes; fp32 lo
 softmax, 8 B per element, on the torch path), grad_h [N, D] and grad_W [V, D], and one LSE per
 valid row kept from forward to backward.
 
-Deferred head gradient (``defer_head_grad=True``).  With a tied head (the input embedding's
+Deferred head gradient (``memory.defer_head_grad``, a ``pf.MemoryOptions``).  With a tied head (the input embedding's
 weight) stepped by gradient release, a dense grad_W [V, D] handed to autograd at the start of
 backward lives through the whole backward (0.72 GiB at Qwen3-4B) and defeats ``tied_slabs``
 (whose point is that no V×D gradient exists).  Deferred, backward computes grad_h (and the
 bias's gradient) and gives W no gradient; it saves the valid rows, their gates −w_{seq_i} and
 LSEs into a ``chunked.DeferredHeadGrad`` (scale 1), whose ``add_to(out)`` adds
 Σ_k Gₖᵀ H_k into a [V, D] buffer and ``add_rows_to(out, r0, r1)`` only vocabulary rows
-[r0, r1) — the same object, and the same rebuild, as ``token_loss(..., defer_head_grad=True)``
+[r0, r1) — the same object, and the same rebuild, as the token loss's deferred head gradient
 (``GradientRelease.before_step`` takes it).  Unlike the token loss it is filled in backward
 (the gates need w): ``head_grad.ready`` turns True when backward has passed the loss.  Cost:
 one more head matmul per chunk (backward: logits, grad_h; the rebuild: logits, grad_W), and
@@ -47,6 +47,7 @@ from torch.autograd.function import once_differentiable
 from pgs.errors import InvalidArgument
 from pgs.func.losses.chunked import DeferredHeadGrad, chunk_logits, logit_grad, _Plan, _use_kernels
 from pgs.func.losses.head import add_chunk_head_grads, check_options, compute_dtype, flatten_inputs
+from pgs.func.memory_options import NO_MEMORY_OPTIONS, MemoryOptions, memory_options
 
 
 class _SequenceLogps(torch.autograd.Function):
@@ -133,7 +134,7 @@ def sequence_logps(
     chunk_size: int = 2048,
     bias: Tensor | None = None,
     softcap: float | None = None,
-    defer_head_grad: bool = False,
+    memory: MemoryOptions = NO_MEMORY_OPTIONS,
 ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, DeferredHeadGrad | None]:
     """Summed log p(label) per sequence over its completion tokens, chunked over rows.
 
@@ -155,16 +156,16 @@ def sequence_logps(
         num_sequences: the number of sequences (the outputs' length).
         chunk_size: rows of logits per chunk.
         bias: optional head bias [V].  softcap: s in z ← s·tanh(z/s), or None.
-        defer_head_grad: autograd gives ``weight`` no gradient; backward fills the returned
-            ``head_grad`` instead, whose ``add_to(out)`` / ``add_rows_to(out, r0, r1)`` add
-            Σ_k Gₖᵀ H_k (all rows / rows [r0, r1) of the vocabulary) once backward has passed
-            this function (``head_grad.ready``); ``discard()`` drops it.  How a tied head's
-            gradient joins the embedding's under gradient release (``GradientRelease.before_step``,
-            docs/memory.md).
+        memory: a ``pf.MemoryOptions``; with ``defer_head_grad`` autograd gives ``weight`` no
+            gradient; backward fills the returned ``head_grad`` instead, whose ``add_to(out)`` /
+            ``add_rows_to(out, r0, r1)`` add Σ_k Gₖᵀ H_k (all rows / rows [r0, r1) of the
+            vocabulary) once backward has passed this function (``head_grad.ready``);
+            ``discard()`` drops it.  How a tied head's gradient joins the embedding's under
+            gradient release (``GradientRelease.before_step``, docs/memory.md).
 
     Returns:
         ``(logp_sum [num_sequences] fp32 (fp64 for fp64 hidden), lengths [num_sequences] int64)``,
-        and with ``defer_head_grad=True`` a third element ``head_grad``: a ``DeferredHeadGrad``,
+        and with ``memory.defer_head_grad`` a third element ``head_grad``: a ``DeferredHeadGrad``,
         or None where ``weight`` gets no gradient anyway (frozen, or grad mode off).
 
     Example:
@@ -176,11 +177,12 @@ def sequence_logps(
         [2, 1]
         >>> W.requires_grad_(True)  # doctest: +ELLIPSIS
         tensor(...)
-        >>> logp, n, head = sequence_logps(h, W, labels, seq, 2, defer_head_grad=True)
+        >>> from pgs.func import MemoryOptions
+        >>> logp, n, head = sequence_logps(h, W, labels, seq, 2, memory=MemoryOptions(defer_head_grad=True))
         >>> logp.sum().backward()
         >>> W.grad is None, head.ready
         (True, True)
-        >>> grad = head.add_to(torch.zeros_like(W))  # = the W.grad of defer_head_grad=False
+        >>> grad = head.add_to(torch.zeros_like(W))  # = the W.grad without deferring
     """
     check_options(softcap, 0.0, chunk_size)
     if isinstance(num_sequences, bool) or int(num_sequences) != num_sequences or num_sequences < 0:
@@ -207,8 +209,9 @@ def sequence_logps(
     plan = _Plan(None, None, -100, softcap, 0.0, int(chunk_size), None,
                  need_h=grad_on and h.requires_grad, need_w=grad_on and weight.requires_grad,
                  need_b=grad_on and bias is not None and bias.requires_grad, scale_in_place=False)
-    deferred = DeferredHeadGrad() if defer_head_grad and plan.need_w else None
+    deferring = memory_options(memory, "sequence_logps").defer_head_grad
+    deferred = DeferredHeadGrad() if deferring and plan.need_w else None
     logp = _SequenceLogps.apply(h, weight, bias, y.long(), seq, rows, num_sequences, plan, deferred)
-    if defer_head_grad:
+    if deferring:
         return logp, lengths, deferred
     return logp, lengths

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+import pgs.func as pf
 from pgs.runtime.data.packing import Document
 
 
@@ -28,20 +29,30 @@ def steps_for(rows: int, batch_size: int) -> int:
     return max(1, math.ceil(rows / batch_size))
 
 
-def tied_head_deferrable(spec, run, weight) -> bool:
+def tied_head_deferrable(run, weight) -> bool:
     """Whether a forward may hand the head's gradient to the optimizer (``run.bound.before_step``
     with a ``DeferredHeadGrad``) instead of to autograd: gradient release on one process (the
-    binder steps inside backward and takes contributions), ``memory.defer_head_grad`` resolved on
-    (``MemorySpec.head_grad_deferred``: ``"auto"`` with checkpointing or tied slabs), and a
-    trainable head that is the input embedding's weight (tied), so its gradient joins the
-    embedding's own right before that weight steps (whole, or slab by slab with ``tied_slabs``):
-    no V×D gradient through backward.  The objectives' ``defers_head_grad`` start here."""
+    binder steps inside backward and takes contributions), ``defer_head_grad`` on in the binder's
+    memory options (``run.bound.memory``, made by ``MemorySpec.options()``: ``"auto"`` with
+    checkpointing or tied slabs), and a trainable head that is the input embedding's weight
+    (tied), so its gradient joins the embedding's own right before that weight steps (whole, or
+    slab by slab with ``tied_slabs``): no V×D gradient through backward.  The objectives'
+    ``defers_head_grad`` start here."""
 
-    if not (run.bound.in_backward and run.bound.defers_contributions and spec.memory.head_grad_deferred()
+    if not (run.bound.in_backward and run.bound.defers_contributions and run.bound.memory.defer_head_grad
             and weight.requires_grad):
         return False
     embed = run.model.get_input_embeddings()
     return embed is not None and embed.weight is weight
+
+
+def loss_memory(run, defer: bool) -> pf.MemoryOptions:
+    """The memory options a forward hands its loss (``memory=``): the binder's (``run.bound.memory``,
+    the run's ``[memory]`` made once by ``MemorySpec.options()``), deferring the head's gradient
+    exactly where the objective's ``defers_head_grad`` said it may (``defer``)."""
+
+    memory = run.bound.memory
+    return memory if memory.defer_head_grad == defer else memory.evolve(defer_head_grad=defer)
 
 
 def random_document(length: int, prompt: int, vocab: int, generator: torch.Generator):
@@ -76,5 +87,5 @@ def embedding_noise_hook(spec, generators: dict[str, torch.Generator], batch, de
     return lambda e: noise(e, alpha, generator=gen, training=True, lengths=lengths)
 
 
-__all__ = ["embedding_noise_generator", "embedding_noise_hook", "random_document", "rank_and_world", "steps_for",
-           "tied_head_deferrable"]
+__all__ = ["embedding_noise_generator", "embedding_noise_hook", "loss_memory", "random_document", "rank_and_world",
+           "steps_for", "tied_head_deferrable"]

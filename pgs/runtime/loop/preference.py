@@ -38,12 +38,13 @@ import attrs
 import torch
 
 from pgs.errors import PgsError
+from pgs.func import NO_MEMORY_OPTIONS
 from pgs.func.losses import preference_loss, sequence_logps
 from pgs.runtime.data.packing import Document, pad_id
 from pgs.runtime.data.preference import Pair, PreferenceBatch, PreferenceStream, collate_pairs, eval_batches, read_pairs
 from pgs.runtime.dist import fsdp as D
 from pgs.runtime.loop.objective_common import (embedding_noise_generator, embedding_noise_hook, random_document,
-                                        rank_and_world, steps_for, tied_head_deferrable)
+                                        loss_memory, rank_and_world, steps_for, tied_head_deferrable)
 from pgs.runtime.model.build import build_model, final_hidden, output_head
 from pgs.runtime.process import is_distributed
 from pgs.runtime.store import reference as cache
@@ -53,22 +54,23 @@ STAT_KEYS = ("reward_chosen", "reward_rejected", "preference_accuracy", "logp_ch
 
 
 def pair_logps(model, batch: PreferenceBatch, device: torch.device, chunk_size: int,
-               embed_noise=None, defer=None) -> tuple:
+               embed_noise=None, memory_for=None) -> tuple:
     """Summed log-probs ``[P, 2]`` (fp32; column 0 chosen, 1 rejected) and completion lengths
     ``[P, 2]`` of the batch's pairs under ``model``.
 
-    ``defer(weight) -> bool``: asked with the head's weight after the forward; where it says so
-    the head's gradient is left out of autograd (``sequence_logps(..., defer_head_grad=True)``).
-    With ``defer`` given the result has a third element: that ``DeferredHeadGrad``, or None."""
+    ``memory_for(weight) -> pf.MemoryOptions``: asked with the head's weight after the forward, the
+    memory options of the sequence log-probs; where their ``defer_head_grad`` says so the head's
+    gradient is left out of autograd.  With ``memory_for`` given the result has a third element:
+    that ``DeferredHeadGrad``, or None."""
     h = final_hidden(model, batch.input_ids.to(device), batch.position_ids.to(device), embed_noise=embed_noise)
     weight, bias, softcap = output_head(model)
-    deferring = defer is not None and defer(weight)
+    memory = NO_MEMORY_OPTIONS if memory_for is None else memory_for(weight)
     out = sequence_logps(h, weight, batch.labels.to(device), batch.seq_ids.to(device), 2 * batch.num_pairs,
-                         chunk_size=chunk_size, bias=bias, softcap=softcap, defer_head_grad=deferring)
+                         chunk_size=chunk_size, bias=bias, softcap=softcap, memory=memory)
     logps, lengths = out[0].view(-1, 2), out[1].view(-1, 2)
-    if defer is None:
+    if memory_for is None:
         return logps, lengths
-    return logps, lengths, out[2] if deferring else None
+    return logps, lengths, out[2] if memory.defer_head_grad else None
 
 
 @torch.no_grad()
@@ -297,7 +299,7 @@ class PreferenceObjective:
         device = run.device
         noise = embedding_noise_hook(self.spec, self._generators, batch, device)
         logps, lengths, head_grad = pair_logps(run.model, batch, device, chunk, embed_noise=noise,
-                                               defer=lambda weight: self.defers_head_grad(run, weight))
+                                               memory_for=lambda w: loss_memory(run, self.defers_head_grad(run, w)))
         if head_grad is not None:  # joins the embedding's gradient in the tied weight's hook (filled by backward)
             run.bound.before_step(output_head(run.model)[0], head_grad)
         ref = self.reference.logps(batch, device, chunk)
@@ -316,7 +318,7 @@ class PreferenceObjective:
         trainable head, ``memory.defer_head_grad``): the sequence log-probs' backward leaves the
         head's gradient to a ``DeferredHeadGrad``, added into the embedding's gradient right
         before that weight steps (slab by slab with ``tied_slabs``: no V×D gradient at all)."""
-        return tied_head_deferrable(self.spec, run, weight)
+        return tied_head_deferrable(run, weight)
 
     @staticmethod
     def sums(out, logps: torch.Tensor) -> torch.Tensor:

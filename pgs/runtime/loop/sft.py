@@ -36,7 +36,7 @@ from pgs.runtime.data.packing import collate, pad_id
 from pgs.errors import SpecError
 from pgs.runtime.model import seco
 from pgs.runtime.loop.objective_common import (embedding_noise_generator, embedding_noise_hook, random_document,
-                                        rank_and_world, steps_for, tied_head_deferrable)
+                                        loss_memory, rank_and_world, steps_for, tied_head_deferrable)
 from pgs.runtime.model.build import final_hidden, output_head
 
 #: Eval records answered by greedy generation when the eval data has a known checker (the
@@ -108,8 +108,8 @@ class SFTObjective:
         defer = self.defers_head_grad(run, weight)
         docs = document_ids(pos) if self.token_objective.name == "cadft" else None  # CADFT's per-sample compatibility
         result = token_loss(h, weight, labels, backend=loss.backend, objective=self.token_objective, bias=bias,
-                            softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size, defer_head_grad=defer,
-                            doc_ids=docs)
+                            softcap=softcap, z_loss=loss.z_loss, chunk_size=loss.chunk_size,
+                            memory=loss_memory(run, defer), doc_ids=docs)
         if defer and result.head_grad is not None:  # joins the embedding's gradient in the tied weight's hook
             run.bound.before_step(weight, result.head_grad)
         loss_sum = result.loss_sum * float("nan") if poison else result.loss_sum
@@ -145,7 +145,7 @@ class SFTObjective:
         ``objective.tied_head_deferrable``) and the chunked loss: the head's gradient is added
         into the embedding's own gradient buffer right before that weight steps (one V×D buffer,
         only at the end of backward; none with tied slabs)."""
-        return self.spec.loss.backend == "chunked" and tied_head_deferrable(self.spec, run, weight)
+        return self.spec.loss.backend == "chunked" and tied_head_deferrable(run, weight)
 
     def step_metrics(self, stats: list[float], count: int, valid_tokens: int, extra: dict) -> dict:
         return {"entropy": stats[0] / max(valid_tokens, 1), **extra}

@@ -69,7 +69,7 @@ from pgs.runtime.model.moe import router_tap
 from pgs.runtime.model.tiled_mlp import apply_mlp_tiles
 from pgs.runtime import process
 from pgs.runtime.optim import StepMetrics, make_optimizer
-from pgs.runtime.optim.memory import MemoryOptions
+from pgs.runtime.optim.memory import MemorySetup
 from pgs.runtime.spec.chain import WHOLE_ROW_OBJECTIVES, build_chain
 from pgs.runtime.spec.load import check_world_size
 from pgs.runtime.spec.preflight import preflight_spec
@@ -99,16 +99,16 @@ def apply_memory(model, memory, fast_recompute: bool = True) -> None:
     ``fast_recompute=False``: checkpoint through ``torch.utils.checkpoint`` only (a router loss
     needs the forward's graph, which the fast recompute does not build)."""
 
-    options = MemoryOptions.of(memory)
+    setup = MemorySetup.of(memory)
     layers.skip_frozen_prefix(model)  # frozen layers with nothing trainable below: no backward
-    if options.liger:
+    if setup.liger:
         layers.apply_liger(model)
-    if options.mlp_tiles > 1:
-        apply_mlp_tiles(model, options.mlp_tiles)
-    if options.activation_checkpointing != "none":
-        layers.apply_activation_checkpointing(model, options.activation_checkpointing, options.checkpoint_every,
-                                              offload=options.checkpoint_offload, fast_recompute=fast_recompute)
-    if options.compile_layers:
+    if setup.mlp_tiles > 1:
+        apply_mlp_tiles(model, setup.mlp_tiles)
+    if setup.activation_checkpointing != "none":
+        layers.apply_activation_checkpointing(model, setup.activation_checkpointing, setup.checkpoint_every,
+                                              offload=setup.checkpoint_offload, fast_recompute=fast_recompute)
+    if setup.compile_layers:
         layers.compile_layers(model)
 
 

@@ -31,7 +31,7 @@ from pgs.errors import CheckpointError, InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.base import no_step_stage
 from pgs.func.schedule_free_iterates import eval_point, has_schedule_free, schedule_free_state
-from pgs.runtime.optim.interface import StepMetrics, step_metrics
+from pgs.runtime.optim.interface import StepMetrics, binder_options, step_metrics
 
 _LAYOUT_KEY = "__pgs_layout__"
 #: Elements per slice when ``eval_weights`` writes a schedule-free chain's x into the weights.
@@ -67,7 +67,7 @@ class BoundOptimizer:
         compile: bool = False,
         jit: bool = False,
         donate: bool = True,
-        stochastic_rounding: bool = False,
+        memory: pf.MemoryOptions = pf.NO_MEMORY_OPTIONS,
         align: int = 256,
         fused: bool = True,
     ):
@@ -80,12 +80,11 @@ class BoundOptimizer:
         self.chain = chain
         self.params = params
         self.compiled = bool(compile)
-        self.stochastic_rounding = stochastic_rounding
+        self.memory = binder_options(memory, "bind")
         self._last_grads = None
         self._before: dict[str, list] = {}
         if self.compiled:
-            self.flat = pf.compile(chain, jit=jit, donate=donate, align=align, stochastic_rounding=stochastic_rounding,
-                                   fused=fused)
+            self.flat = pf.compile(chain, jit=jit, donate=donate, align=align, memory=self.memory, fused=fused)
             with torch.no_grad():
                 self.param_bufs = self.flat.bind_buffers(params)
             self.grad_bufs = {k: torch.zeros_like(b) for k, b in self.param_bufs.items()}
@@ -155,7 +154,7 @@ class BoundOptimizer:
         grads = self._grads_tree()
         params = self._detached()
         updates, self.state = self.chain.update(grads, self.state, params, **extra)
-        new = pf.apply_updates(params, updates, stochastic_rounding=self.stochastic_rounding, state=self.state)
+        new = pf.apply_updates(params, updates, memory=self.memory, state=self.state)
         for n, p in self.params.items():
             p.copy_(new[n])
 

@@ -9,6 +9,7 @@ import attrs
 
 import pgs.func as pf
 from pgs.errors import PgsError, SpecError
+from pgs.func.memory_options import MemoryOptions
 from pgs.runtime.spec.fields import (boolean, expect, int_at_least, is_int, number_in, one_of, string, table,
                                      to_float)
 
@@ -135,7 +136,7 @@ class MemorySpec:
     whose state fetches share the host→device copy engine, else 1; ``prefetch_depth``).  ``tied_slabs``
     (0: off) steps the input embedding's (tied) weight in slabs of that many vocabulary rows
     at the end of backward, so no dense V×D gradient exists (gradient release, one process,
-    an elementwise chain; ``GradientRelease(..., tied_slabs=rows)``).  ``release_groups``
+    an elementwise chain; ``GradientRelease(..., memory=pf.MemoryOptions(tied_slabs=rows))``).  ``release_groups``
     (``"layer"``, ``"sublayer"`` or ``"parameter"``) is what steps together inside backward: a
     decoder layer's parameters, its MLP half and its attention half apart (the MLP's gradients
     are stepped before the attention's backward runs), or each parameter as soon as its
@@ -237,6 +238,15 @@ class MemorySpec:
         if self.seco_chunk:  # each chunk's loss backward is its own: nothing to defer to the end
             return False
         return head_grad_wanted(self.defer_head_grad, self.activation_checkpointing, self.tied_slabs)
+
+    def options(self) -> MemoryOptions:
+        """What code below the optimizer binder reads of this section, as one ``pf.MemoryOptions``
+        (the one place it is made from a spec; ``"auto"`` resolved): stochastic rounding, the
+        deferred head gradient (``head_grad_deferred``), tied slabs.  ``make_optimizer`` hands it
+        to the binder, which passes it to the kernels; the objectives take the binder's to the
+        losses.  The rules between these fields are ``refusal``'s."""
+        return MemoryOptions(stochastic_rounding=self.stochastic_rounding, defer_head_grad=self.head_grad_deferred(),
+                             tied_slabs=self.tied_slabs)
 
 
 def head_grad_wanted(setting: bool | str, activation_checkpointing: str | None, tied_slabs: int | None) -> bool:

@@ -35,6 +35,8 @@ import attrs
 import torch
 
 import pgs.func as pf
+from pgs.errors import InvalidArgument
+from pgs.func.memory_options import memory_options
 
 
 @attrs.frozen
@@ -65,6 +67,9 @@ class Optimizer(Protocol):
     """
 
     in_backward: bool
+    #: The memory options it was built with (``pf.MemoryOptions``: ``MemorySpec.options()`` of the
+    #: run's ``[memory]``); the objectives take it to the losses (``defer_head_grad``).
+    memory: pf.MemoryOptions
 
     def step(self) -> None:
         """Apply the chain to the current gradients (after backward), or finish a release."""
@@ -77,8 +82,8 @@ class Optimizer(Protocol):
 
         ``contribution``: a function ``fn(grad)`` adding in place, or an object with
         ``add_to(grad)`` (and ``add_rows_to(out, r0, r1)`` where the weight steps in row slabs),
-        e.g. ``token_loss(..., defer_head_grad=True).head_grad``.  Binders that cannot do it
-        raise ``InvalidArgument``; :attr:`defers_contributions` says which can."""
+        e.g. ``token_loss(..., memory=pf.MemoryOptions(defer_head_grad=True)).head_grad``.  Binders
+        that cannot do it raise ``InvalidArgument``; :attr:`defers_contributions` says which can."""
 
     @property
     def defers_contributions(self) -> bool:
@@ -111,6 +116,17 @@ class Optimizer(Protocol):
         """Inside: the parameters hold the point the model is evaluated and exported at (a
         schedule-free chain's x, ``pf.schedule_free_eval_params``); after: the parameters it
         steps, bit for bit.  A chain that evaluates where it steps moves nothing."""
+
+
+def binder_options(memory: pf.MemoryOptions | None, who: str, *, slabs: bool = False) -> pf.MemoryOptions:
+    """``memory`` checked for the binder ``who``: a ``pf.MemoryOptions`` (None: none of them), and
+    ``tied_slabs`` only where the binder steps the tied weight in row slabs (``slabs``:
+    ``GradientRelease`` on one process); elsewhere it would be silently dropped, so it is refused."""
+    memory = memory_options(memory, who)
+    if memory.tied_slabs and not slabs:
+        raise InvalidArgument(f"{who}: memory.tied_slabs={memory.tied_slabs}: the tied weight is stepped in row "
+                              "slabs by gradient release on one process (GradientRelease); set tied_slabs=0")
+    return memory
 
 
 def step_metrics(state: Any, chain: pf.Transform, *, tensors: bool = False) -> StepMetrics:

@@ -9,7 +9,7 @@ from pgs.errors import SpecError
 from pgs.func.schedule_free_iterates import wraps_schedule_free
 from pgs.runtime.optim.bound import BoundOptimizer
 from pgs.runtime.optim.interface import Optimizer
-from pgs.runtime.optim.memory import MemoryOptions, single_process_refusal
+from pgs.runtime.optim.memory import MemorySetup, single_process_refusal
 from pgs.runtime.optim.offload import OffloadedRelease
 from pgs.runtime.optim.release import GradientRelease
 from pgs.runtime.optim.sharded_bind import ShardedBoundOptimizer
@@ -35,7 +35,8 @@ def make_optimizer(chain: pf.Transform, model: torch.nn.Module, memory, *, shard
     ``ShardedOffloadedRelease`` on several, each rank's shards' state in its host memory, one
     FSDP unit at a time (pgs/runtime/optim/sharded_offload.py).
     """
-    options = MemoryOptions.of(memory)  # the [memory] rules checked once (MemorySpec.refusal)
+    setup = MemorySetup.of(memory)  # the [memory] rules checked once (MemorySpec.refusal)
+    options = setup.options  # what the binder passes down to the kernels (pf.MemoryOptions)
     if sharded:
         why = single_process_refusal(options)
         if why:
@@ -43,15 +44,14 @@ def make_optimizer(chain: pf.Transform, model: torch.nn.Module, memory, *, shard
         if wraps_schedule_free(chain):
             raise SpecError("optimizer: a schedule-free optimizer is evaluated and exported at its averaged point x, "
                             "which pgs computes on one process only for now; run it with WORLD_SIZE = 1")
-        if options.gradient_release:
+        if setup.gradient_release:
             # each FSDP unit's chain runs right after its reduce-scatter, inside backward; a bf16
             # model already has fp32 sharded masters (mixed precision), so master_weights adds nothing
-            binder = ShardedOffloadedRelease if options.offload_optimizer else ShardedGradientRelease
-            return binder(chain, model, stochastic_rounding=options.stochastic_rounding, grad_accum=grad_accum)
-        return ShardedBoundOptimizer(chain, model, stochastic_rounding=options.stochastic_rounding)
-    if options.gradient_release:
-        binder = OffloadedRelease if options.offload_optimizer else GradientRelease
-        return binder(chain, model, stochastic_rounding=options.stochastic_rounding,
-                      master_weights=options.master_weights, grad_accum=grad_accum,
-                      tied_slabs=options.tied_slabs or None, groups=options.release_groups)
-    return BoundOptimizer(chain, model, compile=compile, jit=jit, stochastic_rounding=options.stochastic_rounding)
+            binder = ShardedOffloadedRelease if setup.offload_optimizer else ShardedGradientRelease
+            return binder(chain, model, memory=options, grad_accum=grad_accum)
+        return ShardedBoundOptimizer(chain, model, memory=options)
+    if setup.gradient_release:
+        binder = OffloadedRelease if setup.offload_optimizer else GradientRelease
+        return binder(chain, model, memory=options, master_weights=setup.master_weights, grad_accum=grad_accum,
+                      groups=setup.release_groups)
+    return BoundOptimizer(chain, model, compile=compile, jit=jit, memory=options)

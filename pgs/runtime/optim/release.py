@@ -36,9 +36,10 @@ ZClip, AdaGC's global phase), because the global norm is unknown while backward 
 running; ``accumulate(...)`` or ``grad_accum > 1``, because the step happens at every
 backward.  Per-tensor and matrix transforms (per-tensor clipping, Muon per layer) are fine.
 
-Precision.  ``stochastic_rounding=True`` rounds bf16 parameters stochastically in the update
-(no fp32 master copy), with noise seeded by the group state's step count and the tensor's index
-(``pf.apply_updates``; the fused kernels seed alike), never by torch's global generator.
+Precision.  ``memory.stochastic_rounding`` (``memory``: a ``pf.MemoryOptions``) rounds bf16
+parameters stochastically in the update (no fp32 master copy), with noise seeded by the group
+state's step count and the tensor's index (``pf.apply_updates``; the fused kernels seed alike),
+never by torch's global generator.
 ``master_weights="fp32"`` instead keeps an fp32 copy of every low-precision parameter in the
 optimizer (4 more bytes per parameter); the chain sees fp32
 parameters and gradients, and the model's bf16 weights are the rounded masters.
@@ -53,11 +54,11 @@ the plain path.
 
 Deferred contributions.  ``before_step(param, fn)`` runs ``fn(param.grad)`` right before
 ``param``'s group steps in the coming backward: how the chunked loss's deferred head gradient
-(``token_loss(..., defer_head_grad=True)``) joins a tied embedding's own gradient, so that one
-V×D gradient buffer exists, and only at the end of backward (docs/memory.md).
+(``token_loss(..., memory=pf.MemoryOptions(defer_head_grad=True))``) joins a tied embedding's
+own gradient, so that one V×D gradient buffer exists, and only at the end of backward (docs/memory.md).
 
-Row slabs (``tied_slabs=rows``, opt-in).  The input embedding's backward keeps its looked-up
-rows' gradients instead of building a dense V×D gradient, and the weight is stepped slab by
+Row slabs (``memory.tied_slabs = rows``, opt-in).  The input embedding's backward keeps its
+looked-up rows' gradients instead of building a dense V×D gradient, and the weight is stepped slab by
 slab over the vocabulary at the end of backward: each slab's gradient is the rows' sums that
 fall in it plus each ``before_step`` contribution's ``add_rows_to`` (the deferred head
 gradient rebuilt for those vocabulary rows only), then the chain's update on the slab alone.
@@ -86,7 +87,7 @@ from pgs.func.plan import RELEASE, plan_for
 from pgs.func.schedule_free_iterates import eval_point, has_schedule_free, schedule_free_state
 from pgs.func.step import StepContext
 from pgs.runtime.optim.bound import trainable_parameters
-from pgs.runtime.optim.interface import StepMetrics
+from pgs.runtime.optim.interface import StepMetrics, binder_options
 from pgs.runtime.optim.tied_slabs import TiedSlabs, slab_refusal  # noqa: F401  (slab_refusal: re-exported)
 
 _LAYOUT_KEY = "__pgs_release_groups__"
@@ -303,7 +304,15 @@ class GradientRelease:
         model: an ``nn.Module`` (its trainable parameters) or a dict ``name -> Parameter``.
         groups: ``"layer"`` (default), ``"sublayer"``, ``"parameter"``, or a function
             ``name -> group`` (``group_parameters``).
-        stochastic_rounding: round bf16 parameters stochastically in the update.
+        memory: a ``pf.MemoryOptions`` (default: none of them): ``stochastic_rounding`` rounds bf16
+            parameters stochastically in the update; ``tied_slabs`` (rows per slab, 0: off): the
+            input embedding's weight (``model`` must be the ``nn.Module``) never gets a dense
+            gradient; its backward keeps the looked-up rows' gradients, and at the end of backward
+            the weight is stepped slab by slab over the vocabulary, each slab's gradient built from
+            those rows and from the row-addressable contributions of ``before_step`` (a deferred
+            head gradient).  Slabs need an elementwise chain (``slab_refusal``), the weight alone
+            in its group, and 8-bit blocks that are whole slabs (``block_size`` divides rows·D).
+            docs/memory.md.
         master_weights: None, or ``"fp32"`` to keep fp32 masters of low-precision parameters.
         grad_accum: must be 1 (refused otherwise, with the reason).
         track_grad_norm: keep ‖g‖ of every gradient as they stream by (one multi-tensor norm
@@ -312,13 +321,6 @@ class GradientRelease:
         fused: step a group with the fused update-and-apply that ``pgs.func.plan.plan_for``
             has for the chain (``lion8bit``, ``adamw8bit``, ``adamw``, ``lion``) where the device
             runs it; False always takes the plain path.
-        tied_slabs: None (default), or rows per slab: the input embedding's weight (``model``
-            must be the ``nn.Module``) never gets a dense gradient; its backward keeps the
-            looked-up rows' gradients, and at the end of backward the weight is stepped slab by
-            slab over the vocabulary, each slab's gradient built from those rows and from the
-            row-addressable contributions of ``before_step`` (a deferred head gradient).
-            Needs an elementwise chain (``slab_refusal``), the weight alone in its group, and
-            8-bit blocks that are whole slabs (``block_size`` divides rows·D).  docs/memory.md.
     """
 
     in_backward = True
@@ -330,13 +332,12 @@ class GradientRelease:
         model,
         *,
         groups: str | Callable[[str], str] = "layer",
-        stochastic_rounding: bool = False,
+        memory: pf.MemoryOptions = pf.NO_MEMORY_OPTIONS,
         master_weights: str | None = None,
         grad_accum: int = 1,
         track_grad_norm: bool = True,
         apply_chunk: int = 1 << 24,
         fused: bool = True,
-        tied_slabs: int | None = None,
     ):
         check_released_chain(chain, grad_accum, "GradientRelease", "group")
         if master_weights not in (None, *MASTER_DTYPES):
@@ -347,7 +348,7 @@ class GradientRelease:
                 raise InvalidArgument(f"GradientRelease: parameter {n!r} is not a leaf tensor")
         self.chain = chain
         self.params = params
-        self.stochastic_rounding = bool(stochastic_rounding)
+        self.memory = binder_options(memory, "GradientRelease", slabs=True)
         self.master_weights = master_weights
         self.track_grad_norm = track_grad_norm
         if not isinstance(apply_chunk, int) or apply_chunk < 1:
@@ -386,13 +387,12 @@ class GradientRelease:
         #: what the last backward reports beside the chain's metrics (the step record logs it):
         #: ``release/host_ms``, the host's time inside its group steps (Python, the chain's launches)
         self.step_extras: dict[str, float] = {}
-        self.tied_slabs: int | None = None
         self._slab_name: str | None = None
         self._row_grads = None
         self._slabs: TiedSlabs | None = None
-        if tied_slabs is not None:  # the tied weight in row slabs: pgs/runtime/optim/tied_slabs.py
-            self._slabs = TiedSlabs(self, model, tied_slabs)
-            self.tied_slabs, self._slab_name, self._row_grads = tied_slabs, self._slabs.name, self._slabs.row_grads
+        if self.memory.tied_slabs:  # the tied weight in row slabs: pgs/runtime/optim/tied_slabs.py
+            self._slabs = TiedSlabs(self, model, self.memory.tied_slabs)
+            self._slab_name, self._row_grads = self._slabs.name, self._slabs.row_grads
         self._handles = [p.register_post_accumulate_grad_hook(self._arrivals.hook_for(self._group_of[n]))
                          for n, p in params.items()]
 
@@ -493,7 +493,7 @@ class GradientRelease:
         if not all(t.is_contiguous() for t in (*params.values(), *grads.values())):
             return None
         out = self._fused_step(grads, state, params, ctx=StepContext(sr_offset=sr_offset), donate=True,
-                               stochastic_rounding=self.stochastic_rounding)
+                               memory=self.memory)
         return None if out is None else out[1]
 
     # -- what TiedSlabs (tied_slabs.py) steps a slabbed weight with ----------------------------
@@ -551,9 +551,9 @@ class GradientRelease:
         ``state`` (its group's new chain state): with stochastic rounding, the noise stream of the
         state's step count and the parameter's index among all released tensors (the index its
         fused step would seed from), so the plain path never reads torch's global generator."""
-        if not self.stochastic_rounding:
+        if not self.memory.stochastic_rounding:
             return {}
-        return {"stochastic_rounding": True, "state": state, "first": self._sr_index[name]}
+        return {"memory": self.memory, "state": state, "first": self._sr_index[name]}
 
     def _apply(self, name: str, param: torch.Tensor, update: torch.Tensor, rounding: dict) -> None:
         """θ ← θ + u (``pf.apply_updates`` with ``rounding``), slab by slab, so that the fp32
@@ -582,7 +582,7 @@ class GradientRelease:
         """In the coming backward, call ``fn(param.grad)`` right before ``param``'s group steps
         (``fn`` adds into the gradient buffer in place; a zero buffer is made when ``param`` got
         no gradient).  How a tied head's deferred gradient (``token_loss(...,
-        defer_head_grad=True)``) joins the embedding's own gradient, so that one V×D gradient
+        memory=pf.MemoryOptions(defer_head_grad=True))``) joins the embedding's own gradient, so that one V×D gradient
         buffer exists, and only at the end of backward.  Dropped by ``zero_grad()``."""
         name = self._name_of.get(id(param))
         if name is None:
@@ -590,7 +590,7 @@ class GradientRelease:
         if name == self._slab_name:
             if not callable(getattr(fn, "add_rows_to", None)):
                 raise InvalidArgument(f"GradientRelease.before_step: {name!r} is stepped in row slabs "
-                                      "(tied_slabs), so a contribution must add rows: pass an object with "
+                                      "(memory.tied_slabs), so a contribution must add rows: pass an object with "
                                       "add_rows_to(out, r0, r1) (e.g. result.head_grad), not a whole-tensor function")
         elif not callable(fn) and callable(getattr(fn, "add_to", None)):
             fn = fn.add_to  # a DeferredHeadGrad itself

@@ -45,7 +45,7 @@ from pgs.func.base import ELEMENTWISE, no_step_stage
 from pgs.func.plan import SHARDED, plan_for
 from pgs.func.step import NO_CONTEXT, StepContext
 from pgs.runtime.dist.fsdp import reshard
-from pgs.runtime.optim.interface import StepMetrics, step_metrics
+from pgs.runtime.optim.interface import StepMetrics, binder_options, step_metrics
 
 #: Prefix of per-rank state keys in a checkpoint.
 RANK_KEY = "__rank{rank}__"
@@ -98,14 +98,15 @@ class ShardedBoundOptimizer:
             parameters are DTensors); on one process a plain module also works.
         trust: names of non-elementwise leaf transforms to run although they do not declare
             ``shard_aware`` (you have checked that they forward the hooks).
-        stochastic_rounding: as ``pf.apply_updates``.
+        memory: a ``pf.MemoryOptions``: ``stochastic_rounding`` as ``pf.apply_updates``
+            (``tied_slabs`` is refused: FSDP2 reduce-scatters the embedding's whole gradient).
     """
 
     in_backward = False
     defers_contributions = False
 
     def __init__(self, chain: pf.Transform, model: torch.nn.Module, *, trust: Sequence[str] = (),
-                 stochastic_rounding: bool = False):
+                 memory: pf.MemoryOptions = pf.NO_MEMORY_OPTIONS):
         if not isinstance(chain, pf.Transform):
             raise InvalidArgument(f"bind_sharded: expected a pgs.func.Transform, got {type(chain).__name__}")
         why = no_step_stage(chain)
@@ -139,7 +140,7 @@ class ShardedBoundOptimizer:
         self.plan = plan_for(chain, SHARDED)  # a fused step on shards, if the registry has one
         self.model = model
         self.params = params
-        self.stochastic_rounding = stochastic_rounding
+        self.memory = binder_options(memory, "bind_sharded")
         self.world = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         with torch.no_grad():
@@ -242,7 +243,7 @@ class ShardedBoundOptimizer:
         params = self._local_params()
         if self.plan is not None:
             out = self.plan.step(self._local_grads(), self.state, params, ctx=self.hooks().get("ctx", NO_CONTEXT),
-                                 donate=True, stochastic_rounding=self.stochastic_rounding, extra=extra)
+                                 donate=True, memory=self.memory, extra=extra)
             if out is not None:
                 new, self.state = out
                 for n, p in self.params.items():
@@ -264,7 +265,7 @@ class ShardedBoundOptimizer:
         draws its part of the whole tensor's noise stream: the seed of the chain state's step
         count and the parameter's index, from the shard's first element on (FSDP2's Shard(0):
         rank r holds rows from r·⌈rows/world⌉), so the ranks draw what one process would."""
-        if not self.stochastic_rounding:
+        if not self.memory.stochastic_rounding:
             return pf.apply_updates(params, updates)
         new = {}
         for n, p in params.items():
@@ -272,7 +273,7 @@ class ShardedBoundOptimizer:
             if self.group is not None:
                 rows, chunk = self._rows(n)
                 start = min(self.rank * chunk, rows) * (self.params[n].numel() // max(rows, 1))
-            new[n] = pf.apply_updates(p, updates[n], stochastic_rounding=True, state=state, first=self._index[n],
+            new[n] = pf.apply_updates(p, updates[n], memory=self.memory, state=state, first=self._index[n],
                                       start=start)
         return new
 
@@ -297,7 +298,7 @@ class ShardedBoundOptimizer:
 
     def before_step(self, param: torch.Tensor, contribution) -> None:
         raise InvalidArgument(f"{type(self).__name__}.before_step: a contribution to a sharded gradient is not "
-                              "supported (defer_head_grad needs one process)")
+                              "supported (memory.defer_head_grad needs one process)")
 
     def state_dict(self, device=None, copy: bool = True) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{type(self).__name__}: sharded optimizer state is saved with DCP "

@@ -59,7 +59,7 @@ from pgs.errors import InvalidArgument, TreeMismatch
 from pgs.func import tree as T
 from pgs.func.plan import SHARDED, plan_for
 from pgs.func.step import NO_CONTEXT
-from pgs.runtime.optim.interface import StepMetrics
+from pgs.runtime.optim.interface import StepMetrics, binder_options
 from pgs.runtime.optim.release import Arrivals, check_released_chain, release_metrics, released_step
 from pgs.runtime.optim.sharded_bind import RANK_KEY, ShardedBoundOptimizer, is_dtensor, local, refuse_unaware
 
@@ -104,7 +104,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         chain: any ``pgs.func.Transform`` without ``global`` parts (and shard-aware).
         model: a module after ``pgs.runtime.dist.fsdp.shard_model``.
         trust: as ``bind_sharded``.
-        stochastic_rounding: as ``pf.apply_updates``.
+        memory: as ``bind_sharded``.
         grad_accum: must be 1 (refused otherwise, with the reason).
         track_grad_norm: Σ‖g‖² over the shards as they stream by, all-reduced once per backward.
     """
@@ -112,7 +112,8 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
     in_backward = True
 
     def __init__(self, chain: pf.Transform, model: torch.nn.Module, *, trust: Sequence[str] = (),
-                 stochastic_rounding: bool = False, grad_accum: int = 1, track_grad_norm: bool = True):
+                 memory: pf.MemoryOptions = pf.NO_MEMORY_OPTIONS, grad_accum: int = 1,
+                 track_grad_norm: bool = True):
         from torch.distributed.fsdp import FSDPModule
 
         who = "ShardedGradientRelease"
@@ -140,7 +141,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         self.plan = plan_for(chain, SHARDED)  # a fused step on shards, if the registry has one
         self.model = model
         self.params = params
-        self.stochastic_rounding = stochastic_rounding
+        self.memory = binder_options(memory, who)
         self.group = mesh.get_group()
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -196,7 +197,7 @@ class ShardedGradientRelease(ShardedBoundOptimizer):
         out = None
         if self.plan is not None:  # a fused update-and-apply on shards (in place), if the registry has one
             out = self.plan.step(grads, old, params, ctx=self.hooks().get("ctx", NO_CONTEXT), donate=True,
-                                 stochastic_rounding=self.stochastic_rounding)
+                                 memory=self.memory)
         if out is None:
             updates, self.states[unit] = self.chain.update(grads, old, params, **self.hooks())
         else:

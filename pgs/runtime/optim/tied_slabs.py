@@ -1,4 +1,4 @@
-"""Gradient release's tied weight stepped in row slabs (``GradientRelease(..., tied_slabs=rows)``).
+"""Gradient release's tied weight stepped in row slabs (``memory.tied_slabs``).
 
 ``TiedSlabs(release, model, rows)`` is what ``GradientRelease`` (pgs/runtime/optim/release.py) makes
 when ``tied_slabs`` is set: it checks the chain and the weight, and replaces the input
@@ -38,7 +38,7 @@ def slab_refusal(chain: pf.Transform) -> str | None:
         if t.locality != ELEMENTWISE:
             return (f"{where} is {t.locality} (its update of a row depends on the whole tensor), so the "
                     "tied weight's update is not row-separable and cannot be stepped in row slabs; use an "
-                    "elementwise chain (lion8bit, adamw8bit, adamw, lion) or tied_slabs=None")
+                    "elementwise chain (lion8bit, adamw8bit, adamw, lion) or tied_slabs=0")
         return None
 
     return walk(chain, f"the chain ({chain.name})" if chain.name != "chain" else "chain")
@@ -58,7 +58,7 @@ class TiedSlabs:
         """Check ``tied_slabs`` and make the input embedding hand over its rows' gradients."""
 
         if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
-            raise InvalidArgument(f"GradientRelease: tied_slabs={rows!r} must be None or an int >= 1 (rows per slab)")
+            raise InvalidArgument(f"GradientRelease: tied_slabs={rows!r} must be an int >= 1 (rows per slab)")
         why = slab_refusal(release.chain)
         if why:
             raise InvalidArgument(f"GradientRelease: tied_slabs: {why}")

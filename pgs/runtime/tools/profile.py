@@ -450,7 +450,7 @@ def predict_memory(
         loss_kernels: the chunked loss runs its two Triton passes (CUDA; ``chunk_work_bytes``
             has what each path holds per chunk).  None: ``pgs.func.kernels.CONFIG.ce_kernels`` —
             the prediction is for a CUDA run even where it is made on a CPU.
-        tied_slabs: rows per slab (``GradientRelease(..., tied_slabs=rows)``, release only):
+        tied_slabs: rows per slab (``memory.tied_slabs``, release only):
             the embedding's V×D gradient is replaced by a slab's working set at the end of
             backward — the slab's gradient (rows·D·b), the looked-up rows' gradients and their
             sums (N·D·b each; N·D·8 more while summed in fp32), and the head's rebuilt chunk
@@ -1250,9 +1250,10 @@ def measure_memory(spec, plan, *, steps: int = 3, device: torch.device | str | N
             binder = GradientRelease
             if opts["offload_optimizer"]:
                 from pgs.runtime.optim.offload import OffloadedRelease as binder
-            opt = binder(chain, model, master_weights=opts["master_weights"],
-                         stochastic_rounding=spec.model.dtype == "bfloat16",
-                         tied_slabs=opts["tied_slabs"] or None,
+            # the spec's memory options (MemorySpec.options()) with what the overrides change
+            memory = spec.memory.options().evolve(stochastic_rounding=spec.model.dtype == "bfloat16",
+                                                  tied_slabs=int(opts["tied_slabs"] or 0))
+            opt = binder(chain, model, memory=memory, master_weights=opts["master_weights"],
                          groups=opts["release_groups"])
         else:
             opt = bind(chain, model, compile=spec.optimizer.compile, jit=spec.optimizer.jit)
