@@ -497,11 +497,10 @@ def predict_memory(
                        gradient_release=gradient_release, activation_checkpointing=activation_checkpointing,
                        tied_slabs=tied_slabs, slab_names=binder["slab_names"])
     out["loss"], out["total"] = head["loss"], sum(out[k] for k in CATEGORIES if k != "loss") + head["loss"]
-    out["peak_parts"] = _peak(out, binder, head, kept=kept, recompute=recompute, tokens=forward_tokens,
-                        hidden=c.hidden_size, b=torch.empty((), dtype=dt).element_size(), sampling=int(sampling),
-                        gradient_release=gradient_release and not out["kv_cache"], scoring_pass=int(scoring_pass),
-                        frozen=(int(frozen_held), int(frozen_forward)))
-    out["peak"] = sum(out["peak_parts"].values())
+    parts = _peak(out, binder, head, kept=kept, recompute=recompute, tokens=forward_tokens, hidden=c.hidden_size,
+                  b=torch.empty((), dtype=dt).element_size(), sampling=int(sampling), scoring_pass=int(scoring_pass),
+                  gradient_release=gradient_release and not out["kv_cache"], frozen=(frozen_held, frozen_forward))
+    out.update(peak_parts=parts, peak=sum(parts.values()))  # what is live at the worst phase, and its sum
     if binder["host_state"] is not None:
         out.update(host_state=binder["host_state"], pcie_per_step=2 * binder["host_state"])
     out.update(binder["sharded"])  # ranks > 1: ``ranks`` and ``state_total`` (every rank's state)
@@ -699,7 +698,7 @@ def _peak(out: dict, binder: dict, head: dict, *, kept: int, recompute: int, tok
     live then), whose sum is the peak."""
     n, h = tokens, hidden
     loss_held, loss_work, rebuild, deferred = head["held"], head["work"], head["rebuild"], head["deferred"]
-    frozen_held, frozen_forward = frozen
+    frozen_held, frozen_forward = (int(x) for x in frozen)
     static = {k: out[k] for k in ("weights", "frozen_models", "master_weights", "optimizer_state")}
     grads = out["gradients"]
     # end of the policy's forward: its kept activations and the loss's held buffers, then the larger
