@@ -269,3 +269,22 @@ def test_dpo_on_the_4b_recipe_is_sized_by_its_step_not_its_scoring_pass():
     shown = {k: float(v) for k, v in (part.rsplit(" ", 1) for part in named.split(", "))}
     assert set(shown) == {k for k, v in prediction.parts.items() if v}
     assert sum(shown.values()) == pytest.approx(prediction.peak / 2**30, abs=0.01 * len(shown))
+
+
+@pytest.mark.parametrize("reference", ["cached", "live"])
+def test_a_preference_evaluation_is_a_phase_beside_the_state(tmp_path, reference):
+    """Held-out pairs are scored 8 rows of ``max_seq_len`` a forward (``eval_batches``) while the
+    weights and the optimizer's state live: with ``data.eval`` and ``eval_every`` the prediction
+    has that phase (the scoring pass's working set), and at 8 rows of 512 tokens against a
+    micro-batch of one row it is the peak, named ``evaluation``; without them, none."""
+    spec_of(tmp_path, PREFERENCE.format(reference=reference), batch=1, seq=512)
+    plain = load_spec(tmp_path / "spec.toml")
+    held = load_spec(tmp_path / "spec.toml", ['data.eval="pgs:quickstart/train.jsonl"', "train.eval_every=5"])
+    without, kw = predict_memory(**_kw(plain)), _kw(held)
+    assert "eval_pass" not in _kw(plain) and kw["eval_pass"] > 0
+    with_eval = predict_memory(**kw)
+    static = sum(with_eval[k] for k in ("weights", "frozen_models", "master_weights", "optimizer_state"))
+    assert with_eval["peak"] == static + kw["eval_pass"] > without["peak"]
+    assert with_eval["peak_parts"]["evaluation"] == kw["eval_pass"]
+    if reference == "cached":
+        assert kw["eval_pass"] == kw["scoring_pass"]

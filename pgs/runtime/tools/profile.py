@@ -420,7 +420,7 @@ def predict_memory(
     frozen_forward: int = 0,
     frozen_held: int = 0,
     sampling: int = 0,
-    scoring_pass: int = 0, seco_chunk_tokens: int = 0,
+    scoring_pass: int = 0, eval_pass: int = 0, seco_chunk_tokens: int = 0,
     ranks: int = 1,
 ) -> dict[str, int]:
     """Bytes per category (``CATEGORIES``) plus ``total`` and ``peak``.  See the module docstring.
@@ -460,12 +460,13 @@ def predict_memory(
         offload_optimizer: the state in pinned host memory, ``offload_slots`` staging buffers on the device
             (None: as many as ``OffloadedRelease`` takes, ``offload.auto_slots``; needs
             ``gradient_release``): adds ``host_state`` and ``pcie_per_step`` (bytes) to the result.
-        frozen_weights, frozen_forward, frozen_held, sampling, scoring_pass: what the spec's
+        frozen_weights, frozen_forward, frozen_held, sampling, scoring_pass, eval_pass: the spec's
             objective adds (``objective_memory``): the weights of the frozen models it keeps on
             the device (a live reference, a teacher: ``frozen_models``), the working set of
             their no-grad forward and what it leaves for the loss (at the end of the policy's
-            forward), the on-policy sampling phase (KV cache, prefill), and the reference
-            cache's scoring pass before the first step (weights only, no state yet).
+            forward), the on-policy sampling phase (KV cache, prefill), the reference cache's
+            scoring pass before the first step (weights only, no state yet), and ``[preference]``'s
+            evaluation (a no-grad forward of 8 rows beside the weights and the state).
         seco_chunk_tokens: ``memory.seco_chunk``'s tokens per chunk forward (``_activation_memory``).
         ranks: FSDP2 processes: the state is one rank's, ``state_total`` all ranks' (``sharded_state_bytes``).
 
@@ -498,7 +499,7 @@ def predict_memory(
                        tied_slabs=tied_slabs, slab_names=binder["slab_names"])
     out["loss"], out["total"] = head["loss"], sum(out[k] for k in CATEGORIES if k != "loss") + head["loss"]
     parts = _peak(out, binder, head, kept=kept, recompute=recompute, tokens=forward_tokens, hidden=c.hidden_size,
-                  b=torch.empty((), dtype=dt).element_size(), sampling=int(sampling), scoring_pass=int(scoring_pass),
+                  b=torch.empty((), dtype=dt).element_size(), sampling=int(sampling), passes=(scoring_pass, eval_pass),
                   gradient_release=gradient_release and not out["kv_cache"], frozen=(frozen_held, frozen_forward))
     out.update(peak_parts=parts, peak=sum(parts.values()))  # what is live at the worst phase, and its sum
     if binder["host_state"] is not None:
@@ -690,10 +691,11 @@ def _activation_memory(out: dict, cfg, params: dict, dt, tokens: int, seco_chunk
 
 
 def _peak(out: dict, binder: dict, head: dict, *, kept: int, recompute: int, tokens: int, hidden: int, b: int,
-          gradient_release: bool, frozen: tuple[int, int], sampling: int, scoring_pass: int) -> dict[str, int]:
+          gradient_release: bool, frozen: tuple[int, int], sampling: int, passes: tuple[int, int]) -> dict[str, int]:
     """What is live together at the worst phase of a step (forward's end, a layer's backward, the
     last group's update), on top of what lives all the time (weights, masters, state); or of the
-    objective's own phases (on-policy sampling, a cached reference's scoring pass).  Returns that
+    objective's own phases (on-policy sampling, a cached reference's scoring pass, an evaluation
+    whose batches are larger than the step's: ``passes``).  Returns that
     phase's parts, named as ``CATEGORIES`` where they are one (a part of a category: its bytes
     live then), whose sum is the peak."""
     n, h = tokens, hidden
@@ -734,6 +736,9 @@ def _peak(out: dict, binder: dict, head: dict, *, kept: int, recompute: int, tok
     parts = {**static, "kv_cache": out["kv_cache"], **worst}
     if sampling and sum(static.values()) + sampling > sum(parts.values()):
         parts = {**static, "sampling": sampling}  # on-policy sampling: no graph, no gradients; KV cache, prefill
+    scoring_pass, eval_pass = (int(x) for x in passes)
+    if eval_pass and sum(static.values()) + eval_pass > sum(parts.values()):  # no graph, no gradients
+        parts = {**static, "evaluation": eval_pass}
     if scoring_pass and out["weights"] + out["frozen_models"] + scoring_pass > sum(parts.values()):
         # before the first step, before the optimizer's state exists
         parts = {"weights": out["weights"], "frozen_models": out["frozen_models"], "scoring pass": scoring_pass}
@@ -842,8 +847,8 @@ def _teacher_config(spec, vocab: int):
 
 
 def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: int) -> dict[str, int]:
-    """``predict_memory``'s objective terms of the spec's objective (its ``frozen_*``, ``sampling``
-    and ``scoring_pass``; ``loss_chunk`` where the loss covers fewer rows than a chunk), for
+    """``predict_memory``'s objective terms of the spec's objective (its ``frozen_*``, ``sampling``,
+    ``scoring_pass`` and ``eval_pass``; ``loss_chunk`` where the loss covers fewer rows than a chunk), for
     ``rows`` × ``seq_len`` tokens per micro-batch.
 
     SFT adds nothing.  ``[preference]`` packs a pair's two arms into one row of ``seq_len``
@@ -851,7 +856,9 @@ def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: in
     copy of the policy, or ``reference_path``'s model) and its no-grad forward after the
     policy's (a layer's working set, then its final hidden state and one chunk's logits); a
     ``"cached"`` one adds the scoring pass before the first step (``score_pairs``: 8 rows a
-    forward, no optimizer state yet) and a [pairs, 2] table.  ``[distill]`` adds the teacher's
+    forward, no optimizer state yet) and a [pairs, 2] table; with held-out pairs (``data.eval``,
+    ``train.eval_every`` > 0) the evaluation's no-grad forward of 8 rows (``eval_batches``) beside
+    the weights and the state, the same working set as the scoring pass.  ``[distill]`` adds the teacher's
     weights (``distill.teacher_dtype``), its no-grad forward with its final hidden state held
     into the divergence, and with ``on_policy`` > 0 the sampling phase: the student's KV cache for
     the longest prompts a row can hold (``seq_len − 1`` tokens, one trained token after them) and
@@ -861,11 +868,16 @@ def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: in
     b = torch.empty((), dtype=_dtype(dtype)).element_size()
     out: dict[str, int] = {}
     pref = spec.preference
-    if pref is not None and pref.uses_reference:
-        from pgs.func import kernels
+    from pgs.func import kernels
 
-        # the reference's log-probs: one chunk's forward, as the policy's (chunk_work_bytes)
-        chunk_logits = chunk_work_bytes(min(chunk, n), c.vocab_size, b, kernels.CONFIG.ce_kernels)[0]
+    # a forward's log-probs: one chunk's, as the policy's (chunk_work_bytes)
+    chunk_logits = chunk_work_bytes(min(chunk, n), c.vocab_size, b, kernels.CONFIG.ce_kernels)[0]
+    scored = 8 * seq_len  # score_pairs and evaluate_pairs: eval_batches of 8 rows
+    eight_rows = max(layer_working_bytes(cfg, scored, dtype), b * c.hidden_size * scored
+                     + chunk_work_bytes(min(chunk, scored), c.vocab_size, b, kernels.CONFIG.ce_kernels)[0])
+    if pref is not None and spec.data.eval and spec.train.eval_every > 0:
+        out["eval_pass"] = eight_rows
+    if pref is not None and pref.uses_reference:
         if pref.reference == "live":
             ref_cfg, ref = cfg, model
             if pref.reference_path is not None:
@@ -879,9 +891,7 @@ def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: in
             out["frozen_forward"] = max(layer_working_bytes(ref_cfg, n, dtype),
                                         b * _text_config(ref_cfg).hidden_size * n + chunk_logits)
         else:
-            scored = 8 * seq_len  # score_pairs: eval_batches of 8 rows
-            out["scoring_pass"] = max(layer_working_bytes(cfg, scored, dtype),
-                                      b * c.hidden_size * scored + chunk_logits)
+            out["scoring_pass"] = eight_rows
     distill = spec.distill
     if distill is not None:
         t_cfg = _teacher_config(spec, c.vocab_size)
