@@ -46,8 +46,10 @@
 activations + the loss's held buffers + the larger of the loss's chunk and a frozen model's
 no-grad forward), (backward of a recomputed layer: kept + recompute + held buffers +
 gradients) and (the last update: gradients + temporaries); and, for the objectives that have
-them, the on-policy sampling phase (static + KV cache + prefill) and the reference cache's
-scoring pass before the first step (weights + its forward).  Neither counts allocator slack
+them, the on-policy sampling phase (static + KV cache + prefill), the reference cache's
+scoring pass before the first step (weights + its forward) and a ``[preference]`` evaluation
+(static + its forward of 8 rows).  ``peak_parts`` names what is live at the worst phase: it
+sums to ``peak``, and the preflight's line names those parts.  Neither counts allocator slack
 (a few tenths of a GiB: docs/performance.md, "Peers and ceilings") or the CUDA/NCCL context.
 
 ``measure_memory`` (``pgs profile --measure``) runs a few steps of the objective the spec
@@ -460,13 +462,12 @@ def predict_memory(
         offload_optimizer: the state in pinned host memory, ``offload_slots`` staging buffers on the device
             (None: as many as ``OffloadedRelease`` takes, ``offload.auto_slots``; needs
             ``gradient_release``): adds ``host_state`` and ``pcie_per_step`` (bytes) to the result.
-        frozen_weights, frozen_forward, frozen_held, sampling, scoring_pass, eval_pass: the spec's
-            objective adds (``objective_memory``): the weights of the frozen models it keeps on
-            the device (a live reference, a teacher: ``frozen_models``), the working set of
-            their no-grad forward and what it leaves for the loss (at the end of the policy's
-            forward), the on-policy sampling phase (KV cache, prefill), the reference cache's
-            scoring pass before the first step (weights only, no state yet), and ``[preference]``'s
-            evaluation (a no-grad forward of 8 rows beside the weights and the state).
+        frozen_weights, frozen_forward, frozen_held, sampling, scoring_pass, eval_pass: what the
+            objective adds (``objective_memory``): its frozen models' weights on the device (a live
+            reference, a teacher: ``frozen_models``), their no-grad forward and what it leaves for
+            the loss (at the end of the policy's forward), the on-policy sampling phase (KV cache,
+            prefill), the reference cache's scoring pass before the first step (weights only, no
+            state yet), ``[preference]``'s evaluation (8 rows a no-grad forward, the state beside).
         seco_chunk_tokens: ``memory.seco_chunk``'s tokens per chunk forward (``_activation_memory``).
         ranks: FSDP2 processes: the state is one rank's, ``state_total`` all ranks' (``sharded_state_bytes``).
 
