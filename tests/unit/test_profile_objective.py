@@ -288,3 +288,22 @@ def test_a_preference_evaluation_is_a_phase_beside_the_state(tmp_path, reference
     assert with_eval["peak_parts"]["evaluation"] == kw["eval_pass"]
     if reference == "cached":
         assert kw["eval_pass"] == kw["scoring_pass"]
+
+
+def test_profile_names_the_peak_phase_parts_that_sum_to_it(tmp_path):
+    """``pgs profile`` prints the parts live at the peak's phase and their sum, the figure of its
+    "peak" row."""
+    import re
+
+    spec_of(tmp_path, PREFERENCE.format(reference="cached"), batch=1, seq=512)
+    held = load_spec(tmp_path / "spec.toml", ['data.eval="pgs:quickstart/train.jsonl"', "train.eval_every=5"])
+    buf = io.StringIO()
+    assert profile(held, console=Console(file=buf, width=200)) == 0
+    text = buf.getvalue()
+    line = next(x for x in text.splitlines() if x.startswith("the peak's phase: "))
+    named, total = line[len("the peak's phase: "):].rsplit(" = ", 1)
+    parts = {k: float(v) for k, v in (p.rsplit(" ", 1) for p in named.split(" + "))}
+    assert {"weights", "optimizer_state"} <= set(parts)
+    assert sum(parts.values()) == pytest.approx(float(total.split()[0]), abs=0.002 * len(parts))
+    shown = float(re.search(r"peak \(what is live together at the worst phase\)\s*│\s*([\d.]+)", text).group(1))
+    assert shown == float(total.split()[0])

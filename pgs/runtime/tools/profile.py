@@ -696,9 +696,9 @@ def _peak(out: dict, binder: dict, head: dict, *, kept: int, recompute: int, tok
     """What is live together at the worst phase of a step (forward's end, a layer's backward, the
     last group's update), on top of what lives all the time (weights, masters, state); or of the
     objective's own phases (on-policy sampling, a cached reference's scoring pass, an evaluation
-    whose batches are larger than the step's: ``passes``).  Returns that
-    phase's parts, named as ``CATEGORIES`` where they are one (a part of a category: its bytes
-    live then), whose sum is the peak."""
+    whose batches are larger than the step's: ``passes``).  Returns that phase's parts, named as
+    ``CATEGORIES`` where they are one (a part of a category: its bytes live then), whose sum is
+    the peak."""
     n, h = tokens, hidden
     loss_held, loss_work, rebuild, deferred = head["held"], head["work"], head["rebuild"], head["deferred"]
     frozen_held, frozen_forward = (int(x) for x in frozen)
@@ -1099,6 +1099,8 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
     for label, nbytes in host_rows:
         table.add_row(label, f"{nbytes / scale:.3f}")
     console.print(table)
+    console.print("the peak's phase: " + " + ".join(f"{k} {v / scale:.3f}" for k, v in prediction.parts.items() if v)
+                  + f" = {prediction.peak / scale:.3f} {unit}", soft_wrap=True, highlight=False)
     console.print(f"vocabulary {_text_config(plan['config']).vocab_size:,}; the peak is the figure to compare with "
                   "a GPU (add allocator slack and the CUDA context)", soft_wrap=True, highlight=False)
     if measured is not None:
