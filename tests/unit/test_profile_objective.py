@@ -212,3 +212,98 @@ def test_measure_under_release_defers_the_pair_head_gradient(tmp_path, monkeypat
     measured = measure_memory(spec, plan_from_spec(spec), steps=2)
     assert len(handed) == 2 and "reference live" in measured.objective
     assert measured.phases["backward"] > measured.phases["static"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_type, inter, kv_heads, exact", [("qwen3", 240, 1, True), ("llama", 16, 4, False)])
+def test_a_no_grad_forward_holds_what_layer_working_bytes_says(model_type, inter, kv_heads, exact, dtype):
+    """A frozen model's no-grad forward (a reference's, a teacher's, the scoring pass) counted by
+    ``TensorMeter``: with the MLP's phase the largest (Qwen3's shapes) the bound is the live
+    bytes exactly; where attention's is (a tiny MLP, no GQA) an upper bound within 15%."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pgs.runtime.model.build import base_hidden
+    from pgs.runtime.tools.profile import layer_working_bytes
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=96, hidden_size=64, intermediate_size=inter, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=32,
+                               attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    n = 128
+    ids, positions = torch.randint(0, 96, (1, n)), torch.arange(n)[None]
+    with torch.no_grad(), TensorMeter(torch.device("cpu")) as meter:
+        base_hidden(model, ids, positions)
+        measured = meter.peak()
+    bound = layer_working_bytes(cfg, n, dtype)
+    assert measured <= bound <= (1.0 if exact else 1.15) * measured, (measured, bound)
+
+
+def test_dpo_on_the_4b_recipe_is_sized_by_its_step_not_its_scoring_pass():
+    """The 4B 12 GiB recipe with a cached DPO reference (4096-token rows of two pairs): the scoring
+    pass (8 rows of 4096 tokens through the weights alone, before the optimizer's state exists)
+    holds a dense layer's no-grad working set, not what the layers would keep for backward, so
+    the peak is the step's, equal to SFT's on the same rows, and within the recipe's 12.5 GiB cap
+    (its run measured 11.94 GiB allocated, 12.16 reserved on an H100: docs/performance.md).  The
+    parts the preflight names are the peak's phase and sum to it."""
+    from pgs.runtime.tools.resources import PreflightRefused, check_memory, predict
+
+    sets = ['data.eval=""', 'preference.kind="dpo"', 'preference.reference="cached"', 'checkpoint.best_metric=""']
+    spec = load_spec("specs/qwen3_4b_12gib.toml", sets)
+    plan = plan_from_spec(spec)
+    kwargs = dict(plan["kwargs"], loss_kernels=True)
+    b, h, inter, d, tokens = 2, 2560, 9728, 128, 8 * 4096
+    assert kwargs["scoring_pass"] == tokens * (b * h + 2 * b * d + 3 * b * h + 3 * b * inter)  # the MLP's phase
+    dpo = predict_memory(plan["config"], **kwargs)
+    step = predict_memory(plan["config"], **{**kwargs, "scoring_pass": 0})  # SFT's figure: nothing else is added
+    assert dpo["peak"] == step["peak"] == sum(dpo["peak_parts"].values())
+    assert dpo["weights"] + kwargs["scoring_pass"] < dpo["peak"] < 12.0 * 2**30
+    assert set(dpo["peak_parts"]) == {"weights", "optimizer_state", "activations", "loss", "gradients"}
+    prediction = predict(spec, torch.device("cuda"))
+    check_memory(spec, prediction, torch.device("cuda"), available=16 * 2**30)  # under the 12.5 GiB cap: no refusal
+    low = load_spec("specs/qwen3_4b_12gib.toml", sets + ["memory.device_limit_gib=11"])
+    with pytest.raises(PreflightRefused) as refused:
+        check_memory(low, prediction, torch.device("cuda"), available=16 * 2**30)
+    line = str(refused.value)
+    named = line.split(" GiB at the peak (")[1].split(" GiB; the largest")[0]
+    shown = {k: float(v) for k, v in (part.rsplit(" ", 1) for part in named.split(", "))}
+    assert set(shown) == {k for k, v in prediction.parts.items() if v}
+    assert sum(shown.values()) == pytest.approx(prediction.peak / 2**30, abs=0.01 * len(shown))
+
+
+@pytest.mark.parametrize("reference", ["cached", "live"])
+def test_a_preference_evaluation_is_a_phase_beside_the_state(tmp_path, reference):
+    """Held-out pairs are scored 8 rows of ``max_seq_len`` a forward (``eval_batches``) while the
+    weights and the optimizer's state live: with ``data.eval`` and ``eval_every`` the prediction
+    has that phase (the scoring pass's working set), and at 8 rows of 512 tokens against a
+    micro-batch of one row it is the peak, named ``evaluation``; without them, none."""
+    spec_of(tmp_path, PREFERENCE.format(reference=reference), batch=1, seq=512)
+    plain = load_spec(tmp_path / "spec.toml")
+    held = load_spec(tmp_path / "spec.toml", ['data.eval="pgs:quickstart/train.jsonl"', "train.eval_every=5"])
+    without, kw = predict_memory(**_kw(plain)), _kw(held)
+    assert "eval_pass" not in _kw(plain) and kw["eval_pass"] > 0
+    with_eval = predict_memory(**kw)
+    static = sum(with_eval[k] for k in ("weights", "frozen_models", "master_weights", "optimizer_state"))
+    assert with_eval["peak"] == static + kw["eval_pass"] > without["peak"]
+    assert with_eval["peak_parts"]["evaluation"] == kw["eval_pass"]
+    if reference == "cached":
+        assert kw["eval_pass"] == kw["scoring_pass"]
+
+
+def test_profile_names_the_peak_phase_parts_that_sum_to_it(tmp_path):
+    """``pgs profile`` prints the parts live at the peak's phase and their sum, the figure of its
+    "peak" row."""
+    import re
+
+    spec_of(tmp_path, PREFERENCE.format(reference="cached"), batch=1, seq=512)
+    held = load_spec(tmp_path / "spec.toml", ['data.eval="pgs:quickstart/train.jsonl"', "train.eval_every=5"])
+    buf = io.StringIO()
+    assert profile(held, console=Console(file=buf, width=200)) == 0
+    text = buf.getvalue()
+    line = next(x for x in text.splitlines() if x.startswith("the peak's phase: "))
+    named, total = line[len("the peak's phase: "):].rsplit(" = ", 1)
+    parts = {k: float(v) for k, v in (p.rsplit(" ", 1) for p in named.split(" + "))}
+    assert {"weights", "optimizer_state"} <= set(parts)
+    assert sum(parts.values()) == pytest.approx(float(total.split()[0]), abs=0.002 * len(parts))
+    shown = float(re.search(r"peak \(what is live together at the worst phase\)\s*│\s*([\d.]+)", text).group(1))
+    assert shown == float(total.split()[0])

@@ -46,8 +46,10 @@
 activations + the loss's held buffers + the larger of the loss's chunk and a frozen model's
 no-grad forward), (backward of a recomputed layer: kept + recompute + held buffers +
 gradients) and (the last update: gradients + temporaries); and, for the objectives that have
-them, the on-policy sampling phase (static + KV cache + prefill) and the reference cache's
-scoring pass before the first step (weights + its forward).  Neither counts allocator slack
+them, the on-policy sampling phase (static + KV cache + prefill), the reference cache's
+scoring pass before the first step (weights + its forward) and a ``[preference]`` evaluation
+(static + its forward of 8 rows).  ``peak_parts`` names what is live at the worst phase: it
+sums to ``peak``, and the preflight's line names those parts.  Neither counts allocator slack
 (a few tenths of a GiB: docs/performance.md, "Peers and ceilings") or the CUDA/NCCL context.
 
 ``measure_memory`` (``pgs profile --measure``) runs a few steps of the objective the spec
@@ -420,7 +422,7 @@ def predict_memory(
     frozen_forward: int = 0,
     frozen_held: int = 0,
     sampling: int = 0,
-    scoring_pass: int = 0, seco_chunk_tokens: int = 0,
+    scoring_pass: int = 0, eval_pass: int = 0, seco_chunk_tokens: int = 0,
     ranks: int = 1,
 ) -> dict[str, int]:
     """Bytes per category (``CATEGORIES``) plus ``total`` and ``peak``.  See the module docstring.
@@ -460,12 +462,12 @@ def predict_memory(
         offload_optimizer: the state in pinned host memory, ``offload_slots`` staging buffers on the device
             (None: as many as ``OffloadedRelease`` takes, ``offload.auto_slots``; needs
             ``gradient_release``): adds ``host_state`` and ``pcie_per_step`` (bytes) to the result.
-        frozen_weights, frozen_forward, frozen_held, sampling, scoring_pass: what the spec's
-            objective adds (``objective_memory``): the weights of the frozen models it keeps on
-            the device (a live reference, a teacher: ``frozen_models``), the working set of
-            their no-grad forward and what it leaves for the loss (at the end of the policy's
-            forward), the on-policy sampling phase (KV cache, prefill), and the reference
-            cache's scoring pass before the first step (weights only, no state yet).
+        frozen_weights, frozen_forward, frozen_held, sampling, scoring_pass, eval_pass: what the
+            objective adds (``objective_memory``): its frozen models' weights on the device (a live
+            reference, a teacher: ``frozen_models``), their no-grad forward and what it leaves for
+            the loss (at the end of the policy's forward), the on-policy sampling phase (KV cache,
+            prefill), the reference cache's scoring pass before the first step (weights only, no
+            state yet), ``[preference]``'s evaluation (8 rows a no-grad forward, the state beside).
         seco_chunk_tokens: ``memory.seco_chunk``'s tokens per chunk forward (``_activation_memory``).
         ranks: FSDP2 processes: the state is one rank's, ``state_total`` all ranks' (``sharded_state_bytes``).
 
@@ -497,10 +499,10 @@ def predict_memory(
                        gradient_release=gradient_release, activation_checkpointing=activation_checkpointing,
                        tied_slabs=tied_slabs, slab_names=binder["slab_names"])
     out["loss"], out["total"] = head["loss"], sum(out[k] for k in CATEGORIES if k != "loss") + head["loss"]
-    out["peak"] = _peak(out, binder, head, kept=kept, recompute=recompute, tokens=forward_tokens,
-                        hidden=c.hidden_size, b=torch.empty((), dtype=dt).element_size(), sampling=int(sampling),
-                        gradient_release=gradient_release and not out["kv_cache"], scoring_pass=int(scoring_pass),
-                        frozen=(int(frozen_held), int(frozen_forward)))
+    parts = _peak(out, binder, head, kept=kept, recompute=recompute, tokens=forward_tokens, hidden=c.hidden_size,
+                  b=torch.empty((), dtype=dt).element_size(), sampling=int(sampling), passes=(scoring_pass, eval_pass),
+                  gradient_release=gradient_release and not out["kv_cache"], frozen=(frozen_held, frozen_forward))
+    out.update(peak_parts=parts, peak=sum(parts.values()))  # what is live at the worst phase, and its sum
     if binder["host_state"] is not None:
         out.update(host_state=binder["host_state"], pcie_per_step=2 * binder["host_state"])
     out.update(binder["sharded"])  # ranks > 1: ``ranks`` and ``state_total`` (every rank's state)
@@ -690,43 +692,58 @@ def _activation_memory(out: dict, cfg, params: dict, dt, tokens: int, seco_chunk
 
 
 def _peak(out: dict, binder: dict, head: dict, *, kept: int, recompute: int, tokens: int, hidden: int, b: int,
-          gradient_release: bool, frozen: tuple[int, int], sampling: int, scoring_pass: int) -> int:
+          gradient_release: bool, frozen: tuple[int, int], sampling: int, passes: tuple[int, int]) -> dict[str, int]:
     """What is live together at the worst phase of a step (forward's end, a layer's backward, the
-    last group's update), on top of what lives all the time (weights, masters, state)."""
+    last group's update), on top of what lives all the time (weights, masters, state); or of the
+    objective's own phases (on-policy sampling, a cached reference's scoring pass, an evaluation
+    whose batches are larger than the step's: ``passes``).  Returns that phase's parts, named as
+    ``CATEGORIES`` where they are one (a part of a category: its bytes live then), whose sum is
+    the peak."""
     n, h = tokens, hidden
     loss_held, loss_work, rebuild, deferred = head["held"], head["work"], head["rebuild"], head["deferred"]
-    frozen_held, frozen_forward = frozen
-    static = out["weights"] + out["frozen_models"] + out["master_weights"] + out["optimizer_state"]
+    frozen_held, frozen_forward = (int(x) for x in frozen)
+    static = {k: out[k] for k in ("weights", "frozen_models", "master_weights", "optimizer_state")}
     grads = out["gradients"]
     # end of the policy's forward: its kept activations and the loss's held buffers, then the larger
     # of the loss's chunk and a frozen model's no-grad forward (what that forward leaves for the loss too)
-    forward_end = kept + loss_held + frozen_held + max(loss_work, frozen_forward)
+    if frozen_forward > loss_work:
+        forward_end = {"activations": kept, "loss": loss_held, "frozen forward": frozen_held + frozen_forward}
+    else:
+        forward_end = {"activations": kept, "loss": loss_held + loss_work, "frozen forward": frozen_held}
     if gradient_release:
         groups, group_bytes = binder["groups"], binder["group_bytes"]
         # inside the layers' backward only a layer's gradients exist; the embedding's (often the
         # largest group) comes last, when the kept activations are gone
         late = {g for g, names in groups.items() if binder["embed_names"] & set(names)}
         grads_mid = max((v for g, v in group_bytes.items() if g not in late), default=0)
-        last = grads + out["temporaries"] + (loss_held + rebuild if deferred else loss_held)
+        last = {"gradients": grads, "temporaries": out["temporaries"],
+                "loss": loss_held + rebuild if deferred else loss_held}
         if binder["slab_names"]:
             # first the looked-up rows' gradients (N·D·b, kept by the embedding's backward) are summed
             # per id: an fp32 copy of the rows and fp32 sums, then the sums in W's dtype; then the
             # slabs, one at a time: the sums + a slab's gradient + its update's temporaries + the
             # head's rebuilt chunk for the slab's columns
             slab_grads = max(group_bytes[g] for g in late)
-            last = max(loss_held + 2 * n * h * b + 8 * n * h,
-                       loss_held + n * h * b + slab_grads + out["temporaries"] + rebuild)
+            last = max(({"loss": loss_held, "gradients": 2 * n * h * b + 8 * n * h},
+                        {"loss": loss_held + rebuild, "gradients": n * h * b + slab_grads,
+                         "temporaries": out["temporaries"]}), key=lambda p: sum(p.values()))
         phases = (forward_end,  # end of forward: the loss's chunk
-                  kept + recompute + loss_held + grads_mid,  # backward of a recomputed layer
+                  {"activations": kept + recompute, "loss": loss_held, "gradients": grads_mid},  # a recomputed layer
                   last)  # last group's update (the embedding; with deferral the head's rebuilt chunk)
     else:
-        phases = (forward_end, kept + recompute + loss_held + grads, grads + out["temporaries"])
-    peak = static + out["kv_cache"] + max(phases)
-    if sampling:  # on-policy sampling: no graph, no gradients; the KV cache and the prefill
-        peak = max(peak, static + sampling)
-    if scoring_pass:  # before the first step, before the optimizer's state exists
-        peak = max(peak, out["weights"] + out["frozen_models"] + scoring_pass)
-    return peak
+        phases = (forward_end, {"activations": kept + recompute, "loss": loss_held, "gradients": grads},
+                  {"gradients": grads, "temporaries": out["temporaries"]})
+    worst = max(phases, key=lambda p: sum(p.values()))  # the first of equals: forward's end
+    parts = {**static, "kv_cache": out["kv_cache"], **worst}
+    if sampling and sum(static.values()) + sampling > sum(parts.values()):
+        parts = {**static, "sampling": sampling}  # on-policy sampling: no graph, no gradients; KV cache, prefill
+    scoring_pass, eval_pass = (int(x) for x in passes)
+    if eval_pass and sum(static.values()) + eval_pass > sum(parts.values()):  # no graph, no gradients
+        parts = {**static, "evaluation": eval_pass}
+    if scoring_pass and out["weights"] + out["frozen_models"] + scoring_pass > sum(parts.values()):
+        # before the first step, before the optimizer's state exists
+        parts = {"weights": out["weights"], "frozen_models": out["frozen_models"], "scoring pass": scoring_pass}
+    return {k: v for k, v in parts.items() if v}
 
 
 # ----------------------------------------------------------------------------- the CLI
@@ -776,13 +793,45 @@ def head_loss(spec) -> dict[str, Any]:
 
 
 def layer_working_bytes(cfg, tokens: int, dtype) -> int:
-    """What one decoder layer holds at its fullest in a no-grad forward over ``tokens`` tokens,
-    taken as the tensors it would keep for backward (``activation_parts``'s A_none): an upper
-    bound of a frozen model's (a reference's, a teacher's) working set, whose layers free their
-    inputs as they go."""
+    """What a frozen model's no-grad forward over ``tokens`` tokens holds at its fullest (a
+    reference's, a teacher's, a cached reference's scoring pass, a sampling prefill), its
+    weights and final hidden state aside.  Under ``no_grad`` a layer frees its temporaries as it
+    goes, so a dense attention layer (Qwen3/Llama-style) holds, per token, with b the dtype's
+    bytes, h hidden, I intermediate, q = n_q·d, k = n_kv·d:
+
+        outside    = b·h + 2·b·d                     (the input embeddings, which the base
+                                                      model's forward keeps to its end; the
+                                                      rotary tables cos and sin)
+        norm       = b·h + 8h                        (the layer input; its fp32 copy and square)
+        attention  = 2·b·h + b(q + 2k) + max(8q, 3·b·q, b·q + 3·b·k) + 4·n_q
+                                                     (input, normed input; q, k, v; the q norm's
+                                                      fp32 copy and square, or the rotary's
+                                                      q·cos, rotate_half(q) and its product, or
+                                                      k's three with rotated q; the output and its
+                                                      log-sum-exp within that)
+        mlp        = 3·b·h + 3·b·I                   (input, the attention's residual sum, the
+                                                      normed input; SiLU(gate), up, their product)
+        layer      = outside + max(norm, attention, mlp, 4·b·h)
+
+    (the MLP's term is what ``TensorMeter`` counts for a HF Qwen3 in fp32 and bf16 to the byte,
+    tests/unit/test_profile_objective.py).  Families this does not describe (mixture-of-experts
+    MLPs, Gated DeltaNet mixers, the fp32 (1 + w) norms of Qwen3.5/Qwen3-Next) are bounded by what
+    a layer would keep for backward, ``activation_parts``' A_none, plus its input: about twice
+    the dense figure."""
+    c = _text_config(cfg)
     b = torch.empty((), dtype=_dtype(dtype)).element_size()
-    _, recompute = activation_parts(cfg, tokens, dtype=dtype, policy="full")  # (A_none − b·h) · tokens
-    return recompute + b * _text_config(cfg).hidden_size * tokens
+    h, n = c.hidden_size, int(tokens)
+    if _experts_shape(c) is not None or _linear_mixer_bytes(c, b) or _fp32_norm(c):
+        _, recompute = activation_parts(cfg, n, dtype=dtype, policy="full")  # (A_none − b·h) · tokens
+        return recompute + b * h * n
+    n_q = c.num_attention_heads
+    n_kv = getattr(c, "num_key_value_heads", None) or n_q
+    d = getattr(c, "head_dim", None) or h // n_q
+    q, k = n_q * d, n_kv * d
+    outside = b * h + 2 * b * _rotary_dim(c, d)
+    attention = 2 * b * h + b * (q + 2 * k) + max(8 * q, 3 * b * q, b * q + 3 * b * k) + 4 * n_q
+    layer = max(b * h + 8 * h, attention, 3 * b * h + 3 * b * c.intermediate_size, 4 * b * h)
+    return (outside + layer) * n
 
 
 def _teacher_config(spec, vocab: int):
@@ -799,8 +848,8 @@ def _teacher_config(spec, vocab: int):
 
 
 def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: int) -> dict[str, int]:
-    """``predict_memory``'s objective terms of the spec's objective (its ``frozen_*``, ``sampling``
-    and ``scoring_pass``; ``loss_chunk`` where the loss covers fewer rows than a chunk), for
+    """``predict_memory``'s objective terms of the spec's objective (its ``frozen_*``, ``sampling``,
+    ``scoring_pass`` and ``eval_pass``; ``loss_chunk`` where the loss covers fewer rows than a chunk), for
     ``rows`` × ``seq_len`` tokens per micro-batch.
 
     SFT adds nothing.  ``[preference]`` packs a pair's two arms into one row of ``seq_len``
@@ -808,7 +857,9 @@ def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: in
     copy of the policy, or ``reference_path``'s model) and its no-grad forward after the
     policy's (a layer's working set, then its final hidden state and one chunk's logits); a
     ``"cached"`` one adds the scoring pass before the first step (``score_pairs``: 8 rows a
-    forward, no optimizer state yet) and a [pairs, 2] table.  ``[distill]`` adds the teacher's
+    forward, no optimizer state yet) and a [pairs, 2] table; with held-out pairs (``data.eval``,
+    ``train.eval_every`` > 0) the evaluation's no-grad forward of 8 rows (``eval_batches``) beside
+    the weights and the state, the same working set as the scoring pass.  ``[distill]`` adds the teacher's
     weights (``distill.teacher_dtype``), its no-grad forward with its final hidden state held
     into the divergence, and with ``on_policy`` > 0 the sampling phase: the student's KV cache for
     the longest prompts a row can hold (``seq_len − 1`` tokens, one trained token after them) and
@@ -818,11 +869,16 @@ def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: in
     b = torch.empty((), dtype=_dtype(dtype)).element_size()
     out: dict[str, int] = {}
     pref = spec.preference
-    if pref is not None and pref.uses_reference:
-        from pgs.func import kernels
+    from pgs.func import kernels
 
-        # the reference's log-probs: one chunk's forward, as the policy's (chunk_work_bytes)
-        chunk_logits = chunk_work_bytes(min(chunk, n), c.vocab_size, b, kernels.CONFIG.ce_kernels)[0]
+    # a forward's log-probs: one chunk's, as the policy's (chunk_work_bytes)
+    chunk_logits = chunk_work_bytes(min(chunk, n), c.vocab_size, b, kernels.CONFIG.ce_kernels)[0]
+    scored = 8 * seq_len  # score_pairs and evaluate_pairs: eval_batches of 8 rows
+    eight_rows = max(layer_working_bytes(cfg, scored, dtype), b * c.hidden_size * scored
+                     + chunk_work_bytes(min(chunk, scored), c.vocab_size, b, kernels.CONFIG.ce_kernels)[0])
+    if pref is not None and spec.data.eval and spec.train.eval_every > 0:
+        out["eval_pass"] = eight_rows
+    if pref is not None and pref.uses_reference:
         if pref.reference == "live":
             ref_cfg, ref = cfg, model
             if pref.reference_path is not None:
@@ -836,9 +892,7 @@ def objective_memory(spec, cfg, model, dtype, rows: int, seq_len: int, chunk: in
             out["frozen_forward"] = max(layer_working_bytes(ref_cfg, n, dtype),
                                         b * _text_config(ref_cfg).hidden_size * n + chunk_logits)
         else:
-            scored = 8 * seq_len  # score_pairs: eval_batches of 8 rows
-            out["scoring_pass"] = max(layer_working_bytes(cfg, scored, dtype),
-                                      b * c.hidden_size * scored + chunk_logits)
+            out["scoring_pass"] = eight_rows
     distill = spec.distill
     if distill is not None:
         t_cfg = _teacher_config(spec, c.vocab_size)
@@ -978,7 +1032,7 @@ def predict(spec, device: torch.device, ranks: int = 1, **overrides) -> Predicti
         plan["config"], plan["micro_batch"], plan["seq_len"], dtype_bytes=torch.empty((), dtype=dt).element_size(),
         implementation=impl, device_type=device.type, packed=bool(spec.data.packing), varlen_kernel=varlen,
         checkpointing=opts["activation_checkpointing"], every=int(opts["checkpoint_every"]))
-    parts = {k: pred[k] for k in ("weights", "optimizer_state", "activations", "loss")}
+    parts = dict(pred["peak_parts"])  # what is live at the peak's phase: they sum to the peak
     parts["attention masks"] = attention
     services = service_memory(spec, plan)  # what the step-time services hold (loop/services.py)
     if services["device"]:
@@ -1045,6 +1099,8 @@ def profile(spec, measure: bool = False, spec_path: str | None = None, *, consol
     for label, nbytes in host_rows:
         table.add_row(label, f"{nbytes / scale:.3f}")
     console.print(table)
+    console.print("the peak's phase: " + " + ".join(f"{k} {v / scale:.3f}" for k, v in prediction.parts.items() if v)
+                  + f" = {prediction.peak / scale:.3f} {unit}", soft_wrap=True, highlight=False)
     console.print(f"vocabulary {_text_config(plan['config']).vocab_size:,}; the peak is the figure to compare with "
                   "a GPU (add allocator slack and the CUDA context)", soft_wrap=True, highlight=False)
     if measured is not None:

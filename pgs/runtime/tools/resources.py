@@ -123,7 +123,9 @@ def check_memory(spec, prediction: Prediction, device: torch.device, available: 
         f"{prediction.peak / GiB:.2f} GiB at the peak ({parts} GiB; the largest: {biggest}; pgs profile), but "
         f"{where} {available / GiB:.2f} GiB free on {device.type} ({(prediction.peak - available) / GiB:.2f} GiB "
         f"short); lower data.max_seq_len or the micro-batch "
-        f"(train.batch_size / train.grad_accum), or set memory.activation_checkpointing")
+        f"(train.batch_size / train.grad_accum), or set memory.activation_checkpointing"
+        + (f"; the {', '.join(eight)} run{'s' if len(eight) == 1 else ''} 8 rows of data.max_seq_len a forward"
+           if (eight := [k for k in ("scoring pass", "evaluation") if prediction.parts.get(k)]) else ""))
 
 
 def check_pinned(prediction: Prediction, device: torch.device, available: int | None = None,
