@@ -17,7 +17,7 @@ from pgs.runtime.spec.load import load_spec
 from pgs.runtime.store import reference as cache
 from pgs.runtime.tools.report import write_report
 from helpers import (LOOP, QUICKSTART, assert_same_checkpoint, launch, loop_fields, model_toml, quickstart_head,
-                     records, run_plain_and_released, step_records, write_toml)
+                     records, run_here, run_plain_and_released, step_records, write_toml)
 
 pytestmark = pytest.mark.slow  # ~3 minutes on two busy CPU cores
 
@@ -238,9 +238,7 @@ def test_8bit_chains_and_gradient_release_train_and_resume_exactly(tmp_path, cas
     """DPO with an 8-bit optimizer chain (and with gradient release): the pair loss falls, the
     accuracy is logged, and a SIGKILL after step 6 + ``--resume auto`` (from step 4) ends with the
     uninterrupted run's weights, 8-bit chain state and losses bit for bit."""
-    whole = memory_spec(tmp_path, "whole", case)
-    done = launch(whole)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_here(memory_spec(tmp_path, "whole", case)) == 0  # one thread, as the children
     steps = step_records(tmp_path / "whole")
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert all(0 <= r["preference_accuracy"] <= 1 and r["pairs"] > 0 for r in steps)

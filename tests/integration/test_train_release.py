@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, assert_same_checkpoint, child_env, launch, step_records, tiny_spec
+from helpers import ROOT, assert_same_checkpoint, child_env, launch, run_here, step_records, tiny_spec
 from pgs.runtime.loop.faults import Faults
 
 RELEASE = "\n[memory]\ngradient_release = {release}\ndefer_head_grad = {defer}\n"
@@ -99,9 +99,7 @@ def test_nonfinite_loss_is_skipped_before_backward(tmp_path, monkeypatch):
 
 
 def test_sigkill_then_resume_with_release_is_bit_exact(tmp_path):
-    ref = release_spec(tmp_path, "ref")
-    done = launch(ref)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_here(release_spec(tmp_path, "ref")) == 0  # one thread, as the children
 
     spec = release_spec(tmp_path, "run")
     first = launch(spec, **Faults(crash_at=("step", 5)).env())
