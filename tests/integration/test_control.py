@@ -144,7 +144,7 @@ def test_wall_budget_checkpoints_exits_82_and_resumes(tmp_path):
     assert marker["exit_code"] == 82 and marker["checkpoint"].endswith("step_1")
     # Without a budget the same run resumes and matches an uninterrupted one.
     free = tiny_spec(tmp_path, "run", steps=6, every=0)
-    assert launch(free, "auto").returncode == 0
+    assert run_here(free, "--resume", "auto") == 0
     assert run_here(tiny_spec(tmp_path, "ref", steps=6, every=0)) == 0  # one thread, as the children
     assert_same_checkpoint(run_dir / "step_6", tmp_path / "ref" / "step_6")
 
