@@ -1,6 +1,6 @@
 """What the test modules share (``from helpers import ...``; tests/conftest.py puts this folder on
 ``sys.path``): a tiny random-init model's spec tables (its ``[model.config]``: tests/tiny.py), a spec written into a temporary folder,
-``pgs run`` as a child process (one process or two ranks under torchrun), a run's metrics
+``pgs run`` as a child process (one process or two ranks under torchrun) or in this process, a run's metrics
 records, checkpoint equality, and the one ``pgs: error:`` line of a refused command."""
 
 from __future__ import annotations
@@ -175,6 +175,21 @@ def launch(spec: Path, resume: str | None = None, timeout: float = 240, args: tu
     """``pgs run`` as a child process (``env``: more environment), its output captured."""
     return subprocess.run(command(spec, resume, args), cwd=ROOT, env=child_env(**env), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def run_here(spec: Path, *args: str) -> int:
+    """``pgs run SPEC ARGS...`` in this process at one intra-op thread (as ``launch``'s children
+    run), its exit code: a one-process reference run without an interpreter, torch and
+    transformers to start (a child pays seconds of CPU for them, and for its data worker's fork
+    server, which this process starts once)."""
+    from pgs.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main(["run", str(spec), *args])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def torchrun(spec: Path, resume: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess:

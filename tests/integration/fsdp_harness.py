@@ -286,18 +286,24 @@ SCENARIOS = {"equivalence": scenario_equivalence, "signal": scenario_signal, "na
 
 
 def main(argv: list[str]) -> int:
-    name, out = argv[0], argv[1]
+    """``NAME[+NAME...] OUT``: the scenarios one after the other on one process group (one start
+    of the ranks for several), each's result in ``OUT/result_NAME_rankR.json``; the first that
+    ends with a non-zero code ends the run."""
+    names, out = argv[0].split("+"), argv[1]
     torch.set_num_threads(1)
     ctx = D.init()
     code = 0
-    try:
-        result = SCENARIOS[name](ctx, out)
-        code = int(result.get("exit_code", 0))
-    except HaltError as err:
-        result, code = {"kind": "halt", "message": str(err)}, err.exit_code
-    result.update(rank=ctx.rank, world=ctx.world_size)
-    with open(os.path.join(out, f"result_{name}_rank{ctx.rank}.json"), "w") as handle:
-        json.dump(result, handle)
+    for name in names:
+        try:
+            result = SCENARIOS[name](ctx, out)
+            code = int(result.get("exit_code", 0))
+        except HaltError as err:
+            result, code = {"kind": "halt", "message": str(err)}, err.exit_code
+        result.update(rank=ctx.rank, world=ctx.world_size)
+        with open(os.path.join(out, f"result_{name}_rank{ctx.rank}.json"), "w") as handle:
+            json.dump(result, handle)
+        if code:
+            break
     D.shutdown()
     return code
 

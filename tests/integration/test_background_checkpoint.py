@@ -23,8 +23,8 @@ import torch
 from pgs import cli
 from pgs.runtime.loop.faults import Faults
 from pgs.runtime.store import background, checkpoint as ckpt
-from helpers import (assert_same_checkpoint, assert_same_weights, final_weights, launch, records, step_records,
-                     tiny_spec, torchrun)
+from helpers import (assert_same_checkpoint, assert_same_weights, final_weights, launch, records, run_here,
+                     step_records, tiny_spec, torchrun)
 
 BACKGROUND = ("--set", "checkpoint.background=true")
 
@@ -130,14 +130,21 @@ def _run(spec, *args) -> int:
     return cli.main(["run", str(spec), *args])
 
 
-def test_a_run_with_background_saves_writes_the_foreground_runs_checkpoints(tmp_path, capsys):
-    fg = tiny_spec(tmp_path, "fg", steps=12, every=4)
+@pytest.fixture(scope="module")
+def foreground(tmp_path_factory) -> Path:
+    """The run folder of the tiny spec (12 steps, a checkpoint every 4) saved in the foreground,
+    one thread, in this process: the reference of the background runs below."""
+    tmp = tmp_path_factory.mktemp("foreground")
+    assert run_here(tiny_spec(tmp, "fg", steps=12, every=4)) == 0
+    return tmp / "fg"
+
+
+def test_a_run_with_background_saves_writes_the_foreground_runs_checkpoints(tmp_path, capsys, foreground):
     bg = tiny_spec(tmp_path, "bg", steps=12, every=4)
-    assert _run(fg) == 0
     assert _run(bg, *BACKGROUND) == 0, capsys.readouterr().err[-3000:]
     for step in (4, 8, 12):
-        assert_same_checkpoint(tmp_path / "bg" / f"step_{step}", tmp_path / "fg" / f"step_{step}")
-    assert [r["loss"] for r in step_records(tmp_path / "bg")] == [r["loss"] for r in step_records(tmp_path / "fg")]
+        assert_same_checkpoint(tmp_path / "bg" / f"step_{step}", foreground / f"step_{step}")
+    assert [r["loss"] for r in step_records(tmp_path / "bg")] == [r["loss"] for r in step_records(foreground)]
     events = [r for r in records(tmp_path / "bg") if r.get("event") == "checkpoint"]
     saves = {r["step"]: r for r in events}
     assert sorted(saves) == [4, 8, 12] and len(events) == 3  # each save's event once
@@ -153,23 +160,22 @@ def test_a_run_with_background_saves_writes_the_foreground_runs_checkpoints(tmp_
     assert report.earlier_runs == 0 and [x for x, _ in report.series["loss"]] == list(range(1, 13))
 
 
-def test_sigkill_while_the_thread_writes_then_resume_auto_is_bit_exact(tmp_path):
+def test_sigkill_while_the_thread_writes_then_resume_auto_is_bit_exact(tmp_path, foreground, capfd):
     """Killed halfway through the background write of step_8 (the training thread is already
     past step 8): step_8 never appears, step_4 is resumed from, the end equals an
-    uninterrupted run's."""
-    ref = tiny_spec(tmp_path, "ref", steps=12, every=4)
-    assert launch(ref).returncode == 0
+    uninterrupted run's (``foreground``: one thread, as the child processes here)."""
     spec = tiny_spec(tmp_path, "run", steps=12, every=4)
     first = launch(spec, args=BACKGROUND, **Faults(crash_at=("checkpoint_write", 8)).env())
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     run_dir = tmp_path / "run"
     assert ckpt.problem(str(run_dir / "step_4")) is None and not (run_dir / "step_8").exists()
-    second = launch(spec, "auto", args=BACKGROUND)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stderr and "step_4" in second.stderr
+    capfd.readouterr()
+    assert run_here(spec, "--resume", "auto", *BACKGROUND) == 0  # in this process, one thread
+    err = capfd.readouterr().err
+    assert "resumed from" in err and "step_4" in err
     for step in (8, 12):
-        assert_same_checkpoint(run_dir / f"step_{step}", tmp_path / "ref" / f"step_{step}")
-    assert [r["loss"] for r in step_records(run_dir)] == [r["loss"] for r in step_records(tmp_path / "ref")]
+        assert_same_checkpoint(run_dir / f"step_{step}", foreground / f"step_{step}")
+    assert [r["loss"] for r in step_records(run_dir)] == [r["loss"] for r in step_records(foreground)]
 
 
 def test_a_halt_waits_for_the_save_in_flight(tmp_path, monkeypatch, capsys):

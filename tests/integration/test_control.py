@@ -14,7 +14,7 @@ from pgs.errors import EXIT_PREFLIGHT, EXIT_SKIP_CAP, EXIT_WALL_BUDGET, HaltErro
 from pgs.runtime.loop import control
 from pgs.runtime.loop.faults import Faults
 
-from helpers import assert_same_checkpoint, launch, records, step_records, tiny_spec
+from helpers import assert_same_checkpoint, launch, records, run_here, step_records, tiny_spec
 
 
 # -- units ------------------------------------------------------------------------------
@@ -144,9 +144,8 @@ def test_wall_budget_checkpoints_exits_82_and_resumes(tmp_path):
     assert marker["exit_code"] == 82 and marker["checkpoint"].endswith("step_1")
     # Without a budget the same run resumes and matches an uninterrupted one.
     free = tiny_spec(tmp_path, "run", steps=6, every=0)
-    assert launch(free, "auto").returncode == 0
-    reference = tiny_spec(tmp_path, "ref", steps=6, every=0)
-    assert launch(reference).returncode == 0
+    assert run_here(free, "--resume", "auto") == 0
+    assert run_here(tiny_spec(tmp_path, "ref", steps=6, every=0)) == 0  # one thread, as the children
     assert_same_checkpoint(run_dir / "step_6", tmp_path / "ref" / "step_6")
 
 

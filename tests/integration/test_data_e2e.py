@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from pgs.cli import main
 from pgs.runtime.data.synthetic import generate, write_jsonl
-from helpers import LOOP, launch, loop_fields, model_toml, write_toml
+from helpers import LOOP, loop_fields, model_toml, run_here, write_toml
 
 MISTRAL_TOKENS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
                   "[/TOOL_RESULTS]"]
@@ -51,8 +51,7 @@ def test_mistral_tool_calls_train_export_and_stop_at_end_of_turn(tmp_path):
     data = tmp_path / "tools.jsonl"
     write_jsonl(str(data), generate(400, seed=11, weather_share=1.0))
     spec = write_spec(tmp_path, f'{{ path = "{data}" }}', steps=150)
-    done = launch(spec, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_here(spec) == 0  # in this process, one thread
     final = tmp_path / "run" / "final"
     tokenizer = AutoTokenizer.from_pretrained(final)
     model = AutoModelForCausalLM.from_pretrained(final).eval()

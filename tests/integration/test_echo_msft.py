@@ -17,7 +17,7 @@ from pgs.runtime.loop.faults import Faults
 from pgs.runtime.loop.msft import pick_excluded, source_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers import QUICKSTART, ROOT, launch, model_toml, records as _records  # noqa: E402
+from helpers import QUICKSTART, ROOT, launch, model_toml, records as _records, run_here  # noqa: E402
 from test_data_chat import QWEN3_STYLE, WEATHER_TOOL, call, tokenizer_with, trained_runs  # noqa: E402
 
 ECHO_TURNS = [
@@ -121,8 +121,7 @@ def _launch(spec: Path, *extra, **env):
 def test_msft_excludes_one_source_per_round_reverts_and_resumes(tmp_path):
     spec = _msft_spec(tmp_path)
     run_dir = tmp_path / "run"
-    done = _launch(spec)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_here(spec) == 0  # in this process, one thread
     records = _records(run_dir)
     evals = [r for r in records if "eval_loss_add" in r]
     assert evals and all("eval_loss_weather" in r for r in evals)  # per-source eval loss, every eval
@@ -157,8 +156,7 @@ def test_msft_excludes_one_source_per_round_reverts_and_resumes(tmp_path):
     first_step = events[0]["step"]
     crash = _launch(spec2, **Faults(crash_at=("step", first_step + 1)).env())
     assert crash.returncode == -signal.SIGKILL, crash.stderr[-3000:]
-    resumed = _launch(spec2, "--resume", "auto")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert run_here(spec2, "--resume", "auto") == 0
     events2 = [r for r in _records(again / "run") if r.get("event") == "msft_exclude"]
     strip = lambda e: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in e.items() if k != "time"}  # noqa: E731
     assert [strip(e) for e in events2] == [strip(e) for e in events]

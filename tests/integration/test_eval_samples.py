@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import torch
-from helpers import QUICKSTART, launch, quickstart_head, tiny_spec
+from helpers import QUICKSTART, quickstart_head, run_here, tiny_spec
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pgs.cli import main
@@ -22,13 +22,14 @@ def _first_prompt(record: dict) -> list[dict]:
 def test_samples_at_every_eval_are_the_models_greedy_replies(tmp_path, capsys):
     held_out = quickstart_head("eval.jsonl", 6, tmp_path / "held_out.jsonl")
     spec = tiny_spec(tmp_path, steps=4, eval_every=2, export="true")
-    out = launch(spec, args=("--set", f'data.eval="{held_out.as_posix()}"', "--set", "eval.samples=3",
-                             "--set", "eval.max_new_tokens=8"))
-    assert out.returncode == 0, out.stderr[-3000:]
+    capsys.readouterr()
+    assert run_here(spec, "--set", f'data.eval="{held_out.as_posix()}"', "--set", "eval.samples=3",
+                    "--set", "eval.max_new_tokens=8") == 0  # in this process, one thread
+    err = capsys.readouterr().err
     run_dir = tmp_path / "run"
     folder = run_dir / "samples"
     assert sorted(p.name for p in folder.iterdir()) == ["step_0.jsonl", "step_2.jsonl", "step_4.jsonl"]
-    assert "samples  3 replies in samples/step_4.jsonl" in out.stderr
+    assert "samples  3 replies in samples/step_4.jsonl" in err
     records = [json.loads(line) for line in (QUICKSTART / "eval.jsonl").read_text().splitlines()[:3]]
     last = [json.loads(line) for line in (folder / "step_4.jsonl").read_text().splitlines()]
     assert [s["index"] for s in last] == [0, 1, 2] and all(s["step"] == 4 for s in last)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import torch
-from helpers import QUICKSTART, ROOT, launch, quickstart_head
+from helpers import QUICKSTART, ROOT, quickstart_head, run_here
 from tiny import from_config, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -22,8 +22,7 @@ def test_finetune_spec_trains_a_model_folder(tmp_path):
     sets = [f"model.path={folder.as_posix()}", f'data.sources=["{train.as_posix()}"]',
             f'data.eval="{held_out.as_posix()}"', "data.max_seq_len=256", 'train.device="cpu"',
             f'checkpoint.dir="{run_dir.as_posix()}"', "schedule.warmup=1"]  # a run of a few steps
-    out = launch(ROOT / "specs" / "finetune.toml", args=tuple(a for s in sets for a in ("--set", s)))
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert run_here(ROOT / "specs" / "finetune.toml", *(a for s in sets for a in ("--set", s))) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r and "step" in r and "eval_loss" not in r]
     evals = [r for r in records if "eval_loss" in r]

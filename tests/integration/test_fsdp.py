@@ -3,7 +3,8 @@
 Each 2-rank run is two processes started with torchrun's environment
 (tests/integration/fsdp_harness.py), bounded by a timeout: a hang fails the test instead of
 blocking CI (the process group timeout is also short, PGS_PG_TIMEOUT_S=60).  Three runs in
-all (gloo startup and imports cost seconds each); each run checks several things.
+all (gloo startup and imports cost seconds each; the activation checkpointing scenario runs in
+the first run's process group, after the equivalence scenario); each run checks several things.
 
 Why exact equality is expected: the single-process reference accumulates the same row
 blocks as micro-batches (rank 0's, then rank 1's), each divided by the same global token
@@ -96,7 +97,7 @@ def _equal(a: dict, b: dict) -> float:
 @pytest.fixture(scope="module")
 def equivalence(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_equivalence")
-    procs = start("equivalence", out)
+    procs = start("equivalence+checkpointing", out)
     # the single-process references run meanwhile
     refs = {name: H.full_params(H.reference(name, H.STEPS)[0]) for name in H.CHAINS}
     codes = finish(procs, out)
@@ -309,19 +310,19 @@ def test_launch_command_and_timeout(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------
-# run 4: activation checkpointing under FSDP2
+# run 1 again: activation checkpointing under FSDP2
 
 
-def test_checkpointed_layers_under_fsdp_train_as_unchecked(tmp_path):
+def test_checkpointed_layers_under_fsdp_train_as_unchecked(equivalence):
     """Full checkpointing (the recompute path and torch.utils.checkpoint) and sublayer
     checkpointing with offloaded inputs, applied before ``fully_shard`` as ``train.setup``
     does: the same weights after 3 AdamW steps on 2 ranks as without checkpointing, bit for
-    bit (the recompute's nested backward runs FSDP2's unshard and reduce-scatter hooks)."""
-    procs = start("checkpointing", tmp_path)
-    codes = finish(procs, tmp_path)
-    assert codes == [0, 0], _logs(tmp_path)
-    ref = torch.load(tmp_path / "ckpt_none.pt")
+    bit (the recompute's nested backward runs FSDP2's unshard and reduce-scatter hooks).
+    The ranks' exit codes are the ``equivalence`` fixture's (0, 0)."""
+    out = equivalence[0]
+    assert [r["world"] for r in results(out, "checkpointing")] == [2, 2]
+    ref = torch.load(out / "ckpt_none.pt")
     assert _equal(ref, H.full_params(H.tiny_model(True))) > 1e-4  # the run trained
     for mode in H.CHECKPOINT_MODES:
         if mode != "none":
-            assert _equal(torch.load(tmp_path / f"ckpt_{mode}.pt"), ref) == 0.0, mode
+            assert _equal(torch.load(out / f"ckpt_{mode}.pt"), ref) == 0.0, mode

@@ -154,27 +154,22 @@ def test_pgs_run_two_ranks_offloaded_equals_one_process_and_sigkill_resume_is_ex
     losses of the uninterrupted 2-rank run bit for bit."""
     import subprocess
 
-    from helpers import ROOT, assert_same_weights, child_env, command, final_weights, launch, step_records
+    from helpers import ROOT, assert_same_weights, child_env, command, final_weights, launch, run_here, step_records
     from pgs.runtime.loop.faults import Faults
 
     one, two, cut = (_offload_spec(tmp_path, n) for n in ("one", "two", "cut"))
     nproc = ("--nproc", "2")
-    procs = {"one": subprocess.Popen(command(one), cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True),
-             "two": subprocess.Popen(command(two, args=nproc), cwd=ROOT, env=child_env(PGS_PG_TIMEOUT_S=60),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)}
-    logs = {}
-    try:
-        for name, p in procs.items():
-            logs[name] = p.communicate(timeout=400)[0]
+    ranks = subprocess.Popen(command(two, args=nproc), cwd=ROOT, env=child_env(PGS_PG_TIMEOUT_S=60),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:  # the one process meanwhile, in this process (one thread)
+        assert run_here(one) == 0
+        log = ranks.communicate(timeout=400)[0]
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for name, p in procs.items():
-        assert p.returncode == 0, f"{name}:\n{logs[name][-4000:]}"
-    assert "optimizer state in host memory per process (2 processes, each its own shards)" in logs["two"]
+        if ranks.poll() is None:
+            ranks.kill()
+            ranks.wait()
+    assert ranks.returncode == 0, log[-4000:]
+    assert "optimizer state in host memory per process (2 processes, each its own shards)" in log
     assert_same_weights(final_weights(tmp_path / "one"), final_weights(tmp_path / "two"), "1 vs 2 ranks", atol=1e-6)
     la, lb = step_records(tmp_path / "one"), step_records(tmp_path / "two")
     assert [r["step"] for r in lb] == list(range(1, 7))

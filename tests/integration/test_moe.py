@@ -13,7 +13,7 @@ from pgs.runtime.data.isolation import packing_isolation
 from pgs.runtime.model.build import build_model, final_hidden
 from pgs.runtime.model.moe import METRIC_KEYS, RouterTap, find_routers, router_tap
 from pgs.runtime.spec.load import MoESpec
-from helpers import cli_error, launch, step_records, tiny_spec
+from helpers import cli_error, launch, run_here, step_records, tiny_spec
 
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
               max_position_embeddings=128, vocab_size=97, tie_word_embeddings=False)
@@ -184,9 +184,14 @@ def moe_spec(tmp_path, name, *, model_type="qwen3_moe", steps=3, grad_accum=2, c
     return path
 
 
-def run_spec(path, timeout=240):
-    done = launch(path, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
+def run_spec(path, child: bool = False):
+    """The step records of ``pgs run path``: in this process (one thread), or ``child``: a child
+    process (a run that compiles, which leaves dynamo's caches in the process that ran it)."""
+    if child:
+        done = launch(path, timeout=480)
+        assert done.returncode == 0, done.stderr[-3000:]
+    else:
+        assert run_here(path) == 0
     return step_records(path.parent / path.stem)
 
 
@@ -223,7 +228,7 @@ def test_router_telemetry_and_losses_through_compiled_layers(tmp_path):
     eager = run_spec(moe_spec(tmp_path, "eager", load_balance=0.2, z_loss=0.01))
     path = moe_spec(tmp_path, "compiled", load_balance=0.2, z_loss=0.01)
     path.write_text(path.read_text().replace("[memory]\n", "[memory]\ncompile_layers = true\n"))
-    compiled = run_spec(path, timeout=480)
+    compiled = run_spec(path, child=True)
     assert "compile_layers = true" in (tmp_path / "compiled" / "spec.resolved.toml").read_text()
     assert len(compiled) == len(eager) == 3
     for key in METRIC_KEYS:

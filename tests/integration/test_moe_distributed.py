@@ -29,7 +29,7 @@ def _spec(tmp_path, name):
 
 @pytest.mark.slow
 def test_moe_two_ranks_equal_one_process_and_experts_are_sharded(tmp_path):
-    single = run_spec(_spec(tmp_path, "single"), timeout=TIMEOUT_S)
+    single = run_spec(_spec(tmp_path, "single"))  # in this process, one thread
     two = _spec(tmp_path, "two")
     done = torchrun(two, timeout=TIMEOUT_S)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pgs.runtime.store import reference as cache
-from helpers import launch, records, step_records, torchrun
+from helpers import records, run_here, step_records, torchrun
 from test_preference_run import write_spec
 
 pytestmark = pytest.mark.slow  # two launches, ~1 minute on two busy CPU cores
@@ -33,8 +33,7 @@ def spec_for(tmp_path: Path, name: str, *, ranks: int) -> Path:
 
 
 def test_two_ranks_train_the_pairs_one_process_trains(tmp_path):
-    done = launch(spec_for(tmp_path, "single", ranks=1))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_here(spec_for(tmp_path, "single", ranks=1)) == 0
     done = torchrun(spec_for(tmp_path, "two", ranks=2))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert done.stderr.count("reference log-probs: computed 48 + 16 pairs") == 1  # rank 0 only

@@ -17,7 +17,7 @@ from pgs.runtime.spec.load import load_spec
 from pgs.runtime.store import reference as cache
 from pgs.runtime.tools.report import write_report
 from helpers import (LOOP, QUICKSTART, assert_same_checkpoint, launch, loop_fields, model_toml, quickstart_head,
-                     records, run_plain_and_released, step_records, write_toml)
+                     records, run_here, run_plain_and_released, step_records, write_toml)
 
 pytestmark = pytest.mark.slow  # ~3 minutes on two busy CPU cores
 
@@ -88,16 +88,16 @@ def _meta(run_dir: Path) -> str:
         return f.metadata()["fingerprint"]
 
 
-def test_sigkill_then_resume_is_bit_exact_and_reuses_the_cache(uninterrupted, tmp_path):
+def test_sigkill_then_resume_is_bit_exact_and_reuses_the_cache(uninterrupted, tmp_path, capfd):
     for name in ("pairs_train.jsonl", "pairs_eval.jsonl"):
         (tmp_path / name).write_bytes((uninterrupted / name).read_bytes())
         os.utime(tmp_path / name, ns=(os.stat(uninterrupted / name).st_mtime_ns,) * 2)
     spec = write_spec(tmp_path, "cut", eval_every=4)
     first = launch(spec, **Faults(crash_at=("step", 6)).env())
     assert first.returncode != 0 and "computed 48 + 16 pairs" in first.stderr
-    second = launch(spec, "auto")
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "reference log-probs: reused" in second.stderr
+    capfd.readouterr()
+    assert run_here(spec, "--resume", "auto") == 0  # in this process, one thread
+    assert "reference log-probs: reused" in capfd.readouterr().err
     assert_same_checkpoint(uninterrupted / "ref" / "step_8", tmp_path / "cut" / "step_8")
     a = [r["loss"] for r in step_records(uninterrupted / "ref")]
     b = [r["loss"] for r in step_records(tmp_path / "cut")]
@@ -234,13 +234,11 @@ def memory_spec(tmp_path: Path, name: str, case: str) -> Path:
 
 
 @pytest.mark.parametrize("case", sorted(MEMORY_CASES))
-def test_8bit_chains_and_gradient_release_train_and_resume_exactly(tmp_path, case):
+def test_8bit_chains_and_gradient_release_train_and_resume_exactly(tmp_path, case, capfd):
     """DPO with an 8-bit optimizer chain (and with gradient release): the pair loss falls, the
     accuracy is logged, and a SIGKILL after step 6 + ``--resume auto`` (from step 4) ends with the
     uninterrupted run's weights, 8-bit chain state and losses bit for bit."""
-    whole = memory_spec(tmp_path, "whole", case)
-    done = launch(whole)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_here(memory_spec(tmp_path, "whole", case)) == 0  # one thread, as the children
     steps = step_records(tmp_path / "whole")
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert all(0 <= r["preference_accuracy"] <= 1 and r["pairs"] > 0 for r in steps)
@@ -256,9 +254,10 @@ def test_8bit_chains_and_gradient_release_train_and_resume_exactly(tmp_path, cas
     cut = memory_spec(tmp_path, "cut", case)
     first = launch(cut, **Faults(crash_at=("step", 6)).env())
     assert first.returncode != 0
-    second = launch(cut, "auto")
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stderr and "reference log-probs: reused" in second.stderr
+    capfd.readouterr()
+    assert run_here(cut, "--resume", "auto") == 0  # in this process, one thread
+    err = capfd.readouterr().err
+    assert "resumed from" in err and "reference log-probs: reused" in err
     assert_same_checkpoint(tmp_path / "whole" / "step_8", tmp_path / "cut" / "step_8")
     assert [r["loss"] for r in step_records(tmp_path / "cut")] == [r["loss"] for r in steps]
 

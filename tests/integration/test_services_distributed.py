@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 from pgs.runtime.loop.averaging import EXPORT_DIR
 from pgs.runtime.loop.faults import Faults
 from helpers import (QUICKSTART, ROOT, assert_same_weights, child_env, final_weights, free_port, launch, records,
-                     step_records, tiny_spec, torchrun)
+                     run_here, step_records, tiny_spec, torchrun)
 from test_echo_msft import _msft_spec
 
 pytestmark = pytest.mark.slow  # several launches of 2 and 3 processes
@@ -72,8 +72,7 @@ def _ema(run_dir: Path) -> dict:
 
 
 def test_averaging_on_three_ranks_equals_one_process_and_resumes_exactly(tmp_path):
-    done = launch(_averaging_spec(tmp_path, "single", ranks=1), timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_here(_averaging_spec(tmp_path, "single", ranks=1)) == 0
     done = launch(_averaging_spec(tmp_path, "three", ranks=3), timeout=TIMEOUT_S, args=NPROC)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     single, three = tmp_path / "single", tmp_path / "three"
@@ -147,9 +146,7 @@ def _exclusions(run_dir: Path) -> list[dict]:
 
 
 def test_msft_on_two_ranks_excludes_what_one_process_excludes(tmp_path, msft_two_ranks):
-    spec = _msft_ranks_spec(tmp_path / "ranks1", 1)
-    done = launch(spec, timeout=TIMEOUT_S)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert run_here(_msft_ranks_spec(tmp_path / "ranks1", 1)) == 0
     runs = {1: records(tmp_path / "ranks1" / "run"), 2: records(msft_two_ranks)}
     events = {n: [r for r in log if r.get("event") == "msft_exclude"] for n, log in runs.items()}
     assert len(events[1]) == 2

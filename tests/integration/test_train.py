@@ -3,7 +3,8 @@
 A tiny Qwen3 (random init) trains on the quickstart data on the CPU.  Runs are separate
 processes launched like the CLI, killed with SIGKILL at chosen points (after a step, in the
 middle of writing a checkpoint) or stopped with SIGTERM, and resumed with ``--resume auto``;
-their final weights and optimizer state must equal an uninterrupted run's bit for bit.
+their final weights and optimizer state must equal an uninterrupted run's bit for bit (that one,
+and the runs no test kills, run in the test's process at one thread: ``helpers.run_here``).
 """
 
 from __future__ import annotations
@@ -17,17 +18,15 @@ import torch
 from safetensors.torch import load_file
 
 from pgs.runtime.loop.faults import Faults
-from helpers import (ROOT, assert_same_checkpoint, child_env, command, launch, records, step_records, tiny_spec,
-                     wait_for_file)
+from helpers import (ROOT, assert_same_checkpoint, child_env, command, launch, records, run_here, step_records,
+                     tiny_spec, wait_for_file)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """An uninterrupted 24-step run (checkpoints every 4 steps, all kept)."""
     tmp = tmp_path_factory.mktemp("reference")
-    spec = tiny_spec(tmp, "ref")
-    done = launch(spec)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_here(tiny_spec(tmp, "ref")) == 0  # in this process, one thread (as the children)
     return tmp / "ref"
 
 
@@ -107,9 +106,7 @@ def test_sigterm_checkpoints_exits_143_and_resume_continues_exactly(tmp_path, re
 def test_final_export_loads_with_transformers_and_generates(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = tiny_spec(tmp_path, "run", steps=3, every=0, export="true", eval_every=3)
-    done = launch(spec)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_here(tiny_spec(tmp_path, "run", steps=3, every=0, export="true", eval_every=3)) == 0
     run_dir = tmp_path / "run"
     final = run_dir / "final"
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):

@@ -18,7 +18,8 @@ gradient changes the weights by ~1e-3 after one step at lr 3e-3).  Resume at the
 size is checked bit for bit (DCP moves bits).  No clip (a global norm over shards agrees to
 rounding only).
 
-Launches (each ~10 s): the 2-rank run under torchrun; a 2-rank run stopped by SIGTERM to
+The one process runs in the test's process (``helpers.run_here``, one thread); launches: the
+2-rank run under torchrun; a 2-rank run stopped by SIGTERM to
 rank 1 (ranks started with torchrun's environment, so that each rank's exit code can be
 read: torchrun collapses them to 1); its resume under torchrun.  Every launch is bounded by
 a timeout, and the process-group timeout is short (PGS_PG_TIMEOUT_S=60): a hang fails.
@@ -34,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from pgs.runtime.loop.faults import Faults
-from helpers import (ROOT, assert_same_weights, child_env, command, final_weights, free_port, launch, records,
+from helpers import (ROOT, assert_same_weights, child_env, command, final_weights, free_port, records, run_here,
                      step_records, stopped_checkpoint, tiny_spec, torchrun, wait_for_file)
 
 TIMEOUT_S = 240
@@ -92,9 +93,7 @@ def sigterm_rank_one(spec: Path, gate: Path, step: int = 2) -> tuple[list[int], 
 
 def test_two_ranks_equal_one_process_and_sigterm_resume_is_exact(tmp_path):
     # 1. One process, grad_accum = 2.
-    single = spec_for(tmp_path, "single", ranks=1)
-    done = launch(single, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_here(spec_for(tmp_path, "single", ranks=1)) == 0
 
     # 2. Two ranks under torchrun: the same weights, bit for bit; one log (rank 0's).
     two = spec_for(tmp_path, "two", ranks=2)

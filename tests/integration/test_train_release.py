@@ -17,15 +17,13 @@ with the chain inside backward.  Expected, and checked:
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, assert_same_checkpoint, child_env, launch, step_records, tiny_spec
+from helpers import assert_same_checkpoint, launch, run_here, step_records, tiny_spec
 from pgs.runtime.loop.faults import Faults
 
 RELEASE = "\n[memory]\ngradient_release = {release}\ndefer_head_grad = {defer}\n"
@@ -98,18 +96,17 @@ def test_nonfinite_loss_is_skipped_before_backward(tmp_path, monkeypatch):
     assert any(not torch.equal(p, before[n]) for n, p in run.model.named_parameters())
 
 
-def test_sigkill_then_resume_with_release_is_bit_exact(tmp_path):
-    ref = release_spec(tmp_path, "ref")
-    done = launch(ref)
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_sigkill_then_resume_with_release_is_bit_exact(tmp_path, capfd):
+    assert run_here(release_spec(tmp_path, "ref")) == 0  # one thread, as the children
 
     spec = release_spec(tmp_path, "run")
     first = launch(spec, **Faults(crash_at=("step", 5)).env())
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     assert (tmp_path / "run" / "step_3" / "COMPLETE").exists()
-    resumed = launch(spec, "auto")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr and "step_3" in resumed.stderr
+    capfd.readouterr()
+    assert run_here(spec, "--resume", "auto") == 0  # in this process, one thread
+    err = capfd.readouterr().err
+    assert "resumed from" in err and "step_3" in err
     # weights and the release state (every group's moments and count, the layout fingerprint)
     assert_same_checkpoint(tmp_path / "run" / "step_6", tmp_path / "ref" / "step_6")
     state = load_file(tmp_path / "run" / "step_6" / "optimizer.safetensors")
@@ -143,13 +140,15 @@ def test_refusals_name_the_field(tmp_path, overrides, message):
     assert "set " in str(err.value) or "remove" in str(err.value)  # says the fix
 
 
-def test_pgs_validate_exits_2_on_a_refused_spec(tmp_path):
+def test_pgs_validate_exits_2_on_a_refused_spec(tmp_path, capsys):
+    from pgs.cli import main
+
     path = release_spec(tmp_path, "bad")
-    done = subprocess.run([sys.executable, "-m", "pgs", "validate", str(path), "--set", "optimizer.clip=1.0"],
-                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "memory.gradient_release: optimizer.clip = 1 is a global-norm clip" in done.stderr
-    assert "optimizer.clip = 0" in done.stderr
+    capsys.readouterr()
+    assert main(["validate", str(path), "--set", "optimizer.clip=1.0"]) == 2  # in this process
+    err = capsys.readouterr().err
+    assert "memory.gradient_release: optimizer.clip = 1 is a global-norm clip" in err
+    assert "optimizer.clip = 0" in err
 
 
 def test_memory_section_round_trips_and_profile_reads_it(tmp_path):

@@ -654,18 +654,16 @@ def test_profile_prediction_exact(name):
 
 
 @pytest.mark.slow
-def test_pgs_run_offloaded_sigkill_resume_equals_on_device_run(tmp_path):
+def test_pgs_run_offloaded_sigkill_resume_equals_on_device_run(tmp_path, capfd):
     """Through ``pgs run``: the offloaded run, killed after step 4 and resumed from its step-3
     checkpoint, ends with the weights and optimizer file of the on-device release run."""
     import signal
 
     from pgs.runtime.loop.faults import Faults
-    from helpers import assert_same_checkpoint, launch
+    from helpers import assert_same_checkpoint, launch, run_here
     from test_train_release import release_spec
 
-    ref = release_spec(tmp_path, "ref")
-    done = launch(ref)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_here(release_spec(tmp_path, "ref")) == 0  # in this process, one thread (as the children)
     spec = release_spec(tmp_path, "run")
     spec.write_text(spec.read_text() + "offload_optimizer = true\n")
     first = launch(spec, **Faults(crash_at=("step", 5)).env())
@@ -676,9 +674,9 @@ def test_pgs_run_offloaded_sigkill_resume_equals_on_device_run(tmp_path):
     assert steps and all(r["offload/fetches"] > 0 for r in steps)
     assert steps[-1]["offload/unannounced"] == 0  # the order learned in step 1 holds
     assert all(0 < r["offload/host_ms"] < r["release/host_ms"] for r in steps)
-    resumed = launch(spec, "auto")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "step_3" in resumed.stderr
+    capfd.readouterr()
+    assert run_here(spec, "--resume", "auto") == 0
+    assert "step_3" in capfd.readouterr().err
     assert_same_checkpoint(tmp_path / "run" / "step_6", tmp_path / "ref" / "step_6")  # weights and optimizer bits
 
 
