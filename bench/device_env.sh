@@ -22,14 +22,15 @@ log() { echo "=== $* ($(( $(date +%s) - T0 )) s)" >> "$OUT/all.log"; }
 log_tail() {
   grep -v -i "warn\|^ *$\|This call\|  File \|dynamo\|USDT\|^W1[0-9]" "$OUT/all.log" | cut -c1-200 | tail -"$1"
 }
-# cuda_tests SECONDS [--tb=STYLE] PYTEST_ARGS...: run pytest within SECONDS, keeping its failure
-# lines and summary in $OUT/pytest.log (and a line saying so when the timeout cut it off).
+# cuda_tests SECONDS [--tb=STYLE] PYTEST_ARGS...: run pytest within SECONDS, keeping each test's
+# outcome line, its failure lines and the summary in $OUT/pytest.log (and a line saying so when the
+# timeout cut it off: the tests that ended before it are still listed).
 cuda_tests() {
   local secs=$1; shift
-  timeout "$secs" python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/pytest.full" 2>&1
+  timeout "$secs" python3 -m pytest -v -p no:cacheprovider "$@" > "$OUT/pytest.full" 2>&1
   local rc=$?
-  grep -v "^W1[0-9]" "$OUT/pytest.full" | grep -E "Error|assert|FAILED|passed|failed" | cut -c1-400 | head -16 \
-    > "$OUT/pytest.log"
+  grep -v "^W1[0-9]" "$OUT/pytest.full" | grep -E "PASSED|FAILED|ERROR|SKIPPED|Error|assert|passed|failed" \
+    | cut -c1-400 | head -80 > "$OUT/pytest.log"
   [ "$rc" = 124 ] && echo "pytest: cut off by the ${secs} s timeout (no summary)" >> "$OUT/pytest.log"
   rm -f "$OUT/pytest.full"
 }
