@@ -41,3 +41,40 @@ def test_no_refusal_on_cpu_or_without_fla(monkeypatch):
     assert LA.backward_refusal(torch.device("cpu")) is None
     monkeypatch.setattr(LA, "_KERNELS", [()])  # fla not installed
     assert LA.backward_refusal(torch.device("cuda", 0)) is None
+
+
+def test_a_hybrid_model_is_refused_before_it_is_built(monkeypatch):
+    """``build_model`` asks before building or loading: a hybrid config (or a composite whose text
+    model is one) is refused with the refusal's line, another model type is not."""
+    from types import SimpleNamespace
+
+    from pgs.errors import PreflightRefused
+    from pgs.runtime.model.build import refuse_untrainable
+
+    line = "flash-linear-attention refuses ..."
+    with pytest.raises(PreflightRefused, match="^model: flash-linear-attention refuses"):
+        refuse_untrainable(SimpleNamespace(model_type="qwen3_5_text"), line)
+    with pytest.raises(PreflightRefused):
+        refuse_untrainable(SimpleNamespace(model_type="qwen3_5", text_config=SimpleNamespace(model_type="x")), line)
+    with pytest.raises(PreflightRefused):
+        refuse_untrainable(SimpleNamespace(model_type="outer", text_config=SimpleNamespace(model_type="qwen3_next")),
+                           line)
+    refuse_untrainable(SimpleNamespace(model_type="qwen3"), line)  # not a hybrid: nothing to refuse
+    refuse_untrainable(SimpleNamespace(model_type="qwen3_5_text"), None)  # fla can train it here
+
+
+def test_build_model_asks_before_building(monkeypatch, tmp_path):
+    """Through ``build_model`` itself: with the refusal standing (stand-in fla on a "CUDA"
+    device), a hybrid architecture table stops before any module is made."""
+    from pgs.errors import PreflightRefused
+    from pgs.runtime.model import build
+
+    monkeypatch.setattr(build.linear_attention, "backward_refusal", lambda device: "fla refuses (stand-in)")
+    built = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_config", lambda *a, **k: built.append(1))
+    table = {"model_type": "qwen3_5_text", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 64, "head_dim": 16,
+             "layer_types": ["linear_attention", "full_attention"]}
+    with pytest.raises(PreflightRefused, match="fla refuses"):
+        build.build_model(config=table, dtype="float32", device="cpu")
+    assert not built
