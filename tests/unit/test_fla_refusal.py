@@ -51,16 +51,22 @@ def test_a_hybrid_model_is_refused_before_it_is_built(monkeypatch):
     from pgs.errors import PreflightRefused
     from pgs.runtime.model.build import refuse_untrainable
 
+    cuda = torch.device("cuda", 0)
+    asked = []
     line = "flash-linear-attention refuses ..."
+    monkeypatch.setattr(LA, "backward_refusal", lambda device: asked.append(device) or line)
     with pytest.raises(PreflightRefused, match="^model: flash-linear-attention refuses"):
-        refuse_untrainable(SimpleNamespace(model_type="qwen3_5_text"), line)
+        refuse_untrainable(SimpleNamespace(model_type="qwen3_5_text"), cuda)
     with pytest.raises(PreflightRefused):
-        refuse_untrainable(SimpleNamespace(model_type="qwen3_5", text_config=SimpleNamespace(model_type="x")), line)
+        refuse_untrainable(SimpleNamespace(model_type="qwen3_5", text_config=SimpleNamespace(model_type="x")), cuda)
     with pytest.raises(PreflightRefused):
         refuse_untrainable(SimpleNamespace(model_type="outer", text_config=SimpleNamespace(model_type="qwen3_next")),
-                           line)
-    refuse_untrainable(SimpleNamespace(model_type="qwen3"), line)  # not a hybrid: nothing to refuse
-    refuse_untrainable(SimpleNamespace(model_type="qwen3_5_text"), None)  # fla can train it here
+                           cuda)
+    assert asked == [cuda] * 3
+    refuse_untrainable(SimpleNamespace(model_type="qwen3"), cuda)  # not a hybrid: nothing to refuse,
+    assert len(asked) == 3  # and fla not asked
+    monkeypatch.setattr(LA, "backward_refusal", lambda device: None)
+    refuse_untrainable(SimpleNamespace(model_type="qwen3_5_text"), cuda)  # fla can train it here
 
 
 def test_build_model_asks_before_building(monkeypatch, tmp_path):

@@ -106,7 +106,6 @@ def build_model(
 
     torch_dtype = resolve_dtype(dtype)
     device = _init_device(device)
-    untrainable = linear_attention.backward_refusal(device)  # None off CUDA or without fla
     set_varlen_kernel(varlen_kernel, prime=False)  # resolved below, where the model uses it
     cuda = device if device.type == "cuda" else None
     if (path is None) == (config is None):
@@ -119,9 +118,9 @@ def build_model(
 
         folder_config = (AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
                          if attn_implementation == "auto" or experts_implementation != "auto" else None)
-        if untrainable:  # asked before the weights load
+        if cuda is not None:  # asked before the weights load
             refuse_untrainable(folder_config or AutoConfig.from_pretrained(
-                path, local_files_only=True, trust_remote_code=trust_remote_code), untrainable)
+                path, local_files_only=True, trust_remote_code=trust_remote_code), device)
         attn_implementation = hf_implementation(
             attn_implementation, folder_config if attn_implementation == "auto" else None, device=cuda)
         experts = experts_choice(experts_implementation, folder_config)
@@ -151,7 +150,7 @@ def build_model(
         if vocab_size is not None:
             table.setdefault("vocab_size", int(vocab_size))
         hf_config = build_config(table)
-        refuse_untrainable(hf_config, untrainable)
+        refuse_untrainable(hf_config, device)
         attn_implementation = hf_implementation(attn_implementation, hf_config, device=cuda)
         hf_config._attn_implementation = attn_implementation
         experts = experts_choice(experts_implementation, hf_config)
@@ -167,21 +166,25 @@ def build_model(
     check_experts_implementation(model, experts)
     composite.freeze_towers(model)  # a vision-language model trained on text: its tower stays as loaded
     linear_attention.isolate(model)  # Gated DeltaNet layers restart at packed document boundaries
-    if untrainable and linear_attention.linear_layers(model):  # a Gated DeltaNet class of another model type
-        raise PreflightRefused(f"model: {untrainable}")
+    if linear_attention.linear_layers(model):  # also a Gated DeltaNet class of another model type
+        _refuse(linear_attention.backward_refusal(device))
     model.train()
     return model
 
 
-def refuse_untrainable(hf_config, refusal: str | None) -> None:
+def refuse_untrainable(hf_config, device: torch.device) -> None:
     """Stop before a hybrid model (its ``model_type``, or its text model's, one of
-    ``linear_attention.ISOLATED_MODEL_TYPES``) is built or loaded where its Gated DeltaNet layers
-    cannot be trained (``refusal``: ``linear_attention.backward_refusal`` for the run's device)."""
-    if not refusal or hf_config is None:
-        return
+    ``linear_attention.ISOLATED_MODEL_TYPES``) is built or loaded on ``device`` where its Gated
+    DeltaNet layers cannot be trained (``linear_attention.backward_refusal``).  Other models are
+    not asked: fla is imported for hybrid models only."""
     text = getattr(hf_config, "text_config", None)
     types = {getattr(hf_config, "model_type", None), getattr(text, "model_type", None)}
     if types & linear_attention.ISOLATED_MODEL_TYPES:
+        _refuse(linear_attention.backward_refusal(device))
+
+
+def _refuse(refusal: str | None) -> None:
+    if refusal:
         raise PreflightRefused(f"model: {refusal}")
 
 

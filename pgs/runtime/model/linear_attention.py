@@ -162,7 +162,7 @@ def backward_refusal(device: torch.device) -> str | None:
     if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1) or TileLangBackend.is_available():
         return None
     return (f"flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with Triton "
-            f"{_version('triton')} (wrong gradients below Triton 3.7.1, its issue 640): install tilelang "
+            f"{_version('triton')} (that Triton compiles its gated kernel to wrong gradients): install tilelang "
             "(pip install tilelang; it needs nvcc) or Triton >= 3.7.1, or uninstall flash-linear-attention to "
             "train with transformers' PyTorch recurrence, one packed document at a time (slower)")
 
