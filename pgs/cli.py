@@ -240,8 +240,23 @@ def leave(code: int) -> None:
         # SIGABRT.  Everything the run writes is flushed and fsynced before this point.
         sys.stdout.flush()
         sys.stderr.flush()
+        _remove_multiprocessing_tempdir()
         os._exit(code)
     raise SystemExit(code)
+
+
+def _remove_multiprocessing_tempdir() -> None:
+    """Remove the folder multiprocessing made for this process (``pymp-*`` in the temp folder:
+    the data worker's fork-server socket).  Its own exit finalizer removes it, but ``os._exit``
+    runs no finalizer, so every worker of every ``pgs run --nproc N`` would leave one behind.
+    multiprocessing keeps the path in its process config (``util.get_temp_dir``, which would
+    make one where none exists)."""
+    import multiprocessing
+    import shutil
+
+    tempdir = getattr(multiprocessing.current_process(), "_config", {}).get("tempdir")
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)
 
 
 def _openmp_waits_passively() -> None:

@@ -85,9 +85,16 @@ def test_two_ranks_sample_and_train_what_one_process_does(runs):
 
 
 def test_three_ranks_sample_and_train_what_one_process_does(runs):
-    done = on_ranks(spec_for(runs, "three", ranks=3), 3)
+    temp = runs / "temp"  # the launcher's and the workers' temp folder
+    temp.mkdir()
+    done = on_ranks(spec_for(runs, "three", ranks=3), 3, TMPDIR=str(temp))
     assert done.returncode == 0, done.stderr[-4000:]
     assert_like_one_process(runs / "one", runs / "three")
+    # nothing left behind in it: torchrun's log folder (torchelastic_*), the launcher's exit-code
+    # folder (pgs-exit-*) and each worker's multiprocessing folder (pymp-*: its data worker's
+    # fork-server socket) are removed; compiler caches (torchinductor_*) may stay
+    left = sorted(p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [], left
 
 
 def test_stop_then_sigkill_then_resume_on_two_ranks_is_bit_exact(runs, tmp_path):

@@ -66,11 +66,13 @@ def test_pgs_run_hands_the_rendezvous_to_torchrun(tmp_path, started, monkeypatch
     code = main(["run", str(spec), "--nproc", "2", "--nnodes", "2:4", "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", "head:29500", "--rdzv-id", "job42", "--set", "train.steps=3"])
     assert code == 0 and len(started) == 1
+    env, run_dir = started[0].env, tmp_path / "run"
+    # torchrun's logs go inside the launcher's exit-code folder, which it removes at the end
+    logs = f"--log-dir={os.path.join(env[launch.EXIT_DIR_ENV], 'torchrun')}"
     assert started[0].cmd == [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2:4", "--rdzv-endpoint=head:29500",
-        "--rdzv-id=job42", "--rdzv-backend=c10d", "--nproc-per-node=2", "--shutdown-timeout=77",
+        "--rdzv-id=job42", "--rdzv-backend=c10d", "--nproc-per-node=2", "--shutdown-timeout=77", logs,
         "-m", "pgs", "run", str(spec), "--set", "train.steps=3"]
-    env, run_dir = started[0].env, tmp_path / "run"
     assert env["TORCH_FR_BUFFER_SIZE"] == str(fsdp.TRACE_BUFFER_SIZE)
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == env["TORCH_NCCL_ENABLE_MONITORING"] == "1"
     prefix = str(run_dir / "nccl_trace" / "rank_")

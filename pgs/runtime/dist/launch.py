@@ -119,14 +119,18 @@ def under_launcher() -> bool:
 
 
 def torchrun_command(nproc: int, args: Sequence[str], *, grace_s: int | None = None,
-                     python: str | None = None, rendezvous: Rendezvous | None = None) -> list[str]:
+                     python: str | None = None, rendezvous: Rendezvous | None = None,
+                     log_dir: str | None = None) -> list[str]:
     """The command that runs ``pgs <args>`` as ``nproc`` workers on this machine (one of
-    several hosts when ``rendezvous`` says so)."""
+    several hosts when ``rendezvous`` says so).  ``log_dir``: torchrun's own folder for its
+    workers' logs (it makes a ``torchelastic_*`` folder in the temp folder and leaves it there
+    when none is given)."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     grace = int(grace_s if grace_s is not None else process.variable(GRACE_ENV, DEFAULT_GRACE_S))
+    logs = [f"--log-dir={log_dir}"] if log_dir else []
     return [python or sys.executable, "-m", "torch.distributed.run", *(rendezvous or Rendezvous()).flags(),
-            f"--nproc-per-node={nproc}", f"--shutdown-timeout={grace}", "-m", "pgs", *args]
+            f"--nproc-per-node={nproc}", f"--shutdown-timeout={grace}", *logs, "-m", "pgs", *args]
 
 
 def halt_code(run_dir: str | None, since: float) -> int | None:
@@ -217,7 +221,9 @@ def relaunch(nproc: int, args: Sequence[str], *, run_dir: str | None = None, gra
     exits = tempfile.mkdtemp(prefix="pgs-exit-")
     env = {**process.environment(), **flight_recorder_env(run_dir, create=True), EXIT_DIR_ENV: exits}
     try:
-        child = subprocess.Popen(torchrun_command(nproc, args, grace_s=grace_s, rendezvous=rendezvous),
+        # torchrun's log folder inside the one removed below: nothing left in the temp folder
+        child = subprocess.Popen(torchrun_command(nproc, args, grace_s=grace_s, rendezvous=rendezvous,
+                                                  log_dir=os.path.join(exits, "torchrun")),
                                  stderr=subprocess.PIPE, env=env)
     except BaseException:
         shutil.rmtree(exits, ignore_errors=True)
