@@ -151,24 +151,24 @@ def test_pgs_run_two_ranks_offloaded_equals_one_process_and_sigkill_resume_is_ex
     4 rows in one micro-batch there, 2 on each rank here, so the token sums of a gradient are
     added in another order), each rank holding half the host state; killed (SIGKILL, both ranks,
     after step 5) and resumed with ``--resume auto`` from step 3, it ends with the weights and
-    losses of the uninterrupted 2-rank run bit for bit."""
-    import subprocess
-
-    from helpers import ROOT, assert_same_weights, child_env, command, final_weights, launch, run_here, step_records
+    losses of the uninterrupted 2-rank run bit for bit.  The uninterrupted run and the killed one
+    share one start of the 2 ranks (tests/integration/runs_harness.py: each rank runs ``pgs run``
+    as a worker of ``pgs run --nproc 2`` does, the killed run last); the resume is ``pgs run
+    --nproc 2`` itself; the one process runs in this process meanwhile (one thread)."""
+    from helpers import (assert_same_weights, end_runs, final_weights, launch, run_here, run_outcome, start_runs,
+                         step_records)
     from pgs.runtime.loop.faults import Faults
 
     one, two, cut = (_offload_spec(tmp_path, n) for n in ("one", "two", "cut"))
-    nproc = ("--nproc", "2")
-    ranks = subprocess.Popen(command(two, args=nproc), cwd=ROOT, env=child_env(PGS_PG_TIMEOUT_S=60),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:  # the one process meanwhile, in this process (one thread)
+    runs = [{"name": "two", "argv": [str(two)]},
+            {"name": "cut", "argv": [str(cut)], "faults": Faults(crash_at=("step", 5)).env()}]
+    procs = start_runs(tmp_path / "ranks", runs, 2)
+    try:
         assert run_here(one) == 0
-        log = ranks.communicate(timeout=400)[0]
     finally:
-        if ranks.poll() is None:
-            ranks.kill()
-            ranks.wait()
-    assert ranks.returncode == 0, log[-4000:]
+        ranks = end_runs(procs, 800)
+    codes, log = run_outcome(tmp_path / "ranks", "two", 2)
+    assert codes == [0, 0], log[-4000:]
     assert "optimizer state in host memory per process (2 processes, each its own shards)" in log
     assert_same_weights(final_weights(tmp_path / "one"), final_weights(tmp_path / "two"), "1 vs 2 ranks", atol=1e-6)
     la, lb = step_records(tmp_path / "one"), step_records(tmp_path / "two")
@@ -180,10 +180,10 @@ def test_pgs_run_two_ranks_offloaded_equals_one_process_and_sigkill_resume_is_ex
     assert (n_one, n_two) == (1, 2)
     assert 0.47 * host_one < host_two < 0.53 * host_one, (host_one, host_two)
 
-    first = launch(cut, timeout=400, args=nproc, PGS_PG_TIMEOUT_S=60, **Faults(crash_at=("step", 5)).env())
-    assert first.returncode != 0, (first.stdout + first.stderr)[-3000:]
+    codes, log = run_outcome(tmp_path / "ranks", "cut", 2)
+    assert 0 not in codes and -9 in ranks, (codes, ranks, log[-3000:])  # killed during the run
     assert (tmp_path / "cut" / "step_3" / "COMPLETE").exists() and not (tmp_path / "cut" / "step_6").exists()
-    resumed = launch(cut, "auto", timeout=400, args=nproc, PGS_PG_TIMEOUT_S=60)
+    resumed = launch(cut, "auto", timeout=400, args=("--nproc", "2"), PGS_PG_TIMEOUT_S=60)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert "resumed from" in resumed.stderr and "step_3" in resumed.stderr
     assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "cut"), "resumed vs uninterrupted")

@@ -1,0 +1,84 @@
+"""The rank side of one start of several processes shared by several ``pgs run``s, one after the other.
+
+Not a test module: ``helpers.start_runs`` starts it once per rank, with the environment torchrun
+would give (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR), as
+``python tests/integration/runs_harness.py PLAN``.  ``PLAN`` is a JSON file:
+``{"out": FOLDER, "runs": [{"name", "port", "argv", "faults"}, ...]}``.
+
+Each run is what a worker of ``pgs run --nproc N`` does (``pgs.cli.main(["run", ...])`` with
+``LOCAL_RANK`` set): its own process group, opened on its own ``port`` and closed at its end (a
+fresh rendezvous, as a fresh start would open), ``$PGS_FAULTS`` as ``faults`` gives it (none:
+unset), this rank's stdout and stderr into ``FOLDER/<name>_rank<r>.log`` and its exit code into
+``FOLDER/<name>_rank<r>.code``.  What it saves: the interpreter, torch, transformers and the data
+worker's fork server start once per rank instead of once per run.  A run whose fault SIGKILLs the
+process (``Faults.crash_at``) must be the last one.
+
+An entry ``{"name", "port", "call": "module:function"}`` instead runs ``function(FOLDER)`` (a rank-side
+scenario such as tests/integration/generate_harness.py's ``main``), its output and outcome kept
+the same way (exit code 0, or 1 with the traceback in its log).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _into(path: Path) -> tuple[int, int]:
+    """Point file descriptors 1 and 2 at ``path``; returns copies of the previous ones."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return saved
+
+
+def _one(entry: dict, out: Path) -> int:
+    os.environ["MASTER_PORT"] = str(entry["port"])
+    if "call" in entry:
+        module, function = entry["call"].split(":")
+        try:
+            getattr(importlib.import_module(module), function)(out)
+            return 0
+        except Exception:  # noqa: BLE001 - the scenario's failure goes to its log, the next one runs
+            traceback.print_exc()
+            return 1
+    from pgs.cli import main
+
+    os.environ.pop("PGS_FAULTS", None)
+    os.environ.update(entry.get("faults") or {})
+    return main(["run", *entry["argv"]])
+
+
+def run_plan(plan: dict) -> None:
+    out, rank = Path(plan["out"]), int(os.environ["RANK"])
+    for entry in plan["runs"]:
+        name = entry["name"]
+        saved = _into(out / f"{name}_rank{rank}.log")
+        try:
+            code = _one(entry, out)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+        (out / f"{name}_rank{rank}.code").write_text(str(code))
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(HERE), str(HERE.parent)]  # generate_harness, helpers and tiny, as in the tests
+    run_plan(json.loads(Path(sys.argv[1]).read_text()))
+    # as pgs.cli.leave under torchrun: no C++ static destructors (a gloo thread winding down can abort)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
