@@ -1,7 +1,7 @@
 """The loop's services on several processes (FSDP2, gloo on the CPU) against one process.
 
 - ``[averaging]``: the EMA and a SLERP merge-back on each rank's shards, the EMA in the DCP
-  checkpoint, ``final-ema`` gathered; ``pgs run --nproc 3`` gives one process's losses,
+  checkpoint, ``final-ema`` gathered; ``pgs run`` on 3 ranks gives one process's losses,
   weights, EMA and EMA evals (eval loss and accuracy by generation), and a SIGKILL +
   ``--resume auto`` on 3 ranks (checkpoints written in the background) ends bit for bit where
   the uninterrupted 3-rank run ends (weights, EMA, losses).
@@ -13,10 +13,12 @@
   one process's verdicts on the very same replies, and ``generate(synced=True)`` keeps ranks
   whose batches stop at different steps in step (a hang would fail the test's timeout).
 
-Processes: one start of 3 ranks (tests/integration/runs_harness.py) runs the uninterrupted 3-rank
-averaging run, the generation scenario and the killed run, one after the other (a run on each rank
-is what a worker of ``pgs run --nproc 3`` runs); the resume goes through ``pgs run --nproc 3``
-itself.  The same for mSFT on 2 ranks.  The one-process references run in the test's process.
+Processes: one start of 3 ranks (tests/integration/runs_harness.py: torchrun's environment, each
+rank running ``pgs run`` as a worker of ``pgs run --nproc 3`` does) runs the uninterrupted 3-rank
+averaging run, the generation scenario and the killed run, one after the other; the resume runs
+in a fresh start of 3 ranks.  The same for mSFT on 2 ranks.  The one-process references run in
+the test's process.  (``pgs run --nproc N --resume auto`` after a SIGKILL, the launcher included:
+tests/integration/test_fsdp_offload.py.)
 
 Tolerances are tests/integration/test_train_distributed.py's (it explains them): one process with
 ``grad_accum = N`` and N ranks with ``grad_accum = 1`` train on the same micro-batches; losses to
@@ -34,7 +36,7 @@ from safetensors.torch import load_file
 
 from pgs.runtime.loop.averaging import EXPORT_DIR
 from pgs.runtime.loop.faults import Faults
-from helpers import (QUICKSTART, assert_same_weights, end_runs, final_weights, launch, records, run_here, run_outcome,
+from helpers import (QUICKSTART, assert_same_weights, end_runs, final_weights, records, run_here, run_outcome,
                      start_runs, step_records, tiny_spec)
 from test_echo_msft import _msft_spec
 
@@ -42,7 +44,6 @@ pytestmark = pytest.mark.slow  # several launches of 2 and 3 processes
 
 TIMEOUT_S = 300
 STEPS = 6
-NPROC = ("--nproc", "3")
 AVERAGING = """
 [averaging]
 ema = 0.75
@@ -65,6 +66,14 @@ def _averaging_spec(tmp_path: Path, name: str, *, ranks: int, background: bool =
         text = text.replace('best_metric = ""', 'best_metric = ""\nbackground = true')
     path.write_text(text)
     return path
+
+
+def resume_on_ranks(spec: Path, out: Path, world: int) -> tuple[list[int | None], str]:
+    """``pgs run SPEC --resume auto`` on ``world`` ranks of a fresh start (the processes a
+    killed run left are gone): each rank's exit code and the ranks' logs."""
+    ranks = end_runs(start_runs(out, [{"name": "resumed", "argv": [str(spec), "--resume", "auto"]}], world), TIMEOUT_S)
+    codes, log = run_outcome(out, "resumed", world)
+    return (codes if ranks == [0] * world else ranks), log
 
 
 def _ema(run_dir: Path) -> dict:
@@ -131,11 +140,10 @@ def test_averaging_on_three_ranks_equals_one_process_and_resumes_exactly(three_r
     codes, logs = run_outcome(folder / "ranks", "killed", 3)
     assert 0 not in codes and -9 in ranks, (codes, ranks, logs[-4000:])  # killed during the run
     assert not (folder / "killed" / f"step_{STEPS}").exists()
-    resumed = launch(killed, "auto", timeout=TIMEOUT_S, args=NPROC)
-    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    resumed, log = resume_on_ranks(killed, folder / "resume", 3)
+    assert resumed == [0, 0, 0], log[-4000:]
     # step 4's save may still have been on its thread when the kill came: then step 2's is the newest
-    assert any(f"resumed from {folder / 'killed' / f'step_{s}'}" in resumed.stderr for s in (2, 4)), \
-        resumed.stderr[-2000:]
+    assert any(f"resumed from {folder / 'killed' / f'step_{s}'}" in log for s in (2, 4)), log[-2000:]
     again = folder / "killed"
     assert_same_weights(final_weights(three), final_weights(again), "final, resumed vs uninterrupted")
     assert_same_weights(_ema(three), _ema(again), "final-ema, resumed vs uninterrupted")
@@ -211,9 +219,9 @@ def test_msft_on_two_ranks_killed_and_resumed_ends_as_uninterrupted(msft_two_ran
     at_kill = json.loads((killed / "step_6" / "trainer.json").read_text())["msft"]
     assert at_kill["excluded"] == [{k: events[0][k] for k in ("step", "source", "best_step", "best_loss")}]
     assert [v[0] for v in at_kill["best"].values()] == [6] and (killed / "msft" / "step_6").is_dir()
-    resumed = launch(spec, "auto", timeout=TIMEOUT_S, args=("--nproc", "2"))
-    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
-    assert f"resumed from {killed / 'step_6'}" in resumed.stderr, resumed.stderr[-2000:]
+    resumed, log = resume_on_ranks(spec, folder / "resume", 2)
+    assert resumed == [0, 0], log[-4000:]
+    assert f"resumed from {killed / 'step_6'}" in log, log[-2000:]
 
     assert _exclusions(killed) == events  # steps, sources, best steps and losses, active sets
     assert [r["loss"] for r in step_records(killed)] == [r["loss"] for r in step_records(msft_two_ranks)]
