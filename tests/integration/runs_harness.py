@@ -15,7 +15,8 @@ process (``Faults.crash_at``) must be the last one.
 
 An entry ``{"name", "port", "call": "module:function"}`` instead runs ``function(FOLDER)`` (a rank-side
 scenario such as tests/integration/generate_harness.py's ``main``), its output and outcome kept
-the same way (exit code 0, or 1 with the traceback in its log).
+the same way (code 0).  An entry that raises gets code 1, its traceback in its log, and ends the
+plan (the process exits 1).
 """
 
 from __future__ import annotations
@@ -46,12 +47,8 @@ def _one(entry: dict, out: Path) -> int:
     os.environ["MASTER_PORT"] = str(entry["port"])
     if "call" in entry:
         module, function = entry["call"].split(":")
-        try:
-            getattr(importlib.import_module(module), function)(out)
-            return 0
-        except Exception:  # noqa: BLE001 - the scenario's failure goes to its log, the next one runs
-            traceback.print_exc()
-            return 1
+        getattr(importlib.import_module(module), function)(out)
+        return 0
     from pgs.cli import main
 
     os.environ.pop("PGS_FAULTS", None)
@@ -59,26 +56,34 @@ def _one(entry: dict, out: Path) -> int:
     return main(["run", *entry["argv"]])
 
 
-def run_plan(plan: dict) -> None:
+def run_plan(plan: dict) -> int:
+    """Every entry of ``plan`` in order; 0, or 1 after an entry raised (its traceback in its log,
+    code 1, and the entries after it not run: its collectives may have left the peers anywhere)."""
     out, rank = Path(plan["out"]), int(os.environ["RANK"])
     for entry in plan["runs"]:
         name = entry["name"]
         saved = _into(out / f"{name}_rank{rank}.log")
         try:
             code = _one(entry, out)
+        except BaseException:  # noqa: BLE001 - reported where the test reads this entry's outcome
+            traceback.print_exc()
+            code = None
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
             for fd, copy in zip((1, 2), saved):
                 os.dup2(copy, fd)
                 os.close(copy)
-        (out / f"{name}_rank{rank}.code").write_text(str(code))
+        (out / f"{name}_rank{rank}.code").write_text(str(1 if code is None else code))
+        if code is None:
+            return 1
+    return 0
 
 
 if __name__ == "__main__":
     sys.path[:0] = [str(HERE), str(HERE.parent)]  # generate_harness, helpers and tiny, as in the tests
-    run_plan(json.loads(Path(sys.argv[1]).read_text()))
+    _code = run_plan(json.loads(Path(sys.argv[1]).read_text()))
     # as pgs.cli.leave under torchrun: no C++ static destructors (a gloo thread winding down can abort)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(_code)

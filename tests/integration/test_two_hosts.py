@@ -63,9 +63,9 @@ def finish(procs: list[subprocess.Popen]) -> list[tuple[str, str]]:
 def test_two_hosts_train_stop_together_on_one_hosts_signal_and_resume_exactly(tmp_path):
     # 0. The uninterrupted run on 2 ranks (the reference of step 2).
     whole = two_host_spec(tmp_path, "whole")
-    assert end_runs(start_runs(tmp_path / "ranks", [{"name": "whole", "argv": [str(whole)]}], 2), TIMEOUT_S) == [0, 0]
+    ranks = end_runs(start_runs(tmp_path / "ranks", [{"name": "whole", "argv": [str(whole)]}], 2), TIMEOUT_S)
     codes, logs = run_outcome(tmp_path / "ranks", "whole", 2)
-    assert codes == [0, 0], logs[-3000:]
+    assert codes == [0, 0] and ranks == [0, 0], logs[-3000:]
 
     # 1. Static rendezvous; SIGTERM to host 1's launcher only: both hosts stop at one step, exit 143.
     stopped = two_host_spec(tmp_path, "stopped")
