@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from pgs.runtime.loop.faults import Faults
-from helpers import (ROOT, assert_same_weights, child_env, command, end_runs, final_weights, free_port, records,
-                     run_here, run_outcome, start_runs, step_records, stopped_checkpoint, tiny_spec, torchrun,
-                     wait_for_file)
+from helpers import (assert_same_weights, end_runs, final_weights, records, run_here, run_outcome, start_runs,
+                     step_records, stopped_checkpoint, tiny_spec, torchrun, wait_for_file)
 
 TIMEOUT_S = 240
 STEPS = 10
@@ -57,40 +55,6 @@ def two_replies(tmp_path: Path, step: int, run: str = "two") -> list[str]:
     """The replies in ``<run>/samples/step_<step>.jsonl``."""
     lines = (tmp_path / run / "samples" / f"step_{step}.jsonl").read_text().splitlines()
     return [json.loads(line)["reply"] for line in lines]
-
-
-def dist_env(**extra) -> dict:
-    return child_env(PGS_PG_TIMEOUT_S=60, **extra)
-
-
-def start_ranks(spec: Path, **env) -> list[subprocess.Popen]:
-    """Two ``python -m pgs run`` processes with the environment torchrun would give them."""
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        e = dist_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=port, **env)
-        procs.append(subprocess.Popen(command(spec), cwd=ROOT, env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    return procs
-
-
-def sigterm_rank_one(spec: Path, gate: Path, step: int = 2) -> tuple[list[int], list[tuple[str, str]]]:
-    """Two ranks of ``spec`` that hold after ``step`` (``Faults.pause_at``, in the folder ``gate``)
-    until SIGTERM, sent to rank 1 only, has reached it: their exit codes and (stdout, stderr)."""
-    gate.mkdir()
-    procs = start_ranks(spec, **Faults(pause_at=(step, str(gate))).env())
-    try:
-        wait_for_file(gate / "paused", procs, TIMEOUT_S)
-        procs[1].send_signal(signal.SIGTERM)
-        wait_for_file(gate / "signalled", procs, TIMEOUT_S)
-        (gate / "go").write_text("")
-        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [p.returncode for p in procs], outs
 
 
 @pytest.fixture(scope="module")
