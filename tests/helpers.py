@@ -1,6 +1,7 @@
 """What the test modules share (``from helpers import ...``; tests/conftest.py puts this folder on
 ``sys.path``): a tiny random-init model's spec tables (its ``[model.config]``: tests/tiny.py), a spec written into a temporary folder,
-``pgs run`` as a child process (one process or two ranks under torchrun) or in this process, a run's metrics
+``pgs run`` as a child process (one process or two ranks under torchrun) or in this process, several
+``pgs run``s in one start of N ranks (tests/integration/runs_harness.py), a run's metrics
 records, checkpoint equality, and the one ``pgs: error:`` line of a refused command."""
 
 from __future__ import annotations
