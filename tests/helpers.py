@@ -332,11 +332,11 @@ RUNS_HARNESS = ROOT / "tests" / "integration" / "runs_harness.py"
 def start_runs(out: Path, runs: list[dict], world: int, **env) -> list[subprocess.Popen]:
     """``world`` ranks of tests/integration/runs_harness.py (the environment torchrun would give,
     a short process-group timeout, ``env`` on top), which run ``runs`` one after the other in one
-    start of the ranks, each with its own fresh rendezvous port: each entry ``{"name", "argv"}``
+    start of the ranks, each with a fresh rendezvous: each entry ``{"name", "argv"}``
     (``pgs run ARGV`` on every rank; ``"faults"``: a ``Faults(...).env()``, a crash last) or
     ``{"name", "call": "module:function"}``.  Their outcomes: :func:`run_outcome`."""
     out.mkdir(parents=True, exist_ok=True)
-    plan = {"out": str(out), "runs": [dict(r, port=free_port()) for r in runs]}
+    plan = {"out": str(out), "runs": runs}
     path = out / "plan.json"
     path.write_text(json.dumps(plan))
     procs = []
