@@ -66,6 +66,8 @@ def test_two_hosts_train_stop_together_on_one_hosts_signal_and_resume_exactly(tm
     ranks = end_runs(start_runs(tmp_path / "ranks", [{"name": "whole", "argv": [str(whole)]}], 2), TIMEOUT_S)
     codes, logs = run_outcome(tmp_path / "ranks", "whole", 2)
     assert codes == [0, 0] and ranks == [0, 0], logs[-3000:]
+    assert [r["step"] for r in step_records(tmp_path / "whole")] == list(range(1, STEPS + 1))
+    assert json.loads((tmp_path / "whole" / f"step_{STEPS}" / "dcp.json").read_text())["world_size"] == 2
 
     # 1. Static rendezvous; SIGTERM to host 1's launcher only: both hosts stop at one step, exit 143.
     stopped = two_host_spec(tmp_path, "stopped")
