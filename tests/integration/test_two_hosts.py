@@ -91,7 +91,8 @@ def test_two_hosts_train_stop_together_on_one_hosts_signal_and_resume_exactly(tm
     procs = start_hosts(stopped, "c10d", resume="auto")
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
-    assert f"resumed from {folder}" in outs[0][1]
+    # c10d gives the global ranks in the order the hosts join: rank 0, which says it, is on either host
+    assert any(f"resumed from {folder}" in err for _, err in outs), [o[1][-2000:] for o in outs]
     assert_same_weights(final_weights(tmp_path / "whole"), final_weights(run_dir), "resumed vs uninterrupted")
     assert [r["step"] for r in step_records(run_dir)] == list(range(1, STEPS + 1))
     assert json.loads((run_dir / f"step_{STEPS}" / "dcp.json").read_text())["world_size"] == 2
