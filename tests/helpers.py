@@ -1,6 +1,7 @@
 """What the test modules share (``from helpers import ...``; tests/conftest.py puts this folder on
 ``sys.path``): a tiny random-init model's spec tables (its ``[model.config]``: tests/tiny.py), a spec written into a temporary folder,
-``pgs run`` as a child process (one process or two ranks under torchrun) or in this process, a run's metrics
+``pgs run`` as a child process (one process or two ranks under torchrun) or in this process, several
+``pgs run``s in one start of N ranks (tests/integration/runs_harness.py), a run's metrics
 records, checkpoint equality, and the one ``pgs: error:`` line of a refused command."""
 
 from __future__ import annotations
@@ -323,3 +324,52 @@ class CountingReader(Mapping):
 
     def __len__(self) -> int:
         return len(self.inner)
+
+
+RUNS_HARNESS = ROOT / "tests" / "integration" / "runs_harness.py"
+
+
+def start_runs(out: Path, runs: list[dict], world: int, **env) -> list[subprocess.Popen]:
+    """``world`` ranks of tests/integration/runs_harness.py (the environment torchrun would give,
+    a short process-group timeout, ``env`` on top), which run ``runs`` one after the other in one
+    start of the ranks, each with a fresh rendezvous: each entry ``{"name", "argv"}``
+    (``pgs run ARGV`` on every rank; ``"faults"``: a ``Faults(...).env()``, a crash last) or
+    ``{"name", "call": "module:function"}``.  Their outcomes: :func:`run_outcome`."""
+    out.mkdir(parents=True, exist_ok=True)
+    plan = {"out": str(out), "runs": runs}
+    path = out / "plan.json"
+    path.write_text(json.dumps(plan))
+    procs = []
+    for rank in range(world):
+        e = child_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
+                      PGS_PG_TIMEOUT_S=60, PYTHONPATH=ROOT, **env)
+        with open(out / f"ranks_rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(RUNS_HARNESS), str(path)], cwd=ROOT, env=e,
+                                          stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def end_runs(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """The ranks' exit codes once all have ended; after ``timeout`` seconds (a hang), each still
+    running is killed (by its own pid) and the test fails."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"ranks still running after {timeout} s (a hang?)") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs]
+
+
+def run_outcome(out: Path, name: str, world: int) -> tuple[list[int | None], str]:
+    """A run of :func:`start_runs`: each rank's exit code (None: it did not end, e.g. killed
+    during it) and the ranks' logs (rank 0's first)."""
+    codes = [int(p.read_text()) if (p := out / f"{name}_rank{r}.code").exists() else None for r in range(world)]
+    logs = "\n".join((out / f"{name}_rank{r}.log").read_text(errors="replace") if (out / f"{name}_rank{r}.log").exists()
+                     else "" for r in range(world))
+    return codes, logs

@@ -271,6 +271,12 @@ def scenario_cuda(ctx, out: str) -> dict:
     return report
 
 
+def offload(out) -> None:
+    """The ``offload`` scenario as one step of tests/integration/runs_harness.py: the start of the
+    2 ranks that tests/integration/test_fsdp_offload.py shares with its ``pgs run``s."""
+    main(["offload", str(out)])
+
+
 def main(argv: list[str]) -> int:
     name, out = argv[0], argv[1]
     torch.set_num_threads(1)

@@ -74,26 +74,32 @@ def test_world_sets_scale_the_global_batch_and_drop_the_one_gpu_options_for_seve
 
 
 @pytest.mark.slow
-def test_nproc_runs_pgs_and_the_titan_peer_on_two_gloo_ranks(tmp_path):
+def test_nproc_runs_pgs_and_the_titan_peer_on_two_gloo_ranks(tmp_path, monkeypatch, capsys):
     """``python -m bench product --small --nproc 2 --peer titan_fsdp`` on the CPU (gloo): a row per
     setup, tok/s from the runs, every rank its own micro-batch.  (The one-process row is the plain
     ``pgs run`` the other product tests run, and the scaling arithmetic has its own test above:
-    two torchrun launches here keep this under a minute and a half.)"""
+    two torchrun launches here keep this under a minute and a half.)  ``python -m bench``'s
+    command line for the suite is checked, and the script's ``main`` runs in this process (the
+    launches are its children, with the environment the test's children get)."""
     import json
-    import subprocess
 
-    from bench.product import spec_batch
+    from bench import suites
+    from bench.product import main, spec_batch
 
-    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
     out = tmp_path / "product.json"
-    env = {k: v for k, v in os.environ.items() if k != "PGS_FAULTS"}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PGS_PG_TIMEOUT_S="60",
-               PYTHONPATH=os.path.abspath(root))
-    cmd = [sys.executable, "-m", "bench", "product", "--spec", "specs/qwen3_4b_12gib.toml", "--small",
-           "--nproc", "2", "--peer", "titan_fsdp", "--steps", "4", "--skip", "1", "--timeout", "150",
-           "--workdir", str(tmp_path / "runs"), "--out", str(out)]
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    monkeypatch.delenv("PGS_FAULTS", raising=False)
+    for key, value in dict(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                           PGS_PG_TIMEOUT_S="60", PYTHONPATH=root).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(root)
+    args = ["--spec", "specs/qwen3_4b_12gib.toml", "--small", "--nproc", "2", "--peer", "titan_fsdp", "--steps", "4",
+            "--skip", "1", "--timeout", "150", "--workdir", str(tmp_path / "runs"), "--out", str(out)]
+    cmd, written = suites.command("product", args)
+    assert cmd == [sys.executable, suites.SUITES["product"].path, *args] and written == str(out)
+    code = main(cmd[2:])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stdout[-2000:] + stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["nproc"] == [2]
     rows = {r["setup"]: r for r in result["results"]}
@@ -107,4 +113,4 @@ def test_nproc_runs_pgs_and_the_titan_peer_on_two_gloo_ranks(tmp_path):
     batch, _ = spec_batch("specs/qwen3_4b_12gib.toml", argparse.Namespace(small=True, set=[]))
     assert f"train.batch_size={2 * batch}" in pgs["command"]
     assert pgs["vs_titan"] == pytest.approx(pgs["per_gpu_tok_s"] / rows["titan_fsdp --nproc 2"]["per_gpu_tok_s"])
-    assert "| pgs run --nproc 2 | 2 |" in done.stdout
+    assert "| pgs run --nproc 2 | 2 |" in stdout

@@ -16,11 +16,17 @@ use several threads; tests/integration/test_train_distributed.py explains the dr
 1e-6 with bit-equal losses, comparing child processes of one thread each; the 3-rank
 reduce-scatter sums in another order).  Resume at the same world size is bit for bit; the control plane's stop and
 halt are decided on agreed flags, so every rank stops or halts at the same step.
+
+Processes: the 3-rank run through ``pgs run --nproc 3``; the 2-rank runs in starts of 2 ranks
+shared by several runs (tests/integration/runs_harness.py, each rank running ``pgs run`` as a
+worker of ``pgs run --nproc 2`` does): the NaN run, the uninterrupted run and the stopped one in
+one start, each resume in a fresh one.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -28,9 +34,9 @@ import pytest
 from pgs.runtime.loop.faults import Faults
 from pgs.runtime.loop.train import run
 from pgs.runtime.spec.load import load_spec
-from helpers import assert_same_weights, final_weights, launch, records, step_records, stopped_checkpoint
+from helpers import (assert_same_weights, end_runs, final_weights, launch, records, run_outcome, start_runs,
+                     step_records, stopped_checkpoint, wait_for_file)
 from test_distill_run import write_spec
-from test_train_distributed import sigterm_rank_one, start_ranks
 
 pytestmark = pytest.mark.slow  # several launches of 2 and 3 ranks
 
@@ -54,11 +60,33 @@ def on_ranks(spec: Path, ranks: int, resume: str | None = None, **env):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """One process and an uninterrupted run on 2 ranks, in one folder."""
+    """One process (in this process) and, in one folder, one start of 2 ranks
+    (tests/integration/runs_harness.py: each rank runs ``pgs run`` as a worker of ``pgs run
+    --nproc 2`` does) running one after the other: NaN losses on rank 1 (``nan``), the
+    uninterrupted run (``two``), and last the run that holds after step 2 until SIGTERM, sent to
+    rank 1 only, has reached it (``cut``).  Outcomes: ``helpers.run_outcome(FOLDER / "ranks", ...)``."""
     tmp = tmp_path_factory.mktemp("distill_ranks")
-    assert run(load_spec(spec_for(tmp, "one", ranks=1))) == 0
-    done = on_ranks(spec_for(tmp, "two", ranks=2), 2)
-    assert done.returncode == 0, done.stderr[-4000:]
+    nan = spec_for(tmp, "nan", ranks=2, every=0, eval_every=0)
+    nan.write_text(nan.read_text().replace("seed = 7\n", "seed = 7\nmax_consecutive_skips = 1\n"))
+    gate = tmp / "gate"
+    gate.mkdir()
+    plan = [{"name": "nan", "argv": [str(nan)], "faults": Faults(nan_steps={2, 3}, nan_rank=1).env()},
+            {"name": "two", "argv": [str(spec_for(tmp, "two", ranks=2))]},
+            {"name": "cut", "argv": [str(spec_for(tmp, "cut", ranks=2))],
+             "faults": Faults(pause_at=(2, str(gate))).env()}]
+    one = spec_for(tmp, "one", ranks=1)
+    procs = start_runs(tmp / "ranks", plan, 2)
+    try:
+        code = run(load_spec(one))
+        wait_for_file(gate / "paused", procs, 3 * TIMEOUT_S)
+        procs[1].send_signal(signal.SIGTERM)
+        wait_for_file(gate / "signalled", procs, TIMEOUT_S)
+        (gate / "go").write_text("")
+    finally:
+        ranks = end_runs(procs, 3 * TIMEOUT_S)
+    assert code == 0
+    codes, logs = run_outcome(tmp / "ranks", "two", 2)
+    assert codes == [0, 0] and ranks == [0, 0], logs[-4000:]
     return tmp
 
 
@@ -102,37 +130,36 @@ def test_stop_then_sigkill_then_resume_on_two_ranks_is_bit_exact(runs, tmp_path)
     both are SIGKILLed after step 5 (a periodic checkpoint at step 4); ``--resume auto`` then
     ends on the uninterrupted 2-rank run's weights bit for bit, its on-policy steps 5 and 6
     sampled from the restored generators."""
-    spec = spec_for(runs, "cut", ranks=2)
+    spec = runs / "cut.toml"
     run_dir = runs / "cut"
-    codes, outs = sigterm_rank_one(spec, tmp_path / "gate")
-    assert codes == [143, 143], [o[1][-2000:] for o in outs]
+    codes, logs = run_outcome(runs / "ranks", "cut", 2)  # the fixture's start of the ranks
+    assert codes == [143, 143], logs[-4000:]
     stopped = stopped_checkpoint(run_dir, 2, 4, world_size=2)
 
-    killed = on_ranks(spec, 2, "auto", **Faults(crash_at=("step", 5)).env())
-    assert killed.returncode != 0 and f"resumed from {stopped}" in killed.stderr, killed.stderr[-3000:]
+    # resumed in a fresh start of the 2 ranks, SIGKILLed after step 5 (the kill ends them)
+    crash = {"name": "killed", "argv": [str(spec), "--resume", "auto"], "faults": Faults(crash_at=("step", 5)).env()}
+    ranks = end_runs(start_runs(tmp_path / "killed", [crash], 2), TIMEOUT_S)
+    codes, log = run_outcome(tmp_path / "killed", "killed", 2)
+    assert 0 not in codes and -9 in ranks and f"resumed from {stopped}" in log, (codes, ranks, log[-3000:])
     assert (run_dir / "step_4" / "COMPLETE").exists() and not (run_dir / "step_6").exists()
 
-    done = on_ranks(spec, 2, "auto")
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert f"resumed from {run_dir / 'step_4'}" in done.stderr
+    # and again in a fresh start, to the end
+    done = {"name": "resumed", "argv": [str(spec), "--resume", "auto"]}
+    ranks = end_runs(start_runs(tmp_path / "resumed", [done], 2), TIMEOUT_S)
+    codes, log = run_outcome(tmp_path / "resumed", "resumed", 2)
+    assert codes == [0, 0] and ranks == [0, 0], log[-4000:]
+    assert f"resumed from {run_dir / 'step_4'}" in log
     assert_same_weights(final_weights(runs / "two"), final_weights(run_dir), "resumed vs uninterrupted")
     key = lambda r: (r["step"], r["loss"], r["on_policy"], r["generated_tokens"], r["valid_tokens"])  # noqa: E731
     assert [key(r) for r in step_records(run_dir)][-2:] == [key(r) for r in step_records(runs / "two")][-2:]
 
 
-def test_a_nan_on_one_rank_halts_both(tmp_path):
+def test_a_nan_on_one_rank_halts_both(runs):
     """NaN losses on rank 1 only at steps 2 and 3: both ranks skip them (agreed flags), reach the
     skip cap at step 3 and exit 81 with one ``HALT.json``."""
-    spec = spec_for(tmp_path, "nan", ranks=2, every=0, eval_every=0)
-    spec.write_text(spec.read_text().replace("seed = 7\n", "seed = 7\nmax_consecutive_skips = 1\n"))
-    procs = start_ranks(spec, **Faults(nan_steps={2, 3}, nan_rank=1).env())
-    try:
-        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [81, 81], [o[1][-2000:] for o in outs]
+    tmp_path = runs
+    codes, logs = run_outcome(runs / "ranks", "nan", 2)  # the fixture's start of the ranks
+    assert codes == [81, 81], logs[-4000:]
     marker = json.loads((tmp_path / "nan" / "HALT.json").read_text())
     assert marker["exit_code"] == 81 and marker["step"] == 3
     logged = step_records(tmp_path / "nan")

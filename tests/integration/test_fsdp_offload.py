@@ -1,7 +1,8 @@
 """``memory.offload_optimizer`` with FSDP2 (``pgs.runtime.optim.sharded_offload``) on 2 gloo ranks.
 
-One 2-rank run of tests/integration/fsdp_release_harness.py's ``offload`` scenario (ranks started
-as tests/integration/test_fsdp_release.py starts them, bounded by a timeout) checks, for AdamW
+One 2-rank run of tests/integration/fsdp_release_harness.py's ``offload`` scenario (in the
+module's one start of the 2 ranks, tests/integration/runs_harness.py, which then runs the
+``pgs run`` test's 2-rank runs; bounded by a timeout) checks, for AdamW
 (fp32 state, tied head), AdamW8bit (tied) and Lion8bit (untied head), 10 steps each:
 
 - the weights and every state leaf equal the on-device sharded release's bit for bit (the same
@@ -26,13 +27,26 @@ from test_fsdp_release import R, start
 
 
 @pytest.fixture(scope="module")
-def offloaded(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_offload")
-    procs = start("offload", out)
-    refs, host = {}, {}
-    try:  # one process meanwhile: bind's weights, and the one-process offloaded release's host bytes
-        from pgs.runtime.optim.offload import OffloadedRelease
+def two_ranks(tmp_path_factory) -> dict:
+    """One start of 2 ranks (tests/integration/runs_harness.py) shared by this module's CPU tests,
+    one step after the other: the harness's ``offload`` scenario, then ``pgs run`` of the offloaded
+    spec (``two``, as each worker of ``pgs run --nproc 2`` runs it) and last the same spec
+    SIGKILLed after step 5 (``cut``; the kill ends the ranks).  Meanwhile in this process: bind's
+    weights and the one-process offloaded release's host bytes, and ``pgs run`` on one process
+    (``one``, one thread)."""
+    from helpers import end_runs, run_here, start_runs
+    from pgs.runtime.loop.faults import Faults
+    from pgs.runtime.optim.offload import OffloadedRelease
 
+    folder = tmp_path_factory.mktemp("fsdp_offload")
+    out = folder / "ranks"
+    one, two, cut = (_offload_spec(folder, n) for n in ("one", "two", "cut"))
+    runs = [{"name": "offload", "call": "fsdp_release_harness:offload"},
+            {"name": "two", "argv": [str(two)]},
+            {"name": "cut", "argv": [str(cut)], "faults": Faults(crash_at=("step", 5)).env()}]
+    procs = start_runs(out, runs, 2)
+    refs, host = {}, {}
+    try:
         for name, entry in R.OFFLOAD_CHAINS.items():
             saved = H.CHAINS.get(name)
             H.CHAINS[name] = entry
@@ -44,10 +58,20 @@ def offloaded(tmp_path_factory):
                 else:
                     H.CHAINS[name] = saved
             host[name] = OffloadedRelease(entry[0](), H.tiny_model(entry[1])).offload_stats()["host_state_bytes"]
+        one_code = run_here(one)
     finally:
-        codes = finish(procs, out)
-    assert codes == [0, 0], _logs(out)
-    return out, refs, host, results(out, "offload")
+        codes = end_runs(procs, 1200)
+    return {"folder": folder, "out": out, "refs": refs, "host": host, "one_code": one_code, "codes": codes}
+
+
+@pytest.fixture(scope="module")
+def offloaded(two_ranks):
+    from helpers import run_outcome
+
+    out = two_ranks["out"]
+    codes, logs = run_outcome(out, "offload", 2)
+    assert codes == [0, 0], logs[-6000:]
+    return out, two_ranks["refs"], two_ranks["host"], results(out, "offload")
 
 
 @pytest.mark.parametrize("name", list(R.OFFLOAD_CHAINS))
@@ -145,30 +169,21 @@ def _host_bytes(run_dir) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-def test_pgs_run_two_ranks_offloaded_equals_one_process_and_sigkill_resume_is_exact(tmp_path):
+def test_pgs_run_two_ranks_offloaded_equals_one_process_and_sigkill_resume_is_exact(two_ranks):
     """``pgs run --nproc 2`` with the state in host memory: the final weights and the losses of
     the same spec on one process (to the tolerance of tests/integration/test_train_distributed.py:
     4 rows in one micro-batch there, 2 on each rank here, so the token sums of a gradient are
     added in another order), each rank holding half the host state; killed (SIGKILL, both ranks,
     after step 5) and resumed with ``--resume auto`` from step 3, it ends with the weights and
-    losses of the uninterrupted 2-rank run bit for bit."""
-    import subprocess
+    losses of the uninterrupted 2-rank run bit for bit.  The uninterrupted run and the killed one
+    run in the module's start of the 2 ranks (``two_ranks``: each rank runs ``pgs run`` as a
+    worker of ``pgs run --nproc 2`` does); the resume is ``pgs run --nproc 2`` itself."""
+    from helpers import assert_same_weights, final_weights, launch, run_outcome, step_records
 
-    from helpers import ROOT, assert_same_weights, child_env, command, final_weights, launch, run_here, step_records
-    from pgs.runtime.loop.faults import Faults
-
-    one, two, cut = (_offload_spec(tmp_path, n) for n in ("one", "two", "cut"))
-    nproc = ("--nproc", "2")
-    ranks = subprocess.Popen(command(two, args=nproc), cwd=ROOT, env=child_env(PGS_PG_TIMEOUT_S=60),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:  # the one process meanwhile, in this process (one thread)
-        assert run_here(one) == 0
-        log = ranks.communicate(timeout=400)[0]
-    finally:
-        if ranks.poll() is None:
-            ranks.kill()
-            ranks.wait()
-    assert ranks.returncode == 0, log[-4000:]
+    tmp_path, out = two_ranks["folder"], two_ranks["out"]
+    assert two_ranks["one_code"] == 0
+    codes, log = run_outcome(out, "two", 2)
+    assert codes == [0, 0], log[-4000:]
     assert "optimizer state in host memory per process (2 processes, each its own shards)" in log
     assert_same_weights(final_weights(tmp_path / "one"), final_weights(tmp_path / "two"), "1 vs 2 ranks", atol=1e-6)
     la, lb = step_records(tmp_path / "one"), step_records(tmp_path / "two")
@@ -180,10 +195,11 @@ def test_pgs_run_two_ranks_offloaded_equals_one_process_and_sigkill_resume_is_ex
     assert (n_one, n_two) == (1, 2)
     assert 0.47 * host_one < host_two < 0.53 * host_one, (host_one, host_two)
 
-    first = launch(cut, timeout=400, args=nproc, PGS_PG_TIMEOUT_S=60, **Faults(crash_at=("step", 5)).env())
-    assert first.returncode != 0, (first.stdout + first.stderr)[-3000:]
+    codes, log = run_outcome(out, "cut", 2)
+    assert 0 not in codes and -9 in two_ranks["codes"], (codes, two_ranks["codes"], log[-3000:])  # killed in the run
+    cut = tmp_path / "cut.toml"
     assert (tmp_path / "cut" / "step_3" / "COMPLETE").exists() and not (tmp_path / "cut" / "step_6").exists()
-    resumed = launch(cut, "auto", timeout=400, args=nproc, PGS_PG_TIMEOUT_S=60)
+    resumed = launch(cut, "auto", timeout=400, args=("--nproc", "2"), PGS_PG_TIMEOUT_S=60)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert "resumed from" in resumed.stderr and "step_3" in resumed.stderr
     assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "cut"), "resumed vs uninterrupted")

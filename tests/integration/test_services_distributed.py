@@ -1,7 +1,7 @@
 """The loop's services on several processes (FSDP2, gloo on the CPU) against one process.
 
 - ``[averaging]``: the EMA and a SLERP merge-back on each rank's shards, the EMA in the DCP
-  checkpoint, ``final-ema`` gathered; ``pgs run --nproc 3`` gives one process's losses,
+  checkpoint, ``final-ema`` gathered; ``pgs run`` on 3 ranks gives one process's losses,
   weights, EMA and EMA evals (eval loss and accuracy by generation), and a SIGKILL +
   ``--resume auto`` on 3 ranks (checkpoints written in the background) ends bit for bit where
   the uninterrupted 3-rank run ends (weights, EMA, losses).
@@ -13,6 +13,13 @@
   one process's verdicts on the very same replies, and ``generate(synced=True)`` keeps ranks
   whose batches stop at different steps in step (a hang would fail the test's timeout).
 
+Processes: one start of 3 ranks (tests/integration/runs_harness.py: torchrun's environment, each
+rank running ``pgs run`` as a worker of ``pgs run --nproc 3`` does) runs the uninterrupted 3-rank
+averaging run, the generation scenario and the killed run, one after the other; the resume runs
+in a fresh start of 3 ranks.  The same for mSFT on 2 ranks.  The one-process references run in
+the test's process.  (``pgs run --nproc N --resume auto`` after a SIGKILL, the launcher included:
+tests/integration/test_fsdp_offload.py.)
+
 Tolerances are tests/integration/test_train_distributed.py's (it explains them): one process with
 ``grad_accum = N`` and N ranks with ``grad_accum = 1`` train on the same micro-batches; losses to
 1e-6 relative, weights to 1e-6 absolute.  The EMA and the linear merge are elementwise (exact on
@@ -22,10 +29,6 @@ shards); SLERP's norms and dot product are shard sums all-reduced (the same to r
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,16 +36,14 @@ from safetensors.torch import load_file
 
 from pgs.runtime.loop.averaging import EXPORT_DIR
 from pgs.runtime.loop.faults import Faults
-from helpers import (QUICKSTART, ROOT, assert_same_weights, child_env, final_weights, free_port, launch, records,
-                     run_here, step_records, tiny_spec, torchrun)
+from helpers import (QUICKSTART, assert_same_weights, end_runs, final_weights, records, run_here, run_outcome,
+                     start_runs, step_records, tiny_spec)
 from test_echo_msft import _msft_spec
 
 pytestmark = pytest.mark.slow  # several launches of 2 and 3 processes
 
-HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 300
 STEPS = 6
-NPROC = ("--nproc", "3")
 AVERAGING = """
 [averaging]
 ema = 0.75
@@ -67,15 +68,46 @@ def _averaging_spec(tmp_path: Path, name: str, *, ranks: int, background: bool =
     return path
 
 
+def resume_on_ranks(spec: Path, out: Path, world: int) -> tuple[list[int | None], str]:
+    """``pgs run SPEC --resume auto`` on ``world`` ranks of a fresh start (the processes a
+    killed run left are gone): each rank's exit code and the ranks' logs."""
+    ranks = end_runs(start_runs(out, [{"name": "resumed", "argv": [str(spec), "--resume", "auto"]}], world), TIMEOUT_S)
+    codes, log = run_outcome(out, "resumed", world)
+    return (codes if ranks == [0] * world else ranks), log
+
+
 def _ema(run_dir: Path) -> dict:
     return load_file(run_dir / EXPORT_DIR / "model.safetensors")
 
 
-def test_averaging_on_three_ranks_equals_one_process_and_resumes_exactly(tmp_path):
-    assert run_here(_averaging_spec(tmp_path, "single", ranks=1)) == 0
-    done = launch(_averaging_spec(tmp_path, "three", ranks=3), timeout=TIMEOUT_S, args=NPROC)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    single, three = tmp_path / "single", tmp_path / "three"
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory) -> tuple[Path, int, list[int]]:
+    """One start of 3 ranks (tests/integration/runs_harness.py) shared by the 3-rank tests below:
+    the uninterrupted averaging run (``pgs run`` on each rank, as a worker of ``pgs run --nproc 3``
+    runs it), the eval generation scenario (tests/integration/generate_harness.py), and last the
+    averaging run with background checkpoints SIGKILLed after step 5 (the kill ends the ranks).
+    The one process meanwhile in this process.  Returns the folder, the one process's exit code
+    and the ranks' exit codes."""
+    folder = tmp_path_factory.mktemp("three")
+    single = _averaging_spec(folder, "single", ranks=1)
+    runs = [{"name": "three", "argv": [str(_averaging_spec(folder, "three", ranks=3))]},
+            {"name": "generate", "call": "generate_harness:main"},
+            {"name": "killed", "argv": [str(_averaging_spec(folder, "killed", ranks=3, background=True))],
+             "faults": Faults(crash_at=("step", 5)).env()}]
+    procs = start_runs(folder / "ranks", runs, 3)
+    try:
+        code = run_here(single)
+    finally:
+        codes = end_runs(procs, 3 * TIMEOUT_S)
+    return folder, code, codes
+
+
+def test_averaging_on_three_ranks_equals_one_process_and_resumes_exactly(three_ranks):
+    folder, code, ranks = three_ranks
+    assert code == 0
+    codes, logs = run_outcome(folder / "ranks", "three", 3)
+    assert codes == [0, 0, 0], logs[-4000:]
+    single, three = folder / "single", folder / "three"
 
     one_log, three_log = step_records(single), step_records(three)
     assert [r["step"] for r in three_log] == list(range(1, STEPS + 1))
@@ -104,16 +136,15 @@ def test_averaging_on_three_ranks_equals_one_process_and_resumes_exactly(tmp_pat
 
     # SIGKILL after step 5 on 3 ranks, checkpoints written in the background (the EMA staged by
     # DCP's async save with the rest), --resume auto from the newest complete one: the same bits
-    killed = _averaging_spec(tmp_path, "killed", ranks=3, background=True)
-    crash = launch(killed, timeout=TIMEOUT_S, args=NPROC, **Faults(crash_at=("step", 5)).env())
-    assert crash.returncode != 0
-    assert not (tmp_path / "killed" / f"step_{STEPS}").exists()
-    resumed = launch(killed, "auto", timeout=TIMEOUT_S, args=NPROC)
-    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    killed = folder / "killed.toml"
+    codes, logs = run_outcome(folder / "ranks", "killed", 3)
+    assert 0 not in codes and -9 in ranks, (codes, ranks, logs[-4000:])  # killed during the run
+    assert not (folder / "killed" / f"step_{STEPS}").exists()
+    resumed, log = resume_on_ranks(killed, folder / "resume", 3)
+    assert resumed == [0, 0, 0], log[-4000:]
     # step 4's save may still have been on its thread when the kill came: then step 2's is the newest
-    assert any(f"resumed from {tmp_path / 'killed' / f'step_{s}'}" in resumed.stderr for s in (2, 4)), \
-        resumed.stderr[-2000:]
-    again = tmp_path / "killed"
+    assert any(f"resumed from {folder / 'killed' / f'step_{s}'}" in log for s in (2, 4)), log[-2000:]
+    again = folder / "killed"
     assert_same_weights(final_weights(three), final_weights(again), "final, resumed vs uninterrupted")
     assert_same_weights(_ema(three), _ema(again), "final-ema, resumed vs uninterrupted")
     assert [r["loss"] for r in step_records(again)] == [r["loss"] for r in three_log]
@@ -133,11 +164,17 @@ def _msft_ranks_spec(folder: Path, ranks: int) -> Path:
 
 @pytest.fixture(scope="module")
 def msft_two_ranks(tmp_path_factory) -> Path:
-    """The run folder of one uninterrupted 2-rank mSFT run (shared by the tests below)."""
-    spec = _msft_ranks_spec(tmp_path_factory.mktemp("msft") / "ranks2", 2)
-    done = torchrun(spec, timeout=TIMEOUT_S)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return spec.parent / "run"
+    """The run folder of one uninterrupted 2-rank mSFT run (shared by the tests below); the same
+    start of the 2 ranks (tests/integration/runs_harness.py) then runs, in ``../killed``, the same
+    spec SIGKILLed after step 7 (the kill ends the ranks)."""
+    folder = tmp_path_factory.mktemp("msft")
+    uninterrupted, killed = _msft_ranks_spec(folder / "ranks2", 2), _msft_ranks_spec(folder / "killed", 2)
+    runs = [{"name": "ranks2", "argv": [str(uninterrupted)]},
+            {"name": "killed", "argv": [str(killed)], "faults": Faults(crash_at=("step", 7)).env()}]
+    end_runs(start_runs(folder / "ranks", runs, 2), 2 * TIMEOUT_S)
+    codes, logs = run_outcome(folder / "ranks", "ranks2", 2)
+    assert codes == [0, 0], logs[-4000:]
+    return uninterrupted.parent / "run"
 
 
 def _exclusions(run_dir: Path) -> list[dict]:
@@ -167,24 +204,24 @@ def test_msft_on_two_ranks_excludes_what_one_process_excludes(tmp_path, msft_two
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
 
 
-def test_msft_on_two_ranks_killed_and_resumed_ends_as_uninterrupted(tmp_path, msft_two_ranks):
+def test_msft_on_two_ranks_killed_and_resumed_ends_as_uninterrupted(msft_two_ranks):
     """SIGKILL on 2 ranks after step 7: the newest checkpoint (step 6) holds the rounds after the
     first exclusion (step 4, reverted to step 0) and round 2's best so far (step 6, its snapshot on
     disk); --resume auto must restore the active set, the round and its bests, and revert at step 8
     to that snapshot: the same records, state and final weights, bit for bit."""
     events = _exclusions(msft_two_ranks)
     assert [(e["step"], e["best_step"]) for e in events] == [(4, 0), (8, 6)]  # both rounds revert
-    spec = _msft_ranks_spec(tmp_path, 2)
-    killed = tmp_path / "run"
-    crash = launch(spec, timeout=TIMEOUT_S, args=("--nproc", "2"), **Faults(crash_at=("step", 7)).env())
-    assert crash.returncode != 0 and not (killed / "step_8").exists(), (crash.stdout + crash.stderr)[-4000:]
+    folder = msft_two_ranks.parent.parent
+    spec, killed = folder / "killed" / "spec.toml", folder / "killed" / "run"
+    codes, logs = run_outcome(folder / "ranks", "killed", 2)  # killed during the run (the fixture's start)
+    assert 0 not in codes and not (killed / "step_8").exists(), (codes, logs[-4000:])
     assert _exclusions(killed) == events[:1]  # the first decision was made before the kill
     at_kill = json.loads((killed / "step_6" / "trainer.json").read_text())["msft"]
     assert at_kill["excluded"] == [{k: events[0][k] for k in ("step", "source", "best_step", "best_loss")}]
     assert [v[0] for v in at_kill["best"].values()] == [6] and (killed / "msft" / "step_6").is_dir()
-    resumed = launch(spec, "auto", timeout=TIMEOUT_S, args=("--nproc", "2"))
-    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
-    assert f"resumed from {killed / 'step_6'}" in resumed.stderr, resumed.stderr[-2000:]
+    resumed, log = resume_on_ranks(spec, folder / "resume", 2)
+    assert resumed == [0, 0], log[-4000:]
+    assert f"resumed from {killed / 'step_6'}" in log, log[-2000:]
 
     assert _exclusions(killed) == events  # steps, sources, best steps and losses, active sets
     assert [r["loss"] for r in step_records(killed)] == [r["loss"] for r in step_records(msft_two_ranks)]
@@ -196,24 +233,12 @@ def test_msft_on_two_ranks_killed_and_resumed_ends_as_uninterrupted(tmp_path, ms
     assert_same_weights(final_weights(msft_two_ranks), final_weights(killed), "final, resumed vs uninterrupted")
 
 
-def test_eval_generation_on_three_ranks_equals_one_process(tmp_path):
-    world, port, procs = 3, free_port(), []
-    for rank in range(world):
-        env = child_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PGS_PG_TIMEOUT_S=60, PYTHONPATH=ROOT)
-        log = open(tmp_path / f"log_rank{rank}.txt", "w")
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "generate_harness.py"), str(tmp_path)], env=env,
-                                      cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + TIMEOUT_S
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-            p.wait()
-    logs = "\n".join((tmp_path / f"log_rank{r}.txt").read_text()[-2000:] for r in range(world))
-    assert [p.returncode for p in procs] == [0] * world, logs
-    results = [json.loads((tmp_path / f"result_rank{r}.json").read_text()) for r in range(world)]
+def test_eval_generation_on_three_ranks_equals_one_process(three_ranks):
+    folder, _, _ = three_ranks
+    world, out = 3, folder / "ranks"
+    codes, logs = run_outcome(out, "generate", world)
+    assert codes == [0] * world, logs[-6000:]
+    results = [json.loads((out / f"result_rank{r}.json").read_text()) for r in range(world)]
     reference = results[0]["reference"]
     assert reference["eval_correct"] not in (0, 10)  # the verdicts depend on the replies
     for r in results:

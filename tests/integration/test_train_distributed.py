@@ -18,24 +18,24 @@ gradient changes the weights by ~1e-3 after one step at lr 3e-3).  Resume at the
 size is checked bit for bit (DCP moves bits).  No clip (a global norm over shards agrees to
 rounding only).
 
-The one process runs in the test's process (``helpers.run_here``, one thread); launches: the
-2-rank run under torchrun; a 2-rank run stopped by SIGTERM to
-rank 1 (ranks started with torchrun's environment, so that each rank's exit code can be
-read: torchrun collapses them to 1); its resume under torchrun.  Every launch is bounded by
-a timeout, and the process-group timeout is short (PGS_PG_TIMEOUT_S=60): a hang fails.
+The one process runs in the test's process (``helpers.run_here``, one thread).  One start of 2
+ranks (tests/integration/runs_harness.py: torchrun's environment, each rank running ``pgs run`` as
+a worker of ``pgs run --nproc 2`` does, so that each rank's exit code can be read: torchrun
+collapses them to 1) runs, one after the other, the NaN run, the 2-rank run and a 2-rank run
+stopped by SIGTERM to rank 1; the resume runs under torchrun.  Every launch is bounded by a
+timeout, and the process-group timeout is short (PGS_PG_TIMEOUT_S=60): a hang fails.
 """
 
 from __future__ import annotations
 
 import json
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from pgs.runtime.loop.faults import Faults
-from helpers import (ROOT, assert_same_weights, child_env, command, final_weights, free_port, records, run_here,
+from helpers import (assert_same_weights, end_runs, final_weights, records, run_here, run_outcome, start_runs,
                      step_records, stopped_checkpoint, tiny_spec, torchrun, wait_for_file)
 
 TIMEOUT_S = 240
@@ -57,48 +57,43 @@ def two_replies(tmp_path: Path, step: int, run: str = "two") -> list[str]:
     return [json.loads(line)["reply"] for line in lines]
 
 
-def dist_env(**extra) -> dict:
-    return child_env(PGS_PG_TIMEOUT_S=60, **extra)
-
-
-def start_ranks(spec: Path, **env) -> list[subprocess.Popen]:
-    """Two ``python -m pgs run`` processes with the environment torchrun would give them."""
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        e = dist_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=port, **env)
-        procs.append(subprocess.Popen(command(spec), cwd=ROOT, env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    return procs
-
-
-def sigterm_rank_one(spec: Path, gate: Path, step: int = 2) -> tuple[list[int], list[tuple[str, str]]]:
-    """Two ranks of ``spec`` that hold after ``step`` (``Faults.pause_at``, in the folder ``gate``)
-    until SIGTERM, sent to rank 1 only, has reached it: their exit codes and (stdout, stderr)."""
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[Path, int, list[int]]:
+    """One start of 2 ranks (tests/integration/runs_harness.py: each rank runs ``pgs run`` as a
+    worker of ``pgs run --nproc 2`` does) shared by the tests below, one run after the other: NaN
+    losses on rank 1 (``nan1``), the uninterrupted run (``two``), and the run that holds after
+    step 2 until SIGTERM, sent to rank 1 only, has reached it (``stopped``).  The one process
+    meanwhile in this process.  Returns the folder, the one process's exit code and the ranks'."""
+    folder = tmp_path_factory.mktemp("two_ranks")
+    single = spec_for(folder, "single", ranks=1)
+    nan1 = tiny_spec(folder, "nan1", steps=STEPS, every=0, max_skips=2)
+    nan1.write_text(nan1.read_text().replace("grad_accum = 2", "grad_accum = 1"))
+    gate = folder / "gate"
     gate.mkdir()
-    procs = start_ranks(spec, **Faults(pause_at=(step, str(gate))).env())
+    runs = [{"name": "nan1", "argv": [str(nan1)], "faults": Faults(nan_steps={3, 4, 5, 6}, nan_rank=1).env()},
+            {"name": "two", "argv": [str(spec_for(folder, "two", ranks=2))]},
+            {"name": "stopped", "argv": [str(spec_for(folder, "stopped", ranks=2))],
+             "faults": Faults(pause_at=(2, str(gate))).env()}]
+    procs = start_runs(folder / "ranks", runs, 2)
     try:
-        wait_for_file(gate / "paused", procs, TIMEOUT_S)
+        code = run_here(single)
+        wait_for_file(gate / "paused", procs, 3 * TIMEOUT_S)
         procs[1].send_signal(signal.SIGTERM)
         wait_for_file(gate / "signalled", procs, TIMEOUT_S)
         (gate / "go").write_text("")
-        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [p.returncode for p in procs], outs
+        codes = end_runs(procs, 3 * TIMEOUT_S)
+    return folder, code, codes
 
 
-def test_two_ranks_equal_one_process_and_sigterm_resume_is_exact(tmp_path):
+def test_two_ranks_equal_one_process_and_sigterm_resume_is_exact(two_ranks):
     # 1. One process, grad_accum = 2.
-    assert run_here(spec_for(tmp_path, "single", ranks=1)) == 0
+    tmp_path, code, ranks = two_ranks
+    assert code == 0
 
-    # 2. Two ranks under torchrun: the same weights, bit for bit; one log (rank 0's).
-    two = spec_for(tmp_path, "two", ranks=2)
-    done = torchrun(two)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    # 2. Two ranks: the same weights, bit for bit; one log (rank 0's).
+    codes, logs = run_outcome(tmp_path / "ranks", "two", 2)
+    assert codes == [0, 0], logs[-4000:]
     assert_same_weights(final_weights(tmp_path / "single"), final_weights(tmp_path / "two"), "1 vs 2 ranks",
                         atol=1e-6)
     one_log, two_log = step_records(tmp_path / "single"), step_records(tmp_path / "two")
@@ -122,10 +117,10 @@ def test_two_ranks_equal_one_process_and_sigterm_resume_is_exact(tmp_path):
     assert two_replies(tmp_path, 0) == two_replies(tmp_path, 0, "single")
 
     # 3. SIGTERM to rank 1 only: both ranks stop at the same step, checkpoint, exit 143.
-    stopped = spec_for(tmp_path, "stopped", ranks=2)
+    stopped = tmp_path / "stopped.toml"
     run_dir = tmp_path / "stopped"
-    codes, outs = sigterm_rank_one(stopped, tmp_path / "gate")
-    assert codes == [143, 143], [o[1][-2000:] for o in outs]
+    codes, logs = run_outcome(tmp_path / "ranks", "stopped", 2)
+    assert codes == [143, 143] and ranks == [0, 0], (ranks, logs[-4000:])
     folder = stopped_checkpoint(run_dir, 2, STEPS, world_size=2)
 
     # 4. Resume under torchrun: continues to the uninterrupted run's bits.
@@ -156,21 +151,14 @@ def test_the_global_batch_must_split_over_the_processes(tmp_path, monkeypatch):
 # (pgs.runtime.optim.sharded_release), checked end to end in tests/integration/test_fsdp_release.py.
 
 
-def test_a_nan_on_one_rank_halts_both_with_81_and_one_marker(tmp_path):
+def test_a_nan_on_one_rank_halts_both_with_81_and_one_marker(two_ranks):
     """NaN losses on rank 1 only: the finiteness flag is agreed over the ranks (a max
     all-reduce), so both ranks skip the same steps, reach the skip cap at the same step and exit
     81 with one ``HALT.json`` (rank 0's), no hang and no checkpoint of the poisoned steps."""
-    spec = tiny_spec(tmp_path, "nan1", steps=STEPS, every=0, max_skips=2)
-    spec.write_text(spec.read_text().replace("grad_accum = 2", "grad_accum = 1"))
+    tmp_path = two_ranks[0]
     run_dir = tmp_path / "nan1"
-    procs = start_ranks(spec, **Faults(nan_steps={3, 4, 5, 6}, nan_rank=1).env())
-    try:
-        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [81, 81], [o[1][-2000:] for o in outs]
+    codes, logs = run_outcome(tmp_path / "ranks", "nan1", 2)
+    assert codes == [81, 81], logs[-4000:]
     marker = json.loads((run_dir / "HALT.json").read_text())
     assert marker["exit_code"] == 81 and marker["step"] == 5 and "3 consecutive" in marker["reason"]
     logged = step_records(run_dir)

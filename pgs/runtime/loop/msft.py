@@ -194,7 +194,7 @@ class Msft:
 
         folder = self._folder(step)
         if run.ctx is not None:
-            from pgs.runtime.dist.fsdp import broadcast_object, reshard
+            from pgs.runtime.dist.fsdp import barrier, broadcast_object, reshard
 
             present = broadcast_object(os.path.isdir(folder))
         else:
@@ -205,6 +205,7 @@ class Msft:
         if run.ctx is not None:
             reshard(run.model)  # the eval forward left the root gathered: the next forward gathers the loaded shards
             dcp.load(folder, model=run.model, optimizer=run.bound, rng=False)
+            barrier()  # every rank has read the snapshot before rank 0's _purge may remove it
             return
         saved = ckpt.load(folder)
         ckpt.load_model_state(run.model, saved.model, saved.trainer.get("aliases", {}))
