@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import signal
 import subprocess
 import sys
 import time
@@ -347,6 +348,16 @@ def start_runs(out: Path, runs: list[dict], world: int, **env) -> list[subproces
             procs.append(subprocess.Popen([sys.executable, str(RUNS_HARNESS), str(path)], cwd=ROOT, env=e,
                                           stdout=log, stderr=subprocess.STDOUT))
     return procs
+
+
+def sigterm_rank_one_at_the_gate(procs: list[subprocess.Popen], gate: Path, timeout: float) -> None:
+    """A run of :func:`start_runs` with ``Faults(pause_at=(step, gate))`` paused at ``step``:
+    SIGTERM to rank 1 only, then, once its handler has seen it, the run goes on (both ranks must
+    stop at one step with one checkpoint)."""
+    wait_for_file(gate / "paused", procs, 3 * timeout)
+    procs[1].send_signal(signal.SIGTERM)
+    wait_for_file(gate / "signalled", procs, timeout)
+    (gate / "go").write_text("")
 
 
 def end_runs(procs: list[subprocess.Popen], timeout: float) -> list[int]:

@@ -26,7 +26,6 @@ one start, each resume in a fresh one.
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,7 @@ from pgs.runtime.loop.faults import Faults
 from pgs.runtime.loop.train import run
 from pgs.runtime.spec.load import load_spec
 from helpers import (assert_same_weights, end_runs, final_weights, launch, records, run_outcome, start_runs,
-                     step_records, stopped_checkpoint, wait_for_file)
+                     step_records, stopped_checkpoint, sigterm_rank_one_at_the_gate)
 from test_distill_run import write_spec
 
 pytestmark = pytest.mark.slow  # several launches of 2 and 3 ranks
@@ -78,10 +77,7 @@ def runs(tmp_path_factory) -> Path:
     procs = start_runs(tmp / "ranks", plan, 2)
     try:
         code = run(load_spec(one))
-        wait_for_file(gate / "paused", procs, 3 * TIMEOUT_S)
-        procs[1].send_signal(signal.SIGTERM)
-        wait_for_file(gate / "signalled", procs, TIMEOUT_S)
-        (gate / "go").write_text("")
+        sigterm_rank_one_at_the_gate(procs, gate, TIMEOUT_S)
     finally:
         ranks = end_runs(procs, 3 * TIMEOUT_S)
     assert code == 0

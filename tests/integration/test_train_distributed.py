@@ -29,14 +29,13 @@ timeout, and the process-group timeout is short (PGS_PG_TIMEOUT_S=60): a hang fa
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
 
 from pgs.runtime.loop.faults import Faults
 from helpers import (assert_same_weights, end_runs, final_weights, records, run_here, run_outcome, start_runs,
-                     step_records, stopped_checkpoint, tiny_spec, torchrun, wait_for_file)
+                     step_records, stopped_checkpoint, tiny_spec, torchrun, sigterm_rank_one_at_the_gate)
 
 TIMEOUT_S = 240
 STEPS = 10
@@ -77,10 +76,7 @@ def two_ranks(tmp_path_factory) -> tuple[Path, int, list[int]]:
     procs = start_runs(folder / "ranks", runs, 2)
     try:
         code = run_here(single)
-        wait_for_file(gate / "paused", procs, 3 * TIMEOUT_S)
-        procs[1].send_signal(signal.SIGTERM)
-        wait_for_file(gate / "signalled", procs, TIMEOUT_S)
-        (gate / "go").write_text("")
+        sigterm_rank_one_at_the_gate(procs, gate, TIMEOUT_S)
     finally:
         codes = end_runs(procs, 3 * TIMEOUT_S)
     return folder, code, codes
