@@ -25,7 +25,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -55,9 +54,9 @@ def _port(name: str, out: Path, rank: int) -> str:
     for that file (every rank ends the run before, together)."""
     path = out / f"{name}.port"
     if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
+        from helpers import free_port
+
+        port = str(free_port())
         path.with_suffix(".tmp").write_text(port)
         os.replace(path.with_suffix(".tmp"), path)
         return port
@@ -108,8 +107,7 @@ def run_plan(plan: dict) -> int:
 
 if __name__ == "__main__":
     sys.path[:0] = [str(HERE), str(HERE.parent)]  # generate_harness, helpers and tiny, as in the tests
-    _code = run_plan(json.loads(Path(sys.argv[1]).read_text()))
-    # as pgs.cli.leave under torchrun: no C++ static destructors (a gloo thread winding down can abort)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(_code)
+    from pgs.cli import leave
+
+    # as a worker of pgs run --nproc leaves (no C++ static destructors, its temp folder removed)
+    leave(run_plan(json.loads(Path(sys.argv[1]).read_text())))
